@@ -1,0 +1,175 @@
+"""Make the example ONNX models used by the README, tests and benchmarks.
+
+Built with the onnx helper API from fixed random seeds: the same bytes on every machine, nothing
+downloaded. Each builder takes its sizes as arguments so tests can make small versions.
+
+    python examples/make_models.py [-o examples/models]
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+OPSET = 17
+
+
+class GraphBuilder:
+    """Collects nodes and initializers; names are generated so builders read like the network."""
+
+    def __init__(self, seed: int):
+        self.rng = np.random.default_rng(seed)
+        self.nodes: list[onnx.NodeProto] = []
+        self.inits: list[onnx.TensorProto] = []
+        self._count = 0
+
+    def name(self, prefix: str) -> str:
+        self._count += 1
+        return f"{prefix}_{self._count}"
+
+    def const(self, prefix: str, array: np.ndarray) -> str:
+        name = self.name(prefix)
+        self.inits.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+        return name
+
+    def weight(self, prefix: str, shape: tuple[int, ...], fan_in: int) -> str:
+        scale = np.sqrt(2.0 / fan_in)
+        return self.const(prefix, (self.rng.standard_normal(shape) * scale).astype(np.float32))
+
+    def op(self, op_type: str, inputs: list[str], prefix: str | None = None, **attrs) -> str:
+        out = self.name(prefix or op_type.lower())
+        self.nodes.append(helper.make_node(op_type, inputs, [out], name=out, **attrs))
+        return out
+
+    def conv(self, x: str, cin: int, cout: int, k: int, stride: int = 1, groups: int = 1) -> str:
+        w = self.weight("w", (cout, cin // groups, k, k), fan_in=cin // groups * k * k)
+        b = self.const("b", (self.rng.standard_normal(cout) * 0.05).astype(np.float32))
+        pad = k // 2
+        return self.op("Conv", [x, w, b], "conv", kernel_shape=[k, k], strides=[stride, stride],
+                       pads=[pad] * 4, group=groups)
+
+    def relu(self, x: str) -> str:
+        return self.op("Relu", [x])
+
+    def gemm(self, x: str, cin: int, cout: int) -> str:
+        w = self.weight("fc_w", (cout, cin), fan_in=cin)
+        b = self.const("fc_b", np.zeros(cout, np.float32))
+        return self.op("Gemm", [x, w, b], "fc", transB=1)
+
+    def model(self, name: str, inputs, outputs) -> onnx.ModelProto:
+        graph = helper.make_graph(self.nodes, name, inputs, outputs, self.inits)
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)],
+                                  producer_name="edgeq-examples")
+        model.ir_version = 8
+        onnx.checker.check_model(model, full_check=True)
+        return model
+
+
+def _io(name: str, shape) -> onnx.ValueInfoProto:
+    return helper.make_tensor_value_info(name, TensorProto.FLOAT, list(shape))
+
+
+def resnet_cnn(size: int = 32, width: int = 16, blocks: int = 2, classes: int = 10, batch=1) -> onnx.ModelProto:
+    """A small ResNet-style CNN: stem conv, residual basic blocks (stride 2 + 1x1 shortcut), GAP, FC."""
+    g = GraphBuilder(seed=1)
+    x = g.relu(g.conv("input", 3, width, 3))
+    cin = width
+    for i in range(blocks):
+        cout, stride = cin * (2 if i else 1), 2 if i else 1
+        y = g.relu(g.conv(x, cin, cout, 3, stride))
+        y = g.conv(y, cout, cout, 3)
+        short = x if (stride == 1 and cin == cout) else g.conv(x, cin, cout, 1, stride)
+        x = g.relu(g.op("Add", [y, short]))
+        cin = cout
+    x = g.op("GlobalAveragePool", [x], "gap")
+    x = g.op("Flatten", [x], "flatten", axis=1)
+    logits = g.gemm(x, cin, classes)
+    g.nodes[-1].output[0] = "logits"
+    return g.model("resnet_cnn", [_io("input", (batch, 3, size, size))], [_io("logits", (batch, classes))])
+
+
+def mobilenet_cnn(size: int = 32, width: int = 16, classes: int = 10, batch=1) -> onnx.ModelProto:
+    """A MobileNet-style CNN: depthwise-separable blocks with ReLU6 (Clip) and stride-2 depthwise convs."""
+    g = GraphBuilder(seed=2)
+    lo, hi = g.const("relu6_lo", np.array(0, np.float32)), g.const("relu6_hi", np.array(6, np.float32))
+
+    def relu6(t: str) -> str:
+        return g.op("Clip", [t, lo, hi], "relu6")
+
+    x = relu6(g.conv("input", 3, width, 3, stride=2))
+    cin = width
+    for cout, stride in ((width * 2, 1), (width * 4, 2), (width * 4, 1)):
+        x = relu6(g.conv(x, cin, cin, 3, stride, groups=cin))  # depthwise
+        x = relu6(g.conv(x, cin, cout, 1))  # pointwise
+        cin = cout
+    x = g.op("GlobalAveragePool", [x], "gap")
+    x = g.op("Flatten", [x], "flatten", axis=1)
+    g.gemm(x, cin, classes)
+    g.nodes[-1].output[0] = "logits"
+    return g.model("mobilenet_cnn", [_io("input", (batch, 3, size, size))], [_io("logits", (batch, classes))])
+
+
+def transformer_block(seq: int = 16, dim: int = 32, heads: int = 2, batch=1) -> onnx.ModelProto:
+    """A pre-norm transformer encoder block: LayerNorm, multi-head self-attention (MatMul, Softmax), MLP."""
+    g = GraphBuilder(seed=3)
+    head_dim = dim // heads
+
+    def layernorm(t: str) -> str:
+        scale = g.const("ln_g", np.ones(dim, np.float32))
+        bias = g.const("ln_b", np.zeros(dim, np.float32))
+        return g.op("LayerNormalization", [t, scale, bias], "ln", axis=-1, epsilon=1e-5)
+
+    def linear(t: str, cin: int, cout: int) -> str:
+        w = g.weight("w", (cin, cout), fan_in=cin)
+        b = g.const("b", (g.rng.standard_normal(cout) * 0.02).astype(np.float32))
+        return g.op("Add", [g.op("MatMul", [t, w], "matmul"), b], "bias")
+
+    def split_heads(t: str) -> str:
+        shape = g.const("shape", np.array([0, seq, heads, head_dim], np.int64))
+        return g.op("Transpose", [g.op("Reshape", [t, shape], "reshape")], "transpose", perm=[0, 2, 1, 3])
+
+    h = layernorm("input")
+    q, k, v = (split_heads(linear(h, dim, dim)) for _ in range(3))
+    kt = g.op("Transpose", [k], "transpose", perm=[0, 1, 3, 2])
+    scores = g.op("Mul", [g.op("MatMul", [q, kt], "matmul"), g.const("scale", np.array(head_dim ** -0.5, np.float32))])
+    attn = g.op("MatMul", [g.op("Softmax", [scores], "softmax", axis=-1), v], "matmul")
+    merged = g.op("Reshape", [g.op("Transpose", [attn], "transpose", perm=[0, 2, 1, 3]),
+                              g.const("shape", np.array([0, seq, dim], np.int64))], "reshape")
+    x = g.op("Add", ["input", linear(merged, dim, dim)], "residual")
+    h = layernorm(x)
+    mlp = linear(g.op("Relu", [linear(h, dim, 4 * dim)]), 4 * dim, dim)
+    g.op("Add", [x, mlp], "residual")
+    g.nodes[-1].output[0] = "output"
+    return g.model("transformer_block", [_io("input", (batch, seq, dim))], [_io("output", (batch, seq, dim))])
+
+
+EXAMPLES = {
+    "resnet_cnn": resnet_cnn,
+    "mobilenet_cnn": mobilenet_cnn,
+    "transformer_block": transformer_block,
+}
+
+
+def write_all(out_dir: Path) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, build in EXAMPLES.items():
+        path = out_dir / f"{name}.onnx"
+        onnx.save_model(build(), path)
+        paths.append(path)
+    return paths
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("-o", "--out", type=Path, default=Path(__file__).parent / "models")
+    for path in write_all(parser.parse_args().out):
+        print(path)
+
+
+if __name__ == "__main__":
+    main()

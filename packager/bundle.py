@@ -1,0 +1,140 @@
+"""Write a bundle: library, weights, golden vectors, manifest, loader and README rendered from the
+templates, SHA256SUMS; then the .tar.gz. Also reads manifests back for ``edgeq inspect``."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import json
+import tarfile
+from pathlib import Path
+from typing import Any
+
+import jinja2
+
+from edgeq.errors import BundleError
+
+SCHEMA_VERSION = 1
+LIBRARY = "model.so"
+WEIGHTS = "weights.npz"
+GOLDEN = "golden.npz"
+MANIFEST = "manifest.json"
+LOADER = "run.py"
+README = "README.md"
+SUMS = "SHA256SUMS"
+
+FILE_ROLES = {
+    LIBRARY: "compiled model (TVM Relax executable, shared library)",
+    WEIGHTS: "weights, in the order the library takes them",
+    GOLDEN: "golden input and the outputs computed on the build host",
+    MANIFEST: "what the bundle is and needs: model, device, toolchain, inputs/outputs, file hashes",
+    LOADER: "loader: checks, runs, self-tests and benchmarks the model",
+    README: "this file",
+    SUMS: "SHA-256 of every other file (sha256sum -c SHA256SUMS)",
+}
+
+_ENV = jinja2.Environment(
+    loader=jinja2.PackageLoader("edgeq.templates", ""),
+    undefined=jinja2.StrictUndefined,
+    keep_trailing_newline=True,
+    autoescape=False,
+)
+
+
+def render(template: str, **context: Any) -> str:
+    return _ENV.get_template(template).render(**context)
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def template_context(manifest: dict[str, Any]) -> dict[str, Any]:
+    """What the loader and README templates see: a flat view of the manifest."""
+    toolkit = manifest["toolchain"]["cuda_toolkit"]
+    return {
+        "bundle_id": manifest["bundle_id"],
+        "model_name": manifest["name"],
+        "device": manifest["device"],
+        "precision": manifest["precision"],
+        "edgeq_version": manifest["edgeq_version"],
+        "tvm_version": manifest["tvm_version"],
+        "schema_version": manifest["schema_version"],
+        "model_sha256": manifest["model"]["sha256"],
+        "inputs": manifest["inputs"],
+        "outputs": manifest["outputs"],
+        "first_input": manifest["inputs"][0]["name"] if manifest["inputs"] else "input",
+        "cuda_arch": manifest["device"]["cuda_arch"],
+        "cuda_major": toolkit["version"].split(".")[0] if toolkit else "",
+        "toolkit": f"CUDA {toolkit['version']} {toolkit['kind']}" if toolkit else "",
+        "files": sorted(FILE_ROLES.items()),
+    }
+
+
+def write_bundle(directory: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    """Render the loader and README into ``directory`` (which already holds the library, weights and
+    golden file), hash everything, and write manifest.json and SHA256SUMS. Returns the final manifest."""
+    context = template_context(manifest)
+    (directory / LOADER).write_text(render("run.py.j2", **context), encoding="utf-8")
+    (directory / LOADER).chmod(0o755)
+    (directory / README).write_text(render("README.md.j2", **context), encoding="utf-8")
+    manifest = dict(manifest)
+    manifest["files"] = {name: sha256_file(directory / name) for name in (LIBRARY, WEIGHTS, GOLDEN, LOADER, README)}
+    (directory / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n", encoding="utf-8")
+    sums = {**manifest["files"], MANIFEST: sha256_file(directory / MANIFEST)}
+    (directory / SUMS).write_text("".join(f"{h}  {n}\n" for n, h in sorted(sums.items())), encoding="ascii")
+    return manifest
+
+
+def make_archive(directory: Path, archive: Path, mtime: int) -> None:
+    """A reproducible .tar.gz of ``directory`` under its own name: sorted members, fixed owner and time."""
+    with open(archive, "wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=mtime) as gz:
+        with tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as tar:
+            root = tarfile.TarInfo(directory.name)
+            root.type, root.mode, root.mtime = tarfile.DIRTYPE, 0o755, mtime
+            tar.addfile(root)
+            for path in sorted(directory.iterdir()):
+                info = tarfile.TarInfo(f"{directory.name}/{path.name}")
+                info.size = path.stat().st_size
+                info.mode = 0o755 if path.name == LOADER else 0o644
+                info.mtime = mtime
+                with open(path, "rb") as f:
+                    tar.addfile(info, f)
+
+
+def read_manifest(bundle: str | Path) -> dict[str, Any]:
+    """The manifest of a bundle directory or .tar.gz archive."""
+    bundle = Path(bundle)
+    try:
+        if bundle.is_dir():
+            text = (bundle / MANIFEST).read_text(encoding="utf-8")
+        elif bundle.is_file():
+            text = _manifest_from_archive(bundle)
+        else:
+            raise BundleError(f"bundle not found: {bundle}")
+        manifest = json.loads(text)
+    except FileNotFoundError:
+        raise BundleError(f"{bundle} has no {MANIFEST}; is it an edgeq bundle?") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise BundleError(f"cannot read the manifest of {bundle}: {err}") from None
+    if not isinstance(manifest, dict) or manifest.get("schema_version") != SCHEMA_VERSION:
+        raise BundleError(f"{bundle}: manifest schema_version is not {SCHEMA_VERSION}; not a bundle this edgeq reads")
+    return manifest
+
+
+def _manifest_from_archive(archive: Path) -> str:
+    try:
+        with tarfile.open(archive, "r:*") as tar:
+            for member in tar:
+                parts = member.name.split("/")
+                if member.isfile() and len(parts) == 2 and parts[1] == MANIFEST:
+                    data = tar.extractfile(member)
+                    return io.TextIOWrapper(data, encoding="utf-8").read()
+    except (tarfile.TarError, EOFError, OSError) as err:
+        raise BundleError(f"{archive} is not a readable .tar.gz bundle: {err}") from None
+    raise FileNotFoundError(MANIFEST)

@@ -1,0 +1,47 @@
+"""edgeq inspect: print the manifest of a bundle directory or archive."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rich.table import Table
+
+from edgeq.bundle import read_manifest
+
+
+def add_parser(sub) -> None:
+    parser = sub.add_parser("inspect", help="print a bundle's manifest", description="Print the manifest of a bundle directory or .tar.gz.")
+    parser.add_argument("bundle", type=Path, help="bundle directory or .tar.gz archive")
+    parser.add_argument("--json", action="store_true", help="print the whole manifest as JSON")
+
+
+def _tensors(specs) -> str:
+    return ", ".join(f"{t['name']} {t['dtype']} {'x'.join(map(str, t['shape']))}" for t in specs)
+
+
+def run(args, env) -> int:
+    m = read_manifest(args.bundle)
+    if args.json:
+        print(json.dumps(m, indent=2), file=env.stdout)
+        return 0
+    device, toolkit = m["device"], m["toolchain"]["cuda_toolkit"]
+    view = Table(title=f"bundle {m['bundle_id']}", show_header=False)
+    rows = [
+        ("model", f"{m['model']['file']} (sha256 {m['model']['sha256'][:16]}…, opset {m['model']['opset']})"),
+        ("precision", m["precision"]),
+        ("device", f"{device['profile']}: {device['description']}"),
+        ("host", f"{device['host_triple']} ({device['mcpu']})"),
+        ("GPU code", f"{', '.join(m['library']['cuda_device_code']) or '-'}"
+                     + (f" from CUDA {toolkit['version']} {toolkit['kind']}" if toolkit else "")),
+        ("inputs", _tensors(m["inputs"])),
+        ("outputs", _tensors(m["outputs"])),
+        ("weights", f"{m['weights']['count']} tensors, {m['weights']['bytes'] / 1e6:.2f} MB"),
+        ("built", f"{m['created']} with edgeq {m['edgeq_version']}, TVM {m['tvm_version']}"),
+        ("stage times", ", ".join(f"{k} {v:.2f}s" for k, v in m["build"]["stage_seconds"].items())),
+        ("files", ", ".join(m["files"])),
+    ]
+    for key, value in rows:
+        view.add_row(key, value)
+    env.out().print(view)
+    return 0

@@ -1,0 +1,89 @@
+"""Compile a Relax IRModule for a device profile and export it as a shared library.
+
+For Jetson profiles: CUDA kernels built by the toolkit that matches the device's CUDA, host code for
+aarch64 linked by the Debian cross compiler. For CPU profiles: LLVM for the profile's CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+from pathlib import Path
+
+from edgeq.errors import ToolchainError
+from edgeq.targets import Profile
+from edgeq.toolchain import CudaToolkit, cuda_driver, cuda_toolkit_for, cxx_for, import_tvm
+
+EM_CUDA = 190
+
+
+@dataclasses.dataclass(frozen=True)
+class Toolchain:
+    """Everything outside Python that a build for one profile uses; recorded in the manifest."""
+
+    cxx: str
+    cuda: CudaToolkit | None
+
+    def to_dict(self) -> dict:
+        return {"cxx": self.cxx, "cuda_toolkit": self.cuda.to_dict() if self.cuda else None}
+
+
+def toolchain_for(profile: Profile) -> Toolchain:
+    """Find the compilers for ``profile`` before any work starts, so a missing one fails fast."""
+    cxx = cxx_for(profile)
+    toolkit = cuda_toolkit_for(profile) if profile.cuda else None
+    if toolkit is not None:
+        tvm = import_tvm()
+        if not tvm.runtime.enabled("cuda"):
+            raise ToolchainError(
+                f"TVM's CUDA backend did not load (CUDA driver library: {cuda_driver()}); "
+                "install gcc so edgeq can build its driver stub, or run on a machine with the NVIDIA driver"
+            )
+    return Toolchain(cxx=cxx, cuda=toolkit)
+
+
+def build(mod, target, toolchain: Toolchain | None = None):
+    """``relax.build`` with the default pipeline of ``target``; CUDA kernels go through ``toolchain.cuda``."""
+    tvm = import_tvm()
+    from tvm import relax
+
+    with tvm.target.Target(target) as tgt:
+        if toolchain is not None and toolchain.cuda is not None:
+            with toolchain.cuda.active():
+                return relax.build(mod, target=tgt)
+        return relax.build(mod, target=tgt)
+
+
+def export(executable, path: Path, toolchain: Toolchain) -> None:
+    from tvm.support import cc
+
+    import_tvm()
+    executable.export_library(str(path), fcompile=cc.cross_compiler(toolchain.cxx))
+
+
+def cuda_device_code(library: Path) -> list[str]:
+    """The SM architectures of the CUDA device code (cubin ELF images) embedded in a library.
+
+    A library built where TVM's CUDA backend did not run carries CUDA *source*, and this returns [].
+    """
+    data = library.read_bytes()
+    archs = set()
+    start = data.find(b"\x7fELF", 1)
+    while start != -1:
+        header = data[start : start + 64]
+        if len(header) == 64 and header[4] == 2 and struct.unpack_from("<H", header, 18)[0] == EM_CUDA:
+            flags = struct.unpack_from("<I", header, 48)[0]
+            # CUDA ELF ABI version 8+ (CUDA 12.8 and later) moved the SM number to bits 8..15.
+            sm = (flags >> 8) & 0xFF if header[8] >= 8 else flags & 0xFF
+            archs.add(f"sm_{sm}")
+        start = data.find(b"\x7fELF", start + 1)
+    return sorted(archs)
+
+
+def elf_machine(library: Path) -> str:
+    """The machine a shared library is built for, from its ELF header."""
+    header = library.read_bytes()[:20]
+    if header[:4] != b"\x7fELF":
+        return "not-elf"
+    machine = struct.unpack_from("<H", header, 18)[0]
+    return {62: "x86_64", 183: "aarch64", 40: "arm", 3: "i386"}.get(machine, f"elf-machine-{machine}")

@@ -1,0 +1,331 @@
+"""``edgeq package``: ONNX model -> runtime bundle for one device. The library entry point.
+
+The job is an ordered list of stages (``STAGES``); each is a plain function of the build state, timed
+and reported by ``StageProgress``. Nothing lands in the output folder until every stage has succeeded:
+the bundle is built in a hidden staging folder beside it and renamed into place at the end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import edgeq
+from edgeq import bundle
+from edgeq.compile import Toolchain, build, cuda_device_code, elf_machine, export, toolchain_for
+from edgeq.errors import EdgeqError, OutputError, ToolchainError, UsageError
+from edgeq.load import LoadedModel, TensorSpec, load_model
+from edgeq.progress import StageProgress
+from edgeq.relax_import import to_relax
+from edgeq.targets import Profile, profiles, resolve
+from edgeq.toolchain import host_triple, import_tvm
+
+PRECISIONS = ("fp32",)
+GOLDEN_SEED = 0
+# Golden outputs are computed on the build host; the device may use other kernels (CUDA, fast math).
+GOLDEN_RTOL, GOLDEN_ATOL = 1e-3, 1e-4
+
+
+@dataclasses.dataclass
+class PackageArgs:
+    """What ``edgeq package`` was asked to do; the manifest records it."""
+
+    model: Path
+    device: str
+    output: Path = Path("dist")
+    input_shapes: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    name: str | None = None
+    precision: str = "fp32"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": str(self.model),
+            "device": self.device,
+            "output": str(self.output),
+            "input_shapes": {k: list(v) for k, v in self.input_shapes.items()},
+            "name": self.name,
+            "precision": self.precision,
+        }
+
+    def display(self) -> str:
+        return "\n".join(f"  {key:<13} {value}" for key, value in self.to_dict().items())
+
+
+@dataclasses.dataclass
+class PackageResult:
+    bundle_dir: Path
+    archive: Path
+    device: str
+    device_note: str | None
+    precision: str
+    stages: dict[str, float]
+    total_seconds: float
+    manifest: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "bundle_dir": str(self.bundle_dir),
+            "archive": str(self.archive),
+            "bundle_id": self.manifest["bundle_id"],
+            "device": self.device,
+            "device_note": self.device_note,
+            "precision": self.precision,
+            "cuda_toolkit": self.manifest["toolchain"]["cuda_toolkit"],
+            "stages": self.stages,
+            "total_seconds": self.total_seconds,
+        }
+
+
+@dataclasses.dataclass
+class _Build:
+    """State handed from stage to stage."""
+
+    args: PackageArgs
+    progress: StageProgress
+    name: str = ""
+    profile: Profile | None = None
+    device_note: str | None = None
+    toolchain: Toolchain | None = None
+    out_dir: Path | None = None
+    created_out_dir: bool = False
+    staging: Path | None = None
+    model: LoadedModel | None = None
+    mod: Any = None
+    params: list = dataclasses.field(default_factory=list)
+    param_names: list[str] = dataclasses.field(default_factory=list)
+    outputs: list[TensorSpec] = dataclasses.field(default_factory=list)
+    executable: Any = None
+    golden_from: str = ""
+    manifest: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def bundle_name(self) -> str:
+        return f"{self.name}-{self.profile.name}"
+
+
+def _check(b: _Build) -> None:
+    args = b.args
+    if args.precision not in PRECISIONS:
+        raise UsageError(f"unknown precision '{args.precision}'; choose one of: {', '.join(PRECISIONS)}")
+    b.name = args.name or Path(args.model).stem
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", b.name):
+        raise UsageError(f"bundle name '{b.name}' may use letters, digits, '.', '_' and '-' only; set it with --name")
+    b.profile, b.device_note = resolve(args.device)
+    if b.device_note:
+        b.progress.note(b.device_note)
+    b.toolchain = toolchain_for(b.profile)
+    b.out_dir = Path(args.output)
+    try:
+        b.created_out_dir = not b.out_dir.exists()
+        b.out_dir.mkdir(parents=True, exist_ok=True)
+        if not os.access(b.out_dir, os.W_OK | os.X_OK):
+            raise PermissionError(13, "Permission denied")
+        b.staging = Path(tempfile.mkdtemp(prefix=f".{b.bundle_name}.", dir=b.out_dir))
+    except OSError as err:
+        b.created_out_dir = False
+        raise OutputError(f"cannot write to output directory {b.out_dir}: {err.strerror}; choose another with -o") from None
+
+
+def _load(b: _Build) -> None:
+    b.model = load_model(b.args.model, b.args.input_shapes)
+
+
+def _import(b: _Build) -> None:
+    b.mod, b.params, b.param_names, b.outputs = to_relax(b.model)
+
+
+def _compile(b: _Build) -> None:
+    b.executable = build(b.mod, b.profile.tvm_target(), b.toolchain)
+    library = b.staging / bundle.LIBRARY
+    export(b.executable, library, b.toolchain)
+    machine = elf_machine(library)
+    if machine != b.profile.cpu.arch:
+        raise ToolchainError(f"the exported library is {machine}, not {b.profile.cpu.arch}; check the cross compiler {b.toolchain.cxx}")
+    if b.profile.cuda and b.profile.cuda.arch not in cuda_device_code(library):
+        raise ToolchainError(
+            f"the exported library carries no {b.profile.cuda.arch} device code (CUDA source only), so no device "
+            f"could load it; check the CUDA toolkit ({b.toolchain.cuda.describe()})"
+        )
+
+
+def golden_inputs(specs: list[TensorSpec], seed: int = GOLDEN_SEED) -> dict[str, np.ndarray]:
+    """The deterministic golden input: standard normal floats, small non-negative integers."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for spec in specs:
+        dtype = np.dtype(spec.dtype)
+        if dtype.kind == "f":
+            out[spec.name] = rng.standard_normal(spec.shape).astype(dtype)
+        elif dtype.kind == "b":
+            out[spec.name] = rng.integers(0, 2, spec.shape).astype(dtype)
+        else:
+            out[spec.name] = rng.integers(0, 8, spec.shape).astype(dtype)
+    return out
+
+
+def run_executable(executable, inputs: list[np.ndarray], params: list) -> list[np.ndarray]:
+    """Run a host (LLVM) executable in this process."""
+    tvm = import_tvm()
+    from tvm import relax
+
+    dev = tvm.cpu(0)
+    vm = relax.VirtualMachine(executable, dev)
+    result = vm["main"](*[tvm.runtime.tensor(x, dev) for x in inputs], *params)
+    results = [result] if isinstance(result, tvm.runtime.Tensor) else list(result)
+    return [r.numpy() for r in results]
+
+
+def _golden(b: _Build) -> None:
+    runs_here = b.profile.cuda is None and b.profile.cpu.triple == host_triple() and b.profile.name == "host"
+    if runs_here:
+        executable, b.golden_from = b.executable, "the bundle's own library, on the build host"
+    else:
+        host = profiles()["host"]
+        executable = build(b.mod, host.tvm_target())
+        b.golden_from = f"a TVM LLVM build for the build host ({host.cpu.mcpu})"
+    inputs = golden_inputs(b.model.inputs)
+    outputs = run_executable(executable, list(inputs.values()), b.params)
+    arrays = {f"input:{k}": v for k, v in inputs.items()}
+    arrays.update({f"output:{spec.name}": out for spec, out in zip(b.outputs, outputs)})
+    np.savez(b.staging / bundle.GOLDEN, **arrays)
+    np.savez(b.staging / bundle.WEIGHTS, **{f"{i:04d}": p.numpy() for i, p in enumerate(b.params)})
+
+
+def _device_record(profile: Profile) -> dict[str, Any]:
+    return {
+        "profile": profile.name,
+        "description": profile.description,
+        "family": profile.family,
+        "kind": profile.kind,
+        "arch": profile.cpu.arch,
+        "host_triple": profile.cpu.triple,
+        "mcpu": profile.cpu.mcpu,
+        "cores": profile.cpu.cores,
+        "cuda_arch": profile.cuda.arch if profile.cuda else None,
+        "cuda_version": profile.cuda.version if profile.cuda else None,
+        "jetpack": profile.software.get("jetpack"),
+        "l4t": profile.software.get("l4t"),
+    }
+
+
+def _bundle(b: _Build) -> None:
+    tvm = import_tvm()
+    library = b.staging / bundle.LIBRARY
+    content_hash = hashlib.sha256()
+    for name in (bundle.LIBRARY, bundle.WEIGHTS):
+        content_hash.update(bundle.sha256_file(b.staging / name).encode())
+    created = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0)
+    weights = b.staging / bundle.WEIGHTS
+    manifest = {
+        "schema_version": bundle.SCHEMA_VERSION,
+        "bundle_id": f"{b.bundle_name}-{content_hash.hexdigest()[:12]}",
+        "name": b.name,
+        "created": created.isoformat(),
+        "edgeq_version": edgeq.__version__,
+        "tvm_version": tvm.__version__,
+        "precision": b.args.precision,
+        "model": {
+            "file": Path(b.args.model).name,
+            "sha256": b.model.sha256,
+            "opset": b.model.opset,
+            "producer": f"{b.model.onnx_model.producer_name} {b.model.onnx_model.producer_version}".strip(),
+        },
+        "inputs": [t.to_dict() for t in b.model.inputs],
+        "outputs": [t.to_dict() for t in b.outputs],
+        "device": _device_record(b.profile),
+        "toolchain": b.toolchain.to_dict(),
+        "library": {
+            "file": bundle.LIBRARY,
+            "machine": elf_machine(library),
+            "cuda_device_code": cuda_device_code(library),
+            "bytes": library.stat().st_size,
+        },
+        "weights": {
+            "file": bundle.WEIGHTS,
+            "count": len(b.params),
+            "names": b.param_names,
+            "bytes": int(sum(p.numpy().nbytes for p in b.params)),
+            "file_bytes": weights.stat().st_size,
+        },
+        "golden": {
+            "file": bundle.GOLDEN,
+            "seed": GOLDEN_SEED,
+            "computed_with": b.golden_from,
+            "rtol": GOLDEN_RTOL,
+            "atol": GOLDEN_ATOL,
+            "atol_scaled_by": "max(1, max |expected output|)",
+        },
+        "build": {"args": b.args.to_dict(), "stage_seconds": dict(b.progress.seconds)},
+    }
+    b.manifest = bundle.write_bundle(b.staging, manifest)
+    # The archive is made from the staging folder under the final name, then both are renamed into place.
+    final_dir = b.out_dir / b.bundle_name
+    named = b.staging / b.bundle_name
+    named.mkdir()
+    for path in list(b.staging.iterdir()):
+        if path != named:
+            path.rename(named / path.name)
+    archive_tmp = b.staging / f"{b.bundle_name}.tar.gz"
+    bundle.make_archive(named, archive_tmp, mtime=int(created.timestamp()))
+    if final_dir.exists():
+        final_dir.rename(b.staging / "previous")
+    named.rename(final_dir)
+    archive_tmp.replace(b.out_dir / f"{b.bundle_name}.tar.gz")
+
+
+STAGES: list[tuple[str, Callable[[_Build], str], Callable[[_Build], None]]] = [
+    ("check", lambda b: f"device {b.args.device}, compilers, output folder", _check),
+    ("load", lambda b: f"read and check {b.args.model}", _load),
+    ("import", lambda b: "ONNX -> Relax IRModule", _import),
+    ("compile", lambda b: _compile_description(b), _compile),
+    ("golden", lambda b: "golden input and outputs on the build host", _golden),
+    ("bundle", lambda b: f"write {b.out_dir / b.bundle_name} and .tar.gz", _bundle),
+]
+
+
+def _compile_description(b: _Build) -> str:
+    p = b.profile
+    if p.cuda:
+        return f"{p.name}: {p.cuda.arch} with {b.toolchain.cuda.describe()}, host {p.cpu.triple} ({p.cpu.mcpu})"
+    return f"{p.name}: LLVM {p.cpu.triple} ({p.cpu.mcpu})"
+
+
+def package(args: PackageArgs, progress: StageProgress | None = None) -> PackageResult:
+    """Package ``args.model`` for ``args.device``. Raises EdgeqError subclasses with one-line messages."""
+    progress = progress or StageProgress(quiet=True)
+    progress.total = len(STAGES)
+    b = _Build(args=args, progress=progress)
+    try:
+        for name, describe, run in STAGES:
+            with progress.stage(name, describe(b)):
+                run(b)
+    except BaseException:
+        if b.created_out_dir and b.out_dir is not None:
+            shutil.rmtree(b.out_dir, ignore_errors=True)
+        raise
+    finally:
+        if b.staging is not None:
+            shutil.rmtree(b.staging, ignore_errors=True)
+    return PackageResult(
+        bundle_dir=b.out_dir / b.bundle_name,
+        archive=b.out_dir / f"{b.bundle_name}.tar.gz",
+        device=b.profile.name,
+        device_note=b.device_note,
+        precision=args.precision,
+        stages=dict(progress.seconds),
+        total_seconds=progress.total_seconds,
+        manifest=b.manifest,
+    )
+
+
+__all__ = ["PackageArgs", "PackageResult", "package", "PRECISIONS", "EdgeqError"]

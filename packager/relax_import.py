@@ -1,0 +1,63 @@
+"""ONNX -> Relax IRModule with the weights detached as function parameters (fp32)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from edgeq.errors import ModelError
+from edgeq.load import LoadedModel, TensorSpec
+from edgeq.toolchain import import_tvm
+
+
+def unsupported_ops(model) -> list[str]:
+    """ONNX op types in the model that TVM's Relax ONNX frontend has no converter for."""
+    import_tvm()
+    from tvm.relax.frontend.onnx import onnx_frontend
+
+    known = set(onnx_frontend._get_convert_map()) | {"Constant", "If"}
+    return sorted({node.op_type for node in model.graph.node if node.op_type not in known})
+
+
+def _tensor_specs(ret_ty, names: list[str]) -> list[TensorSpec]:
+    from tvm import relax
+
+    fields = list(ret_ty.fields) if isinstance(ret_ty, relax.TupleType) else [ret_ty]
+    specs = []
+    for name, field in zip(names, fields):
+        if not isinstance(field, relax.TensorType) or field.shape is None:
+            raise ModelError(f"output '{name}' has no static tensor shape after import; fix the input shapes")
+        specs.append(TensorSpec(name, tuple(int(d) for d in field.shape), str(field.dtype)))
+    return specs
+
+
+def to_relax(loaded: LoadedModel) -> tuple[Any, list, list[str], list[TensorSpec]]:
+    """Import the model. Returns (IRModule, weights, weight names, output specs)."""
+    import_tvm()
+    from tvm import relax
+    from tvm.relax.frontend.onnx import from_onnx
+
+    missing = unsupported_ops(loaded.onnx_model)
+    if missing:
+        raise ModelError(
+            f"{loaded.path.name} uses ONNX op(s) TVM {_tvm_version()} cannot import: {', '.join(missing)}; "
+            "replace them in the exporter or skip them"
+        )
+    try:
+        mod = from_onnx(
+            loaded.onnx_model,
+            shape_dict={spec.name: list(spec.shape) for spec in loaded.inputs},
+            keep_params_in_input=True,
+        )
+    except Exception as err:  # the frontend raises anything from ValueError to TVMError
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise ModelError(f"TVM could not import {loaded.path.name}: {first}") from None
+    mod, params = relax.frontend.detach_params(mod)
+    func = mod["main"]
+    weights = list(params.get("main", []))
+    names = [p.name for p in func.params[len(loaded.inputs) :]]
+    outputs = _tensor_specs(func.ret_ty, [o.name for o in loaded.onnx_model.graph.output])
+    return mod, weights, names, outputs
+
+
+def _tvm_version() -> str:
+    return import_tvm().__version__

@@ -1,0 +1,263 @@
+"""Find the compilers a build needs: the C++ (cross) compiler and a CUDA toolkit that fits the device.
+
+CUDA device code must be built by a toolkit whose major version matches the CUDA the device's JetPack
+ships: a cubin from CUDA 13 does not load under a CUDA 12 driver (apache/tvm#17543). Two kinds are found:
+
+* ``nvcc`` toolkits (``$EDGEQ_CUDA_HOME``, ``$CUDA_HOME``, ``$CUDA_PATH``, ``nvcc`` on PATH,
+  ``/usr/local/cuda*``), driven through TVM's ``nvcc`` compile mode, producing a fatbin;
+* NVRTC from NVIDIA's PyPI wheels (``pip install 'edgeq[jetson]'``), driven through TVM's ``nvrtc`` mode,
+  producing a cubin. PyPI's ``nvidia-cuda-nvcc-cu12`` has ``ptxas`` but no ``nvcc`` driver, so for
+  JetPack 6 (CUDA 12) NVRTC is the toolkit a plain ``pip install`` can provide.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import glob
+import hashlib
+import os
+import platform
+import re
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from functools import cache
+from importlib import resources
+from pathlib import Path
+
+from edgeq.errors import ToolchainError
+from edgeq.targets import Profile
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "edgeq"
+
+
+# ---------------------------------------------------------------------------------------------------
+# The C++ compiler that links the exported library
+# ---------------------------------------------------------------------------------------------------
+
+
+def host_triple() -> str:
+    return f"{platform.machine()}-linux-gnu"
+
+
+def cxx_for(profile: Profile) -> str:
+    """The C++ compiler that links code for ``profile``: the system one, or the Debian cross compiler."""
+    native = profile.cpu.triple == host_triple()
+    name = "g++" if native else f"{profile.cpu.triple}-g++"
+    path = shutil.which(name)
+    if path is None:
+        package = "g++" if native else f"g++-{profile.cpu.triple.replace('_', '-')}"
+        what = "C++ compiler" if native else "cross compiler"
+        raise ToolchainError(
+            f"{what} '{name}' for {profile.name} not found on PATH; install it: sudo apt-get install {package}"
+        )
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------
+# CUDA driver library: real, or a stub so that TVM's CUDA code generation runs on a GPU-less host
+# ---------------------------------------------------------------------------------------------------
+
+
+@cache
+def cuda_driver() -> str:
+    """Load ``libcuda.so.1`` (the real driver, else edgeq's stub) and say which. Call before importing TVM."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libcuda.so.1", mode=ctypes.RTLD_GLOBAL)
+        return "driver"
+    except OSError:
+        pass
+    try:
+        stub = _build_driver_stub()
+    except ToolchainError as err:
+        return f"none ({err})"
+    ctypes.CDLL(str(stub), mode=ctypes.RTLD_GLOBAL)
+    return "stub"
+
+
+def _build_driver_stub() -> Path:
+    source = resources.files("edgeq").joinpath("native/cuda_driver_stub.c").read_bytes()
+    digest = hashlib.sha256(source).hexdigest()[:16]
+    target = cache_dir() / f"cuda-driver-stub-{digest}" / "libcuda.so.1"
+    if target.exists():
+        return target
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise ToolchainError("no C compiler (cc) to build the CUDA driver stub; install gcc")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        src = Path(tmp, "stub.c")
+        src.write_bytes(source)
+        out = Path(tmp, "libcuda.so.1")
+        proc = subprocess.run(
+            [compiler, "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(out), str(src)],
+            capture_output=True,
+            text=True,
+        )
+        if proc.returncode != 0:
+            raise ToolchainError(f"building the CUDA driver stub failed: {proc.stderr.strip()[:200]}")
+        os.replace(out, target)
+    return target
+
+
+def import_tvm():
+    """Import TVM the way edgeq needs it: with a CUDA driver library (real or stub) loaded first."""
+    cuda_driver()
+    import tvm
+
+    return tvm
+
+
+# ---------------------------------------------------------------------------------------------------
+# CUDA toolkits
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class CudaToolkit:
+    kind: str  # "nvcc" or "nvrtc": TVM's TVM_CUDA_COMPILE_MODE
+    version: tuple[int, int]
+    root: str  # what TVM reads as CUDA_PATH
+    source: str  # where it was found, for humans
+    archs: tuple[str, ...]  # real architectures it can emit, "sm_87"
+
+    @property
+    def version_str(self) -> str:
+        return f"{self.version[0]}.{self.version[1]}"
+
+    @property
+    def output_format(self) -> str:
+        return "fatbin" if self.kind == "nvcc" else "cubin"
+
+    def describe(self) -> str:
+        return f"CUDA {self.version_str} {self.kind} ({self.source})"
+
+    def to_dict(self) -> dict:
+        return {
+            "kind": self.kind,
+            "version": self.version_str,
+            "source": self.source,
+            "output_format": self.output_format,
+        }
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """Make TVM's CUDA compile callback use this toolkit for the duration of a build."""
+        env = {"TVM_CUDA_COMPILE_MODE": self.kind, "CUDA_PATH": self.root}
+        if self.kind == "nvcc":
+            env["PATH"] = os.path.join(self.root, "bin") + os.pathsep + os.environ.get("PATH", "")
+        saved = {key: os.environ.get(key) for key in env}
+        os.environ.update(env)
+        try:
+            yield
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+
+
+def _nvcc_roots() -> list[str]:
+    roots = [os.environ.get(var) for var in ("EDGEQ_CUDA_HOME", "CUDA_HOME", "CUDA_PATH")]
+    on_path = shutil.which("nvcc")
+    if on_path:
+        roots.append(str(Path(on_path).resolve().parent.parent))
+    roots += sorted(glob.glob("/usr/local/cuda*"))
+    seen, out = set(), []
+    for root in filter(None, roots):
+        real = os.path.realpath(root)
+        is_toolkit = os.access(os.path.join(real, "bin", "nvcc"), os.X_OK) and os.path.isfile(
+            os.path.join(real, "include", "cuda_runtime.h")
+        )
+        if real not in seen and is_toolkit:
+            seen.add(real)
+            out.append(real)
+    return out
+
+
+def _nvcc_toolkit(root: str) -> CudaToolkit | None:
+    nvcc = os.path.join(root, "bin", "nvcc")
+    try:
+        version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60).stdout
+        codes = subprocess.run([nvcc, "--list-gpu-code"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    match = re.search(r"release (\d+)\.(\d+)", version)
+    if not match:
+        return None
+    archs = tuple(sorted(set(re.findall(r"\bsm_\d+[af]?\b", codes))))
+    return CudaToolkit("nvcc", (int(match[1]), int(match[2])), root, f"nvcc at {root}", archs)
+
+
+def _nvrtc_toolkit() -> CudaToolkit | None:
+    try:
+        from cuda.bindings import nvrtc
+        import nvidia.cuda_cccl
+        import nvidia.cuda_runtime
+    except ImportError:
+        return None
+    try:
+        err, major, minor = nvrtc.nvrtcVersion()
+        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            return None
+        err, archs = nvrtc.nvrtcGetSupportedArchs()
+    except Exception:  # the bindings raise a plain RuntimeError when libnvrtc cannot be found
+        return None
+    runtime_include = Path(list(nvidia.cuda_runtime.__path__)[0], "include")
+    cccl_include = Path(list(nvidia.cuda_cccl.__path__)[0], "include")
+    # TVM's NVRTC mode reads headers from $CUDA_PATH/include and $CUDA_PATH/targets/<arch>-linux/include/cccl:
+    # lay the wheels' header folders out that way.
+    root = cache_dir() / f"nvrtc-{major}.{minor}-root"
+    cccl_link = root / "targets" / f"{platform.machine()}-linux" / "include" / "cccl"
+    if not (root / "include").exists() or not cccl_link.exists():
+        cccl_link.parent.mkdir(parents=True, exist_ok=True)
+        for link, dest in ((root / "include", runtime_include), (cccl_link, cccl_include)):
+            if link.is_symlink():
+                link.unlink()
+            link.symlink_to(dest, target_is_directory=True)
+    return CudaToolkit(
+        "nvrtc",
+        (major, minor),
+        str(root),
+        f"NVRTC {major}.{minor} from PyPI wheels",
+        tuple(f"sm_{a}" for a in archs),
+    )
+
+
+@cache
+def cuda_toolkits() -> tuple[CudaToolkit, ...]:
+    found = [tk for tk in map(_nvcc_toolkit, _nvcc_roots()) if tk]
+    nvrtc = _nvrtc_toolkit()
+    if nvrtc:
+        found.append(nvrtc)
+    return tuple(found)
+
+
+def cuda_toolkit_for(profile: Profile) -> CudaToolkit:
+    """The toolkit for the profile's CUDA: same major version, closest minor not newer than the device's."""
+    assert profile.cuda is not None, "only CUDA profiles need a CUDA toolkit"
+    want = profile.cuda
+    want_minor = int(want.version.split(".")[1])
+    found = cuda_toolkits()
+    fits = [tk for tk in found if tk.version[0] == want.major and want.arch in tk.archs]
+    if not fits:
+        have = ", ".join(tk.describe() for tk in found) or "none"
+        hint = (
+            "pip install 'edgeq[jetson]' (NVRTC 12.6 wheels)"
+            if want.major == 12
+            else f"install a CUDA {want.major}.x toolkit with nvcc and set EDGEQ_CUDA_HOME to its root"
+        )
+        raise ToolchainError(
+            f"{profile.name} runs CUDA {want.version} (JetPack {profile.software.get('jetpack', '?')}) and needs a "
+            f"CUDA {want.major}.x toolkit that builds {want.arch}; found: {have}; {hint}"
+        )
+    # Older-or-equal minors first (closest first); a newer minor only when nothing older is there.
+    return min(fits, key=lambda tk: (tk.version[1] > want_minor, abs(tk.version[1] - want_minor), tk.kind))

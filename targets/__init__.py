@@ -1,0 +1,168 @@
+"""Device profiles: one TOML file per device, all with the same shape.
+
+Device facts live in the ``*.toml`` files beside this module, not in code. ``host`` is the only profile
+with values detected at run time (``"detect"`` in its file).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import platform
+import tomllib
+from functools import cache
+from importlib import resources
+from typing import Any
+
+from edgeq.errors import DeviceError
+
+
+@dataclasses.dataclass(frozen=True)
+class CpuSpec:
+    triple: str
+    mcpu: str
+    cores: int
+
+    @property
+    def arch(self) -> str:
+        """The machine name ``uname -m`` prints on the device (``aarch64``, ``x86_64``)."""
+        return self.triple.split("-", 1)[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class CudaSpec:
+    arch: str  # "sm_87"
+    version: str  # CUDA version of the JetPack the device runs, "12.6"
+    gpu: str = ""
+
+    @property
+    def major(self) -> int:
+        return int(self.version.split(".")[0])
+
+    @property
+    def compute_version(self) -> str:
+        """``sm_87`` -> ``8.7``, the form TVM's ``Device.compute_version`` reports."""
+        digits = self.arch.removeprefix("sm_")
+        return f"{digits[:-1]}.{digits[-1]}"
+
+
+@dataclasses.dataclass(frozen=True)
+class PowerSpec:
+    tegrastats_rails: tuple[str, ...] = ()
+    hwmon_glob: str = ""
+    hwmon_rails: dict[str, int] = dataclasses.field(default_factory=dict)
+    nvpmodel_modes: tuple[dict[str, Any], ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    name: str
+    description: str
+    family: str
+    aliases: tuple[str, ...]
+    cpu: CpuSpec
+    cuda: CudaSpec | None
+    memory_mb: int
+    software: dict[str, str]
+    power: PowerSpec
+
+    @property
+    def kind(self) -> str:
+        return "cuda" if self.cuda else "cpu"
+
+    def host_target_dict(self) -> dict[str, Any]:
+        return {"kind": "llvm", "mtriple": self.cpu.triple, "mcpu": self.cpu.mcpu, "num-cores": self.cpu.cores}
+
+    def tvm_target(self):
+        """The TVM target: CUDA with an LLVM host for Jetsons, plain LLVM for CPU profiles."""
+        import tvm  # deferred: listing devices must not pay for importing TVM
+
+        host = self.host_target_dict()
+        if self.cuda:
+            return tvm.target.Target({"kind": "cuda", "arch": self.cuda.arch}, host=host)
+        return tvm.target.Target(host)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["kind"] = self.kind
+        return out
+
+
+_SECTIONS = {"cpu": dict, "memory": dict, "power": dict}
+_REQUIRED = {"name": str, "description": str, "family": str, "aliases": list}
+
+
+def _parse(text: str, source: str) -> Profile:
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        raise DeviceError(f"device profile {source} is not valid TOML: {err}") from None
+    for key, typ in {**_REQUIRED, **_SECTIONS}.items():
+        if not isinstance(raw.get(key), typ):
+            raise DeviceError(f"device profile {source} needs '{key}' ({typ.__name__})")
+    try:
+        cpu = CpuSpec(**raw["cpu"])
+        cuda = CudaSpec(**raw["cuda"]) if "cuda" in raw else None
+        power = raw["power"]
+        return Profile(
+            name=raw["name"],
+            description=raw["description"],
+            family=raw["family"],
+            aliases=tuple(raw["aliases"]),
+            cpu=cpu,
+            cuda=cuda,
+            memory_mb=int(raw["memory"].get("total_mb", 0)),
+            software=dict(raw.get("software", {})),
+            power=PowerSpec(
+                tegrastats_rails=tuple(power.get("tegrastats_rails", ())),
+                hwmon_glob=power.get("hwmon_glob", ""),
+                hwmon_rails=dict(power.get("hwmon_rails", {})),
+                nvpmodel_modes=tuple(power.get("nvpmodel_modes", ())),
+            ),
+        )
+    except TypeError as err:
+        raise DeviceError(f"device profile {source} has an unexpected field: {err}") from None
+
+
+def _detect_host(profile: Profile) -> Profile:
+    """Fill the ``detect`` fields of the host profile from this machine."""
+    from edgeq.toolchain import import_tvm
+
+    codegen = import_tvm().target.codegen
+    machine = platform.machine()
+    mem_kb = 0
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            mem_kb = int(meminfo.readline().split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    cpu = CpuSpec(
+        triple=f"{machine}-linux-gnu",
+        mcpu=codegen.llvm_get_system_cpu(),
+        cores=len(os.sched_getaffinity(0)),
+    )
+    return dataclasses.replace(profile, cpu=cpu, memory_mb=mem_kb // 1024)
+
+
+@cache
+def profiles() -> dict[str, Profile]:
+    """All device profiles shipped with edgeq, by name (``host`` detected)."""
+    found = {}
+    for entry in sorted(resources.files(__name__).iterdir(), key=lambda e: e.name):
+        if entry.name.endswith(".toml"):
+            profile = _parse(entry.read_text(encoding="utf-8"), entry.name)
+            if profile.cpu.triple == "detect":
+                profile = _detect_host(profile)
+            found[profile.name] = profile
+    return found
+
+
+def resolve(name: str) -> tuple[Profile, str | None]:
+    """The profile for a device name or alias, and a note when an alias chose it."""
+    table = profiles()
+    if name in table:
+        return table[name], None
+    for profile in table.values():
+        if name in profile.aliases:
+            return profile, f"'{name}' is an alias: using the {profile.family} default profile '{profile.name}'"
+    raise DeviceError(f"unknown device '{name}'; valid devices: {', '.join(table)} (see 'edgeq devices')")
