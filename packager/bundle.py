@@ -136,5 +136,6 @@ def _manifest_from_archive(archive: Path) -> str:
                     data = tar.extractfile(member)
                     return io.TextIOWrapper(data, encoding="utf-8").read()
     except (tarfile.TarError, EOFError, OSError) as err:
-        raise BundleError(f"{archive} is not a readable .tar.gz bundle: {err}") from None
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0].rstrip(":")
+        raise BundleError(f"{archive} is not a readable .tar.gz bundle ({reason})") from None
     raise FileNotFoundError(MANIFEST)

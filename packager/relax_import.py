@@ -40,7 +40,7 @@ def to_relax(loaded: LoadedModel) -> tuple[Any, list, list[str], list[TensorSpec
     if missing:
         raise ModelError(
             f"{loaded.path.name} uses ONNX op(s) TVM {_tvm_version()} cannot import: {', '.join(missing)}; "
-            "replace them in the exporter or skip them"
+            "re-export the model with ops TVM supports"
         )
     try:
         mod = from_onnx(

@@ -241,12 +241,12 @@ def cuda_toolkits() -> tuple[CudaToolkit, ...]:
     return tuple(found)
 
 
-def cuda_toolkit_for(profile: Profile) -> CudaToolkit:
+def cuda_toolkit_for(profile: Profile, found: tuple[CudaToolkit, ...] | None = None) -> CudaToolkit:
     """The toolkit for the profile's CUDA: same major version, closest minor not newer than the device's."""
     assert profile.cuda is not None, "only CUDA profiles need a CUDA toolkit"
     want = profile.cuda
     want_minor = int(want.version.split(".")[1])
-    found = cuda_toolkits()
+    found = cuda_toolkits() if found is None else found
     fits = [tk for tk in found if tk.version[0] == want.major and want.arch in tk.archs]
     if not fits:
         have = ", ".join(tk.describe() for tk in found) or "none"

@@ -1,0 +1,3 @@
+from edgeq.cli.main import entry
+
+entry()

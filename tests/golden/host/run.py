@@ -1,0 +1,281 @@
+#!/usr/bin/env python3
+"""Loader for the edgeq bundle "resnet_cnn-host-000000000000" (resnet_cnn for {'profile': 'host', 'description': "This machine's CPU through LLVM (detected)", 'family': 'host', 'kind': 'cpu', 'arch': 'x86_64', 'host_triple': 'x86_64-linux-gnu', 'mcpu': 'x86-64-v3', 'cores': 2, 'cuda_arch': None, 'cuda_version': None, 'jetpack': None, 'l4t': None}).
+
+Needs only numpy and the TVM runtime (apache-tvm 0.27.0.post1).
+
+    python run.py --self-test                       run the golden input, compare with the manifest
+    python run.py --input input=x.npy --output out.npz
+    python run.py --benchmark 100 [--warmup 10] [--json]
+    python run.py --check                           only check that this machine can run the bundle
+
+Made by edgeq 0.1.0. Before anything is loaded, the manifest is checked against this
+machine and every file against its SHA-256; a mismatch stops with a one-line reason.
+"""
+
+import argparse
+import ctypes
+import hashlib
+import json
+import os
+import platform
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCHEMA_VERSION = 1
+
+
+class BundleCheckError(Exception):
+    pass
+
+
+def _sha256(path):
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def load_manifest():
+    try:
+        with open(os.path.join(HERE, "manifest.json"), encoding="utf-8") as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as err:
+        raise BundleCheckError("cannot read manifest.json: %s" % err)
+    if manifest.get("schema_version") != SCHEMA_VERSION:
+        raise BundleCheckError(
+            "manifest schema_version %r is not %d; use the run.py shipped with this bundle"
+            % (manifest.get("schema_version"), SCHEMA_VERSION)
+        )
+    return manifest
+
+
+def check_files(manifest):
+    for name, want in sorted(manifest["files"].items()):
+        path = os.path.join(HERE, name)
+        if not os.path.isfile(path):
+            raise BundleCheckError("bundle file %s is missing" % name)
+        if _sha256(path) != want:
+            raise BundleCheckError("bundle file %s does not match its SHA-256 in the manifest; re-copy the bundle" % name)
+
+
+def cuda_driver_version():
+    """(major, minor) of the installed CUDA driver, or None when there is none."""
+    try:
+        libcuda = ctypes.CDLL("libcuda.so.1")
+        version = ctypes.c_int(0)
+        if libcuda.cuDriverGetVersion(ctypes.byref(version)) != 0:
+            return None
+        return version.value // 1000, (version.value % 1000) // 10
+    except (OSError, AttributeError):
+        return None
+
+
+def check_machine(manifest, tvm):
+    """Refuse, with one reason, a machine this bundle cannot run on. Runs before the library is loaded."""
+    device = manifest["device"]
+    machine = platform.machine()
+    if machine != device["arch"]:
+        raise BundleCheckError(
+            "this bundle is for %s (%s) but this machine is %s" % (device["arch"], device["profile"], machine)
+        )
+    have_tvm = tvm.__version__.split(".")[:2]
+    want_tvm = manifest["tvm_version"].split(".")[:2]
+    if have_tvm != want_tvm:
+        raise BundleCheckError(
+            "this bundle was built with TVM %s but the runtime here is %s; install apache-tvm==%s"
+            % (manifest["tvm_version"], tvm.__version__, manifest["tvm_version"])
+        )
+    cuda_arch = device.get("cuda_arch")
+    if not cuda_arch:
+        return tvm.cpu(0)
+    toolkit = manifest["toolchain"]["cuda_toolkit"]
+    driver = cuda_driver_version()
+    if driver is None:
+        raise BundleCheckError("this bundle needs a CUDA GPU (%s) but no CUDA driver was found" % cuda_arch)
+    want_major = int(toolkit["version"].split(".")[0])
+    if driver[0] < want_major:
+        raise BundleCheckError(
+            "this bundle was built with CUDA %s but the driver here is CUDA %d.%d; it needs a CUDA %d.x driver or newer"
+            % (toolkit["version"], driver[0], driver[1], want_major)
+        )
+    if not tvm.runtime.enabled("cuda"):
+        raise BundleCheckError("the TVM runtime here is built without CUDA; install a CUDA-enabled TVM runtime")
+    dev = tvm.cuda(0)
+    if not dev.exist:
+        raise BundleCheckError("this bundle needs a CUDA GPU (%s) but none is visible" % cuda_arch)
+    have_arch = "sm_" + dev.compute_version.replace(".", "")
+    if have_arch != cuda_arch:
+        raise BundleCheckError("this bundle carries code for %s but the GPU here is %s" % (cuda_arch, have_arch))
+    return dev
+
+
+class Model:
+    """The bundle's model, loaded: ``Model().run({name: array})`` returns ``{output name: array}``."""
+
+    def __init__(self, verify=True):
+        import numpy as np
+        import tvm
+        from tvm.runtime.vm import VirtualMachine
+
+        self.np = np
+        self.tvm = tvm
+        self.manifest = load_manifest()
+        if verify:
+            check_files(self.manifest)
+        self.dev = check_machine(self.manifest, tvm)
+        lib = tvm.runtime.load_module(os.path.join(HERE, self.manifest["library"]["file"]))
+        self.vm = VirtualMachine(lib, self.dev)
+        weights = self.manifest["weights"]
+        with np.load(os.path.join(HERE, weights["file"])) as archive:
+            self.params = [tvm.runtime.tensor(archive["%04d" % i], self.dev) for i in range(weights["count"])]
+
+    def arguments(self, inputs):
+        np = self.np
+        args = []
+        for spec in self.manifest["inputs"]:
+            if spec["name"] not in inputs:
+                raise BundleCheckError("input '%s' is missing; the model's inputs are: %s"
+                                       % (spec["name"], ", ".join(s["name"] for s in self.manifest["inputs"])))
+            array = np.asarray(inputs[spec["name"]])
+            if list(array.shape) != spec["shape"] or str(array.dtype) != spec["dtype"]:
+                raise BundleCheckError("input '%s' must be %s %s, got %s %s" % (
+                    spec["name"], spec["dtype"], "x".join(map(str, spec["shape"])),
+                    array.dtype, "x".join(map(str, array.shape))))
+            args.append(self.tvm.runtime.tensor(np.ascontiguousarray(array), self.dev))
+        unknown = set(inputs) - {s["name"] for s in self.manifest["inputs"]}
+        if unknown:
+            raise BundleCheckError("unknown input(s): %s" % ", ".join(sorted(unknown)))
+        return args + self.params
+
+    def run(self, inputs):
+        result = self.vm["main"](*self.arguments(inputs))
+        results = [result] if isinstance(result, self.tvm.runtime.Tensor) else list(result)
+        return {spec["name"]: r.numpy() for spec, r in zip(self.manifest["outputs"], results)}
+
+    def benchmark(self, inputs, repeat, warmup):
+        args = self.arguments(inputs)
+        for _ in range(warmup):
+            self.vm["main"](*args)
+        self.dev.sync()
+        timer = self.vm.time_evaluator("main", self.dev, number=1, repeat=repeat)
+        times_ms = sorted(t * 1e3 for t in timer(*args).results)
+        np = self.np
+        batch = self.manifest["inputs"][0]["shape"][0] if self.manifest["inputs"][0]["shape"] else 1
+        median = float(np.median(times_ms))
+        return {
+            "runs": repeat,
+            "warmup": warmup,
+            "min_ms": times_ms[0],
+            "median_ms": median,
+            "mean_ms": float(np.mean(times_ms)),
+            "p90_ms": float(np.percentile(times_ms, 90)),
+            "p99_ms": float(np.percentile(times_ms, 99)),
+            "max_ms": times_ms[-1],
+            "throughput_per_s": batch * 1e3 / median,
+        }
+
+
+def self_test(model):
+    np = model.np
+    golden = model.manifest["golden"]
+    with np.load(os.path.join(HERE, golden["file"])) as archive:
+        inputs = {s["name"]: archive["input:" + s["name"]] for s in model.manifest["inputs"]}
+        expected = {s["name"]: archive["output:" + s["name"]] for s in model.manifest["outputs"]}
+    outputs = model.run(inputs)
+    report, ok = [], True
+    for name, want in expected.items():
+        got = outputs[name]
+        atol = golden["atol"] * max(1.0, float(np.max(np.abs(want))) if want.size else 1.0)
+        close = got.shape == want.shape and bool(np.allclose(got, want, rtol=golden["rtol"], atol=atol))
+        diff = float(np.max(np.abs(got.astype(np.float64) - want))) if got.shape == want.shape else float("inf")
+        report.append({"output": name, "max_abs_diff": diff, "rtol": golden["rtol"], "atol": atol, "ok": close})
+        ok = ok and close
+    return ok, report
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description="Run the edgeq bundle %s." % "resnet_cnn-host-000000000000")
+    parser.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy",
+                        help="an input array (.npy); repeat for each model input")
+    parser.add_argument("--output", metavar="FILE.npz", help="where to write the outputs (default: print a summary)")
+    parser.add_argument("--self-test", action="store_true", help="run the golden input and compare with the manifest")
+    parser.add_argument("--benchmark", type=int, metavar="N", help="time N inferences after warm-up")
+    parser.add_argument("--warmup", type=int, default=10, metavar="N", help="warm-up runs before --benchmark (default 10)")
+    parser.add_argument("--check", action="store_true", help="only check that this machine can run the bundle")
+    parser.add_argument("--json", action="store_true", help="print results as JSON")
+    args = parser.parse_args(argv)
+    if args.benchmark is not None and args.benchmark < 1:
+        parser.error("--benchmark needs N >= 1")
+    if not (args.self_test or args.benchmark or args.check or args.input):
+        parser.error("give --self-test, --benchmark N, --check or --input NAME=FILE.npy")
+    return args
+
+
+def read_inputs(specs):
+    import numpy as np
+
+    inputs = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep:
+            raise BundleCheckError("--input '%s' is not NAME=FILE.npy" % spec)
+        try:
+            inputs[name] = np.load(path, allow_pickle=False)
+        except (OSError, ValueError) as err:
+            raise BundleCheckError("cannot read --input %s: %s" % (spec, err))
+    return inputs
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        if args.check:
+            import tvm
+
+            manifest = load_manifest()
+            check_files(manifest)
+            check_machine(manifest, tvm)
+            print(json.dumps({"ok": True}) if args.json else "ok: this machine can run %s" % manifest["bundle_id"])
+            return 0
+        inputs = read_inputs(args.input)
+        model = Model()
+        if args.self_test:
+            ok, report = self_test(model)
+            if args.json:
+                print(json.dumps({"ok": ok, "outputs": report}))
+            else:
+                for row in report:
+                    print("%-4s %s: max |diff| %.3g (rtol %g, atol %.3g)" % (
+                        "ok" if row["ok"] else "FAIL", row["output"], row["max_abs_diff"], row["rtol"], row["atol"]))
+                print("self-test %s" % ("passed" if ok else "FAILED"))
+            if not ok:
+                return 1
+        if args.benchmark:
+            if not inputs:
+                np = model.np
+                inputs = {s["name"]: np.zeros(s["shape"], s["dtype"]) for s in model.manifest["inputs"]}
+            stats = model.benchmark(inputs, args.benchmark, args.warmup)
+            if args.json:
+                print(json.dumps(stats))
+            else:
+                print("%d runs: min %.3f ms  median %.3f ms  p90 %.3f ms  p99 %.3f ms  (%.1f inferences/s)" % (
+                    stats["runs"], stats["min_ms"], stats["median_ms"], stats["p90_ms"], stats["p99_ms"],
+                    stats["throughput_per_s"]))
+        elif inputs:
+            outputs = model.run(inputs)
+            if args.output:
+                model.np.savez(args.output, **outputs)
+            if args.json:
+                print(json.dumps({k: {"shape": list(v.shape), "dtype": str(v.dtype)} for k, v in outputs.items()}))
+            elif not args.output:
+                for name, value in outputs.items():
+                    print("%s: %s %s" % (name, value.dtype, "x".join(map(str, value.shape))))
+        return 0
+    except BundleCheckError as err:
+        print("run.py: error: %s" % err, file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

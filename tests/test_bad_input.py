@@ -1,0 +1,128 @@
+"""Every bad input of `edgeq package` through the real CLI: one line on stderr, a non-zero exit status,
+and nothing left in the output folder."""
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import make_models
+from conftest import run_cli
+
+
+def assert_refused(res, code: int, *fragments: str):
+    lines = res.stderr.strip().splitlines()
+    assert res.code == code, res.stderr
+    assert len(lines) == 1 and lines[0].startswith("edgeq: error: "), res.stderr
+    for fragment in fragments:
+        assert fragment in lines[0]
+    assert "Traceback" not in res.stderr
+
+
+def package(model, out, *extra):
+    return run_cli("package", model, "-o", out, "-q", *extra)
+
+
+@pytest.fixture
+def out(tmp_path):
+    path = tmp_path / "out"
+    yield path
+    # Nothing half-written: the folder edgeq created is gone, or (when it existed) holds no bundle.
+    assert not path.exists() or list(path.iterdir()) == []
+
+
+def test_missing_file(tmp_path, out):
+    assert_refused(package(tmp_path / "nope.onnx", out, "--device", "host"), 3, "model file not found", "nope.onnx")
+
+
+def test_not_an_onnx_file(tmp_path, out):
+    text = tmp_path / "notes.onnx"
+    text.write_text("this is a text file, not a model\n")
+    assert_refused(package(text, out, "--device", "host"), 3, "notes.onnx is not", "ONNX model")
+
+
+def test_corrupt_protobuf(models, tmp_path, out):
+    truncated = tmp_path / "truncated.onnx"
+    truncated.write_bytes(models["resnet_cnn"].read_bytes()[:3000])
+    assert_refused(package(truncated, out, "--device", "host"), 3, "truncated.onnx", "protobuf parse failed")
+
+
+def test_op_tvm_cannot_import_is_named(tmp_path, out):
+    inits = [
+        numpy_helper.from_array(np.array(0.1, np.float32), "xs"), numpy_helper.from_array(np.array(0, np.uint8), "xz"),
+        numpy_helper.from_array(np.ones((4, 3, 3, 3), np.uint8), "w"),
+        numpy_helper.from_array(np.array(0.1, np.float32), "ws"), numpy_helper.from_array(np.array(0, np.uint8), "wz"),
+        numpy_helper.from_array(np.array(0.1, np.float32), "ys"), numpy_helper.from_array(np.array(0, np.uint8), "yz"),
+    ]
+    node = helper.make_node("QLinearConv", ["x", "xs", "xz", "w", "ws", "wz", "ys", "yz"], ["y"])
+    graph = helper.make_graph([node], "qlinear", [helper.make_tensor_value_info("x", TensorProto.UINT8, [1, 3, 8, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.UINT8, [1, 4, 6, 6])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    path = tmp_path / "qlinear.onnx"
+    onnx.save(model, path)
+    assert_refused(package(path, out, "--device", "host"), 3, "cannot import: QLinearConv")
+
+
+def test_unknown_device_lists_valid_ones(models, out):
+    assert_refused(package(models["resnet_cnn"], out, "--device", "jetson-nano"), 4,
+                   "unknown device 'jetson-nano'", "jetson-orin-nano", "host", "arm64-cpu")
+
+
+def test_dynamic_dims_need_input_shape(tmp_path, out):
+    path = tmp_path / "dyn.onnx"
+    onnx.save(make_models.resnet_cnn(batch="N"), path)
+    assert_refused(package(path, out, "--device", "host"), 3,
+                   "input 'input' has dynamic dims Nx3x32x32", "--input-shape input=1x3x32x32")
+
+
+def test_input_shape_naming_an_unknown_input(models, out):
+    assert_refused(package(models["resnet_cnn"], out, "--device", "host", "--input-shape", "image=1x3x32x32"), 2,
+                   "--input-shape names 'image'", "inputs are: input")
+
+
+def test_input_shape_with_wrong_rank_or_syntax(tmp_path, out):
+    path = tmp_path / "dyn.onnx"
+    onnx.save(make_models.resnet_cnn(batch="N"), path)
+    assert_refused(package(path, out, "--device", "host", "--input-shape", "input=1x3"), 2, "has 2 dims")
+    assert_refused(package(path, out, "--device", "host", "--input-shape", "input=1xthree"), 2, "is not NAME=DxDx")
+
+
+def test_output_directory_not_writable(models, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert_refused(package(models["resnet_cnn"], blocker / "out", "--device", "host"), 6,
+                   "cannot write to output directory", "choose another with -o")
+    assert blocker.read_text() == ""
+
+
+def test_missing_cross_compiler(models, out, tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))
+    assert_refused(package(models["resnet_cnn"], out, "--device", "jetson-orin-nano"), 5,
+                   "cross compiler 'aarch64-linux-gnu-g++'", "apt-get install g++-aarch64-linux-gnu")
+
+
+def test_no_cuda_toolkit_fits_xavier(models, out):
+    assert_refused(package(models["resnet_cnn"], out, "--device", "jetson-agx-xavier"), 5,
+                   "needs a CUDA 11.x toolkit that builds sm_72", "EDGEQ_CUDA_HOME")
+
+
+def test_existing_output_folder_keeps_its_files(models, tmp_path):
+    out = tmp_path / "existing"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    res = package(models["resnet_cnn"], out, "--device", "jetson-nano")
+    assert res.code == 4
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+
+
+def test_inspect_bad_bundles(tmp_path):
+    assert_refused(run_cli("inspect", tmp_path / "missing"), 7, "bundle not found")
+    (tmp_path / "junk.tar.gz").write_bytes(b"not an archive")
+    assert_refused(run_cli("inspect", tmp_path / "junk.tar.gz"), 7, "not a readable .tar.gz bundle")
+    assert_refused(run_cli("inspect", tmp_path), 7, "has no manifest.json")
+
+
+def test_usage_errors_are_one_line(models):
+    assert_refused(run_cli("package", models["resnet_cnn"]), 2, "--device")
+    assert_refused(run_cli(), 2, "give a command")

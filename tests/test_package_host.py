@@ -1,0 +1,161 @@
+"""Host bundles of the example model families: package through the CLI, run through run.py in a fresh
+interpreter, compare with ONNX Runtime."""
+
+import hashlib
+import json
+import shutil
+import tarfile
+from pathlib import Path
+
+import make_models
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+from conftest import run_cli, run_py
+
+FAMILIES = ["resnet_cnn", "mobilenet_cnn", "transformer_block"]
+
+
+@pytest.fixture(scope="session")
+def host_bundles(models, tmp_path_factory):
+    out = tmp_path_factory.mktemp("host-bundles")
+    results = {}
+    for family in FAMILIES:
+        res = run_cli("package", models[family], "--device", "host", "-o", out, "--json")
+        assert res.code == 0, res.stderr
+        results[family] = json.loads(res.stdout)
+    return results
+
+
+def ort_outputs(model_path, inputs):
+    session = ort.InferenceSession(str(model_path), providers=["CPUExecutionProvider"])
+    names = [o.name for o in session.get_outputs()]
+    return dict(zip(names, session.run(names, inputs)))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_host_bundle_matches_onnxruntime(family, host_bundles, models, tmp_path):
+    bundle_dir = Path(host_bundles[family]["bundle_dir"])
+    manifest = json.loads((bundle_dir / "manifest.json").read_text())
+    rng = np.random.default_rng(123)
+    inputs = {}
+    args = []
+    for spec in manifest["inputs"]:
+        inputs[spec["name"]] = rng.standard_normal(spec["shape"]).astype(spec["dtype"])
+        np.save(tmp_path / f"{spec['name']}.npy", inputs[spec["name"]])
+        args += ["--input", f"{spec['name']}={tmp_path / spec['name']}.npy"]
+    proc = run_py(bundle_dir, *args, "--output", tmp_path / "out.npz")
+    assert proc.returncode == 0, proc.stderr
+    got = np.load(tmp_path / "out.npz")
+    want = ort_outputs(models[family], inputs)
+    assert set(got.files) == set(want)
+    for name, expected in want.items():
+        np.testing.assert_allclose(got[name], expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_golden_vectors_match_onnxruntime(family, host_bundles, models):
+    """The golden outputs recorded at package time are right, not just self-consistent."""
+    golden = np.load(f"{host_bundles[family]['bundle_dir']}/golden.npz")
+    inputs = {k.split(":", 1)[1]: golden[k] for k in golden.files if k.startswith("input:")}
+    for name, expected in ort_outputs(models[family], inputs).items():
+        np.testing.assert_allclose(golden[f"output:{name}"], expected, rtol=1e-4, atol=1e-5)
+
+
+def test_self_test_benchmark_and_check(host_bundles):
+    bundle_dir = Path(host_bundles["resnet_cnn"]["bundle_dir"])
+    proc = run_py(bundle_dir, "--self-test", "--json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["ok"] and report["outputs"][0]["output"] == "logits"
+    bench = run_py(bundle_dir, "--benchmark", "5", "--warmup", "1", "--json")
+    assert bench.returncode == 0, bench.stderr
+    stats = json.loads(bench.stdout)
+    assert stats["runs"] == 5
+    assert 0 < stats["min_ms"] <= stats["median_ms"] <= stats["p90_ms"] <= stats["p99_ms"] <= stats["max_ms"]
+    assert run_py(bundle_dir, "--check").returncode == 0
+
+
+def test_self_test_fails_when_outputs_are_wrong(host_bundles, tmp_path):
+    """Corrupt the golden outputs (and their hash, so the file check passes): the self-test must fail."""
+    bundle_dir = tmp_path / "b"
+    shutil.copytree(host_bundles["mobilenet_cnn"]["bundle_dir"], bundle_dir)
+    golden = dict(np.load(bundle_dir / "golden.npz"))
+    golden["output:logits"] = golden["output:logits"] + 1.0
+    np.savez(bundle_dir / "golden.npz", **golden)
+    manifest = json.loads((bundle_dir / "manifest.json").read_text())
+    manifest["files"]["golden.npz"] = hashlib.sha256((bundle_dir / "golden.npz").read_bytes()).hexdigest()
+    (bundle_dir / "manifest.json").write_text(json.dumps(manifest))
+    proc = run_py(bundle_dir, "--self-test")
+    assert proc.returncode == 1
+    assert "FAIL" in proc.stdout and "self-test FAILED" in proc.stdout
+
+
+def test_loader_refuses_a_tampered_file(host_bundles, tmp_path):
+    bundle_dir = tmp_path / "b"
+    shutil.copytree(host_bundles["resnet_cnn"]["bundle_dir"], bundle_dir)
+    with open(bundle_dir / "weights.npz", "r+b") as f:
+        f.seek(-8, 2)
+        f.write(b"tampered")
+    proc = run_py(bundle_dir, "--self-test")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "run.py: error: bundle file weights.npz does not match its SHA-256 in the manifest; re-copy the bundle"
+    ]
+
+
+def test_loader_rejects_wrong_input_shape(host_bundles, tmp_path):
+    np.save(tmp_path / "x.npy", np.zeros((1, 3, 8, 8), np.float32))
+    proc = run_py(Path(host_bundles["resnet_cnn"]["bundle_dir"]), "--input", f"input={tmp_path / 'x.npy'}")
+    assert proc.returncode == 2
+    assert "input 'input' must be float32 1x3x32x32, got float32 1x3x8x8" in proc.stderr
+
+
+def test_manifest_records_what_the_device_needs(host_bundles, models):
+    res = host_bundles["transformer_block"]
+    bundle_dir = Path(res["bundle_dir"])
+    m = json.loads((bundle_dir / "manifest.json").read_text())
+    assert m["schema_version"] == 1
+    assert m["model"]["sha256"] == hashlib.sha256(models["transformer_block"].read_bytes()).hexdigest()
+    assert m["inputs"] == [{"name": "input", "shape": [1, 16, 32], "dtype": "float32"}]
+    assert m["outputs"] == [{"name": "output", "shape": [1, 16, 32], "dtype": "float32"}]
+    assert m["precision"] == "fp32" and m["device"]["profile"] == "host"
+    assert m["tvm_version"].startswith("0.27") and m["edgeq_version"]
+    assert set(m["build"]["stage_seconds"]) >= {"load", "import", "compile", "golden"}
+    for name, digest in m["files"].items():
+        assert hashlib.sha256((bundle_dir / name).read_bytes()).hexdigest() == digest
+    sums = dict(line.split("  ")[::-1] for line in (bundle_dir / "SHA256SUMS").read_text().splitlines())
+    assert set(sums) == set(m["files"]) | {"manifest.json"}
+    assert set(res) >= {"bundle_dir", "archive", "device", "precision", "stages"}
+
+
+def test_archive_holds_the_bundle_and_inspect_reads_both(host_bundles, cli):
+    res = host_bundles["resnet_cnn"]
+    bundle_dir, archive = Path(res["bundle_dir"]), Path(res["archive"])
+    with tarfile.open(archive) as tar:
+        names = sorted(tar.getnames())
+    top = bundle_dir.name
+    assert names == sorted([top] + [f"{top}/{p.name}" for p in bundle_dir.iterdir()])
+    for target in (bundle_dir, archive):
+        res_json = cli("inspect", target, "--json")
+        assert res_json.code == 0
+        assert json.loads(res_json.stdout)["bundle_id"] == res["bundle_id"]
+    table = cli("inspect", archive)
+    assert table.code == 0 and res["bundle_id"] in table.stdout and "input float32 1x3x32x32" in table.stdout
+
+
+def test_dynamic_batch_fixed_by_input_shape(models, tmp_path, cli):
+    dynamic = tmp_path / "dyn.onnx"
+    onnx.save(make_models.mobilenet_cnn(batch="N"), dynamic)
+    res = cli("package", dynamic, "--device", "host", "-o", tmp_path / "out", "--input-shape", "input=2x3x32x32",
+              "--name", "mnet2", "--json")
+    assert res.code == 0, res.stderr
+    bundle_dir = tmp_path / "out" / "mnet2-host"
+    x = np.random.default_rng(5).standard_normal((2, 3, 32, 32)).astype(np.float32)
+    np.save(tmp_path / "x.npy", x)
+    proc = run_py(bundle_dir, "--input", f"input={tmp_path / 'x.npy'}", "--output", tmp_path / "o.npz")
+    assert proc.returncode == 0, proc.stderr
+    np.testing.assert_allclose(np.load(tmp_path / "o.npz")["logits"], ort_outputs(dynamic, {"input": x})["logits"],
+                               rtol=1e-4, atol=1e-5)
