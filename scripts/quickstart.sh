@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Set up, make the example models, package one for a Jetson Orin Nano and for this machine, and run the
+# host bundle's self-test and a short benchmark.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+PYTHON=${PYTHON:-python3}
+"$PYTHON" examples/make_models.py -o examples/models
+edgeq package examples/models/resnet_cnn.onnx --device jetson-orin-nano -o dist
+edgeq package examples/models/resnet_cnn.onnx --device host -o dist
+"$PYTHON" dist/resnet_cnn-host/run.py --self-test
+"$PYTHON" dist/resnet_cnn-host/run.py --benchmark 50

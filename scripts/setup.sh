@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Everything edgeq and its tests need on a fresh Debian/Ubuntu machine (x86_64 or aarch64 host):
+# the aarch64 cross compiler, a C compiler, and the Python packages (edgeq editable, with the CUDA 12
+# NVRTC wheels for JetPack 6 targets and the test tools).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+SUDO=""
+[ "$(id -u)" -eq 0 ] || SUDO="sudo"
+need=()
+command -v aarch64-linux-gnu-g++ >/dev/null || need+=(g++-aarch64-linux-gnu)
+command -v cc >/dev/null || need+=(gcc)
+if [ ${#need[@]} -gt 0 ]; then
+    echo "setup: installing Debian packages: ${need[*]}"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}" >/dev/null
+fi
+
+PYTHON=${PYTHON:-python3}
+echo "setup: installing edgeq and its Python dependencies"
+"$PYTHON" -m pip install -q --disable-pip-version-check -e ".[jetson,test]"
+echo "setup: done ($("$PYTHON" -m edgeq --version))"
