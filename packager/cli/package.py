@@ -41,6 +41,7 @@ def run(args, env) -> int:
     )
     progress = StageProgress(console=env.err(), quiet=args.quiet)
     result = package(package_args, progress)
+    progress.note(f"done: {result.bundle_dir} and {result.archive.name} in {result.total_seconds:.1f} s")
     if args.json:
         print(json.dumps(result.to_dict(), indent=2), file=env.stdout)
         return 0
