@@ -1,0 +1,109 @@
+"""Calibration: run the float model on the host with TVM over the calibration samples and collect, for
+the input activation of every quantizable layer, its range and a histogram of |x|.
+
+Two passes over the data: the first finds max |x| per tensor, the second fills a fixed-range histogram
+(2048 bins over [0, max|x|]) that the percentile, entropy and MSE calibrators read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+
+import numpy as np
+
+from edgeq.quantize.graph import Graph, Rewriter, rewrite, tvm
+from edgeq.quantize.layers import Layer
+
+BINS = 2048
+
+
+@dataclasses.dataclass
+class TensorStats:
+    min: float = np.inf
+    max: float = -np.inf
+    absmax: float = 0.0
+    count: int = 0
+    hist: np.ndarray | None = None  # counts of |x| over [0, absmax], BINS bins
+
+    def to_dict(self) -> dict:
+        return {"min": float(self.min), "max": float(self.max), "absmax": float(self.absmax), "count": self.count}
+
+
+def with_taps(graph: Graph, layers: list[Layer]) -> Graph:
+    """The graph with extra outputs: the input activation of each layer, in ``layers`` order."""
+    wanted = {layer.weight: i for i, layer in enumerate(layers)}
+    taps: dict[int, object] = {}
+
+    def visit(rw: Rewriter, var, value):
+        weight_var, _ = rw.weight_operand(value)
+        if weight_var is not None and weight_var.name in wanted:
+            taps.setdefault(wanted[weight_var.name], value.args[0])
+        return None
+
+    return rewrite(graph, visit, extra_outputs=lambda rw: [rw.new(taps[i]) for i in range(len(layers))])
+
+
+class HostRunner:
+    """A graph built for this machine's CPU, callable on numpy inputs; returns the flat list of outputs."""
+
+    def __init__(self, graph: Graph):
+        from edgeq.compile import build
+        from edgeq.targets import profiles
+        from tvm import relax
+
+        self.dev = tvm.cpu(0)
+        self.vm = relax.VirtualMachine(build(graph.mod, profiles()["host"].tvm_target()), self.dev)
+        self.params = [tvm.runtime.tensor(w, self.dev) for w in graph.weight_list()]
+
+    def __call__(self, inputs: list[np.ndarray]) -> list[np.ndarray]:
+        result = self.vm["main"](*[tvm.runtime.tensor(x, self.dev) for x in inputs], *self.params)
+        return _flatten(result)
+
+
+def _flatten(result) -> list[np.ndarray]:
+    if isinstance(result, tvm.runtime.Tensor):
+        return [result.numpy()]
+    out = []
+    for item in result:
+        out.extend(_flatten(item))
+    return out
+
+
+def collect(
+    graph: Graph,
+    layers: list[Layer],
+    samples: Callable[[], Iterable[list[np.ndarray]]],
+    histograms: bool,
+    progress: Callable[[str, int], None] | None = None,
+) -> list[TensorStats]:
+    """Statistics of each layer's input activation over ``samples()`` (called once per pass)."""
+    n_out = len(_flatten_struct(graph))
+    runner = HostRunner(with_taps(graph, layers))
+    stats = [TensorStats() for _ in layers]
+    for i, sample in enumerate(samples()):
+        taps = runner(sample)[n_out:]
+        for st, t in zip(stats, taps):
+            st.min, st.max = min(st.min, float(t.min())), max(st.max, float(t.max()))
+            st.absmax = max(st.absmax, float(np.abs(t).max()))
+            st.count += t.size
+        if progress:
+            progress("range", i + 1)
+    if histograms:
+        for st in stats:
+            st.hist = np.zeros(BINS, np.int64)
+        for i, sample in enumerate(samples()):
+            taps = runner(sample)[n_out:]
+            for st, t in zip(stats, taps):
+                if st.absmax > 0:
+                    st.hist += np.histogram(np.abs(t), bins=BINS, range=(0.0, st.absmax))[0]
+            if progress:
+                progress("histogram", i + 1)
+    return stats
+
+
+def _flatten_struct(graph: Graph) -> list:
+    ret = graph.main.ret_ty
+    from tvm import relax
+
+    return list(ret.fields) if isinstance(ret, relax.TupleType) else [ret]

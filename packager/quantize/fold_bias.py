@@ -1,0 +1,49 @@
+"""Pass: add the bias in int32, before the dequantize.
+
+    add(dequantize(acc, s), reshape(b))  ->  dequantize(add(acc, reshape(round(b / s))), s)
+    add(dequantize(acc, s), b)           ->  dequantize(add(acc, round(b / s)), s)
+
+where ``acc`` is an int32 accumulator, ``s`` its per-channel scale and ``b`` a bias weight with one value per
+channel. The int32 bias is a new weight parameter.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from edgeq.quantize.graph import Graph, Rewriter, call_op, const_value, relax, rewrite
+
+
+def _bias(rw: Rewriter, expr):
+    """(bias array, reshape target or None) when ``expr`` is a bias weight, possibly reshaped."""
+    array = rw.weight(expr)
+    if array is not None:
+        return expr, array, None
+    inner = rw.value(expr)
+    if call_op(inner) == "relax.reshape" and rw.weight(inner.args[0]) is not None:
+        return inner.args[0], rw.weight(inner.args[0]), inner.args[1]
+    return None, None, None
+
+
+def fold_bias(graph: Graph) -> Graph:
+    def visit(rw: Rewriter, var, value):
+        if call_op(value) != "relax.add":
+            return None
+        for deq_var, other in ((value.args[0], value.args[1]), (value.args[1], value.args[0])):
+            deq = rw.value(deq_var)
+            if call_op(deq) != "relax.dequantize" or deq.args[0].ty.dtype != "int32" or rw.uses(deq_var) != 1:
+                continue
+            bias_var, bias, shape = _bias(rw, other)
+            scale, s = deq.args[1], const_value(deq.args[1])
+            if bias is None or s is None:
+                continue
+            if bias.ndim != 1 or bias.shape[0] != s.size:
+                continue
+            bias_q = rw.param(f"{bias_var.name}.int32", np.round(bias / s).astype(np.int32))
+            if shape is not None:
+                bias_q = rw.emit(relax.op.reshape(bias_q, shape))
+            acc = rw.emit(relax.op.add(rw.new(deq.args[0]), bias_q))
+            return relax.op.dequantize(acc, scale, deq.args[2], axis=int(deq.attrs.axis), out_dtype="float32")
+        return None
+
+    return rewrite(graph, visit)

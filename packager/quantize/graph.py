@@ -1,0 +1,175 @@
+"""The small piece of Relax plumbing every quantization pass uses.
+
+A ``Graph`` is a model's ``main`` function (one dataflow block of bindings, as the ONNX importer makes it)
+together with the values of its weight parameters by name. A pass walks the bindings in order and re-emits
+them through a ``relax.BlockBuilder``; wherever it recognises a pattern it emits a replacement instead.
+Weights stay function parameters (the bundle ships them in weights.npz), so a pass that quantizes a weight
+adds a new parameter for the int8 array and drops the float one once nothing uses it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from edgeq.toolchain import import_tvm
+
+tvm = import_tvm()
+from tvm import relax  # noqa: E402
+
+
+@dataclasses.dataclass
+class Graph:
+    mod: Any  # tvm.IRModule with a "main" function
+    weights: dict[str, np.ndarray]  # values of main's weight parameters, by parameter name
+
+    @property
+    def main(self):
+        return self.mod["main"]
+
+    @property
+    def num_inputs(self) -> int:
+        return int(self.main.attrs["num_input"])
+
+    @property
+    def inputs(self) -> list:
+        return list(self.main.params[: self.num_inputs])
+
+    @property
+    def weight_params(self) -> list:
+        return list(self.main.params[self.num_inputs :])
+
+    def bindings(self) -> list:
+        body = self.main.body
+        return [b for block in body.blocks for b in block.bindings]
+
+    def weight_list(self) -> list[np.ndarray]:
+        """The weight arrays in the order main takes them."""
+        return [self.weights[p.name] for p in self.weight_params]
+
+
+def const_value(expr) -> np.ndarray | None:
+    """The array of a Relax constant, None for anything else."""
+    if isinstance(expr, tvm.ir.expr.Constant):
+        return expr.value.numpy()
+    return None
+
+
+def call_op(expr) -> str | None:
+    """``"relax.nn.conv2d"`` for a call of a Relax operator, else None."""
+    if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op):
+        return expr.op.name
+    return None
+
+
+class Rewriter:
+    """Context handed to a pass while it re-emits a graph.
+
+    ``value(var)`` is what a variable of the *input* graph is bound to (for matching patterns upwards),
+    ``new(expr)`` the expression with input-graph variables replaced by their re-emitted counterparts,
+    ``weight(expr)`` the array of a weight parameter (None for anything else), ``param(name, array)`` a new
+    weight parameter, ``uses(var)`` how many bindings (and the output) use a variable.
+    """
+
+    def __init__(self, graph: Graph, bb):
+        self.graph = graph
+        self.bb = bb
+        self.weights: dict[str, np.ndarray] = {}
+        self._params: dict[str, Any] = {}
+        self._env: dict = {}
+        self._values = {b.var: b.value for b in graph.bindings()}
+        self._uses: dict = {}
+        for b in graph.bindings():
+            for var in relax.analysis.free_vars(b.value):
+                self._uses[var] = self._uses.get(var, 0) + 1
+        for var in relax.analysis.free_vars(graph.main.body.body):
+            self._uses[var] = self._uses.get(var, 0) + 1
+        for p in graph.weight_params:
+            self._env[p] = self.param(p.name, graph.weights[p.name])
+
+    def value(self, var):
+        return self._values.get(var)
+
+    def uses(self, var) -> int:
+        return self._uses.get(var, 0)
+
+    def weight(self, expr) -> np.ndarray | None:
+        if isinstance(expr, relax.Var) and expr in self.graph.weight_params:
+            return self.graph.weights[expr.name]
+        return None
+
+    def weight_operand(self, value):
+        """(weight parameter, transposed?) behind the second argument of a conv2d/matmul call; (None, False)
+        when it is an activation. Gemm imports as ``matmul(x, permute_dims(W))``: that is seen through."""
+        if call_op(value) not in ("relax.nn.conv2d", "relax.matmul"):
+            return None, False
+        rhs = value.args[1]
+        if self.weight(rhs) is not None:
+            return rhs, False
+        inner = self.value(rhs)
+        if call_op(inner) == "relax.permute_dims" and self.weight(inner.args[0]) is not None:
+            return inner.args[0], True
+        return None, False
+
+    def param(self, name: str, array: np.ndarray):
+        """A weight parameter of the output graph (created once per name)."""
+        if name not in self._params:
+            self._params[name] = relax.Var(name, relax.TensorType(list(array.shape), str(array.dtype)))
+            self.weights[name] = np.ascontiguousarray(array)
+        return self._params[name]
+
+    def const(self, array, dtype: str = "float32"):
+        return relax.const(np.asarray(array, dtype=dtype), dtype)
+
+    def new(self, expr):
+        if isinstance(expr, relax.Var):
+            return self._env.get(expr, expr)
+        if isinstance(expr, relax.Call):
+            return relax.Call(expr.op, [self.new(a) for a in expr.args], expr.attrs, expr.ty_args)
+        if isinstance(expr, relax.Tuple):
+            return relax.Tuple([self.new(f) for f in expr.fields])
+        if isinstance(expr, relax.TupleGetItem):
+            return relax.TupleGetItem(self.new(expr.tuple_value), expr.index)
+        return expr
+
+    def emit(self, expr, name: str = ""):
+        return self.bb.emit(expr, name)
+
+
+Visit = Callable[[Rewriter, Any, Any], Any]
+
+
+def rewrite(graph: Graph, visit: Visit, extra_outputs: Callable[[Rewriter], list] | None = None) -> Graph:
+    """Re-emit ``graph``'s bindings; ``visit(rw, var, value)`` returns a replacement expression (already
+    emitted or not) or None to keep the binding as it is. ``extra_outputs`` may add outputs (calibration taps)."""
+    bb = relax.BlockBuilder()
+    main = graph.main
+    inputs = [relax.Var(p.name, p.ty) for p in graph.inputs]
+    with bb.function("main", attrs=dict(main.attrs)):
+        rw = Rewriter(graph, bb)
+        rw._env.update(zip(graph.inputs, inputs))
+        with bb.dataflow():
+            for binding in graph.bindings():
+                replacement = visit(rw, binding.var, binding.value)
+                if replacement is None:
+                    replacement = rw.new(binding.value)
+                if not isinstance(replacement, relax.Var):
+                    replacement = bb.emit(replacement, binding.var.name)
+                rw._env[binding.var] = replacement
+            output = rw.new(main.body.body)
+            if extra_outputs is not None:
+                output = relax.Tuple([output, *extra_outputs(rw)])
+            output = bb.emit_output(output)
+        params = inputs + list(rw._params.values())
+        bb.emit_func_output(output, params=params)
+    func = relax.analysis.remove_all_unused(bb.get()["main"])
+    used = set(relax.analysis.free_vars(func.body))
+    kept = [p for p in func.params[len(inputs) :] if p in used]
+    func = relax.Function(list(func.params[: len(inputs)]) + kept, func.body, func.ret_ty, func.is_pure, func.attrs)
+    weights = {p.name: rw.weights[p.name] for p in kept}
+    mod = tvm.IRModule(dict(graph.mod.functions))  # keep the module's other (TIR) functions
+    mod["main"] = func
+    return Graph(mod, weights)

@@ -1,0 +1,63 @@
+"""Find the quantizable layers of a float graph: Conv (incl. depthwise and grouped) and Gemm/MatMul with a
+weight parameter, named after the ONNX node they came from."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import onnx
+
+from edgeq.quantize.graph import Graph, call_op
+
+PRECISIONS = ("int8", "fp16", "fp32")
+
+
+@dataclasses.dataclass
+class Layer:
+    name: str  # the ONNX node name (or "<OpType>_<weight>" when the node has none)
+    op_type: str  # the ONNX op: Conv, Gemm, MatMul
+    kind: str  # "conv2d" or "matmul"
+    weight: str  # name of the weight parameter in the graph (the ONNX initializer)
+    channel_axis: int  # output-channel axis of the weight as the Relax op sees it
+    precision: str = "int8"
+    reason: str = ""  # why a layer is not int8
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+def find_layers(graph: Graph, model: onnx.ModelProto | None = None) -> list[Layer]:
+    """Quantizable layers in binding order. A MatMul of two activations (attention) is not one: it has no
+    weight to quantize per channel and stays in float."""
+    nodes = {}
+    if model is not None:
+        for node in model.graph.node:
+            if node.op_type in ("Conv", "Gemm", "MatMul") and len(node.input) > 1:
+                nodes.setdefault(node.input[1], node)
+    values = {b.var: b.value for b in graph.bindings()}
+    params = set(graph.weight_params)
+    layers = []
+    for binding in graph.bindings():
+        op = call_op(binding.value)
+        if op not in ("relax.nn.conv2d", "relax.matmul"):
+            continue
+        rhs, transposed = binding.value.args[1], False
+        if rhs not in params:  # Gemm imports as matmul(x, permute_dims(W)): look through the transpose
+            inner = values.get(rhs)
+            if call_op(inner) == "relax.permute_dims" and inner.args[0] in params:
+                rhs, transposed = inner.args[0], True
+            else:
+                continue
+        weight = graph.weights[rhs.name]
+        if op == "relax.nn.conv2d":
+            if weight.ndim != 4:
+                continue
+            kind, axis = "conv2d", 0
+        else:
+            if weight.ndim != 2:
+                continue
+            kind, axis = "matmul", (0 if transposed else 1)
+        node = nodes.get(rhs.name)
+        op_type = node.op_type if node is not None else ("Conv" if kind == "conv2d" else "MatMul")
+        name = (node.name if node is not None and node.name else f"{op_type}_{rhs.name}")
+        layers.append(Layer(name=name, op_type=op_type, kind=kind, weight=rhs.name, channel_axis=axis))
+    return layers

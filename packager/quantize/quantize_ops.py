@@ -1,0 +1,85 @@
+"""Pass: run the chosen layers in int8 (or fp16).
+
+    conv2d(x, W)            ->  dequantize(conv2d(quantize(x, s_x), W_q, out_dtype=int32), s_x * s_w[c])
+    matmul(x, W)            ->  dequantize(matmul(quantize(x, s_x), W_q, out_dtype=int32), s_x * s_w[n])
+    matmul(x, permute(W))   ->  the same, with W_q stored already transposed
+
+Activations: per-tensor symmetric int8 (zero point 0) with the calibrated scale s_x. Weights: per-output-
+channel symmetric int8, s_w[c] = max|W[c]| / 127. The products accumulate in int32; the float dequantize
+at the end is the epilogue that ``fold_bias`` and ``requantize`` then improve. fp16 layers cast around an
+fp16 op with fp16 weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from edgeq.quantize.graph import Graph, Rewriter, call_op, relax, rewrite
+
+QMAX = 127
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerPlan:
+    precision: str  # "int8" | "fp16" | "fp32"
+    act_scale: float = 0.0  # s_x, for int8
+
+
+def quantize_weight(weight: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric per-channel int8: returns (int8 weight, float32 scale per channel along ``axis``)."""
+    reduce = tuple(i for i in range(weight.ndim) if i != axis)
+    amax = np.max(np.abs(weight), axis=reduce)
+    scale = np.where(amax > 0, amax / QMAX, 1.0).astype(np.float32)
+    shape = [1] * weight.ndim
+    shape[axis] = -1
+    q = np.clip(np.round(weight / scale.reshape(shape)), -QMAX, QMAX).astype(np.int8)
+    return q, scale
+
+
+def _conv_attrs(call) -> dict:
+    a = call.attrs
+    return dict(strides=list(a.strides), padding=list(a.padding), dilation=list(a.dilation), groups=int(a.groups),
+                data_layout=a.data_layout, kernel_layout=a.kernel_layout, out_layout=a.out_layout)
+
+
+def _quantize_input(rw: Rewriter, x, scale: float):
+    return rw.emit(relax.op.quantize(rw.new(x), rw.const(scale), rw.const(0, "int8"), axis=-1, out_dtype="int8"))
+
+
+def quantize_ops(graph: Graph, plans: dict[str, LayerPlan]) -> Graph:
+    """Rewrite every conv2d/matmul whose weight parameter has a plan (keyed by weight name)."""
+
+    def visit(rw: Rewriter, var, value):
+        op = call_op(value)
+        if op not in ("relax.nn.conv2d", "relax.matmul"):
+            return None
+        weight_var, transposed = rw.weight_operand(value)
+        plan = plans.get(weight_var.name) if weight_var is not None else None
+        if plan is None or plan.precision == "fp32":
+            return None
+        w = rw.weight(weight_var)
+        if plan.precision == "fp16":
+            x16 = rw.emit(relax.op.astype(rw.new(value.args[0]), "float16"))
+            w16 = rw.param(f"{weight_var.name}.fp16", (w.T if transposed else w).astype(np.float16))
+            if op == "relax.nn.conv2d":
+                y = rw.emit(relax.op.nn.conv2d(x16, w16, out_dtype="float16", **_conv_attrs(value)))
+            else:
+                y = rw.emit(relax.op.matmul(x16, w16, out_dtype="float16"))
+            return relax.op.astype(y, "float32")
+        xq = _quantize_input(rw, value.args[0], plan.act_scale)
+        if op == "relax.nn.conv2d":
+            wq, ws = quantize_weight(w, axis=0)
+            acc = rw.emit(relax.op.nn.conv2d(xq, rw.param(f"{weight_var.name}.int8", wq), out_dtype="int32",
+                                             **_conv_attrs(value)))
+            axis = 1
+        else:
+            wq, ws = quantize_weight(w, axis=0 if transposed else 1)
+            wq = np.ascontiguousarray(wq.T) if transposed else wq  # stored as (K, N): no transpose at run time
+            acc = rw.emit(relax.op.matmul(xq, rw.param(f"{weight_var.name}.int8", wq), out_dtype="int32"))
+            axis = -1
+        return relax.op.dequantize(acc, rw.const(plan.act_scale * ws), rw.const(0, "int8"), axis=axis,
+                                   out_dtype="float32")
+
+    return rewrite(graph, visit)
