@@ -19,6 +19,7 @@ SCHEMA_VERSION = 1
 LIBRARY = "model.so"
 WEIGHTS = "weights.npz"
 GOLDEN = "golden.npz"
+QUANT_PARAMS = "quant_params.npz"
 MANIFEST = "manifest.json"
 LOADER = "run.py"
 README = "README.md"
@@ -32,6 +33,7 @@ FILE_ROLES = {
     LOADER: "loader: checks, runs, self-tests and benchmarks the model",
     README: "this file",
     SUMS: "SHA-256 of every other file (sha256sum -c SHA256SUMS)",
+    QUANT_PARAMS: "int8 scales: activation scale and per-channel weight scales of each int8 layer",
 }
 
 _ENV = jinja2.Environment(
@@ -72,19 +74,30 @@ def template_context(manifest: dict[str, Any]) -> dict[str, Any]:
         "cuda_arch": manifest["device"]["cuda_arch"],
         "cuda_major": toolkit["version"].split(".")[0] if toolkit else "",
         "toolkit": f"CUDA {toolkit['version']} {toolkit['kind']}" if toolkit else "",
-        "files": sorted(FILE_ROLES.items()),
+        "quantization": _quantization_summary(manifest.get("quantization")),
+        "files": sorted((name, what) for name, what in FILE_ROLES.items() if name in manifest["files"] or name in (MANIFEST, SUMS)),
     }
 
 
-def write_bundle(directory: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+def _quantization_summary(report: dict[str, Any] | None) -> str:
+    if not report:
+        return ""
+    counts = ", ".join(f"{n} {p}" for p, n in report["precision_counts"].items() if n)
+    ratio = report["weight_bytes"]["ratio"]
+    return f"{counts} layers; {report['method']} calibration; weights {ratio:.2f}x of fp32"
+
+
+def write_bundle(directory: Path, manifest: dict[str, Any], extra_files: list[str] = ()) -> dict[str, Any]:
     """Render the loader and README into ``directory`` (which already holds the library, weights and
     golden file), hash everything, and write manifest.json and SHA256SUMS. Returns the final manifest."""
+    manifest = dict(manifest)
+    names = (LIBRARY, WEIGHTS, GOLDEN, *extra_files, LOADER, README)
+    manifest["files"] = dict.fromkeys(names, "")
     context = template_context(manifest)
     (directory / LOADER).write_text(render("run.py.j2", **context), encoding="utf-8")
     (directory / LOADER).chmod(0o755)
     (directory / README).write_text(render("README.md.j2", **context), encoding="utf-8")
-    manifest = dict(manifest)
-    manifest["files"] = {name: sha256_file(directory / name) for name in (LIBRARY, WEIGHTS, GOLDEN, LOADER, README)}
+    manifest["files"] = {name: sha256_file(directory / name) for name in names}
     (directory / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n", encoding="utf-8")
     sums = {**manifest["files"], MANIFEST: sha256_file(directory / MANIFEST)}
     (directory / SUMS).write_text("".join(f"{h}  {n}\n" for n, h in sorted(sums.items())), encoding="ascii")

@@ -24,13 +24,14 @@ import edgeq
 from edgeq import bundle
 from edgeq.compile import Toolchain, build, cuda_device_code, elf_machine, export, toolchain_for
 from edgeq.errors import EdgeqError, OutputError, ToolchainError, UsageError
+from edgeq.graph import Graph
 from edgeq.load import LoadedModel, TensorSpec, load_model
 from edgeq.progress import StageProgress
 from edgeq.relax_import import to_relax
 from edgeq.targets import Profile, profiles, resolve
 from edgeq.toolchain import import_tvm
 
-PRECISIONS = ("fp32",)
+PRECISIONS = ("fp32", "int8", "mixed")  # mixed: int8 with layers returned to float to hold an accuracy budget
 GOLDEN_SEED = 0
 # Golden outputs are computed on the build host; the device may use other kernels (CUDA, fast math).
 GOLDEN_RTOL, GOLDEN_ATOL = 1e-3, 1e-4
@@ -46,9 +47,11 @@ class PackageArgs:
     input_shapes: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     name: str | None = None
     precision: str = "fp32"
+    quantize: Any = None  # edgeq.quantize.QuantizeArgs for int8 / mixed
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            "quantize": self.quantize.to_dict() if self.quantize else None,
             "model": str(self.model),
             "device": self.device,
             "output": str(self.output),
@@ -100,9 +103,8 @@ class _Build:
     created_out_dir: bool = False
     staging: Path | None = None
     model: LoadedModel | None = None
-    mod: Any = None
-    params: list = dataclasses.field(default_factory=list)
-    param_names: list[str] = dataclasses.field(default_factory=list)
+    graph: Graph | None = None
+    quantization: Any = None  # edgeq.quantize.QuantizeResult
     outputs: list[TensorSpec] = dataclasses.field(default_factory=list)
     executable: Any = None
     golden_from: str = ""
@@ -117,6 +119,14 @@ def _check(b: _Build) -> None:
     args = b.args
     if args.precision not in PRECISIONS:
         raise UsageError(f"unknown precision '{args.precision}'; choose one of: {', '.join(PRECISIONS)}")
+    if args.precision != "fp32" and args.quantize is None:
+        raise UsageError(f"--precision {args.precision} needs calibration data: add --calibrate DATA")
+    if args.precision == "fp32" and args.quantize is not None:
+        raise UsageError("--calibrate and the other quantization options need --precision int8 or mixed")
+    if args.quantize is not None:
+        from edgeq.quantize import check_args
+
+        check_args(args.quantize)
     b.name = args.name or Path(args.model).stem
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", b.name):
         raise UsageError(f"bundle name '{b.name}' may use letters, digits, '.', '_' and '-' only; set it with --name")
@@ -141,11 +151,18 @@ def _load(b: _Build) -> None:
 
 
 def _import(b: _Build) -> None:
-    b.mod, b.params, b.param_names, b.outputs = to_relax(b.model)
+    b.graph, b.outputs = to_relax(b.model)
+
+
+def _quantize(b: _Build) -> None:
+    from edgeq.quantize import quantize
+
+    b.quantization = quantize(b.graph, b.model, b.args.quantize, note=b.progress.note, tick=b.progress.tick)
+    b.graph = b.quantization.graph
 
 
 def _compile(b: _Build) -> None:
-    b.executable = build(b.mod, b.profile.tvm_target(), b.toolchain)
+    b.executable = build(b.graph.mod, b.profile.tvm_target(), b.toolchain)
     library = b.staging / bundle.LIBRARY
     export(b.executable, library, b.toolchain)
     machine = elf_machine(library)
@@ -190,10 +207,12 @@ def _golden(b: _Build) -> None:
         executable, b.golden_from = b.executable, "the bundle's own library, on the build host"
     else:
         host = profiles()["host"]
-        executable = build(b.mod, host.tvm_target())
+        executable = build(b.graph.mod, host.tvm_target())
         b.golden_from = f"a TVM LLVM build for the build host ({host.cpu.mcpu})"
     inputs = golden_inputs(b.model.inputs)
-    outputs = run_executable(executable, list(inputs.values()), b.params)
+    tvm = import_tvm()
+    params = [tvm.runtime.tensor(w) for w in b.graph.weight_list()]
+    outputs = run_executable(executable, list(inputs.values()), params)
     arrays = {f"input:{k}": v for k, v in inputs.items()}
     arrays.update({f"output:{spec.name}": out for spec, out in zip(b.outputs, outputs)})
     np.savez(b.staging / bundle.GOLDEN, **arrays)
@@ -219,10 +238,14 @@ def _device_record(profile: Profile) -> dict[str, Any]:
 def _bundle(b: _Build) -> None:
     tvm = import_tvm()
     library = b.staging / bundle.LIBRARY
-    weight_arrays = [p.numpy() for p in b.params]
+    weight_arrays = b.graph.weight_list()
     np.savez(b.staging / bundle.WEIGHTS, **{f"{i:04d}": w for i, w in enumerate(weight_arrays)})
+    extra_files = []
+    if b.quantization is not None:
+        np.savez(b.staging / bundle.QUANT_PARAMS, **b.quantization.scales)
+        extra_files.append(bundle.QUANT_PARAMS)
     content_hash = hashlib.sha256()
-    for name in (bundle.LIBRARY, bundle.WEIGHTS):
+    for name in (bundle.LIBRARY, bundle.WEIGHTS, *extra_files):
         content_hash.update(bundle.sha256_file(b.staging / name).encode())
     created = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0)
     weights = b.staging / bundle.WEIGHTS
@@ -252,8 +275,9 @@ def _bundle(b: _Build) -> None:
         },
         "weights": {
             "file": bundle.WEIGHTS,
-            "count": len(b.params),
-            "names": b.param_names,
+            "count": len(weight_arrays),
+            "names": [p.name for p in b.graph.weight_params],
+            "dtypes": sorted({str(w.dtype) for w in weight_arrays}),
             "bytes": int(sum(w.nbytes for w in weight_arrays)),
             "file_bytes": weights.stat().st_size,
         },
@@ -265,9 +289,10 @@ def _bundle(b: _Build) -> None:
             "atol": GOLDEN_ATOL,
             "atol_scaled_by": "max(1, max |expected output|)",
         },
+        "quantization": b.quantization.report if b.quantization else None,
         "build": {"args": b.args.to_dict(), "stage_seconds": dict(b.progress.seconds)},
     }
-    b.manifest = bundle.write_bundle(b.staging, manifest)
+    b.manifest = bundle.write_bundle(b.staging, manifest, extra_files)
     # The archive is made from the staging folder under the final name, then both are renamed into place.
     final_dir = b.out_dir / b.bundle_name
     named = b.staging / b.bundle_name
@@ -287,6 +312,7 @@ STAGES: list[tuple[str, Callable[[_Build], str], Callable[[_Build], None]]] = [
     ("check", lambda b: f"device {b.args.device}, compilers, output folder", _check),
     ("load", lambda b: f"read and check {b.args.model}", _load),
     ("import", lambda b: "ONNX -> Relax IRModule", _import),
+    ("quantize", lambda b: f"calibrate ({b.args.quantize.method}) and quantize to {b.args.precision}", _quantize),
     ("compile", lambda b: _compile_description(b), _compile),
     ("golden", lambda b: "golden input and outputs on the build host", _golden),
     ("bundle", lambda b: f"write {b.out_dir / b.bundle_name} and .tar.gz", _bundle),
@@ -303,10 +329,11 @@ def _compile_description(b: _Build) -> str:
 def package(args: PackageArgs, progress: StageProgress | None = None) -> PackageResult:
     """Package ``args.model`` for ``args.device``. Raises EdgeqError subclasses with one-line messages."""
     progress = progress or StageProgress(quiet=True)
-    progress.total = len(STAGES)
+    stages = [s for s in STAGES if s[0] != "quantize" or args.precision != "fp32"]
+    progress.total = len(stages)
     b = _Build(args=args, progress=progress)
     try:
-        for name, describe, run in STAGES:
+        for name, describe, run in stages:
             with progress.stage(name, describe(b)):
                 run(b)
     except BaseException:

@@ -16,24 +16,35 @@ class StageProgress:
         self.quiet = quiet
         self.total = total
         self.seconds: dict[str, float] = {}
+        self._status = None
+        self._status_text = ""
         self._started = time.perf_counter()
 
     def note(self, text: str) -> None:
         if not self.quiet:
             self.console.print(text, highlight=False)
 
+    def tick(self, label: str, done: int, total: int) -> None:
+        """Progress inside a stage: a live line on a terminal, every quarter elsewhere."""
+        if self.quiet or total <= 0:
+            return
+        if self._status is not None:
+            self._status.update(f"{self._status_text} - {label} {done}/{total}")
+        elif done == total or done * 4 // total != (done - 1) * 4 // total:
+            self.console.print(f"      {label}: {done}/{total}", highlight=False)
+
     @contextlib.contextmanager
     def stage(self, name: str, description: str) -> Iterator[None]:
         index = len(self.seconds) + 1
         counter = f"[{index}/{self.total}]" if self.total else f"[{index}]"
         start = time.perf_counter()
-        spinner = (
-            self.console.status(f"{counter} {name}: {description}")
-            if self.console.is_terminal and not self.quiet
-            else contextlib.nullcontext()
-        )
-        with spinner:
-            yield
+        self._status_text = f"{counter} {name}: {description}"
+        self._status = self.console.status(self._status_text) if self.console.is_terminal and not self.quiet else None
+        try:
+            with self._status or contextlib.nullcontext():
+                yield
+        finally:
+            self._status = None
         self.seconds[name] = round(time.perf_counter() - start, 3)
         self.note(f"{counter} {name}: {description} [dim]({self.seconds[name]:.1f} s)[/dim]")
 

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from edgeq.errors import ModelError
+from edgeq.graph import Graph
 from edgeq.load import LoadedModel, TensorSpec
 from edgeq.toolchain import import_tvm
 
@@ -30,8 +29,8 @@ def _tensor_specs(ret_ty, names: list[str]) -> list[TensorSpec]:
     return specs
 
 
-def to_relax(loaded: LoadedModel) -> tuple[Any, list, list[str], list[TensorSpec]]:
-    """Import the model. Returns (IRModule, weights, weight names, output specs)."""
+def to_relax(loaded: LoadedModel) -> tuple[Graph, list[TensorSpec]]:
+    """Import the model. Returns the graph (Relax module + named weights) and the output specs."""
     import_tvm()
     from tvm import relax
     from tvm.relax.frontend.onnx import from_onnx
@@ -56,7 +55,9 @@ def to_relax(loaded: LoadedModel) -> tuple[Any, list, list[str], list[TensorSpec
     weights = list(params.get("main", []))
     names = [p.name for p in func.params[len(loaded.inputs) :]]
     outputs = _tensor_specs(func.ret_ty, [o.name for o in loaded.onnx_model.graph.output])
-    return mod, weights, names, outputs
+    if len(set(names)) != len(names):
+        raise ModelError(f"{loaded.path.name}: weight names are not unique after import; rename the initializers")
+    return Graph(mod, {n: w.numpy() for n, w in zip(names, weights)}), outputs
 
 
 def _tvm_version() -> str:

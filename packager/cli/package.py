@@ -7,7 +7,11 @@ from pathlib import Path
 
 from rich.table import Table
 
+from edgeq.errors import UsageError
 from edgeq.load import parse_shape
+from edgeq.quantize import DEFAULT_METHOD, QuantizeArgs
+from edgeq.quantize.calibrators import CALIBRATORS
+from edgeq.quantize.data import Preprocess
 from edgeq.package import PRECISIONS, PackageArgs, package
 from edgeq.progress import StageProgress
 
@@ -24,13 +28,46 @@ def add_parser(sub) -> None:
     parser.add_argument("--input-shape", action="append", default=[], metavar="NAME=1x3x224x224",
                         help="fix the shape of an input with dynamic dims; repeat per input")
     parser.add_argument("--name", help="bundle name (default: the model file's name)")
-    parser.add_argument("--precision", choices=PRECISIONS, default="fp32", help="numeric precision (default: fp32)")
+    parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                        help="fp32; int8 (post-training quantization, needs --calibrate); mixed (int8, with the most "
+                             "sensitive layers returned to float until --accuracy-budget holds)")
+    q = parser.add_argument_group("quantization (--precision int8 / mixed)")
+    q.add_argument("--calibrate", type=Path, metavar="DATA",
+                   help=".npz (one array per input, samples first), a folder of .npy/.npz, or a folder of images")
+    q.add_argument("--calibration", choices=list(CALIBRATORS), default=DEFAULT_METHOD,
+                   help=f"activation range method (default: {DEFAULT_METHOD})")
+    q.add_argument("--percentile", type=float, default=99.99, help="for --calibration percentile (default 99.99)")
+    q.add_argument("--calib-samples", type=int, default=256, metavar="N", help="calibration samples to use (default 256)")
+    q.add_argument("--preprocess", nargs="?", const="", metavar="SPEC",
+                   help="how to turn images into inputs: resize=HxW,mean=a/b/c,std=a/b/c,scale=255,layout=NCHW,order=RGB")
+    q.add_argument("--skip", action="append", default=[], metavar="NODE_OR_OP",
+                   help="keep this ONNX node (by name) or op type (Conv, Gemm, MatMul) in fp32; repeatable")
+    q.add_argument("--fp16", action="store_true", help="layers leaving int8 for the accuracy budget run fp16, not fp32")
+    q.add_argument("--accuracy-budget", type=float, metavar="X",
+                   help="allowed loss: top-1 points when --eval has labels, else relative output error (e.g. 0.02)")
+    q.add_argument("--eval", type=Path, metavar="DATA", help="held-out data (same formats; 'labels' for top-1)")
     parser.add_argument("--json", action="store_true", help="print the result as one JSON object")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress output")
 
 
 def run(args, env) -> int:
     shapes = dict(parse_shape(text) for text in args.input_shape)
+    quantize_args = None
+    if args.calibrate is not None:
+        budget = args.accuracy_budget
+        if args.precision == "mixed" and budget is None:
+            raise UsageError("--precision mixed needs --accuracy-budget X (top-1 points, or relative output error)")
+        quantize_args = QuantizeArgs(
+            calibrate=args.calibrate,
+            method=args.calibration,
+            percentile=args.percentile,
+            samples=args.calib_samples,
+            skip=tuple(args.skip),
+            fallback="fp16" if args.fp16 else "fp32",
+            accuracy_budget=budget,
+            eval=args.eval,
+            preprocess=Preprocess.parse(args.preprocess) if args.preprocess is not None else None,
+        )
     package_args = PackageArgs(
         model=args.model,
         device=args.device,
@@ -38,6 +75,7 @@ def run(args, env) -> int:
         input_shapes=shapes,
         name=args.name,
         precision=args.precision,
+        quantize=quantize_args,
     )
     progress = StageProgress(console=env.err(), quiet=args.quiet)
     result = package(package_args, progress)
@@ -58,5 +96,28 @@ def run(args, env) -> int:
     ]
     for key, value in rows:
         view.add_row(key, value)
-    env.out().print(view)
+    out = env.out()
+    out.print(view)
+    report = result.manifest.get("quantization")
+    if report:
+        out.print(quantization_table(report))
     return 0
+
+
+def quantization_table(report: dict) -> Table:
+    ev = report["evaluation"]
+    summary = f"rel. output error {ev['rel_error']:.4f}, cosine {ev['cosine']:.5f}"
+    if "top1_agreement" in ev:
+        summary += f", top-1 agreement {ev['top1_agreement']:.1f}%"
+    if "top1_fp32" in ev:
+        summary += f", top-1 fp32 {ev['top1_fp32']:.1f}% -> quantized {ev['top1_quantized']:.1f}%"
+    w = report["weight_bytes"]
+    summary += f"; weights {w['fp32'] / 1e3:.1f} kB -> {w['quantized'] / 1e3:.1f} kB ({w['ratio']:.2f}x)"
+    table = Table(title=f"quantization ({report['method']}): {summary}")
+    for column in ("layer", "op", "precision", "act scale", "SQNR dB", "why not int8"):
+        table.add_column(column)
+    for row in report["layers"]:
+        table.add_row(row["name"], row["op_type"], row["precision"],
+                      f"{row['activation_scale']:.4g}" if row.get("activation_scale") else "-",
+                      f"{row['sqnr_db']:.1f}" if row.get("sqnr_db") is not None else "-", row["reason"] or "-")
+    return table

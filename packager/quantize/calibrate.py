@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
-from edgeq.quantize.graph import Graph, Rewriter, rewrite, tvm
+from edgeq.graph import Graph, Rewriter, rewrite, tvm
 from edgeq.quantize.layers import Layer
 
 BINS = 2048

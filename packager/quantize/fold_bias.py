@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from edgeq.quantize.graph import Graph, Rewriter, call_op, const_value, relax, rewrite
+from edgeq.graph import Graph, Rewriter, call_op, const_value, relax, rewrite
 
 
 def _bias(rw: Rewriter, expr):

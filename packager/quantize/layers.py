@@ -7,7 +7,7 @@ import dataclasses
 
 import onnx
 
-from edgeq.quantize.graph import Graph, call_op
+from edgeq.graph import Graph, call_op
 
 PRECISIONS = ("int8", "fp16", "fp32")
 

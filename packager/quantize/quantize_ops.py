@@ -16,7 +16,7 @@ import dataclasses
 
 import numpy as np
 
-from edgeq.quantize.graph import Graph, Rewriter, call_op, relax, rewrite
+from edgeq.graph import Graph, Rewriter, call_op, relax, rewrite
 
 QMAX = 127
 
@@ -48,14 +48,20 @@ def _quantize_input(rw: Rewriter, x, scale: float):
     return rw.emit(relax.op.quantize(rw.new(x), rw.const(scale), rw.const(0, "int8"), axis=-1, out_dtype="int8"))
 
 
-def quantize_ops(graph: Graph, plans: dict[str, LayerPlan]) -> Graph:
-    """Rewrite every conv2d/matmul whose weight parameter has a plan (keyed by weight name)."""
+def quantize_ops(graph: Graph, plans: dict[str, LayerPlan], taps: list[str] | None = None) -> Graph:
+    """Rewrite every conv2d/matmul whose weight parameter has a plan (keyed by weight name).
+
+    ``taps`` (weight names) adds the output of those layers, after the rewrite, as extra outputs: the
+    per-layer comparison of a float and a quantized graph uses it."""
+    layer_vars = {}
 
     def visit(rw: Rewriter, var, value):
         op = call_op(value)
         if op not in ("relax.nn.conv2d", "relax.matmul"):
             return None
         weight_var, transposed = rw.weight_operand(value)
+        if weight_var is not None:
+            layer_vars[weight_var.name] = var
         plan = plans.get(weight_var.name) if weight_var is not None else None
         if plan is None or plan.precision == "fp32":
             return None
@@ -82,4 +88,5 @@ def quantize_ops(graph: Graph, plans: dict[str, LayerPlan]) -> Graph:
         return relax.op.dequantize(acc, rw.const(plan.act_scale * ws), rw.const(0, "int8"), axis=axis,
                                    out_dtype="float32")
 
-    return rewrite(graph, visit)
+    extra = (lambda rw: [rw.new(layer_vars[name]) for name in taps]) if taps else None
+    return rewrite(graph, visit, extra)

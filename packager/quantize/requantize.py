@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from edgeq.quantize.graph import Graph, Rewriter, call_op, const_value, relax, rewrite
+from edgeq.graph import Graph, Rewriter, call_op, const_value, relax, rewrite
 
 
 def requantize_expr(rw: Rewriter, acc, ratio, axis: int, ndim: int, lo: int, hi: int):

@@ -1,0 +1,221 @@
+"""INT8 post-training quantization on Relax.
+
+    stats  = calibrate.collect(float graph, layers, calibration data)     # host TVM run, two passes
+    scales = CALIBRATORS[method].threshold(stats) / 127                   # per-tensor activation scales
+    graph  = requantize(fold_bias(quantize_ops(graph, plans)))             # the passes, in this order
+
+Layers named by ``--skip`` stay in float; with an accuracy budget the layers whose int8 version costs the
+most accuracy on their own go back to the fallback precision (fp32, or fp16 with ``--fp16``) one at a time
+until the budget holds. The report (manifest section ``quantization``) says what ran in which precision and
+why, with per-layer SQNR and the output error on the evaluation data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edgeq.errors import UsageError
+from edgeq.graph import Graph
+from edgeq.load import LoadedModel
+from edgeq.quantize.calibrate import HostRunner, collect
+from edgeq.quantize.calibrators import CALIBRATORS
+from edgeq.quantize.data import Dataset, Preprocess, load_data
+from edgeq.quantize.fold_bias import fold_bias
+from edgeq.quantize.layers import Layer, find_layers
+from edgeq.quantize.quantize_ops import QMAX, LayerPlan, quantize_ops, quantize_weight
+from edgeq.quantize.requantize import requantize
+
+DEFAULT_METHOD = "percentile"
+MIN_CALIBRATION_SAMPLES = 10
+MAX_EVAL_SAMPLES = 1000
+
+PASSES: list[tuple[str, Callable[[Graph], Graph]]] = [("fold_bias", fold_bias), ("requantize", requantize)]
+
+
+@dataclasses.dataclass
+class QuantizeArgs:
+    calibrate: Path
+    method: str = DEFAULT_METHOD
+    percentile: float = 99.99
+    samples: int = 256
+    skip: tuple[str, ...] = ()
+    fallback: str = "fp32"  # precision of layers that leave int8 by the budget: fp32 or fp16
+    accuracy_budget: float | None = None  # top-1 points with labelled eval data, else relative output error
+    eval: Path | None = None
+    preprocess: Preprocess | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out.update(calibrate=str(self.calibrate), eval=str(self.eval) if self.eval else None, skip=list(self.skip),
+                   preprocess=self.preprocess.to_dict() if self.preprocess else None)
+        return out
+
+
+@dataclasses.dataclass
+class QuantizeResult:
+    graph: Graph
+    layers: list[Layer]
+    report: dict[str, Any]
+    scales: dict[str, np.ndarray]  # what quant_params.npz holds
+
+
+def check_args(args: QuantizeArgs) -> None:
+    if args.method not in CALIBRATORS:
+        raise UsageError(f"unknown calibration '{args.method}'; choose one of: {', '.join(CALIBRATORS)}")
+    if not 0 < args.percentile <= 100:
+        raise UsageError(f"--percentile {args.percentile} must be in (0, 100]")
+    if args.samples < 1:
+        raise UsageError("--calib-samples must be at least 1")
+    if args.fallback not in ("fp32", "fp16"):
+        raise UsageError(f"fallback precision must be fp32 or fp16, not {args.fallback}")
+    if args.accuracy_budget is not None and args.accuracy_budget < 0:
+        raise UsageError("--accuracy-budget must be >= 0")
+
+
+def _apply_skip(layers: list[Layer], skip: tuple[str, ...]) -> None:
+    for item in skip:
+        hits = [l for l in layers if item in (l.name, l.op_type, l.weight)]
+        if not hits:
+            names = ", ".join(l.name for l in layers)
+            raise UsageError(f"--skip '{item}' matches no quantizable layer or op type; layers: {names}")
+        for layer in hits:
+            layer.precision, layer.reason = "fp32", f"--skip {item}"
+
+
+def build_graph(graph: Graph, layers: list[Layer], act_scales: dict[str, float]) -> Graph:
+    plans = {l.weight: LayerPlan(l.precision, act_scales.get(l.weight, 0.0)) for l in layers}
+    out = quantize_ops(graph, plans)
+    for _, run in PASSES:
+        out = run(out)
+    return out
+
+
+class Evaluator:
+    """Runs the float graph once over the evaluation data and compares any candidate graph against it."""
+
+    def __init__(self, graph: Graph, data: Dataset, specs):
+        self.data, self.specs = data, specs
+        runner = HostRunner(graph)
+        self.reference = [runner(batch)[0] for batch in data.batches(specs)]
+
+    def metrics(self, candidate: Graph) -> dict[str, Any]:
+        runner = HostRunner(candidate)
+        got = [runner(batch)[0] for batch in self.data.batches(self.specs)]
+        f = np.concatenate([r.reshape(len(r), -1) if r.ndim > 1 else r[None] for r in self.reference])
+        q = np.concatenate([r.reshape(len(r), -1) if r.ndim > 1 else r[None] for r in got])
+        out = {
+            "samples": int(len(f)),
+            "rel_error": float(np.linalg.norm(q - f) / max(np.linalg.norm(f), 1e-12)),
+            "cosine": float(np.sum(q * f) / max(np.linalg.norm(q) * np.linalg.norm(f), 1e-12)),
+        }
+        if self.reference[0].ndim == 2 and self.reference[0].shape[-1] > 1:  # logits: classification metrics
+            top_f, top_q = f.argmax(axis=1), q.argmax(axis=1)
+            out["top1_agreement"] = float(np.mean(top_f == top_q) * 100)
+            if self.data.labels is not None:
+                labels = self.data.labels[: len(top_f)]
+                out["top1_fp32"] = float(np.mean(top_f == labels) * 100)
+                out["top1_quantized"] = float(np.mean(top_q == labels) * 100)
+        return out
+
+    def budget_metric(self, metrics: dict[str, Any]) -> tuple[str, float]:
+        if "top1_fp32" in metrics:
+            return "top-1 drop (points)", metrics["top1_fp32"] - metrics["top1_quantized"]
+        return "relative output error", metrics["rel_error"]
+
+
+def _sqnr_per_layer(graph: Graph, layers: list[Layer], act_scales: dict[str, float], data: Dataset, specs) -> dict[str, float]:
+    """SQNR (dB) of each quantized layer's output against the float model's, all layers quantized."""
+    names = [l.weight for l in layers]
+    plans = {l.weight: LayerPlan(l.precision, act_scales.get(l.weight, 0.0)) for l in layers}
+    ref, quant = HostRunner(quantize_ops(graph, {}, taps=names)), HostRunner(quantize_ops(graph, plans, taps=names))
+    signal, noise = np.zeros(len(names)), np.zeros(len(names))
+    n_out = len(ref([b for b in data.batches(specs)][0])) - len(names)
+    for batch in data.batches(specs):
+        for i, (f, q) in enumerate(zip(ref(batch)[n_out:], quant(batch)[n_out:])):
+            signal[i] += float(np.sum(f.astype(np.float64) ** 2))
+            noise[i] += float(np.sum((f.astype(np.float64) - q) ** 2))
+    return {n: float(10 * np.log10(s / nz)) if nz > 0 else float("inf") for n, s, nz in zip(names, signal, noise)}
+
+
+def quantize(graph: Graph, model: LoadedModel, args: QuantizeArgs, note: Callable[[str], None] = lambda _: None,
+             tick: Callable[[str, int, int], None] | None = None) -> QuantizeResult:
+    """Quantize ``graph`` (the float import of ``model``). ``note`` receives progress lines."""
+    check_args(args)
+    specs = model.inputs
+    calibrator = CALIBRATORS[args.method]
+    calib = load_data(args.calibrate, specs, "calibration", args.preprocess, args.samples, MIN_CALIBRATION_SAMPLES)
+    evaluation = (load_data(args.eval, specs, "evaluation", args.preprocess, MAX_EVAL_SAMPLES) if args.eval
+                  else calib)
+    layers = find_layers(graph, model.onnx_model)
+    if not layers:
+        raise UsageError(f"{model.path.name} has no Conv, Gemm or MatMul with weights to quantize; package it as fp32")
+    _apply_skip(layers, args.skip)
+    runs = calib.count // (specs[0].shape[0] if specs[0].shape else 1)
+    note(f"calibrating {len(layers)} layers on {calib.count} samples from {calib.source} ({args.method})")
+    stats = collect(graph, layers, lambda: calib.batches(specs), calibrator.needs_histogram,
+                    (lambda phase, i: tick(phase, i, runs)) if tick else None)
+    thresholds = {l.weight: calibrator.threshold(st, percentile=args.percentile) for l, st in zip(layers, stats)}
+    act_scales = {w: (t if t > 0 else 1.0) / QMAX for w, t in thresholds.items()}
+
+    evaluator = Evaluator(graph, evaluation, specs)
+    quantized = build_graph(graph, layers, act_scales)
+    metrics = evaluator.metrics(quantized)
+    decisions = []
+    if args.accuracy_budget is not None:
+        label, value = evaluator.budget_metric(metrics)
+        if value > args.accuracy_budget:
+            note(f"{label} {value:.4g} exceeds the budget {args.accuracy_budget}: measuring each layer alone")
+            alone = {}
+            for layer in layers:
+                if layer.precision == "int8":
+                    solo = [dataclasses.replace(l, precision="int8" if l is layer else "fp32") for l in layers]
+                    alone[layer.weight] = evaluator.budget_metric(evaluator.metrics(build_graph(graph, solo, act_scales)))[1]
+            for layer in sorted((l for l in layers if l.weight in alone), key=lambda l: -alone[l.weight]):
+                if value <= args.accuracy_budget:
+                    break
+                layer.precision = args.fallback
+                layer.reason = f"accuracy budget: alone in int8 it costs {alone[layer.weight]:.4g} ({label})"
+                quantized = build_graph(graph, layers, act_scales)
+                metrics = evaluator.metrics(quantized)
+                value = evaluator.budget_metric(metrics)[1]
+                decisions.append({"layer": layer.name, "to": args.fallback, "alone": alone[layer.weight], "after": value})
+                note(f"  {layer.name} -> {args.fallback}: {label} now {value:.4g}")
+        metrics.update(budget=args.accuracy_budget, budget_metric=label, budget_value=value,
+                       budget_met=bool(value <= args.accuracy_budget))
+
+    sqnr = _sqnr_per_layer(graph, layers, act_scales, evaluation, specs)
+    scales, layer_rows = {}, []
+    for layer, st in zip(layers, stats):
+        row = layer.to_dict()
+        row.update(calibration=st.to_dict(), sqnr_db=round(sqnr[layer.weight], 2) if layer.precision == "int8" else None)
+        if layer.precision == "int8":
+            w_scale = quantize_weight(graph.weights[layer.weight], layer.channel_axis)[1]
+            scales[f"{layer.name}/activation_scale"] = np.float32(act_scales[layer.weight])
+            scales[f"{layer.name}/weight_scale"] = w_scale
+            row.update(activation_scale=act_scales[layer.weight], activation_threshold=thresholds[layer.weight],
+                       weight_scale_min=float(w_scale.min()), weight_scale_max=float(w_scale.max()))
+        layer_rows.append(row)
+    fp32_bytes = int(sum(w.nbytes for w in graph.weights.values()))
+    q_bytes = int(sum(w.nbytes for w in quantized.weights.values()))
+    report = {
+        "method": args.method,
+        "percentile": args.percentile if args.method == "percentile" else None,
+        "activations": "int8, per-tensor, symmetric (zero point 0)",
+        "weights": "int8, per-output-channel, symmetric",
+        "accumulation": "int32, bias added in int32, requantized or dequantized in the epilogue",
+        "calibration": {"source": calib.source, "samples": calib.count},
+        "layers": layer_rows,
+        "precision_counts": {p: sum(l.precision == p for l in layers) for p in ("int8", "fp16", "fp32")},
+        "evaluation": {"source": evaluation.source if args.eval else f"{calib.source} (calibration data; no --eval)",
+                       **metrics},
+        "fallbacks": decisions,
+        "weight_bytes": {"fp32": fp32_bytes, "quantized": q_bytes, "ratio": round(q_bytes / max(fp32_bytes, 1), 4)},
+        "scales_file": "quant_params.npz",
+        "args": args.to_dict(),
+    }
+    return QuantizeResult(quantized, layers, report, scales)

@@ -1,0 +1,225 @@
+"""Calibration and evaluation data: a .npz file, a folder of .npy/.npz files, or a folder of images with
+``--preprocess``. Everything is checked against the model's inputs before any work starts.
+
+Arrays hold samples along their first axis: for an input of shape (B, C, H, W) an array may be (N, C, H, W)
+(N samples, run B at a time) or (N, B, C, H, W) (N batches). An optional ``labels`` array (one class index
+per sample) gives top-1 accuracy. Image folders: ``root/*.png`` or ``root/<class>/*.png`` (classes sorted
+by name become the labels).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from edgeq.errors import UsageError
+from edgeq.load import TensorSpec
+
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm"}
+LABEL_KEYS = ("labels", "label")
+
+
+class DataError(UsageError):
+    """Calibration or evaluation data that does not fit the model."""
+
+
+@dataclasses.dataclass
+class Preprocess:
+    """How images become input tensors: resize, scale to [0, 1], normalise, lay out."""
+
+    resize: tuple[int, int] | None = None  # (H, W); default: the model input's
+    mean: tuple[float, ...] = (0.0,)
+    std: tuple[float, ...] = (1.0,)
+    scale: float = 255.0
+    layout: str = "NCHW"
+    order: str = ""  # RGB, BGR or GRAY; default from the input's channel count
+
+    @classmethod
+    def parse(cls, text: str) -> "Preprocess":
+        """``resize=224x224,mean=0.485/0.456/0.406,std=0.229/0.224/0.225,layout=NCHW,order=RGB,scale=255``."""
+        pre = cls()
+        for item in filter(None, (t.strip() for t in text.split(","))):
+            key, sep, value = item.partition("=")
+            try:
+                if not sep:
+                    raise ValueError
+                if key == "resize":
+                    h, w = (int(v) for v in value.lower().split("x"))
+                    pre.resize = (h, w)
+                elif key in ("mean", "std"):
+                    setattr(pre, key, tuple(float(v) for v in value.split("/")))
+                elif key == "scale":
+                    pre.scale = float(value)
+                elif key == "layout" and value.upper() in ("NCHW", "NHWC"):
+                    pre.layout = value.upper()
+                elif key == "order" and value.upper() in ("RGB", "BGR", "GRAY"):
+                    pre.order = value.upper()
+                else:
+                    raise ValueError
+            except ValueError:
+                raise DataError(
+                    f"--preprocess item '{item}' is not understood; use resize=HxW, mean=a/b/c, std=a/b/c, "
+                    "scale=255, layout=NCHW|NHWC, order=RGB|BGR|GRAY"
+                ) from None
+        if any(s == 0 for s in pre.std):
+            raise DataError("--preprocess std must not be 0")
+        return pre
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class Dataset:
+    """Samples per input (first axis = sample) and optional labels."""
+
+    arrays: dict[str, np.ndarray]
+    labels: np.ndarray | None
+    source: str
+
+    @property
+    def count(self) -> int:
+        return len(next(iter(self.arrays.values())))
+
+    def batches(self, specs: list[TensorSpec]) -> Iterator[list[np.ndarray]]:
+        """Model-shaped input lists: B consecutive samples per run for a batch-B input."""
+        batch = specs[0].shape[0] if specs[0].shape else 1
+        for start in range(0, self.count - batch + 1, batch):
+            yield [self.arrays[s.name][start : start + batch].reshape(s.shape) for s in specs]
+
+    def take(self, n: int) -> "Dataset":
+        return Dataset({k: v[:n] for k, v in self.arrays.items()},
+                       None if self.labels is None else self.labels[:n], self.source)
+
+
+def _sample_view(name: str, array: np.ndarray, spec: TensorSpec, what: str) -> np.ndarray:
+    """``array`` as (N, *per-sample shape) where a sample is one row of the input's batch."""
+    shape = tuple(spec.shape)
+    per_sample = shape[1:] if shape else ()
+    if array.shape[1:] == per_sample and array.ndim == len(shape):
+        out = array
+    elif array.shape[1:] == shape:
+        out = array.reshape((-1,) + per_sample)
+    else:
+        want = "x".join(map(str, (("N",) + per_sample)))
+        raise DataError(
+            f"{what} array '{name}' has shape {'x'.join(map(str, array.shape))}; input '{spec.name}' "
+            f"({'x'.join(map(str, shape))}) needs {want} (samples first)"
+        )
+    want_dtype = np.dtype(spec.dtype)
+    if out.dtype != want_dtype:
+        if out.dtype.kind == "f" and want_dtype.kind == "f":
+            out = out.astype(want_dtype)
+        else:
+            raise DataError(
+                f"{what} array '{name}' is {out.dtype} but input '{spec.name}' is {want_dtype}; "
+                "convert the data (images: use a folder with --preprocess)"
+            )
+    if out.dtype.kind == "f" and not np.isfinite(out).all():
+        bad = int(np.argmax(~np.isfinite(out.reshape(len(out), -1)).all(axis=1)))
+        raise DataError(f"{what} array '{name}' has NaN or Inf (first in sample {bad}); clean the data")
+    return out
+
+
+def _from_arrays(arrays: dict[str, np.ndarray], specs: list[TensorSpec], what: str, source: str) -> Dataset:
+    labels = next((arrays.pop(k) for k in LABEL_KEYS if k in arrays), None)
+    names = [s.name for s in specs]
+    if len(specs) == 1 and len(arrays) == 1 and names[0] not in arrays and next(iter(arrays)) == "arr_0":
+        arrays = {names[0]: arrays.pop("arr_0")}  # a bare .npy or np.savez(f, x): the single input
+    unknown = sorted(set(arrays) - set(names))
+    if unknown:
+        raise DataError(f"{what} data {source} has array(s) {', '.join(unknown)} but the model's inputs are: {', '.join(names)}")
+    missing = [n for n in names if n not in arrays]
+    if missing:
+        raise DataError(f"{what} data {source} has no array for input(s) {', '.join(missing)}")
+    views = {s.name: _sample_view(s.name, arrays[s.name], s, what) for s in specs}
+    counts = {len(v) for v in views.values()}
+    if len(counts) != 1:
+        raise DataError(f"{what} data {source}: inputs have different sample counts {sorted(counts)}")
+    if labels is not None:
+        labels = np.asarray(labels).reshape(-1)
+        if labels.dtype.kind not in "iu" or len(labels) != counts.pop():
+            raise DataError(f"{what} data {source}: 'labels' must be one integer class per sample")
+    return Dataset(views, labels, source)
+
+
+def _read_npz(path: Path) -> dict[str, np.ndarray]:
+    try:
+        if path.suffix == ".npy":
+            return {"arr_0": np.load(path, allow_pickle=False)}
+        with np.load(path, allow_pickle=False) as archive:
+            return {k: archive[k] for k in archive.files}
+    except (OSError, ValueError, EOFError) as err:
+        raise DataError(f"cannot read {path}: {err}") from None
+
+
+def _images(paths: list[Path], root: Path, spec: TensorSpec, pre: Preprocess, what: str) -> Dataset:
+    from PIL import Image, UnidentifiedImageError
+
+    layout = pre.layout
+    shape = spec.shape
+    channels = shape[1] if layout == "NCHW" else shape[-1]
+    size = pre.resize or ((shape[2], shape[3]) if layout == "NCHW" else (shape[1], shape[2]))
+    order = pre.order or ("GRAY" if channels == 1 else "RGB")
+    if (order == "GRAY") != (channels == 1):
+        raise DataError(f"--preprocess order={order} gives {1 if order == 'GRAY' else 3} channels; input '{spec.name}' has {channels}")
+    classes = sorted({p.parent.relative_to(root).as_posix() for p in paths} - {"."})
+    samples, labels = [], []
+    for path in paths:
+        try:
+            with Image.open(path) as image:
+                image = image.convert("L" if order == "GRAY" else "RGB").resize((size[1], size[0]), Image.BILINEAR)
+                pixels = np.asarray(image, dtype=np.float32)
+        except (OSError, UnidentifiedImageError, ValueError) as err:
+            raise DataError(f"cannot read image {path}: {err}") from None
+        if order == "GRAY":
+            pixels = pixels[:, :, None]
+        elif order == "BGR":
+            pixels = pixels[:, :, ::-1]
+        pixels = (pixels / pre.scale - np.asarray(pre.mean, np.float32)) / np.asarray(pre.std, np.float32)
+        samples.append(pixels.transpose(2, 0, 1) if layout == "NCHW" else pixels)
+        if classes:
+            labels.append(classes.index(path.parent.relative_to(root).as_posix()))
+    arrays = {spec.name: np.stack(samples).astype(spec.dtype)}
+    if classes:
+        arrays["labels"] = np.asarray(labels, np.int64)
+    return _from_arrays(arrays, [spec], what, str(root))
+
+
+def load_data(path: str | Path, specs: list[TensorSpec], what: str = "calibration",
+              preprocess: Preprocess | None = None, limit: int | None = None, minimum: int = 1) -> Dataset:
+    """Read and check data for the model's inputs. ``what`` names the data in error messages."""
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"{what} data not found: {path}")
+    if path.is_file():
+        if path.suffix not in (".npz", ".npy"):
+            raise DataError(f"{what} data {path} is not .npz or .npy; give a .npz, a folder of .npy/.npz, or images")
+        data = _from_arrays(_read_npz(path), specs, what, str(path))
+    else:
+        files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+        images = [p for p in files if p.suffix.lower() in IMAGE_SUFFIXES]
+        arrays = [p for p in files if p.suffix in (".npy", ".npz")]
+        if images and not arrays:
+            if preprocess is None:
+                raise DataError(f"{what} folder {path} holds images: say how to prepare them with --preprocess")
+            if len(specs) != 1:
+                raise DataError(f"image {what} data needs a model with one input; this one has {len(specs)}")
+            data = _images(images, path, specs[0], preprocess, what)
+        elif arrays:
+            parts = [_from_arrays(_read_npz(p), specs, what, str(p)) for p in arrays]
+            merged = {s.name: np.concatenate([d.arrays[s.name] for d in parts]) for s in specs}
+            labels = [d.labels for d in parts]
+            data = Dataset(merged, np.concatenate(labels) if all(x is not None for x in labels) else None, str(path))
+        else:
+            raise DataError(f"{what} folder {path} has no .npy, .npz or image files")
+    if limit is not None:
+        data = data.take(limit)
+    batch = specs[0].shape[0] if specs[0].shape else 1
+    need = max(minimum, batch)
+    if data.count < need:
+        raise DataError(f"{what} data {data.source} has {data.count} sample(s); at least {need} are needed")
+    return data
