@@ -166,6 +166,7 @@ def rewrite(graph: Graph, visit: Visit, extra_outputs: Callable[[Rewriter], list
         params = inputs + list(rw._params.values())
         bb.emit_func_output(output, params=params)
     func = relax.analysis.remove_all_unused(bb.get()["main"])
+    func = relax.transform.CanonicalizeBindings()(tvm.IRModule({"main": func}))["main"]  # drop `gv1 = gv` aliases
     used = set(relax.analysis.free_vars(func.body))
     kept = [p for p in func.params[len(inputs) :] if p in used]
     func = relax.Function(list(func.params[: len(inputs)]) + kept, func.body, func.ret_ty, func.is_pure, func.attrs)

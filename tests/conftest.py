@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
@@ -56,3 +57,32 @@ def run_py(bundle_dir: Path, *args: str, env: dict | None = None) -> subprocess.
         timeout=300,
         env={**os.environ, **(env or {})},
     )
+
+
+@pytest.fixture(scope="session")
+def digits(tmp_path_factory) -> dict[str, Path]:
+    """The digits CNN trained by examples/train_digits.py, with its calibration and test data."""
+    import train_digits
+
+    return train_digits.write(tmp_path_factory.mktemp("digits"))
+
+
+LOADER_PREDICT = """
+import sys, numpy as np
+sys.path.insert(0, sys.argv[1])
+import run
+model = run.Model()
+name = model.manifest["inputs"][0]["name"]
+x = np.load(sys.argv[2])["input"]
+out = [model.run({name: x[i:i + 1]})[model.manifest["outputs"][0]["name"]][0] for i in range(len(x))]
+np.save(sys.argv[3], np.stack(out))
+"""
+
+
+def predict_with_loader(bundle_dir: Path, data: Path, out: Path) -> np.ndarray:
+    """Outputs of a bundle for every sample of ``data`` (npz 'input'), computed by the bundle's own loader
+    (run.py's Model) in a fresh interpreter."""
+    proc = subprocess.run([sys.executable, "-c", LOADER_PREDICT, str(bundle_dir), str(data), str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    return np.load(out)

@@ -57,16 +57,17 @@ class Entropy:
         edges = _edges(stats)
         best, best_i = np.inf, len(hist)
         for i in range(LEVELS, len(hist) + 1, 8):
-            p = hist[:i].copy()
-            p[-1] += hist[i:].sum()
+            sliced = hist[:i]
+            p = sliced.copy()
+            p[-1] += hist[i:].sum()  # P: the distribution clipped at T (outliers land in the last bin)
             nonzero = p > 0
-            # Merge the i bins into LEVELS groups, then spread each group's mass evenly over its non-empty bins.
+            # Q: the unclipped bins merged into LEVELS groups, each group's mass spread over its non-empty bins.
             groups = np.array_split(np.arange(i), LEVELS)
             q = np.zeros(i)
             for g in groups:
                 nz = nonzero[g]
                 if nz.any():
-                    q[g[nz]] = p[g].sum() / nz.sum()
+                    q[g[nz]] = sliced[g].sum() / nz.sum()
             ps, qs = p / p.sum(), q / q.sum()
             mask = ps > 0
             kl = float(np.sum(ps[mask] * np.log(ps[mask] / np.maximum(qs[mask], 1e-12))))

@@ -39,7 +39,7 @@ def fold_bias(graph: Graph) -> Graph:
                 continue
             if bias.ndim != 1 or bias.shape[0] != s.size:
                 continue
-            bias_q = rw.param(f"{bias_var.name}.int32", np.round(bias / s).astype(np.int32))
+            bias_q = rw.param(f"{bias_var.name}_int32", np.round(bias / s).astype(np.int32))
             if shape is not None:
                 bias_q = rw.emit(relax.op.reshape(bias_q, shape))
             acc = rw.emit(relax.op.add(rw.new(deq.args[0]), bias_q))

@@ -68,7 +68,7 @@ def quantize_ops(graph: Graph, plans: dict[str, LayerPlan], taps: list[str] | No
         w = rw.weight(weight_var)
         if plan.precision == "fp16":
             x16 = rw.emit(relax.op.astype(rw.new(value.args[0]), "float16"))
-            w16 = rw.param(f"{weight_var.name}.fp16", (w.T if transposed else w).astype(np.float16))
+            w16 = rw.param(f"{weight_var.name}_fp16", (w.T if transposed else w).astype(np.float16))
             if op == "relax.nn.conv2d":
                 y = rw.emit(relax.op.nn.conv2d(x16, w16, out_dtype="float16", **_conv_attrs(value)))
             else:
@@ -77,13 +77,13 @@ def quantize_ops(graph: Graph, plans: dict[str, LayerPlan], taps: list[str] | No
         xq = _quantize_input(rw, value.args[0], plan.act_scale)
         if op == "relax.nn.conv2d":
             wq, ws = quantize_weight(w, axis=0)
-            acc = rw.emit(relax.op.nn.conv2d(xq, rw.param(f"{weight_var.name}.int8", wq), out_dtype="int32",
+            acc = rw.emit(relax.op.nn.conv2d(xq, rw.param(f"{weight_var.name}_int8", wq), out_dtype="int32",
                                              **_conv_attrs(value)))
             axis = 1
         else:
             wq, ws = quantize_weight(w, axis=0 if transposed else 1)
             wq = np.ascontiguousarray(wq.T) if transposed else wq  # stored as (K, N): no transpose at run time
-            acc = rw.emit(relax.op.matmul(xq, rw.param(f"{weight_var.name}.int8", wq), out_dtype="int32"))
+            acc = rw.emit(relax.op.matmul(xq, rw.param(f"{weight_var.name}_int8", wq), out_dtype="int32"))
             axis = -1
         return relax.op.dequantize(acc, rw.const(plan.act_scale * ws), rw.const(0, "int8"), axis=axis,
                                    out_dtype="float32")

@@ -1,0 +1,197 @@
+"""INT8 post-training quantization end to end: accuracy through the bundle's loader, integer compute in
+the IR, weight size, mixed precision, and every bad calibration input."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import predict_with_loader, run_cli
+from edgeq.graph import call_op
+from edgeq.load import load_model
+from edgeq.quantize import QuantizeArgs, quantize
+from edgeq.relax_import import to_relax
+
+
+def package_json(*argv):
+    res = run_cli("package", *argv, "--json", "-q")
+    assert res.code == 0, res.stderr
+    return json.loads(res.stdout)
+
+
+def manifest(result) -> dict:
+    return json.loads(Path(result["bundle_dir"], "manifest.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def random_data(tmp_path_factory):
+    """Calibration and held-out data from the same distribution as the ResNet-style example's inputs."""
+    root = tmp_path_factory.mktemp("random-data")
+    paths = {}
+    for name, seed, n in (("calib", 1, 64), ("eval", 2, 32)):
+        paths[name] = root / f"{name}.npz"
+        np.savez(paths[name], input=np.random.default_rng(seed).standard_normal((n, 3, 32, 32)).astype(np.float32))
+    return paths
+
+
+def test_digits_int8_accuracy_within_half_a_point_through_the_loader(digits, tmp_path):
+    fp32 = package_json(digits["model"], "--device", "host", "-o", tmp_path / "fp32")
+    int8 = package_json(digits["model"], "--device", "host", "-o", tmp_path / "int8", "--precision", "int8",
+                        "--calibrate", digits["calib"], "--eval", digits["test"])
+    labels = np.load(digits["test"])["labels"]
+    acc = {}
+    for name, result in (("fp32", fp32), ("int8", int8)):
+        logits = predict_with_loader(Path(result["bundle_dir"]), digits["test"], tmp_path / f"{name}.npy")
+        acc[name] = float(np.mean(logits.argmax(axis=1) == labels) * 100)
+    assert acc["fp32"] > 90
+    assert acc["int8"] >= acc["fp32"] - 0.5, acc
+    report = manifest(int8)["quantization"]
+    assert report["evaluation"]["top1_quantized"] == pytest.approx(acc["int8"], abs=1e-6)
+    assert report["precision_counts"] == {"int8": 3, "fp16": 0, "fp32": 0}
+    assert all(row["sqnr_db"] > 20 for row in report["layers"])
+
+
+def test_resnet_int8_cosine_and_weight_size(models, random_data, tmp_path):
+    fp32 = package_json(models["resnet_cnn"], "--device", "host", "-o", tmp_path / "fp32")
+    int8 = package_json(models["resnet_cnn"], "--device", "host", "-o", tmp_path / "int8", "--precision", "int8",
+                        "--calibrate", random_data["calib"])
+    f = predict_with_loader(Path(fp32["bundle_dir"]), random_data["eval"], tmp_path / "f.npy").ravel()
+    q = predict_with_loader(Path(int8["bundle_dir"]), random_data["eval"], tmp_path / "q.npy").ravel()
+    cosine = float(f @ q / np.linalg.norm(f) / np.linalg.norm(q))
+    assert cosine >= 0.99, cosine
+    size = {r["bundle_dir"]: Path(r["bundle_dir"], "weights.npz").stat().st_size for r in (fp32, int8)}
+    assert size[int8["bundle_dir"]] <= 0.3 * size[fp32["bundle_dir"]], size
+    m = manifest(int8)
+    assert m["precision"] == "int8" and "quant_params.npz" in m["files"]
+    scales = np.load(Path(int8["bundle_dir"], "quant_params.npz"))
+    assert {f"{row['name']}/weight_scale" for row in m["quantization"]["layers"]} <= set(scales.files)
+
+
+def _quantized_graph(model_path, calib, **kw):
+    loaded = load_model(model_path)
+    graph, _ = to_relax(loaded)
+    return quantize(graph, loaded, QuantizeArgs(calibrate=calib, **kw))
+
+
+@pytest.mark.parametrize("family", ["resnet_cnn", "mobilenet_cnn"])
+def test_ir_computes_conv_and_matmul_in_integers(models, random_data, family):
+    result = _quantized_graph(models[family], random_data["calib"])
+    weighted = [b.value for b in result.graph.bindings() if call_op(b.value) in ("relax.nn.conv2d", "relax.matmul")]
+    assert len(weighted) == len(result.layers) >= 4
+    for call in weighted:
+        assert [a.ty.dtype for a in call.args] == ["int8", "int8"], call
+        assert call.ty.dtype == "int32"
+    # No dequantize feeds a quantize (directly or through a ReLU): consecutive int8 layers requantize.
+    values = {b.var: b.value for b in result.graph.bindings()}
+    for b in result.graph.bindings():
+        if call_op(b.value) == "relax.quantize":
+            src = values.get(b.value.args[0])
+            if call_op(src) == "relax.nn.relu":
+                src = values.get(src.args[0])
+            assert call_op(src) != "relax.dequantize"
+    assert {str(w.dtype) for w in result.graph.weights.values()} >= {"int8", "int32"}
+
+
+def test_transformer_block_int8(models, tmp_path):
+    calib = tmp_path / "calib.npz"
+    np.savez(calib, input=np.random.default_rng(3).standard_normal((32, 16, 32)).astype(np.float32))
+    result = _quantized_graph(models["transformer_block"], calib)
+    assert [l.op_type for l in result.layers].count("MatMul") == 6  # q, k, v, out, mlp x2; attention stays float
+    assert result.report["evaluation"]["cosine"] > 0.99
+
+
+def test_skip_keeps_layers_in_fp32(models, random_data):
+    result = _quantized_graph(models["resnet_cnn"], random_data["calib"], skip=("Gemm", "conv_3"))
+    by_name = {l.name: l for l in result.layers}
+    assert by_name["conv_3"].precision == "fp32" and by_name["fc_30"].precision == "fp32"
+    assert by_name["conv_3"].reason == "--skip conv_3"
+    float_calls = [b.value for b in result.graph.bindings()
+                   if call_op(b.value) in ("relax.nn.conv2d", "relax.matmul") and b.value.args[0].ty.dtype == "float32"]
+    assert len(float_calls) == 2
+
+
+def test_accuracy_budget_returns_sensitive_layers_to_float(models, random_data, tmp_path):
+    res = run_cli("package", models["resnet_cnn"], "--device", "host", "-o", tmp_path, "--precision", "mixed",
+                  "--calibrate", random_data["calib"], "--eval", random_data["eval"], "--accuracy-budget", "0.005",
+                  "--fp16", "--json", "-q")
+    assert res.code == 0, res.stderr
+    report = manifest(json.loads(res.stdout))["quantization"]
+    ev = report["evaluation"]
+    assert ev["budget_metric"] == "relative output error" and ev["budget_met"] and ev["rel_error"] <= 0.005
+    assert report["fallbacks"] and report["precision_counts"]["fp16"] == len(report["fallbacks"])
+    assert report["precision_counts"]["int8"] >= 1
+    first = report["fallbacks"][0]
+    assert first["alone"] == max(f["alone"] for f in report["fallbacks"])
+    assert all(r["reason"].startswith("accuracy budget") for r in report["layers"] if r["precision"] == "fp16")
+
+
+def test_images_with_preprocess(digits, tmp_path):
+    from PIL import Image
+
+    data = np.load(digits["calib"])["input"]
+    folder = tmp_path / "images"
+    for i, img in enumerate(data[:40]):
+        (folder / f"class{i % 3}").mkdir(parents=True, exist_ok=True)
+        Image.fromarray((img[0] * 255).astype(np.uint8), mode="L").save(folder / f"class{i % 3}" / f"{i}.png")
+    res = package_json(digits["model"], "--device", "host", "-o", tmp_path / "out", "--precision", "int8",
+                       "--calibrate", folder, "--preprocess", "scale=255")
+    report = manifest(res)["quantization"]
+    assert report["calibration"]["samples"] == 40 and report["evaluation"]["cosine"] > 0.99
+
+
+# ---- bad calibration input: one line, non-zero exit, no bundle --------------------------------------------
+
+
+def refused(model, data, out, *extra):
+    res = run_cli("package", model, "--device", "host", "-o", out, "-q", "--precision", "int8", "--calibrate", data, *extra)
+    lines = res.stderr.strip().splitlines()
+    assert res.code == 2 and len(lines) == 1 and lines[0].startswith("edgeq: error: "), res.stderr
+    assert not out.exists() or not any(out.iterdir())
+    return lines[0]
+
+
+@pytest.mark.parametrize("arrays,expected", [
+    ({"input": np.zeros((20, 3, 16, 16), np.float32)}, "has shape 20x3x16x16; input 'input' (1x3x32x32) needs Nx3x32x32"),
+    ({"input": np.zeros((20, 3, 32, 32), np.int64)}, "is int64 but input 'input' is float32"),
+    ({"image": np.zeros((20, 3, 32, 32), np.float32)}, "has array(s) image but the model's inputs are: input"),
+    ({"input": np.zeros((3, 3, 32, 32), np.float32)}, "has 3 sample(s); at least 10 are needed"),
+])
+def test_bad_calibration_arrays(models, tmp_path, arrays, expected):
+    data = tmp_path / "calib.npz"
+    np.savez(data, **arrays)
+    assert expected in refused(models["resnet_cnn"], data, tmp_path / "out")
+
+
+def test_nan_in_calibration_data(models, tmp_path):
+    x = np.zeros((20, 3, 32, 32), np.float32)
+    x[7, 0, 0, 0] = np.nan
+    np.savez(tmp_path / "nan.npz", input=x)
+    assert "NaN or Inf (first in sample 7)" in refused(models["resnet_cnn"], tmp_path / "nan.npz", tmp_path / "out")
+
+
+def test_empty_and_unreadable_image_folders(digits, tmp_path):
+    (tmp_path / "empty").mkdir()
+    assert "has no .npy, .npz or image files" in refused(digits["model"], tmp_path / "empty", tmp_path / "o1", "--preprocess")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "broken.png").write_bytes(b"not a png")
+    assert "cannot read image" in refused(digits["model"], bad, tmp_path / "o2", "--preprocess")
+    assert "holds images: say how to prepare them with --preprocess" in refused(digits["model"], bad, tmp_path / "o3")
+
+
+def test_quantization_options_need_int8(models, tmp_path, random_data):
+    res = run_cli("package", models["resnet_cnn"], "--device", "host", "-o", tmp_path, "--precision", "int8")
+    assert res.code == 2 and "needs calibration data: add --calibrate DATA" in res.stderr
+    res = run_cli("package", models["resnet_cnn"], "--device", "host", "-o", tmp_path, "--calibrate", random_data["calib"])
+    assert res.code == 2 and "need --precision int8 or mixed" in res.stderr
+    res = run_cli("package", models["resnet_cnn"], "--device", "host", "-o", tmp_path, "--precision", "int8",
+                  "--calibrate", random_data["calib"], "--skip", "nosuchlayer")
+    assert res.code == 2 and "--skip 'nosuchlayer' matches no quantizable layer" in res.stderr
+
+
+def test_jetson_int8_bundle(models, random_data, tmp_path):
+    res = package_json(models["mobilenet_cnn"], "--device", "jetson-orin-nano", "-o", tmp_path, "--precision", "int8",
+                       "--calibrate", random_data["calib"])
+    m = manifest(res)
+    assert m["library"]["cuda_device_code"] == ["sm_87"] and m["quantization"]["precision_counts"]["int8"] == 8

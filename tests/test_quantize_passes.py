@@ -1,0 +1,171 @@
+"""Before/Expected golden tests for each quantization pass (TVMScript, tvm.ir.assert_structural_equal)."""
+
+import numpy as np
+import pytest
+
+from edgeq.graph import Graph
+from edgeq.quantize.fold_bias import fold_bias
+from edgeq.quantize.quantize_ops import LayerPlan, quantize_ops, quantize_weight
+from edgeq.quantize.requantize import requantize
+from edgeq.toolchain import import_tvm
+
+tvm = import_tvm()
+from tvm.script import ir as I  # noqa: E402
+from tvm.script import relax as R  # noqa: E402
+
+W = np.array([[1, 0.5], [-0.25, 0.125]], np.float32).reshape(2, 2, 1, 1)
+S_X = 0.1
+S_CONV = (np.float32(S_X) * np.array([1 / 127, 0.25 / 127], np.float32)).astype(np.float32)
+
+
+def test_quantize_weight_is_symmetric_per_channel():
+    q, scale = quantize_weight(W, axis=0)
+    np.testing.assert_array_equal(q.reshape(2, 2), [[127, 64], [-127, 64]])
+    np.testing.assert_allclose(scale, [1 / 127, 0.25 / 127], rtol=1e-6)
+    zero_channel = quantize_weight(np.zeros((3, 2), np.float32), axis=1)
+    assert (zero_channel[0] == 0).all() and (zero_channel[1] == 1.0).all()
+
+
+def test_quantize_ops_conv2d():
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((1, 2, 4, 4), "float32"), w: R.Tensor((2, 2, 1, 1), "float32")):
+            R.func_attr({"num_input": 1})
+            with R.dataflow():
+                y = R.nn.conv2d(x, w)
+                R.output(y)
+            return y
+
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(x: R.Tensor((1, 2, 4, 4), "float32"), w_int8: R.Tensor((2, 2, 1, 1), "int8")):
+            R.func_attr({"num_input": 1})
+            with R.dataflow():
+                xq = R.quantize(x, R.const(S_X, "float32"), R.const(0, "int8"), axis=-1, out_dtype="int8")
+                acc = R.nn.conv2d(xq, w_int8, out_dtype="int32")
+                y = R.dequantize(acc, R.const(S_CONV, "float32"), R.const(0, "int8"), axis=1, out_dtype="float32")
+                R.output(y)
+            return y
+
+    out = quantize_ops(Graph(Before, {"w": W}), {"w": LayerPlan("int8", S_X)})
+    tvm.ir.assert_structural_equal(out.mod, Expected)
+    assert list(out.weights) == ["w_int8"] and out.weights["w_int8"].dtype == np.int8
+
+
+def test_quantize_ops_gemm_stores_the_weight_transposed():
+    fc = np.array([[2.0, -1.0, 0.5], [0.25, 0.5, -0.5]], np.float32)  # (N=2, K=3), Gemm transB=1
+
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((1, 3), "float32"), fc_w: R.Tensor((2, 3), "float32")):
+            R.func_attr({"num_input": 1})
+            with R.dataflow():
+                wt = R.permute_dims(fc_w, axes=[1, 0])
+                y = R.matmul(x, wt)
+                R.output(y)
+            return y
+
+    s = (np.float32(S_X) * np.array([2 / 127, 0.5 / 127], np.float32)).astype(np.float32)
+
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(x: R.Tensor((1, 3), "float32"), fc_w_int8: R.Tensor((3, 2), "int8")):
+            R.func_attr({"num_input": 1})
+            with R.dataflow():
+                xq = R.quantize(x, R.const(S_X, "float32"), R.const(0, "int8"), axis=-1, out_dtype="int8")
+                acc = R.matmul(xq, fc_w_int8, out_dtype="int32")
+                y = R.dequantize(acc, R.const(s, "float32"), R.const(0, "int8"), axis=-1, out_dtype="float32")
+                R.output(y)
+            return y
+
+    out = quantize_ops(Graph(Before, {"fc_w": fc}), {"fc_w": LayerPlan("int8", S_X)})
+    tvm.ir.assert_structural_equal(out.mod, Expected)
+    np.testing.assert_array_equal(out.weights["fc_w_int8"], [[127, 64], [-64, 127], [32, -127]])
+
+
+def test_quantize_ops_fp32_plan_and_unplanned_layers_are_untouched():
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((1, 2, 4, 4), "float32"), w: R.Tensor((2, 2, 1, 1), "float32")):
+            R.func_attr({"num_input": 1})
+            with R.dataflow():
+                y = R.nn.conv2d(x, w)
+                R.output(y)
+            return y
+
+    for plans in ({}, {"w": LayerPlan("fp32")}):
+        out = quantize_ops(Graph(Before, {"w": W}), plans)
+        tvm.ir.assert_structural_equal(out.mod, Before)
+
+
+def test_fold_bias_adds_the_bias_in_int32():
+    bias = np.array([0.5, -0.25], np.float32)
+
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((1, 2, 4, 4), "int8"), w_int8: R.Tensor((2, 2, 1, 1), "int8"), b: R.Tensor((2,), "float32")):
+            R.func_attr({"num_input": 1})
+            with R.dataflow():
+                acc = R.nn.conv2d(x, w_int8, out_dtype="int32")
+                d = R.dequantize(acc, R.const(S_CONV, "float32"), R.const(0, "int8"), axis=1, out_dtype="float32")
+                rb = R.reshape(b, R.shape([1, 2, 1, 1]))
+                y = R.add(d, rb)
+                R.output(y)
+            return y
+
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(x: R.Tensor((1, 2, 4, 4), "int8"), w_int8: R.Tensor((2, 2, 1, 1), "int8"), b_int32: R.Tensor((2,), "int32")):
+            R.func_attr({"num_input": 1})
+            with R.dataflow():
+                acc = R.nn.conv2d(x, w_int8, out_dtype="int32")
+                rb = R.reshape(b_int32, R.shape([1, 2, 1, 1]))
+                acc2 = R.add(acc, rb)
+                y = R.dequantize(acc2, R.const(S_CONV, "float32"), R.const(0, "int8"), axis=1, out_dtype="float32")
+                R.output(y)
+            return y
+
+    w_int8 = np.ones((2, 2, 1, 1), np.int8)
+    out = fold_bias(Graph(Before, {"w_int8": w_int8, "b": bias}))
+    tvm.ir.assert_structural_equal(out.mod, Expected)
+    np.testing.assert_array_equal(out.weights["b_int32"], np.round(bias / S_CONV).astype(np.int32))
+
+
+def test_requantize_removes_the_dequantize_quantize_pair():
+    s2 = 0.05
+
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(acc: R.Tensor((1, 2, 4, 4), "int32")):
+            R.func_attr({"num_input": 1})
+            with R.dataflow():
+                d = R.dequantize(acc, R.const(S_CONV, "float32"), R.const(0, "int8"), axis=1, out_dtype="float32")
+                r = R.nn.relu(d)
+                q = R.quantize(r, R.const(s2, "float32"), R.const(0, "int8"), axis=-1, out_dtype="int8")
+                R.output(q)
+            return q
+
+    ratio = (S_CONV / np.float32(s2)).astype(np.float32).reshape(1, 2, 1, 1)
+
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(acc: R.Tensor((1, 2, 4, 4), "int32")):
+            R.func_attr({"num_input": 1})
+            with R.dataflow():
+                scaled = R.multiply(R.astype(acc, "float32"), R.const(ratio, "float32"))
+                q = R.astype(R.clip(R.round(scaled), 0, 127), "int8")
+                R.output(q)
+            return q
+
+    out = requantize(Graph(Before, {}))
+    tvm.ir.assert_structural_equal(out.mod, Expected)
+    assert "relax.dequantize" not in out.mod.script() and "R.dequantize" not in out.mod.script()
