@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 import make_models  # noqa: E402
 import train_digits  # noqa: E402
+from quantize_with_ort import ort_quantize  # noqa: E402
 
 from edgeq.package import PackageArgs, package  # noqa: E402
 from edgeq.quantize import QuantizeArgs  # noqa: E402
@@ -63,13 +64,18 @@ def latency_rows(cases, tmp: Path, repeat: int) -> list[dict]:
         fp32 = package(PackageArgs(model=model, device="host", output=tmp / "fp32"))
         int8 = package(PackageArgs(model=model, device="host", output=tmp / "int8", precision="int8",
                                    quantize=QuantizeArgs(calibrate=calib, eval=held_out)))
+        qdq_model = ort_quantize(model, tmp / f"{name}_qdq.onnx")
+        qdq = package(PackageArgs(model=qdq_model, device="host", output=tmp / "qdq"))
         f_ms, q_ms = median_ms(loader_model(fp32.bundle_dir), repeat), median_ms(loader_model(int8.bundle_dir), repeat)
+        qdq_ms = median_ms(loader_model(qdq.bundle_dir), repeat)
         ev = int8.manifest["quantization"]["evaluation"]
         rows.append({
             "model": name,
             "fp32_ms": round(f_ms, 3),
             "int8_ms": round(q_ms, 3),
             "int8_speedup": round(f_ms / q_ms, 2),
+            "ort_qdq_model_ms": round(qdq_ms, 3),
+            "qdq_speedup": round(f_ms / qdq_ms, 2),
             "weights_ratio": int8.manifest["quantization"]["weight_bytes"]["ratio"],
             "cosine": round(ev["cosine"], 5),
             "top1_fp32": round(ev["top1_fp32"], 2) if "top1_fp32" in ev else "-",

@@ -83,6 +83,8 @@ def _quantization_summary(report: dict[str, Any] | None) -> str:
     if not report:
         return ""
     counts = ", ".join(f"{n} {p}" for p, n in report["precision_counts"].items() if n)
+    if "source" in report:
+        return f"{counts} layers; {report['source']}"
     ratio = report["weight_bytes"]["ratio"]
     return f"{counts} layers; {report['method']} calibration; weights {ratio:.2f}x of fp32"
 

@@ -101,6 +101,27 @@ class Rewriter:
             return self.graph.weights[expr.name]
         return None
 
+    def array(self, expr) -> np.ndarray | None:
+        """The value of a weight parameter or a constant; None for anything computed at run time."""
+        value = self.weight(expr)
+        return value if value is not None else const_value(expr)
+
+    def static_value(self, expr) -> np.ndarray | None:
+        """The value of a weight, a constant, or a dequantize of weights (as pre-quantized models store
+        biases); None otherwise."""
+        value = self.array(expr)
+        if value is not None:
+            return value
+        inner = self.value(expr)
+        if call_op(inner) == "relax.dequantize":
+            q, scale, zp = (self.array(a) for a in inner.args)
+            if q is not None and scale is not None and zp is not None:
+                shape = [1] * q.ndim
+                if scale.size > 1:
+                    shape[int(inner.attrs.axis) % q.ndim] = -1
+                return ((q.astype(np.float32) - zp.reshape(shape)) * scale.reshape(shape)).astype(np.float32)
+        return None
+
     def weight_operand(self, value):
         """(weight parameter, transposed?) behind the second argument of a conv2d/matmul call; (None, False)
         when it is an activation. Gemm imports as ``matmul(x, permute_dims(W))``: that is seen through."""

@@ -104,6 +104,7 @@ class _Build:
     staging: Path | None = None
     model: LoadedModel | None = None
     graph: Graph | None = None
+    prequantized: bool = False
     quantization: Any = None  # edgeq.quantize.QuantizeResult
     outputs: list[TensorSpec] = dataclasses.field(default_factory=list)
     executable: Any = None
@@ -151,7 +152,23 @@ def _load(b: _Build) -> None:
 
 
 def _import(b: _Build) -> None:
+    from edgeq.quantize import is_qdq
+
     b.graph, b.outputs = to_relax(b.model)
+    b.prequantized = is_qdq(b.graph)
+    b.progress.total += b.prequantized - _mentions(b.args.model, b"DequantizeLinear")
+    if b.prequantized and b.args.quantize is not None:
+        raise UsageError(f"{Path(b.args.model).name} is already quantized (QuantizeLinear/DequantizeLinear); "
+                         "package it without --precision/--calibrate")
+
+
+def _lower_qdq(b: _Build) -> None:
+    from edgeq.quantize import lower_prequantized
+
+    b.quantization = lower_prequantized(b.graph, b.model)
+    b.graph = b.quantization.graph
+    counts = b.quantization.report["precision_counts"]
+    b.progress.note(f"pre-quantized model: {counts['int8']} layers lowered to integer kernels, {counts['fp32']} left in float")
 
 
 def _quantize(b: _Build) -> None:
@@ -218,6 +235,17 @@ def _golden(b: _Build) -> None:
     np.savez(b.staging / bundle.GOLDEN, **arrays)
 
 
+def _mentions(path, needle: bytes) -> bool:
+    try:
+        return needle in Path(path).read_bytes()
+    except OSError:
+        return False
+
+
+def _precision(b: _Build) -> str:
+    return "int8" if b.prequantized else b.args.precision
+
+
 def _device_record(profile: Profile) -> dict[str, Any]:
     return {
         "profile": profile.name,
@@ -256,7 +284,7 @@ def _bundle(b: _Build) -> None:
         "created": created.isoformat(),
         "edgeq_version": edgeq.__version__,
         "tvm_version": tvm.__version__,
-        "precision": b.args.precision,
+        "precision": _precision(b),
         "model": {
             "file": Path(b.args.model).name,
             "sha256": b.model.sha256,
@@ -313,6 +341,7 @@ STAGES: list[tuple[str, Callable[[_Build], str], Callable[[_Build], None]]] = [
     ("load", lambda b: f"read and check {b.args.model}", _load),
     ("import", lambda b: "ONNX -> Relax IRModule", _import),
     ("quantize", lambda b: f"calibrate ({b.args.quantize.method}) and quantize to {b.args.precision}", _quantize),
+    ("lower-qdq", lambda b: "QDQ pattern -> integer conv/matmul kernels", _lower_qdq),
     ("compile", lambda b: _compile_description(b), _compile),
     ("golden", lambda b: "golden input and outputs on the build host", _golden),
     ("bundle", lambda b: f"write {b.out_dir / b.bundle_name} and .tar.gz", _bundle),
@@ -329,11 +358,15 @@ def _compile_description(b: _Build) -> str:
 def package(args: PackageArgs, progress: StageProgress | None = None) -> PackageResult:
     """Package ``args.model`` for ``args.device``. Raises EdgeqError subclasses with one-line messages."""
     progress = progress or StageProgress(quiet=True)
-    stages = [s for s in STAGES if s[0] != "quantize" or args.precision != "fp32"]
-    progress.total = len(stages)
     b = _Build(args=args, progress=progress)
+    # quantize runs for int8/mixed, lower-qdq for pre-quantized models (a cheap look for the op name here;
+    # the import stage decides and corrects the count)
+    looks_prequantized = _mentions(args.model, b"DequantizeLinear")
+    progress.total = len(STAGES) - 2 + (args.precision != "fp32") + looks_prequantized
     try:
-        for name, describe, run in stages:
+        for name, describe, run in STAGES:
+            if (name == "quantize" and args.precision == "fp32") or (name == "lower-qdq" and not b.prequantized):
+                continue
             with progress.stage(name, describe(b)):
                 run(b)
     except BaseException:
@@ -348,7 +381,7 @@ def package(args: PackageArgs, progress: StageProgress | None = None) -> Package
         archive=b.out_dir / f"{b.bundle_name}.tar.gz",
         device=b.profile.name,
         device_note=b.device_note,
-        precision=args.precision,
+        precision=_precision(b),
         stages=dict(progress.seconds),
         total_seconds=progress.total_seconds,
         manifest=b.manifest,

@@ -8,6 +8,10 @@ from edgeq.load import LoadedModel, TensorSpec
 from edgeq.toolchain import import_tvm
 
 
+QOPERATOR_OPS = {"QLinearConv", "QLinearMatMul", "ConvInteger", "QLinearAdd", "QLinearMul", "QLinearGlobalAveragePool",
+                  "QLinearConcat", "QLinearSigmoid", "QLinearLeakyRelu", "QLinearAveragePool", "QGemm"}
+
+
 def unsupported_ops(model) -> list[str]:
     """ONNX op types in the model that TVM's Relax ONNX frontend has no converter for."""
     import_tvm()
@@ -36,6 +40,12 @@ def to_relax(loaded: LoadedModel) -> tuple[Graph, list[TensorSpec]]:
     from tvm.relax.frontend.onnx import from_onnx
 
     missing = unsupported_ops(loaded.onnx_model)
+    qoperator = [op for op in missing if op in QOPERATOR_OPS]
+    if qoperator:
+        raise ModelError(
+            f"{loaded.path.name} is quantized in the QOperator format ({', '.join(qoperator)}), which TVM cannot import; "
+            "quantize it in QDQ format instead (onnxruntime quantize_static(..., quant_format=QuantFormat.QDQ))"
+        )
     if missing:
         raise ModelError(
             f"{loaded.path.name} uses ONNX op(s) TVM {_tvm_version()} cannot import: {', '.join(missing)}; "

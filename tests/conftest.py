@@ -16,6 +16,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "examples"))
 
 import make_models  # noqa: E402
+from quantize_with_ort import ort_quantize  # noqa: E402,F401
 
 from edgeq.cli.main import Environment, main  # noqa: E402
 from edgeq.toolchain import import_tvm  # noqa: E402
@@ -86,3 +87,4 @@ def predict_with_loader(bundle_dir: Path, data: Path, out: Path) -> np.ndarray:
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     return np.load(out)
+

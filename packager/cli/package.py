@@ -105,6 +105,15 @@ def run(args, env) -> int:
 
 
 def quantization_table(report: dict) -> Table:
+    if "evaluation" not in report:  # a pre-quantized (QDQ) model
+        table = Table(title=f"quantization: {report['source']}; float ops: "
+                            f"{', '.join(f'{k} x{v}' for k, v in report['float_ops'].items()) or 'none'}")
+        for column in ("layer", "op", "precision", "activation", "zero point", "why not integer"):
+            table.add_column(column)
+        for row in report["layers"]:
+            table.add_row(row["name"], row["op_type"], row["precision"], row["activation_dtype"] or "-",
+                          str(row["activation_zero_point"]), row["reason"] or "-")
+        return table
     ev = report["evaluation"]
     summary = f"rel. output error {ev['rel_error']:.4f}, cosine {ev['cosine']:.5f}"
     if "top1_agreement" in ev:

@@ -26,7 +26,9 @@ from edgeq.quantize.calibrate import HostRunner, collect
 from edgeq.quantize.calibrators import CALIBRATORS
 from edgeq.quantize.data import Dataset, Preprocess, load_data
 from edgeq.quantize.fold_bias import fold_bias
+from edgeq.quantize.commute_qdq import commute_qdq
 from edgeq.quantize.layers import Layer, find_layers
+from edgeq.quantize.lower_qdq import is_qdq, lower_qdq
 from edgeq.quantize.quantize_ops import QMAX, LayerPlan, quantize_ops, quantize_weight
 from edgeq.quantize.requantize import requantize
 
@@ -35,6 +37,7 @@ MIN_CALIBRATION_SAMPLES = 10
 MAX_EVAL_SAMPLES = 1000
 
 PASSES: list[tuple[str, Callable[[Graph], Graph]]] = [("fold_bias", fold_bias), ("requantize", requantize)]
+QDQ_PASSES: list[tuple[str, Callable[[Graph], Graph]]] = [*PASSES, ("commute_qdq", commute_qdq)]
 
 
 @dataclasses.dataclass
@@ -219,3 +222,51 @@ def quantize(graph: Graph, model: LoadedModel, args: QuantizeArgs, note: Callabl
         "args": args.to_dict(),
     }
     return QuantizeResult(quantized, layers, report, scales)
+
+
+def _onnx_consumers(model) -> dict[str, Any]:
+    """initializer name -> the Conv/Gemm/MatMul node that uses it, directly or through a DequantizeLinear."""
+    produced_by_dq = {n.output[0]: n.input[0] for n in model.graph.node if n.op_type == "DequantizeLinear"}
+    out = {}
+    for node in model.graph.node:
+        if node.op_type in ("Conv", "Gemm", "MatMul") and len(node.input) > 1:
+            out.setdefault(produced_by_dq.get(node.input[1], node.input[1]), node)
+    return out
+
+
+def lower_prequantized(graph: Graph, model: LoadedModel) -> QuantizeResult:
+    """Lower a pre-quantized (QDQ) model to integer kernels with the scales it carries."""
+    lowered, qdq_layers = lower_qdq(graph)
+    for _, run in QDQ_PASSES:
+        lowered = run(lowered)
+    consumers = _onnx_consumers(model.onnx_model)
+    layers, rows = [], []
+    for ql in qdq_layers:
+        node = consumers.get(ql.weight)
+        op_type = node.op_type if node is not None else ("Conv" if ql.kind == "conv2d" else "MatMul")
+        layer = Layer(name=(node.name if node is not None and node.name else f"{op_type}_{ql.weight}"), op_type=op_type,
+                      kind=ql.kind, weight=ql.weight, channel_axis=0, precision="int8" if ql.integer else "fp32",
+                      reason=ql.reason)
+        layers.append(layer)
+        rows.append({**layer.to_dict(), "activation_dtype": ql.activation_dtype,
+                     "activation_zero_point": ql.activation_zero_point})
+    float_ops: dict[str, int] = {}
+    from edgeq.graph import call_op
+
+    for b in lowered.bindings():
+        op = call_op(b.value)
+        if op in ("relax.nn.conv2d", "relax.matmul") and str(b.value.args[0].ty.dtype).startswith("float"):
+            float_ops[op] = float_ops.get(op, 0) + 1
+        elif op in ("relax.mean", "relax.nn.avg_pool2d", "relax.nn.softmax", "relax.nn.layer_norm", "relax.concat"):
+            float_ops[op] = float_ops.get(op, 0) + 1
+    report = {
+        "source": "pre-quantized ONNX (QDQ): scales and zero points from the model",
+        "layers": rows,
+        "precision_counts": {p: sum(l.precision == p for l in layers) for p in ("int8", "fp16", "fp32")},
+        "float_ops": float_ops,
+        "note": "elementwise ops between integer layers (Add, Relu, requantize) run fused into the integer "
+                "kernels' epilogues; ops in float_ops compute in float on dequantized values",
+        "weight_bytes": {"model": int(sum(w.nbytes for w in graph.weights.values())),
+                         "bundle": int(sum(w.nbytes for w in lowered.weights.values()))},
+    }
+    return QuantizeResult(lowered, layers, report, {})

@@ -3,6 +3,9 @@
     add(dequantize(acc, s), reshape(b))  ->  dequantize(add(acc, reshape(round(b / s))), s)
     add(dequantize(acc, s), b)           ->  dequantize(add(acc, round(b / s)), s)
 
+``b`` may also be a dequantize of an int32 weight (how QDQ models store biases, with scale s): then
+round(b / s) gives back the stored integers.
+
 where ``acc`` is an int32 accumulator, ``s`` its per-channel scale and ``b`` a bias weight with one value per
 channel. The int32 bias is a new weight parameter.
 """
@@ -15,14 +18,22 @@ from edgeq.graph import Graph, Rewriter, call_op, const_value, relax, rewrite
 
 
 def _bias(rw: Rewriter, expr):
-    """(bias array, reshape target or None) when ``expr`` is a bias weight, possibly reshaped."""
-    array = rw.weight(expr)
+    """(name, bias array, reshape target or None) when ``expr`` is a bias weight (float, or a dequantize of
+    an int32 weight as in pre-quantized models), possibly reshaped."""
+    array = rw.static_value(expr)
     if array is not None:
-        return expr, array, None
+        return _name(rw, expr), array, None
     inner = rw.value(expr)
-    if call_op(inner) == "relax.reshape" and rw.weight(inner.args[0]) is not None:
-        return inner.args[0], rw.weight(inner.args[0]), inner.args[1]
+    if call_op(inner) == "relax.reshape" and rw.static_value(inner.args[0]) is not None:
+        return _name(rw, inner.args[0]), rw.static_value(inner.args[0]), inner.args[1]
     return None, None, None
+
+
+def _name(rw: Rewriter, expr) -> str:
+    if rw.weight(expr) is not None:
+        return expr.name
+    inner = rw.value(expr)
+    return inner.args[0].name if inner is not None and isinstance(inner.args[0], relax.Var) else "bias"
 
 
 def fold_bias(graph: Graph) -> Graph:
@@ -33,13 +44,13 @@ def fold_bias(graph: Graph) -> Graph:
             deq = rw.value(deq_var)
             if call_op(deq) != "relax.dequantize" or deq.args[0].ty.dtype != "int32" or rw.uses(deq_var) != 1:
                 continue
-            bias_var, bias, shape = _bias(rw, other)
+            bias_name, bias, shape = _bias(rw, other)
             scale, s = deq.args[1], const_value(deq.args[1])
             if bias is None or s is None:
                 continue
             if bias.ndim != 1 or bias.shape[0] != s.size:
                 continue
-            bias_q = rw.param(f"{bias_var.name}_int32", np.round(bias / s).astype(np.int32))
+            bias_q = rw.param(f"{bias_name.removesuffix('_quantized')}_int32", np.round(bias / s).astype(np.int32))
             if shape is not None:
                 bias_q = rw.emit(relax.op.reshape(bias_q, shape))
             acc = rw.emit(relax.op.add(rw.new(deq.args[0]), bias_q))
