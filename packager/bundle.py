@@ -13,6 +13,7 @@ from typing import Any
 
 import jinja2
 
+from edgeq import safebundle
 from edgeq.errors import BundleError
 
 SCHEMA_VERSION = 1
@@ -24,6 +25,7 @@ MANIFEST = "manifest.json"
 LOADER = "run.py"
 README = "README.md"
 SUMS = "SHA256SUMS"
+SIGNATURE = "manifest.sig"
 
 FILE_ROLES = {
     LIBRARY: "compiled model (TVM Relax executable, shared library)",
@@ -34,6 +36,7 @@ FILE_ROLES = {
     README: "this file",
     SUMS: "SHA-256 of every other file (sha256sum -c SHA256SUMS)",
     QUANT_PARAMS: "int8 scales: activation scale and per-channel weight scales of each int8 layer",
+    SIGNATURE: "ed25519 signature over manifest.json (edgeq verify BUNDLE --pub KEY)",
 }
 
 _ENV = jinja2.Environment(
@@ -75,7 +78,8 @@ def template_context(manifest: dict[str, Any]) -> dict[str, Any]:
         "cuda_major": toolkit["version"].split(".")[0] if toolkit else "",
         "toolkit": f"CUDA {toolkit['version']} {toolkit['kind']}" if toolkit else "",
         "quantization": _quantization_summary(manifest.get("quantization")),
-        "files": sorted((name, what) for name, what in FILE_ROLES.items() if name in manifest["files"] or name in (MANIFEST, SUMS)),
+        "files": sorted((name, what) for name, what in FILE_ROLES.items()
+                        if name in manifest["files"] or name in (MANIFEST, SUMS) or (name == SIGNATURE and manifest.get("signed"))),
     }
 
 
@@ -89,9 +93,10 @@ def _quantization_summary(report: dict[str, Any] | None) -> str:
     return f"{counts} layers; {report['method']} calibration; weights {ratio:.2f}x of fp32"
 
 
-def write_bundle(directory: Path, manifest: dict[str, Any], extra_files: list[str] = ()) -> dict[str, Any]:
+def write_bundle(directory: Path, manifest: dict[str, Any], extra_files: list[str] = (), signing_key=None) -> dict[str, Any]:
     """Render the loader and README into ``directory`` (which already holds the library, weights and
-    golden file), hash everything, and write manifest.json and SHA256SUMS. Returns the final manifest."""
+    golden file), hash everything, write manifest.json, its signature (with ``signing_key``) and
+    SHA256SUMS. Returns the final manifest."""
     manifest = dict(manifest)
     names = (LIBRARY, WEIGHTS, GOLDEN, *extra_files, LOADER, README)
     manifest["files"] = dict.fromkeys(names, "")
@@ -100,8 +105,14 @@ def write_bundle(directory: Path, manifest: dict[str, Any], extra_files: list[st
     (directory / LOADER).chmod(0o755)
     (directory / README).write_text(render("README.md.j2", **context), encoding="utf-8")
     manifest["files"] = {name: sha256_file(directory / name) for name in names}
-    (directory / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n", encoding="utf-8")
+    manifest["sizes"] = {name: (directory / name).stat().st_size for name in names}
+    manifest_bytes = (json.dumps(manifest, indent=2, sort_keys=False) + "\n").encode("utf-8")
+    safebundle.check_manifest(json.loads(manifest_bytes))  # what devices will insist on
+    (directory / MANIFEST).write_bytes(manifest_bytes)
     sums = {**manifest["files"], MANIFEST: sha256_file(directory / MANIFEST)}
+    if signing_key is not None:
+        (directory / SIGNATURE).write_bytes(safebundle.signature_for(manifest_bytes, signing_key))
+        sums[SIGNATURE] = sha256_file(directory / SIGNATURE)
     (directory / SUMS).write_text("".join(f"{h}  {n}\n" for n, h in sorted(sums.items())), encoding="ascii")
     return manifest
 
@@ -113,7 +124,9 @@ def make_archive(directory: Path, archive: Path, mtime: int) -> None:
             root = tarfile.TarInfo(directory.name)
             root.type, root.mode, root.mtime = tarfile.DIRTYPE, 0o755, mtime
             tar.addfile(root)
-            for path in sorted(directory.iterdir()):
+            # manifest.json first: devices check every later member against it before reading its data
+            first = {MANIFEST: 0, SIGNATURE: 1}
+            for path in sorted(directory.iterdir(), key=lambda p: (first.get(p.name, 2), p.name)):
                 info = tarfile.TarInfo(f"{directory.name}/{path.name}")
                 info.size = path.stat().st_size
                 info.mode = 0o755 if path.name == LOADER else 0o644

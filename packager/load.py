@@ -57,12 +57,110 @@ def _read(path: Path) -> tuple[onnx.ModelProto, str]:
         raise ModelError(f"{path} is not a valid ONNX model: protobuf parse failed ({err}); is the file corrupt or truncated?") from None
     if not model.HasField("graph") or not model.ir_version or not model.graph.node:
         raise ModelError(f"{path} is not an ONNX model (no ir_version or graph); export the model to ONNX first")
-    if any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer):
+    external = [t for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+    if external:
+        for tensor in external:
+            _check_external(path, tensor)
         try:
             onnx.load_external_data_for_model(model, str(path.parent))
         except (OSError, ValueError, onnx.checker.ValidationError) as err:
             raise ModelError(f"{path}: cannot load external weight data: {err}") from None
     return model, hashlib.sha256(data).hexdigest()
+
+
+def _check_external(path: Path, tensor: onnx.TensorProto) -> None:
+    """External weight files must lie inside the model's folder, reached without symlinks, and hold the
+    bytes the tensor claims (checked before anything is read)."""
+    info = {entry.key: entry.value for entry in tensor.external_data}
+    location = info.get("location", "")
+    base = path.parent.resolve()
+    target = (base / location)
+    where = f"{path.name}: initializer '{tensor.name}' refers to external data {location!r}"
+    if not location or Path(location).is_absolute() or ".." in Path(location).parts:
+        raise ModelError(f"{where} outside the model's folder; refusing to read it")
+    current = base
+    for part in Path(location).parts:
+        current = current / part
+        if current.is_symlink():
+            raise ModelError(f"{where} through a symlink; refusing to read it")
+    if target.resolve().parent != base and base not in target.resolve().parents:
+        raise ModelError(f"{where} outside the model's folder; refusing to read it")
+    if not target.is_file():
+        raise ModelError(f"{where}, which does not exist")
+    try:
+        offset, length = int(info.get("offset", 0)), int(info.get("length", -1))
+    except ValueError:
+        raise ModelError(f"{where} with a non-numeric offset or length") from None
+    if offset < 0 or offset + max(length, 0) > target.stat().st_size:
+        raise ModelError(f"{where} beyond the end of that file")
+
+
+MAX_DIM = 1 << 31
+MAX_TENSOR_BYTES = 1 << 36  # 64 GiB
+
+
+def _check_sizes(path: Path, model: onnx.ModelProto) -> None:
+    """Refuse declared dimensions no device could hold, before anything allocates them."""
+    def check(kind: str, name: str, dims, elem_type: int) -> None:
+        itemsize = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem_type)).itemsize if elem_type else 4
+        count = 1
+        for d in dims:
+            if d > MAX_DIM:
+                raise ModelError(f"{path.name}: {kind} '{name}' declares a dimension of {d}; refusing a hostile or broken model")
+            count *= max(d, 1)
+        if count * itemsize > MAX_TENSOR_BYTES:
+            raise ModelError(f"{path.name}: {kind} '{name}' declares {count * itemsize / 2**30:.0f} GiB; refusing it")
+
+    for tensor in model.graph.initializer:
+        check("initializer", tensor.name, list(tensor.dims), tensor.data_type)
+    for value in list(model.graph.input) + list(model.graph.output) + list(model.graph.value_info):
+        if value.type.HasField("tensor_type"):
+            dims = [d.dim_value for d in value.type.tensor_type.shape.dim if d.HasField("dim_value")]
+            check("tensor", value.name, dims, value.type.tensor_type.elem_type)
+
+
+KNOWN_DOMAINS = {"", "ai.onnx", "ai.onnx.ml", "com.microsoft"}
+
+
+def _check_graph(path: Path, model: onnx.ModelProto) -> None:
+    """Opsets edgeq knows, and a graph whose every edge has a producer and no cycles."""
+    newest = onnx.defs.onnx_opset_version()
+    for opset in model.opset_import:
+        if opset.domain not in KNOWN_DOMAINS:
+            raise ModelError(f"{path.name} uses the unknown opset domain {opset.domain!r}")
+        if opset.domain in ("", "ai.onnx") and not 1 <= opset.version <= newest:
+            raise ModelError(f"{path.name} declares ONNX opset {opset.version}; this onnx knows opsets 1 to {newest}")
+    graph = model.graph
+    defined = {i.name for i in graph.input} | {t.name for t in graph.initializer} | {""}
+    producers = {out: i for i, node in enumerate(graph.node) for out in node.output}
+    for i, node in enumerate(graph.node):
+        for name in node.input:
+            if name in defined:
+                continue
+            label = node.name or node.op_type
+            if name not in producers:
+                raise ModelError(f"{path.name}: input '{name}' of node '{label}' is produced by nothing (dangling edge)")
+            if _reaches(graph, producers, producers[name], i):
+                raise ModelError(f"{path.name}: the graph has a cycle through '{name}' (node '{label}')")
+            raise ModelError(f"{path.name}: nodes are not in topological order ('{name}' is used before it is made)")
+        defined.update(node.output)
+    for out in graph.output:
+        if out.name not in defined:
+            raise ModelError(f"{path.name}: graph output '{out.name}' is produced by nothing (dangling edge)")
+
+
+def _reaches(graph, producers: dict, start: int, goal: int) -> bool:
+    """Whether node ``goal`` is an ancestor of node ``start`` (so ``start`` feeding ``goal`` closes a cycle)."""
+    stack, seen = [start], set()
+    while stack:
+        i = stack.pop()
+        if i == goal:
+            return True
+        if i in seen:
+            continue
+        seen.add(i)
+        stack.extend(producers[n] for n in graph.node[i].input if n in producers)
+    return False
 
 
 def _onnx_dtype(elem_type: int) -> str:
@@ -113,18 +211,13 @@ def _fmt(shape) -> str:
 
 def load_model(path: str | Path, input_shapes: dict[str, tuple[int, ...]] | None = None) -> LoadedModel:
     """Read, check and shape-fix an ONNX model. Raises ModelError/UsageError with a one-line reason."""
+    from edgeq.model_guard import checked
+
     path = Path(path)
     model, sha = _read(path)
-    try:
-        onnx.checker.check_model(model)
-    except onnx.checker.ValidationError as err:
-        first = str(err).strip().splitlines()[0]
-        raise ModelError(f"{path} fails the ONNX checker: {first}") from None
+    _check_sizes(path, model)
+    _check_graph(path, model)
     inputs = _fix_inputs(model, input_shapes or {})
-    try:
-        model = onnx.shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
-    except (onnx.shape_inference.InferenceError, RuntimeError) as err:
-        first = str(err).strip().splitlines()[0]
-        raise ModelError(f"{path}: ONNX shape inference failed: {first}") from None
+    model = checked(model, path.name)  # checker + strict shape inference, in a limited child process
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
     return LoadedModel(path=path, sha256=sha, onnx_model=model, inputs=inputs, opset=opset)

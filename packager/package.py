@@ -48,6 +48,8 @@ class PackageArgs:
     name: str | None = None
     precision: str = "fp32"
     quantize: Any = None  # edgeq.quantize.QuantizeArgs for int8 / mixed
+    sign_key: Path | None = None  # ed25519 private key (edgeq keygen): writes manifest.sig
+    release: int | None = None  # monotonically increasing per model name; default: build time YYYYMMDDHHMMSS
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -58,6 +60,8 @@ class PackageArgs:
             "input_shapes": {k: list(v) for k, v in self.input_shapes.items()},
             "name": self.name,
             "precision": self.precision,
+            "signed": self.sign_key is not None,
+            "release": self.release,
         }
 
     def display(self) -> str:
@@ -105,6 +109,7 @@ class _Build:
     model: LoadedModel | None = None
     graph: Graph | None = None
     prequantized: bool = False
+    signing_key: Any = None
     quantization: Any = None  # edgeq.quantize.QuantizeResult
     outputs: list[TensorSpec] = dataclasses.field(default_factory=list)
     executable: Any = None
@@ -131,6 +136,12 @@ def _check(b: _Build) -> None:
     b.name = args.name or Path(args.model).stem
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", b.name):
         raise UsageError(f"bundle name '{b.name}' may use letters, digits, '.', '_' and '-' only; set it with --name")
+    if args.release is not None and args.release < 0:
+        raise UsageError("--release must be a non-negative integer")
+    if args.sign_key is not None:
+        from edgeq.signing import load_private_key
+
+        b.signing_key = load_private_key(args.sign_key)
     b.profile, b.device_note = resolve(args.device)
     if b.device_note:
         b.progress.note(b.device_note)
@@ -281,6 +292,8 @@ def _bundle(b: _Build) -> None:
         "schema_version": bundle.SCHEMA_VERSION,
         "bundle_id": f"{b.bundle_name}-{content_hash.hexdigest()[:12]}",
         "name": b.name,
+        "release": b.args.release if b.args.release is not None else int(created.strftime("%Y%m%d%H%M%S")),
+        "signed": b.signing_key is not None,
         "created": created.isoformat(),
         "edgeq_version": edgeq.__version__,
         "tvm_version": tvm.__version__,
@@ -320,7 +333,7 @@ def _bundle(b: _Build) -> None:
         "quantization": b.quantization.report if b.quantization else None,
         "build": {"args": b.args.to_dict(), "stage_seconds": dict(b.progress.seconds)},
     }
-    b.manifest = bundle.write_bundle(b.staging, manifest, extra_files)
+    b.manifest = bundle.write_bundle(b.staging, manifest, extra_files, b.signing_key)
     # The archive is made from the staging folder under the final name, then both are renamed into place.
     final_dir = b.out_dir / b.bundle_name
     named = b.staging / b.bundle_name

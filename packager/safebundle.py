@@ -1,0 +1,391 @@
+"""Verify, unpack and install edgeq bundles without trusting them.
+
+Standard library only (plus ``cryptography`` for signatures), so this one file also runs on devices:
+``edgeq flash`` copies it there, and ``python3 safebundle.py install BUNDLE.tar.gz --root /opt/edgeq``
+works without edgeq installed.
+
+Trust model: ``manifest.json`` lists the SHA-256 and size of every other file; ``manifest.sig`` is an
+ed25519 signature over the exact bytes of ``manifest.json``. With a public key configured, a bundle must be
+signed by it, every file must match, and nothing else may be there. Archives are read header by header and
+refused at the first member that is not a plain file the manifest declares with that size (the manifest
+must come first), so path tricks, links, devices, duplicates and tar/gzip bombs stop before their data is
+read; members are written with ``tarfile``'s data filter checks into a fresh temporary directory.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import re
+import shutil
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+SCHEMA_VERSION = 1
+MANIFEST, SIGNATURE, SUMS = "manifest.json", "manifest.sig", "SHA256SUMS"
+MAX_MANIFEST_BYTES = 4 << 20
+MAX_SMALL_FILE_BYTES = 1 << 20  # manifest.sig, SHA256SUMS
+MAX_MEMBERS = 64
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+
+class BundleRefused(Exception):
+    """The bundle is not accepted; ``str()`` is a one-line reason."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# manifest shape
+# ---------------------------------------------------------------------------------------------------
+
+_TENSOR = {"name": str, "shape": list, "dtype": str}
+_REQUIRED = {
+    "schema_version": int, "bundle_id": str, "name": str, "release": int, "precision": str, "tvm_version": str,
+    "files": dict, "sizes": dict, "inputs": list, "outputs": list, "device": dict, "library": dict,
+    "weights": dict, "golden": dict,
+}
+
+
+def check_manifest(manifest) -> dict:
+    """Refuse a manifest with missing fields, wrong types or unsafe file names."""
+    if not isinstance(manifest, dict):
+        raise BundleRefused("manifest.json is not a JSON object")
+    for key, typ in _REQUIRED.items():
+        value = manifest.get(key)
+        if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+            raise BundleRefused(f"manifest field '{key}' is missing or not a {typ.__name__}")
+    if manifest["schema_version"] != SCHEMA_VERSION:
+        raise BundleRefused(f"manifest schema_version {manifest['schema_version']} is not {SCHEMA_VERSION}")
+    if not NAME.match(manifest["bundle_id"]) or not NAME.match(manifest["name"]) or manifest["release"] < 0:
+        raise BundleRefused("manifest bundle_id, name or release is not valid")
+    files, sizes = manifest["files"], manifest["sizes"]
+    if set(files) != set(sizes) or not files:
+        raise BundleRefused("manifest 'files' and 'sizes' must name the same files")
+    for name, digest in files.items():
+        if not NAME.match(name) or name in (MANIFEST, SIGNATURE, SUMS):
+            raise BundleRefused(f"manifest lists an unsafe file name {name!r}")
+        if not isinstance(digest, str) or not HEX64.match(digest):
+            raise BundleRefused(f"manifest hash of {name} is not a SHA-256")
+        size = sizes[name]
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise BundleRefused(f"manifest size of {name} is not a byte count")
+    for section in ("library", "weights", "golden"):
+        if manifest[section].get("file") not in files:
+            raise BundleRefused(f"manifest {section}.file is not one of the bundle's files")
+    for key in ("inputs", "outputs"):
+        for spec in manifest[key]:
+            if not isinstance(spec, dict) or any(not isinstance(spec.get(k), t) for k, t in _TENSOR.items()):
+                raise BundleRefused(f"manifest {key} entry is not {{name, shape, dtype}}")
+            if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in spec["shape"]):
+                raise BundleRefused(f"manifest {key} shape of {spec['name']!r} is not a list of sizes")
+    if not isinstance(manifest["device"].get("arch"), str) or not isinstance(manifest["device"].get("profile"), str):
+        raise BundleRefused("manifest device needs 'arch' and 'profile'")
+    return manifest
+
+
+def parse_manifest(data: bytes) -> dict:
+    try:
+        return check_manifest(json.loads(data.decode("utf-8")))
+    except (UnicodeDecodeError, ValueError) as err:
+        raise BundleRefused(f"manifest.json is not valid JSON: {err}") from None
+
+
+# ---------------------------------------------------------------------------------------------------
+# signatures
+# ---------------------------------------------------------------------------------------------------
+
+
+def _crypto():
+    try:
+        from cryptography.exceptions import InvalidSignature
+        from cryptography.hazmat.primitives import serialization
+        from cryptography.hazmat.primitives.asymmetric import ed25519
+    except ImportError:
+        raise BundleRefused("a public key is configured but the 'cryptography' package is missing: "
+                            "pip install cryptography") from None
+    return ed25519, serialization, InvalidSignature
+
+
+def load_public_key(path: str | os.PathLike):
+    ed25519, serialization, _ = _crypto()
+    try:
+        data = Path(path).read_bytes()
+    except OSError as err:
+        raise BundleRefused(f"cannot read public key {path}: {err.strerror}") from None
+    try:
+        key = serialization.load_pem_public_key(data)
+    except ValueError:
+        raise BundleRefused(f"{path} is not a PEM public key") from None
+    if not isinstance(key, ed25519.Ed25519PublicKey):
+        raise BundleRefused(f"{path} is not an ed25519 public key")
+    return key
+
+
+def key_id(public_key) -> str:
+    _, serialization, _ = _crypto()
+    raw = public_key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    return hashlib.sha256(raw).hexdigest()[:16]
+
+
+def verify_signature(manifest_bytes: bytes, signature_bytes: bytes | None, public_key) -> None:
+    _, _, invalid = _crypto()
+    if signature_bytes is None:
+        raise BundleRefused("bundle is not signed (no manifest.sig) and a public key is configured")
+    try:
+        sig = json.loads(signature_bytes.decode("utf-8"))
+        raw = base64.b64decode(sig["signature"], validate=True)
+        if sig.get("algorithm") != "ed25519" or not isinstance(sig.get("key_id"), str):
+            raise ValueError
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        raise BundleRefused("manifest.sig is malformed") from None
+    if sig["key_id"] != key_id(public_key):
+        raise BundleRefused(f"bundle is signed by key {sig['key_id']}, not by the configured key {key_id(public_key)}")
+    try:
+        public_key.verify(raw, manifest_bytes)
+    except invalid:
+        raise BundleRefused("signature does not match manifest.json (changed after signing?)") from None
+
+
+def signature_for(manifest_bytes: bytes, private_key) -> bytes:
+    from cryptography.hazmat.primitives import serialization
+
+    pub = private_key.public_key()
+    raw = pub.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    body = {"algorithm": "ed25519", "key_id": hashlib.sha256(raw).hexdigest()[:16],
+            "signature": base64.b64encode(private_key.sign(manifest_bytes)).decode("ascii")}
+    return (json.dumps(body, indent=2) + "\n").encode("ascii")
+
+
+# ---------------------------------------------------------------------------------------------------
+# directories and archives
+# ---------------------------------------------------------------------------------------------------
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def verify_dir(directory: str | os.PathLike, public_key=None) -> dict:
+    """Check a bundle directory: shape, signature (when a key is given), sizes and hashes, no extra files."""
+    directory = Path(directory)
+    if directory.is_symlink() or not directory.is_dir():
+        raise BundleRefused(f"{directory} is not a bundle directory")
+    manifest_path = directory / MANIFEST
+    if not manifest_path.is_file() or manifest_path.is_symlink():
+        raise BundleRefused("bundle has no manifest.json")
+    if manifest_path.stat().st_size > MAX_MANIFEST_BYTES:
+        raise BundleRefused("manifest.json is too large")
+    manifest_bytes = manifest_path.read_bytes()
+    manifest = parse_manifest(manifest_bytes)
+    allowed = set(manifest["files"]) | {MANIFEST, SIGNATURE, SUMS}
+    for entry in directory.iterdir():
+        if entry.name not in allowed:
+            raise BundleRefused(f"bundle holds a file the manifest does not list: {entry.name}")
+        if entry.is_symlink() or not entry.is_file():
+            raise BundleRefused(f"bundle member {entry.name} is not a regular file")
+    if public_key is not None:
+        sig_path = directory / SIGNATURE
+        verify_signature(manifest_bytes, sig_path.read_bytes() if sig_path.is_file() else None, public_key)
+    for name, digest in manifest["files"].items():
+        path = directory / name
+        if not path.is_file():
+            raise BundleRefused(f"bundle file {name} is missing")
+        if path.stat().st_size != manifest["sizes"][name] or _sha256(path) != digest:
+            raise BundleRefused(f"bundle file {name} does not match the manifest (changed or from another bundle)")
+    return manifest
+
+
+def _member_name(member: tarfile.TarInfo, top: str | None) -> tuple[str, str]:
+    name = member.name
+    parts = name.split("/")
+    if name.startswith("/") or "\\" in name or any(p in ("", ".", "..") for p in parts) or len(parts) > 2:
+        raise BundleRefused(f"archive member {name!r} has an unsafe path")
+    if not NAME.match(parts[0]) or (top is not None and parts[0] != top):
+        raise BundleRefused(f"archive member {name!r} is outside the bundle folder")
+    return parts[0], (parts[1] if len(parts) == 2 else "")
+
+
+def safe_extract(archive: str | os.PathLike, dest: str | os.PathLike) -> Path:
+    """Unpack a bundle archive into ``dest`` (a fresh, empty directory) and return the bundle folder.
+
+    Refuses, before reading any member's data: absolute or ``..`` paths, anything but plain files,
+    duplicate names, a missing or misplaced manifest, files the manifest does not list, sizes other than
+    declared, more members than files."""
+    dest = Path(dest)
+    if any(dest.iterdir()):
+        raise BundleRefused(f"{dest} is not empty")
+    try:
+        tar = tarfile.open(archive, "r:gz")
+    except (tarfile.TarError, OSError, EOFError) as err:
+        raise BundleRefused(f"not a readable .tar.gz bundle ({_first_line(err)})") from None
+    try:
+        return _extract(tar, dest)
+    except (tarfile.TarError, OSError, EOFError, ValueError) as err:
+        raise BundleRefused(f"archive is damaged or truncated ({_first_line(err)})") from None
+    finally:
+        tar.close()
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]
+
+
+def _extract(tar: tarfile.TarFile, dest: Path) -> Path:
+    top, manifest, seen, count = None, None, set(), 0
+    for member in tar:
+        count += 1
+        if count > MAX_MEMBERS or (manifest is not None and count > len(manifest["files"]) + 4):
+            raise BundleRefused("archive has more members than the manifest declares")
+        folder, name = _member_name(member, top)
+        top = folder
+        if not name:
+            if not member.isdir() or folder in seen:
+                raise BundleRefused(f"archive member {member.name!r} is not the bundle folder")
+            seen.add(folder)
+            (dest / folder).mkdir()
+            continue
+        if not member.isreg():
+            raise BundleRefused(f"archive member {member.name!r} is not a regular file (link or device)")
+        if name in seen:
+            raise BundleRefused(f"archive has the member {name} twice")
+        seen.add(name)
+        if manifest is None:
+            if name != MANIFEST:
+                raise BundleRefused("archive does not start with manifest.json")
+            limit = MAX_MANIFEST_BYTES
+        elif name in manifest["files"]:
+            limit = manifest["sizes"][name]
+            if member.size != limit:
+                raise BundleRefused(f"archive member {name} has {member.size} bytes, the manifest declares {limit}")
+        elif name in (SIGNATURE, SUMS):
+            limit = MAX_SMALL_FILE_BYTES
+        else:
+            raise BundleRefused(f"archive holds a file the manifest does not list: {name}")
+        if member.size > limit:
+            raise BundleRefused(f"archive member {name} is larger than allowed")
+        tarfile.data_filter(member, str(dest))  # the standard library's own checks, on top of ours
+        (dest / folder).mkdir(exist_ok=True)
+        data = tar.extractfile(member)
+        target = dest / folder / name
+        with open(target, "xb") as out:
+            copied = 0
+            for block in iter(lambda: data.read(1 << 20), b""):
+                copied += len(block)
+                if copied > member.size:
+                    raise BundleRefused(f"archive member {name} holds more data than its header says")
+                out.write(block)
+        if copied != member.size:
+            raise BundleRefused(f"archive member {name} is truncated")
+        if manifest is None:
+            manifest = parse_manifest(target.read_bytes())
+    if manifest is None or top is None:
+        raise BundleRefused("archive holds no bundle (no manifest.json)")
+    return dest / top
+
+
+def open_bundle(bundle: str | os.PathLike, workdir: str | os.PathLike, public_key=None) -> tuple[Path, dict]:
+    """A verified bundle directory: the directory itself, or an archive unpacked into ``workdir``."""
+    bundle = Path(bundle)
+    if bundle.is_dir():
+        return bundle, verify_dir(bundle, public_key)
+    if not bundle.is_file():
+        raise BundleRefused(f"bundle not found: {bundle}")
+    directory = safe_extract(bundle, workdir)
+    return directory, verify_dir(directory, public_key)
+
+
+# ---------------------------------------------------------------------------------------------------
+# install on a device: releases/<bundle_id>, an atomic `current` link, anti-rollback
+# ---------------------------------------------------------------------------------------------------
+
+
+def read_state(root: Path) -> dict:
+    try:
+        state = json.loads((root / "state.json").read_text())
+        return state if isinstance(state, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_json_atomic(path: Path, data: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def switch_current(root: Path, release_dir: Path) -> None:
+    """Point ``root/current`` at ``release_dir`` atomically: a new link under a temporary name, renamed over."""
+    tmp = root / ".current.tmp"
+    if tmp.is_symlink() or tmp.exists():
+        tmp.unlink()
+    os.symlink(os.path.relpath(release_dir, root), tmp)
+    os.replace(tmp, root / "current")
+
+
+def install(archive: str | os.PathLike, root: str | os.PathLike, public_key=None, allow_downgrade: bool = False) -> dict:
+    """Verify and unpack ``archive`` into ``root/releases/<bundle_id>`` and make it ``current``."""
+    root = Path(root)
+    (root / "releases").mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=root))
+    try:
+        directory = safe_extract(archive, staging)
+        manifest = verify_dir(directory, public_key)
+        state = read_state(root)
+        previous = state.get(manifest["name"], {})
+        if manifest["release"] < previous.get("release", -1) and not allow_downgrade:
+            raise BundleRefused(f"release {manifest['release']} of {manifest['name']} is older than the installed "
+                                f"release {previous['release']}; use --allow-downgrade to install it anyway")
+        target = root / "releases" / manifest["bundle_id"]
+        already = target.is_dir() and os.path.realpath(root / "current") == os.path.realpath(target)
+        if target.is_dir():
+            verify_dir(target, public_key)  # an earlier copy is only reused if it is still intact
+        else:
+            os.rename(directory, target)
+        switch_current(root, target)
+        state[manifest["name"]] = {"release": manifest["release"], "bundle_id": manifest["bundle_id"],
+                                   "previous": previous.get("bundle_id")}
+        _write_json_atomic(root / "state.json", state)
+        return {"bundle_id": manifest["bundle_id"], "release": manifest["release"], "path": str(target),
+                "previous": previous.get("bundle_id"), "already": already}
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Verify or install an edgeq bundle (device side).")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    for cmd in ("verify", "install"):
+        p = sub.add_parser(cmd)
+        p.add_argument("bundle")
+        p.add_argument("--pub", help="ed25519 public key (PEM): the bundle must be signed by it")
+        if cmd == "install":
+            p.add_argument("--root", required=True)
+            p.add_argument("--allow-downgrade", action="store_true")
+    args = parser.parse_args(argv)
+    try:
+        key = load_public_key(args.pub) if args.pub else None
+        if args.cmd == "install":
+            result = install(args.bundle, args.root, key, args.allow_downgrade)
+        else:
+            with tempfile.TemporaryDirectory() as tmp:
+                manifest = open_bundle(args.bundle, tmp, key)[1]
+            result = {"bundle_id": manifest["bundle_id"], "release": manifest["release"], "signed": key is not None}
+    except BundleRefused as err:
+        print(f"safebundle: refused: {err}", file=sys.stderr)
+        return 3
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
