@@ -47,7 +47,7 @@ def checked(model, name: str):
             raise ModelError(f"{name}: the ONNX checker crashed ({sig}) on this model; it is malformed or hostile")
         if proc.returncode != 0:
             last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-            if "MemoryError" in proc.stderr or "bad_alloc" in proc.stderr:
+            if any(sign in proc.stderr for sign in ("MemoryError", "bad_alloc", "failed to map segment", "Cannot allocate memory")):
                 raise ModelError(f"{name}: checking the model needed more than {MEMORY_BYTES >> 20} MB; it is malformed "
                                  "or too large (raise EDGEQ_MODEL_CHECK_MEMORY_MB)")
             raise ModelError(f"{name}: the model check failed: {last}")
