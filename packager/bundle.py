@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import gzip
 import hashlib
-import io
 import json
 import tarfile
 from pathlib import Path
@@ -161,8 +160,9 @@ def _manifest_from_archive(archive: Path) -> str:
             for member in tar:
                 parts = member.name.split("/")
                 if member.isfile() and len(parts) == 2 and parts[1] == MANIFEST:
-                    data = tar.extractfile(member)
-                    return io.TextIOWrapper(data, encoding="utf-8").read()
+                    if member.size > safebundle.MAX_MANIFEST_BYTES:
+                        raise BundleError(f"{archive}: manifest.json is too large ({member.size} bytes)")
+                    return tar.extractfile(member).read(safebundle.MAX_MANIFEST_BYTES).decode("utf-8")
     except (tarfile.TarError, EOFError, OSError) as err:
         reason = (str(err).strip().splitlines() or [type(err).__name__])[0].rstrip(":")
         raise BundleError(f"{archive} is not a readable .tar.gz bundle ({reason})") from None

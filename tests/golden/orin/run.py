@@ -9,10 +9,13 @@ Needs only numpy and the TVM runtime (apache-tvm 0.27.0.post1, built with CUDA).
     python run.py --check                           only check that this machine can run the bundle
 
 Made by edgeq 0.1.0. Before anything is loaded, the manifest is checked against this
-machine and every file against its SHA-256; a mismatch stops with a one-line reason.
+machine and every file against its SHA-256; a mismatch stops with a one-line reason. When this device
+trusts a signing key ($EDGEQ_TRUSTED_KEY, else /etc/edgeq/trusted.pub), the manifest must carry a valid
+signature by it (manifest.sig); an unsigned bundle is refused.
 """
 
 import argparse
+import base64
 import ctypes
 import hashlib
 import json
@@ -22,6 +25,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCHEMA_VERSION = 1
+TRUSTED_KEY = os.environ.get("EDGEQ_TRUSTED_KEY") or "/etc/edgeq/trusted.pub"
 
 
 class BundleCheckError(Exception):
@@ -36,12 +40,43 @@ def _sha256(path):
     return digest.hexdigest()
 
 
+def check_signature(manifest_bytes):
+    """With a trusted key on this device, the manifest must be signed by it. Fails closed."""
+    if not os.path.exists(TRUSTED_KEY):
+        return
+    try:
+        from cryptography.hazmat.primitives import serialization
+    except ImportError:
+        raise BundleCheckError("a trusted key is configured (%s) but the 'cryptography' package is missing" % TRUSTED_KEY)
+    try:
+        with open(TRUSTED_KEY, "rb") as f:
+            key = serialization.load_pem_public_key(f.read())
+        raw = key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    except (OSError, ValueError) as err:
+        raise BundleCheckError("cannot read the trusted key %s: %s" % (TRUSTED_KEY, err))
+    try:
+        with open(os.path.join(HERE, "manifest.sig"), "rb") as f:
+            sig = json.loads(f.read().decode("utf-8"))
+    except OSError:
+        raise BundleCheckError("this device trusts %s but the bundle is not signed (no manifest.sig)" % TRUSTED_KEY)
+    except ValueError:
+        raise BundleCheckError("manifest.sig is malformed")
+    if sig.get("key_id") != hashlib.sha256(raw).hexdigest()[:16]:
+        raise BundleCheckError("the bundle is signed by another key (%s) than the trusted one" % sig.get("key_id"))
+    try:
+        key.verify(base64.b64decode(sig["signature"]), manifest_bytes)
+    except Exception:
+        raise BundleCheckError("the signature does not match manifest.json (changed after signing?)")
+
+
 def load_manifest():
     try:
-        with open(os.path.join(HERE, "manifest.json"), encoding="utf-8") as f:
-            manifest = json.load(f)
+        with open(os.path.join(HERE, "manifest.json"), "rb") as f:
+            manifest_bytes = f.read()
+        manifest = json.loads(manifest_bytes.decode("utf-8"))
     except (OSError, ValueError) as err:
         raise BundleCheckError("cannot read manifest.json: %s" % err)
+    check_signature(manifest_bytes)
     if manifest.get("schema_version") != SCHEMA_VERSION:
         raise BundleCheckError(
             "manifest schema_version %r is not %d; use the run.py shipped with this bundle"
