@@ -7,6 +7,7 @@ import gzip
 import hashlib
 import json
 import tarfile
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -163,7 +164,7 @@ def _manifest_from_archive(archive: Path) -> str:
                     if member.size > safebundle.MAX_MANIFEST_BYTES:
                         raise BundleError(f"{archive}: manifest.json is too large ({member.size} bytes)")
                     return tar.extractfile(member).read(safebundle.MAX_MANIFEST_BYTES).decode("utf-8")
-    except (tarfile.TarError, EOFError, OSError) as err:
+    except (tarfile.TarError, EOFError, OSError, zlib.error) as err:
         reason = (str(err).strip().splitlines() or [type(err).__name__])[0].rstrip(":")
         raise BundleError(f"{archive} is not a readable .tar.gz bundle ({reason})") from None
     raise FileNotFoundError(MANIFEST)

@@ -23,6 +23,7 @@ import shutil
 import sys
 import tarfile
 import tempfile
+import zlib
 from pathlib import Path
 
 SCHEMA_VERSION = 1
@@ -224,11 +225,11 @@ def safe_extract(archive: str | os.PathLike, dest: str | os.PathLike) -> Path:
         raise BundleRefused(f"{dest} is not empty")
     try:
         tar = tarfile.open(archive, "r:gz")
-    except (tarfile.TarError, OSError, EOFError) as err:
+    except (tarfile.TarError, OSError, EOFError, zlib.error) as err:
         raise BundleRefused(f"not a readable .tar.gz bundle ({_first_line(err)})") from None
     try:
         return _extract(tar, dest)
-    except (tarfile.TarError, OSError, EOFError, ValueError) as err:
+    except (tarfile.TarError, OSError, EOFError, ValueError, zlib.error) as err:
         raise BundleRefused(f"archive is damaged or truncated ({_first_line(err)})") from None
     finally:
         tar.close()
