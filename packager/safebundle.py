@@ -331,59 +331,137 @@ def switch_current(root: Path, release_dir: Path) -> None:
     os.replace(tmp, root / "current")
 
 
-def install(archive: str | os.PathLike, root: str | os.PathLike, public_key=None, allow_downgrade: bool = False) -> dict:
-    """Verify and unpack ``archive`` into ``root/releases/<bundle_id>`` and make it ``current``."""
+def current_id(root: Path) -> str | None:
+    link = root / "current"
+    return Path(os.readlink(link)).name if link.is_symlink() else None
+
+
+def stage(archive, root, public_key=None, allow_downgrade: bool = False) -> dict:
+    """Verify ``archive`` and unpack it into ``root/releases/<bundle_id>`` (``current`` is not touched)."""
     root = Path(root)
     (root / "releases").mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=root))
     try:
         directory = safe_extract(archive, staging)
         manifest = verify_dir(directory, public_key)
-        state = read_state(root)
-        previous = state.get(manifest["name"], {})
-        if manifest["release"] < previous.get("release", -1) and not allow_downgrade:
+        installed = read_state(root).get("models", {}).get(manifest["name"], {})
+        if manifest["release"] < installed.get("release", -1) and not allow_downgrade:
             raise BundleRefused(f"release {manifest['release']} of {manifest['name']} is older than the installed "
-                                f"release {previous['release']}; use --allow-downgrade to install it anyway")
+                                f"release {installed['release']}; use --allow-downgrade to install it anyway")
         target = root / "releases" / manifest["bundle_id"]
-        already = target.is_dir() and os.path.realpath(root / "current") == os.path.realpath(target)
         if target.is_dir():
             verify_dir(target, public_key)  # an earlier copy is only reused if it is still intact
         else:
             os.rename(directory, target)
-        switch_current(root, target)
-        state[manifest["name"]] = {"release": manifest["release"], "bundle_id": manifest["bundle_id"],
-                                   "previous": previous.get("bundle_id")}
-        _write_json_atomic(root / "state.json", state)
-        return {"bundle_id": manifest["bundle_id"], "release": manifest["release"], "path": str(target),
-                "previous": previous.get("bundle_id"), "already": already}
+        return {"bundle_id": manifest["bundle_id"], "name": manifest["name"], "release": manifest["release"],
+                "path": str(target), "already": current_id(root) == manifest["bundle_id"]}
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def activate(root, bundle_id: str) -> dict:
+    """Make ``releases/<bundle_id>`` current; the release it replaces becomes ``previous``."""
+    root = Path(root)
+    target = root / "releases" / bundle_id
+    if not NAME.match(bundle_id) or not target.is_dir():
+        raise BundleRefused(f"release {bundle_id} is not installed under {root}")
+    manifest = json.loads((target / MANIFEST).read_text())
+    state = read_state(root)
+    before = current_id(root)
+    switch_current(root, target)
+    if before != bundle_id:
+        state["previous"] = before
+    state["current"] = bundle_id
+    state.setdefault("models", {})[manifest["name"]] = {"release": manifest["release"], "bundle_id": bundle_id}
+    _write_json_atomic(root / "state.json", state)
+    return {"current": bundle_id, "previous": state.get("previous")}
+
+
+def rollback(root) -> dict:
+    """Switch back to the previous release."""
+    root = Path(root)
+    previous = read_state(root).get("previous")
+    if not previous or not (root / "releases" / previous).is_dir():
+        raise BundleRefused(f"no previous release to return to under {root}")
+    return activate(root, previous)
+
+
+def prune(root, keep: int = 2) -> dict:
+    """Delete releases other than current and previous (and up to ``keep`` in all)."""
+    root = Path(root)
+    state = read_state(root)
+    keep_ids = {state.get("current"), state.get("previous"), current_id(root)} - {None}
+    removed = []
+    releases = sorted((root / "releases").iterdir(), key=lambda p: p.stat().st_mtime, reverse=True)
+    for path in releases:
+        if path.name in keep_ids:
+            continue
+        if len(keep_ids) < keep:
+            keep_ids.add(path.name)
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path.name)
+    return {"removed": removed}
+
+
+def status(root) -> dict:
+    root = Path(root)
+    state = read_state(root)
+    current = current_id(root)
+    releases = sorted(p.name for p in (root / "releases").iterdir()) if (root / "releases").is_dir() else []
+    release = None
+    if current:
+        try:
+            release = json.loads((root / "releases" / current / MANIFEST).read_text()).get("release")
+        except (OSError, ValueError):
+            pass
+    return {"current": current, "release": release, "previous": state.get("previous"), "releases": releases}
+
+
+def install(archive, root, public_key=None, allow_downgrade: bool = False) -> dict:
+    """Verify, unpack and make current (``stage`` + ``activate``)."""
+    result = stage(archive, root, public_key, allow_downgrade)
+    if not result["already"]:
+        result.update(previous=activate(root, result["bundle_id"])["previous"])
+    return result
 
 
 def main(argv=None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(description="Verify or install an edgeq bundle (device side).")
+    parser = argparse.ArgumentParser(description="Verify, install and manage edgeq bundles (device side).")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    for cmd in ("verify", "install"):
+    for cmd in ("verify", "install", "stage"):
         p = sub.add_parser(cmd)
         p.add_argument("bundle")
         p.add_argument("--pub", help="ed25519 public key (PEM): the bundle must be signed by it")
-        if cmd == "install":
+        if cmd != "verify":
             p.add_argument("--root", required=True)
             p.add_argument("--allow-downgrade", action="store_true")
+    for cmd in ("activate", "rollback", "prune", "status"):
+        p = sub.add_parser(cmd)
+        p.add_argument("--root", required=True)
+        if cmd == "activate":
+            p.add_argument("bundle_id")
     args = parser.parse_args(argv)
     try:
-        key = load_public_key(args.pub) if args.pub else None
-        if args.cmd == "install":
-            result = install(args.bundle, args.root, key, args.allow_downgrade)
-        else:
+        key = load_public_key(args.pub) if getattr(args, "pub", None) else None
+        if args.cmd == "verify":
             with tempfile.TemporaryDirectory() as tmp:
                 manifest = open_bundle(args.bundle, tmp, key)[1]
             result = {"bundle_id": manifest["bundle_id"], "release": manifest["release"], "signed": key is not None}
+        elif args.cmd in ("install", "stage"):
+            result = (install if args.cmd == "install" else stage)(args.bundle, args.root, key, args.allow_downgrade)
+        elif args.cmd == "activate":
+            result = activate(args.root, args.bundle_id)
+        else:
+            result = {"rollback": rollback, "prune": prune, "status": status}[args.cmd](args.root)
     except BundleRefused as err:
         print(f"safebundle: refused: {err}", file=sys.stderr)
         return 3
+    except OSError as err:
+        print(f"safebundle: error: {err}", file=sys.stderr)
+        return 4
     print(json.dumps(result))
     return 0
 

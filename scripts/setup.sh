@@ -10,6 +10,8 @@ SUDO=""
 need=()
 command -v aarch64-linux-gnu-g++ >/dev/null || need+=(g++-aarch64-linux-gnu)
 command -v cc >/dev/null || need+=(gcc)
+[ -x /usr/sbin/sshd ] || need+=(openssh-server)   # the fleet tests run real sshd hosts on loopback
+command -v ssh-keygen >/dev/null || need+=(openssh-client)
 if [ ${#need[@]} -gt 0 ]; then
     echo "setup: installing Debian packages: ${need[*]}"
     $SUDO apt-get update -qq

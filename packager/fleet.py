@@ -1,0 +1,414 @@
+"""Flash a bundle to a fleet of devices over SSH (fabric): staged, verified, health-checked, atomic, rolled
+back on failure.
+
+Per host: connect (known host keys only) -> preflight (profile, architecture, python + TVM, disk) -> upload
+the archive and edgeq's stdlib verifier (``safebundle.py``) -> on the device: verify signature and every
+file, unpack into ``<root>/releases/<bundle-id>`` (``stage``) -> ``run.py --self-test`` there -> switch
+``<root>/current`` atomically (``activate``) -> ``run.py --self-test`` through ``current`` -> prune. A failure
+after the switch switches back (``rollback``). Hosts go canaries first, then in batches, ``--parallel`` at a
+time; once failures exceed ``--max-failures`` no new host starts.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import shlex
+import threading
+import time
+import tomllib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from edgeq import safebundle
+from edgeq.errors import BundleError, UsageError
+
+STATES = ("updated", "already", "rolled-back", "failed", "skipped")
+
+
+@dataclasses.dataclass(frozen=True)
+class Host:
+    name: str
+    address: str
+    port: int = 22
+    user: str | None = None
+    key: str | None = None
+    python: str = "python3"
+    root: str = "/opt/edgeq"
+    device: str | None = None
+    tags: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Fleet:
+    path: Path
+    hosts: tuple[Host, ...]
+    known_hosts: Path
+    trust_on_first_use: bool = False
+    public_key: Path | None = None
+    connect_timeout: float = 10.0
+    command_timeout: float = 600.0
+
+
+def load_fleet(path: str | Path) -> Fleet:
+    """Parse fleet.toml; paths inside it are relative to the file."""
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UsageError(f"fleet file not found: {path}") from None
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as err:
+        raise UsageError(f"fleet file {path} is not valid TOML: {err}") from None
+    base = path.parent
+
+    def rel(value: str | None) -> Path | None:
+        return None if value is None else (base / value if not Path(value).is_absolute() else Path(value))
+
+    hosts, names = [], set()
+    for i, h in enumerate(raw.get("hosts", [])):
+        if not isinstance(h, dict) or not isinstance(h.get("name"), str) or not isinstance(h.get("address"), str):
+            raise UsageError(f"fleet file {path}: hosts[{i}] needs 'name' and 'address'")
+        if h["name"] in names:
+            raise UsageError(f"fleet file {path}: host name {h['name']!r} appears twice")
+        names.add(h["name"])
+        unknown = set(h) - {f.name for f in dataclasses.fields(Host)}
+        if unknown:
+            raise UsageError(f"fleet file {path}: host {h['name']!r} has unknown keys: {', '.join(sorted(unknown))}")
+        try:
+            hosts.append(Host(
+                name=h["name"], address=h["address"], port=int(h.get("port", 22)), user=h.get("user"),
+                key=str(rel(h["key"])) if h.get("key") else None, python=h.get("python", "python3"),
+                root=h.get("root", raw.get("root", "/opt/edgeq")), device=h.get("device"), tags=tuple(h.get("tags", ())),
+            ))
+        except (TypeError, ValueError):
+            raise UsageError(f"fleet file {path}: host {h['name']!r} has a value of the wrong type") from None
+    if not hosts:
+        raise UsageError(f"fleet file {path} lists no [[hosts]]")
+    if "known_hosts" not in raw and not raw.get("trust_on_first_use"):
+        raise UsageError(f"fleet file {path} needs known_hosts = 'FILE' (or trust_on_first_use = true)")
+    return Fleet(
+        path=path, hosts=tuple(hosts), known_hosts=rel(raw.get("known_hosts", "known_hosts")),
+        trust_on_first_use=bool(raw.get("trust_on_first_use", False)), public_key=rel(raw.get("public_key")),
+        connect_timeout=float(raw.get("connect_timeout", 10)), command_timeout=float(raw.get("command_timeout", 600)),
+    )
+
+
+@dataclasses.dataclass
+class HostResult:
+    host: str
+    state: str = "skipped"
+    before: str | None = None
+    after: str | None = None
+    duration_s: float = 0.0
+    error: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class HostFailure(Exception):
+    """A step on one host failed; ``str()`` says which and why."""
+
+
+def _why(err: BaseException) -> str:
+    return getattr(err, "strerror", None) or str(err) or type(err).__name__
+
+
+def parse_count(text: str | None, total: int, what: str) -> int:
+    """``N`` or ``P%`` of ``total``."""
+    if text is None:
+        return 0
+    try:
+        if str(text).endswith("%"):
+            return int(total * float(str(text)[:-1]) / 100 + 0.999999)
+        value = int(text)
+        if value < 0:
+            raise ValueError
+        return value
+    except ValueError:
+        raise UsageError(f"{what} must be N or P%, not {text!r}") from None
+
+
+# ---------------------------------------------------------------------------------------------------
+# one host
+# ---------------------------------------------------------------------------------------------------
+
+
+class Device:
+    """An SSH session to one host with host keys checked (unknown or changed keys are refused)."""
+
+    def __init__(self, host: Host, fleet: Fleet):
+        import logging
+
+        import fabric
+        import paramiko
+
+        logging.getLogger("paramiko").setLevel(logging.CRITICAL)  # failures are reported per host instead
+        self.host, self.fleet = host, fleet
+        kwargs: dict[str, Any] = {"banner_timeout": fleet.connect_timeout, "auth_timeout": fleet.connect_timeout}
+        if host.key:
+            kwargs.update(key_filename=host.key, look_for_keys=False, allow_agent=False)
+        config = fabric.Config(overrides={"load_ssh_configs": False})
+        self.conn = fabric.Connection(host.address, user=host.user, port=host.port, config=config,
+                                      connect_timeout=int(max(1, fleet.connect_timeout)), connect_kwargs=kwargs)
+        client = self.conn.client
+        if fleet.known_hosts is not None and fleet.known_hosts.exists():
+            client.load_host_keys(str(fleet.known_hosts))
+        if fleet.trust_on_first_use:
+            client.set_missing_host_key_policy(paramiko.AutoAddPolicy())
+        else:
+            client.set_missing_host_key_policy(paramiko.RejectPolicy())
+        try:
+            self.conn.open()
+        except paramiko.BadHostKeyException:
+            raise HostFailure("connect: host key changed (not the one in known_hosts); refusing to talk to it") from None
+        except paramiko.SSHException as err:
+            if "not found in known_hosts" in str(err):
+                raise HostFailure("connect: unknown host key (not in known_hosts); add it or set trust_on_first_use") from None
+            raise HostFailure(f"connect: {err}") from None
+        except (OSError, EOFError) as err:
+            raise HostFailure(f"connect: {_why(err)}") from None
+        if fleet.trust_on_first_use and fleet.known_hosts is not None:
+            client.save_host_keys(str(fleet.known_hosts))
+
+    def run(self, command: str, step: str, timeout: float | None = None) -> str:
+        from invoke.exceptions import CommandTimedOut, UnexpectedExit
+
+        try:
+            result = self.conn.run(command, hide=True, warn=False, timeout=timeout or self.fleet.command_timeout,
+                                   in_stream=False)
+        except UnexpectedExit as err:
+            text = (err.result.stderr.strip() or err.result.stdout.strip() or f"exit {err.result.exited}").splitlines()
+            raise HostFailure(f"{step}: {text[-1]}") from None
+        except CommandTimedOut:
+            raise HostFailure(f"{step}: timed out after {timeout or self.fleet.command_timeout:.0f} s") from None
+        except (OSError, EOFError) as err:
+            raise HostFailure(f"{step}: connection lost ({err})") from None
+        return result.stdout
+
+    def put(self, local: Path, remote: str, step: str) -> None:
+        try:
+            self.conn.put(str(local), remote)
+        except (OSError, EOFError) as err:
+            raise HostFailure(f"{step}: connection lost ({_why(err)})") from None
+        except Exception as err:  # paramiko raises SSHException subclasses mid-transfer
+            raise HostFailure(f"{step}: connection lost ({type(err).__name__}: {err})") from None
+
+    def close(self) -> None:
+        try:
+            self.conn.close()
+        except Exception:
+            pass
+
+
+@dataclasses.dataclass
+class FlashPlan:
+    archive: Path
+    manifest: dict[str, Any]
+    allow_downgrade: bool = False
+
+
+def _q(*parts: str) -> str:
+    return " ".join(shlex.quote(p) for p in parts)
+
+
+def _device_paths(host: Host) -> dict[str, str]:
+    tools = f"{host.root}/.edgeq"
+    return {"tools": tools, "guard": f"{tools}/safebundle.py", "key": f"{tools}/trusted.pub", "incoming": f"{tools}/incoming"}
+
+
+def _setup_tools(dev: Device, host: Host, fleet: Fleet) -> dict[str, str]:
+    paths = _device_paths(host)
+    dev.run(_q("mkdir", "-p", paths["incoming"], f"{host.root}/releases"), "prepare")
+    dev.put(Path(safebundle.__file__), paths["guard"], "upload verifier")
+    if fleet.public_key is not None:
+        dev.put(fleet.public_key, paths["key"], "upload public key")
+    return paths
+
+
+def _status(dev: Device, host: Host, paths: dict[str, str]) -> dict[str, Any]:
+    return json.loads(dev.run(_q(host.python, paths["guard"], "status", "--root", host.root), "status"))
+
+
+def _self_test(dev: Device, host: Host, bundle_dir: str, step: str, fleet: Fleet, paths: dict[str, str]) -> None:
+    env = f"EDGEQ_TRUSTED_KEY={shlex.quote(paths['key'])} " if fleet.public_key is not None else ""
+    dev.run(f"cd {shlex.quote(bundle_dir)} && {env}{_q(host.python, 'run.py', '--self-test')}", step)
+
+
+def flash_host(host: Host, fleet: Fleet, plan: FlashPlan, note: Callable[[str], None]) -> HostResult:
+    result = HostResult(host.name)
+    start = time.monotonic()
+    dev = None
+    switched = False
+    bundle_id = plan.manifest["bundle_id"]
+    try:
+        want = plan.manifest["device"]["profile"]
+        if host.device and host.device != want:
+            raise HostFailure(f"preflight: host is a {host.device}, the bundle is for {want}")
+        note(f"{host.name}: connecting to {host.address}:{host.port}")
+        dev = Device(host, fleet)
+        paths = _setup_tools(dev, host, fleet)
+        before = _status(dev, host, paths)
+        result.before = result.after = before["current"]
+        if before["current"] == bundle_id:
+            result.state = "already"
+            note(f"{host.name}: already on {bundle_id}")
+            return result
+        arch = dev.run("uname -m", "preflight").strip()
+        if arch != plan.manifest["device"]["arch"]:
+            raise HostFailure(f"preflight: host is {arch}, the bundle is for {plan.manifest['device']['arch']}")
+        probe = ("import os, json, tvm; s = os.statvfs(%r); print(json.dumps({'free': s.f_bavail * s.f_frsize, "
+                 "'tvm': tvm.__version__}))" % host.root)
+        facts = json.loads(dev.run(_q(host.python, "-c", probe), "preflight (python + TVM runtime)"))
+        need = 3 * plan.archive.stat().st_size
+        if facts["free"] < need:
+            raise HostFailure(f"preflight: {facts['free'] >> 20} MB free under {host.root}, {need >> 20} MB needed")
+        note(f"{host.name}: uploading {plan.archive.name}")
+        remote = f"{paths['incoming']}/{bundle_id}.tar.gz"
+        dev.put(plan.archive, remote + ".part", "upload")
+        dev.run(_q("mv", remote + ".part", remote), "upload")
+        stage_cmd = [host.python, paths["guard"], "stage", remote, "--root", host.root]
+        if fleet.public_key is not None:
+            stage_cmd += ["--pub", paths["key"]]
+        if plan.allow_downgrade:
+            stage_cmd.append("--allow-downgrade")
+        staged = json.loads(dev.run(_q(*stage_cmd), "verify and unpack"))
+        note(f"{host.name}: verified and unpacked; health check")
+        _self_test(dev, host, staged["path"], "health check (new release)", fleet, paths)
+        dev.run(_q(host.python, paths["guard"], "activate", "--root", host.root, bundle_id), "switch")
+        switched = True
+        result.after = bundle_id
+        _self_test(dev, host, f"{host.root}/current", "health check (through current)", fleet, paths)
+        dev.run(_q(host.python, paths["guard"], "prune", "--root", host.root) + " && " + _q("rm", "-f", remote), "prune")
+        result.state = "updated"
+        note(f"{host.name}: updated to {bundle_id}")
+    except Exception as err:  # HostFailure, or anything unexpected: one host never takes the rollout down
+        result.error = str(err) if isinstance(err, HostFailure) else f"unexpected {type(err).__name__}: {err}"
+        result.state = "failed"
+        if switched and dev is not None:
+            try:
+                dev.run(_q(host.python, _device_paths(host)["guard"], "rollback", "--root", host.root), "rollback")
+                result.state, result.after = "rolled-back", result.before
+            except HostFailure as rollback_err:
+                result.error += f"; rollback failed too: {rollback_err}"
+        note(f"{host.name}: {result.state}: {result.error}")
+    finally:
+        if dev is not None:
+            dev.close()
+        result.duration_s = round(time.monotonic() - start, 2)
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------
+# the rollout
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class FlashArgs:
+    bundle: Path
+    fleet: Path
+    canary: str | None = None
+    batch: int | None = None
+    max_failures: str | None = "0"
+    parallel: int = 4
+    dry_run: bool = False
+    allow_downgrade: bool = False
+
+
+def waves(hosts: tuple[Host, ...], canary: int, batch: int | None) -> list[list[Host]]:
+    """Canary hosts first (tagged 'canary' before others), then batches of the rest."""
+    ordered = sorted(hosts, key=lambda h: "canary" not in h.tags)
+    first, rest = ordered[:canary], ordered[canary:]
+    size = batch or len(rest) or 1
+    return ([first] if first else []) + [rest[i : i + size] for i in range(0, len(rest), size)]
+
+
+def flash(args: FlashArgs, note: Callable[[str], None] = lambda _: None) -> tuple[list[HostResult], list[list[str]]]:
+    fleet = load_fleet(args.fleet)
+    if Path(args.bundle).is_dir():
+        raise UsageError("edgeq flash takes the bundle's .tar.gz archive, not its folder")
+    try:
+        key = safebundle.load_public_key(fleet.public_key) if fleet.public_key else None
+    except safebundle.BundleRefused as err:
+        raise UsageError(f"fleet file {args.fleet}: {err}") from None
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="edgeq-flash-") as tmp:
+        try:
+            _, manifest = safebundle.open_bundle(args.bundle, tmp, key)  # refuse a bad bundle before any host
+        except safebundle.BundleRefused as err:
+            raise BundleError(f"{args.bundle}: refused: {err}") from None
+    total = len(fleet.hosts)
+    plan_waves = waves(fleet.hosts, parse_count(args.canary, total, "--canary"), args.batch)
+    names = [[h.name for h in w] for w in plan_waves]
+    if args.dry_run:
+        return [HostResult(h.name, state="skipped", error="dry run") for h in fleet.hosts], names
+    max_failures = parse_count(args.max_failures, total, "--max-failures")
+    plan = FlashPlan(Path(args.bundle), manifest, args.allow_downgrade)
+    results: dict[str, HostResult] = {}
+    lock = threading.Lock()
+    failures = 0
+
+    def run_one(host: Host) -> None:
+        nonlocal failures
+        with lock:
+            if failures > max_failures:
+                results[host.name] = HostResult(host.name, "skipped", error="rollout stopped: too many failures")
+                return
+        res = flash_host(host, fleet, plan, note)
+        with lock:
+            results[host.name] = res
+            if res.state in ("failed", "rolled-back"):
+                failures += 1
+
+    for wave in plan_waves:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.parallel)) as pool:
+            list(pool.map(run_one, wave))
+    return [results[h.name] for h in fleet.hosts], names
+
+
+def fleet_status(fleet_path: Path) -> list[dict[str, Any]]:
+    fleet = load_fleet(fleet_path)
+    rows = []
+    for host in fleet.hosts:
+        row = {"host": host.name, "current": None, "release": None, "previous": None, "error": ""}
+        try:
+            dev = Device(host, fleet)
+            try:
+                paths = _setup_tools(dev, host, fleet)
+                row.update({k: v for k, v in _status(dev, host, paths).items() if k in row})
+            finally:
+                dev.close()
+        except HostFailure as err:
+            row["error"] = str(err)
+        rows.append(row)
+    return rows
+
+
+def fleet_rollback(fleet_path: Path, only: list[str] | None = None, note: Callable[[str], None] = lambda _: None) -> list[HostResult]:
+    fleet = load_fleet(fleet_path)
+    out = []
+    for host in fleet.hosts:
+        if only and host.name not in only:
+            continue
+        res, start = HostResult(host.name), time.monotonic()
+        try:
+            dev = Device(host, fleet)
+            try:
+                paths = _setup_tools(dev, host, fleet)
+                res.before = _status(dev, host, paths)["current"]
+                done = json.loads(dev.run(_q(host.python, paths["guard"], "rollback", "--root", host.root), "rollback"))
+                res.after = done["current"]
+                _self_test(dev, host, f"{host.root}/current", "health check", fleet, paths)
+                res.state = "rolled-back"
+            finally:
+                dev.close()
+        except HostFailure as err:
+            res.state, res.error = "failed", str(err)
+        res.duration_s = round(time.monotonic() - start, 2)
+        note(f"{host.name}: {res.state} {res.error}".strip())
+        out.append(res)
+    return out

@@ -1,0 +1,218 @@
+"""edgeq flash against real OpenSSH servers on loopback: one sshd per device, each with its own release root.
+The CLI runs in-process; every device command goes over SSH."""
+
+import getpass
+import json
+import os
+import shutil
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from conftest import run_cli
+from sshd import SSHD, make_hosts
+
+pytestmark = pytest.mark.skipif(not Path(SSHD).exists(), reason="needs openssh-server (scripts/setup.sh installs it)")
+
+
+def write_fleet(path: Path, hosts, key: Path, extra_hosts: str = "", overrides: dict | None = None, public_key=None):
+    overrides = overrides or {}
+    known = path.parent / "known_hosts"
+    known.write_text("".join(h.known_hosts_line() + "\n" for h in hosts))
+    lines = ['known_hosts = "known_hosts"', "connect_timeout = 3", "command_timeout = 120"]
+    if public_key:
+        lines.append(f'public_key = "{public_key}"')
+    for h in hosts:
+        o = overrides.get(h.name, {})
+        lines += ["[[hosts]]", f'name = "{h.name}"', 'address = "127.0.0.1"', f"port = {h.port}",
+                  f'user = "{getpass.getuser()}"', f'key = "{key}"', f'python = "{o.get("python", sys.executable)}"',
+                  f'root = "{h.root}"', 'device = "host"', f'tags = {json.dumps(o.get("tags", []))}']
+    path.write_text("\n".join(lines) + "\n" + extra_hosts)
+    return path
+
+
+@pytest.fixture(scope="module")
+def bundles(models, tmp_path_factory):
+    out = tmp_path_factory.mktemp("fleet-bundles")
+    keys = out / "keys"
+    assert run_cli("keygen", "--out", keys).code == 0
+
+    def build(model, name, release):
+        res = run_cli("package", model, "--device", "host", "-o", out / f"r{release}", "--name", name, "-q", "--json",
+                      "--sign-key", keys / "edgeq_signing.key", "--release", str(release))
+        assert res.code == 0, res.stderr
+        return Path(json.loads(res.stdout)["archive"]), json.loads(res.stdout)["bundle_id"]
+
+    return {"v1": build(models["mobilenet_cnn"], "net", 1), "v2": build(models["resnet_cnn"], "net", 2),
+            "pub": keys / "edgeq_signing.pub"}
+
+
+@pytest.fixture
+def fleet(tmp_path):
+    hosts, key = make_hosts(tmp_path / "ssh", 3)
+    yield hosts, key, tmp_path
+    for h in hosts:
+        h.kill()
+
+
+def flash(archive, fleet_file, *extra):
+    res = run_cli("flash", archive, "--fleet", fleet_file, "--json", *extra)
+    return res, json.loads(res.stdout) if res.stdout else None
+
+
+def by_host(report):
+    return {h["host"]: h for h in report["hosts"]}
+
+
+def current(host) -> str | None:
+    link = host.root / "current"
+    return os.readlink(link).split("/")[-1] if link.is_symlink() else None
+
+
+def test_all_hosts_updated_then_rerun_is_a_noop_and_rollback_returns(fleet, bundles):
+    hosts, key, tmp = fleet
+    fleet_file = write_fleet(tmp / "fleet.toml", hosts, key, public_key=bundles["pub"])
+    (v1, id1), (v2, id2) = bundles["v1"], bundles["v2"]
+    res, report = flash(v1, fleet_file, "--parallel", "3")
+    assert res.code == 0, res.stderr
+    assert {h["state"] for h in report["hosts"]} == {"updated"} and all(current(h) == id1 for h in hosts)
+    res, report = flash(v1, fleet_file)
+    assert res.code == 0 and {h["state"] for h in report["hosts"]} == {"already"}
+    res, report = flash(v2, fleet_file, "--canary", "1", "--batch", "1", "--parallel", "2")
+    assert res.code == 0 and report["summary"]["updated"] == 3 and len(report["waves"]) == 3
+    assert all(h["before"] == id1 and h["after"] == id2 for h in report["hosts"])
+    status = json.loads(run_cli("fleet", "status", "--fleet", fleet_file, "--json").stdout)
+    assert [(s["current"], s["previous"], s["release"]) for s in status] == [(id2, id1, 2)] * 3
+    back = run_cli("rollback", "--fleet", fleet_file, "--host", "dev0", "--json")
+    assert back.code == 0, back.stderr
+    assert current(hosts[0]) == id1 and current(hosts[1]) == id2
+    old, _ = flash(v1, fleet_file, "--json")
+    assert old.code == 1  # dev1 and dev2 refuse the older release
+    assert "older than the installed release 2" in by_host(json.loads(old.stdout))["dev1"]["error"]
+
+
+def test_failed_health_check_through_current_is_rolled_back(fleet, bundles):
+    hosts, key, tmp = fleet
+    wrapper = tmp / "flaky-python"
+    wrapper.write_text(f'#!/bin/sh\ncase "$PWD" in */current) echo "self-test FAILED: NPU fault" >&2; exit 1;; esac\n'
+                       f'exec {sys.executable} "$@"\n')
+    wrapper.chmod(0o755)
+    fleet_file = write_fleet(tmp / "fleet.toml", hosts, key)
+    (v1, id1), (v2, id2) = bundles["v1"], bundles["v2"]
+    assert flash(v1, fleet_file)[0].code == 0
+    fleet_file = write_fleet(tmp / "fleet.toml", hosts, key, overrides={"dev1": {"python": wrapper}})
+    res, report = flash(v2, fleet_file, "--max-failures", "1")
+    assert res.code == 1
+    states = by_host(report)
+    assert states["dev1"]["state"] == "rolled-back" and "NPU fault" in states["dev1"]["error"]
+    assert states["dev1"]["after"] == id1 and current(hosts[1]) == id1
+    assert states["dev0"]["state"] == states["dev2"]["state"] == "updated" and current(hosts[0]) == id2
+
+
+def test_failures_beyond_the_threshold_stop_new_hosts(fleet, bundles):
+    hosts, key, tmp = fleet
+    fleet_file = write_fleet(tmp / "fleet.toml", hosts, key,
+                             overrides={"dev2": {"python": "/nonexistent/python3", "tags": ["canary"]}})
+    res, report = flash(bundles["v1"][0], fleet_file, "--canary", "1", "--max-failures", "0", "--parallel", "1")
+    assert res.code == 1
+    states = by_host(report)
+    assert states["dev2"]["state"] == "failed" and report["waves"][0] == ["dev2"]
+    assert states["dev0"]["state"] == states["dev1"]["state"] == "skipped"
+    assert current(hosts[0]) is None and not (hosts[0].root / ".edgeq").exists()
+
+
+def _big_model(path: Path) -> Path:
+    w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((2048, 6144)).astype(np.float32), "w")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "big",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2048])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 6144])], [w])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, path)
+    return path
+
+
+def test_connection_dropped_mid_upload(fleet, bundles):
+    hosts, key, tmp = fleet
+    fleet_file = write_fleet(tmp / "fleet.toml", hosts, key)
+    assert flash(bundles["v1"][0], fleet_file)[0].code == 0
+    res = run_cli("package", _big_model(tmp / "big.onnx"), "--device", "host", "-o", tmp / "big", "--name", "net",
+                  "--release", "5", "-q", "--json")
+    assert res.code == 0, res.stderr
+    big = Path(json.loads(res.stdout)["archive"])
+    assert big.stat().st_size > 40 << 20
+    victim = hosts[1]
+    incoming = victim.root / ".edgeq" / "incoming"
+
+    def kill_during_upload():
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            parts = list(incoming.glob("*.part")) if incoming.exists() else []
+            if parts and parts[0].stat().st_size > 0:
+                victim.kill()
+                return
+            time.sleep(0.005)
+
+    killer = threading.Thread(target=kill_during_upload)
+    killer.start()
+    res, report = flash(big, fleet_file, "--max-failures", "1", "--parallel", "3")
+    killer.join()
+    assert report is not None, res.stderr
+    states = by_host(report)
+    assert states["dev1"]["state"] == "failed" and "upload" in states["dev1"]["error"], states["dev1"]
+    assert current(victim) == bundles["v1"][1]  # untouched
+    assert states["dev0"]["state"] == states["dev2"]["state"] == "updated"
+
+
+def test_changed_host_key_is_refused_before_any_command(fleet, bundles):
+    hosts, key, tmp = fleet
+    fleet_file = write_fleet(tmp / "fleet.toml", hosts, key)
+    hosts[2].new_host_key()
+    res, report = flash(bundles["v1"][0], fleet_file, "--max-failures", "1")
+    states = by_host(report)
+    assert states["dev2"]["state"] == "failed" and "host key changed" in states["dev2"]["error"]
+    assert list(hosts[2].root.iterdir()) == []  # nothing ran there
+    assert states["dev0"]["state"] == "updated"
+    unknown = write_fleet(tmp / "fleet.toml", hosts[:2], key)  # known_hosts without dev2 at all
+    text = unknown.read_text().replace('known_hosts = "known_hosts"', 'known_hosts = "known_hosts"')
+    (tmp / "known_hosts").write_text(hosts[0].known_hosts_line() + "\n")
+    unknown.write_text(text)
+    res, report = flash(bundles["v1"][0], unknown, "--max-failures", "2")
+    assert "unknown host key" in by_host(report)["dev1"]["error"]
+
+
+def test_unreachable_host_times_out_within_the_bound(fleet, bundles):
+    hosts, key, tmp = fleet
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # completes TCP handshakes, never says a word
+    port = silent.getsockname()[1]
+    extra = (f'[[hosts]]\nname = "silent"\naddress = "127.0.0.1"\nport = {port}\nuser = "{getpass.getuser()}"\n'
+             f'key = "{key}"\nroot = "{tmp / "silent-root"}"\n')
+    fleet_file = write_fleet(tmp / "fleet.toml", hosts, key, extra_hosts=extra)
+    try:
+        res, report = flash(bundles["v1"][0], fleet_file, "--max-failures", "1", "--parallel", "4")
+    finally:
+        silent.close()
+    states = by_host(report)
+    assert states["silent"]["state"] == "failed" and states["silent"]["duration_s"] < 15
+    assert "connect" in states["silent"]["error"]
+    assert all(states[h.name]["state"] == "updated" for h in hosts)
+
+
+def test_fleet_file_and_dry_run(fleet, bundles):
+    hosts, key, tmp = fleet
+    fleet_file = write_fleet(tmp / "fleet.toml", hosts, key)
+    res, report = flash(bundles["v1"][0], fleet_file, "--dry-run", "--canary", "34%", "--batch", "1")
+    assert res.code == 0 and report["waves"] == [["dev0", "dev1"], ["dev2"]]
+    assert all(current(h) is None for h in hosts)
+    (tmp / "bad.toml").write_text("[[hosts]]\nname = 1\n")
+    bad = run_cli("flash", bundles["v1"][0], "--fleet", tmp / "bad.toml")
+    assert bad.code == 2 and "needs 'name' and 'address'" in bad.stderr
