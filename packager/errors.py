@@ -16,6 +16,7 @@ class ExitStatus(IntEnum):
     TOOLCHAIN = 5
     OUTPUT = 6
     BUNDLE = 7
+    REMOTE = 8
     INTERRUPTED = 130
 
 
@@ -57,3 +58,9 @@ class BundleError(EdgeqError):
     """A bundle is missing, malformed or does not match its manifest."""
 
     exit_status = ExitStatus.BUNDLE
+
+
+class RemoteError(EdgeqError):
+    """A remote device, tracker or session failed or missed its deadline."""
+
+    exit_status = ExitStatus.REMOTE

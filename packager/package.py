@@ -50,6 +50,7 @@ class PackageArgs:
     quantize: Any = None  # edgeq.quantize.QuantizeArgs for int8 / mixed
     sign_key: Path | None = None  # ed25519 private key (edgeq keygen): writes manifest.sig
     release: int | None = None  # monotonically increasing per model name; default: build time YYYYMMDDHHMMSS
+    records: Path | None = None  # tuning records (edgeq tune) to compile with
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -62,6 +63,7 @@ class PackageArgs:
             "precision": self.precision,
             "signed": self.sign_key is not None,
             "release": self.release,
+            "records": str(self.records) if self.records else None,
         }
 
     def display(self) -> str:
@@ -190,7 +192,14 @@ def _quantize(b: _Build) -> None:
 
 
 def _compile(b: _Build) -> None:
-    b.executable = build(b.graph.mod, b.profile.tvm_target(), b.toolchain)
+    mod, target = b.graph.mod, b.profile.tvm_target()
+    if b.args.records is not None:
+        from edgeq.rpc.tune import apply_records
+
+        if not Path(b.args.records).is_file():
+            raise UsageError(f"records file not found: {b.args.records} (make one with 'edgeq tune')")
+        mod = apply_records(mod, target, Path(b.args.records), b.profile)
+    b.executable = build(mod, target, b.toolchain)
     library = b.staging / bundle.LIBRARY
     export(b.executable, library, b.toolchain)
     machine = elf_machine(library)

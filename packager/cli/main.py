@@ -11,11 +11,11 @@ from typing import TextIO
 from rich.console import Console
 
 from edgeq import __version__
-from edgeq.cli import devices, flash, inspect, install, keygen, package, verify
+from edgeq.cli import bench, devices, flash, inspect, install, keygen, package, rpc, tune, verify
 from edgeq.errors import EdgeqError, ExitStatus, UsageError
 
 VERBS = {"devices": devices, "package": package, "inspect": inspect, "keygen": keygen, "verify": verify, "install": install,
-         "flash": flash, "fleet": flash.FleetVerb, "rollback": flash.RollbackVerb}
+         "flash": flash, "fleet": flash.FleetVerb, "rollback": flash.RollbackVerb, "rpc": rpc, "bench": bench, "tune": tune}
 
 
 @dataclasses.dataclass

@@ -48,6 +48,7 @@ def add_parser(sub) -> None:
     q.add_argument("--eval", type=Path, metavar="DATA", help="held-out data (same formats; 'labels' for top-1)")
     parser.add_argument("--json", action="store_true", help="print the result as one JSON object")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress output")
+    parser.add_argument("--records", type=Path, metavar="FILE", help="tuning records from 'edgeq tune' to compile with")
     parser.add_argument("--sign-key", type=Path, metavar="KEY", help="ed25519 private key (edgeq keygen): sign the manifest")
     parser.add_argument("--release", type=int, metavar="N",
                         help="release number, increasing per model name (default: build time as YYYYMMDDHHMMSS)")
@@ -81,6 +82,7 @@ def run(args, env) -> int:
         quantize=quantize_args,
         sign_key=args.sign_key,
         release=args.release,
+        records=args.records,
     )
     progress = StageProgress(console=env.err(), quiet=args.quiet)
     result = package(package_args, progress)

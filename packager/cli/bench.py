@@ -1,0 +1,48 @@
+"""edgeq bench: latency, throughput and power of a bundle, on a device over TVM RPC or on this machine."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rich.table import Table
+
+from edgeq.rpc.bench import POWER_SOURCES, BenchArgs, bench
+
+
+def add_parser(sub) -> None:
+    parser = sub.add_parser("bench", help="measure a bundle's latency and power (remote over TVM RPC, or here)",
+                            description="Upload the bundle's library to a device through a TVM RPC tracker, run it, "
+                                        "and report latency, throughput and power/energy measured on the device.")
+    parser.add_argument("bundle", type=Path, help="bundle directory or .tar.gz")
+    parser.add_argument("--rpc", metavar="HOST:PORT", help="TVM RPC tracker (omit to measure on this machine)")
+    parser.add_argument("--key", help="device key registered with the tracker")
+    parser.add_argument("--repeat", type=int, default=100, help="timed runs (default 100)")
+    parser.add_argument("--warmup", type=int, default=10, help="untimed runs first (default 10)")
+    parser.add_argument("--power", choices=POWER_SOURCES, default="auto", help="power source on the device")
+    parser.add_argument("--timeout", type=float, default=120, help="deadline in seconds for each remote step")
+    parser.add_argument("--session-timeout", type=float, default=0, help="server-side session limit in seconds")
+    parser.add_argument("--json", action="store_true")
+
+
+def run(args, env) -> int:
+    err = env.err()
+    result = bench(BenchArgs(bundle=args.bundle, rpc=args.rpc, key=args.key, repeat=args.repeat, warmup=args.warmup,
+                             power=args.power, timeout=args.timeout, session_timeout=args.session_timeout),
+                   note=lambda text: err.print(text, highlight=False))
+    if args.json:
+        print(json.dumps(result, indent=2), file=env.stdout)
+        return 0
+    table = Table(title=f"{result['bundle_id']} on {result['where']}", show_header=False)
+    for key in ("min_ms", "mean_ms", "p50_ms", "p90_ms", "p99_ms", "max_ms"):
+        table.add_row(key.replace("_ms", " (ms)"), f"{result[key]:.3f}")
+    table.add_row("throughput", f"{result['throughput_per_s']:.1f} inferences/s (batch {result['batch']})")
+    power = result["power"]
+    if power.get("average_w"):
+        table.add_row("power", ", ".join(f"{r} {w:.2f} W" for r, w in power["average_w"].items()) + f" ({power['source']}, "
+                      f"{power['samples']} samples)")
+        table.add_row("energy", f"{power['energy_per_inference_mj']:.3f} mJ per inference")
+    else:
+        table.add_row("power", f"not measured ({power['used']})")
+    env.out().print(table)
+    return 0

@@ -1,0 +1,45 @@
+"""edgeq tune: search schedules on a device over TVM RPC; edgeq package --records uses the result."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rich.table import Table
+
+from edgeq.load import parse_shape
+from edgeq.progress import StageProgress
+from edgeq.rpc.tune import TuneArgs, tune
+
+
+def add_parser(sub) -> None:
+    parser = sub.add_parser("tune", help="tune schedules on a device over TVM RPC",
+                            description="Search schedules for the model's operators on the device behind a TVM RPC "
+                                        "tracker (meta_schedule); records go to --records and are reused by "
+                                        "'edgeq package --records'. Rerun to resume an interrupted search.")
+    parser.add_argument("model", type=Path)
+    parser.add_argument("--device", required=True)
+    parser.add_argument("--rpc", required=True, metavar="HOST:PORT", help="TVM RPC tracker")
+    parser.add_argument("--key", required=True, help="device key registered with the tracker")
+    parser.add_argument("--trials", type=int, default=64, help="measurements in all, shared by the tasks (default 64)")
+    parser.add_argument("--records", type=Path, default=Path("tuning.json"), help="records file (default tuning.json)")
+    parser.add_argument("--input-shape", action="append", default=[], metavar="NAME=1x3x224x224")
+    parser.add_argument("--timeout", type=float, default=60, help="seconds per remote measurement session")
+    parser.add_argument("--json", action="store_true")
+
+
+def run(args, env) -> int:
+    progress = StageProgress(console=env.err())
+    result = tune(TuneArgs(model=args.model, device=args.device, rpc=args.rpc, key=args.key, trials=args.trials,
+                           records=args.records, input_shapes=dict(parse_shape(t) for t in args.input_shape),
+                           timeout=args.timeout), note=progress.note, tick=progress.tick)
+    if args.json:
+        print(json.dumps(result, indent=2), file=env.stdout)
+        return 0
+    table = Table(title=f"tuning {result['model']} for {result['device']} -> {result['records']}")
+    for column in ("task", "trials recorded", "best (ms)"):
+        table.add_column(column)
+    for row in result["tasks"]:
+        table.add_row(row["task"], str(row["trials_recorded"]), f"{row['best_ms']:.4f}" if row["best_ms"] else "-")
+    env.out().print(table)
+    return 0

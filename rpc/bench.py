@@ -1,0 +1,137 @@
+"""``edgeq bench``: latency, throughput and power of a bundle, on a remote device over TVM RPC or here."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edgeq import safebundle
+from edgeq.errors import BundleError, UsageError
+from edgeq.rpc.power import Sampler
+from edgeq.rpc.session import Remote
+from edgeq.targets import resolve
+from edgeq.toolchain import import_tvm
+
+POWER_SOURCES = ("auto", "tegrastats", "sysfs", "nvml", "none")
+
+
+@dataclasses.dataclass
+class BenchArgs:
+    bundle: Path
+    rpc: str | None = None
+    key: str | None = None
+    repeat: int = 100
+    warmup: int = 10
+    power: str = "auto"
+    timeout: float = 120.0
+    session_timeout: float = 0.0
+
+
+def statistics(times_s: list[float], batch: int) -> dict[str, Any]:
+    ms = np.sort(np.asarray(times_s, np.float64) * 1e3)
+    mean = float(ms.mean())
+    return {
+        "runs": int(ms.size), "min_ms": float(ms[0]), "mean_ms": mean, "p50_ms": float(np.percentile(ms, 50)),
+        "p90_ms": float(np.percentile(ms, 90)), "p99_ms": float(np.percentile(ms, 99)), "max_ms": float(ms[-1]),
+        "batch": batch, "throughput_per_s": batch * 1e3 / mean,
+    }
+
+
+def profile_power_config(name: str) -> dict:
+    """A device profile's rails, as the device-side sampler needs them."""
+    profile = resolve(name)[0]
+    return {"tegrastats_rails": list(profile.power.tegrastats_rails), "hwmon_glob": profile.power.hwmon_glob,
+            "hwmon_rails": dict(profile.power.hwmon_rails)}
+
+
+def power_config(manifest: dict) -> dict:
+    try:
+        return profile_power_config(manifest["device"]["profile"])
+    except Exception:
+        return {}
+
+
+def energy(power: dict, stats: dict) -> dict:
+    """Average power per rail and in total, and the energy of one inference (total power x mean latency)."""
+    rails = {r: round(mw / 1000, 4) for r, mw in power.get("average_mw", {}).items()}
+    out = {"source": power.get("source", "none"), "samples": power.get("samples", 0), "window_s": power.get("window_s"),
+           "average_w": rails}
+    if rails:
+        total = sum(rails.values())
+        out.update(total_w=round(total, 4), energy_per_inference_mj=round(total * stats["mean_ms"] / stats["batch"], 4))
+    return out
+
+
+def _bundle(path: Path, workdir: str) -> tuple[Path, dict]:
+    try:
+        return safebundle.open_bundle(path, workdir)
+    except safebundle.BundleRefused as err:
+        raise BundleError(f"{path}: refused: {err}") from None
+
+
+def _inputs(directory: Path, manifest: dict) -> list[np.ndarray]:
+    with np.load(directory / manifest["golden"]["file"]) as golden:
+        return [golden["input:" + s["name"]] for s in manifest["inputs"]]
+
+
+def _weights(directory: Path, manifest: dict) -> list[np.ndarray]:
+    with np.load(directory / manifest["weights"]["file"]) as archive:
+        return [archive[f"{i:04d}"] for i in range(manifest["weights"]["count"])]
+
+
+def bench(args: BenchArgs, note=lambda _: None) -> dict[str, Any]:
+    if args.repeat < 1 or args.warmup < 0:
+        raise UsageError("--repeat must be >= 1 and --warmup >= 0")
+    if args.power not in POWER_SOURCES:
+        raise UsageError(f"--power must be one of {', '.join(POWER_SOURCES)}")
+    if (args.rpc is None) != (args.key is None):
+        raise UsageError("give both --rpc HOST:PORT and --key KEY, or neither (measure here)")
+    tvm = import_tvm()
+    from tvm.runtime.vm import VirtualMachine
+
+    with tempfile.TemporaryDirectory(prefix="edgeq-bench-") as tmp:
+        directory, manifest = _bundle(Path(args.bundle), tmp)
+        batch = manifest["inputs"][0]["shape"][0] if manifest["inputs"] and manifest["inputs"][0]["shape"] else 1
+        cuda = bool(manifest["device"].get("cuda_arch"))
+        config = power_config(manifest)
+        if args.rpc:
+            note(f"connecting to {args.rpc} for a '{args.key}' device")
+            remote = Remote.open(args.rpc, args.key, args.timeout, args.session_timeout)
+            sess = remote.session
+            remote.call("upload the library", sess.upload, str(directory / manifest["library"]["file"]))
+            lib = remote.call("load the library on the device", sess.load_module, manifest["library"]["file"])
+            dev = sess.cuda(0) if cuda else sess.cpu(0)
+            call = remote.call
+            start = lambda: call("start power sampling", sess.get_function("edgeq.power.start"), args.power, json.dumps(config))
+            stop = lambda: json.loads(call("stop power sampling", sess.get_function("edgeq.power.stop")))
+            where = f"{args.key} via {args.rpc}"
+        else:
+            lib = tvm.runtime.load_module(str(directory / manifest["library"]["file"]))
+            dev = tvm.cuda(0) if cuda else tvm.cpu(0)
+            call = lambda step, fn, *a, **kw: fn(*a, **kw)
+            sampler = Sampler(args.power, config)
+            start = lambda: sampler.start().source
+            stop = sampler.stop
+            where = "this machine"
+        vm = call("create the VM", VirtualMachine, lib, dev)
+        arrays = call("copy inputs and weights to the device",
+                      lambda: [tvm.runtime.tensor(a, dev) for a in _inputs(directory, manifest) + _weights(directory, manifest)])
+        note(f"warming up ({args.warmup}) and timing ({args.repeat}) on {where}")
+        for _ in range(args.warmup):
+            call("warm-up run", vm["main"], *arrays)
+        call("synchronise", dev.sync)
+        timer = vm.time_evaluator("main", dev, number=1, repeat=args.repeat)
+        source = start() if args.power != "none" else "none"
+        try:
+            result = call("timed runs", timer, *arrays)
+        finally:
+            power = stop() if args.power != "none" else {"source": "none"}
+        stats = statistics(list(result.results), batch)
+    return {"bundle": str(args.bundle), "bundle_id": manifest["bundle_id"], "device": manifest["device"]["profile"],
+            "where": where, "warmup": args.warmup, **stats, "power": energy(power, stats) | {"requested": args.power,
+                                                                                            "used": source}}

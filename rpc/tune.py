@@ -1,0 +1,187 @@
+"""``edgeq tune``: search schedules on the device over TVM RPC with meta_schedule, and keep the best in a
+records file that ``edgeq package --records`` applies.
+
+meta_schedule works in this TVM wheel once apache-tvm-ffi is 0.1.14 (see pyproject.toml: with 0.1.15 its
+TuneContext crashes in tvm::ffi::ToJSONGraph). Tasks are tuned one at a time and the records file is
+rewritten after each, so an interrupted run loses at most one task's trials and a rerun resumes: tasks with
+their share of trials already recorded are skipped. The runner holds one RPC session at a time
+(``max_workers=1``): the device never runs two measurements at once.
+
+Records file: JSON lines, each ``{"profile", "tvm_version", "target", "workload_hash", "workload",
+"record"}``; one file can hold many models and devices: lookups match profile, TVM version and workload.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from edgeq.errors import RemoteError, UsageError
+from edgeq.rpc.session import parse_addr
+from edgeq.targets import Profile
+from edgeq.toolchain import import_tvm
+
+FORMAT = 1
+
+
+def _shash(mod) -> int:
+    import_tvm()
+    import tvm_ffi
+
+    return tvm_ffi.structural_hash(mod)
+
+
+def prepare(mod, target):
+    """The module as tuning and compiling with records see it: legalized and fused (TVM's zero pipeline)."""
+    tvm = import_tvm()
+    from tvm import relax
+
+    with tvm.target.Target(target):
+        return tvm.ir.transform.Sequential([
+            relax.transform.DecomposeOpsForInference(),
+            relax.transform.CanonicalizeBindings(),
+            relax.get_pipeline("zero"),
+        ])(mod)
+
+
+class Records:
+    """The records file: load the entries for one profile and TVM version into a meta_schedule database."""
+
+    def __init__(self, path: Path, profile: Profile):
+        tvm = import_tvm()
+        from tvm.s_tir import meta_schedule as ms
+
+        self.path, self.profile, self.tvm_version = Path(path), profile.name, tvm.__version__
+        self.database = ms.database.MemoryDatabase()
+        self._lines: list[str] = []
+        self._saved: set[tuple[str, str]] = set()
+        if self.path.exists():
+            for n, line in enumerate(self.path.read_text(encoding="utf-8").splitlines(), 1):
+                try:
+                    entry = json.loads(line)
+                    key = (entry["workload_hash"], json.dumps(entry["record"]))
+                except (ValueError, KeyError, TypeError):
+                    raise UsageError(f"records file {self.path} line {n} is not an edgeq tuning record") from None
+                self._lines.append(line)
+                self._saved.add(key)
+                if entry.get("profile") == self.profile and entry.get("tvm_version") == self.tvm_version:
+                    workload = ms.database.Workload.from_json(entry["workload"])
+                    self.database.commit_workload(workload.mod)
+                    self.database.commit_tuning_record(ms.database.TuningRecord.from_json(entry["record"], workload))
+
+    def count(self, mod) -> int:
+        tvm = import_tvm()
+        h = str(_shash(mod))
+        return sum(1 for line in self._lines
+                   if json.loads(line).get("workload_hash") == h and json.loads(line).get("profile") == self.profile)
+
+    def save(self) -> int:
+        """Append the database's new records; write to a temporary file and rename (never half a file)."""
+        tvm = import_tvm()
+        added = 0
+        for record in self.database.get_all_tuning_records():
+            workload_json = record.workload.as_json()
+            h = str(_shash(record.workload.mod))
+            key = (h, json.dumps(record.as_json()))
+            if key in self._saved:
+                continue
+            self._saved.add(key)
+            self._lines.append(json.dumps({
+                "format": FORMAT, "profile": self.profile, "tvm_version": self.tvm_version,
+                "workload_hash": h, "workload": workload_json, "record": record.as_json(),
+            }))
+            added += 1
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        tmp.write_text("".join(line + "\n" for line in self._lines), encoding="utf-8")
+        os.replace(tmp, self.path)
+        return added
+
+
+def apply_records(mod, target, records_path: Path, profile: Profile):
+    """``mod`` prepared and with every function that has a record replaced by its best schedule."""
+    tvm = import_tvm()
+    from tvm import relax
+
+    records = Records(records_path, profile)
+    prepared = prepare(mod, target)
+    with tvm.target.Target(target), records.database:
+        return relax.transform.MetaScheduleApplyDatabase(enable_warning=False)(prepared)
+
+
+@dataclasses.dataclass
+class TuneArgs:
+    model: Path
+    device: str
+    rpc: str
+    key: str
+    trials: int = 64
+    records: Path = Path("tuning.json")
+    input_shapes: dict = dataclasses.field(default_factory=dict)
+    timeout: float = 60.0
+
+
+def tune(args: TuneArgs, note=lambda _: None, tick=lambda *_: None) -> dict[str, Any]:
+    from edgeq.compile import toolchain_for
+    from edgeq.load import load_model
+    from edgeq.relax_import import to_relax
+    from edgeq.targets import resolve
+
+    if args.trials < 1:
+        raise UsageError("--trials must be at least 1")
+    host, port = parse_addr(args.rpc)
+    profile, alias_note = resolve(args.device)
+    if alias_note:
+        note(alias_note)
+    toolchain = toolchain_for(profile)
+    tvm = import_tvm()
+    from tvm.s_tir import meta_schedule as ms
+    from tvm.support import cc
+
+    graph, _ = to_relax(load_model(args.model, args.input_shapes))
+    target = profile.tvm_target()
+    mod = prepare(graph.mod, target)
+    extracted = ms.relax_integration.extract_tasks(mod, target)
+    records = Records(args.records, profile)
+    per_task = max(1, args.trials // max(1, len(extracted)))
+    runner = ms.runner.RPCRunner(
+        rpc_config=ms.runner.RPCConfig(tracker_host=host, tracker_port=port, tracker_key=args.key,
+                                       session_timeout_sec=int(args.timeout)),
+        evaluator_config=ms.runner.EvaluatorConfig(number=3, repeat=1, min_repeat_ms=0, enable_cpu_cache_flush=False),
+        max_workers=1,
+    )
+
+    def export(rt_mod) -> str:
+        path = os.path.join(tempfile.mkdtemp(prefix="edgeq-tune-"), "candidate.so")
+        rt_mod.export_library(path, fcompile=cc.cross_compiler(toolchain.cxx))
+        return path
+
+    builder = ms.builder.LocalBuilder(f_export=export, max_workers=1)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="edgeq-tune-") as work:
+        contexts, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(extracted, work)
+        for i, (task, ctx, weight) in enumerate(zip(extracted, contexts, weights), 1):
+            done = records.count(task.dispatched[0])
+            if done >= per_task:
+                note(f"task {i}/{len(extracted)} {task.task_name}: {done} trials recorded, skipped (resume)")
+            else:
+                note(f"task {i}/{len(extracted)} {task.task_name}: tuning {per_task - done} trials on '{args.key}'")
+                try:
+                    ms.tune_tasks(tasks=[ctx], task_weights=[weight], work_dir=work, max_trials_global=per_task - done,
+                                  num_trials_per_iter=min(8, per_task - done), builder=builder, runner=runner,
+                                  database=records.database, cost_model="random")
+                except Exception as err:  # meta_schedule reports failed measurements itself; this is the search
+                    raise RemoteError(f"tuning {task.task_name}: {' '.join(str(err).split())[:300]}") from None
+                records.save()
+            best = records.database.get_top_k(records.database.commit_workload(task.dispatched[0]), 1)
+            best_ms = float(getattr(best[0].run_secs[0], 'value', best[0].run_secs[0])) * 1e3 if best and best[0].run_secs else None
+            rows.append({"task": task.task_name, "trials_recorded": records.count(task.dispatched[0]),
+                         "best_ms": best_ms})
+            tick("tasks", i, len(extracted))
+            note(f"task {i}/{len(extracted)} {task.task_name}: best {best_ms:.4f} ms" if best_ms else
+                 f"task {i}/{len(extracted)} {task.task_name}: no successful measurement")
+    return {"model": str(args.model), "device": profile.name, "records": str(args.records), "tasks": rows,
+            "tvm_version": tvm.__version__}
