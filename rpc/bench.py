@@ -107,8 +107,9 @@ def bench(args: BenchArgs, note=lambda _: None) -> dict[str, Any]:
             lib = remote.call("load the library on the device", sess.load_module, manifest["library"]["file"])
             dev = sess.cuda(0) if cuda else sess.cpu(0)
             call = remote.call
-            start = lambda: call("start power sampling", sess.get_function("edgeq.power.start"), args.power, json.dumps(config))
-            stop = lambda: json.loads(call("stop power sampling", sess.get_function("edgeq.power.stop")))
+            start = lambda: call("start power sampling",
+                                 lambda: sess.get_function("edgeq.power.start")(args.power, json.dumps(config)))
+            stop = lambda: json.loads(call("stop power sampling", lambda: sess.get_function("edgeq.power.stop")()))
             where = f"{args.key} via {args.rpc}"
         else:
             lib = tvm.runtime.load_module(str(directory / manifest["library"]["file"]))
@@ -123,14 +124,20 @@ def bench(args: BenchArgs, note=lambda _: None) -> dict[str, Any]:
                       lambda: [tvm.runtime.tensor(a, dev) for a in _inputs(directory, manifest) + _weights(directory, manifest)])
         note(f"warming up ({args.warmup}) and timing ({args.repeat}) on {where}")
         for _ in range(args.warmup):
-            call("warm-up run", vm["main"], *arrays)
+            call("warm-up run", lambda: vm["main"](*arrays))
         call("synchronise", dev.sync)
-        timer = vm.time_evaluator("main", dev, number=1, repeat=args.repeat)
+        timer = call("prepare the timer", vm.time_evaluator, "main", dev, number=1, repeat=args.repeat)
         source = start() if args.power != "none" else "none"
         try:
             result = call("timed runs", timer, *arrays)
-        finally:
-            power = stop() if args.power != "none" else {"source": "none"}
+        except Exception:
+            if args.power != "none":
+                try:
+                    stop()
+                except Exception:  # the device is gone: the timing error is the one to report
+                    pass
+            raise
+        power = stop() if args.power != "none" else {"source": "none"}
         stats = statistics(list(result.results), batch)
     return {"bundle": str(args.bundle), "bundle_id": manifest["bundle_id"], "device": manifest["device"]["profile"],
             "where": where, "warmup": args.warmup, **stats, "power": energy(power, stats) | {"requested": args.power,
