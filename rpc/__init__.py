@@ -1,4 +1,2 @@
-"""Remote devices over TVM RPC: tracker and server helpers, remote sessions, tuning, latency and power.
-
-Planned (see the project's issues); nothing here yet.
-"""
+"""Remote devices over TVM RPC: sessions with deadlines, the tracker and server edgeq starts, latency and
+power measurement (``bench``), power readings, and on-device tuning (``tune``)."""
