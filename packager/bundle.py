@@ -4,7 +4,6 @@ templates, SHA256SUMS; then the .tar.gz. Also reads manifests back for ``edgeq i
 from __future__ import annotations
 
 import gzip
-import hashlib
 import json
 import tarfile
 import zlib
@@ -51,12 +50,7 @@ def render(template: str, **context: Any) -> str:
     return _ENV.get_template(template).render(**context)
 
 
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+sha256_file = safebundle.sha256_file
 
 
 def template_context(manifest: dict[str, Any]) -> dict[str, Any]:

@@ -166,7 +166,7 @@ def signature_for(manifest_bytes: bytes, private_key) -> bytes:
 # ---------------------------------------------------------------------------------------------------
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -199,7 +199,7 @@ def verify_dir(directory: str | os.PathLike, public_key=None) -> dict:
         path = directory / name
         if not path.is_file():
             raise BundleRefused(f"bundle file {name} is missing")
-        if path.stat().st_size != manifest["sizes"][name] or _sha256(path) != digest:
+        if path.stat().st_size != manifest["sizes"][name] or sha256_file(path) != digest:
             raise BundleRefused(f"bundle file {name} does not match the manifest (changed or from another bundle)")
     return manifest
 

@@ -24,6 +24,13 @@ class MinMax:
         return stats.absmax
 
 
+def _histogram(stats: TensorStats) -> np.ndarray | None:
+    """The |x| histogram as float64, or None when there is nothing to calibrate (all zeros)."""
+    if stats.absmax <= 0 or stats.hist is None or stats.hist.sum() == 0:
+        return None
+    return stats.hist.astype(np.float64)
+
+
 def _edges(stats: TensorStats) -> np.ndarray:
     return np.linspace(0.0, stats.absmax, len(stats.hist) + 1)
 
@@ -35,8 +42,8 @@ class Percentile:
     needs_histogram = True
 
     def threshold(self, stats: TensorStats, percentile: float = 99.99, **_) -> float:
-        hist = stats.hist
-        if stats.absmax <= 0 or hist.sum() == 0:
+        hist = _histogram(stats)
+        if hist is None:
             return stats.absmax
         cdf = np.cumsum(hist) / hist.sum()
         index = int(np.searchsorted(cdf, percentile / 100.0))
@@ -51,8 +58,8 @@ class Entropy:
     needs_histogram = True
 
     def threshold(self, stats: TensorStats, **_) -> float:
-        hist = stats.hist.astype(np.float64)
-        if stats.absmax <= 0 or hist.sum() == 0:
+        hist = _histogram(stats)
+        if hist is None:
             return stats.absmax
         edges = _edges(stats)
         best, best_i = np.inf, len(hist)
@@ -83,8 +90,8 @@ class MSE:
     needs_histogram = True
 
     def threshold(self, stats: TensorStats, **_) -> float:
-        hist = stats.hist.astype(np.float64)
-        if stats.absmax <= 0 or hist.sum() == 0:
+        hist = _histogram(stats)
+        if hist is None:
             return stats.absmax
         edges = _edges(stats)
         centers = (edges[:-1] + edges[1:]) / 2
