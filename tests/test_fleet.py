@@ -216,3 +216,13 @@ def test_fleet_file_and_dry_run(fleet, bundles):
     (tmp / "bad.toml").write_text("[[hosts]]\nname = 1\n")
     bad = run_cli("flash", bundles["v1"][0], "--fleet", tmp / "bad.toml")
     assert bad.code == 2 and "needs 'name' and 'address'" in bad.stderr
+
+
+def test_fleet_with_a_key_refuses_unsigned_bundles_before_any_host(fleet, bundles, models):
+    hosts, key, tmp = fleet
+    res = run_cli("package", models["mobilenet_cnn"], "--device", "host", "-o", tmp / "unsigned", "-q", "--json")
+    unsigned = Path(json.loads(res.stdout)["archive"])
+    fleet_file = write_fleet(tmp / "fleet.toml", hosts, key, public_key=bundles["pub"])
+    res = run_cli("flash", unsigned, "--fleet", fleet_file)
+    assert res.code == 7 and "not signed" in res.stderr
+    assert all(list(h.root.iterdir()) == [] for h in hosts)
