@@ -90,9 +90,20 @@ class PackageResult:
             "device_note": self.device_note,
             "precision": self.precision,
             "cuda_toolkit": self.manifest["toolchain"]["cuda_toolkit"],
+            "signed": self.manifest.get("signed", False),
+            "release": self.manifest.get("release"),
+            "quantization": _quantization_summary(self.manifest.get("quantization")),
             "stages": self.stages,
             "total_seconds": self.total_seconds,
         }
+
+
+def _quantization_summary(report: dict[str, Any] | None) -> dict[str, Any] | None:
+    """What --json shows of the quantization report (the manifest has all of it)."""
+    if not report:
+        return None
+    keys = ("method", "source", "precision_counts", "evaluation", "weight_bytes", "fallbacks", "float_ops")
+    return {k: report[k] for k in keys if k in report}
 
 
 @dataclasses.dataclass
