@@ -87,7 +87,7 @@ def resnet_cnn(size: int = 32, width: int = 16, blocks: int = 2, classes: int = 
         cin = cout
     x = g.op("GlobalAveragePool", [x], "gap")
     x = g.op("Flatten", [x], "flatten", axis=1)
-    logits = g.gemm(x, cin, classes)
+    g.gemm(x, cin, classes)
     g.nodes[-1].output[0] = "logits"
     return g.model("resnet_cnn", [_io("input", (batch, 3, size, size))], [_io("logits", (batch, classes))])
 

@@ -74,14 +74,12 @@ class Records:
                     self.database.commit_tuning_record(ms.database.TuningRecord.from_json(entry["record"], workload))
 
     def count(self, mod) -> int:
-        tvm = import_tvm()
         h = str(_shash(mod))
         return sum(1 for line in self._lines
                    if json.loads(line).get("workload_hash") == h and json.loads(line).get("profile") == self.profile)
 
     def save(self) -> int:
         """Append the database's new records; write to a temporary file and rename (never half a file)."""
-        tvm = import_tvm()
         added = 0
         for record in self.database.get_all_tuning_records():
             workload_json = record.workload.as_json()

@@ -4,7 +4,6 @@ The CLI runs in-process; every device command goes over SSH."""
 import getpass
 import json
 import os
-import shutil
 import socket
 import sys
 import threading

@@ -1,7 +1,6 @@
 """Before/Expected golden tests for each quantization pass (TVMScript, tvm.ir.assert_structural_equal)."""
 
 import numpy as np
-import pytest
 
 from edgeq.graph import Graph
 from edgeq.quantize.fold_bias import fold_bias

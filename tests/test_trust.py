@@ -18,7 +18,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import edgeq.model_guard
 from conftest import run_cli, run_py
-from edgeq.safebundle import BundleRefused, install, safe_extract, verify_dir
+from edgeq.safebundle import BundleRefused, safe_extract, verify_dir
 
 
 @pytest.fixture(scope="module")
@@ -192,7 +192,6 @@ def test_links_and_devices_are_refused(signed, tmp_path, kind, message):
 
 def test_manifest_must_come_first_and_sizes_must_match(signed, tmp_path):
     members = _members(signed["unsigned"])
-    top = members[0][0].split("/")[0]
     refused(run_cli("verify", _tar(tmp_path / "order.tar.gz", members[1:] + members[:1])), "does not start with manifest.json")
     grown = [(n, d + b"more" if n.endswith("weights.npz") else d) for n, d in members]
     refused(run_cli("verify", _tar(tmp_path / "grown.tar.gz", grown)), "weights.npz has", "the manifest declares")

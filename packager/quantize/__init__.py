@@ -28,7 +28,7 @@ from edgeq.quantize.data import Dataset, Preprocess, load_data
 from edgeq.quantize.fold_bias import fold_bias
 from edgeq.quantize.commute_qdq import commute_qdq
 from edgeq.quantize.layers import Layer, find_layers
-from edgeq.quantize.lower_qdq import is_qdq, lower_qdq
+from edgeq.quantize.lower_qdq import is_qdq, lower_qdq  # noqa: F401 - is_qdq is part of this API
 from edgeq.quantize.quantize_ops import QMAX, LayerPlan, quantize_ops, quantize_weight
 from edgeq.quantize.requantize import requantize
 
