@@ -147,6 +147,26 @@ def transformer_block(seq: int = 16, dim: int = 32, heads: int = 2, batch=1) -> 
     return g.model("transformer_block", [_io("input", (batch, seq, dim))], [_io("output", (batch, seq, dim))])
 
 
+def resnet18(size: int = 224, classes: int = 1000, batch=1) -> onnx.ModelProto:
+    """ResNet-18 (torchvision layout: 7x7/2 stem, max-pool, 4 stages of 2 basic blocks), random weights.
+    Used by the speed benchmark; too big for the tests."""
+    g = GraphBuilder(seed=18)
+    x = g.relu(g.conv("input", 3, 64, 7, stride=2))
+    x = g.op("MaxPool", [x], "maxpool", kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])
+    cin = 64
+    for stage, cout in enumerate((64, 128, 256, 512)):
+        for block in range(2):
+            stride = 2 if stage and not block else 1
+            y = g.conv(g.relu(g.conv(x, cin, cout, 3, stride)), cout, cout, 3)
+            short = x if (stride == 1 and cin == cout) else g.conv(x, cin, cout, 1, stride)
+            x = g.relu(g.op("Add", [y, short]))
+            cin = cout
+    x = g.op("Flatten", [g.op("GlobalAveragePool", [x], "gap")], "flatten", axis=1)
+    g.gemm(x, cin, classes)
+    g.nodes[-1].output[0] = "logits"
+    return g.model("resnet18", [_io("input", (batch, 3, size, size))], [_io("logits", (batch, classes))])
+
+
 EXAMPLES = {
     "resnet_cnn": resnet_cnn,
     "mobilenet_cnn": mobilenet_cnn,
