@@ -151,6 +151,8 @@ def _check(b: _Build) -> None:
         raise UsageError(f"bundle name '{b.name}' may use letters, digits, '.', '_' and '-' only; set it with --name")
     if args.release is not None and args.release < 0:
         raise UsageError("--release must be a non-negative integer")
+    if args.records is not None and not Path(args.records).is_file():
+        raise UsageError(f"records file not found: {args.records} (make one with 'edgeq tune')")
     if args.sign_key is not None:
         from edgeq.signing import load_private_key
 
@@ -207,8 +209,6 @@ def _compile(b: _Build) -> None:
     if b.args.records is not None:
         from edgeq.rpc.tune import apply_records
 
-        if not Path(b.args.records).is_file():
-            raise UsageError(f"records file not found: {b.args.records} (make one with 'edgeq tune')")
         mod = apply_records(mod, target, Path(b.args.records), b.profile)
     b.executable = build(mod, target, b.toolchain)
     library = b.staging / bundle.LIBRARY
