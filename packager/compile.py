@@ -104,3 +104,29 @@ def elf_machine(library: Path) -> str:
         return "not-elf"
     machine = struct.unpack_from("<H", header, 18)[0]
     return {62: "x86_64", 183: "aarch64", 40: "arm", 3: "i386"}.get(machine, f"elf-machine-{machine}")
+
+
+class HostRunner:
+    """A graph run on this machine's CPU, callable on numpy inputs; returns the flat list of outputs.
+    Built here for the host unless an already built host ``executable`` of the graph is given."""
+
+    def __init__(self, graph, executable=None):
+        tvm = import_tvm()
+        from tvm import relax
+
+        from edgeq.targets import profiles
+
+        self.tvm = tvm
+        self.dev = tvm.cpu(0)
+        executable = executable if executable is not None else build(graph.mod, profiles()["host"].tvm_target())
+        self.vm = relax.VirtualMachine(executable, self.dev)
+        self.params = [tvm.runtime.tensor(w, self.dev) for w in graph.weight_list()]
+
+    def __call__(self, inputs: list) -> list:
+        result = self.vm["main"](*[self.tvm.runtime.tensor(x, self.dev) for x in inputs], *self.params)
+        return self._flatten(result)
+
+    def _flatten(self, result) -> list:
+        if isinstance(result, self.tvm.runtime.Tensor):
+            return [result.numpy()]
+        return [array for item in result for array in self._flatten(item)]

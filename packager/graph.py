@@ -42,6 +42,11 @@ class Graph:
     def weight_params(self) -> list:
         return list(self.main.params[self.num_inputs :])
 
+    @property
+    def num_outputs(self) -> int:
+        ret = self.main.ret_ty
+        return len(ret.fields) if isinstance(ret, relax.TupleType) else 1
+
     def bindings(self) -> list:
         body = self.main.body
         return [b for block in body.blocks for b in block.bindings]

@@ -22,7 +22,7 @@ import numpy as np
 
 import edgeq
 from edgeq import bundle
-from edgeq.compile import Toolchain, build, cuda_device_code, elf_machine, export, toolchain_for
+from edgeq.compile import HostRunner, Toolchain, build, cuda_device_code, elf_machine, export, toolchain_for
 from edgeq.errors import EdgeqError, OutputError, ToolchainError, UsageError
 from edgeq.graph import Graph
 from edgeq.load import LoadedModel, TensorSpec, load_model
@@ -122,6 +122,7 @@ class _Build:
     model: LoadedModel | None = None
     graph: Graph | None = None
     prequantized: bool = False
+    looks_prequantized: bool = False  # the model file mentions DequantizeLinear (counted in the stage total)
     signing_key: Any = None
     quantization: Any = None  # edgeq.quantize.QuantizeResult
     outputs: list[TensorSpec] = dataclasses.field(default_factory=list)
@@ -182,7 +183,7 @@ def _import(b: _Build) -> None:
 
     b.graph, b.outputs = to_relax(b.model)
     b.prequantized = is_qdq(b.graph)
-    b.progress.total += b.prequantized - _mentions(b.args.model, b"DequantizeLinear")
+    b.progress.total += b.prequantized - b.looks_prequantized
     if b.prequantized and b.args.quantize is not None:
         raise UsageError(f"{Path(b.args.model).name} is already quantized (QuantizeLinear/DequantizeLinear); "
                          "package it without --precision/--calibrate")
@@ -238,18 +239,6 @@ def golden_inputs(specs: list[TensorSpec], seed: int = GOLDEN_SEED) -> dict[str,
     return out
 
 
-def run_executable(executable, inputs: list[np.ndarray], params: list) -> list[np.ndarray]:
-    """Run a host (LLVM) executable in this process."""
-    tvm = import_tvm()
-    from tvm import relax
-
-    dev = tvm.cpu(0)
-    vm = relax.VirtualMachine(executable, dev)
-    result = vm["main"](*[tvm.runtime.tensor(x, dev) for x in inputs], *params)
-    results = [result] if isinstance(result, tvm.runtime.Tensor) else list(result)
-    return [r.numpy() for r in results]
-
-
 def _golden(b: _Build) -> None:
     if b.profile.name == "host":
         executable, b.golden_from = b.executable, "the bundle's own library, on the build host"
@@ -258,9 +247,7 @@ def _golden(b: _Build) -> None:
         executable = build(b.graph.mod, host.tvm_target())
         b.golden_from = f"a TVM LLVM build for the build host ({host.cpu.mcpu})"
     inputs = golden_inputs(b.model.inputs)
-    tvm = import_tvm()
-    params = [tvm.runtime.tensor(w) for w in b.graph.weight_list()]
-    outputs = run_executable(executable, list(inputs.values()), params)
+    outputs = HostRunner(b.graph, executable)(list(inputs.values()))
     arrays = {f"input:{k}": v for k, v in inputs.items()}
     arrays.update({f"output:{spec.name}": out for spec, out in zip(b.outputs, outputs)})
     np.savez(b.staging / bundle.GOLDEN, **arrays)
@@ -394,8 +381,8 @@ def package(args: PackageArgs, progress: StageProgress | None = None) -> Package
     b = _Build(args=args, progress=progress)
     # quantize runs for int8/mixed, lower-qdq for pre-quantized models (a cheap look for the op name here;
     # the import stage decides and corrects the count)
-    looks_prequantized = _mentions(args.model, b"DequantizeLinear")
-    progress.total = len(STAGES) - 2 + (args.precision != "fp32") + looks_prequantized
+    b.looks_prequantized = _mentions(args.model, b"DequantizeLinear")
+    progress.total = len(STAGES) - 2 + (args.precision != "fp32") + b.looks_prequantized
     try:
         for name, describe, run in STAGES:
             if (name == "quantize" and args.precision == "fp32") or (name == "lower-qdq" and not b.prequantized):

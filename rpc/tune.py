@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections import Counter
 import os
 import tempfile
 from pathlib import Path
@@ -59,6 +60,7 @@ class Records:
         self.database = ms.database.MemoryDatabase()
         self._lines: list[str] = []
         self._saved: set[tuple[str, str]] = set()
+        self._mine: Counter[str] = Counter()  # workload hash -> records for this profile and TVM version
         if self.path.exists():
             for n, line in enumerate(self.path.read_text(encoding="utf-8").splitlines(), 1):
                 try:
@@ -69,28 +71,28 @@ class Records:
                 self._lines.append(line)
                 self._saved.add(key)
                 if entry.get("profile") == self.profile and entry.get("tvm_version") == self.tvm_version:
+                    self._mine[entry["workload_hash"]] += 1
                     workload = ms.database.Workload.from_json(entry["workload"])
                     self.database.commit_workload(workload.mod)
                     self.database.commit_tuning_record(ms.database.TuningRecord.from_json(entry["record"], workload))
 
     def count(self, mod) -> int:
-        h = str(_shash(mod))
-        return sum(1 for line in self._lines
-                   if json.loads(line).get("workload_hash") == h and json.loads(line).get("profile") == self.profile)
+        """Records kept for this workload on this profile and TVM version."""
+        return self._mine[str(_shash(mod))]
 
     def save(self) -> int:
         """Append the database's new records; write to a temporary file and rename (never half a file)."""
         added = 0
         for record in self.database.get_all_tuning_records():
-            workload_json = record.workload.as_json()
-            h = str(_shash(record.workload.mod))
-            key = (h, json.dumps(record.as_json()))
+            h, record_json = str(_shash(record.workload.mod)), record.as_json()
+            key = (h, json.dumps(record_json))
             if key in self._saved:
                 continue
             self._saved.add(key)
+            self._mine[h] += 1
             self._lines.append(json.dumps({
                 "format": FORMAT, "profile": self.profile, "tvm_version": self.tvm_version,
-                "workload_hash": h, "workload": workload_json, "record": record.as_json(),
+                "workload_hash": h, "workload": record.workload.as_json(), "record": record_json,
             }))
             added += 1
         tmp = self.path.with_name(f".{self.path.name}.tmp")

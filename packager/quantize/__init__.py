@@ -22,7 +22,8 @@ import numpy as np
 from edgeq.errors import UsageError
 from edgeq.graph import Graph
 from edgeq.load import LoadedModel
-from edgeq.quantize.calibrate import HostRunner, collect
+from edgeq.compile import HostRunner
+from edgeq.quantize.calibrate import collect
 from edgeq.quantize.calibrators import CALIBRATORS
 from edgeq.quantize.data import Dataset, Preprocess, load_data
 from edgeq.quantize.fold_bias import fold_bias
@@ -137,7 +138,7 @@ def _sqnr_per_layer(graph: Graph, layers: list[Layer], act_scales: dict[str, flo
     plans = {l.weight: LayerPlan(l.precision, act_scales.get(l.weight, 0.0)) for l in layers}
     ref, quant = HostRunner(quantize_ops(graph, {}, taps=names)), HostRunner(quantize_ops(graph, plans, taps=names))
     signal, noise = np.zeros(len(names)), np.zeros(len(names))
-    n_out = len(ref([b for b in data.batches(specs)][0])) - len(names)
+    n_out = graph.num_outputs
     for batch in data.batches(specs):
         for i, (f, q) in enumerate(zip(ref(batch)[n_out:], quant(batch)[n_out:])):
             signal[i] += float(np.sum(f.astype(np.float64) ** 2))

@@ -12,7 +12,8 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
-from edgeq.graph import Graph, Rewriter, rewrite, tvm
+from edgeq.compile import HostRunner
+from edgeq.graph import Graph, Rewriter, rewrite
 from edgeq.quantize.layers import Layer
 
 BINS = 2048
@@ -44,32 +45,6 @@ def with_taps(graph: Graph, layers: list[Layer]) -> Graph:
     return rewrite(graph, visit, extra_outputs=lambda rw: [rw.new(taps[i]) for i in range(len(layers))])
 
 
-class HostRunner:
-    """A graph built for this machine's CPU, callable on numpy inputs; returns the flat list of outputs."""
-
-    def __init__(self, graph: Graph):
-        from edgeq.compile import build
-        from edgeq.targets import profiles
-        from tvm import relax
-
-        self.dev = tvm.cpu(0)
-        self.vm = relax.VirtualMachine(build(graph.mod, profiles()["host"].tvm_target()), self.dev)
-        self.params = [tvm.runtime.tensor(w, self.dev) for w in graph.weight_list()]
-
-    def __call__(self, inputs: list[np.ndarray]) -> list[np.ndarray]:
-        result = self.vm["main"](*[tvm.runtime.tensor(x, self.dev) for x in inputs], *self.params)
-        return _flatten(result)
-
-
-def _flatten(result) -> list[np.ndarray]:
-    if isinstance(result, tvm.runtime.Tensor):
-        return [result.numpy()]
-    out = []
-    for item in result:
-        out.extend(_flatten(item))
-    return out
-
-
 def collect(
     graph: Graph,
     layers: list[Layer],
@@ -78,7 +53,7 @@ def collect(
     progress: Callable[[str, int], None] | None = None,
 ) -> list[TensorStats]:
     """Statistics of each layer's input activation over ``samples()`` (called once per pass)."""
-    n_out = len(_flatten_struct(graph))
+    n_out = graph.num_outputs
     runner = HostRunner(with_taps(graph, layers))
     stats = [TensorStats() for _ in layers]
     for i, sample in enumerate(samples()):
@@ -100,10 +75,3 @@ def collect(
             if progress:
                 progress("histogram", i + 1)
     return stats
-
-
-def _flatten_struct(graph: Graph) -> list:
-    ret = graph.main.ret_ty
-    from tvm import relax
-
-    return list(ret.fields) if isinstance(ret, relax.TupleType) else [ret]
