@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+from common import bundle_model, show
 
 import make_models  # noqa: E402
 import train_digits  # noqa: E402
@@ -24,17 +23,6 @@ from edgeq.package import PackageArgs, package  # noqa: E402
 from edgeq.quantize import QuantizeArgs  # noqa: E402
 from edgeq.quantize.calibrators import CALIBRATORS  # noqa: E402
 from edgeq.toolchain import import_tvm  # noqa: E402
-
-
-def loader_model(bundle_dir: Path):
-    sys.path.insert(0, str(bundle_dir))
-    try:
-        import run
-
-        return run.Model()
-    finally:
-        sys.path.remove(str(bundle_dir))
-        sys.modules.pop("run", None)
 
 
 def median_ms(model, repeat: int) -> float:
@@ -66,8 +54,8 @@ def latency_rows(cases, tmp: Path, repeat: int) -> list[dict]:
                                    quantize=QuantizeArgs(calibrate=calib, eval=held_out)))
         qdq_model = ort_quantize(model, tmp / f"{name}_qdq.onnx")
         qdq = package(PackageArgs(model=qdq_model, device="host", output=tmp / "qdq"))
-        f_ms, q_ms = median_ms(loader_model(fp32.bundle_dir), repeat), median_ms(loader_model(int8.bundle_dir), repeat)
-        qdq_ms = median_ms(loader_model(qdq.bundle_dir), repeat)
+        f_ms, q_ms = median_ms(bundle_model(fp32.bundle_dir), repeat), median_ms(bundle_model(int8.bundle_dir), repeat)
+        qdq_ms = median_ms(bundle_model(qdq.bundle_dir), repeat)
         ev = int8.manifest["quantization"]["evaluation"]
         rows.append({
             "model": name,
@@ -99,18 +87,6 @@ def method_rows(cases, tmp: Path) -> list[dict]:
             row[method] = round(ev["rel_error"], 4)
         rows.append(row)
     return rows
-
-
-def show(title: str, rows: list[dict]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=title)
-    for key in rows[0]:
-        table.add_column(key)
-    for row in rows:
-        table.add_row(*(str(row.get(k, "-")) for k in rows[0]))
-    Console(width=200).print(table)
 
 
 def main() -> None:

@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 import onnx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+from common import bundle_model, median_ms, ort_session, show
 
 import make_models  # noqa: E402
 from quantize_with_ort import ort_quantize  # noqa: E402
@@ -27,35 +25,13 @@ from edgeq.quantize import QuantizeArgs  # noqa: E402
 from edgeq.toolchain import import_tvm  # noqa: E402
 
 
-def loader(bundle_dir: Path):
-    sys.path.insert(0, str(bundle_dir))
-    try:
-        import run
-
-        return run.Model()
-    finally:
-        sys.path.remove(str(bundle_dir))
-        sys.modules.pop("run", None)
-
-
 def edgeq_ms(bundle_dir: Path, x: np.ndarray, repeat: int) -> float:
-    model = loader(bundle_dir)
-    return model.benchmark({"input": x}, repeat=repeat, warmup=1)["median_ms"]
+    return bundle_model(bundle_dir).benchmark({"input": x}, repeat=repeat, warmup=1)["median_ms"]
 
 
 def ort_ms(path: Path, x: np.ndarray, repeat: int, threads: int) -> float:
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-    session.run(None, {"input": x})
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        session.run(None, {"input": x})
-        times.append((time.perf_counter() - start) * 1e3)
-    return float(np.median(times))
+    session = ort_session(path, threads)
+    return median_ms(lambda: session.run(None, {"input": x}), repeat, warmup=1)
 
 
 def main() -> None:
@@ -91,16 +67,7 @@ def main() -> None:
     if args.json:
         print(json.dumps(rows, indent=2))
         return
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=f"ResNet-18 224x224, median ms (ratios > 1: edgeq faster); ORT {args.threads} threads")
-    for key in rows[0]:
-        table.add_column(key)
-    for row in rows:
-        table.add_row(*(str(v) for v in row.values()))
-    Console(width=200).print(table)
-
+    show(f"ResNet-18 224x224, median ms (ratios > 1: edgeq faster); ORT {args.threads} threads", rows)
 
 if __name__ == "__main__":
     main()
