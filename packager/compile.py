@@ -42,8 +42,28 @@ def toolchain_for(profile: Profile) -> Toolchain:
     return Toolchain(cxx=cxx, cuda=toolkit)
 
 
+def is_cpu(target) -> bool:
+    tvm = import_tvm()
+    tgt = tvm.target.Target(target)
+    return tgt.kind.name == "llvm" and (tgt.host is None or tgt.host.kind.name == "llvm")
+
+
+def lower_graph(graph, target):
+    """The graph on edgeq's CPU kernels (convolutions and matrix products, NHWC between them) when
+    ``target`` is a CPU; unchanged for GPU targets. Returns (graph, kernel calls)."""
+    if not is_cpu(target):
+        return graph, 0
+    tvm = import_tvm()
+    from edgeq.kernels.conv import Isa
+    from edgeq.kernels.lower import lower_for_cpu
+
+    return lower_for_cpu(graph, Isa.of(tvm.target.Target(target)))
+
+
 def build(mod, target, toolchain: Toolchain | None = None):
-    """``relax.build`` with the default pipeline of ``target``; CUDA kernels go through ``toolchain.cuda``."""
+    """``relax.build`` for ``target``: for CPUs TVM's pipeline with edgeq's schedules after fusion
+    (``edgeq.kernels.schedule``), for GPUs TVM's default pipeline with CUDA kernels compiled by
+    ``toolchain.cuda``."""
     tvm = import_tvm()
     from tvm import relax
 
@@ -51,6 +71,11 @@ def build(mod, target, toolchain: Toolchain | None = None):
         if toolchain is not None and toolchain.cuda is not None:
             with toolchain.cuda.active():
                 return relax.build(mod, target=tgt)
+        if is_cpu(tgt):
+            from edgeq.kernels.conv import Isa
+            from edgeq.kernels.schedule import cpu_pipeline
+
+            return relax.build(mod, target=tgt, relax_pipeline=cpu_pipeline(tgt, Isa.of(tgt)))
         return relax.build(mod, target=tgt)
 
 

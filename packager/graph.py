@@ -197,6 +197,8 @@ def rewrite(graph: Graph, visit: Visit, extra_outputs: Callable[[Rewriter], list
     kept = [p for p in func.params[len(inputs) :] if p in used]
     func = relax.Function(list(func.params[: len(inputs)]) + kept, func.body, func.ret_ty, func.is_pure, func.attrs)
     weights = {p.name: rw.weights[p.name] for p in kept}
-    mod = tvm.IRModule(dict(graph.mod.functions))  # keep the module's other (TIR) functions
+    functions = dict(graph.mod.functions)  # keep the module's other (TIR) functions, add the pass's
+    functions.update({gv: f for gv, f in bb.get().functions.items() if gv.name_hint != "main"})
+    mod = tvm.IRModule(functions)
     mod["main"] = func
     return Graph(mod, weights)

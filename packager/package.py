@@ -22,7 +22,7 @@ import numpy as np
 
 import edgeq
 from edgeq import bundle
-from edgeq.compile import HostRunner, Toolchain, build, cuda_device_code, elf_machine, export, toolchain_for
+from edgeq.compile import HostRunner, Toolchain, build, cuda_device_code, elf_machine, export, lower_graph, toolchain_for
 from edgeq.errors import EdgeqError, OutputError, ToolchainError, UsageError
 from edgeq.graph import Graph
 from edgeq.load import LoadedModel, TensorSpec, load_model
@@ -127,6 +127,7 @@ class _Build:
     quantization: Any = None  # edgeq.quantize.QuantizeResult
     outputs: list[TensorSpec] = dataclasses.field(default_factory=list)
     executable: Any = None
+    kernel_calls: int = 0  # conv/matmul calls on edgeq CPU kernels
     golden_from: str = ""
     manifest: dict[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -206,7 +207,9 @@ def _quantize(b: _Build) -> None:
 
 
 def _compile(b: _Build) -> None:
-    mod, target = b.graph.mod, b.profile.tvm_target()
+    target = b.profile.tvm_target()
+    b.graph, b.kernel_calls = lower_graph(b.graph, target)
+    mod = b.graph.mod
     if b.args.records is not None:
         from edgeq.rpc.tune import apply_records
 

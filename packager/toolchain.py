@@ -108,7 +108,11 @@ def _build_driver_stub() -> Path:
 
 
 def import_tvm():
-    """Import TVM the way edgeq needs it: with a CUDA driver library (real or stub) loaded first."""
+    """Import TVM the way edgeq needs it: with a CUDA driver library (real or stub) loaded first, and its
+    thread pool sized to the CPUs this process may use (TVM otherwise assumes two hardware threads per
+    core and uses half of them; TVM_NUM_THREADS still decides where set)."""
+    if hasattr(os, "sched_getaffinity"):
+        os.environ.setdefault("TVM_NUM_THREADS", str(len(os.sched_getaffinity(0))))
     cuda_driver()
     import tvm
 

@@ -18,6 +18,7 @@ is computed on the accumulator tile while it is in registers.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import numpy as np
@@ -32,6 +33,7 @@ CONV = "edgeq_conv"  # block names the scheduler looks for after fusion
 DWCONV = "edgeq_dwconv"
 PAD = "edgeq_pad"
 ZP = "edgeq_conv_zp"
+SPEC = "edgeq.conv_spec"  # block annotation: the ConvSpec, as JSON
 VNNI_INTRIN = "edgeq_dot_16x4_vnni_local"
 ACCUMULATORS = 28  # vector registers a tile may use (AVX-512 has 32; two hold weights, one the broadcast)
 
@@ -83,6 +85,18 @@ class ConvSpec:
     dilation: tuple[int, int]
     dtype: str  # data dtype: float32, int8 or uint8 (weights: float32 or int8)
     depthwise: bool = False
+    vnni: bool = False  # set by plan(): int8 with AVX-512 VNNI
+    ocb: int = 0  # set by plan(): output channels per packed weight block / tile
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> ConvSpec:
+        d = json.loads(text)
+        for key in ("stride", "padding", "dilation"):
+            d[key] = tuple(d[key])
+        return cls(**d)
 
     @property
     def oh(self) -> int:
@@ -100,21 +114,21 @@ class ConvSpec:
     def out_dtype(self) -> str:
         return "int32" if self.integer else "float32"
 
-    def vnni(self, isa: Isa) -> bool:
-        return isa.vnni and self.integer and not self.depthwise and self.oc % 16 == 0
-
-    def channel_block(self, isa: Isa) -> int:
-        """Output channels per tile: whole vector registers where the channel count allows."""
-        if self.vnni(isa):
-            return next(b for b in (64, 32, 16) if self.oc % b == 0 and b // 16 * 4 <= isa.accumulators)
-        for vectors in (2, 1):
-            if self.oc % (isa.lanes * vectors) == 0:
-                return isa.lanes * vectors
-        return max(d for d in range(1, min(self.oc, 2 * isa.lanes) + 1) if self.oc % d == 0)
+    def plan(self, isa: Isa) -> ConvSpec:
+        """This convolution with its kernel chosen for ``isa``: VNNI or not, and the output channel block
+        the weights are packed in (whole vector registers where the channel count allows)."""
+        vnni = isa.vnni and self.integer and not self.depthwise and self.oc % 16 == 0
+        if vnni:
+            ocb = next(b for b in (64, 32, 16) if self.oc % b == 0 and b // 16 * 4 <= isa.accumulators)
+        else:
+            width = 2 * isa.lanes
+            ocb = next((isa.lanes * v for v in (2, 1) if self.oc % (isa.lanes * v) == 0), 0)
+            ocb = ocb or max(d for d in range(1, min(self.oc, width) + 1) if self.oc % d == 0)
+        return dataclasses.replace(self, vnni=vnni, ocb=ocb)
 
     def pixel_block(self, isa: Isa) -> int:
         """Output pixels (along the row) per tile: the largest divisor of the row that fits the registers."""
-        vectors = max(1, math.ceil(self.channel_block(isa) / (16 if self.vnni(isa) else isa.lanes)))
+        vectors = max(1, math.ceil(self.ocb / (16 if self.vnni else isa.lanes)))
         if self.depthwise:
             vectors = 1
         limit = max(1, isa.accumulators // vectors)
@@ -143,10 +157,10 @@ def _pad(x, spec: ConvSpec, channels: int, convert=None, value=0):
     return te.compute(shape, body, name=PAD)
 
 
-def conv_func(spec: ConvSpec, isa: Isa):
+def conv_func(spec: ConvSpec):
     """(PrimFunc, weight packer): the TE definition of the kernel and how to pack the OIHW weight for it.
 
-    The PrimFunc takes ``(data NHWC, packed weight[, compensation]) -> output NHWC``; the packer maps the
+    ``spec`` is planned (``ConvSpec.plan``). The PrimFunc takes ``(data NHWC, packed weight[, compensation]) -> output NHWC``; the packer maps the
     model's OIHW weight to the list of weight arrays that follow the data argument."""
     sh, sw = spec.stride
     dh, dw = spec.dilation
@@ -160,16 +174,16 @@ def conv_func(spec: ConvSpec, isa: Isa):
             (spec.n, spec.oh, spec.ow, spec.c),
             lambda n, y, z, c: te.sum(
                 xp[n, y * sh + rh * dh, z * sw + rw * dw, c].astype(acc) * wt[rh, rw, c].astype(acc), axis=[rh, rw]),
-            name=DWCONV,
+            name=DWCONV, attrs={SPEC: spec.to_json()},
         )
 
         def pack(w: np.ndarray) -> list[np.ndarray]:
             return [np.ascontiguousarray(w[:, 0].transpose(1, 2, 0))]
 
-        return te.create_prim_func([x, wt, out]), pack
+        return te.create_prim_func([x, wt, out], index_dtype_override="int64"), pack
 
     rh, rw = te.reduce_axis((0, spec.kh), "rh"), te.reduce_axis((0, spec.kw), "rw")
-    if spec.vnni(isa):
+    if spec.vnni:
         cp = spec.padded_c
         offset = 128 if spec.dtype == "int8" else 0
         convert = ("uint8", lambda v: (v.astype("int32") + offset).astype("uint8"))
@@ -182,7 +196,7 @@ def conv_func(spec: ConvSpec, isa: Isa):
                 xp[n, y * sh + rh * dh, z * sw + rw * dw, rc].astype("int32")
                 * wt[o // 16, rh, rw, rc // 4, o % 16, rc % 4].astype("int32"),
                 axis=[rh, rw, rc]),
-            name=CONV,
+            name=CONV, attrs={SPEC: spec.to_json()},
         )
 
         def pack(w: np.ndarray) -> list[np.ndarray]:
@@ -196,12 +210,12 @@ def conv_func(spec: ConvSpec, isa: Isa):
             return arrays
 
         if not offset:
-            return te.create_prim_func([x, wt, acc]), pack
+            return te.create_prim_func([x, wt, acc], index_dtype_override="int64"), pack
         comp = te.placeholder((spec.oc,), "int32", name="compensation")
         out = te.compute(acc.shape, lambda n, y, z, o: acc[n, y, z, o] - comp[o], name=ZP)
-        return te.create_prim_func([x, wt, comp, out]), pack
+        return te.create_prim_func([x, wt, comp, out], index_dtype_override="int64"), pack
 
-    ocb = spec.channel_block(isa)
+    ocb = spec.ocb
     wdtype = "int8" if spec.integer else "float32"
     xp = _pad(x, spec, spec.c)
     wt = te.placeholder((spec.oc // ocb, spec.kh, spec.kw, spec.c, ocb), wdtype, name="weight")
@@ -212,14 +226,14 @@ def conv_func(spec: ConvSpec, isa: Isa):
         lambda n, y, z, o: te.sum(
             xp[n, y * sh + rh * dh, z * sw + rw * dw, rc].astype(accd) * wt[o // ocb, rh, rw, rc, o % ocb].astype(accd),
             axis=[rh, rw, rc]),
-        name=CONV,
+        name=CONV, attrs={SPEC: spec.to_json()},
     )
 
     def pack(w: np.ndarray) -> list[np.ndarray]:
         oc, c, kh, kw = w.shape
         return [np.ascontiguousarray(w.reshape(oc // ocb, ocb, c, kh, kw).transpose(0, 3, 4, 2, 1))]
 
-    return te.create_prim_func([x, wt, out]), pack
+    return te.create_prim_func([x, wt, out], index_dtype_override="int64"), pack
 
 
 # ---------------------------------------------------------------- schedules (on a fused function)
@@ -288,20 +302,24 @@ def schedule_conv(sch: Schedule, spec: ConvSpec, isa: Isa) -> None:
     n, y, z, o, rh, rw, rc = sch.get_loops(main)
     zb = spec.pixel_block(isa)
     zo, zi = sch.split(z, [None, zb])
-    if spec.vnni(isa):
-        ocb = spec.channel_block(isa)
-        oo, om, oi = sch.split(o, [None, ocb // 16, 16])
+    if spec.vnni:
+        oo, om, oi = sch.split(o, [None, spec.ocb // 16, 16])
         rco, rci = sch.split(rc, [None, 4])
-        sch.reorder(n, y, oo, zo, rh, rw, rco, zi, om, oi, rci)
+        if isa.vnni:
+            sch.reorder(n, y, oo, zo, rh, rw, rco, zi, om, oi, rci)
+        else:  # the VNNI weight layout on a CPU without VNNI (a build host checking another CPU's bundle)
+            sch.reorder(n, y, oo, zo, rh, rw, rco, rci, zi, om, oi)
+            sch.vectorize(oi)
         sch.reverse_compute_at(wb, zo)
         sch.unroll(zi)
         sch.unroll(om)
         sch.parallel(sch.fuse(n, y, oo))
         init = sch.decompose_reduction(main, rh)
         sch.vectorize(sch.get_loops(init)[-1])
-        sch.tensorize(oi, VNNI_INTRIN)
+        if isa.vnni:
+            sch.tensorize(oi, VNNI_INTRIN)
     else:
-        oo, oi = sch.split(o, [None, spec.channel_block(isa)])
+        oo, oi = sch.split(o, [None, spec.ocb])
         sch.reorder(n, y, oo, zo, rh, rw, rc, zi, oi)
         sch.reverse_compute_at(wb, zo)
         sch.vectorize(oi)

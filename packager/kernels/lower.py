@@ -1,0 +1,260 @@
+"""Put a graph's convolutions and matrix products on edgeq's CPU kernels.
+
+One pass over the bindings (``edgeq.graph.rewrite``):
+
+- every supported ``conv2d`` (float32, or int8/uint8 x int8 -> int32; groups 1 or depthwise) and every
+  ``matmul`` by a weight becomes a ``call_tir`` of the kernel from ``edgeq.kernels.conv`` for its shape,
+  with the weight packed for that kernel now, at build time (the bundle ships the packed arrays);
+- activations stay NHWC from one convolution to the next: element-wise operations, (de)quantize, pooling,
+  padding and spatial means run on NHWC directly (their per-channel operands are transposed at build
+  time), and a value is transposed back to NCHW only where something else reads it, and for the outputs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from edgeq.graph import Graph, Rewriter, call_op, rewrite
+from edgeq.kernels.conv import ConvSpec, Isa, conv_func
+from edgeq.toolchain import import_tvm
+
+tvm = import_tvm()
+from tvm import relax  # noqa: E402
+
+TO_NHWC, TO_NCHW = [0, 2, 3, 1], [0, 3, 1, 2]
+UNARY = {"relax.nn.relu", "relax.clip", "relax.round", "relax.astype", "relax.sigmoid", "relax.tanh",
+         "relax.nn.gelu", "relax.nn.silu", "relax.exp", "relax.negative", "relax.abs", "relax.sqrt",
+         "relax.floor", "relax.ceil", "relax.nn.leakyrelu"}
+BINARY = {"relax.add", "relax.subtract", "relax.multiply", "relax.divide", "relax.maximum", "relax.minimum"}
+POOL = {"relax.nn.max_pool2d", "relax.nn.avg_pool2d"}
+REDUCE = {"relax.mean", "relax.sum", "relax.max"}
+
+
+def _shape(expr) -> list[int] | None:
+    ty = expr.ty if hasattr(expr, "ty") else None
+    if not isinstance(ty, relax.TensorType) or ty.shape is None:
+        return None
+    try:
+        return [int(d) for d in ty.shape.values]
+    except (TypeError, AttributeError):
+        return None
+
+
+def _dtype(expr) -> str:
+    return str(expr.ty.dtype)
+
+
+class _Lowering:
+    def __init__(self, graph: Graph, isa: Isa):
+        self.graph, self.isa = graph, isa
+        self.outputs = set(relax.analysis.free_vars(graph.main.body.body))
+        self.nhwc: set = set()  # output-graph vars that hold NHWC data of an NCHW tensor of the input graph
+        self.nchw: dict = {}  # NHWC var -> its NCHW transpose, emitted once
+        self.kernels = 0
+
+    # ------------------------------------------------------------ helpers
+
+    def static(self, rw: Rewriter, expr) -> np.ndarray | None:
+        """The value of ``expr`` when it is known at build time (weights, constants, and reshapes,
+        transposes and dequantizes of them)."""
+        value = rw.static_value(expr)
+        if value is not None:
+            return value
+        inner = rw.value(expr) if isinstance(expr, relax.Var) else None
+        op = call_op(inner)
+        if op in ("relax.reshape", "relax.permute_dims", "relax.expand_dims", "relax.astype"):
+            base = self.static(rw, inner.args[0])
+            if base is None:
+                return None
+            if op == "relax.permute_dims":
+                axes = inner.attrs.axes
+                return np.transpose(base, None if axes is None else [int(a) for a in axes])
+            if op == "relax.astype":
+                return base.astype(str(inner.attrs.dtype))
+            return base.reshape(_shape(inner))
+        return None
+
+    def to_nchw(self, rw: Rewriter, new):
+        if new not in self.nhwc:
+            return new
+        if new not in self.nchw:
+            self.nchw[new] = rw.emit(relax.op.permute_dims(new, TO_NCHW))
+        return self.nchw[new]
+
+    def to_nhwc(self, rw: Rewriter, new):
+        return new if new in self.nhwc else rw.emit(relax.op.permute_dims(new, TO_NHWC))
+
+    def plain(self, rw: Rewriter, expr):
+        """``rw.new(expr)`` with every NHWC value it reads transposed back to NCHW."""
+        if isinstance(expr, relax.Var):
+            return self.to_nchw(rw, rw.new(expr))
+        if isinstance(expr, relax.Call):
+            return relax.Call(expr.op, [self.plain(rw, a) for a in expr.args], expr.attrs, expr.ty_args)
+        if isinstance(expr, relax.Tuple):
+            return relax.Tuple([self.plain(rw, f) for f in expr.fields])
+        if isinstance(expr, relax.TupleGetItem):
+            return relax.TupleGetItem(self.plain(rw, expr.tuple_value), expr.index)
+        return rw.new(expr)
+
+    def result(self, rw: Rewriter, var, new_expr, nhwc: bool):
+        new = rw.emit(new_expr, var.name)
+        if nhwc:
+            self.nhwc.add(new)
+            if var in self.outputs:
+                return self.to_nchw(rw, new)
+        return new
+
+    def channel_operand(self, rw: Rewriter, expr, ndim: int):
+        """An operand broadcast against an NCHW tensor, made to broadcast against its NHWC form."""
+        new = rw.new(expr)
+        if new in self.nhwc:
+            return new
+        shape = _shape(expr)
+        if shape is None:
+            return None
+        if len(shape) <= 1 and (not shape or shape[0] == 1):
+            return new  # a scalar
+        value = self.static(rw, expr)
+        if value is not None:
+            full = value.reshape([1] * (ndim - value.ndim) + list(value.shape))
+            return rw.const(np.ascontiguousarray(full.transpose(TO_NHWC)), str(value.dtype))
+        if len(shape) == ndim == 4:
+            return rw.emit(relax.op.permute_dims(new, TO_NHWC))
+        return None
+
+    # ------------------------------------------------------------ kernels
+
+    def conv(self, rw: Rewriter, var, value):
+        a = value.attrs
+        if (a.data_layout, a.kernel_layout, a.out_layout) != ("NCHW", "OIHW", "NCHW"):
+            return None
+        x, w = value.args
+        wv = rw.array(w)
+        xs, ys = _shape(x), _shape(var)
+        if wv is None or xs is None or ys is None or len(xs) != 4:
+            return None
+        xd, wd, yd = _dtype(x), str(wv.dtype), _dtype(var)
+        if not ((xd, wd, yd) == ("float32", "float32", "float32") or (xd in ("int8", "uint8") and wd == "int8" and yd == "int32")):
+            return None
+        n, c, h, width = xs
+        oc, icg, kh, kw = wv.shape
+        groups = int(a.groups)
+        depthwise = groups == c == oc and icg == 1 and groups > 1
+        if groups != 1 and not depthwise:
+            return None
+        spec = ConvSpec(n, h, width, c, oc, kh, kw, tuple(int(s) for s in a.strides),
+                        tuple(int(p) for p in a.padding), tuple(int(d) for d in a.dilation), xd, depthwise).plan(self.isa)
+        return self.kernel(rw, var, spec, self.to_nhwc(rw, rw.new(x)), wv, w.name if isinstance(w, relax.Var) else "w")
+
+    def matmul(self, rw: Rewriter, var, value):
+        x = value.args[0]
+        w_var, transposed = rw.weight_operand(value)
+        xs, ys = _shape(x), _shape(var)
+        if w_var is None or xs is None or ys is None or len(xs) < 2:
+            return None
+        wv = rw.weight(w_var)
+        w = wv.T if transposed else wv  # [K, N]
+        if w.ndim != 2:
+            return None
+        xd, wd, yd = _dtype(x), str(w.dtype), _dtype(var)
+        if not ((xd, wd, yd) == ("float32", "float32", "float32") or (xd in ("int8", "uint8") and wd == "int8" and yd == "int32")):
+            return None
+        k, cols = w.shape
+        m = int(np.prod(xs[:-1]))
+        spec = ConvSpec(1, 1, m, k, cols, 1, 1, (1, 1), (0, 0, 0, 0), (1, 1), xd).plan(self.isa)
+        x4 = rw.emit(relax.op.reshape(self.plain(rw, x), [1, 1, m, k]))
+        y4 = self.kernel(rw, None, spec, x4, np.ascontiguousarray(w.T).reshape(cols, k, 1, 1), w_var.name + "_t")
+        return self.result(rw, var, relax.op.reshape(y4, ys), nhwc=False)
+
+    def kernel(self, rw: Rewriter, var, spec: ConvSpec, x_nhwc, weight: np.ndarray, name: str):
+        func, pack = conv_func(spec)
+        params = [rw.param(f"{name}_{self.kernel_tag(spec)}_{i}", arr) for i, arr in enumerate(pack(weight))]
+        kind = "dwconv2d" if spec.depthwise else "conv2d"
+        gv = rw.bb.add_func(func.without_attr("global_symbol"), f"edgeq_{kind}")
+        out = relax.TensorType([spec.n, spec.oh, spec.ow, spec.oc], spec.out_dtype)
+        call = relax.call_tir(gv, relax.Tuple([x_nhwc, *params]), out)
+        self.kernels += 1
+        if var is None:
+            return rw.emit(call)
+        return self.result(rw, var, call, nhwc=True)
+
+    def kernel_tag(self, spec: ConvSpec) -> str:
+        if spec.depthwise:
+            return "dw"
+        return "vnni" if spec.vnni else f"oc{spec.ocb}"
+
+    # ------------------------------------------------------------ layout-following operations
+
+    def follow(self, rw: Rewriter, var, value):
+        op = call_op(value)
+        args = value.args
+        if not args or not any(rw.new(a) in self.nhwc for a in args if isinstance(a, relax.Var)):
+            return None
+        if op in UNARY:
+            return self.result(rw, var, relax.Call(value.op, [rw.new(args[0]), *args[1:]], value.attrs, value.ty_args), True)
+        if op in BINARY:
+            ndim = len(_shape(var) or [])
+            ops = [self.channel_operand(rw, a, ndim) for a in args]
+            if ndim != 4 or any(o is None for o in ops):
+                return None
+            return self.result(rw, var, relax.Call(value.op, ops, value.attrs, value.ty_args), True)
+        if op in ("relax.quantize", "relax.dequantize") and rw.new(args[0]) in self.nhwc:
+            if any(rw.new(a) in self.nhwc for a in args[1:]):
+                return None
+            axis = int(value.attrs.axis) % 4
+            axis = {0: 0, 1: 3, 2: 1, 3: 2}[axis]
+            fn = relax.op.quantize if op == "relax.quantize" else relax.op.dequantize
+            return self.result(rw, var, fn(rw.new(args[0]), rw.new(args[1]), rw.new(args[2]), axis=axis,
+                                           out_dtype=str(value.attrs.out_dtype)), True)
+        if op in POOL and value.attrs.layout == "NCHW" and (value.attrs.out_layout in (None, "NCHW")):
+            a = value.attrs
+            fn = relax.op.nn.max_pool2d if op == "relax.nn.max_pool2d" else relax.op.nn.avg_pool2d
+            return self.result(rw, var, fn(rw.new(args[0]), [int(p) for p in a.pool_size], [int(s) for s in a.strides],
+                                           [int(p) for p in a.padding], [int(d) for d in a.dilation], bool(a.ceil_mode),
+                                           bool(a.count_include_pad), layout="NHWC", out_layout="NHWC"), True)
+        if op in REDUCE and value.attrs.axis is not None:
+            axes = sorted(int(ax) % 4 for ax in value.attrs.axis)
+            if axes != [2, 3]:
+                return None
+            keep = bool(value.attrs.keepdims)
+            fn = {"relax.mean": relax.op.mean, "relax.sum": relax.op.sum, "relax.max": relax.op.max}[op]
+            return self.result(rw, var, fn(rw.new(args[0]), axis=[1, 2], keepdims=keep), keep)
+        if op == "relax.nn.pad" and str(value.attrs.pad_mode) == "constant":
+            width = [int(p) for p in value.attrs.pad_width]
+            if len(width) != 8:
+                return None
+            nhwc = width[0:2] + width[4:6] + width[6:8] + width[2:4]
+            return self.result(rw, var, relax.op.nn.pad(rw.new(args[0]), nhwc, pad_value=float(value.attrs.pad_value)), True)
+        return None
+
+    def visit(self, rw: Rewriter, var, value):
+        op = call_op(value)
+        replacement = None
+        if op == "relax.nn.conv2d":
+            replacement = self.conv(rw, var, value)
+        elif op == "relax.matmul":
+            replacement = self.matmul(rw, var, value)
+        if replacement is None and op is not None:
+            replacement = self.follow(rw, var, value)
+        if replacement is None:
+            replacement = self.plain(rw, value)
+        return replacement
+
+
+def lower_for_cpu(graph: Graph, isa: Isa) -> tuple[Graph, int]:
+    """(graph on edgeq's CPU kernels, number of kernel calls)."""
+    lowering = _Lowering(graph, isa)
+    out = rewrite(graph, lowering.visit)
+    return out, lowering.kernels
+
+
+def describe(graph: Graph) -> dict[str, Any]:
+    """Which kernels a lowered graph calls, by name, for reports."""
+    counts: dict[str, int] = {}
+    for b in graph.bindings():
+        if isinstance(b.value, relax.Call) and b.value.op.name == "relax.call_tir":
+            name = b.value.args[0].name_hint
+            counts[name] = counts.get(name, 0) + 1
+    return counts
