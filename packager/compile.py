@@ -133,7 +133,8 @@ def elf_machine(library: Path) -> str:
 
 class HostRunner:
     """A graph run on this machine's CPU, callable on numpy inputs; returns the flat list of outputs.
-    Built here for the host unless an already built host ``executable`` of the graph is given."""
+    Built here for the host (on edgeq's CPU kernels) unless an already built host ``executable`` of the
+    graph is given."""
 
     def __init__(self, graph, executable=None):
         tvm = import_tvm()
@@ -143,7 +144,10 @@ class HostRunner:
 
         self.tvm = tvm
         self.dev = tvm.cpu(0)
-        executable = executable if executable is not None else build(graph.mod, profiles()["host"].tvm_target())
+        if executable is None:
+            target = profiles()["host"].tvm_target()
+            graph, _ = lower_graph(graph, target)
+            executable = build(graph.mod, target)
         self.vm = relax.VirtualMachine(executable, self.dev)
         self.params = [tvm.runtime.tensor(w, self.dev) for w in graph.weight_list()]
 

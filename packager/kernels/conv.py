@@ -296,6 +296,14 @@ def _schedule_pad(sch: Schedule, lanes: int) -> None:
     sch.parallel(sch.fuse(*loops[:2]))
 
 
+def _outer(spec: ConvSpec, n, y, oo) -> tuple:
+    """The order of the parallel loops: where the weights outweigh the input, each core keeps one block of
+    output channels (its weights stay in its cache) for all rows; otherwise it keeps rows of input."""
+    weights = spec.kh * spec.kw * spec.c * spec.oc
+    data = spec.n * spec.h * spec.w * spec.c
+    return (oo, n, y) if weights > data else (n, y, oo)
+
+
 def schedule_conv(sch: Schedule, spec: ConvSpec, isa: Isa) -> None:
     main = sch.get_sblock(CONV)
     wb = _epilogue(sch, main)
@@ -306,25 +314,25 @@ def schedule_conv(sch: Schedule, spec: ConvSpec, isa: Isa) -> None:
         oo, om, oi = sch.split(o, [None, spec.ocb // 16, 16])
         rco, rci = sch.split(rc, [None, 4])
         if isa.vnni:
-            sch.reorder(n, y, oo, zo, rh, rw, rco, zi, om, oi, rci)
+            sch.reorder(*_outer(spec, n, y, oo), zo, rh, rw, rco, zi, om, oi, rci)
         else:  # the VNNI weight layout on a CPU without VNNI (a build host checking another CPU's bundle)
-            sch.reorder(n, y, oo, zo, rh, rw, rco, rci, zi, om, oi)
+            sch.reorder(*_outer(spec, n, y, oo), zo, rh, rw, rco, rci, zi, om, oi)
             sch.vectorize(oi)
         sch.reverse_compute_at(wb, zo)
         sch.unroll(zi)
         sch.unroll(om)
-        sch.parallel(sch.fuse(n, y, oo))
+        sch.parallel(sch.fuse(*_outer(spec, n, y, oo)))
         init = sch.decompose_reduction(main, rh)
         sch.vectorize(sch.get_loops(init)[-1])
         if isa.vnni:
             sch.tensorize(oi, VNNI_INTRIN)
     else:
         oo, oi = sch.split(o, [None, spec.ocb])
-        sch.reorder(n, y, oo, zo, rh, rw, rc, zi, oi)
+        sch.reorder(*_outer(spec, n, y, oo), zo, rh, rw, rc, zi, oi)
         sch.reverse_compute_at(wb, zo)
         sch.vectorize(oi)
         sch.unroll(zi)
-        sch.parallel(sch.fuse(n, y, oo))
+        sch.parallel(sch.fuse(*_outer(spec, n, y, oo)))
         sch.decompose_reduction(main, rh)
     sch.vectorize(sch.get_loops(wb)[-1])
     _schedule_pad(sch, isa.lanes)
