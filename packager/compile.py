@@ -60,10 +60,10 @@ def lower_graph(graph, target):
     return lower_for_cpu(graph, Isa.of(tvm.target.Target(target)))
 
 
-def build(mod, target, toolchain: Toolchain | None = None):
+def build(mod, target, toolchain: Toolchain | None = None, stats: dict[str, int] | None = None):
     """``relax.build`` for ``target``: for CPUs TVM's pipeline with edgeq's schedules after fusion
-    (``edgeq.kernels.schedule``), for GPUs TVM's default pipeline with CUDA kernels compiled by
-    ``toolchain.cuda``."""
+    (``edgeq.kernels.schedule``; ``stats`` counts the functions by schedule), for GPUs TVM's default
+    pipeline with CUDA kernels compiled by ``toolchain.cuda``."""
     tvm = import_tvm()
     from tvm import relax
 
@@ -75,7 +75,7 @@ def build(mod, target, toolchain: Toolchain | None = None):
             from edgeq.kernels.conv import Isa
             from edgeq.kernels.schedule import cpu_pipeline
 
-            return relax.build(mod, target=tgt, relax_pipeline=cpu_pipeline(tgt, Isa.of(tgt)))
+            return relax.build(mod, target=tgt, relax_pipeline=cpu_pipeline(tgt, Isa.of(tgt), stats))
         return relax.build(mod, target=tgt)
 
 

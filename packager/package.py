@@ -128,6 +128,7 @@ class _Build:
     outputs: list[TensorSpec] = dataclasses.field(default_factory=list)
     executable: Any = None
     kernel_calls: int = 0  # conv/matmul calls on edgeq CPU kernels
+    schedules: dict[str, int] = dataclasses.field(default_factory=dict)  # CPU builds: TIR functions by schedule
     golden_from: str = ""
     manifest: dict[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -214,7 +215,7 @@ def _compile(b: _Build) -> None:
         from edgeq.rpc.tune import apply_records
 
         mod = apply_records(mod, target, Path(b.args.records), b.profile)
-    b.executable = build(mod, target, b.toolchain)
+    b.executable = build(mod, target, b.toolchain, b.schedules)
     library = b.staging / bundle.LIBRARY
     export(b.executable, library, b.toolchain)
     machine = elf_machine(library)
@@ -323,6 +324,8 @@ def _bundle(b: _Build) -> None:
             "machine": elf_machine(library),
             "cuda_device_code": cuda_device_code(library),
             "bytes": library.stat().st_size,
+            **({"cpu_kernels": {"conv_matmul_calls": b.kernel_calls, "schedules": dict(sorted(b.schedules.items()))}}
+               if b.schedules else {}),
         },
         "weights": {
             "file": bundle.WEIGHTS,

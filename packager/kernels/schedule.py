@@ -78,48 +78,74 @@ def schedule_generic(sch: Schedule, isa: Isa) -> None:
             if vec is not None:
                 sch.vectorize(vec)
         else:
-            stmt = sch.get(block)
-            spatial = [lp for lp, iv in zip(loops, stmt.iter_vars) if int(iv.iter_type) == 0]
-            # the leading loops that are spatial can run in parallel
-            lead = []
-            for lp in loops:
-                if lp in spatial:
-                    lead.append(lp)
-                else:
-                    break
-            extents = [_extent(sch, lp) for lp in lead]
-            if lead and all(e is not None for e in extents):
-                total = 1
-                for e in extents:
-                    total *= e
-                if total >= 2 * isa.lanes:
-                    sch.parallel(sch.fuse(*lead) if len(lead) > 1 else lead[0])
+            _schedule_reduction(sch, block, isa)
 
 
-def schedule_function(func, isa: Isa):
-    """The scheduled version of one TIR function (or the function itself if no schedule applies)."""
+def _schedule_reduction(sch: Schedule, block, isa: Isa) -> None:
+    """Pooling, means, sums: when the innermost output axis is also the innermost axis of what the block
+    reads (channels of NHWC data), vectorise it inside the reduction loops; parallelise the outer axes."""
+    stmt = sch.get(block)
+    loops = sch.get_loops(block)
+    kinds = [int(iv.iter_type) for iv in stmt.iter_vars]
+    if len(loops) != len(kinds) or any(k not in (0, 2) for k in kinds):
+        return
+    spatial = [lp for lp, k in zip(loops, kinds) if k == 0]
+    reduce = [lp for lp, k in zip(loops, kinds) if k == 2]
+    extents = [_extent(sch, lp) for lp in spatial]
+    if not spatial or any(e is None for e in extents):
+        return
+    last_var = [iv.var for iv, k in zip(stmt.iter_vars, kinds) if k == 0][-1]
+    contiguous = all(r.region and r.region[-1].min.same_as(last_var) for r in stmt.reads)
+    total = 1
+    for e in extents[:-1]:
+        total *= e
+    if contiguous and extents[-1] % isa.lanes == 0 and reduce:
+        outer, inner = sch.split(spatial[-1], [None, isa.lanes])
+        sch.reorder(*spatial[:-1], outer, *reduce, inner)
+        sch.vectorize(inner)
+        sch.parallel(sch.fuse(*spatial[:-1], outer))
+        sch.decompose_reduction(block, reduce[0])
+    elif total * extents[-1] >= 2 * isa.lanes:
+        lead = []
+        for lp, k in zip(loops, kinds):
+            if k != 0:
+                break
+            lead.append(lp)
+        if lead:
+            sch.parallel(sch.fuse(*lead) if len(lead) > 1 else lead[0])
+
+
+def schedule_function(func, isa: Isa) -> tuple[object, str]:
+    """(scheduled function, which schedule): "conv", "conv-vnni", "dwconv", "generic", or "none" when no
+    schedule applied and the function is left as TVM made it."""
     sch = Schedule(tvm.IRModule({"main": func}))
     try:
         name, spec = _spec(sch, (CONV, DWCONV))
         if spec is not None:
             (schedule_dwconv if name == DWCONV else schedule_conv)(sch, spec, isa)
+            kind = "dwconv" if name == DWCONV else "conv-vnni" if spec.vnni and isa.vnni else "conv"
         else:
             schedule_generic(sch, isa)
+            kind = "generic"
     except Exception as err:  # noqa: BLE001 - a schedule that does not apply must not fail the build
         if os.environ.get("EDGEQ_SCHEDULE_DEBUG"):
             print(f"edgeq: schedule failed ({type(err).__name__}): {str(err).splitlines()[-1][:300]}", file=sys.stderr)
             print(func, file=sys.stderr)
-        return func
-    return sch.mod["main"]
+        return func, "none"
+    return sch.mod["main"], kind
 
 
-def schedule_pass(isa: Isa):
+def schedule_pass(isa: Isa, stats: dict[str, int] | None = None):
+    """A module pass scheduling every TIR function not scheduled yet; counts by schedule into ``stats``."""
+
     @tvm.transform.module_pass(opt_level=0, name="edgeq.ScheduleCPU")
     def _pass(mod, _ctx):
         updates = {}
         for gv, func in mod.functions.items():
             if isinstance(func, tvm.tirx.PrimFunc) and not int(func.attrs.get("tirx.is_scheduled", 0)):
-                updates[gv] = schedule_function(func, isa)
+                updates[gv], kind = schedule_function(func, isa)
+                if stats is not None:
+                    stats[kind] = stats.get(kind, 0) + 1
         for gv, func in updates.items():
             mod[gv] = func
         return mod
@@ -127,7 +153,7 @@ def schedule_pass(isa: Isa):
     return _pass
 
 
-def cpu_pipeline(target, isa: Isa):
+def cpu_pipeline(target, isa: Isa, stats: dict[str, int] | None = None):
     """TVM's CPU pipeline (``relax.backend.cpu_generic``) with edgeq's schedules after fusion."""
     from tvm.relax.backend.cpu_generic import pipeline as cpu
 
@@ -137,7 +163,7 @@ def cpu_pipeline(target, isa: Isa):
             seq = tvm.transform.Sequential(
                 cpu.library_dispatch_passes(target)
                 + cpu.legalize_passes(target)
-                + [schedule_pass(isa)]
+                + [schedule_pass(isa, stats)]
                 + cpu.dataflow_lower_passes(target)
                 + cpu.finalize_passes(target)
             )

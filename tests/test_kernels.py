@@ -1,0 +1,235 @@
+"""edgeq's CPU kernels and schedules, every path against ONNX Runtime on small ONNX models.
+
+Each case builds a one- or few-operator model with the onnx helper API, lowers it the way ``edgeq package``
+does for a CPU (``lower_graph``: NHWC between convolutions, packed weights), compiles it with edgeq's CPU
+pipeline, checks which schedule every TIR function got (no silent fallback to TVM's unscheduled loops),
+and compares the outputs with ONNX Runtime's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from edgeq.compile import HostRunner, build, lower_graph
+from edgeq.kernels.conv import Isa
+from edgeq.kernels.lower import describe
+from edgeq.load import load_model
+from edgeq.quantize import lower_prequantized
+from edgeq.relax_import import to_relax
+from edgeq.targets import profiles
+from edgeq.toolchain import import_tvm
+
+tvm = import_tvm()
+
+
+@dataclasses.dataclass(frozen=True)
+class Conv:
+    c: int
+    oc: int
+    hw: tuple[int, int]
+    k: int = 3
+    stride: int = 1
+    pad: int = 1
+    group: int = 1
+    dilation: int = 1
+    batch: int = 1
+
+    def __str__(self) -> str:
+        kind = "dw" if self.group > 1 else "conv"
+        return (f"{kind}{self.k}x{self.k}-s{self.stride}-d{self.dilation}-{self.c}to{self.oc}-"
+                f"{self.hw[0]}x{self.hw[1]}-b{self.batch}")
+
+
+CONVS = [
+    Conv(16, 32, (12, 12)),  # whole vectors
+    Conv(3, 10, (9, 11)),  # channels not a multiple of the vector width, odd sizes
+    Conv(24, 48, (15, 15), stride=2),  # stride 2, 48 = 3 x 16 output channels
+    Conv(32, 64, (8, 8), k=1, pad=0),  # 1x1
+    Conv(32, 64, (14, 14), k=1, pad=0, stride=2),  # 1x1 stride 2
+    Conv(24, 24, (10, 10), group=24),  # depthwise
+    Conv(30, 30, (13, 13), group=30, stride=2),  # depthwise, odd channels, stride 2
+    Conv(8, 16, (10, 10), dilation=2, pad=2),  # dilated
+    Conv(16, 32, (7, 7), batch=3),  # batch > 1
+    Conv(3, 16, (20, 20), k=7, stride=2, pad=3),  # a ResNet stem
+]
+
+
+def _save(graph_def, path, opset=17):
+    model = helper.make_model(graph_def, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    onnx.save(model, path)
+    return path
+
+
+def conv_model(cv: Conv, path, rng) -> object:
+    """Conv + bias + ReLU, then a residual-style Add of its own output (an epilogue chain to fuse)."""
+    w = rng.standard_normal((cv.oc, cv.c // cv.group, cv.k, cv.k)).astype(np.float32) * 0.2
+    b = rng.standard_normal(cv.oc).astype(np.float32)
+    nodes = [
+        helper.make_node("Conv", ["x", "w", "b"], ["c"], kernel_shape=[cv.k, cv.k], strides=[cv.stride] * 2,
+                         pads=[cv.pad] * 4, group=cv.group, dilations=[cv.dilation] * 2),
+        helper.make_node("Relu", ["c"], ["r"]),
+        helper.make_node("Add", ["r", "c"], ["y"]),
+    ]
+    g = helper.make_graph(nodes, "conv", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [cv.batch, cv.c, *cv.hw])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                          [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")])
+    return _save(g, path)
+
+
+def qdq_conv_model(cv: Conv, path, rng, act: str) -> object:
+    """x -> Q/DQ (int8 or uint8 activations) -> Conv with a per-channel int8 weight -> float output."""
+    w = rng.integers(-127, 128, (cv.oc, cv.c // cv.group, cv.k, cv.k)).astype(np.int8)
+    w_scale = (rng.random(cv.oc).astype(np.float32) + 0.5) * 0.01
+    zp = np.array(0 if act == "int8" else 128, np.int8 if act == "int8" else np.uint8)
+    inits = [numpy_helper.from_array(w, "wq"), numpy_helper.from_array(w_scale, "ws"),
+             numpy_helper.from_array(np.zeros(cv.oc, np.int8), "wz"),
+             numpy_helper.from_array(np.array(0.05, np.float32), "xs"), numpy_helper.from_array(zp, "xz")]
+    nodes = [
+        helper.make_node("QuantizeLinear", ["x", "xs", "xz"], ["xq"]),
+        helper.make_node("DequantizeLinear", ["xq", "xs", "xz"], ["xd"]),
+        helper.make_node("DequantizeLinear", ["wq", "ws", "wz"], ["wd"], axis=0),
+        helper.make_node("Conv", ["xd", "wd"], ["y"], kernel_shape=[cv.k, cv.k], strides=[cv.stride] * 2,
+                         pads=[cv.pad] * 4, group=cv.group, dilations=[cv.dilation] * 2),
+    ]
+    g = helper.make_graph(nodes, "qdq_conv", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [cv.batch, cv.c, *cv.hw])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    return _save(g, path, opset=13)
+
+
+def edgeq_vs_ort(path, target=None, isa_target=None, prequantized=False):
+    """(edgeq outputs, ORT outputs, schedule counts, kernel calls) for the model at ``path``."""
+    loaded = load_model(path, None)
+    graph, _ = to_relax(loaded)
+    if prequantized:
+        graph = lower_prequantized(graph, loaded).graph
+    target = target or profiles()["host"].tvm_target()
+    lowered, calls = lower_graph(graph, isa_target or target)
+    stats: dict[str, int] = {}
+    executable = build(lowered.mod, target, stats=stats)
+    rng = np.random.default_rng(7)
+    inputs = [rng.standard_normal(spec.shape).astype(np.float32) for spec in loaded.inputs]
+    ours = HostRunner(lowered, executable)(inputs)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    theirs = session.run(None, {spec.name: x for spec, x in zip(loaded.inputs, inputs)})
+    return ours, theirs, stats, calls, lowered
+
+
+def assert_close(ours, theirs, rtol=1e-4):
+    for a, b in zip(ours, theirs):
+        assert a.shape == b.shape
+        scale = float(np.abs(b).max()) or 1.0
+        assert float(np.abs(a - b).max()) <= rtol * scale, float(np.abs(a - b).max()) / scale
+
+
+@pytest.mark.parametrize("cv", CONVS, ids=str)
+def test_fp32_conv_kernels_match_onnxruntime(cv, tmp_path):
+    ours, theirs, stats, calls, _ = edgeq_vs_ort(conv_model(cv, tmp_path / "m.onnx", np.random.default_rng(0)))
+    assert calls == 1
+    assert stats.get("none", 0) == 0, stats
+    assert stats.get("dwconv" if cv.group > 1 else "conv") == 1, stats
+    assert_close(ours, theirs)
+
+
+@pytest.mark.parametrize("act", ["int8", "uint8"])
+@pytest.mark.parametrize("cv", CONVS, ids=str)
+def test_int8_conv_kernels_match_onnxruntime(cv, act, tmp_path):
+    path = qdq_conv_model(cv, tmp_path / "m.onnx", np.random.default_rng(1), act)
+    ours, theirs, stats, calls, lowered = edgeq_vs_ort(path, prequantized=True)
+    assert calls == 1
+    assert stats.get("none", 0) == 0, stats
+    vnni = Isa.of(tvm.target.Target(profiles()["host"].tvm_target())).vnni
+    expected = "dwconv" if cv.group > 1 else "conv-vnni" if vnni and cv.oc % 16 == 0 else "conv"
+    assert stats.get(expected) == 1, stats
+    assert any(str(w.dtype) == "int8" for w in lowered.weights.values())  # integer weights, packed
+    assert_close(ours, theirs, rtol=1e-5)
+
+
+def test_vnni_layout_runs_on_a_cpu_without_vnni(tmp_path):
+    """A bundle planned for a VNNI CPU, checked on a build host without VNNI: same answers, no vpdpbusd."""
+    host = profiles()["host"].tvm_target()
+    if not Isa.of(tvm.target.Target(host)).vnni:
+        pytest.skip("this machine has no AVX-512 VNNI to plan for")
+    path = qdq_conv_model(Conv(16, 32, (9, 9)), tmp_path / "m.onnx", np.random.default_rng(2), "int8")
+    skylake = {**host, "mcpu": "skylake-avx512"}
+    ours, theirs, stats, _, lowered = edgeq_vs_ort(path, target=skylake, isa_target=host, prequantized=True)
+    assert any(name.endswith("_vnni_0") for name in lowered.weights)
+    assert stats.get("conv") == 1 and "conv-vnni" not in stats, stats
+    assert_close(ours, theirs, rtol=1e-5)
+
+
+def test_avx2_cpu_gets_eight_lane_kernels(tmp_path):
+    host = profiles()["host"].tvm_target()
+    haswell = {**host, "mcpu": "haswell"}
+    assert Isa.of(tvm.target.Target(haswell)) == Isa(lanes=8, vnni=False, registers=16)
+    path = conv_model(Conv(16, 24, (11, 11)), tmp_path / "m.onnx", np.random.default_rng(3))
+    ours, theirs, stats, _, lowered = edgeq_vs_ort(path, target=haswell)
+    assert any("_oc8_" in name for name in lowered.weights)  # 24 channels = 3 AVX2 vectors: blocks of 8
+    assert stats.get("conv") == 1 and stats.get("none", 0) == 0, stats
+    assert_close(ours, theirs)
+
+
+def mlp_model(path, rng, m=6, k=40, n=24):
+    w1 = rng.standard_normal((k, n)).astype(np.float32) * 0.2
+    w2 = rng.standard_normal((n, 10)).astype(np.float32) * 0.2
+    b2 = rng.standard_normal(10).astype(np.float32)
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"]), helper.make_node("Relu", ["h"], ["r"]),
+             helper.make_node("Gemm", ["r", "w2", "b2"], ["y"])]
+    g = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [m, k])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                          [numpy_helper.from_array(w1, "w1"), numpy_helper.from_array(w2, "w2"), numpy_helper.from_array(b2, "b2")])
+    return _save(g, path)
+
+
+def test_matmul_and_gemm_run_on_conv_kernels(tmp_path):
+    ours, theirs, stats, calls, _ = edgeq_vs_ort(mlp_model(tmp_path / "m.onnx", np.random.default_rng(4)))
+    assert calls == 2
+    assert stats.get("conv") == 2 and stats.get("none", 0) == 0, stats
+    assert_close(ours, theirs)
+
+
+def cnn_model(path, rng, batch=2):
+    """conv -> maxpool -> conv -> avgpool -> conv -> global average pool -> flatten -> gemm: the NHWC layout
+    must flow through the pools and come back to NCHW for the classifier."""
+    def w(*shape):
+        return rng.standard_normal(shape).astype(np.float32) * 0.2
+
+    inits = {"w1": w(16, 3, 3, 3), "w2": w(32, 16, 3, 3), "w3": w(32, 32, 1, 1), "fc": w(32, 5), "fcb": w(5)}
+    nodes = [
+        helper.make_node("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c1"], ["r1"]),
+        helper.make_node("MaxPool", ["r1"], ["p1"], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1]),
+        helper.make_node("Conv", ["p1", "w2"], ["c2"], pads=[1, 1, 1, 1]),
+        helper.make_node("AveragePool", ["c2"], ["p2"], kernel_shape=[2, 2], strides=[2, 2]),
+        helper.make_node("Conv", ["p2", "w3"], ["c3"]),
+        helper.make_node("Sigmoid", ["c3"], ["s3"]),
+        helper.make_node("GlobalAveragePool", ["s3"], ["g"]),
+        helper.make_node("Flatten", ["g"], ["f"]),
+        helper.make_node("Gemm", ["f", "fc", "fcb"], ["y"]),
+    ]
+    g = helper.make_graph(nodes, "cnn", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, 3, 16, 16])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None),
+                           helper.make_tensor_value_info("c2", TensorProto.FLOAT, None)],
+                          [numpy_helper.from_array(v, k) for k, v in inits.items()])
+    return _save(g, path)
+
+
+def test_layout_flows_through_pools_and_back_for_outputs(tmp_path):
+    ours, theirs, stats, calls, lowered = edgeq_vs_ort(cnn_model(tmp_path / "m.onnx", np.random.default_rng(5)))
+    assert calls == 4 and describe(lowered)
+    assert stats.get("none", 0) == 0, stats
+    assert_close(ours, theirs)  # includes c2, an NHWC value inside, returned as NCHW
+
+
+def test_gpu_targets_are_not_lowered():
+    graph_before = object()
+    orin = profiles()["jetson-orin-nano"].tvm_target()
+    graph, calls = lower_graph(graph_before, orin)
+    assert graph is graph_before and calls == 0
