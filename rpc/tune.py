@@ -125,7 +125,7 @@ class TuneArgs:
 
 
 def tune(args: TuneArgs, note=lambda _: None, tick=lambda *_: None) -> dict[str, Any]:
-    from edgeq.compile import toolchain_for
+    from edgeq.compile import lower_graph, toolchain_for
     from edgeq.load import load_model
     from edgeq.relax_import import to_relax
     from edgeq.targets import resolve
@@ -143,6 +143,7 @@ def tune(args: TuneArgs, note=lambda _: None, tick=lambda *_: None) -> dict[str,
 
     graph, _ = to_relax(load_model(args.model, args.input_shapes))
     target = profile.tvm_target()
+    graph, _ = lower_graph(graph, target)  # tune the functions `edgeq package` builds (CPU: edgeq's kernels)
     mod = prepare(graph.mod, target)
     extracted = ms.relax_integration.extract_tasks(mod, target)
     records = Records(args.records, profile)

@@ -177,7 +177,7 @@ def test_server_killed_mid_benchmark(tracker, bundle):
     killer.start()
     start_t = time.monotonic()
     try:
-        res, _ = bench(bundle["archive"], "--rpc", tracker, "--key", "victim", "--repeat", "20000", "--timeout", "20")
+        res, _ = bench(bundle["archive"], "--rpc", tracker, "--key", "victim", "--repeat", "1000000", "--timeout", "20")
     finally:
         killer.cancel()
         stop(server)
@@ -189,7 +189,7 @@ def test_session_timeout(tracker, bundle):
     server = _victim(tracker, "short")
     try:
         start_t = time.monotonic()
-        res, _ = bench(bundle["archive"], "--rpc", tracker, "--key", "short", "--repeat", "20000", "--timeout", "30",
+        res, _ = bench(bundle["archive"], "--rpc", tracker, "--key", "short", "--repeat", "1000000", "--timeout", "30",
                        "--session-timeout", "3")
     finally:
         stop(server)

@@ -46,6 +46,37 @@ def _dtype(expr) -> str:
     return str(expr.ty.dtype)
 
 
+def _stores(stmt) -> list:
+    """The BufferStores of a TIR statement (SBlock/For/SeqStmt nests, as legalized operators are)."""
+    if isinstance(stmt, tvm.tirx.BufferStore):
+        return [stmt]
+    if isinstance(stmt, tvm.tirx.SeqStmt):
+        return [s for child in stmt.seq for s in _stores(child)]
+    for attr in ("block", "body"):
+        child = getattr(stmt, attr, None)
+        if child is not None:
+            return _stores(child)
+    return []
+
+
+def scalar_minmax(func) -> str | None:
+    """"maximum"/"minimum" when a TIR function is an element-wise max/min of a tensor and a one-element
+    tensor (how TVM imports ONNX Clip with bounds given as inputs, e.g. ReLU6), else None."""
+    if not isinstance(func, tvm.tirx.PrimFunc):
+        return None
+    stores = _stores(func.body)
+    if len(stores) != 1 or not isinstance(stores[0].value, (tvm.tirx.Max, tvm.tirx.Min)):
+        return None
+    a, b = stores[0].value.a, stores[0].value.b
+    if not (isinstance(a, tvm.ir.TensorLoad) and isinstance(b, tvm.ir.TensorLoad)):
+        return None
+    if [int(d) for d in b.source.shape] != [1] or len(a.indices) != len(stores[0].indices):
+        return None
+    if any(not ia.same_as(ib) for ia, ib in zip(a.indices, stores[0].indices)):
+        return None
+    return "maximum" if isinstance(stores[0].value, tvm.tirx.Max) else "minimum"
+
+
 class _Lowering:
     def __init__(self, graph: Graph, isa: Isa):
         self.graph, self.isa = graph, isa
@@ -64,6 +95,12 @@ class _Lowering:
             return value
         inner = rw.value(expr) if isinstance(expr, relax.Var) else None
         op = call_op(inner)
+        if op == "relax.isnan":
+            base = self.static(rw, inner.args[0])
+            return None if base is None else np.isnan(base)
+        if op == "relax.where":
+            parts = [self.static(rw, a) for a in inner.args]
+            return None if any(p is None for p in parts) else np.where(*parts).astype(_dtype(inner))
         if op in ("relax.reshape", "relax.permute_dims", "relax.expand_dims", "relax.astype"):
             base = self.static(rw, inner.args[0])
             if base is None:
@@ -190,6 +227,15 @@ class _Lowering:
     def follow(self, rw: Rewriter, var, value):
         op = call_op(value)
         args = value.args
+        if op == "relax.call_tir" and len(args) >= 2 and isinstance(args[1], relax.Tuple) and len(args[1].fields) == 2:
+            x, bound = args[1].fields
+            kind = scalar_minmax(self.graph.mod[args[0]]) if args[0] in self.graph.mod.get_global_vars() else None
+            if kind is None or rw.new(x) not in self.nhwc:
+                return None
+            fn = relax.op.maximum if kind == "maximum" else relax.op.minimum
+            value = self.static(rw, bound)
+            operand = rw.const(value.reshape(()), str(value.dtype)) if value is not None else rw.new(bound)
+            return self.result(rw, var, fn(rw.new(x), operand), True)
         if not args or not any(rw.new(a) in self.nhwc for a in args if isinstance(a, relax.Var)):
             return None
         if op in UNARY:

@@ -26,6 +26,10 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCHEMA_VERSION = 1
 TRUSTED_KEY = os.environ.get("EDGEQ_TRUSTED_KEY") or "/etc/edgeq/trusted.pub"
+# TVM's thread pool assumes two hardware threads per core and, unless told, uses half the CPUs; inference
+# gets every CPU this process may run on (set TVM_NUM_THREADS to choose).
+if hasattr(os, "sched_getaffinity"):
+    os.environ.setdefault("TVM_NUM_THREADS", str(len(os.sched_getaffinity(0))))
 
 
 class BundleCheckError(Exception):
