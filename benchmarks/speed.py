@@ -2,11 +2,12 @@
 
 Models (random weights): ResNet-18 224x224 at batch 1 and 8, a MobileNet-style CNN (depthwise-separable
 blocks, ReLU6) at 224x224, and a transformer encoder block (seq 128, dim 256). Every case is built first;
-then the runners are timed in interleaved rounds (one call of each per round), so a noisy machine slows
-all of them alike, and the median per runner is reported. Also reported: the conv/matmul layers of the
+then the runners are timed in interleaved rounds (per round and runner: 2 untimed calls, so that the
+threads of the runtime that ran before have gone quiet, then 5 timed calls), so a noisy machine slows all
+of them alike, and the median per runner is reported. Also reported: the conv/matmul layers of the
 fp32 ResNet-18 bundle, timed inside the bundle's VM, as GFLOP/s and as a fraction of the CPU's FP32 peak.
 
-    python benchmarks/speed.py [--rounds 20] [--models resnet18 resnet18_b8 mobilenet transformer] [--json]
+    python benchmarks/speed.py [--rounds 10] [--models resnet18 resnet18_b8 mobilenet transformer] [--json]
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from quantize_with_ort import ort_quantize  # noqa: E402
 from edgeq.package import PackageArgs, package  # noqa: E402
 from edgeq.quantize import QuantizeArgs  # noqa: E402
 from edgeq.toolchain import import_tvm  # noqa: E402
+
+WARMUP, BLOCK = 2, 5  # per runner and round: untimed calls, then timed calls
 
 MODELS = {
     "resnet18": lambda: make_models.resnet18(batch=1),
@@ -95,7 +98,7 @@ def layer_time_ms(model, x: np.ndarray, calls: int = 10) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--threads", type=int, default=2, help="ONNX Runtime intra-op threads (edgeq uses every CPU)")
     parser.add_argument("--json", action="store_true")
@@ -138,14 +141,15 @@ def main() -> None:
                               "of_avx2_peak": round(gflops / peak["avx2_peak_gflops"], 3) if peak["clock_ghz"] else None,
                               "of_avx512_peak": round(gflops / peak["avx512_peak_gflops"], 3) if peak["clock_ghz"] else None}
         for name, shape, runners in cases:
-            for run in runners.values():
-                run()  # warm-up
             times = {k: [] for k in runners}
             for _ in range(args.rounds):
                 for key, run in runners.items():
-                    start = time.perf_counter()
-                    run()
-                    times[key].append((time.perf_counter() - start) * 1e3)
+                    for _ in range(WARMUP):  # the other runtime's threads may still be spinning
+                        run()
+                    for _ in range(BLOCK):
+                        start = time.perf_counter()
+                        run()
+                        times[key].append((time.perf_counter() - start) * 1e3)
             r = {"model": name, "batch": shape[0], **{f"{k}_ms": float(np.median(v)) for k, v in times.items()}}
             r.update(int8_vs_fp32=r["edgeq_fp32_ms"] / r["edgeq_int8_ms"],
                      fp32_vs_ort=r["ort_fp32_ms"] / r["edgeq_fp32_ms"],
@@ -155,7 +159,7 @@ def main() -> None:
         print(json.dumps({"rows": rows, "layer_efficiency": efficiency, "rounds": args.rounds,
                           "ort_threads": args.threads, "cpus": cores}, indent=2))
         return
-    show(f"median ms over {args.rounds} interleaved rounds (ratios > 1: edgeq faster); ORT {args.threads} threads", rows)
+    show(f"median ms over {args.rounds} interleaved rounds of {BLOCK} calls (ratios > 1: edgeq faster); ORT {args.threads} threads", rows)
     if efficiency:
         show("conv/gemm layers of the fp32 ResNet-18 bundle, timed in the bundle's VM", [efficiency])
 

@@ -234,3 +234,30 @@ def test_gpu_targets_are_not_lowered():
     orin = profiles()["jetson-orin-nano"].tvm_target()
     graph, calls = lower_graph(graph_before, orin)
     assert graph is graph_before and calls == 0
+
+
+def attention_model(path, rng, batch=2, heads=3, seq=10, dim=12):
+    """softmax(q @ k^T) @ v with q, k, v computed from the input: products of two activations."""
+    wq, wk = (rng.standard_normal((dim, dim)).astype(np.float32) * 0.3 for _ in range(2))
+    shape = np.array([batch, seq, heads, dim // heads], np.int64)
+    nodes = [
+        helper.make_node("MatMul", ["x", "wq"], ["q0"]), helper.make_node("MatMul", ["x", "wk"], ["k0"]),
+        helper.make_node("Reshape", ["q0", "shape"], ["q1"]), helper.make_node("Reshape", ["k0", "shape"], ["k1"]),
+        helper.make_node("Reshape", ["x", "shape"], ["v1"]),
+        helper.make_node("Transpose", ["q1"], ["q"], perm=[0, 2, 1, 3]),
+        helper.make_node("Transpose", ["k1"], ["kt"], perm=[0, 2, 3, 1]),
+        helper.make_node("Transpose", ["v1"], ["v"], perm=[0, 2, 1, 3]),
+        helper.make_node("MatMul", ["q", "kt"], ["s"]), helper.make_node("Softmax", ["s"], ["p"], axis=-1),
+        helper.make_node("MatMul", ["p", "v"], ["y"]),
+    ]
+    g = helper.make_graph(nodes, "attention", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, seq, dim])],
+                          [_out("y", 4)], [numpy_helper.from_array(wq, "wq"), numpy_helper.from_array(wk, "wk"),
+                                           numpy_helper.from_array(shape, "shape")])
+    return _save(g, path)
+
+
+def test_attention_products_run_on_the_batched_kernel(tmp_path):
+    ours, theirs, stats, calls, _ = edgeq_vs_ort(attention_model(tmp_path / "m.onnx", np.random.default_rng(6)))
+    assert calls == 4  # two weight products (conv kernels), two activation products (bmm)
+    assert stats.get("bmm") == 2 and stats.get("none", 0) == 0, stats
+    assert_close(ours, theirs)

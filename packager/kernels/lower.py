@@ -4,7 +4,8 @@ One pass over the bindings (``edgeq.graph.rewrite``):
 
 - every supported ``conv2d`` (float32, or int8/uint8 x int8 -> int32; groups 1 or depthwise) and every
   ``matmul`` by a weight becomes a ``call_tir`` of the kernel from ``edgeq.kernels.conv`` for its shape,
-  with the weight packed for that kernel now, at build time (the bundle ships the packed arrays);
+  with the weight packed for that kernel now, at build time (the bundle ships the packed arrays); a
+  ``matmul`` of two activations (attention) becomes the batched kernel of ``edgeq.kernels.matmul``;
 - activations stay NHWC from one convolution to the next: element-wise operations, (de)quantize, pooling,
   padding and spatial means run on NHWC directly (their per-channel operands are transposed at build
   time), and a value is transposed back to NCHW only where something else reads it, and for the outputs.
@@ -18,6 +19,7 @@ import numpy as np
 
 from edgeq.graph import Graph, Rewriter, call_op, rewrite
 from edgeq.kernels.conv import ConvSpec, Isa, conv_func
+from edgeq.kernels.matmul import BmmSpec, bmm_func
 from edgeq.toolchain import import_tvm
 
 tvm = import_tvm()
@@ -189,7 +191,9 @@ class _Lowering:
         x = value.args[0]
         w_var, transposed = rw.weight_operand(value)
         xs, ys = _shape(x), _shape(var)
-        if w_var is None or xs is None or ys is None or len(xs) < 2:
+        if w_var is None:
+            return self.batched_matmul(rw, var, value)
+        if xs is None or ys is None or len(xs) < 2:
             return None
         wv = rw.weight(w_var)
         w = wv.T if transposed else wv  # [K, N]
@@ -204,6 +208,23 @@ class _Lowering:
         x4 = rw.emit(relax.op.reshape(self.plain(rw, x), [1, 1, m, k]))
         y4 = self.kernel(rw, None, spec, x4, np.ascontiguousarray(w.T).reshape(cols, k, 1, 1), w_var.name + "_t")
         return self.result(rw, var, relax.op.reshape(y4, ys), nhwc=False)
+
+    def batched_matmul(self, rw: Rewriter, var, value):
+        """``a @ b`` of two activations (same batch dims, float32) on the batched matmul kernel."""
+        a, b = value.args
+        sa, sb, ys = _shape(a), _shape(b), _shape(var)
+        if sa is None or sb is None or ys is None or len(sa) < 2 or len(sa) != len(sb) or sa[:-2] != sb[:-2]:
+            return None
+        if {_dtype(a), _dtype(b), _dtype(var)} != {"float32"}:
+            return None
+        batch = int(np.prod(sa[:-2])) if len(sa) > 2 else 1
+        spec = BmmSpec(batch, sa[-2], sa[-1], sb[-1])
+        gv = rw.bb.add_func(bmm_func(spec).without_attr("global_symbol"), "edgeq_bmm")
+        a3 = rw.emit(relax.op.reshape(self.plain(rw, a), [batch, spec.m, spec.k]))
+        b3 = rw.emit(relax.op.reshape(self.plain(rw, b), [batch, spec.k, spec.n]))
+        y3 = rw.emit(relax.call_tir(gv, relax.Tuple([a3, b3]), relax.TensorType([batch, spec.m, spec.n], "float32")))
+        self.kernels += 1
+        return self.result(rw, var, relax.op.reshape(y3, ys), nhwc=False)
 
     def kernel(self, rw: Rewriter, var, spec: ConvSpec, x_nhwc, weight: np.ndarray, name: str):
         func, pack = conv_func(spec)

@@ -15,6 +15,8 @@ import os
 import sys
 
 from edgeq.kernels.conv import CONV, DWCONV, SPEC, ConvSpec, Isa, schedule_conv, schedule_dwconv
+from edgeq.kernels.matmul import BMM, BmmSpec, schedule_bmm
+from edgeq.kernels.matmul import SPEC as BMM_SPEC
 from edgeq.toolchain import import_tvm
 
 tvm = import_tvm()
@@ -35,6 +37,14 @@ def _spec(sch: Schedule, names: tuple[str, ...]):
         if stmt.name_hint in names and SPEC in stmt.annotations:
             return stmt.name_hint, ConvSpec.from_json(str(stmt.annotations[SPEC]))
     return None, None
+
+
+def _bmm_spec(sch: Schedule) -> BmmSpec | None:
+    for block in _blocks(sch):
+        stmt = sch.get(block)
+        if stmt.name_hint == BMM and BMM_SPEC in stmt.annotations:
+            return BmmSpec.from_json(str(stmt.annotations[BMM_SPEC]))
+    return None
 
 
 def _extent(sch: Schedule, loop) -> int | None:
@@ -116,12 +126,16 @@ def _schedule_reduction(sch: Schedule, block, isa: Isa) -> None:
 
 
 def schedule_function(func, isa: Isa) -> tuple[object, str]:
-    """(scheduled function, which schedule): "conv", "conv-vnni", "dwconv", "generic", or "none" when no
+    """(scheduled function, which schedule): "conv", "conv-vnni", "dwconv", "bmm", "generic", or "none" when no
     schedule applied and the function is left as TVM made it."""
     sch = Schedule(tvm.IRModule({"main": func}))
     try:
         name, spec = _spec(sch, (CONV, DWCONV))
-        if spec is not None:
+        bmm = _bmm_spec(sch)
+        if bmm is not None:
+            schedule_bmm(sch, bmm, isa)
+            kind = "bmm"
+        elif spec is not None:
             (schedule_dwconv if name == DWCONV else schedule_conv)(sch, spec, isa)
             kind = "dwconv" if name == DWCONV else "conv-vnni" if spec.vnni and isa.vnni else "conv"
         else:

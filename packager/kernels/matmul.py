@@ -1,0 +1,69 @@
+"""Batched matrix products of two activations (attention: ``Q @ K^T``, ``softmax @ V``) on CPUs.
+
+Products by a weight go through the convolution kernels (a 1x1 convolution with packed weights); here
+both operands are computed at run time, so nothing can be packed ahead: the right operand is read in
+rows of ``N`` (contiguous), the schedule keeps ``rows x vectors`` accumulators in registers, broadcasts
+one element of the left operand per row and reduction step, and spreads the tiles over the cores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from edgeq.kernels.conv import Isa, _epilogue
+from edgeq.toolchain import import_tvm
+
+tvm = import_tvm()
+from tvm import te  # noqa: E402
+from tvm.s_tir import Schedule  # noqa: E402
+
+BMM = "edgeq_bmm"
+SPEC = "edgeq.bmm_spec"
+
+
+@dataclasses.dataclass(frozen=True)
+class BmmSpec:
+    batch: int
+    m: int
+    k: int
+    n: int
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> BmmSpec:
+        return cls(**json.loads(text))
+
+
+def bmm_func(spec: BmmSpec):
+    """``out[b, m, n] = sum_k a[b, m, k] * b[b, k, n]`` in float32."""
+    a = te.placeholder((spec.batch, spec.m, spec.k), "float32", name="a")
+    b = te.placeholder((spec.batch, spec.k, spec.n), "float32", name="b")
+    k = te.reduce_axis((0, spec.k), "k")
+    out = te.compute((spec.batch, spec.m, spec.n), lambda i, r, c: te.sum(a[i, r, k] * b[i, k, c], axis=[k]),
+                     name=BMM, attrs={SPEC: spec.to_json()})
+    return te.create_prim_func([a, b, out], index_dtype_override="int64")
+
+
+def _largest_divisor(n: int, limit: int) -> int:
+    return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
+
+
+def schedule_bmm(sch: Schedule, spec: BmmSpec, isa: Isa) -> None:
+    main = sch.get_sblock(BMM)
+    wb = _epilogue(sch, main)
+    b, m, n, k = sch.get_loops(main)
+    nb = next((isa.lanes * v for v in (2, 1) if spec.n % (isa.lanes * v) == 0), 0) or _largest_divisor(spec.n, 2 * isa.lanes)
+    vectors = max(1, -(-nb // isa.lanes))
+    mb = _largest_divisor(spec.m, max(1, isa.accumulators // vectors))
+    mo, mi = sch.split(m, [None, mb])
+    no, ni = sch.split(n, [None, nb])
+    sch.reorder(b, mo, no, k, mi, ni)
+    sch.reverse_compute_at(wb, no)
+    sch.vectorize(ni)
+    sch.unroll(mi)
+    sch.parallel(sch.fuse(b, mo, no))
+    sch.decompose_reduction(main, k)
+    sch.vectorize(sch.get_loops(wb)[-1])
