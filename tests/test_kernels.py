@@ -57,7 +57,17 @@ CONVS = [
     Conv(8, 16, (10, 10), dilation=2, pad=2),  # dilated
     Conv(16, 32, (7, 7), batch=3),  # batch > 1
     Conv(3, 16, (20, 20), k=7, stride=2, pad=3),  # a ResNet stem
+    Conv(64, 64, (16, 16)),  # float: Winograd F(4x4, 3x3)
+    Conv(64, 80, (10, 10), batch=2),  # float: Winograd F(2x2, 3x3), 80 = 5 x 16 channels, batch 2
+    Conv(64, 64, (9, 9)),  # odd output size: direct
 ]
+
+
+def float_kernel(cv: Conv) -> str:
+    if cv.group > 1:
+        return "dwconv"
+    winograd = (cv.k, cv.stride, cv.dilation) == (3, 1, 1) and cv.c >= 64 and cv.oc >= 64 and cv.hw[0] % 2 == 0
+    return "winograd" if winograd else "conv"
 
 
 def _out(name: str, rank: int):
@@ -137,7 +147,7 @@ def test_fp32_conv_kernels_match_onnxruntime(cv, tmp_path):
     ours, theirs, stats, calls, _ = edgeq_vs_ort(conv_model(cv, tmp_path / "m.onnx", np.random.default_rng(0)))
     assert calls == 1
     assert stats.get("none", 0) == 0, stats
-    assert stats.get("dwconv" if cv.group > 1 else "conv") == 1, stats
+    assert stats.get(float_kernel(cv)) == 1, stats
     assert_close(ours, theirs)
 
 

@@ -35,6 +35,7 @@ PAD = "edgeq_pad"
 ZP = "edgeq_conv_zp"
 SPEC = "edgeq.conv_spec"  # block annotation: the ConvSpec, as JSON
 VNNI_INTRIN = "edgeq_dot_16x4_vnni_local"
+WINOGRAD = True  # plan Winograd kernels where they apply
 ACCUMULATORS = 28  # vector registers a tile may use (AVX-512 has 32; two hold weights, one the broadcast)
 
 
@@ -87,6 +88,7 @@ class ConvSpec:
     depthwise: bool = False
     vnni: bool = False  # set by plan(): int8 with AVX-512 VNNI
     ocb: int = 0  # set by plan(): output channels per packed weight block / tile
+    wino: int = 0  # set by plan(): Winograd output tile size m (0: direct convolution)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -124,7 +126,19 @@ class ConvSpec:
             width = 2 * isa.lanes
             ocb = next((isa.lanes * v for v in (2, 1) if self.oc % (isa.lanes * v) == 0), 0)
             ocb = ocb or max(d for d in range(1, min(self.oc, width) + 1) if self.oc % d == 0)
-        return dataclasses.replace(self, vnni=vnni, ocb=ocb)
+        return dataclasses.replace(self, vnni=vnni, ocb=ocb, wino=self._winograd_tile() if WINOGRAD else 0)
+
+    def _winograd_tile(self) -> int:
+        """F(m x m, 3 x 3) for float32 3x3 stride-1 convolutions big enough to pay for the transforms."""
+        if self.integer or self.depthwise or (self.kh, self.kw) != (3, 3) or self.stride != (1, 1) or self.dilation != (1, 1):
+            return 0
+        if self.c < 64 or self.oc < 64 or min(self.oh, self.ow) < 8:  # measured: below, the transforms cost more
+            return 0
+        if self.oh % 4 == 0 and self.ow % 4 == 0:
+            return 4
+        if self.oh % 2 == 0 and self.ow % 2 == 0:
+            return 2
+        return 0
 
     def pixel_block(self, isa: Isa) -> int:
         """Output pixels (along the row) per tile: the largest divisor of the row that fits the registers."""
@@ -137,6 +151,10 @@ class ConvSpec:
     @property
     def padded_c(self) -> int:
         return -(-self.c // 4) * 4
+
+
+def _largest_divisor(n: int, limit: int) -> int:
+    return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
 
 
 def _pad(x, spec: ConvSpec, channels: int, convert=None, value=0):
@@ -162,6 +180,10 @@ def conv_func(spec: ConvSpec):
 
     ``spec`` is planned (``ConvSpec.plan``). The PrimFunc takes ``(data NHWC, packed weight[, compensation]) -> output NHWC``; the packer maps the
     model's OIHW weight to the list of weight arrays that follow the data argument."""
+    if spec.wino:
+        from edgeq.kernels.winograd import winograd_func
+
+        return winograd_func(spec)
     sh, sw = spec.stride
     dh, dw = spec.dilation
     x = te.placeholder((spec.n, spec.h, spec.w, spec.c), spec.dtype, name="data")
@@ -339,6 +361,12 @@ def schedule_conv(sch: Schedule, spec: ConvSpec, isa: Isa) -> None:
 
 
 def schedule_dwconv(sch: Schedule, spec: ConvSpec, isa: Isa) -> None:
+    """Depthwise: each input value is used by KH x KW outputs only, so the padding is computed where it is
+    read (a copy of the padded input would cost as much as the convolution)."""
+    try:
+        sch.compute_inline(sch.get_sblock(PAD))
+    except tvm.s_tir.ScheduleError:
+        pass  # no padding
     main = sch.get_sblock(DWCONV)
     wb = _epilogue(sch, main)
     n, y, z, c, rh, rw = sch.get_loops(main)
@@ -355,4 +383,3 @@ def schedule_dwconv(sch: Schedule, spec: ConvSpec, isa: Isa) -> None:
     sch.parallel(sch.fuse(n, y, co))
     sch.decompose_reduction(main, rh)
     sch.vectorize(sch.get_loops(wb)[-1])
-    _schedule_pad(sch, isa.lanes)

@@ -241,6 +241,8 @@ class _Lowering:
     def kernel_tag(self, spec: ConvSpec) -> str:
         if spec.depthwise:
             return "dw"
+        if spec.wino:
+            return f"wino{spec.wino}_oc{spec.ocb}"
         return "vnni" if spec.vnni else f"oc{spec.ocb}"
 
     # ------------------------------------------------------------ layout-following operations

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from edgeq.kernels.conv import Isa, _epilogue
+from edgeq.kernels.conv import Isa, _epilogue, _largest_divisor
 from edgeq.toolchain import import_tvm
 
 tvm = import_tvm()
@@ -45,10 +45,6 @@ def bmm_func(spec: BmmSpec):
     out = te.compute((spec.batch, spec.m, spec.n), lambda i, r, c: te.sum(a[i, r, k] * b[i, k, c], axis=[k]),
                      name=BMM, attrs={SPEC: spec.to_json()})
     return te.create_prim_func([a, b, out], index_dtype_override="int64")
-
-
-def _largest_divisor(n: int, limit: int) -> int:
-    return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
 
 
 def schedule_bmm(sch: Schedule, spec: BmmSpec, isa: Isa) -> None:

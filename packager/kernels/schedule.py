@@ -17,6 +17,7 @@ import sys
 from edgeq.kernels.conv import CONV, DWCONV, SPEC, ConvSpec, Isa, schedule_conv, schedule_dwconv
 from edgeq.kernels.matmul import BMM, BmmSpec, schedule_bmm
 from edgeq.kernels.matmul import SPEC as BMM_SPEC
+from edgeq.kernels.winograd import WINO, schedule_winograd
 from edgeq.toolchain import import_tvm
 
 tvm = import_tvm()
@@ -126,15 +127,18 @@ def _schedule_reduction(sch: Schedule, block, isa: Isa) -> None:
 
 
 def schedule_function(func, isa: Isa) -> tuple[object, str]:
-    """(scheduled function, which schedule): "conv", "conv-vnni", "dwconv", "bmm", "generic", or "none" when no
+    """(scheduled function, which schedule): "conv", "conv-vnni", "dwconv", "winograd", "bmm", "generic", or "none" when no
     schedule applied and the function is left as TVM made it."""
     sch = Schedule(tvm.IRModule({"main": func}))
     try:
-        name, spec = _spec(sch, (CONV, DWCONV))
+        name, spec = _spec(sch, (CONV, DWCONV, WINO))
         bmm = _bmm_spec(sch)
         if bmm is not None:
             schedule_bmm(sch, bmm, isa)
             kind = "bmm"
+        elif name == WINO:
+            schedule_winograd(sch, spec, isa)
+            kind = "winograd"
         elif spec is not None:
             (schedule_dwconv if name == DWCONV else schedule_conv)(sch, spec, isa)
             kind = "dwconv" if name == DWCONV else "conv-vnni" if spec.vnni and isa.vnni else "conv"

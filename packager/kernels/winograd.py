@@ -1,0 +1,143 @@
+"""Winograd F(m x m, 3 x 3) for float32 3x3 stride-1 convolutions on CPUs.
+
+The output is computed in m x m tiles: each (m+2) x (m+2) input tile is transformed (``B^T d B``), the
+transformed input and weights are multiplied channel-wise as (m+2)^2 independent GEMMs (tiles x C times
+C x OC), and each result is transformed back (``A^T M A``). For m = 4 that is 36 multiplies per 16 outputs
+instead of 144: a quarter of the direct convolution's. The weights are transformed and packed at build
+time (``[(m+2)^2, OC/ocb, C, ocb]``); the GEMM uses the same register tiling as the direct kernel.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from edgeq.kernels.conv import PAD, SPEC, ConvSpec, Isa, _epilogue, _largest_divisor
+from edgeq.toolchain import import_tvm
+
+tvm = import_tvm()
+from tvm import te  # noqa: E402
+from tvm.s_tir import Schedule  # noqa: E402
+
+WINO = "edgeq_wino"
+WINO_V = "edgeq_wino_v"
+WINO_T = "edgeq_wino_t"
+WINO_GEMM = "edgeq_wino_gemm"
+
+
+def matrices(m: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(A, B, G) of F(m, 3): Cook-Toom with TVM's interpolation points."""
+    from tvm.topi.nn.winograd_util import _cook_toom_convolution, _interpolation_points
+
+    a, b, g = _cook_toom_convolution(_interpolation_points(m + 1), m, 3)
+    return a.astype(np.float64), b.astype(np.float64), g.astype(np.float64)
+
+
+def winograd_func(spec: ConvSpec):
+    """(PrimFunc, weight packer) of the Winograd kernel for a planned ``spec`` with ``spec.wino`` = m."""
+    from tvm.topi.utils import const_matrix
+
+    m, ocb = spec.wino, spec.ocb
+    alpha = m + 2
+    a_np, b_np, g_np = matrices(m)
+    a_c, b_c = const_matrix(a_np.astype(np.float32), "A"), const_matrix(b_np.astype(np.float32), "B")
+    n, h, w, c, oc = spec.n, spec.h, spec.w, spec.c, spec.oc
+    nh, nw = spec.oh // m, spec.ow // m
+    tiles = n * nh * nw
+    pt, pl, _, _ = spec.padding
+    hp, wp = nh * m + 2, nw * m + 2
+    x = te.placeholder((n, h, w, c), "float32", name="data")
+    xp = te.compute(
+        (n, hp, wp, c),
+        lambda i, y, z, k: te.if_then_else(tvm.tirx.all(y >= pt, y < h + pt, z >= pl, z < w + pl),
+                                           x[i, y - pt, z - pl, k], tvm.tirx.const(0.0, "float32")),
+        name=PAD,
+    )
+    # B^T d B as two passes over the tile (rows, then columns): 2 (m+2)^3 terms instead of (m+2)^4
+    ra, rb = te.reduce_axis((0, alpha), "ra"), te.reduce_axis((0, alpha), "rb")
+    t = te.compute(
+        (alpha, alpha, tiles, c),
+        lambda e, j, p, k: te.sum(xp[p // (nh * nw), (p // nw) % nh * m + ra, p % nw * m + j, k] * b_c[ra, e], axis=[ra]),
+        name=WINO_T,
+    )
+    v = te.compute((alpha, alpha, tiles, c), lambda e, u, p, k: te.sum(t[e, rb, p, k] * b_c[rb, u], axis=[rb]), name=WINO_V)
+    wt = te.placeholder((alpha, alpha, oc // ocb, c, ocb), "float32", name="weight")
+    rc = te.reduce_axis((0, c), "rc")
+    gemm = te.compute(
+        (alpha, alpha, tiles, oc),
+        lambda e, u, p, o: te.sum(v[e, u, p, rc] * wt[e, u, o // ocb, rc, o % ocb], axis=[rc]),
+        name=WINO_GEMM,
+    )
+    sa, sb = te.reduce_axis((0, alpha), "sa"), te.reduce_axis((0, alpha), "sb")
+    out = te.compute(
+        (n, spec.oh, spec.ow, oc),
+        lambda i, y, z, o: te.sum(
+            gemm[sa, sb, i * nh * nw + y // m * nw + z // m, o] * (a_c[sa, y % m] * a_c[sb, z % m]), axis=[sa, sb]),
+        name=WINO, attrs={SPEC: spec.to_json()},
+    )
+
+    def pack(weight: np.ndarray) -> list[np.ndarray]:
+        # U[e, u, o, c] = (G g G^T)[e, u] for every output/input channel pair
+        u = np.einsum("ea,ocab,ub->euoc", g_np, weight.astype(np.float64), g_np).astype(np.float32)
+        packed = u.reshape(alpha, alpha, oc // ocb, ocb, c).transpose(0, 1, 2, 4, 3)
+        return [np.ascontiguousarray(packed)]
+
+    return te.create_prim_func([x, wt, out], index_dtype_override="int64"), pack
+
+
+def schedule_winograd(sch: Schedule, spec: ConvSpec, isa: Isa) -> None:
+    m, ocb = spec.wino, spec.ocb
+    lanes = isa.lanes
+    # input padding: a parallel copy
+    pad = sch.get_sblock(PAD)
+    pl = sch.get_loops(pad)
+    sch.parallel(sch.fuse(*pl[:2]))
+    # input transform: per tile and channel vector, all (m+2)^4 terms unrolled with constant coefficients
+    vb, tb = sch.get_sblock(WINO_V), sch.get_sblock(WINO_T)
+    e, u, p, k, rb = sch.get_loops(vb)
+    kb = lanes if spec.c % lanes == 0 else 1
+    ko, ki = sch.split(k, [None, kb])
+    sch.reorder(p, ko, e, u, rb, ki)
+    sch.compute_at(tb, ko)
+    sch.set_scope(tb, 0, "local")
+    te_, tj, tk, tra = sch.get_loops(tb)[-4:]
+    sch.reorder(te_, tj, tra, tk)
+    for lp in (e, u, rb, te_, tj, tra):
+        sch.unroll(lp)
+    if kb > 1:
+        sch.vectorize(ki)
+        sch.vectorize(tk)
+    sch.parallel(sch.fuse(p, ko))
+    sch.decompose_reduction(tb, tra)
+    sch.decompose_reduction(vb, rb)
+    # batched GEMM: register tiles of tiles x output channels, one (e, u, channel block) per task
+    gb = sch.get_sblock(WINO_GEMM)
+    gw = sch.cache_write(gb, 0, "local")
+    e, u, p, o, rc = sch.get_loops(gb)
+    tiles = spec.n * (spec.oh // m) * (spec.ow // m)
+    vectors = max(1, -(-ocb // lanes))
+    pb = _largest_divisor(tiles, max(1, isa.accumulators // vectors))
+    po, pi = sch.split(p, [None, pb])
+    oo, oi = sch.split(o, [None, ocb])
+    sch.reorder(e, u, oo, po, rc, pi, oi)
+    sch.reverse_compute_at(gw, po)
+    sch.vectorize(oi)
+    sch.unroll(pi)
+    sch.parallel(sch.fuse(e, u, oo))
+    sch.decompose_reduction(gb, rc)
+    sch.vectorize(sch.get_loops(gw)[-1])
+    # output transform + the fused epilogue, per m x m tile and channel vector
+    main = sch.get_sblock(WINO)
+    wb = _epilogue(sch, main)
+    n, y, z, o, sa, sb = sch.get_loops(main)
+    yo, yi = sch.split(y, [None, m])
+    zo, zi = sch.split(z, [None, m])
+    ob = lanes if spec.oc % lanes == 0 else ocb
+    oo, oi = sch.split(o, [None, ob])
+    sch.reorder(n, yo, zo, oo, sa, sb, yi, zi, oi)
+    sch.reverse_compute_at(wb, oo)
+    sch.vectorize(oi)
+    for lp in (sa, sb, yi, zi):
+        sch.unroll(lp)
+    sch.parallel(sch.fuse(n, yo))
+    sch.decompose_reduction(main, sa)
+    sch.vectorize(sch.get_loops(wb)[-1])
