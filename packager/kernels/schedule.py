@@ -60,7 +60,8 @@ def _is_spatial(sch: Schedule, block) -> bool:
 def schedule_generic(sch: Schedule, isa: Isa) -> None:
     """Inline what can be inlined; then fuse, vectorise and parallelise each remaining loop nest."""
     for block in _blocks(sch)[:-1]:
-        if _is_spatial(sch, block):
+        # inline only into a single consumer: inlining into two (softmax's exp) computes it twice
+        if _is_spatial(sch, block) and len(sch.get_consumers(block)) == 1:
             try:
                 sch.compute_inline(block)
             except ScheduleError:
