@@ -21,7 +21,6 @@ from edgeq.kernels.winograd import WINO, schedule_winograd
 from edgeq.toolchain import import_tvm
 
 tvm = import_tvm()
-import tvm.s_tir.tensor_intrin  # noqa: E402,F401 - registers TVM's tensor intrinsics
 from tvm.s_tir import Schedule, ScheduleError  # noqa: E402
 
 PARALLEL_MIN = 1 << 14  # elements below which a loop nest runs on one core
