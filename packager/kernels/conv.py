@@ -316,6 +316,12 @@ def _schedule_pad(sch: Schedule, lanes: int) -> None:
         return
     loops = sch.get_loops(pad)
     sch.parallel(sch.fuse(*loops[:2]))
+    channels = int(sch.get(loops[3]).extent)
+    width = 64 if channels % 64 == 0 else 16 if channels % 16 == 0 else channels if channels <= 64 else 0
+    if width == channels:
+        sch.vectorize(loops[3])
+    elif width:
+        sch.vectorize(sch.split(loops[3], [None, width])[1])
 
 
 def _outer(spec: ConvSpec, n, y, oo) -> tuple:
