@@ -296,7 +296,26 @@ _register_vnni()
 
 
 def _epilogue(sch: Schedule, main) -> object:
-    """Accumulate ``main`` in registers and fold everything after it into the write-back block."""
+    """Accumulate ``main`` in registers and fold everything after it into the write-back block. Element-wise
+    side inputs of the epilogue (a residual dequantized from int8) are first inlined where they are read."""
+    root = sch.get_sblock("root")
+    downstream, frontier = set(), [main]
+    while frontier:
+        for consumer in sch.get_consumers(frontier.pop()):
+            name = sch.get(consumer).name_hint
+            if name not in downstream:
+                downstream.add(name)
+                frontier.append(consumer)
+    main_name = sch.get(main).name_hint
+    for block in sch.get_child_blocks(root):
+        stmt = sch.get(block)
+        if stmt.name_hint in downstream or stmt.name_hint in (PAD, main_name):
+            continue
+        if all(int(iv.iter_type) == 0 for iv in stmt.iter_vars):
+            try:
+                sch.compute_inline(block)
+            except tvm.s_tir.ScheduleError:
+                pass
     wb = sch.cache_write(main, 0, "local")
     while True:
         consumers = sch.get_consumers(wb)
