@@ -297,3 +297,26 @@ def test_arm64_bundle_is_built_on_neon_kernels(precision, models, tmp_path, cli)
     got = golden[[k for k in golden.files if k.startswith("output:")][0]]
     tolerance = 1e-4 if precision == "fp32" else 0.1
     assert float(np.abs(got - want).max()) <= tolerance * float(np.abs(want).max())
+
+
+def test_convolutions_without_a_kernel_fall_back_correctly(tmp_path):
+    """Grouped (not depthwise) and channel-multiplier convolutions stay TVM's NCHW conv2d, fed by transposes
+    from the NHWC neighbours; asymmetric padding still gets the kernel."""
+    rng = np.random.default_rng(8)
+
+    def w(*shape):
+        return rng.standard_normal(shape).astype(np.float32) * 0.3
+
+    inits = {"w1": w(16, 3, 3, 3), "wg": w(16, 8, 3, 3), "wm": w(32, 1, 3, 3), "wa": w(8, 32, 2, 2)}
+    nodes = [
+        helper.make_node("Conv", ["x", "w1"], ["a"], pads=[1, 1, 1, 1]),
+        helper.make_node("Conv", ["a", "wg"], ["b"], pads=[1, 1, 1, 1], group=2),  # grouped: fallback
+        helper.make_node("Conv", ["b", "wm"], ["c"], pads=[1, 1, 1, 1], group=16),  # multiplier 2: fallback
+        helper.make_node("Conv", ["c", "wa"], ["y"], pads=[0, 0, 1, 1]),  # asymmetric padding: kernel
+    ]
+    g = helper.make_graph(nodes, "fallback", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 11, 11])],
+                          [_out("y", 4)], [numpy_helper.from_array(v, k) for k, v in inits.items()])
+    ours, theirs, stats, calls, _ = edgeq_vs_ort(_save(g, tmp_path / "m.onnx"))
+    assert calls == 2, calls
+    assert stats.get("conv") == 2 and stats.get("none", 0) == 0, stats
+    assert_close(ours, theirs)
