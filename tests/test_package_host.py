@@ -144,6 +144,7 @@ def test_archive_holds_the_bundle_and_inspect_reads_both(host_bundles, cli):
         assert json.loads(res_json.stdout)["bundle_id"] == res["bundle_id"]
     table = cli("inspect", archive)
     assert table.code == 0 and res["bundle_id"] in table.stdout and "input float32 1x3x32x32" in table.stdout
+    assert "7 conv/matmul calls on edgeq kernels" in table.stdout  # resnet_cnn: 6 convs + the classifier
 
 
 def test_dynamic_batch_fixed_by_input_shape(models, tmp_path, cli):

@@ -20,6 +20,13 @@ def _tensors(specs) -> str:
     return ", ".join(f"{t['name']} {t['dtype']} {'x'.join(map(str, t['shape']))}" for t in specs)
 
 
+def _kernels(info) -> str:
+    if not info:
+        return "-"
+    schedules = ", ".join(f"{k} {v}" for k, v in info["schedules"].items())
+    return f"{info['conv_matmul_calls']} conv/matmul calls on edgeq kernels; TIR functions by schedule: {schedules}"
+
+
 def run(args, env) -> int:
     m = read_manifest(args.bundle)
     if args.json:
@@ -34,6 +41,7 @@ def run(args, env) -> int:
         ("host", f"{device['host_triple']} ({device['mcpu']})"),
         ("GPU code", f"{', '.join(m['library']['cuda_device_code']) or '-'}"
                      + (f" from CUDA {toolkit['version']} {toolkit['kind']}" if toolkit else "")),
+        ("CPU kernels", _kernels(m["library"].get("cpu_kernels"))),
         ("inputs", _tensors(m["inputs"])),
         ("outputs", _tensors(m["outputs"])),
         ("weights", f"{m['weights']['count']} tensors, {m['weights']['bytes'] / 1e6:.2f} MB"),
