@@ -35,8 +35,15 @@ PAD = "edgeq_pad"
 ZP = "edgeq_conv_zp"
 SPEC = "edgeq.conv_spec"  # block annotation: the ConvSpec, as JSON
 VNNI_INTRIN = "edgeq_dot_16x4_vnni_local"
-WINOGRAD = True  # plan Winograd kernels where they apply
-ACCUMULATORS = 28  # vector registers a tile may use (AVX-512 has 32; two hold weights, one the broadcast)
+
+
+def _largest_divisor(n: int, limit: int) -> int:
+    return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
+
+
+def is_spatial(sch: Schedule, block) -> bool:
+    """Whether a block has no reduction axes (element-wise, layout moves, padding)."""
+    return all(int(iv.iter_type) == 0 for iv in sch.get(block).iter_vars)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +74,16 @@ class Isa:
 
     @property
     def accumulators(self) -> int:
+        """Vector registers a tile may keep accumulators in (the rest hold weights and the broadcast)."""
         return self.registers - 4
+
+    def vector_block(self, n: int) -> int:
+        """How much of an axis of size ``n`` one tile covers: two or one whole vectors where ``n`` allows,
+        else the largest divisor of ``n`` up to two vectors."""
+        for vectors in (2, 1):
+            if n % (self.lanes * vectors) == 0:
+                return self.lanes * vectors
+        return _largest_divisor(n, 2 * self.lanes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,10 +139,8 @@ class ConvSpec:
         if vnni:
             ocb = next(b for b in (64, 32, 16) if self.oc % b == 0 and b // 16 * 4 <= isa.accumulators)
         else:
-            width = 2 * isa.lanes
-            ocb = next((isa.lanes * v for v in (2, 1) if self.oc % (isa.lanes * v) == 0), 0)
-            ocb = ocb or max(d for d in range(1, min(self.oc, width) + 1) if self.oc % d == 0)
-        return dataclasses.replace(self, vnni=vnni, ocb=ocb, wino=self._winograd_tile() if WINOGRAD else 0)
+            ocb = isa.vector_block(self.oc)
+        return dataclasses.replace(self, vnni=vnni, ocb=ocb, wino=self._winograd_tile())
 
     def _winograd_tile(self) -> int:
         """F(m x m, 3 x 3) for float32 3x3 stride-1 convolutions big enough to pay for the transforms."""
@@ -145,16 +159,11 @@ class ConvSpec:
         vectors = max(1, math.ceil(self.ocb / (16 if self.vnni else isa.lanes)))
         if self.depthwise:
             vectors = 1
-        limit = max(1, isa.accumulators // vectors)
-        return max(d for d in range(1, min(self.ow, limit) + 1) if self.ow % d == 0)
+        return _largest_divisor(self.ow, max(1, isa.accumulators // vectors))
 
     @property
     def padded_c(self) -> int:
         return -(-self.c // 4) * 4
-
-
-def _largest_divisor(n: int, limit: int) -> int:
-    return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
 
 
 def _pad(x, spec: ConvSpec, channels: int, convert=None, value=0):
@@ -311,7 +320,7 @@ def _epilogue(sch: Schedule, main) -> object:
         stmt = sch.get(block)
         if stmt.name_hint in downstream or stmt.name_hint in (PAD, main_name):
             continue
-        if all(int(iv.iter_type) == 0 for iv in stmt.iter_vars):
+        if is_spatial(sch, block):
             try:
                 sch.compute_inline(block)
             except tvm.s_tir.ScheduleError:
@@ -328,7 +337,7 @@ def _epilogue(sch: Schedule, main) -> object:
     return wb
 
 
-def _schedule_pad(sch: Schedule, lanes: int) -> None:
+def _schedule_pad(sch: Schedule) -> None:
     try:
         pad = sch.get_sblock(PAD)
     except tvm.s_tir.ScheduleError:
@@ -382,7 +391,7 @@ def schedule_conv(sch: Schedule, spec: ConvSpec, isa: Isa) -> None:
         sch.parallel(sch.fuse(*_outer(spec, n, y, oo)))
         sch.decompose_reduction(main, rh)
     sch.vectorize(sch.get_loops(wb)[-1])
-    _schedule_pad(sch, isa.lanes)
+    _schedule_pad(sch)
 
 
 def schedule_dwconv(sch: Schedule, spec: ConvSpec, isa: Isa) -> None:
@@ -395,12 +404,8 @@ def schedule_dwconv(sch: Schedule, spec: ConvSpec, isa: Isa) -> None:
     main = sch.get_sblock(DWCONV)
     wb = _epilogue(sch, main)
     n, y, z, c, rh, rw = sch.get_loops(main)
-    cb = next((b for b in (2 * isa.lanes, isa.lanes) if spec.c % b == 0), None)
-    if cb is None:
-        cb = max(d for d in range(1, min(spec.c, 2 * isa.lanes) + 1) if spec.c % d == 0)
-    zb = max(d for d in range(1, min(spec.ow, 8) + 1) if spec.ow % d == 0)
-    co, ci = sch.split(c, [None, cb])
-    zo, zi = sch.split(z, [None, zb])
+    co, ci = sch.split(c, [None, isa.vector_block(spec.c)])
+    zo, zi = sch.split(z, [None, _largest_divisor(spec.ow, 8)])
     sch.reorder(n, y, co, zo, rh, rw, zi, ci)
     sch.reverse_compute_at(wb, zo)
     sch.vectorize(ci)

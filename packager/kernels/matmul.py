@@ -51,7 +51,7 @@ def schedule_bmm(sch: Schedule, spec: BmmSpec, isa: Isa) -> None:
     main = sch.get_sblock(BMM)
     wb = _epilogue(sch, main)
     b, m, n, k = sch.get_loops(main)
-    nb = next((isa.lanes * v for v in (2, 1) if spec.n % (isa.lanes * v) == 0), 0) or _largest_divisor(spec.n, 2 * isa.lanes)
+    nb = isa.vector_block(spec.n)
     vectors = max(1, -(-nb // isa.lanes))
     mb = _largest_divisor(spec.m, max(1, isa.accumulators // vectors))
     mo, mi = sch.split(m, [None, mb])

@@ -11,10 +11,11 @@ A schedule that does not apply leaves the function as TVM made it: slower, never
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 
-from edgeq.kernels.conv import CONV, DWCONV, SPEC, ConvSpec, Isa, schedule_conv, schedule_dwconv
+from edgeq.kernels.conv import CONV, DWCONV, SPEC, ConvSpec, Isa, is_spatial, schedule_conv, schedule_dwconv
 from edgeq.kernels.matmul import BMM, BmmSpec, schedule_bmm
 from edgeq.kernels.matmul import SPEC as BMM_SPEC
 from edgeq.kernels.winograd import WINO, schedule_winograd
@@ -31,20 +32,18 @@ def _blocks(sch: Schedule) -> list:
     return list(sch.get_child_blocks(root))
 
 
-def _spec(sch: Schedule, names: tuple[str, ...]):
+# the blocks edgeq's kernels are recognised by after fusion: name -> (annotation, spec class)
+KERNELS = {CONV: (SPEC, ConvSpec), DWCONV: (SPEC, ConvSpec), WINO: (SPEC, ConvSpec), BMM: (BMM_SPEC, BmmSpec)}
+
+
+def _kernel(sch: Schedule):
+    """(block name, spec) of the edgeq kernel in the function; (None, None) for any other function."""
     for block in _blocks(sch):
         stmt = sch.get(block)
-        if stmt.name_hint in names and SPEC in stmt.annotations:
-            return stmt.name_hint, ConvSpec.from_json(str(stmt.annotations[SPEC]))
+        key, spec_class = KERNELS.get(stmt.name_hint, (None, None))
+        if key is not None and key in stmt.annotations:
+            return stmt.name_hint, spec_class.from_json(str(stmt.annotations[key]))
     return None, None
-
-
-def _bmm_spec(sch: Schedule) -> BmmSpec | None:
-    for block in _blocks(sch):
-        stmt = sch.get(block)
-        if stmt.name_hint == BMM and BMM_SPEC in stmt.annotations:
-            return BmmSpec.from_json(str(stmt.annotations[BMM_SPEC]))
-    return None
 
 
 def _extent(sch: Schedule, loop) -> int | None:
@@ -52,15 +51,11 @@ def _extent(sch: Schedule, loop) -> int | None:
     return int(ext) if isinstance(ext, tvm.tirx.IntImm) else None
 
 
-def _is_spatial(sch: Schedule, block) -> bool:
-    return all(int(iv.iter_type) == 0 for iv in sch.get(block).iter_vars)
-
-
 def schedule_generic(sch: Schedule, isa: Isa) -> None:
     """Inline what can be inlined; then fuse, vectorise and parallelise each remaining loop nest."""
     for block in _blocks(sch)[:-1]:
         # inline only into a single consumer: inlining into two (softmax's exp) computes it twice
-        if _is_spatial(sch, block) and len(sch.get_consumers(block)) == 1:
+        if is_spatial(sch, block) and len(sch.get_consumers(block)) == 1:
             try:
                 sch.compute_inline(block)
             except ScheduleError:
@@ -69,13 +64,11 @@ def schedule_generic(sch: Schedule, isa: Isa) -> None:
         loops = sch.get_loops(block)
         if not loops:
             continue
-        if _is_spatial(sch, block):
+        if is_spatial(sch, block):
             extents = [_extent(sch, lp) for lp in loops]
             if any(e is None for e in extents):
                 continue
-            total = 1
-            for e in extents:
-                total *= e
+            total = math.prod(extents)
             fused = sch.fuse(*loops)
             inner = extents[-1]
             lanes = isa.lanes if inner % isa.lanes == 0 else 1
@@ -107,9 +100,7 @@ def _schedule_reduction(sch: Schedule, block, isa: Isa) -> None:
         return
     last_var = [iv.var for iv, k in zip(stmt.iter_vars, kinds) if k == 0][-1]
     contiguous = all(r.region and r.region[-1].min.same_as(last_var) for r in stmt.reads)
-    total = 1
-    for e in extents[:-1]:
-        total *= e
+    total = math.prod(extents[:-1])
     if contiguous and extents[-1] % isa.lanes == 0 and reduce:
         outer, inner = sch.split(spatial[-1], [None, isa.lanes])
         sch.reorder(*spatial[:-1], outer, *reduce, inner)
@@ -131,17 +122,19 @@ def schedule_function(func, isa: Isa) -> tuple[object, str]:
     schedule applied and the function is left as TVM made it."""
     sch = Schedule(tvm.IRModule({"main": func}))
     try:
-        name, spec = _spec(sch, (CONV, DWCONV, WINO))
-        bmm = _bmm_spec(sch)
-        if bmm is not None:
-            schedule_bmm(sch, bmm, isa)
+        name, spec = _kernel(sch)
+        if name == BMM:
+            schedule_bmm(sch, spec, isa)
             kind = "bmm"
         elif name == WINO:
             schedule_winograd(sch, spec, isa)
             kind = "winograd"
-        elif spec is not None:
-            (schedule_dwconv if name == DWCONV else schedule_conv)(sch, spec, isa)
-            kind = "dwconv" if name == DWCONV else "conv-vnni" if spec.vnni and isa.vnni else "conv"
+        elif name == DWCONV:
+            schedule_dwconv(sch, spec, isa)
+            kind = "dwconv"
+        elif name == CONV:
+            schedule_conv(sch, spec, isa)
+            kind = "conv-vnni" if spec.vnni and isa.vnni else "conv"
         else:
             schedule_generic(sch, isa)
             kind = "generic"
