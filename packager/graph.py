@@ -150,15 +150,18 @@ class Rewriter:
     def const(self, array, dtype: str = "float32"):
         return relax.const(np.asarray(array, dtype=dtype), dtype)
 
-    def new(self, expr):
+    def new(self, expr, on_var: Callable[[Any], Any] | None = None):
+        """``expr`` with input-graph variables replaced by their re-emitted counterparts, each passed
+        through ``on_var`` when given (a pass that must convert what it reads)."""
         if isinstance(expr, relax.Var):
-            return self._env.get(expr, expr)
+            var = self._env.get(expr, expr)
+            return var if on_var is None else on_var(var)
         if isinstance(expr, relax.Call):
-            return relax.Call(expr.op, [self.new(a) for a in expr.args], expr.attrs, expr.ty_args)
+            return relax.Call(expr.op, [self.new(a, on_var) for a in expr.args], expr.attrs, expr.ty_args)
         if isinstance(expr, relax.Tuple):
-            return relax.Tuple([self.new(f) for f in expr.fields])
+            return relax.Tuple([self.new(f, on_var) for f in expr.fields])
         if isinstance(expr, relax.TupleGetItem):
-            return relax.TupleGetItem(self.new(expr.tuple_value), expr.index)
+            return relax.TupleGetItem(self.new(expr.tuple_value, on_var), expr.index)
         return expr
 
     def emit(self, expr, name: str = ""):

@@ -48,6 +48,11 @@ def _dtype(expr) -> str:
     return str(expr.ty.dtype)
 
 
+def _kernel_dtypes(data: str, weight: str, out: str) -> bool:
+    """float32 all through, or int8/uint8 data x int8 weights -> int32: what the conv kernels compute."""
+    return (data, weight, out) == ("float32", "float32", "float32") or (data in ("int8", "uint8") and weight == "int8" and out == "int32")
+
+
 def _stores(stmt) -> list:
     """The BufferStores of a TIR statement (SBlock/For/SeqStmt nests, as legalized operators are)."""
     if isinstance(stmt, tvm.tirx.BufferStore):
@@ -127,15 +132,7 @@ class _Lowering:
 
     def plain(self, rw: Rewriter, expr):
         """``rw.new(expr)`` with every NHWC value it reads transposed back to NCHW."""
-        if isinstance(expr, relax.Var):
-            return self.to_nchw(rw, rw.new(expr))
-        if isinstance(expr, relax.Call):
-            return relax.Call(expr.op, [self.plain(rw, a) for a in expr.args], expr.attrs, expr.ty_args)
-        if isinstance(expr, relax.Tuple):
-            return relax.Tuple([self.plain(rw, f) for f in expr.fields])
-        if isinstance(expr, relax.TupleGetItem):
-            return relax.TupleGetItem(self.plain(rw, expr.tuple_value), expr.index)
-        return rw.new(expr)
+        return rw.new(expr, lambda var: self.to_nchw(rw, var))
 
     def result(self, rw: Rewriter, var, new_expr, nhwc: bool):
         new = rw.emit(new_expr, var.name)
@@ -174,8 +171,8 @@ class _Lowering:
         xs, ys = _shape(x), _shape(var)
         if wv is None or xs is None or ys is None or len(xs) != 4:
             return None
-        xd, wd, yd = _dtype(x), str(wv.dtype), _dtype(var)
-        if not ((xd, wd, yd) == ("float32", "float32", "float32") or (xd in ("int8", "uint8") and wd == "int8" and yd == "int32")):
+        xd = _dtype(x)
+        if not _kernel_dtypes(xd, str(wv.dtype), _dtype(var)):
             return None
         n, c, h, width = xs
         oc, icg, kh, kw = wv.shape
@@ -199,8 +196,8 @@ class _Lowering:
         w = wv.T if transposed else wv  # [K, N]
         if w.ndim != 2:
             return None
-        xd, wd, yd = _dtype(x), str(w.dtype), _dtype(var)
-        if not ((xd, wd, yd) == ("float32", "float32", "float32") or (xd in ("int8", "uint8") and wd == "int8" and yd == "int32")):
+        xd = _dtype(x)
+        if not _kernel_dtypes(xd, str(w.dtype), _dtype(var)):
             return None
         k, cols = w.shape
         m = int(np.prod(xs[:-1]))
