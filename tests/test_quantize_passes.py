@@ -17,6 +17,17 @@ S_X = 0.1
 S_CONV = (np.float32(S_X) * np.array([1 / 127, 0.25 / 127], np.float32)).astype(np.float32)
 
 
+@I.ir_module
+class CONV_1X1:  # the float model the conv2d passes start from
+    @R.function
+    def main(x: R.Tensor((1, 2, 4, 4), "float32"), w: R.Tensor((2, 2, 1, 1), "float32")):
+        R.func_attr({"num_input": 1})
+        with R.dataflow():
+            y = R.nn.conv2d(x, w)
+            R.output(y)
+        return y
+
+
 def test_quantize_weight_is_symmetric_per_channel():
     q, scale = quantize_weight(W, axis=0)
     np.testing.assert_array_equal(q.reshape(2, 2), [[127, 64], [-127, 64]])
@@ -26,16 +37,6 @@ def test_quantize_weight_is_symmetric_per_channel():
 
 
 def test_quantize_ops_conv2d():
-    @I.ir_module
-    class Before:
-        @R.function
-        def main(x: R.Tensor((1, 2, 4, 4), "float32"), w: R.Tensor((2, 2, 1, 1), "float32")):
-            R.func_attr({"num_input": 1})
-            with R.dataflow():
-                y = R.nn.conv2d(x, w)
-                R.output(y)
-            return y
-
     @I.ir_module
     class Expected:
         @R.function
@@ -48,7 +49,7 @@ def test_quantize_ops_conv2d():
                 R.output(y)
             return y
 
-    out = quantize_ops(Graph(Before, {"w": W}), {"w": LayerPlan("int8", S_X)})
+    out = quantize_ops(Graph(CONV_1X1, {"w": W}), {"w": LayerPlan("int8", S_X)})
     tvm.ir.assert_structural_equal(out.mod, Expected)
     assert list(out.weights) == ["w_int8"] and out.weights["w_int8"].dtype == np.int8
 
@@ -87,19 +88,9 @@ def test_quantize_ops_gemm_stores_the_weight_transposed():
 
 
 def test_quantize_ops_fp32_plan_and_unplanned_layers_are_untouched():
-    @I.ir_module
-    class Before:
-        @R.function
-        def main(x: R.Tensor((1, 2, 4, 4), "float32"), w: R.Tensor((2, 2, 1, 1), "float32")):
-            R.func_attr({"num_input": 1})
-            with R.dataflow():
-                y = R.nn.conv2d(x, w)
-                R.output(y)
-            return y
-
     for plans in ({}, {"w": LayerPlan("fp32")}):
-        out = quantize_ops(Graph(Before, {"w": W}), plans)
-        tvm.ir.assert_structural_equal(out.mod, Before)
+        out = quantize_ops(Graph(CONV_1X1, {"w": W}), plans)
+        tvm.ir.assert_structural_equal(out.mod, CONV_1X1)
 
 
 def test_fold_bias_adds_the_bias_in_int32():
