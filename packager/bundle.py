@@ -5,20 +5,24 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import tarfile
 import zlib
 from pathlib import Path
 from typing import Any
 
 import jinja2
+import numpy as np
 
 from edgeq import safebundle
 from edgeq.errors import BundleError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = safebundle.SCHEMA_VERSION
 LIBRARY = "model.so"
-WEIGHTS = "weights.npz"
-GOLDEN = "golden.npz"
+WEIGHTS = "weights.bin"
+GOLDEN = "golden.bin"
+TENSOR_FORMAT = "edgeq-raw-1"  # little-endian C-order arrays, each at a 64-byte aligned offset; the manifest has the table
+RUNTIME = "runtime"
 QUANT_PARAMS = "quant_params.npz"
 MANIFEST = "manifest.json"
 LOADER = "run.py"
@@ -36,7 +40,45 @@ FILE_ROLES = {
     SUMS: "SHA-256 of every other file (sha256sum -c SHA256SUMS)",
     QUANT_PARAMS: "int8 scales: activation scale and per-channel weight scales of each int8 layer",
     SIGNATURE: "ed25519 signature over manifest.json (edgeq verify BUNDLE --pub KEY)",
+    f"{RUNTIME}/edgeq-run": "native loader: checks, runs, self-tests and benchmarks the model without Python",
+    f"{RUNTIME}/libtvm_ffi.so": "TVM FFI library (apache-tvm-ffi), the version the model was compiled with",
+    f"{RUNTIME}/libtvm_runtime.so": "TVM runtime (apache-tvm), the version the model was compiled with",
+    f"{RUNTIME}/libtvm_runtime_cuda.so": "TVM's CUDA backend (links CUDA 13's libcudart.so.13)",
+    f"{RUNTIME}/libcudart.so.13": "edgeq's CUDA 12 bridge: gives TVM's CUDA backend the device's libcudart.so.12",
 }
+
+
+def write_tensors(path: Path, tensors: list[tuple[str, np.ndarray]]) -> list[dict[str, Any]]:
+    """Write arrays in the ``edgeq-raw-1`` form (read by edgeq-run without numpy); returns the table the
+    manifest keeps: name, dtype, shape, byte offset and size of each."""
+    table, offset = [], 0
+    with open(path, "wb") as f:
+        for name, array in tensors:
+            array = np.asarray(array)
+            data = array.astype(array.dtype.newbyteorder("<"), copy=False).tobytes(order="C")
+            pad = -offset % 64
+            f.write(b"\0" * pad)
+            offset += pad
+            f.write(data)
+            table.append({"name": name, "dtype": str(array.dtype), "shape": list(array.shape), "offset": offset,
+                          "bytes": len(data)})
+            offset += len(data)
+    return table
+
+
+def read_tensor(path: Path, entry: dict[str, Any]) -> np.ndarray:
+    """One array of an ``edgeq-raw-1`` file, by its manifest entry (0-d arrays stay 0-d)."""
+    dtype = np.dtype(entry["dtype"]).newbyteorder("<")
+    count = int(np.prod(entry["shape"], dtype=np.int64))
+    flat = np.fromfile(path, dtype=dtype, count=count, offset=entry["offset"])
+    if flat.size != count:
+        raise BundleError(f"{Path(path).name} is shorter than its manifest says")
+    return flat.astype(dtype.newbyteorder("="), copy=False).reshape(entry["shape"])
+
+
+def read_tensors(directory: Path, section: dict[str, Any]) -> dict[str, np.ndarray]:
+    """All arrays of a manifest section (``weights``, ``golden``) by name, in file order."""
+    return {t["name"]: read_tensor(Path(directory) / section["file"], t) for t in section["tensors"]}
 
 _ENV = jinja2.Environment(
     loader=jinja2.PackageLoader("edgeq.templates", ""),
@@ -120,13 +162,24 @@ def make_archive(directory: Path, archive: Path, mtime: int) -> None:
             tar.addfile(root)
             # manifest.json first: devices check every later member against it before reading its data
             first = {MANIFEST: 0, SIGNATURE: 1}
-            for path in sorted(directory.iterdir(), key=lambda p: (first.get(p.name, 2), p.name)):
-                info = tarfile.TarInfo(f"{directory.name}/{path.name}")
-                info.size = path.stat().st_size
-                info.mode = 0o755 if path.name == LOADER else 0o644
-                info.mtime = mtime
-                with open(path, "rb") as f:
-                    tar.addfile(info, f)
+            for path in sorted(directory.iterdir(), key=lambda p: (first.get(p.name, 2), p.is_dir(), p.name)):
+                if path.is_dir():  # runtime/: the folder, then its files
+                    folder = tarfile.TarInfo(f"{directory.name}/{path.name}")
+                    folder.type, folder.mode, folder.mtime = tarfile.DIRTYPE, 0o755, mtime
+                    tar.addfile(folder)
+                    for inner in sorted(path.iterdir()):
+                        _add_file(tar, inner, f"{directory.name}/{path.name}/{inner.name}", mtime)
+                else:
+                    _add_file(tar, path, f"{directory.name}/{path.name}", mtime)
+
+
+def _add_file(tar: tarfile.TarFile, path: Path, name: str, mtime: int) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = path.stat().st_size
+    info.mode = 0o755 if os.access(path, os.X_OK) else 0o644
+    info.mtime = mtime
+    with open(path, "rb") as f:
+        tar.addfile(info, f)
 
 
 def read_manifest(bundle: str | Path) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from edgeq.graph import Graph
 from edgeq.load import LoadedModel, TensorSpec, load_model
 from edgeq.progress import StageProgress
 from edgeq.relax_import import to_relax
+from edgeq.runtime.assemble import RUNTIME_CHOICES, check_elves
 from edgeq.targets import Profile, profiles, resolve
 from edgeq.toolchain import import_tvm
 
@@ -51,6 +52,7 @@ class PackageArgs:
     sign_key: Path | None = None  # ed25519 private key (edgeq keygen): writes manifest.sig
     release: int | None = None  # monotonically increasing per model name; default: build time YYYYMMDDHHMMSS
     records: Path | None = None  # tuning records (edgeq tune) to compile with
+    runtime: str = "bundled"  # "bundled": runtime/ with TVM's runtime, the CUDA bridge and edgeq-run; "none"
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -64,6 +66,7 @@ class PackageArgs:
             "signed": self.sign_key is not None,
             "release": self.release,
             "records": str(self.records) if self.records else None,
+            "runtime": self.runtime,
         }
 
     def display(self) -> str:
@@ -130,6 +133,8 @@ class _Build:
     kernel_calls: int = 0  # conv/matmul calls on edgeq CPU kernels
     schedules: dict[str, int] = dataclasses.field(default_factory=dict)  # CPU builds: TIR functions by schedule
     golden_from: str = ""
+    golden: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # the golden file's tensor table
+    runtime: Any = None  # edgeq.runtime.assemble.Runtime
     manifest: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
@@ -154,6 +159,8 @@ def _check(b: _Build) -> None:
         raise UsageError(f"bundle name '{b.name}' may use letters, digits, '.', '_' and '-' only; set it with --name")
     if args.release is not None and args.release < 0:
         raise UsageError("--release must be a non-negative integer")
+    if args.runtime not in RUNTIME_CHOICES:
+        raise UsageError(f"unknown --runtime '{args.runtime}'; choose one of: {', '.join(RUNTIME_CHOICES)}")
     if args.records is not None and not Path(args.records).is_file():
         raise UsageError(f"records file not found: {args.records} (make one with 'edgeq tune')")
     if args.sign_key is not None:
@@ -252,9 +259,15 @@ def _golden(b: _Build) -> None:
         b.golden_from = f"a TVM LLVM build for the build host ({host.cpu.mcpu})"
     inputs = golden_inputs(b.model.inputs)
     outputs = HostRunner(b.graph, executable)(list(inputs.values()))
-    arrays = {f"input:{k}": v for k, v in inputs.items()}
-    arrays.update({f"output:{spec.name}": out for spec, out in zip(b.outputs, outputs)})
-    np.savez(b.staging / bundle.GOLDEN, **arrays)
+    arrays = [(f"input:{k}", v) for k, v in inputs.items()]
+    arrays += [(f"output:{spec.name}", out) for spec, out in zip(b.outputs, outputs)]
+    b.golden = bundle.write_tensors(b.staging / bundle.GOLDEN, arrays)
+
+
+def _runtime(b: _Build) -> None:
+    from edgeq.runtime.assemble import assemble
+
+    b.runtime = assemble(b.profile, b.toolchain.cxx, b.staging, bundle.SCHEMA_VERSION, note=b.progress.note)
 
 
 def _mentions(path, needle: bytes) -> bool:
@@ -289,8 +302,9 @@ def _bundle(b: _Build) -> None:
     tvm = import_tvm()
     library = b.staging / bundle.LIBRARY
     weight_arrays = b.graph.weight_list()
-    np.savez(b.staging / bundle.WEIGHTS, **{f"{i:04d}": w for i, w in enumerate(weight_arrays)})
-    extra_files = []
+    weight_table = bundle.write_tensors(b.staging / bundle.WEIGHTS,
+                                        [(p.name, w) for p, w in zip(b.graph.weight_params, weight_arrays)])
+    extra_files = list(b.runtime.files) if b.runtime else []
     if b.quantization is not None:
         np.savez(b.staging / bundle.QUANT_PARAMS, **b.quantization.scales)
         extra_files.append(bundle.QUANT_PARAMS)
@@ -329,14 +343,17 @@ def _bundle(b: _Build) -> None:
         },
         "weights": {
             "file": bundle.WEIGHTS,
+            "format": bundle.TENSOR_FORMAT,
             "count": len(weight_arrays),
-            "names": [p.name for p in b.graph.weight_params],
             "dtypes": sorted({str(w.dtype) for w in weight_arrays}),
             "bytes": int(sum(w.nbytes for w in weight_arrays)),
             "file_bytes": weights.stat().st_size,
+            "tensors": weight_table,  # in the order the library takes them
         },
         "golden": {
             "file": bundle.GOLDEN,
+            "format": bundle.TENSOR_FORMAT,
+            "tensors": b.golden,
             "seed": GOLDEN_SEED,
             "computed_with": b.golden_from,
             "rtol": GOLDEN_RTOL,
@@ -344,8 +361,11 @@ def _bundle(b: _Build) -> None:
             "atol_scaled_by": "max(1, max |expected output|)",
         },
         "quantization": b.quantization.report if b.quantization else None,
+        "runtime": b.runtime.record if b.runtime else None,
         "build": {"args": b.args.to_dict(), "stage_seconds": dict(b.progress.seconds)},
     }
+    if b.runtime:
+        manifest["compatibility"] = check_elves(b.staging, [bundle.LIBRARY, *b.runtime.files], b.profile)
     b.manifest = bundle.write_bundle(b.staging, manifest, extra_files, b.signing_key)
     # The archive is made from the staging folder under the final name, then both are renamed into place.
     final_dir = b.out_dir / b.bundle_name
@@ -370,6 +390,7 @@ STAGES: list[tuple[str, Callable[[_Build], str], Callable[[_Build], None]]] = [
     ("lower-qdq", lambda b: "QDQ pattern -> integer conv/matmul kernels", _lower_qdq),
     ("compile", lambda b: _compile_description(b), _compile),
     ("golden", lambda b: "golden input and outputs on the build host", _golden),
+    ("runtime", lambda b: f"runtime/ for {b.profile.cpu.arch}: TVM runtime, {'CUDA bridge, ' if b.profile.cuda else ''}edgeq-run", _runtime),
     ("bundle", lambda b: f"write {b.out_dir / b.bundle_name} and .tar.gz", _bundle),
 ]
 
@@ -388,10 +409,11 @@ def package(args: PackageArgs, progress: StageProgress | None = None) -> Package
     # quantize runs for int8/mixed, lower-qdq for pre-quantized models (a cheap look for the op name here;
     # the import stage decides and corrects the count)
     b.looks_prequantized = _mentions(args.model, b"DequantizeLinear")
-    progress.total = len(STAGES) - 2 + (args.precision != "fp32") + b.looks_prequantized
+    progress.total = len(STAGES) - 3 + (args.precision != "fp32") + b.looks_prequantized + (args.runtime != "none")
     try:
         for name, describe, run in STAGES:
-            if (name == "quantize" and args.precision == "fp32") or (name == "lower-qdq" and not b.prequantized):
+            if ((name == "quantize" and args.precision == "fp32") or (name == "lower-qdq" and not b.prequantized)
+                    or (name == "runtime" and args.runtime == "none")):
                 continue
             with progress.stage(name, describe(b)):
                 run(b)

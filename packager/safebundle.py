@@ -26,12 +26,14 @@ import tempfile
 import zlib
 from pathlib import Path
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 MANIFEST, SIGNATURE, SUMS = "manifest.json", "manifest.sig", "SHA256SUMS"
+RUNTIME = "runtime"  # the one sub-folder a bundle may have: the runtime libraries and the native loader
 MAX_MANIFEST_BYTES = 4 << 20
 MAX_SMALL_FILE_BYTES = 1 << 20  # manifest.sig, SHA256SUMS
 MAX_MEMBERS = 64
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+FILE_NAME = re.compile(r"^(runtime/)?[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -67,7 +69,7 @@ def check_manifest(manifest) -> dict:
     if set(files) != set(sizes) or not files:
         raise BundleRefused("manifest 'files' and 'sizes' must name the same files")
     for name, digest in files.items():
-        if not NAME.match(name) or name in (MANIFEST, SIGNATURE, SUMS):
+        if not FILE_NAME.match(name) or name in (MANIFEST, SIGNATURE, SUMS):
             raise BundleRefused(f"manifest lists an unsafe file name {name!r}")
         if not isinstance(digest, str) or not HEX64.match(digest):
             raise BundleRefused(f"manifest hash of {name} is not a SHA-256")
@@ -187,11 +189,19 @@ def verify_dir(directory: str | os.PathLike, public_key=None) -> dict:
     manifest_bytes = manifest_path.read_bytes()
     manifest = parse_manifest(manifest_bytes)
     allowed = set(manifest["files"]) | {MANIFEST, SIGNATURE, SUMS}
-    for entry in directory.iterdir():
-        if entry.name not in allowed:
-            raise BundleRefused(f"bundle holds a file the manifest does not list: {entry.name}")
+    entries = list(directory.iterdir())
+    runtime = directory / RUNTIME
+    if any(name.startswith(RUNTIME + "/") for name in manifest["files"]) and runtime in entries:
+        if runtime.is_symlink() or not runtime.is_dir():
+            raise BundleRefused(f"bundle member {RUNTIME} is not a folder")
+        entries.remove(runtime)
+        entries += list(runtime.iterdir())
+    for entry in entries:
+        name = entry.relative_to(directory).as_posix()
+        if name not in allowed:
+            raise BundleRefused(f"bundle holds a file the manifest does not list: {name}")
         if entry.is_symlink() or not entry.is_file():
-            raise BundleRefused(f"bundle member {entry.name} is not a regular file")
+            raise BundleRefused(f"bundle member {name} is not a regular file")
     if public_key is not None:
         sig_path = directory / SIGNATURE
         verify_signature(manifest_bytes, sig_path.read_bytes() if sig_path.is_file() else None, public_key)
@@ -205,13 +215,15 @@ def verify_dir(directory: str | os.PathLike, public_key=None) -> dict:
 
 
 def _member_name(member: tarfile.TarInfo, top: str | None) -> tuple[str, str]:
+    """(bundle folder, path inside it: "" for the folder itself, "runtime" or "runtime/NAME" below it)."""
     name = member.name
     parts = name.split("/")
-    if name.startswith("/") or "\\" in name or any(p in ("", ".", "..") for p in parts) or len(parts) > 2:
+    if (name.startswith("/") or "\\" in name or any(p in ("", ".", "..") for p in parts) or len(parts) > 3
+            or (len(parts) == 3 and parts[1] != RUNTIME)):
         raise BundleRefused(f"archive member {name!r} has an unsafe path")
     if not NAME.match(parts[0]) or (top is not None and parts[0] != top):
         raise BundleRefused(f"archive member {name!r} is outside the bundle folder")
-    return parts[0], (parts[1] if len(parts) == 2 else "")
+    return parts[0], "/".join(parts[1:])
 
 
 def safe_extract(archive: str | os.PathLike, dest: str | os.PathLike) -> Path:
@@ -243,7 +255,7 @@ def _extract(tar: tarfile.TarFile, dest: Path) -> Path:
     top, manifest, seen, count = None, None, set(), 0
     for member in tar:
         count += 1
-        if count > MAX_MEMBERS or (manifest is not None and count > len(manifest["files"]) + 4):
+        if count > MAX_MEMBERS or (manifest is not None and count > len(manifest["files"]) + 5):
             raise BundleRefused("archive has more members than the manifest declares")
         folder, name = _member_name(member, top)
         top = folder
@@ -252,6 +264,12 @@ def _extract(tar: tarfile.TarFile, dest: Path) -> Path:
                 raise BundleRefused(f"archive member {member.name!r} is not the bundle folder")
             seen.add(folder)
             (dest / folder).mkdir()
+            continue
+        if name == RUNTIME and manifest is not None and any(f.startswith(RUNTIME + "/") for f in manifest["files"]):
+            if not member.isdir() or name in seen:
+                raise BundleRefused(f"archive member {member.name!r} is not the runtime folder")
+            seen.add(name)
+            (dest / folder / RUNTIME).mkdir(parents=True)
             continue
         if not member.isreg():
             raise BundleRefused(f"archive member {member.name!r} is not a regular file (link or device)")
@@ -273,7 +291,7 @@ def _extract(tar: tarfile.TarFile, dest: Path) -> Path:
         if member.size > limit:
             raise BundleRefused(f"archive member {name} is larger than allowed")
         tarfile.data_filter(member, str(dest))  # the standard library's own checks, on top of ours
-        (dest / folder).mkdir(exist_ok=True)
+        (dest / folder / name).parent.mkdir(parents=True, exist_ok=True)
         data = tar.extractfile(member)
         target = dest / folder / name
         with open(target, "xb") as out:
@@ -285,6 +303,7 @@ def _extract(tar: tarfile.TarFile, dest: Path) -> Path:
                 out.write(block)
         if copied != member.size:
             raise BundleRefused(f"archive member {name} is truncated")
+        os.chmod(target, 0o755 if member.mode & 0o111 else 0o644)  # the loaders stay executable
         if manifest is None:
             manifest = parse_manifest(target.read_bytes())
     if manifest is None or top is None:

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from edgeq import safebundle
+from edgeq.bundle import read_tensor, read_tensors
 from edgeq.errors import BundleError, UsageError
 from edgeq.rpc.power import Sampler
 from edgeq.rpc.session import Remote
@@ -75,13 +76,13 @@ def _bundle(path: Path, workdir: str) -> tuple[Path, dict]:
 
 
 def _inputs(directory: Path, manifest: dict) -> list[np.ndarray]:
-    with np.load(directory / manifest["golden"]["file"]) as golden:
-        return [golden["input:" + s["name"]] for s in manifest["inputs"]]
+    golden = read_tensors(directory, manifest["golden"])
+    return [golden["input:" + s["name"]] for s in manifest["inputs"]]
 
 
 def _weights(directory: Path, manifest: dict) -> list[np.ndarray]:
-    with np.load(directory / manifest["weights"]["file"]) as archive:
-        return [archive[f"{i:04d}"] for i in range(manifest["weights"]["count"])]
+    weights = manifest["weights"]
+    return [read_tensor(directory / weights["file"], t) for t in weights["tensors"]]
 
 
 def bench(args: BenchArgs, note=lambda _: None) -> dict[str, Any]:

@@ -50,6 +50,9 @@ def add_parser(sub) -> None:
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress output")
     parser.add_argument("--records", type=Path, metavar="FILE", help="tuning records from 'edgeq tune' to compile with")
     parser.add_argument("--sign-key", type=Path, metavar="KEY", help="ed25519 private key (edgeq keygen): sign the manifest")
+    parser.add_argument("--runtime", choices=("bundled", "none"), default="bundled",
+                        help="bundled (default): runtime/ with the TVM runtime, the CUDA 12 bridge where the device needs "
+                             "it and the native loader edgeq-run; none: bring your own apache-tvm on the device")
     parser.add_argument("--release", type=int, metavar="N",
                         help="release number, increasing per model name (default: build time as YYYYMMDDHHMMSS)")
 
@@ -83,6 +86,7 @@ def run(args, env) -> int:
         sign_key=args.sign_key,
         release=args.release,
         records=args.records,
+        runtime=args.runtime,
     )
     progress = StageProgress(console=env.err(), quiet=args.quiet)
     result = package(package_args, progress)
