@@ -114,6 +114,7 @@ def template_context(manifest: dict[str, Any]) -> dict[str, Any]:
         "cuda_major": toolkit["version"].split(".")[0] if toolkit else "",
         "toolkit": f"CUDA {toolkit['version']} {toolkit['kind']}" if toolkit else "",
         "quantization": _quantization_summary(manifest.get("quantization")),
+        "runtime": manifest.get("runtime"),
         "files": sorted((name, what) for name, what in FILE_ROLES.items()
                         if name in manifest["files"] or name in (MANIFEST, SUMS) or (name == SIGNATURE and manifest.get("signed"))),
     }

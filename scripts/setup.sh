@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything edgeq and its tests need on a fresh Debian/Ubuntu machine (x86_64 or aarch64 host):
-# the aarch64 cross compiler, a C compiler, and the Python packages (edgeq editable, with the CUDA 12
+# the aarch64 cross compiler, qemu-user, a C compiler, and the Python packages (edgeq editable, with the CUDA 12
 # NVRTC wheels for JetPack 6 targets and the test tools).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,6 +12,8 @@ command -v aarch64-linux-gnu-g++ >/dev/null || need+=(g++-aarch64-linux-gnu)
 command -v cc >/dev/null || need+=(gcc)
 [ -x /usr/sbin/sshd ] || need+=(openssh-server)   # the fleet tests run real sshd hosts on loopback
 command -v ssh-keygen >/dev/null || need+=(openssh-client)
+command -v qemu-aarch64 >/dev/null || need+=(qemu-user)   # runs aarch64 bundles (edgeq-run) in the tests
+command -v readelf >/dev/null || need+=(binutils)         # ELF checks of every file in a bundle
 if [ ${#need[@]} -gt 0 ]; then
     echo "setup: installing Debian packages: ${need[*]}"
     $SUDO apt-get update -qq
@@ -21,4 +23,6 @@ fi
 PYTHON=${PYTHON:-python3}
 echo "setup: installing edgeq and its Python dependencies"
 "$PYTHON" -m pip install -q --disable-pip-version-check -e ".[jetson,test]"
+echo "setup: fetching the aarch64 TVM runtime and CUDA header wheels a Jetson bundle carries (cached)"
+"$PYTHON" -m edgeq.runtime.wheels
 echo "setup: done ($("$PYTHON" -m edgeq --version))"

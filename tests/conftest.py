@@ -48,6 +48,16 @@ def cli():
     return run_cli
 
 
+def read_golden(bundle_dir) -> dict[str, np.ndarray]:
+    """A bundle's golden vectors ("input:NAME", "output:NAME"), read with edgeq's own tensor-file reader."""
+    import json
+
+    from edgeq.bundle import read_tensors
+
+    manifest = json.loads(Path(bundle_dir, "manifest.json").read_text())
+    return read_tensors(Path(bundle_dir), manifest["golden"])
+
+
 def run_py(bundle_dir: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run a bundle's loader the way a device does: a fresh interpreter in the bundle folder."""
     return subprocess.run(

@@ -17,6 +17,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from conftest import read_golden
 from edgeq.compile import HostRunner, build, lower_graph
 from edgeq.kernels.conv import Isa
 from edgeq.kernels.lower import describe
@@ -290,11 +291,11 @@ def test_arm64_bundle_is_built_on_neon_kernels(precision, models, tmp_path, cli)
     assert manifest["library"]["machine"] == "aarch64"
     kernels = manifest["library"]["cpu_kernels"]
     assert kernels["conv_matmul_calls"] == 7 and kernels["schedules"].get("none", 0) == 0, kernels
-    assert any("_oc8_" in name for name in manifest["weights"]["names"])  # 2 NEON vectors per channel block
-    golden = np.load(bundle_dir / "golden.npz")
+    assert any("_oc8_" in t["name"] for t in manifest["weights"]["tensors"])  # 2 NEON vectors per channel block
+    golden = read_golden(bundle_dir)
     x = golden["input:input"]
     want = ort.InferenceSession(str(models["resnet_cnn"]), providers=["CPUExecutionProvider"]).run(None, {"input": x})[0]
-    got = golden[[k for k in golden.files if k.startswith("output:")][0]]
+    got = golden[[k for k in golden if k.startswith("output:")][0]]
     tolerance = 1e-4 if precision == "fp32" else 0.1
     assert float(np.abs(got - want).max()) <= tolerance * float(np.abs(want).max())
 

@@ -13,7 +13,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from conftest import run_cli, run_py
+from conftest import read_golden, run_cli, run_py
 
 FAMILIES = ["resnet_cnn", "mobilenet_cnn", "transformer_block"]
 
@@ -58,8 +58,8 @@ def test_host_bundle_matches_onnxruntime(family, host_bundles, models, tmp_path)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_golden_vectors_match_onnxruntime(family, host_bundles, models):
     """The golden outputs recorded at package time are right, not just self-consistent."""
-    golden = np.load(f"{host_bundles[family]['bundle_dir']}/golden.npz")
-    inputs = {k.split(":", 1)[1]: golden[k] for k in golden.files if k.startswith("input:")}
+    golden = read_golden(host_bundles[family]["bundle_dir"])
+    inputs = {k.split(":", 1)[1]: v for k, v in golden.items() if k.startswith("input:")}
     for name, expected in ort_outputs(models[family], inputs).items():
         np.testing.assert_allclose(golden[f"output:{name}"], expected, rtol=1e-4, atol=1e-5)
 
@@ -82,11 +82,12 @@ def test_self_test_fails_when_outputs_are_wrong(host_bundles, tmp_path):
     """Corrupt the golden outputs (and their hash, so the file check passes): the self-test must fail."""
     bundle_dir = tmp_path / "b"
     shutil.copytree(host_bundles["mobilenet_cnn"]["bundle_dir"], bundle_dir)
-    golden = dict(np.load(bundle_dir / "golden.npz"))
-    golden["output:logits"] = golden["output:logits"] + 1.0
-    np.savez(bundle_dir / "golden.npz", **golden)
     manifest = json.loads((bundle_dir / "manifest.json").read_text())
-    manifest["files"]["golden.npz"] = hashlib.sha256((bundle_dir / "golden.npz").read_bytes()).hexdigest()
+    entry = next(t for t in manifest["golden"]["tensors"] if t["name"] == "output:logits")
+    with open(bundle_dir / "golden.bin", "r+b") as f:  # every expected logit + 1.0
+        f.seek(entry["offset"])
+        f.write((np.fromfile(bundle_dir / "golden.bin", np.float32, entry["bytes"] // 4, offset=entry["offset"]) + 1).tobytes())
+    manifest["files"]["golden.bin"] = hashlib.sha256((bundle_dir / "golden.bin").read_bytes()).hexdigest()
     (bundle_dir / "manifest.json").write_text(json.dumps(manifest))
     proc = run_py(bundle_dir, "--self-test")
     assert proc.returncode == 1
@@ -96,13 +97,13 @@ def test_self_test_fails_when_outputs_are_wrong(host_bundles, tmp_path):
 def test_loader_refuses_a_tampered_file(host_bundles, tmp_path):
     bundle_dir = tmp_path / "b"
     shutil.copytree(host_bundles["resnet_cnn"]["bundle_dir"], bundle_dir)
-    with open(bundle_dir / "weights.npz", "r+b") as f:
+    with open(bundle_dir / "weights.bin", "r+b") as f:
         f.seek(-8, 2)
         f.write(b"tampered")
     proc = run_py(bundle_dir, "--self-test")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        "run.py: error: bundle file weights.npz does not match its SHA-256 in the manifest; re-copy the bundle"
+        "run.py: error: bundle file weights.bin does not match its SHA-256 in the manifest; re-copy the bundle"
     ]
 
 
@@ -117,7 +118,7 @@ def test_manifest_records_what_the_device_needs(host_bundles, models):
     res = host_bundles["transformer_block"]
     bundle_dir = Path(res["bundle_dir"])
     m = json.loads((bundle_dir / "manifest.json").read_text())
-    assert m["schema_version"] == 1
+    assert m["schema_version"] == 2
     assert m["model"]["sha256"] == hashlib.sha256(models["transformer_block"].read_bytes()).hexdigest()
     assert m["inputs"] == [{"name": "input", "shape": [1, 16, 32], "dtype": "float32"}]
     assert m["outputs"] == [{"name": "output", "shape": [1, 16, 32], "dtype": "float32"}]
@@ -137,7 +138,8 @@ def test_archive_holds_the_bundle_and_inspect_reads_both(host_bundles, cli):
     with tarfile.open(archive) as tar:
         names = sorted(tar.getnames())
     top = bundle_dir.name
-    assert names == sorted([top] + [f"{top}/{p.name}" for p in bundle_dir.iterdir()])
+    assert names == sorted([top] + [f"{top}/{p.relative_to(bundle_dir).as_posix()}" for p in bundle_dir.rglob("*")])
+    assert f"{top}/runtime/edgeq-run" in names
     for target in (bundle_dir, archive):
         res_json = cli("inspect", target, "--json")
         assert res_json.code == 0

@@ -60,7 +60,7 @@ def test_resnet_int8_cosine_and_weight_size(models, random_data, tmp_path):
     q = predict_with_loader(Path(int8["bundle_dir"]), random_data["eval"], tmp_path / "q.npy").ravel()
     cosine = float(f @ q / np.linalg.norm(f) / np.linalg.norm(q))
     assert cosine >= 0.99, cosine
-    size = {r["bundle_dir"]: Path(r["bundle_dir"], "weights.npz").stat().st_size for r in (fp32, int8)}
+    size = {r["bundle_dir"]: Path(r["bundle_dir"], "weights.bin").stat().st_size for r in (fp32, int8)}
     assert size[int8["bundle_dir"]] <= 0.3 * size[fp32["bundle_dir"]], size
     m = manifest(int8)
     assert m["precision"] == "int8" and "quant_params.npz" in m["files"]

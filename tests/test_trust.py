@@ -85,15 +85,15 @@ def test_wrong_key_and_unsigned_are_refused(signed, keys):
 
 def test_file_changed_after_signing(signed, keys, tmp_path):
     bundle = copy_bundle(signed["resnet"], tmp_path)
-    with open(bundle / "weights.npz", "r+b") as f:
+    with open(bundle / "weights.bin", "r+b") as f:
         f.seek(100)
         f.write(b"\x00\x01\x02")
-    refused(run_cli("verify", bundle, "--pub", keys["a"][1]), "weights.npz does not match the manifest")
+    refused(run_cli("verify", bundle, "--pub", keys["a"][1]), "weights.bin does not match the manifest")
     # Updating the manifest's hash to match breaks the signature instead.
     manifest = json.loads((bundle / "manifest.json").read_text())
     import hashlib
 
-    manifest["files"]["weights.npz"] = hashlib.sha256((bundle / "weights.npz").read_bytes()).hexdigest()
+    manifest["files"]["weights.bin"] = hashlib.sha256((bundle / "weights.bin").read_bytes()).hexdigest()
     (bundle / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     refused(run_cli("verify", bundle, "--pub", keys["a"][1]), "signature does not match manifest.json")
 
@@ -138,7 +138,8 @@ def test_manifest_with_wrong_types_or_missing_fields(signed, tmp_path, change, m
 def _members(result) -> list[tuple[str, bytes]]:
     """(name, data) of a real bundle, manifest first, as edgeq writes them."""
     bundle = Path(result["bundle_dir"])
-    names = ["manifest.json"] + sorted(p.name for p in bundle.iterdir() if p.name != "manifest.json")
+    names = ["manifest.json"] + sorted(p.relative_to(bundle).as_posix() for p in bundle.rglob("*")
+                                       if p.is_file() and p.name != "manifest.json")
     return [(f"{bundle.name}/{n}", (bundle / n).read_bytes()) for n in names]
 
 
@@ -193,8 +194,8 @@ def test_links_and_devices_are_refused(signed, tmp_path, kind, message):
 def test_manifest_must_come_first_and_sizes_must_match(signed, tmp_path):
     members = _members(signed["unsigned"])
     refused(run_cli("verify", _tar(tmp_path / "order.tar.gz", members[1:] + members[:1])), "does not start with manifest.json")
-    grown = [(n, d + b"more" if n.endswith("weights.npz") else d) for n, d in members]
-    refused(run_cli("verify", _tar(tmp_path / "grown.tar.gz", grown)), "weights.npz has", "the manifest declares")
+    grown = [(n, d + b"more" if n.endswith("weights.bin") else d) for n, d in members]
+    refused(run_cli("verify", _tar(tmp_path / "grown.tar.gz", grown)), "weights.bin has", "the manifest declares")
 
 
 def test_gzip_bomb_is_refused_before_its_data_is_read(signed, tmp_path):

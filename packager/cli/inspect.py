@@ -27,6 +27,22 @@ def _kernels(info) -> str:
     return f"{info['conv_matmul_calls']} conv/matmul calls on edgeq kernels; TIR functions by schedule: {schedules}"
 
 
+def _runtime(record, compatibility) -> str:
+    if not record:
+        return "none (packaged with --runtime none: the device brings apache-tvm)"
+    sources = ", ".join(f"{s['project']} {s['version']}" + (f" ({s['wheel']})" if s.get("wheel") else " (installed)")
+                        for s in record["sources"])
+    bridge = record.get("cuda_bridge")
+    text = (f"{len(record['libraries']) + 1} files, {record['bytes'] / 1e6:.1f} MB: {', '.join(record['libraries'])}, "
+            f"{record['loader']}; from {sources}")
+    if bridge:
+        text += f"; CUDA bridge {bridge['provides']} -> {bridge['forwards_to']} ({len(bridge['functions'])} functions)"
+    if compatibility:
+        needs = compatibility["needs"]
+        text += f"; needs glibc {needs['glibc'] or '-'}, GLIBCXX {needs['glibcxx'] or '-'}"
+    return text
+
+
 def run(args, env) -> int:
     m = read_manifest(args.bundle)
     if args.json:
@@ -45,6 +61,7 @@ def run(args, env) -> int:
         ("inputs", _tensors(m["inputs"])),
         ("outputs", _tensors(m["outputs"])),
         ("weights", f"{m['weights']['count']} tensors, {m['weights']['bytes'] / 1e6:.2f} MB"),
+        ("runtime", _runtime(m.get("runtime"), m.get("compatibility"))),
         ("built", f"{m['created']} with edgeq {m['edgeq_version']}, TVM {m['tvm_version']}"),
         ("stage times", ", ".join(f"{k} {v:.2f}s" for k, v in m["build"]["stage_seconds"].items())),
         ("files", ", ".join(m["files"])),

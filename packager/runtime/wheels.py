@@ -125,3 +125,20 @@ def fetch(project: str, version: str, machine: str, note=None) -> Wheel:
             path = folder / wheels[0].name
             os.replace(wheels[0], path)
     return Wheel(project, version, path, _sha256(path))
+
+
+def prefetch(machines=("aarch64",), note=print) -> list[Wheel]:
+    """Fetch, once, every wheel a bundle for ``machines`` needs (the TVM runtime for each machine, and the
+    CUDA headers the bridge is compiled against), so that later builds and the tests work offline."""
+    from edgeq.runtime import bridge
+
+    wanted = [(p, installed_version(p), m) for m in machines for p in ("apache-tvm", "apache-tvm-ffi")]
+    wanted += [(p, v, bridge.HEADER_WHEEL_MACHINE) for p, v in (*bridge.CUDA13_HEADERS, bridge.CUDA12_RUNTIME,
+                                                                 bridge.CUDA12_CRT)]
+    # the aarch64 CUDA 12 runtime stands in for JetPack's in the tests (under qemu)
+    wanted += [(bridge.CUDA12_RUNTIME[0], bridge.CUDA12_RUNTIME[1], m) for m in machines]
+    return [fetch(project, version, machine, note) for project, version, machine in wanted]
+
+
+if __name__ == "__main__":
+    prefetch()

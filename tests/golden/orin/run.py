@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
-"""Loader for the edgeq bundle "mobilenet_cnn-jetson-orin-nano-000000000000" (mobilenet_cnn for {'profile': 'jetson-orin-nano', 'description': 'NVIDIA Jetson Orin Nano 8GB (developer kit / module), JetPack 6.2', 'family': 'jetson-orin', 'kind': 'cuda', 'arch': 'aarch64', 'host_triple': 'aarch64-linux-gnu', 'mcpu': 'cortex-a78ae', 'cores': 6, 'cuda_arch': 'sm_87', 'cuda_version': '12.6', 'jetpack': '6.2', 'l4t': '36.4.3'}).
+"""Loader for the edgeq bundle "mobilenet_cnn-jetson-orin-nano-000000000000" (mobilenet_cnn for jetson-orin-nano).
 
-Needs only numpy and the TVM runtime (apache-tvm 0.27.0.post1, built with CUDA).
+Needs numpy and the TVM runtime (apache-tvm 0.27.0.post1). Where Python has no TVM (or no numpy), it
+hands over to the bundle's native loader runtime/edgeq-run, which takes the same flags and needs nothing
+installed. On a CUDA 12 device (JetPack 6) it loads the bundle's CUDA bridge
+(runtime/libcudart.so.13) before TVM, so a pip-installed apache-tvm (built for CUDA 13) reaches the GPU.
 
     python run.py --self-test                       run the golden input, compare with the manifest
     python run.py --input input=x.npy --output out.npz
@@ -24,7 +27,7 @@ import platform
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 TRUSTED_KEY = os.environ.get("EDGEQ_TRUSTED_KEY") or "/etc/edgeq/trusted.pub"
 # TVM's thread pool assumes two hardware threads per core and, unless told, uses half the CPUs; inference
 # gets every CPU this process may run on (set TVM_NUM_THREADS to choose).
@@ -34,6 +37,54 @@ if hasattr(os, "sched_getaffinity"):
 
 class BundleCheckError(Exception):
     pass
+
+
+BRIDGE_PROBLEM = []  # why the CUDA bridge cannot reach a CUDA 12 runtime, reported after the driver check
+
+
+def runtime_record():
+    """The manifest's ``runtime`` section and device arch (None, None for unreadable manifests)."""
+    try:
+        with open(os.path.join(HERE, "manifest.json"), "rb") as f:
+            manifest = json.loads(f.read(4 << 20).decode("utf-8"))
+        record = manifest.get("runtime")
+        return (record if isinstance(record, dict) else None), manifest.get("device", {}).get("arch")
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return None, None
+
+
+def load_cuda_bridge():
+    """Give TVM's CUDA backend (linked to CUDA 13's libcudart.so.13) the device's CUDA 12 runtime through the
+    bundle's bridge. Must run before ``import tvm``; does nothing where the bundle has no bridge."""
+    record, arch = runtime_record()
+    bridge = (record or {}).get("cuda_bridge")
+    if not isinstance(bridge, dict) or arch != platform.machine():
+        return
+    try:
+        ctypes.CDLL("libcudart.so.13", mode=ctypes.RTLD_GLOBAL)  # a CUDA 13 runtime of the device's own
+        return
+    except OSError:
+        pass
+    try:
+        lib = ctypes.CDLL(os.path.join(HERE, str(bridge.get("file"))), mode=ctypes.RTLD_GLOBAL)
+    except OSError as err:
+        BRIDGE_PROBLEM.append("cannot load the bundle's CUDA bridge: %s" % err)
+        return
+    lib.edgeq_cudart_bridge_error.restype = ctypes.c_char_p
+    problem = lib.edgeq_cudart_bridge_error()
+    if problem:
+        BRIDGE_PROBLEM.append(problem.decode("utf-8", "replace"))
+
+
+def hand_over(argv, missing):
+    """No TVM (or numpy) for this Python: run the bundle with its native loader instead."""
+    record = runtime_record()[0] or {}
+    loader = os.path.join(HERE, str(record.get("loader", "runtime/edgeq-run")))
+    if not record or not os.path.isfile(loader):
+        raise BundleCheckError("this Python has no %s and the bundle carries no runtime (packaged with --runtime none); "
+                               "pip install numpy apache-tvm==%s" % (missing, "0.27.0.post1"))
+    sys.stdout.flush()
+    os.execv(loader, [loader, "--bundle", HERE] + list(argv))
 
 
 def _sha256(path):
@@ -138,6 +189,8 @@ def check_machine(manifest, tvm):
             "this bundle was built with CUDA %s but the driver here is CUDA %d.%d; it needs a CUDA %d.x driver or newer"
             % (toolkit["version"], driver[0], driver[1], want_major)
         )
+    if BRIDGE_PROBLEM:
+        raise BundleCheckError(BRIDGE_PROBLEM[0])
     if not tvm.runtime.enabled("cuda"):
         raise BundleCheckError("the TVM runtime here is built without CUDA; install a CUDA-enabled TVM runtime")
     dev = tvm.cuda(0)
@@ -166,8 +219,7 @@ class Model:
         lib = tvm.runtime.load_module(os.path.join(HERE, self.manifest["library"]["file"]))
         self.vm = VirtualMachine(lib, self.dev)
         weights = self.manifest["weights"]
-        with np.load(os.path.join(HERE, weights["file"])) as archive:
-            self.params = [tvm.runtime.tensor(archive["%04d" % i], self.dev) for i in range(weights["count"])]
+        self.params = [tvm.runtime.tensor(read_tensor(np, weights["file"], t), self.dev) for t in weights["tensors"]]
 
     def arguments(self, inputs):
         np = self.np
@@ -181,7 +233,7 @@ class Model:
                 raise BundleCheckError("input '%s' must be %s %s, got %s %s" % (
                     spec["name"], spec["dtype"], "x".join(map(str, spec["shape"])),
                     array.dtype, "x".join(map(str, array.shape))))
-            args.append(self.tvm.runtime.tensor(np.ascontiguousarray(array), self.dev))
+            args.append(self.tvm.runtime.tensor(np.require(array, requirements="C"), self.dev))
         unknown = set(inputs) - {s["name"] for s in self.manifest["inputs"]}
         if unknown:
             raise BundleCheckError("unknown input(s): %s" % ", ".join(sorted(unknown)))
@@ -215,12 +267,22 @@ class Model:
         }
 
 
+def read_tensor(np, name, entry):
+    """One array of an edgeq-raw-1 file (little-endian, C order, at the manifest's offset)."""
+    dtype = np.dtype(entry["dtype"]).newbyteorder("<")
+    count = int(np.prod(entry["shape"], dtype=np.int64))
+    flat = np.fromfile(os.path.join(HERE, name), dtype=dtype, count=count, offset=entry["offset"])
+    if flat.size != count:
+        raise BundleCheckError("bundle file %s is shorter than the manifest says" % name)
+    return flat.astype(dtype.newbyteorder("="), copy=False).reshape(entry["shape"])
+
+
 def self_test(model):
     np = model.np
     golden = model.manifest["golden"]
-    with np.load(os.path.join(HERE, golden["file"])) as archive:
-        inputs = {s["name"]: archive["input:" + s["name"]] for s in model.manifest["inputs"]}
-        expected = {s["name"]: archive["output:" + s["name"]] for s in model.manifest["outputs"]}
+    arrays = {t["name"]: read_tensor(np, golden["file"], t) for t in golden["tensors"]}
+    inputs = {s["name"]: arrays["input:" + s["name"]] for s in model.manifest["inputs"]}
+    expected = {s["name"]: arrays["output:" + s["name"]] for s in model.manifest["outputs"]}
     outputs = model.run(inputs)
     report, ok = [], True
     for name, want in expected.items():
@@ -267,8 +329,15 @@ def read_inputs(specs):
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     try:
+        load_cuda_bridge()
+        try:
+            import numpy  # noqa: F401
+            import tvm  # noqa: F401
+        except ImportError as err:
+            hand_over(argv, err.name or "tvm")
         if args.check:
             import tvm
 

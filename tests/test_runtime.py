@@ -1,0 +1,240 @@
+"""The bundle runs with nothing installed: its own TVM runtime, the native loader edgeq-run, and (JetPack 6)
+the CUDA 12 bridge. aarch64 bundles run under qemu-aarch64 in a bare environment: no Python involved."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from conftest import read_golden, run_cli, run_py
+from edgeq.runtime.assemble import check_elves
+from edgeq.runtime.wheels import fetch, installed_version
+from edgeq.targets import profiles
+
+QEMU = shutil.which("qemu-aarch64")
+SYSROOT = "/usr/aarch64-linux-gnu"
+needs_qemu = pytest.mark.skipif(QEMU is None or not Path(SYSROOT).is_dir(),
+                                reason="qemu-user and the aarch64 cross toolchain are needed (scripts/setup.sh)")
+BENCH_KEYS = {"runs", "warmup", "min_ms", "median_ms", "mean_ms", "p90_ms", "p99_ms", "max_ms", "throughput_per_s"}
+
+
+def package(model, device, out, *extra) -> Path:
+    res = run_cli("package", model, "--device", device, "-o", out, "-q", "--json", *extra)
+    assert res.code == 0, res.stderr
+    return Path(json.loads(res.stdout)["bundle_dir"])
+
+
+def edgeq_run(bundle: Path, *args, env=None, qemu=False, loader: Path | None = None) -> subprocess.CompletedProcess:
+    """runtime/edgeq-run of ``bundle`` in a bare environment (no PYTHONPATH, no LD_LIBRARY_PATH of ours)."""
+    base = {"PATH": "/usr/bin:/bin", "HOME": str(bundle), **(env or {})}
+    cmd = [str(loader or bundle / "runtime" / "edgeq-run"), *map(str, args)]
+    if qemu:
+        cmd = [QEMU, "-L", SYSROOT, *cmd]
+    return subprocess.run(cmd, capture_output=True, text=True, env=base, timeout=600)
+
+
+def ort_run(model: Path, inputs: dict) -> dict:
+    session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    return dict(zip([o.name for o in session.get_outputs()], session.run(None, inputs)))
+
+
+def one_line_refusal(proc, *fragments):
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("edgeq-run: error: "), proc.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def host_bundle(models, tmp_path_factory) -> Path:
+    return package(models["mobilenet_cnn"], "host", tmp_path_factory.mktemp("host"))
+
+
+@pytest.fixture(scope="module")
+def arm64_bundle(models, tmp_path_factory) -> Path:
+    return package(models["resnet_cnn"], "arm64-cpu", tmp_path_factory.mktemp("arm64"))
+
+
+# ---- host bundles ----------------------------------------------------------------------------------------
+
+
+def test_host_runtime_is_the_build_and_needs_no_python(host_bundle):
+    m = json.loads((host_bundle / "manifest.json").read_text())
+    runtime = m["runtime"]
+    assert runtime["libraries"] == ["runtime/libtvm_ffi.so", "runtime/libtvm_runtime.so"]
+    assert runtime["cuda_bridge"] is None and runtime["loader"] == "runtime/edgeq-run"
+    assert {s["project"]: s["version"] for s in runtime["sources"]} == {
+        "apache-tvm": installed_version("apache-tvm"), "apache-tvm-ffi": installed_version("apache-tvm-ffi")}
+    for name in [runtime["loader"], *runtime["libraries"]]:
+        assert name in m["files"] and (host_bundle / name).is_file()
+    needed = subprocess.run(["readelf", "-d", str(host_bundle / "runtime" / "edgeq-run")], capture_output=True,
+                            text=True, check=True).stdout
+    assert "libtvm" not in needed and "python" not in needed  # loads the runtime itself, after its checks
+    assert m["compatibility"]["needs"]["glibc"]
+
+
+def test_host_self_test_and_outputs_match_onnxruntime(host_bundle, models, tmp_path):
+    proc = edgeq_run(host_bundle, "--self-test", "--json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["ok"] and [r["output"] for r in report["outputs"]] == ["logits"]
+    x = np.random.default_rng(11).standard_normal((1, 3, 32, 32)).astype(np.float32)  # not the golden input
+    np.save(tmp_path / "x.npy", x)
+    proc = edgeq_run(host_bundle, "--input", f"input={tmp_path / 'x.npy'}", "--output", tmp_path / "out.npz")
+    assert proc.returncode == 0, proc.stderr
+    got = np.load(tmp_path / "out.npz")
+    want = ort_run(models["mobilenet_cnn"], {"input": x})
+    assert set(got.files) == set(want)
+    np.testing.assert_allclose(got["logits"], want["logits"], rtol=1e-4, atol=1e-5)
+    proc = edgeq_run(host_bundle, "--input", f"input={tmp_path / 'x.npy'}", "--output", tmp_path / "outdir")
+    assert proc.returncode == 0, proc.stderr
+    np.testing.assert_array_equal(np.load(tmp_path / "outdir" / "logits.npy"), got["logits"])
+
+
+def test_benchmark_json_has_the_keys_run_py_prints(host_bundle):
+    native = edgeq_run(host_bundle, "--benchmark", "5", "--warmup", "1", "--json")
+    assert native.returncode == 0, native.stderr
+    python = run_py(host_bundle, "--benchmark", "5", "--warmup", "1", "--json")
+    assert python.returncode == 0, python.stderr
+    stats = json.loads(native.stdout)
+    assert set(stats) == set(json.loads(python.stdout)) == BENCH_KEYS
+    assert stats["runs"] == 5 and stats["warmup"] == 1
+    assert 0 < stats["min_ms"] <= stats["median_ms"] <= stats["p90_ms"] <= stats["p99_ms"] <= stats["max_ms"]
+    assert stats["throughput_per_s"] == pytest.approx(1e3 / stats["median_ms"])
+    check = edgeq_run(host_bundle, "--check", "--json")
+    assert check.returncode == 0 and json.loads(check.stdout) == {"ok": True}
+
+
+def test_run_py_hands_over_to_edgeq_run_without_tvm(host_bundle):
+    """A Python with no numpy or TVM (-S: no site-packages) still runs the bundle, through edgeq-run."""
+    proc = subprocess.run([sys.executable, "-S", "-E", str(host_bundle / "run.py"), "--self-test"],
+                          capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"}, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1] == "self-test passed"
+
+
+def test_signature_is_checked_before_loading(models, tmp_path):
+    keys = tmp_path / "keys"
+    assert run_cli("keygen", "--out", keys / "a").code == 0 and run_cli("keygen", "--out", keys / "b").code == 0
+    signed = package(models["resnet_cnn"], "host", tmp_path / "s", "--sign-key", keys / "a" / "edgeq_signing.key")
+    unsigned = package(models["resnet_cnn"], "host", tmp_path / "u")
+    trust_a = {"EDGEQ_TRUSTED_KEY": str(keys / "a" / "edgeq_signing.pub")}
+    assert edgeq_run(signed, "--self-test", env=trust_a).returncode == 0
+    one_line_refusal(edgeq_run(unsigned, "--check", env=trust_a), "not signed")
+    one_line_refusal(edgeq_run(signed, "--check", env={"EDGEQ_TRUSTED_KEY": str(keys / "b" / "edgeq_signing.pub")}),
+                     "signed by another key")
+    manifest = signed / "manifest.json"
+    manifest.write_text(manifest.read_text().replace('"release": ', '"release": 1'))
+    one_line_refusal(edgeq_run(signed, "--check", env=trust_a), "signature does not match")
+
+
+def test_changed_runtime_file_wrong_arch_and_hostile_manifest(host_bundle, arm64_bundle, tmp_path):
+    bundle = tmp_path / host_bundle.name
+    shutil.copytree(host_bundle, bundle)
+    with open(bundle / "runtime" / "libtvm_runtime.so", "r+b") as f:
+        f.seek(4096)
+        f.write(b"\x90\x90\x90\x90")
+    one_line_refusal(edgeq_run(bundle, "--self-test"), "runtime/libtvm_runtime.so does not match its SHA-256")
+    # the host's loader pointed at the aarch64 bundle: refused before anything is loaded
+    one_line_refusal(edgeq_run(arm64_bundle, "--check", "--bundle", arm64_bundle,
+                               loader=host_bundle / "runtime" / "edgeq-run"),
+                     "this bundle is for aarch64 (arm64-cpu) but this machine is x86_64")
+    proc = run_py(arm64_bundle, "--check")
+    assert proc.returncode == 2 and "this bundle is for aarch64" in proc.stderr
+    (bundle / "manifest.json").write_text("[" * 100000 + "]" * 100000)
+    one_line_refusal(edgeq_run(bundle, "--check"), "nested deeper than")
+    header = b"{'descr': '<f4', 'fortran_order': False, 'shape': (1, 3, 100000, 100000), }".ljust(127) + b"\n"
+    (tmp_path / "bomb.npy").write_bytes(b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header)  # 120 GB claimed
+    shutil.copyfile(host_bundle / "manifest.json", bundle / "manifest.json")
+    shutil.copyfile(host_bundle / "runtime" / "libtvm_runtime.so", bundle / "runtime" / "libtvm_runtime.so")
+    one_line_refusal(edgeq_run(bundle, "--input", f"input={tmp_path / 'bomb.npy'}"), "EDGEQ_MAX_INPUT_BYTES")
+
+
+def test_elf_needs_are_checked_against_the_profile_os(host_bundle):
+    """A JetPack 6 profile accepts what the cross toolchain builds; an OS older than the needs stops the build."""
+    import dataclasses
+
+    from edgeq.errors import ToolchainError
+
+    host = profiles()["host"]
+    names = ["model.so", "runtime/edgeq-run", "runtime/libtvm_runtime.so"]
+    assert check_elves(host_bundle, names, host)["needs"]["glibc"]
+    old = dataclasses.replace(host, name="old-os", software={"os": "an old OS", "glibc": "2.17", "glibcxx": "3.4.19"})
+    with pytest.raises(ToolchainError, match=r"needs GLIBC(XX)?_[0-9.]+ but old-os runs an old OS"):
+        check_elves(host_bundle, names, old)
+
+
+# ---- aarch64 under qemu ----------------------------------------------------------------------------------
+
+
+@needs_qemu
+def test_arm64_bundle_runs_under_qemu_with_no_python(arm64_bundle, models, tmp_path):
+    m = json.loads((arm64_bundle / "manifest.json").read_text())
+    assert m["runtime"]["sources"][0]["wheel"].endswith("aarch64.whl")
+    assert all(info["machine"] == "aarch64" for info in m["compatibility"]["files"].values())
+    proc = edgeq_run(arm64_bundle, "--self-test", qemu=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1] == "self-test passed"
+    x = np.random.default_rng(3).standard_normal((1, 3, 32, 32)).astype(np.float32)
+    np.save(tmp_path / "x.npy", x)
+    proc = edgeq_run(arm64_bundle, "--input", f"input={tmp_path / 'x.npy'}", "--output", tmp_path / "o.npz", qemu=True)
+    assert proc.returncode == 0, proc.stderr
+    np.testing.assert_allclose(np.load(tmp_path / "o.npz")["logits"], ort_run(models["resnet_cnn"], {"input": x})["logits"],
+                               rtol=1e-4, atol=1e-5)
+    golden = read_golden(arm64_bundle)
+    assert set(golden) == {"input:input", "output:logits"}
+
+
+@pytest.fixture(scope="module")
+def aarch64_cuda_stand_ins(tmp_path_factory) -> dict[str, Path]:
+    """JetPack 6 stand-ins for qemu: edgeq's CUDA driver stub built for aarch64 (no device), and the aarch64
+    libcudart.so.12 from NVIDIA's CUDA 12.6 runtime wheel."""
+    out = tmp_path_factory.mktemp("jetpack")
+    stub = Path(__file__).parents[1] / "packager" / "native" / "cuda_driver_stub.c"
+    (out / "driver").mkdir()
+    subprocess.run(["aarch64-linux-gnu-gcc", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o",
+                    str(out / "driver" / "libcuda.so.1"), str(stub)], check=True)
+    (out / "cudart").mkdir()
+    wheel = fetch("nvidia-cuda-runtime-cu12", installed_version("nvidia-cuda-runtime-cu12"), "aarch64")
+    (out / "cudart" / "libcudart.so.12").write_bytes(wheel.read("nvidia/cuda_runtime/lib/libcudart.so.12"))
+    return {"driver": out / "driver", "cudart": out / "cudart"}
+
+
+@pytest.fixture(scope="module")
+def orin_bundle(models, tmp_path_factory) -> Path:
+    return package(models["resnet_cnn"], "jetson-orin-nano", tmp_path_factory.mktemp("orin-runtime"))
+
+
+def test_orin_runtime_has_the_bridge(orin_bundle):
+    m = json.loads((orin_bundle / "manifest.json").read_text())
+    runtime = m["runtime"]
+    assert runtime["libraries"] == ["runtime/libtvm_ffi.so", "runtime/libtvm_runtime.so", "runtime/libcudart.so.13",
+                                    "runtime/libtvm_runtime_cuda.so"]
+    bridge = runtime["cuda_bridge"]
+    assert bridge["forwards_to"] == "libcudart.so.12" and "cudaGetDeviceProperties" in bridge["functions"]
+    needs, limits = m["compatibility"]["needs"], m["compatibility"]["os"]
+    assert limits == {"os": "Ubuntu 22.04", "glibc": "2.35", "glibcxx": "3.4.30"}
+    assert needs["glibc"] and tuple(map(int, needs["glibc"].split("."))) <= (2, 35)
+
+
+@needs_qemu
+def test_orin_bundle_loads_everything_under_qemu_and_refuses_cleanly(orin_bundle, aarch64_cuda_stand_ins):
+    """Every library loads and every symbol binds through the bridge; with no GPU it ends in one line."""
+    stand_ins = aarch64_cuda_stand_ins
+    env = {"LD_LIBRARY_PATH": f"{stand_ins['driver']}:{stand_ins['cudart']}"}
+    proc = edgeq_run(orin_bundle, "--check", env=env, qemu=True)
+    one_line_refusal(proc, "needs a CUDA GPU (sm_87) but none is visible")
+    assert "undefined symbol" not in proc.stderr and "cannot load" not in proc.stderr
+    # no libcudart.so.12 anywhere: the bridge says where it looked
+    proc = edgeq_run(orin_bundle, "--check", env={"LD_LIBRARY_PATH": str(stand_ins["driver"])}, qemu=True)
+    one_line_refusal(proc, "libcudart.so.12")
+    # no driver at all
+    one_line_refusal(edgeq_run(orin_bundle, "--check", qemu=True), "no CUDA driver")
