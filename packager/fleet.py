@@ -1,7 +1,7 @@
 """Flash a bundle to a fleet of devices over SSH (fabric): staged, verified, health-checked, atomic, rolled
 back on failure.
 
-Per host: connect (known host keys only) -> preflight (profile, architecture, python + TVM, disk) -> upload
+Per host: connect (known host keys only) -> preflight (profile, architecture, python, TVM or the bundle's runtime, disk) -> upload
 the archive and edgeq's stdlib verifier (``safebundle.py``) -> on the device: verify signature and every
 file, unpack into ``<root>/releases/<bundle-id>`` (``stage``) -> ``run.py --self-test`` there -> switch
 ``<root>/current`` atomically (``activate``) -> ``run.py --self-test`` through ``current`` -> prune. A failure
@@ -259,9 +259,13 @@ def flash_host(host: Host, fleet: Fleet, plan: FlashPlan, note: Callable[[str], 
         arch = dev.run("uname -m", "preflight").strip()
         if arch != plan.manifest["device"]["arch"]:
             raise HostFailure(f"preflight: host is {arch}, the bundle is for {plan.manifest['device']['arch']}")
-        probe = ("import os, json, tvm; s = os.statvfs(%r); print(json.dumps({'free': s.f_bavail * s.f_frsize, "
-                 "'tvm': tvm.__version__}))" % host.root)
-        facts = json.loads(dev.run(_q(host.python, "-c", probe), "preflight (python + TVM runtime)"))
+        # the bundle's runtime/ (edgeq-run) runs it where the device's python has no TVM
+        probe = ("import os, json\ntry:\n    import tvm; v = tvm.__version__\nexcept ImportError:\n    v = None\n"
+                 "s = os.statvfs(%r); print(json.dumps({'free': s.f_bavail * s.f_frsize, 'tvm': v}))" % host.root)
+        facts = json.loads(dev.run(_q(host.python, "-c", probe), "preflight (python, TVM or bundled runtime)"))
+        if facts["tvm"] is None and not plan.manifest.get("runtime"):
+            raise HostFailure("preflight: the device's python has no TVM and the bundle carries no runtime "
+                              "(packaged with --runtime none); package it with the runtime or install apache-tvm there")
         need = 3 * plan.archive.stat().st_size
         if facts["free"] < need:
             raise HostFailure(f"preflight: {facts['free'] >> 20} MB free under {host.root}, {need >> 20} MB needed")

@@ -115,6 +115,19 @@ def test_failed_health_check_through_current_is_rolled_back(fleet, bundles):
     assert states["dev0"]["state"] == states["dev2"]["state"] == "updated" and current(hosts[0]) == id2
 
 
+def test_device_python_without_tvm_health_checks_with_edgeq_run(fleet, bundles):
+    """A device whose Python has no numpy or TVM (-S: no site-packages): the health checks run the bundle's
+    native loader (run.py hands over to runtime/edgeq-run), and the rollout succeeds."""
+    hosts, key, tmp = fleet
+    bare = tmp / "bare-python"
+    bare.write_text(f'#!/bin/sh\nexec {sys.executable} -S -E "$@"\n')
+    bare.chmod(0o755)
+    fleet_file = write_fleet(tmp / "fleet.toml", hosts[:1], key, overrides={"dev0": {"python": bare}})
+    res, report = flash(bundles["v1"][0], fleet_file)
+    assert res.code == 0, res.stderr
+    assert by_host(report)["dev0"]["state"] == "updated" and current(hosts[0]) == bundles["v1"][1]
+
+
 def test_failures_beyond_the_threshold_stop_new_hosts(fleet, bundles):
     hosts, key, tmp = fleet
     fleet_file = write_fleet(tmp / "fleet.toml", hosts, key,

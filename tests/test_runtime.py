@@ -238,3 +238,40 @@ def test_orin_bundle_loads_everything_under_qemu_and_refuses_cleanly(orin_bundle
     one_line_refusal(proc, "libcudart.so.12")
     # no driver at all
     one_line_refusal(edgeq_run(orin_bundle, "--check", qemu=True), "no CUDA driver")
+
+
+# ---- a pip-installed TVM on a CUDA 12 machine (edgeq rpc serve on JetPack 6) -------------------------------
+
+
+def test_pip_tvm_reaches_cuda_12_through_a_bridge_built_here(tmp_path):
+    """What `edgeq rpc serve` does on a JetPack 6 device: build the bridge with this machine's compiler, load
+    it, and TVM's CUDA backend runs on CUDA 12's runtime (here NVIDIA's cu12 wheel and edgeq's driver stub:
+    no device, reported cleanly)."""
+    import nvidia.cuda_runtime
+
+    from edgeq.runtime.bridge import build_native_bridge
+
+    bridge = build_native_bridge()
+    script = (
+        "import sys\n"
+        "from edgeq.toolchain import cuda_driver\n"
+        "cuda_driver()\n"
+        "from edgeq.runtime.bridge import enable_tvm_cuda\n"
+        "print(enable_tvm_cuda(sys.argv[1]))\n"
+        "import tvm\n"
+        "maps = open('/proc/self/maps').read()\n"
+        "print(sys.argv[1] in maps, 'libcudart.so.12' in maps, tvm.runtime.enabled('cuda'), tvm.cuda(0).exist)\n"
+    )
+    cudart12 = Path(list(nvidia.cuda_runtime.__path__)[0], "lib")
+    proc = subprocess.run([sys.executable, "-c", script, str(bridge)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "LD_LIBRARY_PATH": str(cudart12)})
+    assert proc.returncode == 0, proc.stderr
+    said, state = proc.stdout.strip().splitlines()[-2:]
+    assert "through the bridge" in said and "libcudart.so.12" in said
+    assert state == "True True True False"  # bridge and CUDA 12 runtime loaded, CUDA enabled, no device
+
+
+def test_rpc_serve_refuses_a_missing_bridge(tmp_path):
+    res = run_cli("rpc", "serve", "--tracker", "127.0.0.1:9", "--key", "k", "--cuda-bridge", tmp_path / "nope.so")
+    assert res.code == 5 and res.stderr.strip().splitlines() == [
+        f"edgeq: error: CUDA bridge not found: {tmp_path / 'nope.so'} (a bundle's runtime/libcudart.so.13)"]

@@ -23,6 +23,36 @@ def add_parser(sub) -> None:
     serve.add_argument("--port-end", type=int, default=9199)
     serve.add_argument("--device-profile", metavar="DEV", help="this device's profile: its power rails for bench")
     serve.add_argument("--sysfs-root", default="", help="where sysfs is mounted if not at / (containers)")
+    serve.add_argument("--cuda-bridge", default="auto", metavar="auto|off|PATH",
+                       help="on a CUDA 12 device (JetPack 6), give the pip TVM (CUDA 13 runtime) the GPU through edgeq's "
+                            "bridge: PATH is a bundle's runtime/libcudart.so.13; auto (default) builds one here when needed")
+
+
+def _cuda_bridge(choice: str, env) -> None:
+    """Before serving: let TVM reach a CUDA 12 GPU. An explicit bridge must work; auto only warns."""
+    import ctypes
+
+    from edgeq.errors import ToolchainError
+    from edgeq.runtime.bridge import enable_tvm_cuda
+
+    if choice == "off":
+        return
+    if choice == "auto":
+        try:
+            ctypes.CDLL("libcudart.so.13")
+            return  # TVM's own CUDA runtime works here
+        except OSError:
+            pass
+        try:
+            ctypes.CDLL("libcudart.so.12")
+        except OSError:
+            return  # no CUDA here: a CPU device
+        try:
+            print(f"edgeq rpc: {enable_tvm_cuda(note=lambda m: print(m, file=env.stderr))}", file=env.stderr)
+        except ToolchainError as err:
+            print(f"edgeq rpc: warning: the GPU is not served ({err}); pass --cuda-bridge PATH", file=env.stderr)
+        return
+    print(f"edgeq rpc: {enable_tvm_cuda(choice)}", file=env.stderr)
 
 
 def run(args, env) -> int:
@@ -35,5 +65,6 @@ def run(args, env) -> int:
         from edgeq.targets import resolve
 
         resolve(args.device_profile)
+    _cuda_bridge(args.cuda_bridge, env)
     run_server(args.tracker, args.key, args.host, args.port, args.port_end, args.device_profile, args.sysfs_root)
     return 0
