@@ -8,5 +8,7 @@ PYTHON=${PYTHON:-python3}
 "$PYTHON" examples/make_models.py -o examples/models
 edgeq package examples/models/resnet_cnn.onnx --device jetson-orin-nano -o dist
 edgeq package examples/models/resnet_cnn.onnx --device host -o dist
+dist/resnet_cnn-host/runtime/edgeq-run --self-test          # the native loader: no Python needed
 "$PYTHON" dist/resnet_cnn-host/run.py --self-test
 "$PYTHON" dist/resnet_cnn-host/run.py --benchmark 50
+edgeq inspect dist/resnet_cnn-jetson-orin-nano
