@@ -275,3 +275,39 @@ def test_rpc_serve_refuses_a_missing_bridge(tmp_path):
     res = run_cli("rpc", "serve", "--tracker", "127.0.0.1:9", "--key", "k", "--cuda-bridge", tmp_path / "nope.so")
     assert res.code == 5 and res.stderr.strip().splitlines() == [
         f"edgeq: error: CUDA bridge not found: {tmp_path / 'nope.so'} (a bundle's runtime/libcudart.so.13)"]
+
+
+def test_native_self_test_fails_on_wrong_outputs(host_bundle, tmp_path):
+    """Expected outputs changed (and re-hashed so the file check passes): edgeq-run's self-test fails, exit 1."""
+    import hashlib
+
+    bundle = tmp_path / host_bundle.name
+    shutil.copytree(host_bundle, bundle)
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    entry = next(t for t in manifest["golden"]["tensors"] if t["name"] == "output:logits")
+    want = np.fromfile(bundle / "golden.bin", np.float32, entry["bytes"] // 4, offset=entry["offset"])
+    with open(bundle / "golden.bin", "r+b") as f:
+        f.seek(entry["offset"])
+        f.write((want + 0.5).tobytes())
+    manifest["files"]["golden.bin"] = hashlib.sha256((bundle / "golden.bin").read_bytes()).hexdigest()
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    proc = edgeq_run(bundle, "--self-test", "--json")
+    assert proc.returncode == 1, proc.stderr
+    row = json.loads(proc.stdout)["outputs"][0]
+    assert not row["ok"] and row["max_abs_diff"] == pytest.approx(0.5, abs=1e-3)
+
+
+def test_runtime_none_and_no_wheel_offline(models, tmp_path, monkeypatch):
+    plain = package(models["resnet_cnn"], "host", tmp_path / "plain", "--runtime", "none")
+    m = json.loads((plain / "manifest.json").read_text())
+    assert m["runtime"] is None and not (plain / "runtime").exists() and not any("runtime/" in f for f in m["files"])
+    assert run_py(plain, "--self-test").returncode == 0
+    # offline, nothing cached: the aarch64 runtime cannot be assembled -> one line, nothing written
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "empty-cache"))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "no-wheels"))
+    res = run_cli("package", models["resnet_cnn"], "--device", "arm64-cpu", "-o", tmp_path / "offline", "-q")
+    lines = res.stderr.strip().splitlines()
+    assert res.code == 5 and len(lines) == 1, res.stderr
+    assert "cannot fetch the apache-tvm" in lines[0] and "--runtime none" in lines[0]
+    assert not (tmp_path / "offline").exists()
