@@ -7,6 +7,7 @@ import os
 import random
 import shutil
 import stat
+import subprocess
 import tarfile
 from importlib.metadata import version
 from pathlib import Path
@@ -231,6 +232,10 @@ def test_anti_rollback(models, keys, tmp_path):
     first = run_cli("install", new["archive"], "--root", root, "--pub", keys["a"][1], "--json")
     assert first.code == 0, first.stderr
     assert os.path.realpath(root / "current") == json.loads(first.stdout)["path"]
+    # installed from the archive, the native loader stays executable and runs the bundle through `current`
+    loader = subprocess.run([str(root / "current" / "runtime" / "edgeq-run"), "--self-test"], capture_output=True,
+                            text=True, env={"PATH": "/usr/bin:/bin", "EDGEQ_TRUSTED_KEY": str(keys["a"][1])})
+    assert loader.returncode == 0 and "self-test passed" in loader.stdout, loader.stderr
     again = run_cli("install", new["archive"], "--root", root, "--pub", keys["a"][1], "--json")
     assert json.loads(again.stdout)["already"] is True
     refused(run_cli("install", old["archive"], "--root", root, "--pub", keys["a"][1]),
