@@ -10,7 +10,6 @@ libraries out of it. Offline, a cached wheel is enough; with nothing cached the 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from importlib import metadata
 from pathlib import Path
 
 from edgeq.errors import ToolchainError
+from edgeq.safebundle import sha256_file
 from edgeq.toolchain import cache_dir
 
 # pip platform tags for each machine (``uname -m``); newest first, pip takes any of them
@@ -72,14 +72,6 @@ def installed_version(project: str) -> str:
         raise ToolchainError(f"{project} is not installed; pip install {project}") from None
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _normal(project: str) -> str:
     return project.lower().replace("-", "_").replace(".", "_")
 
@@ -124,7 +116,7 @@ def fetch(project: str, version: str, machine: str, note=None) -> Wheel:
                 )
             path = folder / wheels[0].name
             os.replace(wheels[0], path)
-    return Wheel(project, version, path, _sha256(path))
+    return Wheel(project, version, path, sha256_file(path))
 
 
 def prefetch(machines=("aarch64",), note=print) -> list[Wheel]:
