@@ -188,30 +188,35 @@ def read_manifest(bundle: str | Path) -> dict[str, Any]:
     bundle = Path(bundle)
     try:
         if bundle.is_dir():
-            text = (bundle / MANIFEST).read_text(encoding="utf-8")
+            path = bundle / MANIFEST
+            if path.is_file() and path.stat().st_size > safebundle.MAX_MANIFEST_BYTES:
+                raise BundleError(f"{bundle}: manifest.json is too large ({path.stat().st_size} bytes)")
+            data = path.read_bytes()
         elif bundle.is_file():
-            text = _manifest_from_archive(bundle)
+            data = _manifest_from_archive(bundle)
         else:
             raise BundleError(f"bundle not found: {bundle}")
-        manifest = json.loads(text)
+        raw = safebundle.load_json(data, "manifest.json")
+        if not isinstance(raw, dict) or raw.get("schema_version") != SCHEMA_VERSION:
+            raise BundleError(f"{bundle}: manifest schema_version is not {SCHEMA_VERSION}; not a bundle this edgeq reads")
+        return safebundle.check_manifest(raw)
     except FileNotFoundError:
         raise BundleError(f"{bundle} has no {MANIFEST}; is it an edgeq bundle?") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise BundleError(f"cannot read the manifest of {bundle}: {err}") from None
-    if not isinstance(manifest, dict) or manifest.get("schema_version") != SCHEMA_VERSION:
-        raise BundleError(f"{bundle}: manifest schema_version is not {SCHEMA_VERSION}; not a bundle this edgeq reads")
-    return manifest
+    except OSError as err:
+        raise BundleError(f"cannot read the manifest of {bundle}: {err.strerror}") from None
+    except safebundle.BundleRefused as err:
+        raise BundleError(f"{bundle}: {err}") from None
 
 
-def _manifest_from_archive(archive: Path) -> str:
+def _manifest_from_archive(archive: Path) -> bytes:
     try:
-        with tarfile.open(archive, "r:*") as tar:
+        with safebundle.open_tar(archive) as tar:
             for member in tar:
                 parts = member.name.split("/")
                 if member.isfile() and len(parts) == 2 and parts[1] == MANIFEST:
                     if member.size > safebundle.MAX_MANIFEST_BYTES:
                         raise BundleError(f"{archive}: manifest.json is too large ({member.size} bytes)")
-                    return tar.extractfile(member).read(safebundle.MAX_MANIFEST_BYTES).decode("utf-8")
+                    return tar.extractfile(member).read(safebundle.MAX_MANIFEST_BYTES)
     except (tarfile.TarError, EOFError, OSError, zlib.error) as err:
         reason = (str(err).strip().splitlines() or [type(err).__name__])[0].rstrip(":")
         raise BundleError(f"{archive} is not a readable .tar.gz bundle ({reason})") from None

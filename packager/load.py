@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +12,7 @@ import onnx
 from google.protobuf.message import DecodeError
 
 from edgeq.errors import ModelError, UsageError
+from edgeq.limits import check
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,8 +47,11 @@ def parse_shape(text: str) -> tuple[str, tuple[int, ...]]:
 
 
 def _read(path: Path) -> tuple[onnx.ModelProto, str]:
-    if not path.is_file():
+    if not path.exists():
         raise ModelError(f"model file not found: {path}")
+    if not path.is_file():
+        raise ModelError(f"model {path} is not a regular file; give the .onnx file")
+    check("model_bytes", f"model {path}", path.stat().st_size, ModelError)
     try:
         data = path.read_bytes()
     except OSError as err:
@@ -201,7 +206,11 @@ def _fix_inputs(model: onnx.ModelProto, overrides: dict[str, tuple[int, ...]]) -
             )
         else:
             shape = declared
-        specs.append(TensorSpec(value.name, tuple(shape), _onnx_dtype(ttype.elem_type)))
+        spec = TensorSpec(value.name, tuple(shape), _onnx_dtype(ttype.elem_type))
+        count = math.prod(spec.shape)
+        check("input_bytes", f"input '{spec.name}' ({_fmt(spec.shape)} {spec.dtype})",
+              count * np.dtype(spec.dtype).itemsize, UsageError if value.name in overrides else ModelError)
+        specs.append(spec)
     return specs
 
 

@@ -23,7 +23,7 @@ import numpy as np
 import edgeq
 from edgeq import bundle
 from edgeq.compile import HostRunner, Toolchain, build, cuda_device_code, elf_machine, export, lower_graph, toolchain_for
-from edgeq.errors import EdgeqError, OutputError, ToolchainError, UsageError
+from edgeq.errors import EdgeqError, ModelError, OutputError, ToolchainError, UsageError
 from edgeq.graph import Graph
 from edgeq.load import LoadedModel, TensorSpec, load_model
 from edgeq.progress import StageProgress
@@ -170,6 +170,10 @@ def _check(b: _Build) -> None:
     b.profile, b.device_note = resolve(args.device)
     if b.device_note:
         b.progress.note(b.device_note)
+    longest = len(f"{b.bundle_name}-") + 12  # bundle_id = NAME-DEVICE-<12 hex digits>, at most 128 characters
+    if longest > 128:
+        raise UsageError(f"bundle name '{b.name}' is {len(b.name)} characters; with the device and a hash the bundle id "
+                         f"would be {longest}, over 128: choose a shorter --name")
     b.toolchain = toolchain_for(b.profile)
     b.out_dir = Path(args.output)
     try:
@@ -259,6 +263,15 @@ def _golden(b: _Build) -> None:
         b.golden_from = f"a TVM LLVM build for the build host ({host.cpu.mcpu})"
     inputs = golden_inputs(b.model.inputs)
     outputs = HostRunner(b.graph, executable)(list(inputs.values()))
+    for spec, out in zip(b.outputs, outputs):
+        if np.asarray(out).dtype.kind == "f" and not np.isfinite(out).all():
+            from onnx import numpy_helper
+
+            arrays = ((t.name, numpy_helper.to_array(t)) for t in b.model.onnx_model.graph.initializer)
+            bad = [name for name, w in arrays if w.dtype.kind == "f" and not np.isfinite(w).all()]
+            cause = f"weight(s) {', '.join(bad[:3])} hold NaN or Inf" if bad else "check the model on that input"
+            raise ModelError(f"output '{spec.name}' is NaN or Inf on the golden input ({cause}); "
+                             "a bundle whose self-test cannot pass is not written")
     arrays = [(f"input:{k}", v) for k, v in inputs.items()]
     arrays += [(f"output:{spec.name}", out) for spec, out in zip(b.outputs, outputs)]
     b.golden = bundle.write_tensors(b.staging / bundle.GOLDEN, arrays)
@@ -271,10 +284,19 @@ def _runtime(b: _Build) -> None:
 
 
 def _mentions(path, needle: bytes) -> bool:
+    """A cheap look into a model file (regular files only, read in blocks: the path may be /dev/zero)."""
     try:
-        return needle in Path(path).read_bytes()
+        if not Path(path).is_file():
+            return False
+        with open(path, "rb") as f:
+            tail = b""
+            for block in iter(lambda: f.read(1 << 20), b""):
+                if needle in tail + block:
+                    return True
+                tail = block[-len(needle):]
     except OSError:
-        return False
+        pass
+    return False
 
 
 def _precision(b: _Build) -> str:
@@ -377,6 +399,7 @@ def _bundle(b: _Build) -> None:
     archive_tmp = b.staging / f"{b.bundle_name}.tar.gz"
     bundle.make_archive(named, archive_tmp, mtime=int(created.timestamp()))
     if final_dir.exists():
+        b.progress.note(f"replacing the bundle already in {final_dir}")
         final_dir.rename(b.staging / "previous")
     named.rename(final_dir)
     archive_tmp.replace(b.out_dir / f"{b.bundle_name}.tar.gz")

@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator
 
 from rich.console import Console
+from rich.markup import escape
 
 
 class StageProgress:
@@ -21,17 +22,18 @@ class StageProgress:
         self._started = time.perf_counter()
 
     def note(self, text: str) -> None:
+        """A line of plain text (paths and messages are never read as rich markup)."""
         if not self.quiet:
-            self.console.print(text, highlight=False)
+            self.console.print(text, highlight=False, markup=False)
 
     def tick(self, label: str, done: int, total: int) -> None:
         """Progress inside a stage: a live line on a terminal, every quarter elsewhere."""
         if self.quiet or total <= 0:
             return
         if self._status is not None:
-            self._status.update(f"{self._status_text} - {label} {done}/{total}")
+            self._status.update(escape(f"{self._status_text} - {label} {done}/{total}"))
         elif done == total or done * 4 // total != (done - 1) * 4 // total:
-            self.console.print(f"      {label}: {done}/{total}", highlight=False)
+            self.console.print(f"      {label}: {done}/{total}", highlight=False, markup=False)
 
     @contextlib.contextmanager
     def stage(self, name: str, description: str) -> Iterator[None]:
@@ -39,14 +41,16 @@ class StageProgress:
         counter = f"[{index}/{self.total}]" if self.total else f"[{index}]"
         start = time.perf_counter()
         self._status_text = f"{counter} {name}: {description}"
-        self._status = self.console.status(self._status_text) if self.console.is_terminal and not self.quiet else None
+        self._status = self.console.status(escape(self._status_text)) if self.console.is_terminal and not self.quiet else None
         try:
             with self._status or contextlib.nullcontext():
                 yield
         finally:
             self._status = None
         self.seconds[name] = round(time.perf_counter() - start, 3)
-        self.note(f"{counter} {name}: {description} [dim]({self.seconds[name]:.1f} s)[/dim]")
+        if not self.quiet:
+            self.console.print(f"{escape(f'{counter} {name}: {description}')} [dim]({self.seconds[name]:.1f} s)[/dim]",
+                               highlight=False)
 
     @property
     def total_seconds(self) -> float:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from edgeq.errors import ModelError
 from edgeq.graph import Graph
+from edgeq.limits import check
 from edgeq.load import LoadedModel, TensorSpec
 from edgeq.toolchain import import_tvm
 
@@ -67,7 +68,31 @@ def to_relax(loaded: LoadedModel) -> tuple[Graph, list[TensorSpec]]:
     outputs = _tensor_specs(func.ret_ty, [o.name for o in loaded.onnx_model.graph.output])
     if len(set(names)) != len(names):
         raise ModelError(f"{loaded.path.name}: weight names are not unique after import; rename the initializers")
+    _check_activations(func, loaded.path.name)
     return Graph(mod, {n: w.numpy() for n, w in zip(names, weights)}), outputs
+
+
+def _check_activations(func, model_name: str) -> None:
+    """Refuse, before anything is compiled or run, a model that computes a tensor larger than the limit
+    (400 KB of inputs can describe a 40 GB intermediate)."""
+    import math
+
+    import tvm
+    from tvm import relax, tirx
+
+    biggest, where = 0, ""
+    for block in func.body.blocks:
+        for binding in block.bindings:
+            ty = binding.var.ty
+            if not isinstance(ty, relax.TensorType) or not isinstance(ty.shape, relax.ShapeExpr) or not str(ty.dtype):
+                continue
+            dims = list(ty.shape.values)
+            if not all(isinstance(d, tirx.IntImm) for d in dims):
+                continue
+            size = math.prod(int(d) for d in dims) * max(tvm.DataType(str(ty.dtype)).bits, 8) // 8
+            if size > biggest:
+                biggest, where = size, binding.var.name
+    check("activation_bytes", f"{model_name}: tensor '{where}'", biggest, ModelError)
 
 
 def _tvm_version() -> str:

@@ -15,6 +15,7 @@ read; members are written with ``tarfile``'s data filter checks into a fresh tem
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import json
 import os
@@ -29,9 +30,12 @@ from pathlib import Path
 SCHEMA_VERSION = 2
 MANIFEST, SIGNATURE, SUMS = "manifest.json", "manifest.sig", "SHA256SUMS"
 RUNTIME = "runtime"  # the one sub-folder a bundle may have: the runtime libraries and the native loader
+# Bounds on what a bundle may make this code read or allocate (edgeq.limits documents all of them).
 MAX_MANIFEST_BYTES = 4 << 20
-MAX_SMALL_FILE_BYTES = 1 << 20  # manifest.sig, SHA256SUMS
+MAX_SMALL_FILE_BYTES = 1 << 20  # manifest.sig, SHA256SUMS, state.json
 MAX_MEMBERS = 64
+MAX_JSON_DEPTH = 64  # nesting of any JSON document edgeq reads (a manifest needs 6)
+MAX_TAR_HEADER_BYTES = 8 << 10  # a PAX / GNU long-name header; tarfile would read any size whole
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 FILE_NAME = re.compile(r"^(runtime/)?[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 HEX64 = re.compile(r"^[0-9a-f]{64}$")
@@ -39,6 +43,49 @@ HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 class BundleRefused(Exception):
     """The bundle is not accepted; ``str()`` is a one-line reason."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# bounded JSON
+# ---------------------------------------------------------------------------------------------------
+
+
+def json_depth(text: str) -> int:
+    """How deeply ``[`` / ``{`` nest in a JSON text, without recursion (strings skipped)."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth -= 1
+    return deepest
+
+
+def load_json(data: bytes | str, what: str, max_bytes: int = MAX_MANIFEST_BYTES):
+    """``json.loads`` with the size and nesting bounded first; BundleRefused with one line otherwise."""
+    if len(data) > max_bytes:
+        raise BundleRefused(f"{what} is larger than {max_bytes} bytes")
+    try:
+        text = data.decode("utf-8") if isinstance(data, bytes) else data
+    except UnicodeDecodeError:
+        raise BundleRefused(f"{what} is not UTF-8 text") from None
+    if json_depth(text) > MAX_JSON_DEPTH:
+        raise BundleRefused(f"{what} nests deeper than {MAX_JSON_DEPTH} levels")
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as err:
+        raise BundleRefused(f"{what} is not valid JSON: {_first_line(err)}") from None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -77,8 +124,19 @@ def check_manifest(manifest) -> dict:
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
             raise BundleRefused(f"manifest size of {name} is not a byte count")
     for section in ("library", "weights", "golden"):
-        if manifest[section].get("file") not in files:
+        name = manifest[section].get("file")
+        if not isinstance(name, str) or name not in files:
             raise BundleRefused(f"manifest {section}.file is not one of the bundle's files")
+    for section in ("weights", "golden"):
+        tensors = manifest[section].get("tensors")
+        if not isinstance(tensors, list) or not all(_is_stored_tensor(t) for t in tensors):
+            raise BundleRefused(f"manifest {section}.tensors is not a list of {{name, dtype, shape, offset, bytes}}")
+    runtime = manifest.get("runtime")
+    if runtime is not None:
+        loader, libraries = (runtime.get("loader"), runtime.get("libraries")) if isinstance(runtime, dict) else (0, 0)
+        if (not isinstance(libraries, list) or not all(isinstance(n, str) and n in files for n in libraries)
+                or not isinstance(loader, str) or loader not in files):
+            raise BundleRefused("manifest runtime.loader / runtime.libraries are not the bundle's files")
     for key in ("inputs", "outputs"):
         for spec in manifest[key]:
             if not isinstance(spec, dict) or any(not isinstance(spec.get(k), t) for k, t in _TENSOR.items()):
@@ -87,14 +145,23 @@ def check_manifest(manifest) -> dict:
                 raise BundleRefused(f"manifest {key} shape of {spec['name']!r} is not a list of sizes")
     if not isinstance(manifest["device"].get("arch"), str) or not isinstance(manifest["device"].get("profile"), str):
         raise BundleRefused("manifest device needs 'arch' and 'profile'")
+    if not all(isinstance(manifest["device"].get(k), (str, type(None))) for k in ("cuda_arch", "cuda_version")):
+        raise BundleRefused("manifest device.cuda_arch / cuda_version must be text or null")
     return manifest
 
 
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_stored_tensor(entry) -> bool:
+    return (isinstance(entry, dict) and isinstance(entry.get("name"), str) and isinstance(entry.get("dtype"), str)
+            and isinstance(entry.get("shape"), list) and all(_is_count(d) for d in entry["shape"])
+            and _is_count(entry.get("offset")) and _is_count(entry.get("bytes")))
+
+
 def parse_manifest(data: bytes) -> dict:
-    try:
-        return check_manifest(json.loads(data.decode("utf-8")))
-    except (UnicodeDecodeError, ValueError) as err:
-        raise BundleRefused(f"manifest.json is not valid JSON: {err}") from None
+    return check_manifest(load_json(data, "manifest.json"))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -139,11 +206,11 @@ def verify_signature(manifest_bytes: bytes, signature_bytes: bytes | None, publi
     if signature_bytes is None:
         raise BundleRefused("bundle is not signed (no manifest.sig) and a public key is configured")
     try:
-        sig = json.loads(signature_bytes.decode("utf-8"))
+        sig = load_json(signature_bytes, "manifest.sig", MAX_SMALL_FILE_BYTES)
         raw = base64.b64decode(sig["signature"], validate=True)
         if sig.get("algorithm") != "ed25519" or not isinstance(sig.get("key_id"), str):
             raise ValueError
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError, BundleRefused):
         raise BundleRefused("manifest.sig is malformed") from None
     if sig["key_id"] != key_id(public_key):
         raise BundleRefused(f"bundle is signed by key {sig['key_id']}, not by the configured key {key_id(public_key)}")
@@ -226,21 +293,41 @@ def _member_name(member: tarfile.TarInfo, top: str | None) -> tuple[str, str]:
     return parts[0], "/".join(parts[1:])
 
 
-def safe_extract(archive: str | os.PathLike, dest: str | os.PathLike) -> Path:
+class BoundedTarInfo(tarfile.TarInfo):
+    """tarfile reads a PAX or GNU long-name header's data whole, whatever size it declares; refuse large ones
+    before that read."""
+
+    _EXTENDED = (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE, tarfile.GNUTYPE_LONGNAME,
+                 tarfile.GNUTYPE_LONGLINK)
+
+    def _proc_member(self, tarfile_):
+        if self.type in self._EXTENDED and self.size > MAX_TAR_HEADER_BYTES:
+            raise BundleRefused(f"archive has an extended header of {self.size} bytes (more than "
+                                f"{MAX_TAR_HEADER_BYTES}); edgeq bundles have none that large")
+        return super()._proc_member(tarfile_)
+
+
+def open_tar(archive: str | os.PathLike) -> tarfile.TarFile:
+    """A gzip tar reader whose headers are bounded (``BoundedTarInfo``)."""
+    try:
+        return tarfile.open(archive, "r:gz", tarinfo=BoundedTarInfo)
+    except (tarfile.TarError, OSError, EOFError, zlib.error) as err:
+        raise BundleRefused(f"not a readable .tar.gz bundle ({_first_line(err)})") from None
+
+
+def safe_extract(archive: str | os.PathLike, dest: str | os.PathLike, public_key=None) -> Path:
     """Unpack a bundle archive into ``dest`` (a fresh, empty directory) and return the bundle folder.
 
     Refuses, before reading any member's data: absolute or ``..`` paths, anything but plain files,
     duplicate names, a missing or misplaced manifest, files the manifest does not list, sizes other than
-    declared, more members than files."""
+    declared, more members than files, oversized headers. With ``public_key``, the second member must be
+    ``manifest.sig`` and verify against the manifest before any other member is read."""
     dest = Path(dest)
     if any(dest.iterdir()):
         raise BundleRefused(f"{dest} is not empty")
+    tar = open_tar(archive)
     try:
-        tar = tarfile.open(archive, "r:gz")
-    except (tarfile.TarError, OSError, EOFError, zlib.error) as err:
-        raise BundleRefused(f"not a readable .tar.gz bundle ({_first_line(err)})") from None
-    try:
-        return _extract(tar, dest)
+        return _extract(tar, dest, public_key)
     except (tarfile.TarError, OSError, EOFError, ValueError, zlib.error) as err:
         raise BundleRefused(f"archive is damaged or truncated ({_first_line(err)})") from None
     finally:
@@ -251,8 +338,9 @@ def _first_line(err: BaseException) -> str:
     return (str(err).strip().splitlines() or [type(err).__name__])[0]
 
 
-def _extract(tar: tarfile.TarFile, dest: Path) -> Path:
+def _extract(tar: tarfile.TarFile, dest: Path, public_key=None) -> Path:
     top, manifest, seen, count = None, None, set(), 0
+    manifest_bytes, signed = b"", public_key is None
     for member in tar:
         count += 1
         if count > MAX_MEMBERS or (manifest is not None and count > len(manifest["files"]) + 5):
@@ -273,6 +361,8 @@ def _extract(tar: tarfile.TarFile, dest: Path) -> Path:
             continue
         if not member.isreg():
             raise BundleRefused(f"archive member {member.name!r} is not a regular file (link or device)")
+        if manifest is not None and not signed and name != SIGNATURE:
+            verify_signature(manifest_bytes, None, public_key)  # refuses: not signed
         if name in seen:
             raise BundleRefused(f"archive has the member {name} twice")
         seen.add(name)
@@ -305,9 +395,15 @@ def _extract(tar: tarfile.TarFile, dest: Path) -> Path:
             raise BundleRefused(f"archive member {name} is truncated")
         os.chmod(target, 0o755 if member.mode & 0o111 else 0o644)  # the loaders stay executable
         if manifest is None:
-            manifest = parse_manifest(target.read_bytes())
+            manifest_bytes = target.read_bytes()
+            manifest = parse_manifest(manifest_bytes)
+        elif name == SIGNATURE and not signed:
+            verify_signature(manifest_bytes, target.read_bytes(), public_key)  # before any other member's data
+            signed = True
     if manifest is None or top is None:
         raise BundleRefused("archive holds no bundle (no manifest.json)")
+    if not signed:
+        verify_signature(manifest_bytes, None, public_key)
     return dest / top
 
 
@@ -318,7 +414,7 @@ def open_bundle(bundle: str | os.PathLike, workdir: str | os.PathLike, public_ke
         return bundle, verify_dir(bundle, public_key)
     if not bundle.is_file():
         raise BundleRefused(f"bundle not found: {bundle}")
-    directory = safe_extract(bundle, workdir)
+    directory = safe_extract(bundle, workdir, public_key)
     return directory, verify_dir(directory, public_key)
 
 
@@ -328,11 +424,52 @@ def open_bundle(bundle: str | os.PathLike, workdir: str | os.PathLike, public_ke
 
 
 def read_state(root: Path) -> dict:
-    try:
-        state = json.loads((root / "state.json").read_text())
-        return state if isinstance(state, dict) else {}
-    except (OSError, ValueError):
+    """``root/state.json`` (empty before the first install). Anti-rollback depends on it, so a damaged one
+    fails closed: refused with the command that rebuilds it from the installed releases."""
+    path = Path(root) / "state.json"
+    if not path.exists() and not path.is_symlink():
         return {}
+    try:
+        if path.is_symlink() or not path.is_file():
+            raise BundleRefused("not a regular file")
+        with open(path, "rb") as f:
+            state = load_json(f.read(MAX_SMALL_FILE_BYTES + 1), "state.json", MAX_SMALL_FILE_BYTES)
+        _check_state(state)
+    except (OSError, BundleRefused) as err:
+        reason = err.strerror if isinstance(err, OSError) else str(err)
+        raise BundleRefused(f"{path} is damaged ({reason}), so the installed releases cannot be checked against "
+                            f"it; rebuild it: edgeq install --repair-state --root {root}") from None
+    return state
+
+
+def _check_state(state) -> None:
+    if not isinstance(state, dict) or not isinstance(state.get("models", {}), dict):
+        raise BundleRefused("not an object with a 'models' object")
+    for key in ("current", "previous"):
+        if not isinstance(state.get(key), (str, type(None))):
+            raise BundleRefused(f"'{key}' is not a release id")
+    for name, entry in state.get("models", {}).items():
+        if not isinstance(entry, dict) or not _is_count(entry.get("release")) or not isinstance(entry.get("bundle_id"), str):
+            raise BundleRefused(f"models.{name} is not {{release, bundle_id}}")
+
+
+def repair_state(root) -> dict:
+    """Rebuild ``state.json`` from the installed releases: each model's highest installed release becomes
+    its anti-rollback floor; current is what ``current`` points at."""
+    root = Path(root)
+    models: dict = {}
+    releases = root / "releases"
+    for path in sorted(releases.iterdir()) if releases.is_dir() else []:
+        try:
+            manifest = parse_manifest((path / MANIFEST).read_bytes())
+        except (OSError, BundleRefused):
+            continue
+        known = models.get(manifest["name"])
+        if known is None or manifest["release"] > known["release"]:
+            models[manifest["name"]] = {"release": manifest["release"], "bundle_id": manifest["bundle_id"]}
+    state = {"current": current_id(root), "previous": None, "models": models}
+    _write_json_atomic(root / "state.json", state)
+    return state
 
 
 def _write_json_atomic(path: Path, data: dict) -> None:
@@ -358,10 +495,13 @@ def current_id(root: Path) -> str | None:
 def stage(archive, root, public_key=None, allow_downgrade: bool = False) -> dict:
     """Verify ``archive`` and unpack it into ``root/releases/<bundle_id>`` (``current`` is not touched)."""
     root = Path(root)
+    created = [p for p in (root, root / "releases") if not p.exists()]
     (root / "releases").mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=root))
+    done = False
     try:
-        directory = safe_extract(archive, staging)
+        read_state(root)  # a damaged state refuses before anything is unpacked
+        directory = safe_extract(archive, staging, public_key)
         manifest = verify_dir(directory, public_key)
         installed = read_state(root).get("models", {}).get(manifest["name"], {})
         if manifest["release"] < installed.get("release", -1) and not allow_downgrade:
@@ -372,10 +512,14 @@ def stage(archive, root, public_key=None, allow_downgrade: bool = False) -> dict
             verify_dir(target, public_key)  # an earlier copy is only reused if it is still intact
         else:
             os.rename(directory, target)
+        done = True
         return {"bundle_id": manifest["bundle_id"], "name": manifest["name"], "release": manifest["release"],
                 "path": str(target), "already": current_id(root) == manifest["bundle_id"]}
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+        for path in reversed(created if not done else []):  # a refused first install leaves no folders behind
+            with contextlib.suppress(OSError):
+                path.rmdir()
 
 
 def activate(root, bundle_id: str) -> dict:
@@ -384,7 +528,7 @@ def activate(root, bundle_id: str) -> dict:
     target = root / "releases" / bundle_id
     if not NAME.match(bundle_id) or not target.is_dir():
         raise BundleRefused(f"release {bundle_id} is not installed under {root}")
-    manifest = json.loads((target / MANIFEST).read_text())
+    manifest = parse_manifest((target / MANIFEST).read_bytes())
     state = read_state(root)
     before = current_id(root)
     switch_current(root, target)
@@ -431,8 +575,8 @@ def status(root) -> dict:
     release = None
     if current:
         try:
-            release = json.loads((root / "releases" / current / MANIFEST).read_text()).get("release")
-        except (OSError, ValueError):
+            release = parse_manifest((root / "releases" / current / MANIFEST).read_bytes())["release"]
+        except (OSError, BundleRefused):
             pass
     return {"current": current, "release": release, "previous": state.get("previous"), "releases": releases}
 
@@ -457,7 +601,7 @@ def main(argv=None) -> int:
         if cmd != "verify":
             p.add_argument("--root", required=True)
             p.add_argument("--allow-downgrade", action="store_true")
-    for cmd in ("activate", "rollback", "prune", "status"):
+    for cmd in ("activate", "rollback", "prune", "status", "repair-state"):
         p = sub.add_parser(cmd)
         p.add_argument("--root", required=True)
         if cmd == "activate":
@@ -474,7 +618,8 @@ def main(argv=None) -> int:
         elif args.cmd == "activate":
             result = activate(args.root, args.bundle_id)
         else:
-            result = {"rollback": rollback, "prune": prune, "status": status}[args.cmd](args.root)
+            result = {"rollback": rollback, "prune": prune, "status": status,
+                      "repair-state": repair_state}[args.cmd](args.root)
     except BundleRefused as err:
         print(f"safebundle: refused: {err}", file=sys.stderr)
         return 3

@@ -119,3 +119,94 @@ def test_inspect_bad_bundles(tmp_path):
 def test_usage_errors_are_one_line(models):
     assert_refused(run_cli("package", models["resnet_cnn"]), 2, "--device")
     assert_refused(run_cli(), 2, "give a command")
+
+
+# ---- hostile or careless input: bounded before it is allocated -------------------------------------------
+
+
+def test_model_path_that_is_a_device_or_folder(tmp_path, out):
+    assert_refused(package("/dev/zero", out, "--device", "host"), 3, "/dev/zero is not a regular file")
+    assert_refused(package(tmp_path, out, "--device", "host"), 3, "is not a regular file")
+
+
+def test_model_file_over_the_limit(models, out, monkeypatch):
+    monkeypatch.setenv("EDGEQ_MAX_MODEL_BYTES", "1000")
+    assert_refused(package(models["resnet_cnn"], out, "--device", "host"), 3,
+                   "more than the limit of 1,000", "EDGEQ_MAX_MODEL_BYTES")
+
+
+def test_huge_input_shape_is_refused_before_allocation(tmp_path, out):
+    path = tmp_path / "dyn.onnx"
+    onnx.save(make_models.resnet_cnn(batch="N"), path)
+    assert_refused(package(path, out, "--device", "host", "--input-shape", "input=1000000000x3x32x32"), 2,
+                   "input 'input' (1000000000x3x32x32 float32) is 12,288,000,000,000 bytes", "EDGEQ_MAX_INPUT_BYTES")
+
+
+def test_huge_intermediate_from_small_inputs(tmp_path, out):
+    """400 bytes of input, one Tile to 40 GB: refused after import, before anything is compiled or run."""
+    nodes = [helper.make_node("Tile", ["x", "reps"], ["y"])]
+    reps = helper.make_tensor("reps", TensorProto.INT64, [2], [100000, 100000])
+    graph = helper.make_graph(nodes, "bomb", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [100000, 100000])], [reps])
+    path = tmp_path / "bomb.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    assert_refused(package(path, out, "--device", "host"), 3, "is 40,000,000,000 bytes", "EDGEQ_MAX_ACTIVATION_BYTES")
+
+
+def test_nan_weight_is_not_packaged_silently(tmp_path, out):
+    import numpy as np
+    from onnx import numpy_helper
+
+    w = numpy_helper.from_array(np.array([[1.0, np.nan], [0.5, 2.0]], np.float32), "w")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "nan",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2])], [w])
+    path = tmp_path / "nan.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    assert_refused(package(path, out, "--device", "host"), 3, "output 'y' is NaN or Inf on the golden input",
+                   "weight(s) w hold NaN")
+
+
+def test_calibration_data_bounds(models, tmp_path, out, monkeypatch):
+    import numpy as np
+
+    bomb = tmp_path / "bomb.npy"
+    header = b"{'descr': '<f4', 'fortran_order': False, 'shape': (100000, 3, 32, 32), }".ljust(127) + b"\n"
+    bomb.write_bytes(b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header)  # 1.2 GB claimed, 0 held
+    monkeypatch.setenv("EDGEQ_MAX_DATA_BYTES", str(1 << 20))
+    assert_refused(package(models["resnet_cnn"], out, "--device", "host", "--precision", "int8", "--calibrate", bomb),
+                   2, "is 1,228,800,000 bytes", "EDGEQ_MAX_DATA_BYTES")
+    empty = tmp_path / "empty.npy"
+    empty.write_bytes(b"")
+    assert_refused(package(models["resnet_cnn"], out, "--device", "host", "--precision", "int8", "--calibrate", empty),
+                   2, "cannot read", "empty.npy")
+    pickled = tmp_path / "pickled.npy"
+    np.save(pickled, np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    assert_refused(package(models["resnet_cnn"], out, "--device", "host", "--precision", "int8", "--calibrate", pickled),
+                   2, "cannot read", "pickles")
+
+
+def test_image_bomb_is_refused_before_decoding(models, tmp_path, out, monkeypatch):
+    from PIL import Image
+
+    images = tmp_path / "images"
+    images.mkdir()
+    Image.new("RGB", (3000, 3000)).save(images / "big.png")
+    monkeypatch.setenv("EDGEQ_MAX_IMAGE_PIXELS", "1000000")
+    assert_refused(package(models["resnet_cnn"], out, "--device", "host", "--precision", "int8", "--calibrate", images,
+                           "--preprocess", "scale=255"), 2, "is 9,000,000 pixels", "EDGEQ_MAX_IMAGE_PIXELS")
+
+
+def test_non_finite_options_and_long_names(models, out):
+    assert_refused(package(models["resnet_cnn"], out, "--device", "host", "--precision", "mixed", "--calibrate", "x.npz",
+                           "--accuracy-budget", "nan"), 2, "--accuracy-budget must be a number >= 0, not nan")
+    assert_refused(package(models["resnet_cnn"], out, "--device", "host", "--name", "n" * 120), 2,
+                   "bundle name 'nnn", "over 128: choose a shorter --name")
+
+
+def test_markup_in_paths_is_printed_as_text(models, tmp_path):
+    """Progress lines show paths verbatim: a '[/x]' in -o is text, not rich markup (which crashed)."""
+    out = tmp_path / "out[/x]"
+    res = run_cli("package", models["resnet_cnn"], "--device", "host", "-o", out, "--runtime", "none")
+    assert res.code == 0, res.stderr
+    assert "[/x]" in res.stderr and (out / "resnet_cnn-host" / "manifest.json").is_file()

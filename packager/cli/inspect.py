@@ -6,8 +6,10 @@ import json
 from pathlib import Path
 
 from rich.table import Table
+from rich.text import Text
 
 from edgeq.bundle import read_manifest
+from edgeq.errors import BundleError
 
 
 def add_parser(sub) -> None:
@@ -48,9 +50,21 @@ def run(args, env) -> int:
     if args.json:
         print(json.dumps(m, indent=2), file=env.stdout)
         return 0
+    try:
+        rows = _rows(m)
+    except (KeyError, TypeError, AttributeError, ValueError, IndexError) as err:
+        raise BundleError(f"{args.bundle}: the manifest's {err} is missing or of the wrong type; "
+                          "'edgeq inspect --json' prints it as it is") from None
+    view = Table(title=Text(f"bundle {m['bundle_id']}"), show_header=False)
+    for key, value in rows:
+        view.add_row(key, Text(value))  # manifest text is data, never rich markup
+    env.out().print(view)
+    return 0
+
+
+def _rows(m) -> list[tuple[str, str]]:
     device, toolkit = m["device"], m["toolchain"]["cuda_toolkit"]
-    view = Table(title=f"bundle {m['bundle_id']}", show_header=False)
-    rows = [
+    return [
         ("model", f"{m['model']['file']} (sha256 {m['model']['sha256'][:16]}…, opset {m['model']['opset']})"),
         ("precision", m["precision"]),
         ("device", f"{device['profile']}: {device['description']}"),
@@ -66,7 +80,3 @@ def run(args, env) -> int:
         ("stage times", ", ".join(f"{k} {v:.2f}s" for k, v in m["build"]["stage_seconds"].items())),
         ("files", ", ".join(m["files"])),
     ]
-    for key, value in rows:
-        view.add_row(key, value)
-    env.out().print(view)
-    return 0

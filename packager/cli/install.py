@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from edgeq.errors import BundleError
-from edgeq.safebundle import BundleRefused, install
+from edgeq.errors import BundleError, UsageError
+from edgeq.safebundle import BundleRefused, install, repair_state
 from edgeq.signing import load_public_key
 
 
@@ -14,14 +14,24 @@ def add_parser(sub) -> None:
     parser = sub.add_parser("install", help="verify and install a bundle archive into a release root",
                             description="Verify BUNDLE.tar.gz and unpack it into ROOT/releases/<bundle-id>/, then point "
                                         "ROOT/current at it atomically. Refuses older releases of the same model.")
-    parser.add_argument("bundle", type=Path, help="bundle .tar.gz")
+    parser.add_argument("bundle", type=Path, nargs="?", help="bundle .tar.gz")
     parser.add_argument("--root", type=Path, required=True, help="release root, e.g. /opt/edgeq")
     parser.add_argument("--pub", type=Path, metavar="KEY", help="public key the bundle must be signed with")
     parser.add_argument("--allow-downgrade", action="store_true", help="install an older release than the current one")
+    parser.add_argument("--repair-state", action="store_true",
+                        help="rebuild ROOT/state.json (anti-rollback floors) from the installed releases, then stop")
     parser.add_argument("--json", action="store_true")
 
 
 def run(args, env) -> int:
+    if args.repair_state:
+        state = repair_state(args.root)
+        print(json.dumps(state) if args.json else f"rebuilt {args.root / 'state.json'}: "
+              + (", ".join(f"{n} release {m['release']}" for n, m in state["models"].items()) or "no releases"),
+              file=env.stdout)
+        return 0
+    if args.bundle is None:
+        raise UsageError("give the bundle .tar.gz to install (or --repair-state)")
     key = load_public_key(args.pub) if args.pub else None
     try:
         result = install(args.bundle, args.root, key, args.allow_downgrade)

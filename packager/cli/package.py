@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from rich.table import Table
+from rich.text import Text
 
 from edgeq.errors import UsageError
 from edgeq.load import parse_shape
@@ -94,7 +95,7 @@ def run(args, env) -> int:
     if args.json:
         print(json.dumps(result.to_dict(), indent=2), file=env.stdout)
         return 0
-    view = Table(title=f"bundle {result.manifest['bundle_id']}", show_header=False)
+    view = Table(title=Text(f"bundle {result.manifest['bundle_id']}"), show_header=False)
     toolkit = result.manifest["toolchain"]["cuda_toolkit"]
     rows = [
         ("bundle", str(result.bundle_dir)),
@@ -106,7 +107,7 @@ def run(args, env) -> int:
         ("time: total", f"{result.total_seconds:.2f} s"),
     ]
     for key, value in rows:
-        view.add_row(key, value)
+        view.add_row(key, Text(value))  # paths and names are data, never rich markup
     out = env.out()
     out.print(view)
     report = result.manifest.get("quantization")
@@ -122,7 +123,7 @@ def quantization_table(report: dict) -> Table:
         for column in ("layer", "op", "precision", "activation", "zero point", "why not integer"):
             table.add_column(column)
         for row in report["layers"]:
-            table.add_row(row["name"], row["op_type"], row["precision"], row["activation_dtype"] or "-",
+            table.add_row(Text(row["name"]), row["op_type"], row["precision"], row["activation_dtype"] or "-",
                           str(row["activation_zero_point"]), row["reason"] or "-")
         return table
     ev = report["evaluation"]
@@ -137,7 +138,7 @@ def quantization_table(report: dict) -> Table:
     for column in ("layer", "op", "precision", "act scale", "SQNR dB", "why not int8"):
         table.add_column(column)
     for row in report["layers"]:
-        table.add_row(row["name"], row["op_type"], row["precision"],
+        table.add_row(Text(row["name"]), row["op_type"], row["precision"],
                       f"{row['activation_scale']:.4g}" if row.get("activation_scale") else "-",
                       f"{row['sqnr_db']:.1f}" if row.get("sqnr_db") is not None else "-", row["reason"] or "-")
     return table

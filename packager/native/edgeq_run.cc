@@ -1151,8 +1151,8 @@ long ParseCount(const std::string& flag, const char* text, long min) {
   char* end = nullptr;
   errno = 0;
   long v = std::strtol(text, &end, 10);
-  if (errno || !end || *end || v < min || v > 100000000L)
-    Usage(flag + " needs a whole number from " + std::to_string(min) + " to 100000000, got '" + text + "'");
+  if (errno || !end || *end || v < min || v > 1000000L)
+    Usage(flag + " needs a whole number from " + std::to_string(min) + " to 1000000, got '" + text + "'");
   return v;
 }
 

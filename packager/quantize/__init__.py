@@ -77,8 +77,8 @@ def check_args(args: QuantizeArgs) -> None:
         raise UsageError("--calib-samples must be at least 1")
     if args.fallback not in ("fp32", "fp16"):
         raise UsageError(f"fallback precision must be fp32 or fp16, not {args.fallback}")
-    if args.accuracy_budget is not None and args.accuracy_budget < 0:
-        raise UsageError("--accuracy-budget must be >= 0")
+    if args.accuracy_budget is not None and not 0 <= args.accuracy_budget < float("inf"):
+        raise UsageError(f"--accuracy-budget must be a number >= 0, not {args.accuracy_budget}")
 
 
 def _apply_skip(layers: list[Layer], skip: tuple[str, ...]) -> None:

@@ -10,12 +10,15 @@ by name become the labels).
 from __future__ import annotations
 
 import dataclasses
+import math
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
 from edgeq.errors import UsageError
+from edgeq.limits import LIMITS
 from edgeq.load import TensorSpec
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm"}
@@ -146,14 +149,37 @@ def _from_arrays(arrays: dict[str, np.ndarray], specs: list[TensorSpec], what: s
     return Dataset(views, labels, source)
 
 
-def _read_npz(path: Path) -> dict[str, np.ndarray]:
+def _npy_bytes(stream) -> int:
+    """The data size a .npy header declares (read from the header alone)."""
+    major, _ = np.lib.format.read_magic(stream)
+    read_header = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
+    shape, _, dtype = read_header(stream)
+    if dtype.hasobject:
+        raise ValueError("it holds Python objects (pickles); save plain numeric arrays")
+    return math.prod(shape) * dtype.itemsize
+
+
+def _read_npz(path: Path, budget: list[int]) -> dict[str, np.ndarray]:
+    """Arrays of a .npy / .npz, each size checked from its header against what is left of ``budget[0]``."""
     try:
         if path.suffix == ".npy":
+            with open(path, "rb") as f:
+                _spend(budget, _npy_bytes(f), path)
             return {"arr_0": np.load(path, allow_pickle=False)}
         with np.load(path, allow_pickle=False) as archive:
+            for name in archive.files:
+                with archive.zip.open(f"{name}.npy") as member:
+                    _spend(budget, _npy_bytes(member), path)
             return {k: archive[k] for k in archive.files}
-    except (OSError, ValueError, EOFError) as err:
-        raise DataError(f"cannot read {path}: {err}") from None
+    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile) as err:
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise DataError(f"cannot read {path}: {reason}") from None
+
+
+def _spend(budget: list[int], size: int, path: Path) -> None:
+    budget[0] -= size
+    if budget[0] < 0:
+        raise DataError(LIMITS["data_bytes"].exceeded(f"the data up to {path}", LIMITS["data_bytes"].value - budget[0]))
 
 
 def _images(paths: list[Path], root: Path, spec: TensorSpec, pre: Preprocess, what: str) -> Dataset:
@@ -168,12 +194,15 @@ def _images(paths: list[Path], root: Path, spec: TensorSpec, pre: Preprocess, wh
         raise DataError(f"--preprocess order={order} gives {1 if order == 'GRAY' else 3} channels; input '{spec.name}' has {channels}")
     classes = sorted({p.parent.relative_to(root).as_posix() for p in paths} - {"."})
     samples, labels = [], []
+    max_pixels = LIMITS["image_pixels"].value
     for path in paths:
         try:
             with Image.open(path) as image:
+                if image.width * image.height > max_pixels:  # checked before any pixel is decoded
+                    raise DataError(LIMITS["image_pixels"].exceeded(f"image {path}", image.width * image.height, "pixels"))
                 image = image.convert("L" if order == "GRAY" else "RGB").resize((size[1], size[0]), Image.BILINEAR)
                 pixels = np.asarray(image, dtype=np.float32)
-        except (OSError, UnidentifiedImageError, ValueError) as err:
+        except (OSError, UnidentifiedImageError, ValueError, Image.DecompressionBombError) as err:
             raise DataError(f"cannot read image {path}: {err}") from None
         if order == "GRAY":
             pixels = pixels[:, :, None]
@@ -193,12 +222,13 @@ def load_data(path: str | Path, specs: list[TensorSpec], what: str = "calibratio
               preprocess: Preprocess | None = None, limit: int | None = None, minimum: int = 1) -> Dataset:
     """Read and check data for the model's inputs. ``what`` names the data in error messages."""
     path = Path(path)
+    budget = [LIMITS["data_bytes"].value]
     if not path.exists():
         raise DataError(f"{what} data not found: {path}")
     if path.is_file():
         if path.suffix not in (".npz", ".npy"):
             raise DataError(f"{what} data {path} is not .npz or .npy; give a .npz, a folder of .npy/.npz, or images")
-        data = _from_arrays(_read_npz(path), specs, what, str(path))
+        data = _from_arrays(_read_npz(path, budget), specs, what, str(path))
     else:
         files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
         images = [p for p in files if p.suffix.lower() in IMAGE_SUFFIXES]
@@ -210,7 +240,7 @@ def load_data(path: str | Path, specs: list[TensorSpec], what: str = "calibratio
                 raise DataError(f"image {what} data needs a model with one input; this one has {len(specs)}")
             data = _images(images, path, specs[0], preprocess, what)
         elif arrays:
-            parts = [_from_arrays(_read_npz(p), specs, what, str(p)) for p in arrays]
+            parts = [_from_arrays(_read_npz(p, budget), specs, what, str(p)) for p in arrays]
             merged = {s.name: np.concatenate([d.arrays[s.name] for d in parts]) for s in specs}
             labels = [d.labels for d in parts]
             data = Dataset(merged, np.concatenate(labels) if all(x is not None for x in labels) else None, str(path))

@@ -28,6 +28,9 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCHEMA_VERSION = 2
+MAX_MANIFEST_BYTES = 4 << 20
+MAX_RUNS = 1000000  # --benchmark / --warmup
+MAX_INPUT_BYTES = int(os.environ.get("EDGEQ_MAX_INPUT_BYTES") or 4 << 30)  # one --input .npy
 TRUSTED_KEY = os.environ.get("EDGEQ_TRUSTED_KEY") or "/etc/edgeq/trusted.pub"
 # TVM's thread pool assumes two hardware threads per core and, unless told, uses half the CPUs; inference
 # gets every CPU this process may run on (set TVM_NUM_THREADS to choose).
@@ -109,35 +112,70 @@ def check_signature(manifest_bytes):
         raw = key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
     except (OSError, ValueError) as err:
         raise BundleCheckError("cannot read the trusted key %s: %s" % (TRUSTED_KEY, err))
+    from cryptography.exceptions import InvalidSignature
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    if not isinstance(key, ed25519.Ed25519PublicKey):
+        raise BundleCheckError("the trusted key %s is not an ed25519 key" % TRUSTED_KEY)
     try:
         with open(os.path.join(HERE, "manifest.sig"), "rb") as f:
-            sig = json.loads(f.read().decode("utf-8"))
+            sig = json.loads(f.read(1 << 20).decode("utf-8"))
+        signature = base64.b64decode(sig["signature"], validate=True)
+        if sig.get("algorithm") != "ed25519" or not isinstance(sig.get("key_id"), str):
+            raise ValueError
     except OSError:
         raise BundleCheckError("this device trusts %s but the bundle is not signed (no manifest.sig)" % TRUSTED_KEY)
-    except ValueError:
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
         raise BundleCheckError("manifest.sig is malformed")
-    if sig.get("key_id") != hashlib.sha256(raw).hexdigest()[:16]:
-        raise BundleCheckError("the bundle is signed by another key (%s) than the trusted one" % sig.get("key_id"))
+    if sig["key_id"] != hashlib.sha256(raw).hexdigest()[:16]:
+        raise BundleCheckError("the bundle is signed by another key (%s) than the trusted one" % sig["key_id"])
     try:
-        key.verify(base64.b64decode(sig["signature"]), manifest_bytes)
-    except Exception:
+        key.verify(signature, manifest_bytes)
+    except InvalidSignature:
         raise BundleCheckError("the signature does not match manifest.json (changed after signing?)")
 
 
 def load_manifest():
     try:
         with open(os.path.join(HERE, "manifest.json"), "rb") as f:
-            manifest_bytes = f.read()
-        manifest = json.loads(manifest_bytes.decode("utf-8"))
-    except (OSError, ValueError) as err:
-        raise BundleCheckError("cannot read manifest.json: %s" % err)
+            manifest_bytes = f.read(MAX_MANIFEST_BYTES + 1)
+    except OSError as err:
+        raise BundleCheckError("cannot read manifest.json: %s" % err.strerror)
+    if len(manifest_bytes) > MAX_MANIFEST_BYTES:
+        raise BundleCheckError("manifest.json is larger than %d bytes" % MAX_MANIFEST_BYTES)
     check_signature(manifest_bytes)
-    if manifest.get("schema_version") != SCHEMA_VERSION:
+    try:
+        manifest = json.loads(manifest_bytes.decode("utf-8"))
+    except (ValueError, RecursionError) as err:
+        raise BundleCheckError("manifest.json is not valid JSON: %s" % str(err)[:100])
+    if not isinstance(manifest, dict) or manifest.get("schema_version") != SCHEMA_VERSION:
         raise BundleCheckError(
             "manifest schema_version %r is not %d; use the run.py shipped with this bundle"
-            % (manifest.get("schema_version"), SCHEMA_VERSION)
+            % (manifest.get("schema_version") if isinstance(manifest, dict) else None, SCHEMA_VERSION)
         )
+    check_shape(manifest)
     return manifest
+
+
+def check_shape(manifest):
+    """The parts of the manifest this loader reads have the types it expects (one line otherwise)."""
+    def tensor(t, stored):
+        return (isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("dtype"), str)
+                and isinstance(t.get("shape"), list) and all(isinstance(d, int) and d >= 0 for d in t["shape"])
+                and (not stored or all(isinstance(t.get(k), int) and t[k] >= 0 for k in ("offset", "bytes"))))
+
+    files = manifest.get("files")
+    ok = (isinstance(files, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in files.items())
+          and isinstance(manifest.get("device"), dict) and isinstance(manifest["device"].get("arch"), str)
+          and isinstance(manifest.get("tvm_version"), str) and isinstance(manifest.get("toolchain"), dict)
+          and all(isinstance(manifest.get(k), list) and all(tensor(t, False) for t in manifest[k])
+                  for k in ("inputs", "outputs"))
+          and all(isinstance(manifest.get(k), dict) and isinstance(manifest[k].get("file"), str)
+                  for k in ("library", "weights", "golden"))
+          and all(isinstance(manifest[k].get("tensors"), list) and all(tensor(t, True) for t in manifest[k]["tensors"])
+                  for k in ("weights", "golden")))
+    if not ok:
+        raise BundleCheckError("manifest.json does not have the shape of an edgeq bundle manifest; re-copy the bundle")
 
 
 def check_files(manifest):
@@ -306,8 +344,10 @@ def parse_args(argv):
     parser.add_argument("--check", action="store_true", help="only check that this machine can run the bundle")
     parser.add_argument("--json", action="store_true", help="print results as JSON")
     args = parser.parse_args(argv)
-    if args.benchmark is not None and args.benchmark < 1:
-        parser.error("--benchmark needs N >= 1")
+    if args.benchmark is not None and not 1 <= args.benchmark <= MAX_RUNS:
+        parser.error("--benchmark needs N from 1 to %d" % MAX_RUNS)
+    if not 0 <= args.warmup <= MAX_RUNS:
+        parser.error("--warmup needs N from 0 to %d" % MAX_RUNS)
     if not (args.self_test or args.benchmark or args.check or args.input):
         parser.error("give --self-test, --benchmark N, --check or --input NAME=FILE.npy")
     return args
@@ -322,9 +362,14 @@ def read_inputs(specs):
         if not sep:
             raise BundleCheckError("--input '%s' is not NAME=FILE.npy" % spec)
         try:
-            inputs[name] = np.load(path, allow_pickle=False)
-        except (OSError, ValueError) as err:
-            raise BundleCheckError("cannot read --input %s: %s" % (spec, err))
+            header = np.load(path, mmap_mode="r", allow_pickle=False)  # the header only: bound before reading
+            if header.nbytes > MAX_INPUT_BYTES:
+                raise BundleCheckError("--input %s holds %d bytes, more than %d; raise EDGEQ_MAX_INPUT_BYTES to read it"
+                                       % (spec, header.nbytes, MAX_INPUT_BYTES))
+            inputs[name] = np.array(header)
+        except (OSError, ValueError, EOFError) as err:
+            raise BundleCheckError("cannot read --input %s: %s" % (spec, str(err).splitlines()[0] if str(err) else
+                                                                     type(err).__name__))
     return inputs
 
 
@@ -373,7 +418,10 @@ def main(argv=None):
         elif inputs:
             outputs = model.run(inputs)
             if args.output:
-                model.np.savez(args.output, **outputs)
+                try:
+                    model.np.savez(args.output, **outputs)
+                except OSError as err:
+                    raise BundleCheckError("cannot write --output %s: %s" % (args.output, err.strerror or err))
             if args.json:
                 print(json.dumps({k: {"shape": list(v.shape), "dtype": str(v.dtype)} for k, v in outputs.items()}))
             elif not args.output:
