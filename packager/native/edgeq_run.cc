@@ -478,49 +478,50 @@ std::string ShapeText(const std::vector<int64_t>& shape) {
 
 // Reads a .npy file (version 1-3, little-endian, C order) with the size bounded before allocation.
 HostTensor ReadNpy(const std::string& path, const std::string& what) {
+  auto fail = [&](const std::string& why) { refuse("cannot read " + what + ": " + why); };
   FILE* f = std::fopen(path.c_str(), "rb");
-  if (!f) refuse("cannot read " + what + ": " + std::strerror(errno));
+  if (!f) fail(std::strerror(errno));
   std::unique_ptr<FILE, int (*)(FILE*)> guard(f, std::fclose);
   uint8_t head[10];
   if (std::fread(head, 1, 10, f) != 10 || std::memcmp(head, "\x93NUMPY", 6) != 0)
-    refuse(what + " is not a .npy file");
+    fail("not a .npy file");
   uint32_t hlen;
   if (head[6] == 1) {
     hlen = head[8] | (head[9] << 8);
   } else if (head[6] == 2 || head[6] == 3) {
     uint8_t more[2];
-    if (std::fread(more, 1, 2, f) != 2) refuse(what + " is truncated");
+    if (std::fread(more, 1, 2, f) != 2) fail("truncated");
     hlen = head[8] | (head[9] << 8) | (uint32_t(more[0]) << 16) | (uint32_t(more[1]) << 24);
   } else {
-    refuse(what + " has an unknown .npy version");
+    fail("unknown .npy version");
   }
-  if (hlen > 65536) refuse(what + " has a .npy header larger than 64 KiB");
+  if (hlen > 65536) fail(".npy header larger than 64 KiB");
   std::string header(hlen, '\0');
-  if (std::fread(&header[0], 1, hlen, f) != hlen) refuse(what + " is truncated");
+  if (std::fread(&header[0], 1, hlen, f) != hlen) fail("truncated");
   auto value_of = [&](const std::string& key) -> std::string {
     size_t k = header.find("'" + key + "'");
-    if (k == std::string::npos) refuse(what + ": .npy header has no '" + key + "'");
+    if (k == std::string::npos) fail(".npy header has no '" + key + "'");
     size_t colon = header.find(':', k);
-    if (colon == std::string::npos) refuse(what + ": malformed .npy header");
+    if (colon == std::string::npos) fail("malformed .npy header");
     size_t start = header.find_first_not_of(' ', colon + 1);
     size_t end = header[start] == '(' ? header.find(')', start) + 1
                  : header[start] == '\'' ? header.find('\'', start + 1) + 1
                                          : header.find_first_of(",}", start);
     if (start == std::string::npos || end == std::string::npos || end <= start)
-      refuse(what + ": malformed .npy header");
+      fail("malformed .npy header");
     return header.substr(start, end - start);
   };
   std::string descr = value_of("descr"), fortran = value_of("fortran_order"), shape = value_of("shape");
-  if (fortran != "False") refuse(what + " is in Fortran order; save it C-contiguous (np.ascontiguousarray)");
+  if (fortran != "False") fail("Fortran order; save it C-contiguous (np.ascontiguousarray)");
   static const std::map<std::string, std::string> names = {
       {"'<f2'", "float16"}, {"'<f4'", "float32"}, {"'<f8'", "float64"}, {"'|i1'", "int8"},  {"'<i2'", "int16"},
       {"'<i4'", "int32"},   {"'<i8'", "int64"},   {"'|u1'", "uint8"},   {"'<u2'", "uint16"}, {"'<u4'", "uint32"},
       {"'<u8'", "uint64"},  {"'|b1'", "bool"}};
   auto it = names.find(descr);
-  if (it == names.end()) refuse(what + " has dtype " + descr + ", which edgeq-run does not read (little-endian numbers only)");
+  if (it == names.end()) fail("dtype " + descr + " is not one edgeq-run reads (little-endian numbers only)");
   HostTensor t;
   t.dtype = ParseDType(it->second);
-  if (shape.size() < 2 || shape.front() != '(' || shape.back() != ')') refuse(what + ": malformed .npy shape");
+  if (shape.size() < 2 || shape.front() != '(' || shape.back() != ')') fail("malformed .npy shape");
   std::string dims = shape.substr(1, shape.size() - 2);
   uint64_t count = 1;
   size_t p = 0;
@@ -531,7 +532,7 @@ HostTensor ReadNpy(const std::string& path, const std::string& what) {
     part.erase(part.find_last_not_of(' ') + 1);
     if (!part.empty()) {
       if (part.size() > 12 || part.find_first_not_of("0123456789") != std::string::npos)
-        refuse(what + ": malformed .npy shape");
+        fail("malformed .npy shape");
       int64_t d = std::stoll(part);
       t.shape.push_back(d);
       count *= uint64_t(d);
@@ -543,10 +544,10 @@ HostTensor ReadNpy(const std::string& path, const std::string& what) {
   uint64_t limit = kMaxInputBytes;
   if (const char* env = std::getenv("EDGEQ_MAX_INPUT_BYTES")) limit = std::strtoull(env, nullptr, 10);
   if (count * uint64_t(t.dtype.bytes) > limit)
-    refuse(what + " declares more than " + std::to_string(limit) + " bytes; raise EDGEQ_MAX_INPUT_BYTES to read it");
+    fail("it declares more than " + std::to_string(limit) + " bytes; raise EDGEQ_MAX_INPUT_BYTES to read it");
   t.data.resize(size_t(count) * size_t(t.dtype.bytes));
   if (!t.data.empty() && std::fread(t.data.data(), 1, t.data.size(), f) != t.data.size())
-    refuse(what + " holds less data than its header declares");
+    fail("less data than its header declares");
   return t;
 }
 

@@ -173,7 +173,10 @@ def check_shape(manifest):
           and all(isinstance(manifest.get(k), dict) and isinstance(manifest[k].get("file"), str)
                   for k in ("library", "weights", "golden"))
           and all(isinstance(manifest[k].get("tensors"), list) and all(tensor(t, True) for t in manifest[k]["tensors"])
-                  for k in ("weights", "golden")))
+                  for k in ("weights", "golden"))
+          and (manifest.get("runtime") is None or (
+              isinstance(manifest["runtime"], dict) and isinstance(manifest["runtime"].get("loader"), str)
+              and isinstance(manifest["runtime"].get("libraries"), list))))
     if not ok:
         raise BundleCheckError("manifest.json does not have the shape of an edgeq bundle manifest; re-copy the bundle")
 
@@ -362,11 +365,15 @@ def read_inputs(specs):
         if not sep:
             raise BundleCheckError("--input '%s' is not NAME=FILE.npy" % spec)
         try:
-            header = np.load(path, mmap_mode="r", allow_pickle=False)  # the header only: bound before reading
-            if header.nbytes > MAX_INPUT_BYTES:
-                raise BundleCheckError("--input %s holds %d bytes, more than %d; raise EDGEQ_MAX_INPUT_BYTES to read it"
-                                       % (spec, header.nbytes, MAX_INPUT_BYTES))
-            inputs[name] = np.array(header)
+            with open(path, "rb") as f:  # the header alone first: the size is bounded before anything is read
+                major, _ = np.lib.format.read_magic(f)
+                read_header = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
+                shape, _, dtype = read_header(f)
+            nbytes = int(np.prod(shape, dtype=object)) * dtype.itemsize
+            if nbytes > MAX_INPUT_BYTES:
+                raise BundleCheckError("--input %s declares %d bytes, more than %d; raise EDGEQ_MAX_INPUT_BYTES to read it"
+                                       % (spec, nbytes, MAX_INPUT_BYTES))
+            inputs[name] = np.load(path, allow_pickle=False)
         except (OSError, ValueError, EOFError) as err:
             raise BundleCheckError("cannot read --input %s: %s" % (spec, str(err).splitlines()[0] if str(err) else
                                                                      type(err).__name__))

@@ -1,0 +1,212 @@
+"""Hostile and broken bundles against every verb that reads one: verify, install, inspect, run.py and
+edgeq-run. Each case: one line, the documented exit code (7 for edgeq's bundle verbs, 2 for the loaders),
+nothing written, no state changed."""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import os
+import shutil
+import subprocess
+import tarfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import run_cli, run_py
+
+DEEP = "[" * 100000 + "]" * 100000
+
+
+def package(model, out, *extra) -> dict:
+    res = run_cli("package", model, "--device", "host", "-o", out, "-q", "--json", *extra)
+    assert res.code == 0, res.stderr
+    return json.loads(res.stdout)
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory):
+    out = tmp_path_factory.mktemp("keys")
+    assert run_cli("keygen", "--out", out).code == 0
+    return out / "edgeq_signing.key", out / "edgeq_signing.pub"
+
+
+@pytest.fixture(scope="module")
+def bundles(models, keys, tmp_path_factory):
+    out = tmp_path_factory.mktemp("hostile")
+    return {"signed": package(models["resnet_cnn"], out / "s", "--sign-key", keys[0], "--release", "5"),
+            "unsigned": package(models["resnet_cnn"], out / "u", "--release", "5"),
+            "older": package(models["resnet_cnn"], out / "o", "--sign-key", keys[0], "--release", "4")}
+
+
+def refused(res, code: int, *fragments: str) -> str:
+    lines = res.stderr.strip().splitlines()
+    assert res.code == code and len(lines) == 1 and "Traceback" not in res.stderr, res.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    return lines[0]
+
+
+def members(bundle_dir: Path) -> list[tuple[str, bytes]]:
+    names = ["manifest.json", "manifest.sig"] if (bundle_dir / "manifest.sig").exists() else ["manifest.json"]
+    names += sorted(p.relative_to(bundle_dir).as_posix() for p in bundle_dir.rglob("*")
+                    if p.is_file() and p.name not in ("manifest.json", "manifest.sig"))
+    return [(f"{bundle_dir.name}/{n}", (bundle_dir / n).read_bytes()) for n in names]
+
+
+def write_tar(path: Path, entries, pax: dict | None = None) -> Path:
+    with tarfile.open(path, "w:gz", format=tarfile.PAX_FORMAT) as tar:
+        for i, (name, data) in enumerate(entries):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            if pax and i == 0:
+                info.pax_headers = pax
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def tree(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*")) if root.exists() else []
+
+
+# ---- verify / install: what an archive can make them do before the signature is checked ----------------
+
+
+def test_unsigned_archive_declaring_a_huge_file_is_refused_before_any_data(bundles, keys, tmp_path):
+    """The manifest declares a 256 MiB weights file; with a key given, the missing signature is found
+    at the second member, before one byte of the big member is read or written."""
+    entries = members(Path(bundles["unsigned"]["bundle_dir"]))
+    manifest = json.loads(entries[0][1])
+    manifest["sizes"]["weights.bin"] = 256 << 20
+    entries[0] = (entries[0][0], json.dumps(manifest).encode())
+    archive = write_tar(tmp_path / "big.tar.gz", entries)
+    root = tmp_path / "root"
+    start = time.monotonic()
+    refused(run_cli("install", archive, "--root", root, "--pub", keys[1]), 7, "not signed")
+    refused(run_cli("verify", archive, "--pub", keys[1]), 7, "not signed")
+    assert time.monotonic() - start < 30 and not root.exists()  # a refused first install leaves no folders
+
+
+def test_changed_manifest_is_refused_at_the_signature_before_other_members(bundles, keys, tmp_path):
+    entries = members(Path(bundles["signed"]["bundle_dir"]))
+    manifest = json.loads(entries[0][1])
+    manifest["release"] = 99
+    entries[0] = (entries[0][0], json.dumps(manifest).encode())
+    refused(run_cli("verify", write_tar(tmp_path / "x.tar.gz", entries), "--pub", keys[1]), 7, "signature does not match")
+
+
+def test_pax_header_bomb_is_refused_without_reading_it(bundles, tmp_path):
+    """A 4 MB extended header (python's tarfile would read it whole, at any size) is refused from its size."""
+    entries = members(Path(bundles["unsigned"]["bundle_dir"]))
+    archive = write_tar(tmp_path / "pax.tar.gz", entries, pax={"comment": "x" * (4 << 20)})
+    for verb in (["verify", archive], ["inspect", archive], ["install", archive, "--root", tmp_path / "r"]):
+        refused(run_cli(*verb), 7, "extended header of", "more than 8192")
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("where", ["manifest", "signature"])
+def test_deeply_nested_json(bundles, keys, tmp_path, where):
+    bundle = tmp_path / "b"
+    shutil.copytree(bundles["signed"]["bundle_dir"], bundle)
+    (bundle / ("manifest.json" if where == "manifest" else "manifest.sig")).write_text(DEEP)
+    refused(run_cli("verify", bundle, "--pub", keys[1]), 7, "nests deeper than 64" if where == "manifest" else "malformed")
+    if where == "manifest":
+        refused(run_cli("inspect", bundle), 7, "nests deeper than 64")
+    proc = run_py(bundle, "--check", env={"EDGEQ_TRUSTED_KEY": str(keys[1])})
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda m: m["library"].__setitem__("file", ["model.so"]), "library.file is not one of the bundle's files"),
+    (lambda m: m["golden"].__setitem__("file", {"x": 1}), "golden.file is not one of the bundle's files"),
+    (lambda m: m["weights"].__setitem__("tensors", [{"name": "w"}]), "weights.tensors is not a list"),
+    (lambda m: m.__setitem__("runtime", {"loader": 5, "libraries": []}), "runtime.loader"),
+    (lambda m: [m.pop(k) for k in list(m) if k != "schema_version"], "is missing"),
+])
+def test_type_confused_manifest(bundles, tmp_path, change, message):
+    bundle = tmp_path / "b"
+    shutil.copytree(bundles["unsigned"]["bundle_dir"], bundle)
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    change(manifest)
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    refused(run_cli("verify", bundle), 7, message)
+    refused(run_cli("inspect", bundle), 7)
+    proc = run_py(bundle, "--check")
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+
+
+# ---- install: anti-rollback fails closed ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("damage", ["garbage", "deep", "models-list", "release-text", "directory"])
+def test_damaged_state_refuses_a_downgrade_and_repair_restores_the_floor(bundles, keys, tmp_path, damage):
+    root = tmp_path / "root"
+    first = run_cli("install", bundles["signed"]["archive"], "--root", root, "--pub", keys[1])
+    assert first.code == 0, first.stderr
+    state = root / "state.json"
+    good = json.loads(state.read_text())
+    if damage == "directory":
+        state.unlink()
+        state.mkdir()
+    else:
+        state.write_text({"garbage": "{not json", "deep": DEEP, "models-list": json.dumps({"models": []}),
+                          "release-text": json.dumps({"models": {"resnet_cnn": {"release": "9", "bundle_id": "x"}}})}[damage])
+    before = tree(root)
+    refused(run_cli("install", bundles["older"]["archive"], "--root", root, "--pub", keys[1]), 7,
+            "state.json is damaged", "edgeq install --repair-state --root")
+    assert tree(root) == before  # nothing unpacked, current unchanged
+    if damage == "directory":
+        state.rmdir()
+    repaired = run_cli("install", "--repair-state", "--root", root, "--json")
+    assert repaired.code == 0, repaired.stderr
+    assert json.loads(repaired.stdout)["models"] == good["models"]
+    refused(run_cli("install", bundles["older"]["archive"], "--root", root, "--pub", keys[1]), 7,
+            "release 4 of resnet_cnn is older than the installed release 5")
+
+
+def test_install_cli_needs_a_bundle_or_repair(tmp_path):
+    refused(run_cli("install", "--root", tmp_path / "r"), 2, "give the bundle .tar.gz")
+
+
+# ---- the loaders: careless input ------------------------------------------------------------------------
+
+
+def test_run_py_and_edgeq_run_refuse_careless_input(bundles, tmp_path):
+    bundle = Path(bundles["unsigned"]["bundle_dir"])
+    loader = bundle / "runtime" / "edgeq-run"
+    empty = tmp_path / "empty.npy"
+    empty.write_bytes(b"")
+    header = b"{'descr': '<f4', 'fortran_order': False, 'shape': (1, 3, 200000, 200000), }".ljust(127) + b"\n"
+    bomb = tmp_path / "bomb.npy"
+    bomb.write_bytes(b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header)  # 480 GB claimed
+    good = tmp_path / "x.npy"
+    np.save(good, np.zeros((1, 3, 32, 32), np.float32))
+    cases = [
+        (["--input", f"input={empty}"], "cannot read --input"),
+        (["--input", f"input={bomb}"], "EDGEQ_MAX_INPUT_BYTES"),
+        (["--input", f"input={good}", "--output", str(tmp_path / "no" / "such" / "dir" / "o.npz")], "cannot write"),
+        (["--benchmark", "1000000000000"], "1000000"),
+        (["--benchmark", "5", "--warmup", "-1"], "--warmup"),
+    ]
+    for args, fragment in cases:
+        for name, cmd in (("run.py", None), ("edgeq-run", [str(loader)])):
+            proc = run_py(bundle, *args) if cmd is None else subprocess.run(cmd + args, capture_output=True, text=True)
+            lines = proc.stderr.strip().splitlines()
+            assert proc.returncode == 2 and "Traceback" not in proc.stderr, (name, args, proc.stderr)
+            assert fragment in lines[-1], (name, args, proc.stderr)
+    assert not (tmp_path / "no").exists()
+
+
+def test_markup_from_a_manifest_is_shown_as_text(bundles, tmp_path):
+    bundle = tmp_path / "b"
+    shutil.copytree(bundles["unsigned"]["bundle_dir"], bundle)
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    manifest["model"]["file"] = "[/x][bold]model"
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    res = run_cli("inspect", bundle)
+    assert res.code == 0 and "[/x][bold]model" in res.stdout, res.stderr
