@@ -24,7 +24,9 @@ PROTOBUF_LIMIT = 2_000_000_000
 
 
 def _limit_memory() -> None:  # runs in the child before exec
-    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_BYTES, MEMORY_BYTES))
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)  # under `ulimit -v` the child may not go above it
+    limit = MEMORY_BYTES if hard == resource.RLIM_INFINITY else min(MEMORY_BYTES, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
 
 
 def checked(model, name: str):

@@ -210,3 +210,28 @@ def test_markup_in_paths_is_printed_as_text(models, tmp_path):
     res = run_cli("package", models["resnet_cnn"], "--device", "host", "-o", out, "--runtime", "none")
     assert res.code == 0, res.stderr
     assert "[/x]" in res.stderr and (out / "resnet_cnn-host" / "manifest.json").is_file()
+
+
+def test_preprocess_values_that_do_not_fit(models, tmp_path, out):
+    from PIL import Image
+
+    images = tmp_path / "images"
+    images.mkdir()
+    Image.new("RGB", (40, 40)).save(images / "a.png")
+    base = ["--device", "host", "--precision", "int8", "--calibrate", images, "--preprocess"]
+    assert_refused(package(models["resnet_cnn"], out, *base, "mean=0.5/0.5"), 2,
+                   "--preprocess mean has 2 values; input 'input' has 3 channels: give 1 or 3")
+    assert_refused(package(models["resnet_cnn"], out, *base, "scale=nan"), 2, "must be finite numbers")
+    assert_refused(package(models["resnet_cnn"], out, *base, "resize=0x10"), 2, "must be 1 to 16384 pixels a side")
+
+
+def test_package_under_a_low_address_space_limit(models, tmp_path):
+    """`ulimit -v` below the model checker's own limit: the checker runs within it (it crashed before)."""
+    import subprocess
+    import sys
+
+    script = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30)); "
+              "from edgeq.cli.main import main; sys.exit(main(sys.argv[1:]))")
+    proc = subprocess.run([sys.executable, "-c", script, "package", str(models["resnet_cnn"]), "--device", "host",
+                           "-o", str(tmp_path / "o"), "-q", "--runtime", "none"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr

@@ -69,6 +69,10 @@ class Preprocess:
                 ) from None
         if any(s == 0 for s in pre.std):
             raise DataError("--preprocess std must not be 0")
+        if not all(math.isfinite(v) for v in (*pre.mean, *pre.std, pre.scale)) or pre.scale == 0:
+            raise DataError("--preprocess mean, std and scale must be finite numbers (scale not 0)")
+        if pre.resize and not all(0 < d <= 16384 for d in pre.resize):
+            raise DataError(f"--preprocess resize={pre.resize[0]}x{pre.resize[1]} must be 1 to 16384 pixels a side")
         return pre
 
     def to_dict(self) -> dict:
@@ -192,6 +196,10 @@ def _images(paths: list[Path], root: Path, spec: TensorSpec, pre: Preprocess, wh
     order = pre.order or ("GRAY" if channels == 1 else "RGB")
     if (order == "GRAY") != (channels == 1):
         raise DataError(f"--preprocess order={order} gives {1 if order == 'GRAY' else 3} channels; input '{spec.name}' has {channels}")
+    for key in ("mean", "std"):
+        if len(getattr(pre, key)) not in (1, channels):
+            raise DataError(f"--preprocess {key} has {len(getattr(pre, key))} values; input '{spec.name}' has {channels} "
+                            f"channels: give 1 or {channels}")
     classes = sorted({p.parent.relative_to(root).as_posix() for p in paths} - {"."})
     samples, labels = [], []
     max_pixels = LIMITS["image_pixels"].value
