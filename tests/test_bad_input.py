@@ -235,3 +235,10 @@ def test_package_under_a_low_address_space_limit(models, tmp_path):
     proc = subprocess.run([sys.executable, "-c", script, "package", str(models["resnet_cnn"]), "--device", "host",
                            "-o", str(tmp_path / "o"), "-q", "--runtime", "none"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_packaging_over_an_existing_bundle_says_so(models, tmp_path):
+    first = run_cli("package", models["resnet_cnn"], "--device", "host", "-o", tmp_path, "--runtime", "none")
+    again = run_cli("package", models["resnet_cnn"], "--device", "host", "-o", tmp_path, "--runtime", "none")
+    assert first.code == again.code == 0, again.stderr
+    assert "replacing" not in first.stderr and f"replacing the bundle already in {tmp_path / 'resnet_cnn-host'}" in again.stderr
