@@ -14,6 +14,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import json
+import re
 import shlex
 import threading
 import time
@@ -26,6 +27,8 @@ from edgeq import safebundle
 from edgeq.errors import BundleError, UsageError
 
 STATES = ("updated", "already", "rolled-back", "failed", "skipped")
+MAX_HOSTS = 100_000  # bound of --batch, --canary and --max-failures counts
+MAX_PARALLEL = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,8 +55,71 @@ class Fleet:
     command_timeout: float = 600.0
 
 
+def _text(v: Any) -> bool:
+    return isinstance(v, str) and v.strip() != "" and v.isprintable()
+
+
+def _seconds(high: float) -> tuple[str, Callable[[Any], bool]]:
+    return (f"a number of seconds from 1 to {high:g}",
+            lambda v: isinstance(v, int | float) and not isinstance(v, bool) and 1 <= v <= high)  # nan fails
+
+
+# what each key of fleet.toml must be: (description for the error, check)
+_KINDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "text": ("a non-empty string", _text),
+    "bool": ("true or false", lambda v: isinstance(v, bool)),
+    "root": ("an absolute path (a string starting with /)", lambda v: _text(v) and v.startswith("/")),
+    "address": ("a host name or IP address (a string without spaces)", lambda v: _text(v) and not any(c.isspace() for c in v)),
+    "port": ("an integer from 1 to 65535", lambda v: type(v) is int and 1 <= v <= 65535),
+    "name": ("a name of letters, digits, '.', '_' or '-' (at most 64, starting with a letter or digit)",
+             lambda v: isinstance(v, str) and re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", v) is not None),
+    "tags": ("a list of strings", lambda v: isinstance(v, list) and all(_text(t) for t in v)),
+    "connect_timeout": _seconds(3600),
+    "command_timeout": _seconds(86400),
+}
+_TOP_KEYS = {"hosts": None, "known_hosts": "text", "trust_on_first_use": "bool", "public_key": "text", "root": "root",
+             "connect_timeout": "connect_timeout", "command_timeout": "command_timeout"}
+_HOST_KEYS = {"name": "name", "address": "address", "port": "port", "user": "text", "key": "text", "python": "text",
+              "root": "root", "device": "text", "tags": "tags"}
+
+
+def _checked(path: Path, table: dict, keys: dict[str, str | None], where: str) -> dict[str, Any]:
+    """``table`` with every key known and of its kind; otherwise one line naming file, key and kind."""
+    unknown = sorted(set(table) - set(keys))
+    if unknown:
+        raise UsageError(f"fleet file {path}: unknown key{'s' if len(unknown) > 1 else ''} "
+                         f"{', '.join(repr(f'{where}{k}') for k in unknown)} (known: {', '.join(keys)})")
+    for key, kind in keys.items():
+        if kind is not None and key in table and not _KINDS[kind][1](table[key]):
+            shown = repr(table[key]) if len(repr(table[key])) <= 40 else repr(table[key])[:37] + "..."
+            raise UsageError(f"fleet file {path}: {where}{key} must be {_KINDS[kind][0]}, not {shown}")
+    return table
+
+
+def _check_known_hosts(fleet_path: Path, known_hosts: Path) -> None:
+    """Every line of known_hosts is a host key paramiko can use (it skips or crashes on the others)."""
+    from paramiko.hostkeys import HostKeyEntry
+
+    try:
+        lines = known_hosts.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as err:
+        raise UsageError(f"fleet file {fleet_path}: cannot read known_hosts {known_hosts}: "
+                         f"{getattr(err, 'strerror', None) or err}") from None
+    for n, line in enumerate(lines, 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        try:
+            entry = HostKeyEntry.from_line(line, n)
+        except Exception:  # paramiko raises several kinds for bad base64, unknown or corrupt keys
+            entry = None
+        if entry is None:
+            raise UsageError(f"known_hosts file {known_hosts} line {n} is not 'HOST KEYTYPE BASE64KEY' with a key "
+                             "type paramiko knows; fix or delete that line (ssh-keyscan writes good ones)")
+
+
 def load_fleet(path: str | Path) -> Fleet:
-    """Parse fleet.toml; paths inside it are relative to the file."""
+    """Parse and check fleet.toml (every key typed, unknown keys refused); paths inside are relative to it."""
     path = Path(path)
     try:
         raw = tomllib.loads(path.read_text(encoding="utf-8"))
@@ -66,31 +132,40 @@ def load_fleet(path: str | Path) -> Fleet:
     def rel(value: str | None) -> Path | None:
         return None if value is None else (base / value if not Path(value).is_absolute() else Path(value))
 
-    hosts, names = [], set()
+    _checked(path, raw, _TOP_KEYS, "")
+    if not isinstance(raw.get("hosts", []), list):
+        raise UsageError(f"fleet file {path}: hosts must be a list of [[hosts]] tables, not {raw['hosts']!r}")
+    hosts: list[Host] = []
     for i, h in enumerate(raw.get("hosts", [])):
-        if not isinstance(h, dict) or not isinstance(h.get("name"), str) or not isinstance(h.get("address"), str):
+        if not isinstance(h, dict):
+            raise UsageError(f"fleet file {path}: hosts[{i}] must be a table ([[hosts]] with name and address), not {h!r}")
+        if "name" not in h or "address" not in h:
             raise UsageError(f"fleet file {path}: hosts[{i}] needs 'name' and 'address'")
-        if h["name"] in names:
-            raise UsageError(f"fleet file {path}: host name {h['name']!r} appears twice")
-        names.add(h["name"])
-        unknown = set(h) - {f.name for f in dataclasses.fields(Host)}
-        if unknown:
-            raise UsageError(f"fleet file {path}: host {h['name']!r} has unknown keys: {', '.join(sorted(unknown))}")
-        try:
-            hosts.append(Host(
-                name=h["name"], address=h["address"], port=int(h.get("port", 22)), user=h.get("user"),
-                key=str(rel(h["key"])) if h.get("key") else None, python=h.get("python", "python3"),
-                root=h.get("root", raw.get("root", "/opt/edgeq")), device=h.get("device"), tags=tuple(h.get("tags", ())),
-            ))
-        except (TypeError, ValueError):
-            raise UsageError(f"fleet file {path}: host {h['name']!r} has a value of the wrong type") from None
+        _checked(path, h, _HOST_KEYS, f"hosts[{i}].")
+        twin = next((j for j, other in enumerate(hosts) if other.name == h["name"]), None)
+        if twin is not None:
+            raise UsageError(f"fleet file {path}: host name {h['name']!r} appears twice (hosts[{twin}] and hosts[{i}])")
+        hosts.append(Host(
+            name=h["name"], address=h["address"], port=h.get("port", 22), user=h.get("user"),
+            key=str(rel(h["key"])) if "key" in h else None, python=h.get("python", "python3"),
+            root=h.get("root", raw.get("root", "/opt/edgeq")), device=h.get("device"), tags=tuple(h.get("tags", ())),
+        ))
     if not hosts:
         raise UsageError(f"fleet file {path} lists no [[hosts]]")
-    if "known_hosts" not in raw and not raw.get("trust_on_first_use"):
+    tofu = raw.get("trust_on_first_use", False)
+    if "known_hosts" not in raw and not tofu:
         raise UsageError(f"fleet file {path} needs known_hosts = 'FILE' (or trust_on_first_use = true)")
+    known_hosts = rel(raw.get("known_hosts", "known_hosts"))
+    if known_hosts.exists() or not tofu:
+        if not known_hosts.exists():
+            raise UsageError(f"fleet file {path}: known_hosts file {known_hosts} not found; list the hosts' keys "
+                             "there (ssh-keyscan) or set trust_on_first_use = true")
+        _check_known_hosts(path, known_hosts)
+    public_key = rel(raw.get("public_key"))
+    if public_key is not None and not public_key.is_file():
+        raise UsageError(f"fleet file {path}: public_key {public_key} is not a file")
     return Fleet(
-        path=path, hosts=tuple(hosts), known_hosts=rel(raw.get("known_hosts", "known_hosts")),
-        trust_on_first_use=bool(raw.get("trust_on_first_use", False)), public_key=rel(raw.get("public_key")),
+        path=path, hosts=tuple(hosts), known_hosts=known_hosts, trust_on_first_use=tofu, public_key=public_key,
         connect_timeout=float(raw.get("connect_timeout", 10)), command_timeout=float(raw.get("command_timeout", 600)),
     )
 
@@ -116,19 +191,28 @@ def _why(err: BaseException) -> str:
     return getattr(err, "strerror", None) or str(err) or type(err).__name__
 
 
+def _plain(text: str, limit: int = 300) -> str:
+    """Device output made safe to print: control characters (terminal escapes) shown as escapes, length capped."""
+    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def parse_count(text: str | None, total: int, what: str) -> int:
-    """``N`` or ``P%`` of ``total``."""
+    """``N`` (0 to MAX_HOSTS) or ``P%`` (0 to 100) of ``total``, rounded up."""
     if text is None:
         return 0
     try:
         if str(text).endswith("%"):
-            return int(total * float(str(text)[:-1]) / 100 + 0.999999)
+            percent = float(str(text)[:-1])
+            if not 0 <= percent <= 100:  # nan and inf too
+                raise ValueError
+            return int(total * percent / 100 + 0.999999)
         value = int(text)
-        if value < 0:
+        if not 0 <= value <= MAX_HOSTS:
             raise ValueError
         return value
     except ValueError:
-        raise UsageError(f"{what} must be N or P%, not {text!r}") from None
+        raise UsageError(f"{what} must be N (0 to {MAX_HOSTS}) or P% (0 to 100%), not {text!r}") from None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -181,7 +265,7 @@ class Device:
                                    in_stream=False)
         except UnexpectedExit as err:
             text = (err.result.stderr.strip() or err.result.stdout.strip() or f"exit {err.result.exited}").splitlines()
-            raise HostFailure(f"{step}: {text[-1]}") from None
+            raise HostFailure(f"{step}: {_plain(text[-1].strip())}") from None
         except CommandTimedOut:
             raise HostFailure(f"{step}: timed out after {timeout or self.fleet.command_timeout:.0f} s") from None
         except (OSError, EOFError) as err:
@@ -228,8 +312,19 @@ def _setup_tools(dev: Device, host: Host, fleet: Fleet) -> dict[str, str]:
     return paths
 
 
+def _answer(dev: Device, command: str, step: str) -> dict[str, Any]:
+    """The JSON object a device command prints; anything else fails the host, not edgeq."""
+    try:
+        value = json.loads(dev.run(command, step))
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise HostFailure(f"{step}: the device did not answer with a JSON object")
+    return value
+
+
 def _status(dev: Device, host: Host, paths: dict[str, str]) -> dict[str, Any]:
-    return json.loads(dev.run(_q(host.python, paths["guard"], "status", "--root", host.root), "status"))
+    return _answer(dev, _q(host.python, paths["guard"], "status", "--root", host.root), "status")
 
 
 def _self_test(dev: Device, host: Host, bundle_dir: str, step: str, fleet: Fleet, paths: dict[str, str]) -> None:
@@ -262,7 +357,7 @@ def flash_host(host: Host, fleet: Fleet, plan: FlashPlan, note: Callable[[str], 
         # the bundle's runtime/ (edgeq-run) runs it where the device's python has no TVM
         probe = ("import os, json\ntry:\n    import tvm; v = tvm.__version__\nexcept ImportError:\n    v = None\n"
                  "s = os.statvfs(%r); print(json.dumps({'free': s.f_bavail * s.f_frsize, 'tvm': v}))" % host.root)
-        facts = json.loads(dev.run(_q(host.python, "-c", probe), "preflight (python, TVM or bundled runtime)"))
+        facts = _answer(dev, _q(host.python, "-c", probe), "preflight (python, TVM or bundled runtime)")
         if facts["tvm"] is None and not plan.manifest.get("runtime"):
             raise HostFailure("preflight: the device's python has no TVM and the bundle carries no runtime "
                               "(packaged with --runtime none); package it with the runtime or install apache-tvm there")
@@ -278,7 +373,7 @@ def flash_host(host: Host, fleet: Fleet, plan: FlashPlan, note: Callable[[str], 
             stage_cmd += ["--pub", paths["key"]]
         if plan.allow_downgrade:
             stage_cmd.append("--allow-downgrade")
-        staged = json.loads(dev.run(_q(*stage_cmd), "verify and unpack"))
+        staged = _answer(dev, _q(*stage_cmd), "verify and unpack")
         note(f"{host.name}: verified and unpacked; health check")
         _self_test(dev, host, staged["path"], "health check (new release)", fleet, paths)
         dev.run(_q(host.python, paths["guard"], "activate", "--root", host.root, bundle_id), "switch")
@@ -289,7 +384,7 @@ def flash_host(host: Host, fleet: Fleet, plan: FlashPlan, note: Callable[[str], 
         result.state = "updated"
         note(f"{host.name}: updated to {bundle_id}")
     except Exception as err:  # HostFailure, or anything unexpected: one host never takes the rollout down
-        result.error = str(err) if isinstance(err, HostFailure) else f"unexpected {type(err).__name__}: {err}"
+        result.error = str(err) if isinstance(err, HostFailure) else _plain(f"unexpected {type(err).__name__}: {err}")
         result.state = "failed"
         if switched and dev is not None:
             try:
@@ -330,7 +425,18 @@ def waves(hosts: tuple[Host, ...], canary: int, batch: int | None) -> list[list[
     return ([first] if first else []) + [rest[i : i + size] for i in range(0, len(rest), size)]
 
 
+def check_args(args: FlashArgs) -> None:
+    """Refuse out-of-range numbers before the fleet file, the bundle or any host is touched."""
+    if args.batch is not None and not 1 <= args.batch <= MAX_HOSTS:
+        raise UsageError(f"--batch must be from 1 to {MAX_HOSTS}, not {args.batch}")
+    if not 1 <= args.parallel <= MAX_PARALLEL:
+        raise UsageError(f"--parallel must be from 1 to {MAX_PARALLEL}, not {args.parallel}")
+    parse_count(args.canary, 0, "--canary")
+    parse_count(args.max_failures, 0, "--max-failures")
+
+
 def flash(args: FlashArgs, note: Callable[[str], None] = lambda _: None) -> tuple[list[HostResult], list[list[str]]]:
+    check_args(args)
     fleet = load_fleet(args.fleet)
     if Path(args.bundle).is_dir():
         raise UsageError("edgeq flash takes the bundle's .tar.gz archive, not its folder")
@@ -369,7 +475,7 @@ def flash(args: FlashArgs, note: Callable[[str], None] = lambda _: None) -> tupl
                 failures += 1
 
     for wave in plan_waves:
-        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.parallel)) as pool:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=args.parallel) as pool:
             list(pool.map(run_one, wave))
     return [results[h.name] for h in fleet.hosts], names
 
@@ -394,6 +500,10 @@ def fleet_status(fleet_path: Path) -> list[dict[str, Any]]:
 
 def fleet_rollback(fleet_path: Path, only: list[str] | None = None, note: Callable[[str], None] = lambda _: None) -> list[HostResult]:
     fleet = load_fleet(fleet_path)
+    missing = sorted(set(only or ()) - {h.name for h in fleet.hosts})
+    if missing:
+        raise UsageError(f"fleet file {fleet_path} has no host {', '.join(map(repr, missing))}; its hosts: "
+                         + _plain(", ".join(h.name for h in fleet.hosts)))
     out = []
     for host in fleet.hosts:
         if only and host.name not in only:
@@ -404,8 +514,8 @@ def fleet_rollback(fleet_path: Path, only: list[str] | None = None, note: Callab
             try:
                 paths = _setup_tools(dev, host, fleet)
                 res.before = _status(dev, host, paths)["current"]
-                done = json.loads(dev.run(_q(host.python, paths["guard"], "rollback", "--root", host.root), "rollback"))
-                res.after = done["current"]
+                done = _answer(dev, _q(host.python, paths["guard"], "rollback", "--root", host.root), "rollback")
+                res.after = done.get("current")
                 _self_test(dev, host, f"{host.root}/current", "health check", fleet, paths)
                 res.state = "rolled-back"
             finally:

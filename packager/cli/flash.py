@@ -7,6 +7,7 @@ import threading
 from pathlib import Path
 
 from rich.table import Table
+from rich.text import Text
 
 from edgeq.errors import ExitStatus
 from edgeq.fleet import FlashArgs, HostResult, flash, fleet_rollback, fleet_status
@@ -20,9 +21,9 @@ def add_parser(sub) -> None:
     parser.add_argument("bundle", type=Path, help="bundle .tar.gz")
     parser.add_argument("--fleet", type=Path, required=True, help="fleet.toml")
     parser.add_argument("--canary", metavar="N|P%", help="hosts in the first wave (tagged 'canary' first)")
-    parser.add_argument("--batch", type=int, metavar="N", help="hosts per later wave (default: all the rest)")
+    parser.add_argument("--batch", type=int, metavar="N", help="hosts per later wave, 1 or more (default: all the rest)")
     parser.add_argument("--max-failures", default="0", metavar="N|P%", help="stop starting hosts beyond this (default 0)")
-    parser.add_argument("--parallel", type=int, default=4, metavar="N", help="hosts at a time (default 4)")
+    parser.add_argument("--parallel", type=int, default=4, metavar="N", help="hosts at a time, 1 to 256 (default 4)")
     parser.add_argument("--allow-downgrade", action="store_true", help="install an older release than the current one")
     parser.add_argument("--dry-run", action="store_true", help="show the waves; connect to nothing")
     parser.add_argument("--json", action="store_true")
@@ -34,9 +35,14 @@ def _printer(env):
 
     def note(text: str) -> None:
         with lock:
-            err.print(text, highlight=False)
+            err.print(text, highlight=False, markup=False)  # device text is never read as markup
 
     return note
+
+
+def _cells(*values) -> list[Text]:
+    """Table cells as plain text: what devices report is never read as rich markup."""
+    return [Text("-" if v in (None, "") else str(v)) for v in values]
 
 
 def report(results: list[HostResult], env, as_json: bool, title: str, extra: dict | None = None,
@@ -44,11 +50,11 @@ def report(results: list[HostResult], env, as_json: bool, title: str, extra: dic
     if as_json:
         print(json.dumps({**(extra or {}), "hosts": [r.to_dict() for r in results]}, indent=2), file=env.stdout)
     else:
-        table = Table(title=title)
+        table = Table(title=Text(title))
         for column in ("host", "before", "after", "state", "seconds", "error"):
             table.add_column(column)
         for r in results:
-            table.add_row(r.host, r.before or "-", r.after or "-", r.state, f"{r.duration_s:.1f}", r.error or "-")
+            table.add_row(*_cells(r.host, r.before, r.after, r.state, f"{r.duration_s:.1f}", r.error))
         env.out().print(table)
     bad = [r for r in results if r.state in bad_states]
     return int(ExitStatus.ERROR) if bad and not (extra or {}).get("dry_run") else 0
@@ -81,11 +87,11 @@ class FleetVerb:
         if args.json:
             print(json.dumps(rows, indent=2), file=env.stdout)
         else:
-            table = Table(title=f"fleet {args.fleet}")
+            table = Table(title=Text(f"fleet {args.fleet}"))
             for column in ("host", "current", "release", "previous", "error"):
                 table.add_column(column)
             for row in rows:
-                table.add_row(*(str(row[k]) if row[k] not in (None, "") else "-" for k in ("host", "current", "release", "previous", "error")))
+                table.add_row(*_cells(*(row[k] for k in ("host", "current", "release", "previous", "error"))))
             env.out().print(table)
         return int(ExitStatus.ERROR) if any(row["error"] for row in rows) else 0
 
