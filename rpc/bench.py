@@ -14,11 +14,12 @@ from edgeq import safebundle
 from edgeq.bundle import read_tensor, read_tensors
 from edgeq.errors import BundleError, UsageError
 from edgeq.rpc.power import Sampler
-from edgeq.rpc.session import Remote
+from edgeq.rpc.session import DAY_S, Remote, bounded, parse_addr
 from edgeq.targets import resolve
 from edgeq.toolchain import import_tvm
 
 POWER_SOURCES = ("auto", "tegrastats", "sysfs", "nvml", "none")
+MAX_RUNS = 1_000_000  # --repeat and --warmup: beyond this a benchmark runs for days
 
 
 @dataclasses.dataclass
@@ -86,12 +87,16 @@ def _weights(directory: Path, manifest: dict) -> list[np.ndarray]:
 
 
 def bench(args: BenchArgs, note=lambda _: None) -> dict[str, Any]:
-    if args.repeat < 1 or args.warmup < 0:
-        raise UsageError("--repeat must be >= 1 and --warmup >= 0")
+    bounded("--repeat", args.repeat, 1, MAX_RUNS)
+    bounded("--warmup", args.warmup, 0, MAX_RUNS)
+    bounded("--timeout", args.timeout, 1, DAY_S)
+    bounded("--session-timeout", args.session_timeout, 0, DAY_S)
     if args.power not in POWER_SOURCES:
         raise UsageError(f"--power must be one of {', '.join(POWER_SOURCES)}")
     if (args.rpc is None) != (args.key is None):
         raise UsageError("give both --rpc HOST:PORT and --key KEY, or neither (measure here)")
+    if args.rpc:
+        parse_addr(args.rpc)
     tvm = import_tvm()
     from tvm.runtime.vm import VirtualMachine
 

@@ -21,12 +21,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from edgeq.errors import RemoteError, UsageError
-from edgeq.rpc.session import parse_addr
+from edgeq.errors import OutputError, RemoteError, UsageError
+from edgeq.rpc.session import DAY_S, Remote, bounded, parse_addr, with_deadline
 from edgeq.targets import Profile
 from edgeq.toolchain import import_tvm
 
 FORMAT = 1
+MAX_TRIALS = 100_000
 
 
 def _shash(mod) -> int:
@@ -62,7 +63,11 @@ class Records:
         self._saved: set[tuple[str, str]] = set()
         self._mine: Counter[str] = Counter()  # workload hash -> records for this profile and TVM version
         if self.path.exists():
-            for n, line in enumerate(self.path.read_text(encoding="utf-8").splitlines(), 1):
+            try:
+                text = self.path.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as err:
+                raise UsageError(f"cannot read records file {self.path}: {getattr(err, 'strerror', None) or err}") from None
+            for n, line in enumerate(text.splitlines(), 1):
                 try:
                     entry = json.loads(line)
                     key = (entry["workload_hash"], json.dumps(entry["record"]))
@@ -96,8 +101,11 @@ class Records:
             }))
             added += 1
         tmp = self.path.with_name(f".{self.path.name}.tmp")
-        tmp.write_text("".join(line + "\n" for line in self._lines), encoding="utf-8")
-        os.replace(tmp, self.path)
+        try:
+            tmp.write_text("".join(line + "\n" for line in self._lines), encoding="utf-8")
+            os.replace(tmp, self.path)
+        except OSError as err:
+            raise OutputError(f"cannot write records file {self.path}: {err.strerror}") from None
         return added
 
 
@@ -110,6 +118,18 @@ def apply_records(mod, target, records_path: Path, profile: Profile):
     prepared = prepare(mod, target)
     with tvm.target.Target(target), records.database:
         return relax.transform.MetaScheduleApplyDatabase(enable_warning=False)(prepared)
+
+
+def _create_session(config):
+    """meta_schedule's session for one measurement, every step with the deadline (its own waits for a device
+    forever); runs in the runner's worker process."""
+    from tvm import rpc
+
+    seconds = config.session_timeout_sec
+    tracker = with_deadline(f"connect to tracker {config.tracker_host}:{config.tracker_port}", seconds,
+                            rpc.connect_tracker, config.tracker_host, config.tracker_port)
+    return with_deadline(f"request a '{config.tracker_key}' device from the tracker", seconds, tracker.request,
+                         config.tracker_key, priority=config.session_priority, session_timeout=seconds)
 
 
 @dataclasses.dataclass
@@ -130,13 +150,19 @@ def tune(args: TuneArgs, note=lambda _: None, tick=lambda *_: None) -> dict[str,
     from edgeq.relax_import import to_relax
     from edgeq.targets import resolve
 
-    if args.trials < 1:
-        raise UsageError("--trials must be at least 1")
+    bounded("--trials", args.trials, 1, MAX_TRIALS)
+    bounded("--timeout", args.timeout, 1, DAY_S)
+    records_path = Path(args.records)
+    if records_path.is_dir() or (records_path.exists() and not records_path.is_file()):
+        raise UsageError(f"--records {records_path} is not a file; give a file such as {records_path / 'tuning.json'}")
+    if not records_path.parent.is_dir():
+        raise UsageError(f"--records {records_path}: folder {records_path.parent} does not exist; create it first")
     host, port = parse_addr(args.rpc)
     profile, alias_note = resolve(args.device)
     if alias_note:
         note(alias_note)
     toolchain = toolchain_for(profile)
+    Remote.open(args.rpc, args.key, args.timeout)  # a dead tracker or an absent device: one line, within --timeout
     tvm = import_tvm()
     from tvm.s_tir import meta_schedule as ms
     from tvm.support import cc
@@ -152,7 +178,7 @@ def tune(args: TuneArgs, note=lambda _: None, tick=lambda *_: None) -> dict[str,
         rpc_config=ms.runner.RPCConfig(tracker_host=host, tracker_port=port, tracker_key=args.key,
                                        session_timeout_sec=int(args.timeout)),
         evaluator_config=ms.runner.EvaluatorConfig(number=3, repeat=1, min_repeat_ms=0, enable_cpu_cache_flush=False),
-        max_workers=1,
+        max_workers=1, f_create_session=_create_session,
     )
 
     def export(rt_mod) -> str:
@@ -170,6 +196,7 @@ def tune(args: TuneArgs, note=lambda _: None, tick=lambda *_: None) -> dict[str,
                 note(f"task {i}/{len(extracted)} {task.task_name}: {done} trials recorded, skipped (resume)")
             else:
                 note(f"task {i}/{len(extracted)} {task.task_name}: tuning {per_task - done} trials on '{args.key}'")
+                Remote.open(args.rpc, args.key, args.timeout)  # still there? (each measurement has the deadline too)
                 try:
                     ms.tune_tasks(tasks=[ctx], task_weights=[weight], work_dir=work, max_trials_global=per_task - done,
                                   num_trials_per_iter=min(8, per_task - done), builder=builder, runner=runner,

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from rich.table import Table
+from rich.text import Text
 
 from edgeq.rpc.bench import POWER_SOURCES, BenchArgs, bench
 
@@ -17,11 +18,11 @@ def add_parser(sub) -> None:
     parser.add_argument("bundle", type=Path, help="bundle directory or .tar.gz")
     parser.add_argument("--rpc", metavar="HOST:PORT", help="TVM RPC tracker (omit to measure on this machine)")
     parser.add_argument("--key", help="device key registered with the tracker")
-    parser.add_argument("--repeat", type=int, default=100, help="timed runs (default 100)")
-    parser.add_argument("--warmup", type=int, default=10, help="untimed runs first (default 10)")
+    parser.add_argument("--repeat", type=int, default=100, help="timed runs, 1 to 1000000 (default 100)")
+    parser.add_argument("--warmup", type=int, default=10, help="untimed runs first, 0 to 1000000 (default 10)")
     parser.add_argument("--power", choices=POWER_SOURCES, default="auto", help="power source on the device")
-    parser.add_argument("--timeout", type=float, default=120, help="deadline in seconds for each remote step")
-    parser.add_argument("--session-timeout", type=float, default=0, help="server-side session limit in seconds")
+    parser.add_argument("--timeout", type=float, default=120, help="deadline in seconds for each remote step, 1 to 86400 (default 120)")
+    parser.add_argument("--session-timeout", type=float, default=0, help="server-side session limit in seconds, 0 (none) to 86400")
     parser.add_argument("--json", action="store_true")
 
 
@@ -29,20 +30,20 @@ def run(args, env) -> int:
     err = env.err()
     result = bench(BenchArgs(bundle=args.bundle, rpc=args.rpc, key=args.key, repeat=args.repeat, warmup=args.warmup,
                              power=args.power, timeout=args.timeout, session_timeout=args.session_timeout),
-                   note=lambda text: err.print(text, highlight=False))
+                   note=lambda text: err.print(text, highlight=False, markup=False))
     if args.json:
         print(json.dumps(result, indent=2), file=env.stdout)
         return 0
-    table = Table(title=f"{result['bundle_id']} on {result['where']}", show_header=False)
+    table = Table(title=Text(f"{result['bundle_id']} on {result['where']}"), show_header=False)
     for key in ("min_ms", "mean_ms", "p50_ms", "p90_ms", "p99_ms", "max_ms"):
         table.add_row(key.replace("_ms", " (ms)"), f"{result[key]:.3f}")
     table.add_row("throughput", f"{result['throughput_per_s']:.1f} inferences/s (batch {result['batch']})")
     power = result["power"]
     if power.get("average_w"):
-        table.add_row("power", ", ".join(f"{r} {w:.2f} W" for r, w in power["average_w"].items()) + f" ({power['source']}, "
-                      f"{power['samples']} samples)")
+        table.add_row("power", Text(", ".join(f"{r} {w:.2f} W" for r, w in power["average_w"].items()) +
+                                    f" ({power['source']}, {power['samples']} samples)"))
         table.add_row("energy", f"{power['energy_per_inference_mj']:.3f} mJ per inference")
     else:
-        table.add_row("power", f"not measured ({power['used']})")
+        table.add_row("power", Text(f"not measured ({power['used']})"))
     env.out().print(table)
     return 0

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from rich.table import Table
+from rich.text import Text
 
 from edgeq.load import parse_shape
 from edgeq.progress import StageProgress
@@ -21,10 +22,10 @@ def add_parser(sub) -> None:
     parser.add_argument("--device", required=True)
     parser.add_argument("--rpc", required=True, metavar="HOST:PORT", help="TVM RPC tracker")
     parser.add_argument("--key", required=True, help="device key registered with the tracker")
-    parser.add_argument("--trials", type=int, default=64, help="measurements in all, shared by the tasks (default 64)")
+    parser.add_argument("--trials", type=int, default=64, help="measurements in all, shared by the tasks, 1 to 100000 (default 64)")
     parser.add_argument("--records", type=Path, default=Path("tuning.json"), help="records file (default tuning.json)")
     parser.add_argument("--input-shape", action="append", default=[], metavar="NAME=1x3x224x224")
-    parser.add_argument("--timeout", type=float, default=60, help="seconds per remote measurement session")
+    parser.add_argument("--timeout", type=float, default=60, help="deadline in seconds for each remote step: tracker, device, measurement (1 to 86400, default 60)")
     parser.add_argument("--json", action="store_true")
 
 
@@ -36,10 +37,10 @@ def run(args, env) -> int:
     if args.json:
         print(json.dumps(result, indent=2), file=env.stdout)
         return 0
-    table = Table(title=f"tuning {result['model']} for {result['device']} -> {result['records']}")
+    table = Table(title=Text(f"tuning {result['model']} for {result['device']} -> {result['records']}"))
     for column in ("task", "trials recorded", "best (ms)"):
         table.add_column(column)
     for row in result["tasks"]:
-        table.add_row(row["task"], str(row["trials_recorded"]), f"{row['best_ms']:.4f}" if row["best_ms"] else "-")
+        table.add_row(Text(row["task"]), str(row["trials_recorded"]), f"{row['best_ms']:.4f}" if row["best_ms"] else "-")
     env.out().print(table)
     return 0
