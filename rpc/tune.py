@@ -15,18 +15,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections import Counter
 import os
 import tempfile
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from edgeq.errors import OutputError, RemoteError, UsageError
 from edgeq.rpc.session import DAY_S, Remote, bounded, parse_addr, with_deadline
+from edgeq.safebundle import json_depth
 from edgeq.targets import Profile
 from edgeq.toolchain import import_tvm
 
 FORMAT = 1
+RECORD_DEPTH = 256  # nesting of one records line (TVM's traces nest far less)
 MAX_TRIALS = 100_000
 
 
@@ -69,9 +71,11 @@ class Records:
                 raise UsageError(f"cannot read records file {self.path}: {getattr(err, 'strerror', None) or err}") from None
             for n, line in enumerate(text.splitlines(), 1):
                 try:
+                    if json_depth(line) > RECORD_DEPTH:  # json.loads would recurse until RecursionError
+                        raise ValueError
                     entry = json.loads(line)
                     key = (entry["workload_hash"], json.dumps(entry["record"]))
-                except (ValueError, KeyError, TypeError):
+                except (ValueError, KeyError, TypeError, RecursionError):
                     raise UsageError(f"records file {self.path} line {n} is not an edgeq tuning record") from None
                 self._lines.append(line)
                 self._saved.add(key)

@@ -242,3 +242,10 @@ def test_packaging_over_an_existing_bundle_says_so(models, tmp_path):
     again = run_cli("package", models["resnet_cnn"], "--device", "host", "-o", tmp_path, "--runtime", "none")
     assert first.code == again.code == 0, again.stderr
     assert "replacing" not in first.stderr and f"replacing the bundle already in {tmp_path / 'resnet_cnn-host'}" in again.stderr
+
+
+def test_deeply_nested_records_line(models, tmp_path, out):
+    records = tmp_path / "records.json"
+    records.write_text("[" * 100000 + "]" * 100000 + "\n")
+    assert_refused(package(models["resnet_cnn"], out, "--device", "host", "--records", records), 2,
+                   "line 1 is not an edgeq tuning record")
