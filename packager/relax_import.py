@@ -52,6 +52,12 @@ def to_relax(loaded: LoadedModel) -> tuple[Graph, list[TensorSpec]]:
             f"{loaded.path.name} uses ONNX op(s) TVM {_tvm_version()} cannot import: {', '.join(missing)}; "
             "re-export the model with ops TVM supports"
         )
+    nested = _nested_control_flow(loaded.onnx_model.graph)
+    if nested:
+        raise ModelError(
+            f"{loaded.path.name}: node '{nested}' puts an If/Loop inside another one's branch, which TVM "
+            f"{_tvm_version()}'s importer cannot compile; fold the condition (onnxsim, or export with fixed inputs)"
+        )
     try:
         mod = from_onnx(
             loaded.onnx_model,
@@ -70,6 +76,21 @@ def to_relax(loaded: LoadedModel) -> tuple[Graph, list[TensorSpec]]:
         raise ModelError(f"{loaded.path.name}: weight names are not unique after import; rename the initializers")
     _check_activations(func, loaded.path.name)
     return Graph(mod, {n: w.numpy() for n, w in zip(names, weights)}), outputs
+
+
+def _nested_control_flow(graph, inside: bool = False) -> str | None:
+    """The name of the first If/Loop/Scan nested in another one's subgraph (TVM's frontend loses the outer
+    variables there and the build fails with an internal error), or None."""
+    for node in graph.node:
+        control = node.op_type in ("If", "Loop", "Scan")
+        if control and inside:
+            return node.name or node.op_type
+        for attr in node.attribute:
+            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                found = _nested_control_flow(sub, inside or control)
+                if found:
+                    return found
+    return None
 
 
 def _check_activations(func, model_name: str) -> None:

@@ -249,3 +249,46 @@ def test_deeply_nested_records_line(models, tmp_path, out):
     records.write_text("[" * 100000 + "]" * 100000 + "\n")
     assert_refused(package(models["resnet_cnn"], out, "--device", "host", "--records", records), 2,
                    "line 1 is not an edgeq tuning record")
+
+
+def test_model_without_graph_inputs_packages_and_runs(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    import numpy as np
+    from onnx import numpy_helper
+
+    value = numpy_helper.from_array(np.array([[1.0, -2.0]], np.float32))
+    graph = helper.make_graph([helper.make_node("Constant", [], ["c"], value=value), helper.make_node("Relu", ["c"], ["y"])],
+                              "noinput", [], [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2])])
+    path = tmp_path / "noinput.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    res = run_cli("package", path, "--device", "host", "-o", tmp_path / "out", "-q", "--json")
+    assert res.code == 0, res.stderr
+    bundle = tmp_path / "out" / "noinput-host"
+    for cmd in ([str(bundle / "runtime" / "edgeq-run")], [sys.executable, str(bundle / "run.py")]):
+        proc = subprocess.run(cmd + ["--self-test"], capture_output=True, text=True)
+        assert proc.returncode == 0 and "self-test passed" in proc.stdout, proc.stderr
+        bench = subprocess.run(cmd + ["--benchmark", "3", "--json"], capture_output=True, text=True)
+        assert bench.returncode == 0 and json.loads(bench.stdout)["runs"] == 3, bench.stderr
+
+
+def test_nested_if_is_refused_in_one_line(tmp_path, out):
+    import numpy as np
+    from onnx import numpy_helper
+
+    def branch(name, value):
+        k = numpy_helper.from_array(np.array([value], np.float32), f"{name}_k")
+        return helper.make_graph([helper.make_node("Add", ["x", f"{name}_k"], [f"{name}_o"])], name, [],
+                                 [helper.make_tensor_value_info(f"{name}_o", TensorProto.FLOAT, [1])], [k])
+
+    inner = helper.make_node("If", ["cond"], ["i_o"], name="inner", then_branch=branch("t", 1.0), else_branch=branch("e", 2.0))
+    then = helper.make_graph([inner], "then", [], [helper.make_tensor_value_info("i_o", TensorProto.FLOAT, [1])])
+    outer = helper.make_node("If", ["cond"], ["y"], then_branch=then, else_branch=branch("o", 3.0))
+    graph = helper.make_graph([outer], "nested", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1]),
+                                                  helper.make_tensor_value_info("cond", TensorProto.BOOL, [])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+    path = tmp_path / "nested.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    assert_refused(package(path, out, "--device", "host"), 3, "node 'inner' puts an If/Loop inside another one's branch")

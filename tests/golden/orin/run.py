@@ -293,7 +293,8 @@ class Model:
         timer = self.vm.time_evaluator("main", self.dev, number=1, repeat=repeat)
         times_ms = sorted(t * 1e3 for t in timer(*args).results)
         np = self.np
-        batch = self.manifest["inputs"][0]["shape"][0] if self.manifest["inputs"][0]["shape"] else 1
+        first = self.manifest["inputs"][0]["shape"] if self.manifest["inputs"] else []
+        batch = first[0] if first else 1
         median = float(np.median(times_ms))
         return {
             "runs": repeat,
