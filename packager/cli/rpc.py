@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 NO_AUTH = ("TVM RPC has no authentication: anyone who can reach the port can run code on the device. "
            "Bind to loopback (the default) and reach devices through SSH tunnels (ssh -L / -R).")
 
@@ -66,6 +68,10 @@ def run(args, env) -> int:
         from edgeq.targets import resolve
 
         resolve(args.device_profile)
+    if args.cuda_bridge not in ("auto", "off") and not Path(args.cuda_bridge).is_file():
+        from edgeq.errors import ToolchainError
+
+        raise ToolchainError(f"CUDA bridge not found: {args.cuda_bridge} (a bundle's runtime/libcudart.so.13)")
     wait_for_tracker(args.tracker, args.timeout)  # all before the bridge is built
     _cuda_bridge(args.cuda_bridge, env)
     run_server(args.tracker, args.key, args.host, args.port, args.port_end, args.device_profile, args.sysfs_root,
