@@ -21,12 +21,14 @@ import argparse
 import base64
 import ctypes
 import hashlib
+import importlib.util
 import json
 import os
 import platform
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+NATIVE_LOADER = os.path.join(HERE, "runtime", "edgeq-run")
 SCHEMA_VERSION = 2
 MAX_MANIFEST_BYTES = 4 << 20
 MAX_RUNS = 1000000  # --benchmark / --warmup
@@ -45,23 +47,12 @@ class BundleCheckError(Exception):
 BRIDGE_PROBLEM = []  # why the CUDA bridge cannot reach a CUDA 12 runtime, reported after the driver check
 
 
-def runtime_record():
-    """The manifest's ``runtime`` section and device arch (None, None for unreadable manifests)."""
-    try:
-        with open(os.path.join(HERE, "manifest.json"), "rb") as f:
-            manifest = json.loads(f.read(4 << 20).decode("utf-8"))
-        record = manifest.get("runtime")
-        return (record if isinstance(record, dict) else None), manifest.get("device", {}).get("arch")
-    except (OSError, ValueError, AttributeError, RecursionError):
-        return None, None
-
-
-def load_cuda_bridge():
+def load_cuda_bridge(manifest):
     """Give TVM's CUDA backend (linked to CUDA 13's libcudart.so.13) the device's CUDA 12 runtime through the
-    bundle's bridge. Must run before ``import tvm``; does nothing where the bundle has no bridge."""
-    record, arch = runtime_record()
-    bridge = (record or {}).get("cuda_bridge")
-    if not isinstance(bridge, dict) or arch != platform.machine():
+    bundle's bridge. Takes the verified manifest (the bridge is loaded only after every file's hash matched);
+    must run before ``import tvm``; does nothing where the bundle has no bridge."""
+    bridge = (manifest.get("runtime") or {}).get("cuda_bridge")
+    if not isinstance(bridge, dict) or manifest["device"]["arch"] != platform.machine():
         return
     try:
         ctypes.CDLL("libcudart.so.13", mode=ctypes.RTLD_GLOBAL)  # a CUDA 13 runtime of the device's own
@@ -80,14 +71,12 @@ def load_cuda_bridge():
 
 
 def hand_over(argv, missing):
-    """No TVM (or numpy) for this Python: run the bundle with its native loader instead."""
-    record = runtime_record()[0] or {}
-    loader = os.path.join(HERE, str(record.get("loader", "runtime/edgeq-run")))
-    if not record or not os.path.isfile(loader):
+    """No TVM (or numpy) for this Python: run the bundle with its native loader, which checks everything itself."""
+    if not os.path.isfile(NATIVE_LOADER):
         raise BundleCheckError("this Python has no %s and the bundle carries no runtime (packaged with --runtime none); "
                                "pip install numpy apache-tvm==%s" % (missing, "0.27.0.post1"))
     sys.stdout.flush()
-    os.execv(loader, [loader, "--bundle", HERE] + list(argv))
+    os.execv(NATIVE_LOADER, [NATIVE_LOADER, "--bundle", HERE] + list(argv))
 
 
 def _sha256(path):
@@ -181,6 +170,15 @@ def check_shape(manifest):
         raise BundleCheckError("manifest.json does not have the shape of an edgeq bundle manifest; re-copy the bundle")
 
 
+def verified_manifest(verify=True):
+    """The manifest, its signature and every file checked, and the CUDA bridge loaded: all before TVM."""
+    manifest = load_manifest()
+    if verify:
+        check_files(manifest)
+    load_cuda_bridge(manifest)
+    return manifest
+
+
 def check_files(manifest):
     for name, want in sorted(manifest["files"].items()):
         path = os.path.join(HERE, name)
@@ -246,16 +244,15 @@ def check_machine(manifest, tvm):
 class Model:
     """The bundle's model, loaded: ``Model().run({name: array})`` returns ``{output name: array}``."""
 
-    def __init__(self, verify=True):
+    def __init__(self, manifest=None, verify=True):
+        """``manifest``: one already loaded and checked by ``verified_manifest``; else it is done here."""
+        self.manifest = manifest or verified_manifest(verify)
         import numpy as np
         import tvm
         from tvm.runtime.vm import VirtualMachine
 
         self.np = np
         self.tvm = tvm
-        self.manifest = load_manifest()
-        if verify:
-            check_files(self.manifest)
         self.dev = check_machine(self.manifest, tvm)
         lib = tvm.runtime.load_module(os.path.join(HERE, self.manifest["library"]["file"]))
         self.vm = VirtualMachine(lib, self.dev)
@@ -385,22 +382,23 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     try:
-        load_cuda_bridge()
         try:
             import numpy  # noqa: F401
-            import tvm  # noqa: F401
-        except ImportError as err:
-            hand_over(argv, err.name or "tvm")
-        if args.check:
+        except ImportError:
+            hand_over(argv, "numpy")
+        if importlib.util.find_spec("tvm") is None:  # not imported yet: the CUDA bridge must load first
+            hand_over(argv, "tvm")
+        manifest = verified_manifest()
+        try:
             import tvm
-
-            manifest = load_manifest()
-            check_files(manifest)
+        except ImportError:
+            hand_over(argv, "a working tvm")
+        if args.check:
             check_machine(manifest, tvm)
             print(json.dumps({"ok": True}) if args.json else "ok: this machine can run %s" % manifest["bundle_id"])
             return 0
         inputs = read_inputs(args.input)
-        model = Model()
+        model = Model(manifest)
         if args.self_test:
             ok, report = self_test(model)
             if args.json:
