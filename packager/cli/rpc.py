@@ -33,29 +33,20 @@ def add_parser(sub) -> None:
 
 def _cuda_bridge(choice: str, env) -> None:
     """Before serving: let TVM reach a CUDA 12 GPU. An explicit bridge must work; auto only warns."""
-    import ctypes
-
     from edgeq.errors import ToolchainError
     from edgeq.runtime.bridge import enable_tvm_cuda
 
     if choice == "off":
         return
-    if choice == "auto":
-        try:
-            ctypes.CDLL("libcudart.so.13")
-            return  # TVM's own CUDA runtime works here
-        except OSError:
-            pass
-        try:
-            ctypes.CDLL("libcudart.so.12")
-        except OSError:
-            return  # no CUDA here: a CPU device
-        try:
-            print(f"edgeq rpc: {enable_tvm_cuda(note=lambda m: print(m, file=env.stderr))}", file=env.stderr)
-        except ToolchainError as err:
-            print(f"edgeq rpc: warning: the GPU is not served ({err}); pass --cuda-bridge PATH", file=env.stderr)
+    try:
+        said = enable_tvm_cuda(None if choice == "auto" else Path(choice), note=lambda m: print(m, file=env.stderr))
+    except ToolchainError as err:
+        if choice != "auto":
+            raise
+        print(f"edgeq rpc: warning: the GPU is not served ({err}); pass --cuda-bridge PATH", file=env.stderr)
         return
-    print(f"edgeq rpc: {enable_tvm_cuda(choice)}", file=env.stderr)
+    if said:
+        print(f"edgeq rpc: {said}", file=env.stderr)
 
 
 def run(args, env) -> int:
@@ -68,10 +59,10 @@ def run(args, env) -> int:
         from edgeq.targets import resolve
 
         resolve(args.device_profile)
-    if args.cuda_bridge not in ("auto", "off") and not Path(args.cuda_bridge).is_file():
-        from edgeq.errors import ToolchainError
+    if args.cuda_bridge not in ("auto", "off"):
+        from edgeq.runtime.bridge import check_bridge_file
 
-        raise ToolchainError(f"CUDA bridge not found: {args.cuda_bridge} (a bundle's runtime/libcudart.so.13)")
+        check_bridge_file(Path(args.cuda_bridge))
     wait_for_tracker(args.tracker, args.timeout)  # all before the bridge is built
     _cuda_bridge(args.cuda_bridge, env)
     run_server(args.tracker, args.key, args.host, args.port, args.port_end, args.device_profile, args.sysfs_root,

@@ -266,41 +266,47 @@ def build_native_bridge(note=None) -> Path:
     """The bridge for this machine (its C compiler, the TVM wheel installed here), built once and cached."""
     import platform
 
-    from edgeq.runtime.assemble import CUDA_LIBRARY, _package_dir
+    from edgeq.runtime.assemble import installed_cuda_runtime
 
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise ToolchainError("no C compiler (cc) to build the CUDA bridge; install gcc, or pass --cuda-bridge "
                              "runtime/libcudart.so.13 from a bundle packaged for this device")
-    cuda_runtime = _package_dir("tvm") / CUDA_LIBRARY[1].split("/", 1)[1]
     out = cache_dir() / f"cudart-bridge-{platform.machine()}"
-    return build_bridge(cudart_imports(cuda_runtime), cc, out, cuda12_headers(note), cuda13_headers(note))
+    return build_bridge(cudart_imports(installed_cuda_runtime()), cc, out, cuda12_headers(note), cuda13_headers(note))
 
 
-def enable_tvm_cuda(bridge: Path | None = None, note=None) -> str:
-    """Make the installed TVM's CUDA backend usable here. With a CUDA 13 runtime present: nothing to do. Else,
-    where the machine has CUDA 12: load ``bridge`` (or one built here) as ``libcudart.so.13``, then TVM's
+def check_bridge_file(bridge: Path) -> Path:
+    """A bridge the user named: it must exist (checked before any waiting or loading)."""
+    if not Path(bridge).is_file():
+        raise ToolchainError(f"CUDA bridge not found: {bridge} (a bundle's runtime/libcudart.so.13)")
+    return Path(bridge)
+
+
+def enable_tvm_cuda(bridge: Path | None = None, note=None) -> str | None:
+    """Make the installed TVM's CUDA backend usable here: load ``bridge`` as ``libcudart.so.13``, then TVM's
     ``libtvm_runtime_cuda.so`` (which registers the CUDA device). Works before or after ``import tvm``.
-    Returns what it did, in words; raises ToolchainError with one line when the bridge cannot help."""
+    Without ``bridge``: nothing to do where a CUDA 13 runtime loads or no CUDA runtime is there at all (None);
+    where only CUDA 12's is, a bridge built here. Returns what it did, in words; raises ToolchainError with
+    one line when the bridge cannot help."""
     import ctypes
 
-    from edgeq.runtime.assemble import CUDA_LIBRARY, _package_dir
+    from edgeq.runtime.assemble import installed_cuda_runtime
     from edgeq.toolchain import import_tvm
 
     if bridge is None:
-        try:
-            ctypes.CDLL(SONAME, mode=ctypes.RTLD_GLOBAL)
-            return f"CUDA 13 runtime ({SONAME}) found: no bridge needed"
-        except OSError:
-            pass
-        try:
-            ctypes.CDLL("libcudart.so.12", mode=ctypes.RTLD_GLOBAL)
-        except OSError:
-            raise ToolchainError("neither libcudart.so.13 nor libcudart.so.12 is on the loader path; "
-                                 "install the CUDA runtime (JetPack) or set LD_LIBRARY_PATH") from None
+        for soname in (SONAME, "libcudart.so.12"):
+            try:
+                ctypes.CDLL(soname, mode=ctypes.RTLD_GLOBAL)
+                break
+            except OSError:
+                continue
+        else:
+            return None  # no CUDA runtime here: a CPU device
+        if soname == SONAME:
+            return None  # TVM's own CUDA runtime works here
         bridge = build_native_bridge(note)
-    elif not Path(bridge).is_file():
-        raise ToolchainError(f"CUDA bridge not found: {bridge} (a bundle's runtime/libcudart.so.13)")
+    check_bridge_file(bridge)
     try:
         lib = ctypes.CDLL(str(bridge), mode=ctypes.RTLD_GLOBAL)
     except OSError as err:
@@ -312,7 +318,7 @@ def enable_tvm_cuda(bridge: Path | None = None, note=None) -> str:
     tvm = import_tvm()
     if not tvm.runtime.enabled("cuda"):
         try:
-            ctypes.CDLL(str(_package_dir("tvm") / CUDA_LIBRARY[1].split("/", 1)[1]), mode=ctypes.RTLD_GLOBAL)
+            ctypes.CDLL(str(installed_cuda_runtime()), mode=ctypes.RTLD_GLOBAL)
         except OSError as err:
             raise ToolchainError(f"TVM's CUDA runtime does not load through the bridge: {err}") from None
     lib.edgeq_cudart_bridge_target.restype = ctypes.c_char_p
