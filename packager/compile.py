@@ -11,6 +11,7 @@ import struct
 from pathlib import Path
 
 from edgeq.errors import ToolchainError
+from edgeq.runtime.elf import machine as elf_machine  # noqa: F401 - part of this module's API
 from edgeq.targets import Profile
 from edgeq.toolchain import CudaToolkit, cuda_driver, cuda_toolkit_for, cxx_for, import_tvm
 
@@ -120,15 +121,6 @@ def cuda_images(library: Path) -> list[CudaImage]:
 def cuda_device_code(library: Path) -> list[str]:
     """The SM architectures of the CUDA device code embedded in a library."""
     return sorted({image.arch for image in cuda_images(library)})
-
-
-def elf_machine(library: Path) -> str:
-    """The machine a shared library is built for, from its ELF header."""
-    header = library.read_bytes()[:20]
-    if header[:4] != b"\x7fELF":
-        return "not-elf"
-    machine = struct.unpack_from("<H", header, 18)[0]
-    return {62: "x86_64", 183: "aarch64", 40: "arm", 3: "i386"}.get(machine, f"elf-machine-{machine}")
 
 
 class HostRunner:

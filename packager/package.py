@@ -28,7 +28,7 @@ from edgeq.graph import Graph
 from edgeq.load import LoadedModel, TensorSpec, load_model
 from edgeq.progress import StageProgress
 from edgeq.relax_import import to_relax
-from edgeq.runtime.assemble import RUNTIME_CHOICES, check_elves
+from edgeq.runtime.assemble import RUNTIME_CHOICES, assemble, check_elves
 from edgeq.targets import Profile, profiles, resolve
 from edgeq.toolchain import import_tvm
 
@@ -278,8 +278,6 @@ def _golden(b: _Build) -> None:
 
 
 def _runtime(b: _Build) -> None:
-    from edgeq.runtime.assemble import assemble
-
     b.runtime = assemble(b.profile, b.toolchain.cxx, b.staging, bundle.SCHEMA_VERSION, note=b.progress.note)
 
 

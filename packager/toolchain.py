@@ -84,25 +84,28 @@ def cuda_driver() -> str:
 
 def _build_driver_stub() -> Path:
     source = resources.files("edgeq").joinpath("native/cuda_driver_stub.c").read_bytes()
-    digest = hashlib.sha256(source).hexdigest()[:16]
-    target = cache_dir() / f"cuda-driver-stub-{digest}" / "libcuda.so.1"
-    if target.exists():
-        return target
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise ToolchainError("no C compiler (cc) to build the CUDA driver stub; install gcc")
+    return cached_build("the CUDA driver stub", "libcuda.so.1", "stub.c", source, compiler,
+                        ["-shared", "-fPIC", "-Wl,-soname,libcuda.so.1"])
+
+
+def cached_build(what: str, output: str, source_name: str, source: bytes, compiler: str, flags: list[str],
+                 libs: tuple[str, ...] = (), key: str = "") -> Path:
+    """Compile one source file into ``~/.cache/edgeq/<output>-<hash>/<output>`` once per (source, compiler,
+    flags, ``key``); built in a temporary folder beside it and renamed into place (never half a file)."""
+    digest = hashlib.sha256(source + "\0".join([compiler, *flags, *libs, key]).encode()).hexdigest()[:16]
+    target = cache_dir() / f"{output}-{digest}" / output
+    if target.exists():
+        return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        src = Path(tmp, "stub.c")
+        src, out = Path(tmp, source_name), Path(tmp, output)
         src.write_bytes(source)
-        out = Path(tmp, "libcuda.so.1")
-        proc = subprocess.run(
-            [compiler, "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(out), str(src)],
-            capture_output=True,
-            text=True,
-        )
+        proc = subprocess.run([compiler, *flags, "-o", str(out), str(src), *libs], capture_output=True, text=True)
         if proc.returncode != 0:
-            raise ToolchainError(f"building the CUDA driver stub failed: {proc.stderr.strip()[:200]}")
+            raise ToolchainError(f"building {what} with {compiler} failed: {proc.stderr.strip()[:300]}")
         os.replace(out, target)
     return target
 

@@ -13,7 +13,7 @@ from edgeq.load import parse_shape
 from edgeq.quantize import DEFAULT_METHOD, QuantizeArgs
 from edgeq.quantize.calibrators import CALIBRATORS
 from edgeq.quantize.data import Preprocess
-from edgeq.package import PRECISIONS, PackageArgs, package
+from edgeq.package import PRECISIONS, RUNTIME_CHOICES, PackageArgs, package
 from edgeq.progress import StageProgress
 
 
@@ -51,7 +51,7 @@ def add_parser(sub) -> None:
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress output")
     parser.add_argument("--records", type=Path, metavar="FILE", help="tuning records from 'edgeq tune' to compile with")
     parser.add_argument("--sign-key", type=Path, metavar="KEY", help="ed25519 private key (edgeq keygen): sign the manifest")
-    parser.add_argument("--runtime", choices=("bundled", "none"), default="bundled",
+    parser.add_argument("--runtime", choices=RUNTIME_CHOICES, default=RUNTIME_CHOICES[0],
                         help="bundled (default): runtime/ with the TVM runtime, the CUDA 12 bridge where the device needs "
                              "it and the native loader edgeq-run; none: bring your own apache-tvm on the device")
     parser.add_argument("--release", type=int, metavar="N",

@@ -15,22 +15,21 @@ Every ELF is checked against the profile's OS (highest glibc / libstdc++ symbol 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 import platform
 import shutil
-import subprocess
 import tempfile
 from importlib import resources, util
 from pathlib import Path
 
+from edgeq import safebundle
 from edgeq.errors import ToolchainError
 from edgeq.runtime import elf
 from edgeq.runtime.wheels import Wheel, fetch, installed_version
 from edgeq.targets import Profile
-from edgeq.toolchain import cache_dir
+from edgeq.toolchain import cached_build
 
-RUNTIME_DIR = "runtime"
+RUNTIME_DIR = safebundle.RUNTIME  # the one sub-folder a bundle may have
 LOADER = f"{RUNTIME_DIR}/edgeq-run"
 TVM_PROJECT, FFI_PROJECT = "apache-tvm", "apache-tvm-ffi"
 # (project, file inside the wheel) in load order; the CUDA library only for CUDA profiles
@@ -59,6 +58,11 @@ def _package_dir(module: str) -> Path:
     return Path(list(spec.submodule_search_locations)[0])
 
 
+def installed_cuda_runtime() -> Path:
+    """The installed TVM wheel's ``libtvm_runtime_cuda.so`` (this machine's architecture)."""
+    return _package_dir("tvm") / CUDA_LIBRARY[1].split("/", 1)[1]
+
+
 def _library_bytes(machine: str, project: str, member: str, wheels: dict[str, Wheel], note) -> bytes:
     """A runtime library for ``machine``: the installed file on a same-architecture host, else from the wheel."""
     if machine == platform.machine():
@@ -84,19 +88,8 @@ def build_loader(cxx: str, schema_version: int) -> Path:
     source = resources.files("edgeq").joinpath("native/edgeq_run.cc").read_bytes()
     include = _package_dir("tvm_ffi") / "include"
     flags = ["-std=c++17", "-O2", "-Wall", f"-DEDGEQ_SCHEMA_VERSION={schema_version}", f"-I{include}"]
-    key = hashlib.sha256(source + "\0".join([cxx, *flags, installed_version(FFI_PROJECT)]).encode()).hexdigest()[:16]
-    target = cache_dir() / f"edgeq-run-{key}" / "edgeq-run"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        src, out = Path(tmp, "edgeq_run.cc"), Path(tmp, "edgeq-run")
-        src.write_bytes(source)
-        proc = subprocess.run([cxx, *flags, str(src), "-o", str(out), "-ldl"], capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise ToolchainError(f"building edgeq-run with {cxx} failed: {proc.stderr.strip()[:300]}")
-        os.replace(out, target)
-    return target
+    return cached_build("edgeq-run", "edgeq-run", "edgeq_run.cc", source, cxx, flags, ("-ldl",),
+                        key=installed_version(FFI_PROJECT))
 
 
 def _bridge(profile: Profile, cxx: str, cuda_runtime: Path, folder: Path) -> tuple[Path, dict]:
@@ -127,7 +120,7 @@ def check_elves(directory: Path, names: list[str], profile: Profile) -> dict:
     files, top = {}, {"glibc": None, "glibcxx": None}
     for name in names:
         path = directory / name
-        if not elf.is_elf(path):
+        if elf.machine(path) == elf.NOT_ELF:
             continue
         info = elf.needs(path)
         if info["machine"] != profile.cpu.arch:

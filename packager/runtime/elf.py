@@ -11,25 +11,23 @@ from pathlib import Path
 from edgeq.errors import ToolchainError
 
 _NEED = re.compile(r"Name: (GLIBC|GLIBCXX)_([0-9][0-9.]*)\b")
-# e_machine values of the architectures edgeq builds for
-MACHINES = {62: "x86_64", 183: "aarch64"}
+# e_machine values, named as `uname -m` names the machine
+MACHINES = {62: "x86_64", 183: "aarch64", 40: "arm", 3: "i386"}
+NOT_ELF = "not-elf"
 
 
 def version_key(version: str) -> tuple[int, ...]:
     return tuple(int(p) for p in version.split(".") if p.isdigit())
 
 
-def is_elf(path: Path) -> bool:
-    with open(path, "rb") as f:
-        return f.read(4) == b"\x7fELF"
-
-
 def machine(path: Path) -> str:
-    data = Path(path).read_bytes()[:20]
-    if data[:4] != b"\x7fELF" or len(data) < 20:
-        return "not ELF"
-    value = int.from_bytes(data[18:20], "little" if data[5] == 1 else "big")
-    return MACHINES.get(value, f"e_machine {value}")
+    """The machine an ELF file is built for, from its header alone (``NOT_ELF`` for other files)."""
+    with open(path, "rb") as f:
+        header = f.read(20)
+    if header[:4] != b"\x7fELF" or len(header) < 20:
+        return NOT_ELF
+    value = int.from_bytes(header[18:20], "little" if header[5] == 1 else "big")
+    return MACHINES.get(value, f"elf-machine-{value}")
 
 
 def needs(path: Path) -> dict[str, str | None]:

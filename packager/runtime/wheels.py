@@ -99,10 +99,9 @@ def fetch(project: str, version: str, machine: str, note=None) -> Wheel:
             note(f"fetching {project}=={version} for linux {machine} (pip download, cached in {folder})")
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=folder, prefix=".download-") as tmp:
+            platforms = [arg for tag in PLATFORMS[machine] for arg in ("--platform", tag)]
             cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
-                   "--python-version", PYTHON_VERSION, "-d", tmp, f"{project}=={version}"]
-            for tag in PLATFORMS[machine]:
-                cmd[4:4] = ["--platform", tag]
+                   *platforms, "--python-version", PYTHON_VERSION, "-d", tmp, f"{project}=={version}"]
             try:
                 proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
             except (OSError, subprocess.TimeoutExpired) as err:
