@@ -9,7 +9,6 @@ loaders; they are listed here too so that the README table comes from one place.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 
 from edgeq import safebundle
@@ -57,18 +56,7 @@ LIMITS: dict[str, Limit] = {
 }
 
 
-def limit(name: str) -> int:
-    return LIMITS[name].value
-
-
 def check(name: str, subject: str, amount: int, error=UsageError, unit: str = "bytes") -> None:
     """Raise ``error`` with the limit's one-line refusal when ``amount`` is over limit ``name``."""
     if amount > LIMITS[name].value:
         raise error(LIMITS[name].exceeded(subject, amount, unit))
-
-
-def finite(value: float, option: str) -> float:
-    """A float option that must be a real number (argparse ``type=``-style check)."""
-    if not math.isfinite(value):
-        raise UsageError(f"{option} must be a finite number, not {value}")
-    return value

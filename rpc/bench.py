@@ -13,13 +13,14 @@ import numpy as np
 from edgeq import safebundle
 from edgeq.bundle import read_tensor, read_tensors
 from edgeq.errors import BundleError, UsageError
+from edgeq.limits import LIMITS
 from edgeq.rpc.power import Sampler
 from edgeq.rpc.session import DAY_S, Remote, bounded, parse_addr
 from edgeq.targets import resolve
 from edgeq.toolchain import import_tvm
 
 POWER_SOURCES = ("auto", "tegrastats", "sysfs", "nvml", "none")
-MAX_RUNS = 1_000_000  # --repeat and --warmup: beyond this a benchmark runs for days
+MAX_RUNS = LIMITS["benchmark_runs"].value  # --repeat and --warmup: beyond this a benchmark runs for days
 
 
 @dataclasses.dataclass

@@ -93,10 +93,6 @@ class Sha256 {
     }
     return out;
   }
-  void Raw(uint8_t out[32]) {
-    std::string hex = HexDigest();
-    for (int i = 0; i < 32; ++i) out[i] = uint8_t(std::stoul(hex.substr(2 * i, 2), nullptr, 16));
-  }
 
  private:
   static uint32_t Rotr(uint32_t x, int n) { return (x >> n) | (x << (32 - n)); }
@@ -950,14 +946,13 @@ void* OpenLibrary(const std::string& path) {
 
 struct Runtime {
   DLDevice dev{kDLCPU, 0};
-  Value vm, main_fn, alloc, copy_from, copy_to, sync;
+  Value vm, main_fn, make_shape, alloc, copy_from, copy_to, sync;
   std::vector<Value> params;
 
   Value Tensor(const TensorSpec& spec, const uint8_t* data) {
-    Value shape_fn = Global("ffi.Shape");
     std::vector<TVMFFIAny> dims;
     for (int64_t d : spec.shape) dims.push_back(Int(d));
-    Value shape = Call(shape_fn.obj(), dims, "making a shape");
+    Value shape = Call(make_shape.obj(), dims, "making a shape");
     DLDataType dtype;
     TVMFFIByteArray name{spec.dtype.name.data(), spec.dtype.name.size()};
     if (ffi.dtype_from_string(&name, &dtype) != 0) RaiseFfiError("dtype " + spec.dtype.name);
@@ -1070,6 +1065,7 @@ std::unique_ptr<Runtime> LoadRuntime(const Bundle& b) {
     if (have != b.cuda_arch) refuse("this bundle carries code for " + b.cuda_arch + " but the GPU here is " + have);
     rt->dev = DLDevice{kDLCUDA, 0};
   }
+  rt->make_shape = Global("ffi.Shape");
   rt->alloc = Global("runtime.TVMTensorAllocWithScope");
   rt->copy_from = Global("runtime.TVMTensorCopyFromBytes");
   rt->copy_to = Global("runtime.TVMTensorCopyToBytes");

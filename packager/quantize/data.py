@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from edgeq.errors import UsageError
-from edgeq.limits import LIMITS
+from edgeq.limits import check
 from edgeq.load import TensorSpec
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm"}
@@ -163,27 +163,27 @@ def _npy_bytes(stream) -> int:
     return math.prod(shape) * dtype.itemsize
 
 
-def _read_npz(path: Path, budget: list[int]) -> dict[str, np.ndarray]:
-    """Arrays of a .npy / .npz, each size checked from its header against what is left of ``budget[0]``."""
+def _read_npz(path: Path, spent: list[int]) -> dict[str, np.ndarray]:
+    """Arrays of a .npy / .npz; their sizes, read from the headers, add to ``spent[0]`` (bytes of all the
+    data so far), which must stay within the data limit."""
     try:
         if path.suffix == ".npy":
             with open(path, "rb") as f:
-                _spend(budget, _npy_bytes(f), path)
+                _spend(spent, _npy_bytes(f), path)
             return {"arr_0": np.load(path, allow_pickle=False)}
         with np.load(path, allow_pickle=False) as archive:
             for name in archive.files:
                 with archive.zip.open(f"{name}.npy") as member:
-                    _spend(budget, _npy_bytes(member), path)
+                    _spend(spent, _npy_bytes(member), path)
             return {k: archive[k] for k in archive.files}
     except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile) as err:
         reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise DataError(f"cannot read {path}: {reason}") from None
 
 
-def _spend(budget: list[int], size: int, path: Path) -> None:
-    budget[0] -= size
-    if budget[0] < 0:
-        raise DataError(LIMITS["data_bytes"].exceeded(f"the data up to {path}", LIMITS["data_bytes"].value - budget[0]))
+def _spend(spent: list[int], size: int, path: Path) -> None:
+    spent[0] += size
+    check("data_bytes", f"the data up to {path}", spent[0], DataError)
 
 
 def _images(paths: list[Path], root: Path, spec: TensorSpec, pre: Preprocess, what: str) -> Dataset:
@@ -202,12 +202,10 @@ def _images(paths: list[Path], root: Path, spec: TensorSpec, pre: Preprocess, wh
                             f"channels: give 1 or {channels}")
     classes = sorted({p.parent.relative_to(root).as_posix() for p in paths} - {"."})
     samples, labels = [], []
-    max_pixels = LIMITS["image_pixels"].value
     for path in paths:
         try:
-            with Image.open(path) as image:
-                if image.width * image.height > max_pixels:  # checked before any pixel is decoded
-                    raise DataError(LIMITS["image_pixels"].exceeded(f"image {path}", image.width * image.height, "pixels"))
+            with Image.open(path) as image:  # the size is checked before any pixel is decoded
+                check("image_pixels", f"image {path}", image.width * image.height, DataError, unit="pixels")
                 image = image.convert("L" if order == "GRAY" else "RGB").resize((size[1], size[0]), Image.BILINEAR)
                 pixels = np.asarray(image, dtype=np.float32)
         except (OSError, UnidentifiedImageError, ValueError, Image.DecompressionBombError) as err:
@@ -230,13 +228,13 @@ def load_data(path: str | Path, specs: list[TensorSpec], what: str = "calibratio
               preprocess: Preprocess | None = None, limit: int | None = None, minimum: int = 1) -> Dataset:
     """Read and check data for the model's inputs. ``what`` names the data in error messages."""
     path = Path(path)
-    budget = [LIMITS["data_bytes"].value]
+    spent = [0]
     if not path.exists():
         raise DataError(f"{what} data not found: {path}")
     if path.is_file():
         if path.suffix not in (".npz", ".npy"):
             raise DataError(f"{what} data {path} is not .npz or .npy; give a .npz, a folder of .npy/.npz, or images")
-        data = _from_arrays(_read_npz(path, budget), specs, what, str(path))
+        data = _from_arrays(_read_npz(path, spent), specs, what, str(path))
     else:
         files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
         images = [p for p in files if p.suffix.lower() in IMAGE_SUFFIXES]
@@ -248,7 +246,7 @@ def load_data(path: str | Path, specs: list[TensorSpec], what: str = "calibratio
                 raise DataError(f"image {what} data needs a model with one input; this one has {len(specs)}")
             data = _images(images, path, specs[0], preprocess, what)
         elif arrays:
-            parts = [_from_arrays(_read_npz(p, budget), specs, what, str(p)) for p in arrays]
+            parts = [_from_arrays(_read_npz(p, spent), specs, what, str(p)) for p in arrays]
             merged = {s.name: np.concatenate([d.arrays[s.name] for d in parts]) for s in specs}
             labels = [d.labels for d in parts]
             data = Dataset(merged, np.concatenate(labels) if all(x is not None for x in labels) else None, str(path))
