@@ -56,14 +56,23 @@ def checked(model, name: str):
         return onnx.load(dst)
 
 
+def infer(model):
+    import onnx
+
+    return onnx.shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
+
+
 def main(argv: list[str]) -> int:
     import onnx
+
+    from edgeq.fold import fold
 
     src, dst = argv
     try:
         model = onnx.load(src)
         onnx.checker.check_model(model)
-        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
+        inferred = infer(model)
+        inferred, _ = fold(inferred, infer)
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as err:
         lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
         kind = "fails the ONNX checker" if isinstance(err, onnx.checker.ValidationError) else "ONNX shape inference failed"
