@@ -32,6 +32,9 @@ class LoadedModel:
     onnx_model: onnx.ModelProto  # with the input shapes fixed
     inputs: list[TensorSpec]
     opset: int
+    consts: dict[str, TensorSpec] = dataclasses.field(default_factory=dict)  # graph inputs bound by --const
+    # graph inputs still feeding a shape operand (Reshape's shape, Slice's starts, ...): name -> "Op 'node'"
+    shape_operand_inputs: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def parse_shape(text: str) -> tuple[str, tuple[int, ...]]:
@@ -44,6 +47,79 @@ def parse_shape(text: str) -> tuple[str, tuple[int, ...]]:
     if not sep or not name or not shape or min(shape) < 1:
         raise UsageError(f"--input-shape '{text}' is not NAME=DxDx...: for example input=1x3x224x224")
     return name, shape
+
+
+def parse_const(text: str) -> tuple[str, Path]:
+    """``NAME=FILE.npy`` -> ("NAME", Path("FILE.npy"))."""
+    name, sep, file = text.partition("=")
+    if not sep or not name or not file:
+        raise UsageError(f"--const '{text}' is not NAME=FILE.npy: for example --const shape=shape.npy")
+    return name, Path(file)
+
+
+def read_const(name: str, path: Path) -> np.ndarray:
+    """The array of a ``--const`` file (.npy, no pickles), checked against the input size limit."""
+    where = f"--const {name}={path}"
+    if not path.is_file():
+        raise UsageError(f"{where}: file not found; save the value with numpy.save")
+    check("input_bytes", where, path.stat().st_size)
+    try:
+        array = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as err:
+        raise UsageError(f"{where}: not a readable .npy file ({str(err).splitlines()[0] if str(err) else type(err).__name__}); "
+                         "save the value with numpy.save") from None
+    if not isinstance(array, np.ndarray):
+        raise UsageError(f"{where}: an .npz holds several arrays; give one array saved with numpy.save (.npy)")
+    return array
+
+
+# The operands that set a shape (by position): bound to constants, they let TVM compile a static graph.
+SHAPE_OPERANDS = {
+    "Reshape": (1,), "Expand": (1,), "Tile": (1,), "Slice": (1, 2, 3, 4), "Pad": (1, 3), "Resize": (2, 3),
+    "Upsample": (1,), "TopK": (1,), "OneHot": (1,), "ConstantOfShape": (0,), "Range": (0, 1, 2),
+    "Squeeze": (1,), "Unsqueeze": (1,), "Split": (1,), "ReduceSum": (1,), "ReduceMean": (1,), "ReduceMax": (1,),
+    "ReduceMin": (1,), "ReduceProd": (1,), "ReduceL1": (1,), "ReduceL2": (1,), "ReduceLogSum": (1,),
+    "ReduceLogSumExp": (1,), "ReduceSumSquare": (1,), "CenterCropPad": (1,), "CumSum": (1,), "GridSample": (),
+}
+
+
+def _shape_operand_inputs(model: onnx.ModelProto, inputs: list[TensorSpec]) -> dict[str, str]:
+    names = {spec.name for spec in inputs}
+    found = {}
+    for node in model.graph.node:
+        for position in SHAPE_OPERANDS.get(node.op_type, ()):
+            if position < len(node.input) and node.input[position] in names:
+                found.setdefault(node.input[position], f"{node.op_type} '{node.name or node.op_type}'")
+    return found
+
+
+def _bind_consts(model: onnx.ModelProto, consts: dict[str, np.ndarray]) -> dict[str, TensorSpec]:
+    """Turn the named graph inputs into initializers holding the given arrays."""
+    from onnx import numpy_helper
+
+    initializers = {t.name for t in model.graph.initializer}
+    graph_inputs = {i.name: i for i in model.graph.input if i.name not in initializers}
+    bound = {}
+    for name, array in consts.items():
+        value = graph_inputs.get(name)
+        if value is None:
+            raise UsageError(f"--const names '{name}', but the model's inputs are: {', '.join(graph_inputs) or '(none)'}")
+        ttype = value.type.tensor_type
+        want = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(ttype.elem_type))
+        if array.dtype != want:
+            cast = array.astype(want)
+            if array.dtype.kind not in "biuf" or not np.array_equal(cast.astype(array.dtype), array):
+                raise UsageError(f"--const {name}: the file holds {array.dtype}, the input is {want}; save it as {want}")
+            array = cast
+        declared = [d.dim_value if d.HasField("dim_value") else None for d in ttype.shape.dim]
+        if ttype.HasField("shape") and (len(declared) != array.ndim
+                                        or any(d not in (None, 0, n) for d, n in zip(declared, array.shape))):
+            shown = "x".join(str(d or "?") for d in declared) or "a scalar"
+            raise UsageError(f"--const {name}: the file's shape {_fmt(array.shape) or 'scalar'} does not fit the input's {shown}")
+        model.graph.input.remove(value)
+        model.graph.initializer.append(numpy_helper.from_array(np.array(array, order="C"), name))
+        bound[name] = TensorSpec(name, tuple(array.shape), str(array.dtype))
+    return bound
 
 
 def _read(path: Path) -> tuple[onnx.ModelProto, str]:
@@ -218,15 +294,20 @@ def _fmt(shape) -> str:
     return "x".join(str(d) for d in shape)
 
 
-def load_model(path: str | Path, input_shapes: dict[str, tuple[int, ...]] | None = None) -> LoadedModel:
-    """Read, check and shape-fix an ONNX model. Raises ModelError/UsageError with a one-line reason."""
+def load_model(path: str | Path, input_shapes: dict[str, tuple[int, ...]] | None = None,
+               consts: dict[str, np.ndarray] | None = None) -> LoadedModel:
+    """Read, check and shape-fix an ONNX model, bind ``consts`` (graph input name -> value) as constants and
+    fold the shape arithmetic. Raises ModelError/UsageError with a one-line reason."""
     from edgeq.model_guard import checked
 
     path = Path(path)
     model, sha = _read(path)
     _check_sizes(path, model)
     _check_graph(path, model)
+    bound = _bind_consts(model, consts or {})
     inputs = _fix_inputs(model, input_shapes or {})
-    model = checked(model, path.name)  # checker + strict shape inference, in a limited child process
+    # checker, strict shape inference and constant folding (edgeq.fold), in a limited child process
+    model = checked(model, path.name)
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
-    return LoadedModel(path=path, sha256=sha, onnx_model=model, inputs=inputs, opset=opset)
+    return LoadedModel(path=path, sha256=sha, onnx_model=model, inputs=inputs, opset=opset, consts=bound,
+                       shape_operand_inputs=_shape_operand_inputs(model, inputs))

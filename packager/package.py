@@ -53,6 +53,7 @@ class PackageArgs:
     release: int | None = None  # monotonically increasing per model name; default: build time YYYYMMDDHHMMSS
     records: Path | None = None  # tuning records (edgeq tune) to compile with
     runtime: str = "bundled"  # "bundled": runtime/ with TVM's runtime, the CUDA bridge and edgeq-run; "none"
+    consts: dict[str, Path] = dataclasses.field(default_factory=dict)  # graph input -> .npy bound before import
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -67,6 +68,7 @@ class PackageArgs:
             "release": self.release,
             "records": str(self.records) if self.records else None,
             "runtime": self.runtime,
+            "consts": {k: str(v) for k, v in self.consts.items()},
         }
 
     def display(self) -> str:
@@ -188,7 +190,10 @@ def _check(b: _Build) -> None:
 
 
 def _load(b: _Build) -> None:
-    b.model = load_model(b.args.model, b.args.input_shapes)
+    from edgeq.load import read_const
+
+    consts = {name: read_const(name, Path(path)) for name, path in b.args.consts.items()}
+    b.model = load_model(b.args.model, b.args.input_shapes, consts)
 
 
 def _import(b: _Build) -> None:

@@ -9,7 +9,7 @@ from rich.table import Table
 from rich.text import Text
 
 from edgeq.errors import UsageError
-from edgeq.load import parse_shape
+from edgeq.load import parse_const, parse_shape
 from edgeq.quantize import DEFAULT_METHOD, QuantizeArgs
 from edgeq.quantize.calibrators import CALIBRATORS
 from edgeq.quantize.data import Preprocess
@@ -28,6 +28,9 @@ def add_parser(sub) -> None:
     parser.add_argument("-o", "--output", type=Path, default=Path("dist"), help="output folder (default: dist)")
     parser.add_argument("--input-shape", action="append", default=[], metavar="NAME=1x3x224x224",
                         help="fix the shape of an input with dynamic dims; repeat per input")
+    parser.add_argument("--const", action="append", default=[], metavar="NAME=FILE.npy",
+                        help="bind a graph input to this value before import (a shape operand such as Reshape's "
+                             "shape or Slice's starts), so its shape arithmetic folds to constants; repeatable")
     parser.add_argument("--name", help="bundle name (default: the model file's name)")
     parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
                         help="fp32; int8 (post-training quantization, needs --calibrate); mixed (int8, with the most "
@@ -60,6 +63,7 @@ def add_parser(sub) -> None:
 
 def run(args, env) -> int:
     shapes = dict(parse_shape(text) for text in args.input_shape)
+    consts = dict(parse_const(text) for text in args.const)
     quantize_args = None
     if args.calibrate is not None:
         budget = args.accuracy_budget
@@ -88,6 +92,7 @@ def run(args, env) -> int:
         release=args.release,
         records=args.records,
         runtime=args.runtime,
+        consts=consts,
     )
     progress = StageProgress(console=env.err(), quiet=args.quiet)
     result = package(package_args, progress)
