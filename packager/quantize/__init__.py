@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from edgeq.errors import UsageError
+from edgeq.errors import ModelError, UsageError
 from edgeq.graph import Graph
 from edgeq.load import LoadedModel
 from edgeq.compile import HostRunner
@@ -36,6 +36,8 @@ from edgeq.quantize.requantize import requantize
 DEFAULT_METHOD = "mse"  # chosen by measurement: see README, "Choosing the calibration default"
 MIN_CALIBRATION_SAMPLES = 10
 MAX_EVAL_SAMPLES = 1000
+# Below this cosine against the float model (or with NaN/Inf), the quantized model has collapsed: no bundle.
+COLLAPSE_COSINE = 0.9
 
 PASSES: list[tuple[str, Callable[[Graph], Graph]]] = [("fold_bias", fold_bias), ("requantize", requantize)]
 QDQ_PASSES: list[tuple[str, Callable[[Graph], Graph]]] = [*PASSES, ("commute_qdq", commute_qdq)]
@@ -91,12 +93,26 @@ def _apply_skip(layers: list[Layer], skip: tuple[str, ...]) -> None:
             layer.precision, layer.reason = "fp32", f"--skip {item}"
 
 
-def build_graph(graph: Graph, layers: list[Layer], act_scales: dict[str, float]) -> Graph:
+def build_graph(graph: Graph, layers: list[Layer], act_scales: dict[str, float],
+                kept_float: list[str] | None = None) -> Graph:
+    """The quantized graph; ``kept_float`` receives the biases too large for int32 (left as float adds)."""
     plans = {l.weight: LayerPlan(l.precision, act_scales.get(l.weight, 0.0)) for l in layers}
     out = quantize_ops(graph, plans)
-    for _, run in PASSES:
-        out = run(out)
+    for name, run in PASSES:
+        out = run(out, kept_float) if name == "fold_bias" else run(out)
     return out
+
+
+def _check_collapse(metrics: dict[str, Any], model_name: str, source: str) -> None:
+    """Refuse a quantized model whose own evaluation shows it no longer computes what the float one does."""
+    cosine = metrics["cosine"]
+    if np.isfinite(cosine) and np.isfinite(metrics["rel_error"]) and cosine >= COLLAPSE_COSINE:
+        return
+    shown = f"cosine {cosine:.3f}" if np.isfinite(cosine) else "NaN/Inf outputs"
+    raise ModelError(
+        f"{model_name}: the int8 model collapses ({shown} against fp32 on {metrics['samples']} sample(s) of {source}); "
+        "calibrate with data that looks like real inputs, or keep layers in float with --skip or "
+        "--precision mixed --accuracy-budget")
 
 
 class Evaluator:
@@ -166,8 +182,13 @@ def quantize(graph: Graph, model: LoadedModel, args: QuantizeArgs, note: Callabl
     thresholds = {l.weight: calibrator.threshold(st, percentile=args.percentile) for l, st in zip(layers, stats)}
     act_scales = {w: (t if t > 0 else 1.0) / QMAX for w, t in thresholds.items()}
 
+    bad = [w for w, t in thresholds.items() if not np.isfinite(t) or t < 0]
+    if bad:
+        raise ModelError(f"{model.path.name}: calibration found NaN/Inf activations at {len(bad)} layer(s) "
+                         f"(first: {bad[0]}); check the calibration data and the model on it")
     evaluator = Evaluator(graph, evaluation, specs)
-    quantized = build_graph(graph, layers, act_scales)
+    kept_float: list[str] = []
+    quantized = build_graph(graph, layers, act_scales, kept_float)
     metrics = evaluator.metrics(quantized)
     decisions = []
     if args.accuracy_budget is not None:
@@ -184,13 +205,18 @@ def quantize(graph: Graph, model: LoadedModel, args: QuantizeArgs, note: Callabl
                     break
                 layer.precision = args.fallback
                 layer.reason = f"accuracy budget: alone in int8 it costs {alone[layer.weight]:.4g} ({label})"
-                quantized = build_graph(graph, layers, act_scales)
+                kept_float = []
+                quantized = build_graph(graph, layers, act_scales, kept_float)
                 metrics = evaluator.metrics(quantized)
                 value = evaluator.budget_metric(metrics)[1]
                 decisions.append({"layer": layer.name, "to": args.fallback, "alone": alone[layer.weight], "after": value})
                 note(f"  {layer.name} -> {args.fallback}: {label} now {value:.4g}")
         metrics.update(budget=args.accuracy_budget, budget_metric=label, budget_value=value,
                        budget_met=bool(value <= args.accuracy_budget))
+    _check_collapse(metrics, model.path.name, evaluation.source if args.eval else "the calibration data")
+    if kept_float:
+        note(f"{len(kept_float)} bias(es) too large for int32 at their layer's scale stay float adds: "
+             f"{', '.join(kept_float[:3])}{' ...' if len(kept_float) > 3 else ''}")
 
     sqnr = _sqnr_per_layer(graph, layers, act_scales, evaluation, specs)
     scales, layer_rows = {}, []
@@ -218,6 +244,8 @@ def quantize(graph: Graph, model: LoadedModel, args: QuantizeArgs, note: Callabl
         "evaluation": {"source": evaluation.source if args.eval else f"{calib.source} (calibration data; no --eval)",
                        **metrics},
         "fallbacks": decisions,
+        # round(bias / (activation scale x weight scale)) beyond 2^30: the bias is added in float after dequantize
+        "float_biases": {"names": kept_float, "reason": "round(bias / scale) does not fit int32"},
         "weight_bytes": {"fp32": fp32_bytes, "quantized": q_bytes, "ratio": round(q_bytes / max(fp32_bytes, 1), 4)},
         "scales_file": "quant_params.npz",
         "args": args.to_dict(),

@@ -8,6 +8,10 @@ round(b / s) gives back the stored integers.
 
 where ``acc`` is an int32 accumulator, ``s`` its per-channel scale and ``b`` a bias weight with one value per
 channel. The int32 bias is a new weight parameter.
+
+A bias that does not fit is left as the float add after the dequantize (the convolution or matmul stays
+integer): with vanishing activations (random weights, a dead branch) the scale ``s`` can be 1e-17, and
+round(b / s) would wrap around int32 and flip the sign of the layer's output. Its name goes to ``kept_float``.
 """
 
 from __future__ import annotations
@@ -36,7 +40,11 @@ def _name(rw: Rewriter, expr) -> str:
     return inner.args[0].name if inner is not None and isinstance(inner.args[0], relax.Var) else "bias"
 
 
-def fold_bias(graph: Graph) -> Graph:
+# |round(b / s)| must leave the accumulated products room in int32 (a 3x3x512 conv sums up to 2^23 of them)
+INT32_BIAS_LIMIT = 1 << 30
+
+
+def fold_bias(graph: Graph, kept_float: list[str] | None = None) -> Graph:
     def visit(rw: Rewriter, var, value):
         if call_op(value) != "relax.add":
             return None
@@ -50,7 +58,13 @@ def fold_bias(graph: Graph) -> Graph:
                 continue
             if bias.ndim != 1 or bias.shape[0] != s.size:
                 continue
-            bias_q = rw.param(f"{bias_name.removesuffix('_quantized')}_int32", np.round(bias / s).astype(np.int32))
+            with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+                rounded = np.round(bias.astype(np.float64) / s.astype(np.float64))
+            if not np.isfinite(rounded).all() or np.abs(rounded).max(initial=0) > INT32_BIAS_LIMIT:
+                if kept_float is not None:
+                    kept_float.append(bias_name)
+                continue
+            bias_q = rw.param(f"{bias_name.removesuffix('_quantized')}_int32", rounded.astype(np.int32))
             if shape is not None:
                 bias_q = rw.emit(relax.op.reshape(bias_q, shape))
             acc = rw.emit(relax.op.add(rw.new(deq.args[0]), bias_q))
