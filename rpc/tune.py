@@ -30,6 +30,7 @@ from edgeq.toolchain import import_tvm
 FORMAT = 1
 RECORD_DEPTH = 256  # nesting of one records line (TVM's traces nest far less)
 MAX_TRIALS = 100_000
+BUILD_TIMEOUT_S = 300  # one candidate, built here (meta_schedule's 30 s fails every build on a busy 2-core host)
 
 
 def _shash(mod) -> int:
@@ -124,16 +125,124 @@ def apply_records(mod, target, records_path: Path, profile: Profile):
         return relax.transform.MetaScheduleApplyDatabase(enable_warning=False)(prepared)
 
 
+class DeviceUnreachable(RemoteError):
+    """No session could be had (tracker or device gone, or hung): raised in the runner's worker process,
+    where it ends the search instead of failing every remaining measurement one deadline at a time."""
+
+
 def _create_session(config):
     """meta_schedule's session for one measurement, every step with the deadline (its own waits for a device
     forever); runs in the runner's worker process."""
     from tvm import rpc
 
     seconds = config.session_timeout_sec
-    tracker = with_deadline(f"connect to tracker {config.tracker_host}:{config.tracker_port}", seconds,
-                            rpc.connect_tracker, config.tracker_host, config.tracker_port)
-    return with_deadline(f"request a '{config.tracker_key}' device from the tracker", seconds, tracker.request,
-                         config.tracker_key, priority=config.session_priority, session_timeout=seconds)
+    try:
+        tracker = with_deadline(f"connect to tracker {config.tracker_host}:{config.tracker_port}", seconds,
+                                rpc.connect_tracker, config.tracker_host, config.tracker_port)
+        return with_deadline(f"request a '{config.tracker_key}' device from the tracker", seconds, tracker.request,
+                             config.tracker_key, priority=config.session_priority, session_timeout=seconds)
+    except RemoteError as err:
+        raise DeviceUnreachable(str(err)) from None
+
+
+# The measurement's other remote steps (meta_schedule's defaults have no deadline: a device that stops
+# answering mid-measurement would hold the search forever). ``seconds`` comes first: functools.partial.
+
+def _upload_module(seconds: float, session, local_path: str, remote_path: str):
+    with_deadline("upload a candidate to the device", seconds, session.upload, local_path, remote_path)
+    return with_deadline("load a candidate on the device", seconds, session.load_module, remote_path)
+
+
+def _alloc_argument(seconds: float, session, device, args_info, alloc_repeat: int):
+    from tvm.s_tir.meta_schedule.runner.rpc_runner import default_alloc_argument
+
+    return with_deadline("allocate a candidate's arguments on the device", seconds, default_alloc_argument, session,
+                         device, args_info, alloc_repeat)
+
+
+def _run_evaluator(seconds: float, session, rt_mod, device, evaluator_config, repeated_args):
+    from tvm.s_tir.meta_schedule.runner.rpc_runner import default_run_evaluator
+
+    return with_deadline("time a candidate on the device", seconds, default_run_evaluator, session, rt_mod, device,
+                         evaluator_config, repeated_args)
+
+
+def _cleanup(seconds: float, session, remote_path) -> None:
+    from tvm.s_tir.meta_schedule.runner.rpc_runner import default_cleanup
+
+    try:  # runs in a finally: never hides the measurement's own error, never waits past the deadline
+        with_deadline("remove a candidate from the device", seconds, default_cleanup, session, remote_path)
+    except RemoteError:
+        pass
+
+
+def _unreachable(error: BaseException | None) -> str | None:
+    """The one-line reason when a measurement's worker could not get a session, else None. Exceptions come
+    back from the worker process as their type around the worker's traceback: its last line is the message."""
+    if not isinstance(error, DeviceUnreachable):
+        return None
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    last = lines[-1] if lines else ""
+    _, sep, message = last.partition(f"{DeviceUnreachable.__name__}: ")
+    return (message if sep else last).strip() or "no session"
+
+
+MEASUREMENT_STEPS = 8  # connect, request, upload, load, allocate, run, clean up, and one for the worker itself
+
+
+def _runner(host: str, port: int, key: str, seconds: float):
+    """meta_schedule's RPC measurement (its worker function, one measurement at a time in a worker process) with a
+    deadline on each remote step, the whole measurement bounded too (the worker is killed past
+    ``MEASUREMENT_STEPS`` deadlines), and the first measurement that cannot get a session at all ending the
+    search: ``failure`` then says why. Returns (runner, failure)."""
+    import functools
+
+    from tvm.ir.utils import derived_object
+    from tvm.s_tir import meta_schedule as ms
+    from tvm.s_tir.meta_schedule.runner import PyRunner, PyRunnerFuture, RunnerResult
+    from tvm.s_tir.meta_schedule.runner.rpc_runner import _worker_func
+    from tvm.support.popen_pool import PopenPoolExecutor
+
+    rpc_config = ms.runner.RPCConfig(tracker_host=host, tracker_port=port, tracker_key=key,
+                                     session_timeout_sec=max(1, int(seconds)))
+    evaluator_config = ms.runner.EvaluatorConfig(number=3, repeat=1, min_repeat_ms=0, enable_cpu_cache_flush=False)
+    steps = (_create_session, functools.partial(_upload_module, seconds), functools.partial(_alloc_argument, seconds),
+             functools.partial(_run_evaluator, seconds), functools.partial(_cleanup, seconds))
+    pool = PopenPoolExecutor(max_workers=1, timeout=MEASUREMENT_STEPS * seconds)
+    failure: list[str] = []
+
+    @derived_object
+    class Future(PyRunnerFuture):
+        def __init__(self, future):
+            super().__init__()
+            self.future = future
+
+        def done(self) -> bool:
+            return self.future.done()
+
+        def result(self):
+            try:
+                return RunnerResult(self.future.result(), None)
+            except TimeoutError:
+                return RunnerResult(None, f"measurement killed after {MEASUREMENT_STEPS * seconds:g} s")
+            except Exception as err:  # noqa: BLE001 - a failed measurement is a result, unless no device answered
+                why = _unreachable(err)
+                if why is not None:
+                    failure.append(why)
+                    raise RemoteError(why) from None  # ends tune_tasks; tune() reports ``failure``
+                return RunnerResult(None, f"measurement failed: {err}")
+
+    @derived_object
+    class Runner(PyRunner):
+        def run(self, runner_inputs):
+            if failure:
+                raise RemoteError(failure[0])
+            return [Future(pool.submit(_worker_func, *steps, rpc_config, evaluator_config, 1,
+                                       str(inp.artifact_path), str(inp.device_type),
+                                       tuple(arg.as_json() for arg in inp.args_info)))
+                    for inp in runner_inputs]
+
+    return Runner(), failure
 
 
 @dataclasses.dataclass
@@ -145,7 +254,7 @@ class TuneArgs:
     trials: int = 64
     records: Path = Path("tuning.json")
     input_shapes: dict = dataclasses.field(default_factory=dict)
-    timeout: float = 60.0
+    timeout: float = 120.0
 
 
 def tune(args: TuneArgs, note=lambda _: None, tick=lambda *_: None) -> dict[str, Any]:
@@ -178,21 +287,17 @@ def tune(args: TuneArgs, note=lambda _: None, tick=lambda *_: None) -> dict[str,
     extracted = ms.relax_integration.extract_tasks(mod, target)
     records = Records(args.records, profile)
     per_task = max(1, args.trials // max(1, len(extracted)))
-    runner = ms.runner.RPCRunner(
-        rpc_config=ms.runner.RPCConfig(tracker_host=host, tracker_port=port, tracker_key=args.key,
-                                       session_timeout_sec=int(args.timeout)),
-        evaluator_config=ms.runner.EvaluatorConfig(number=3, repeat=1, min_repeat_ms=0, enable_cpu_cache_flush=False),
-        max_workers=1, f_create_session=_create_session,
-    )
+    runner, unreachable = _runner(host, port, args.key, args.timeout)
 
-    def export(rt_mod) -> str:
-        path = os.path.join(tempfile.mkdtemp(prefix="edgeq-tune-"), "candidate.so")
-        rt_mod.export_library(path, fcompile=cc.cross_compiler(toolchain.cxx))
-        return path
-
-    builder = ms.builder.LocalBuilder(f_export=export, max_workers=1)
     rows = []
     with tempfile.TemporaryDirectory(prefix="edgeq-tune-") as work:
+
+        def export(rt_mod) -> str:  # inside the work folder: removed with it
+            path = os.path.join(tempfile.mkdtemp(prefix="candidate-", dir=work), "candidate.so")
+            rt_mod.export_library(path, fcompile=cc.cross_compiler(toolchain.cxx))
+            return path
+
+        builder = ms.builder.LocalBuilder(f_export=export, max_workers=1, timeout_sec=BUILD_TIMEOUT_S)
         contexts, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(extracted, work)
         for i, (task, ctx, weight) in enumerate(zip(extracted, contexts, weights), 1):
             done = records.count(task.dispatched[0])
@@ -206,6 +311,10 @@ def tune(args: TuneArgs, note=lambda _: None, tick=lambda *_: None) -> dict[str,
                                   num_trials_per_iter=min(8, per_task - done), builder=builder, runner=runner,
                                   database=records.database, cost_model="random")
                 except Exception as err:  # meta_schedule reports failed measurements itself; this is the search
+                    if unreachable:  # what was measured before the device went away is kept
+                        records.save()
+                        raise RemoteError(f"tuning {task.task_name}: {unreachable[0]}; measurements so far are in "
+                                          f"{records_path} (rerun to resume)") from None
                     raise RemoteError(f"tuning {task.task_name}: {' '.join(str(err).split())[:300]}") from None
                 records.save()
             best = records.database.get_top_k(records.database.commit_workload(task.dispatched[0]), 1)

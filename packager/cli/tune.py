@@ -25,7 +25,10 @@ def add_parser(sub) -> None:
     parser.add_argument("--trials", type=int, default=64, help="measurements in all, shared by the tasks, 1 to 100000 (default 64)")
     parser.add_argument("--records", type=Path, default=Path("tuning.json"), help="records file (default tuning.json)")
     parser.add_argument("--input-shape", action="append", default=[], metavar="NAME=1x3x224x224")
-    parser.add_argument("--timeout", type=float, default=60, help="deadline in seconds for each remote step: tracker, device, measurement (1 to 86400, default 60)")
+    parser.add_argument("--timeout", type=float, default=120,
+                        help="deadline in seconds for each remote step: reaching the tracker, getting the device, and "
+                             "each step of a measurement (upload, load, run); a device that stays unreachable ends "
+                             "the search with one line (1 to 86400, default 120, as for bench)")
     parser.add_argument("--json", action="store_true")
 
 
