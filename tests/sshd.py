@@ -33,6 +33,8 @@ class SshHost:
     port: int
     client_key: Path
     proc: subprocess.Popen | None = None
+    sftp: bool = True  # False: no Subsystem line (minimal images, dropbear without sftp-server)
+    extra_config: str = ""  # more sshd_config lines
 
     @property
     def root(self) -> Path:
@@ -59,8 +61,9 @@ PasswordAuthentication no
 KbdInteractiveAuthentication no
 PermitRootLogin yes
 UsePAM no
-Subsystem sftp internal-sftp
+{"Subsystem sftp internal-sftp" if self.sftp else ""}
 LogLevel ERROR
+{self.extra_config}
 """)
         self.proc = subprocess.Popen([SSHD, "-D", "-e", "-f", str(config)], stdout=subprocess.DEVNULL,
                                      stderr=open(self.dir / "sshd.log", "ab"), start_new_session=True)
@@ -111,8 +114,9 @@ def _descendants(root: int) -> list[int]:
     return out
 
 
-def make_hosts(base: Path, count: int) -> tuple[list[SshHost], Path]:
-    """``count`` running sshd hosts sharing one client key; returns them and the client key path."""
+def make_hosts(base: Path, count: int, sftp: bool = True, extra_config: str = "") -> tuple[list[SshHost], Path]:
+    """``count`` running sshd hosts sharing one client key; returns them and the client key path. ``sftp=False``:
+    hosts without the SFTP subsystem; ``extra_config``: more sshd_config lines for each."""
     if os.geteuid() == 0:
         Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privilege separation directory
     base.mkdir(parents=True, exist_ok=True)
@@ -122,7 +126,7 @@ def make_hosts(base: Path, count: int) -> tuple[list[SshHost], Path]:
     for i in range(count):
         d = base / f"host{i}"
         d.mkdir()
-        host = SshHost(f"dev{i}", d, free_port(), client_key)
+        host = SshHost(f"dev{i}", d, free_port(), client_key, sftp=sftp, extra_config=extra_config)
         keygen(host.host_key)
         (d / "authorized_keys").write_text(client_pub + "\n")
         host.root.mkdir()

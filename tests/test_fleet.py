@@ -238,3 +238,61 @@ def test_fleet_with_a_key_refuses_unsigned_bundles_before_any_host(fleet, bundle
     res = run_cli("flash", unsigned, "--fleet", fleet_file)
     assert res.code == 7 and "not signed" in res.stderr
     assert all(list(h.root.iterdir()) == [] for h in hosts)
+
+
+# ---- hosts without SFTP (minimal images, dropbear without sftp-server) ---------------------------------
+
+
+@pytest.fixture
+def no_sftp(tmp_path):
+    hosts, key = make_hosts(tmp_path / "ssh", 2, sftp=False)
+    yield hosts, key, tmp_path
+    for h in hosts:
+        h.kill()
+
+
+def test_hosts_without_sftp_get_files_over_ssh_exec(no_sftp, bundles):
+    """No 'Subsystem sftp' in sshd_config: the verifier, the public key and the archive are streamed through
+    'cat' on an exec channel, checked (SHA-256) and renamed into place; flash and status work."""
+    from edgeq import safebundle
+
+    hosts, key, tmp = no_sftp
+    assert all("Subsystem" not in (h.dir / "sshd_config").read_text() for h in hosts)
+    fleet_file = write_fleet(tmp / "fleet.toml", hosts, key, public_key=bundles["pub"])
+    v1, id1 = bundles["v1"]
+    res, report = flash(v1, fleet_file, "--parallel", "2")
+    assert res.code == 0, res.stderr
+    assert {h["state"] for h in report["hosts"]} == {"updated"} and all(current(h) == id1 for h in hosts)
+    status = json.loads(run_cli("fleet", "status", "--fleet", fleet_file, "--json").stdout)  # uploads again
+    assert [(s["current"], s["error"]) for s in status] == [(id1, "")] * 2
+    for h in hosts:
+        assert (h.root / ".edgeq" / "safebundle.py").read_bytes() == Path(safebundle.__file__).read_bytes()
+        assert (h.root / ".edgeq" / "trusted.pub").read_bytes() == bundles["pub"].read_bytes()
+        assert list(h.root.rglob("*.part")) == []
+
+
+@pytest.mark.parametrize("instead_of_cat, words", [
+    ('echo "sh: cat: not found" >&2; exit 127', ["the host has no SFTP subsystem", "(sh: cat: not found)",
+                                                 "'Subsystem sftp internal-sftp'"]),
+    ('exec /bin/sh -c "head -c 100 ${SSH_ORIGINAL_COMMAND#cat}"', ["(100 bytes, SHA-256", "is not the file sent",
+                                                                   "retry"]),
+])
+def test_host_without_sftp_where_copying_fails_says_so_in_one_line(tmp_path, bundles, instead_of_cat, words):
+    """Without SFTP and with 'cat' refused (a restricted account), the host fails with one line saying what to
+    enable; a copy cut short is refused by its SHA-256 and never renamed into place."""
+    shell = tmp_path / "restricted-shell"
+    shell.write_text(f'#!/bin/sh\ncase "$SSH_ORIGINAL_COMMAND" in "cat > "*) {instead_of_cat};; esac\n'
+                     'exec /bin/sh -c "$SSH_ORIGINAL_COMMAND"\n')
+    shell.chmod(0o755)
+    hosts, key = make_hosts(tmp_path / "ssh", 1, sftp=False, extra_config=f"ForceCommand {shell}")
+    try:
+        fleet_file = write_fleet(tmp_path / "fleet.toml", hosts, key)
+        res, report = flash(bundles["v1"][0], fleet_file)
+        assert res.code == 1 and "Traceback" not in res.stderr and "internal error" not in res.stderr
+        error = by_host(report)["dev0"]["error"]
+        assert report["hosts"][0]["state"] == "failed" and error.startswith("upload verifier: "), error
+        assert "\n" not in error and all(w in error for w in words), error
+        assert not (hosts[0].root / ".edgeq" / "safebundle.py").exists()
+        assert list(hosts[0].root.rglob("*.part")) == [] and current(hosts[0]) is None
+    finally:
+        hosts[0].kill()
