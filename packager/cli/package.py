@@ -41,7 +41,9 @@ def add_parser(sub) -> None:
     q.add_argument("--calibration", choices=list(CALIBRATORS), default=DEFAULT_METHOD,
                    help=f"activation range method (default: {DEFAULT_METHOD})")
     q.add_argument("--percentile", type=float, default=99.99, help="for --calibration percentile (default 99.99)")
-    q.add_argument("--calib-samples", type=int, default=256, metavar="N", help="calibration samples to use (default 256)")
+    q.add_argument("--calib-samples", type=int, default=256, metavar="N",
+                   help="calibration samples to use at most (default 256), counted one per input row: a batch of B "
+                        "counts B; used in whole batches, at least one; fewer than 10 only warn")
     q.add_argument("--preprocess", nargs="?", const="", metavar="SPEC",
                    help="how to turn images into inputs: resize=HxW,mean=a/b/c,std=a/b/c,scale=255,layout=NCHW,order=RGB")
     q.add_argument("--skip", action="append", default=[], metavar="NODE_OR_OP",

@@ -5,6 +5,10 @@ Arrays hold samples along their first axis: for an input of shape (B, C, H, W) a
 (N samples, run B at a time) or (N, B, C, H, W) (N batches). An optional ``labels`` array (one class index
 per sample) gives top-1 accuracy. Image folders: ``root/*.png`` or ``root/<class>/*.png`` (classes sorted
 by name become the labels).
+
+Counting: one unit inside, the sample (one row of the model's batch; an image); the data is used in whole
+model runs of B samples. Messages speak the unit the data came in: "3 batches of 8" for (N, B, ...) arrays,
+"24 samples" otherwise.
 """
 
 from __future__ import annotations
@@ -12,7 +16,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import zipfile
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -81,15 +86,32 @@ class Preprocess:
 
 @dataclasses.dataclass
 class Dataset:
-    """Samples per input (first axis = sample) and optional labels."""
+    """Samples per input (first axis = sample) and optional labels. ``batched``: the arrays came as batches of
+    the model's batch ``batch`` (N, B, ...), so messages count batches."""
 
     arrays: dict[str, np.ndarray]
     labels: np.ndarray | None
     source: str
+    batch: int = 1
+    batched: bool = False
 
     @property
     def count(self) -> int:
+        """Samples (rows of the model's batch), whatever the unit of the data."""
         return len(next(iter(self.arrays.values())))
+
+    @property
+    def runs(self) -> int:
+        """Model runs the data fills (samples left over that do not fill a batch are not used)."""
+        return self.count // self.batch
+
+    def describe(self, samples: int | None = None) -> str:
+        """``samples`` (default: all) in the unit the data came in: 'N batches of B' or 'N samples'."""
+        n = self.count if samples is None else samples
+        if self.batched and self.batch > 1:
+            k = n // self.batch
+            return f"{k} batch{'' if k == 1 else 'es'} of {self.batch}"
+        return f"{n} sample{'' if n == 1 else 's'}"
 
     def batches(self, specs: list[TensorSpec]) -> Iterator[list[np.ndarray]]:
         """Model-shaped input lists: B consecutive samples per run for a batch-B input."""
@@ -98,18 +120,25 @@ class Dataset:
             yield [self.arrays[s.name][start : start + batch].reshape(s.shape) for s in specs]
 
     def take(self, n: int) -> "Dataset":
-        return Dataset({k: v[:n] for k, v in self.arrays.items()},
-                       None if self.labels is None else self.labels[:n], self.source)
+        return dataclasses.replace(self, arrays={k: v[:n] for k, v in self.arrays.items()},
+                                   labels=None if self.labels is None else self.labels[:n])
 
 
-def _sample_view(name: str, array: np.ndarray, spec: TensorSpec, what: str) -> np.ndarray:
-    """``array`` as (N, *per-sample shape) where a sample is one row of the input's batch."""
+def _batch(specs: list[TensorSpec]) -> int:
+    """Samples per model run: the first input's batch (1 for a scalar input)."""
+    return int(specs[0].shape[0]) if specs and specs[0].shape else 1
+
+
+def _sample_view(name: str, array: np.ndarray, spec: TensorSpec, what: str) -> tuple[np.ndarray, bool]:
+    """``array`` as (N, *per-sample shape) where a sample is one row of the input's batch, and whether it came
+    as batches (N, *input shape) rather than samples."""
     shape = tuple(spec.shape)
     per_sample = shape[1:] if shape else ()
+    batched = False
     if array.shape[1:] == per_sample and array.ndim == len(shape):
         out = array
     elif array.shape[1:] == shape:
-        out = array.reshape((-1,) + per_sample)
+        out, batched = array.reshape((-1,) + per_sample), True
     else:
         want = "x".join(map(str, (("N",) + per_sample)))
         raise DataError(
@@ -128,7 +157,7 @@ def _sample_view(name: str, array: np.ndarray, spec: TensorSpec, what: str) -> n
     if out.dtype.kind == "f" and not np.isfinite(out).all():
         bad = int(np.argmax(~np.isfinite(out.reshape(len(out), -1)).all(axis=1)))
         raise DataError(f"{what} array '{name}' has NaN or Inf (first in sample {bad}); clean the data")
-    return out
+    return out, batched
 
 
 def _from_arrays(arrays: dict[str, np.ndarray], specs: list[TensorSpec], what: str, source: str) -> Dataset:
@@ -142,7 +171,8 @@ def _from_arrays(arrays: dict[str, np.ndarray], specs: list[TensorSpec], what: s
     missing = [n for n in names if n not in arrays]
     if missing:
         raise DataError(f"{what} data {source} has no array for input(s) {', '.join(missing)}")
-    views = {s.name: _sample_view(s.name, arrays[s.name], s, what) for s in specs}
+    checked = {s.name: _sample_view(s.name, arrays[s.name], s, what) for s in specs}
+    views = {name: view for name, (view, _) in checked.items()}
     counts = {len(v) for v in views.values()}
     if len(counts) != 1:
         raise DataError(f"{what} data {source}: inputs have different sample counts {sorted(counts)}")
@@ -150,7 +180,7 @@ def _from_arrays(arrays: dict[str, np.ndarray], specs: list[TensorSpec], what: s
         labels = np.asarray(labels).reshape(-1)
         if labels.dtype.kind not in "iu" or len(labels) != counts.pop():
             raise DataError(f"{what} data {source}: 'labels' must be one integer class per sample")
-    return Dataset(views, labels, source)
+    return Dataset(views, labels, source, _batch(specs), all(batched for _, batched in checked.values()))
 
 
 def _npy_bytes(stream) -> int:
@@ -224,9 +254,18 @@ def _images(paths: list[Path], root: Path, spec: TensorSpec, pre: Preprocess, wh
     return _from_arrays(arrays, [spec], what, str(root))
 
 
+def _warn(text: str) -> None:
+    print(f"edgeq: warning: {text}", file=sys.stderr, flush=True)
+
+
 def load_data(path: str | Path, specs: list[TensorSpec], what: str = "calibration",
-              preprocess: Preprocess | None = None, limit: int | None = None, minimum: int = 1) -> Dataset:
-    """Read and check data for the model's inputs. ``what`` names the data in error messages."""
+              preprocess: Preprocess | None = None, limit: int | None = None, minimum: int = 1,
+              warn: Callable[[str], None] | None = None) -> Dataset:
+    """Read and check data for the model's inputs. ``what`` names the data in error messages.
+
+    ``limit``: samples to use at most, in whole model runs (at least one run, so a limit under the model's
+    batch still takes one batch). ``minimum``: samples below which the data is used with a warning (``warn``,
+    default: a line on stderr); only less than one model run is refused."""
     path = Path(path)
     spent = [0]
     if not path.exists():
@@ -249,13 +288,24 @@ def load_data(path: str | Path, specs: list[TensorSpec], what: str = "calibratio
             parts = [_from_arrays(_read_npz(p, spent), specs, what, str(p)) for p in arrays]
             merged = {s.name: np.concatenate([d.arrays[s.name] for d in parts]) for s in specs}
             labels = [d.labels for d in parts]
-            data = Dataset(merged, np.concatenate(labels) if all(x is not None for x in labels) else None, str(path))
+            data = Dataset(merged, np.concatenate(labels) if all(x is not None for x in labels) else None, str(path),
+                           _batch(specs), all(d.batched for d in parts))
         else:
             raise DataError(f"{what} folder {path} has no .npy, .npz or image files")
+    batch = data.batch
+    if data.count < batch or data.count == 0:
+        unit = (f"1 batch of {batch} (an array of {'x'.join(map(str, ('N', *specs[0].shape)))}) or {batch} samples"
+                if batch > 1 else "1 sample")
+        raise DataError(f"{what} data {data.source} has {data.describe()}; the model runs {batch} at a time: "
+                        f"give at least {unit}")
     if limit is not None:
-        data = data.take(limit)
-    batch = specs[0].shape[0] if specs[0].shape else 1
-    need = max(minimum, batch)
-    if data.count < need:
-        raise DataError(f"{what} data {data.source} has {data.count} sample(s); at least {need} are needed")
+        data = data.take(max(1, limit // batch) * batch)
+    leftover = data.count % batch
+    if leftover:
+        (warn or _warn)(f"{what} data {data.source}: the last {leftover} of {data.describe()} do not fill a batch of "
+                        f"{batch} and are not used")
+        data = data.take(data.count - leftover)
+    if data.count < minimum:
+        (warn or _warn)(f"{what} data {data.source} has only {data.describe()}; ranges from fewer than {minimum} "
+                        f"samples may not cover real inputs: give more for better scales")
     return data
