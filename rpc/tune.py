@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from edgeq.errors import OutputError, RemoteError, UsageError
-from edgeq.rpc.session import DAY_S, Remote, bounded, parse_addr, with_deadline
+from edgeq.rpc.session import DAY_S, Remote, _no_retry_warnings, bounded, parse_addr, with_deadline
 from edgeq.safebundle import json_depth
 from edgeq.targets import Profile
 from edgeq.toolchain import import_tvm
@@ -133,8 +133,11 @@ class DeviceUnreachable(RemoteError):
 def _create_session(config):
     """meta_schedule's session for one measurement, every step with the deadline (its own waits for a device
     forever); runs in the runner's worker process."""
+    import logging
+
     from tvm import rpc
 
+    logging.getLogger("RPCServer").addFilter(_no_retry_warnings)  # the deadline says it in one line
     seconds = config.session_timeout_sec
     try:
         tracker = with_deadline(f"connect to tracker {config.tracker_host}:{config.tracker_port}", seconds,

@@ -151,3 +151,22 @@ def test_a_failed_measurement_is_a_result_not_the_end(tracker, tmp_path):
         time.sleep(0.05)
     result = futures[0].result()
     assert result.run_secs is None and result.error_msg and not failure
+
+
+def test_a_tracker_gone_mid_search_ends_it_quietly(capfd):
+    """The tracker dies between measurements: the next one gives up after the deadline with the reason, and
+    the worker process prints no TVM retry warnings on the way."""
+    from tvm.s_tir import meta_schedule as ms
+
+    from edgeq.rpc.tune import _runner
+
+    port = closed_port()
+    runner, failure = _runner("127.0.0.1", port, "k", 2)
+    start_t = time.monotonic()
+    futures = runner.run([ms.runner.RunnerInput("/nonexistent/candidate.so", "llvm", [])])
+    while not futures[0].done():
+        assert time.monotonic() - start_t < 2 + 10
+        time.sleep(0.05)
+    with pytest.raises(Exception, match=f"connect to tracker 127.0.0.1:{port}: no answer within 2 s"):
+        futures[0].result()
+    assert failure and "Cannot connect to tracker" not in capfd.readouterr().err
