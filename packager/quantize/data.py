@@ -126,7 +126,7 @@ class Dataset:
 
 def _batch(specs: list[TensorSpec]) -> int:
     """Samples per model run: the first input's batch (1 for a scalar input)."""
-    return int(specs[0].shape[0]) if specs and specs[0].shape else 1
+    return max(1, int(specs[0].shape[0])) if specs and specs[0].shape else 1
 
 
 def _sample_view(name: str, array: np.ndarray, spec: TensorSpec, what: str) -> tuple[np.ndarray, bool]:
@@ -294,10 +294,11 @@ def load_data(path: str | Path, specs: list[TensorSpec], what: str = "calibratio
             raise DataError(f"{what} folder {path} has no .npy, .npz or image files")
     batch = data.batch
     if data.count < batch or data.count == 0:
-        unit = (f"1 batch of {batch} (an array of {'x'.join(map(str, ('N', *specs[0].shape)))}) or {batch} samples"
-                if batch > 1 else "1 sample")
-        raise DataError(f"{what} data {data.source} has {data.describe()}; the model runs {batch} at a time: "
-                        f"give at least {unit}")
+        if batch == 1:
+            raise DataError(f"{what} data {data.source} has {data.describe()}; give at least 1 sample")
+        raise DataError(f"{what} data {data.source} has {data.describe()}; the model runs {batch} at a time: give at "
+                        f"least 1 batch of {batch} (an array of {'x'.join(map(str, ('N', *specs[0].shape)))}) "
+                        f"or {batch} samples")
     if limit is not None:
         data = data.take(max(1, limit // batch) * batch)
     leftover = data.count % batch
