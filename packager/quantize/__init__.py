@@ -115,6 +115,23 @@ def _check_collapse(metrics: dict[str, Any], model_name: str, source: str) -> No
         "--precision mixed --accuracy-budget")
 
 
+def _agreement(q: np.ndarray, f: np.ndarray) -> dict[str, float]:
+    """Relative error and cosine of ``q`` against ``f``, scale-free: outputs of 1e-10 (random-weight models
+    whose activations vanish) compare as well as outputs of 1 (no absolute floor on the norms)."""
+    q, f = q.astype(np.float64), f.astype(np.float64)
+    if not (np.isfinite(q).all() and np.isfinite(f).all()):
+        return {"rel_error": float("nan"), "cosine": float("nan")}
+    top = max(float(np.abs(f).max(initial=0)), float(np.abs(q).max(initial=0)))
+    if top == 0 or not np.isfinite(top):
+        same = top == 0
+        return {"rel_error": 0.0 if same else float("nan"), "cosine": 1.0 if same else float("nan")}
+    q, f = q / top, f / top
+    nf, nq = float(np.linalg.norm(f)), float(np.linalg.norm(q))
+    rel = float(np.linalg.norm(q - f) / nf) if nf > 0 else float("inf")
+    cosine = float(np.sum(q * f) / (nq * nf)) if nq > 0 and nf > 0 else 0.0
+    return {"rel_error": rel, "cosine": cosine}
+
+
 class Evaluator:
     """Runs the float graph once over the evaluation data and compares any candidate graph against it."""
 
@@ -128,11 +145,7 @@ class Evaluator:
         got = [runner(batch)[0] for batch in self.data.batches(self.specs)]
         f = np.concatenate([r.reshape(len(r), -1) if r.ndim > 1 else r[None] for r in self.reference])
         q = np.concatenate([r.reshape(len(r), -1) if r.ndim > 1 else r[None] for r in got])
-        out = {
-            "samples": int(len(f)),
-            "rel_error": float(np.linalg.norm(q - f) / max(np.linalg.norm(f), 1e-12)),
-            "cosine": float(np.sum(q * f) / max(np.linalg.norm(q) * np.linalg.norm(f), 1e-12)),
-        }
+        out = {"samples": int(len(f)), **_agreement(q, f)}
         if self.reference[0].ndim == 2 and self.reference[0].shape[-1] > 1:  # logits: classification metrics
             top_f, top_q = f.argmax(axis=1), q.argmax(axis=1)
             out["top1_agreement"] = float(np.mean(top_f == top_q) * 100)
