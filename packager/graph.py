@@ -9,6 +9,7 @@ adds a new parameter for the int8 array and drops the float one once nothing use
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -144,7 +145,7 @@ class Rewriter:
         """A weight parameter of the output graph (created once per name)."""
         if name not in self._params:
             self._params[name] = relax.Var(name, relax.TensorType(list(array.shape), str(array.dtype)))
-            self.weights[name] = np.ascontiguousarray(array)
+            self.weights[name] = np.require(array, requirements="C")  # ascontiguousarray makes 0-d 1-d
         return self._params[name]
 
     def const(self, array, dtype: str = "float32"):
@@ -162,6 +163,13 @@ class Rewriter:
             return relax.Tuple([self.new(f, on_var) for f in expr.fields])
         if isinstance(expr, relax.TupleGetItem):
             return relax.TupleGetItem(self.new(expr.tuple_value, on_var), expr.index)
+        if isinstance(expr, relax.If):  # ONNX If: both branches' values are computed before it, outside
+            return relax.If(self.new(expr.cond, on_var), self.new(expr.true_branch, on_var),
+                            self.new(expr.false_branch, on_var))
+        if isinstance(expr, relax.SeqExpr):
+            blocks = [type(block)([relax.VarBinding(b.var, self.new(b.value, on_var)) for b in block.bindings])
+                      for block in expr.blocks]
+            return relax.SeqExpr(blocks, self.new(expr.body, on_var))
         return expr
 
     def emit(self, expr, name: str = ""):
@@ -177,10 +185,12 @@ def rewrite(graph: Graph, visit: Visit, extra_outputs: Callable[[Rewriter], list
     bb = relax.BlockBuilder()
     main = graph.main
     inputs = [relax.Var(p.name, p.ty) for p in graph.inputs]
+    # a graph with control flow (ONNX If) has no dataflow block: a relax.If may not stand in one
+    dataflow = all(isinstance(block, relax.DataflowBlock) for block in main.body.blocks)
     with bb.function("main", attrs=dict(main.attrs)):
         rw = Rewriter(graph, bb)
         rw._env.update(zip(graph.inputs, inputs))
-        with bb.dataflow():
+        with bb.dataflow() if dataflow else contextlib.nullcontext():
             for binding in graph.bindings():
                 replacement = visit(rw, binding.var, binding.value)
                 if replacement is None:
@@ -191,7 +201,7 @@ def rewrite(graph: Graph, visit: Visit, extra_outputs: Callable[[Rewriter], list
             output = rw.new(main.body.body)
             if extra_outputs is not None:
                 output = relax.Tuple([output, *extra_outputs(rw)])
-            output = bb.emit_output(output)
+            output = bb.emit_output(output) if dataflow else bb.emit(output)
         params = inputs + list(rw._params.values())
         bb.emit_func_output(output, params=params)
     func = relax.analysis.remove_all_unused(bb.get()["main"])

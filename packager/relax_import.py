@@ -1,6 +1,12 @@
-"""ONNX -> Relax IRModule with the weights detached as function parameters (fp32)."""
+"""ONNX -> Relax IRModule with the weights detached as function parameters (fp32).
+
+TVM's ONNX frontend does the import, with the converters of ``edgeq.onnx_ops`` added to its table.
+"""
 
 from __future__ import annotations
+
+import contextlib
+import io
 
 from edgeq.errors import ModelError
 from edgeq.graph import Graph
@@ -14,24 +20,62 @@ QOPERATOR_OPS = {"QLinearConv", "QLinearMatMul", "ConvInteger", "QLinearAdd", "Q
 
 
 def unsupported_ops(model) -> list[str]:
-    """ONNX op types in the model that TVM's Relax ONNX frontend has no converter for."""
+    """ONNX op types in the model that neither TVM's Relax ONNX frontend nor edgeq has a converter for."""
     import_tvm()
-    from tvm.relax.frontend.onnx import onnx_frontend
+    from edgeq import onnx_ops
 
-    known = set(onnx_frontend._get_convert_map()) | {"Constant", "If"}
+    known = onnx_ops.known_ops()
     return sorted({node.op_type for node in model.graph.node if node.op_type not in known})
 
 
-def _tensor_specs(ret_ty, names: list[str]) -> list[TensorSpec]:
-    from tvm import relax
+def _tensor_specs(ret_ty, onnx_model) -> list[TensorSpec]:
+    from tvm import relax, tirx
 
+    names = [o.name for o in onnx_model.graph.output]
+    producers = {out: node for node in onnx_model.graph.node for out in node.output}
     fields = list(ret_ty.fields) if isinstance(ret_ty, relax.TupleType) else [ret_ty]
     specs = []
     for name, field in zip(names, fields):
-        if not isinstance(field, relax.TensorType) or field.shape is None:
-            raise ModelError(f"output '{name}' has no static tensor shape after import; fix the input shapes")
-        specs.append(TensorSpec(name, tuple(int(d) for d in field.shape), str(field.dtype)))
+        node = producers.get(name)
+        made_by = f" (made by {node.op_type} '{node.name or node.op_type}')" if node is not None else ""
+        if not isinstance(field, relax.TensorType):
+            raise ModelError(f"output '{name}'{made_by} is not a tensor (a sequence or optional value); "
+                             "an edgeq bundle returns tensors: end the model before it")
+        if not isinstance(field.shape, relax.ShapeExpr) or not all(isinstance(d, tirx.IntImm) for d in field.shape.values):
+            raise ModelError(f"output '{name}'{made_by} has no static shape after import; an edgeq bundle has "
+                             "static shapes: fix the input shapes (--input-shape) and shape operands (--const)")
+        specs.append(TensorSpec(name, tuple(int(d) for d in field.shape.values), str(field.dtype)))
     return specs
+
+
+def _shape_outputs_as_tensors(mod):
+    """Outputs that TVM imports as shape values (the output of ONNX Shape) returned as int64 tensors."""
+    from tvm import relax
+
+    func = mod["main"]
+    ret_ty = func.ret_ty
+    fields = list(ret_ty.fields) if isinstance(ret_ty, relax.TupleType) else [ret_ty]
+    if not any(isinstance(f, relax.ShapeType) for f in fields):
+        return mod
+    out = func.body.body
+    items = list(out.fields) if isinstance(out, relax.Tuple) else (
+        [relax.TupleGetItem(out, i) for i in range(len(fields))] if isinstance(ret_ty, relax.TupleType) else [out])
+    bindings, new_items, new_fields = [], [], []
+    for i, (item, field) in enumerate(zip(items, fields)):
+        if isinstance(field, relax.ShapeType):
+            field = relax.TensorType([field.ndim], "int64")
+            var = relax.Var(f"shape_output{i}", field)
+            bindings.append(relax.VarBinding(var, relax.op.shape_to_tensor(item)))
+            item = var
+        new_items.append(item)
+        new_fields.append(field)
+    tuple_out = isinstance(ret_ty, relax.TupleType)
+    body = relax.SeqExpr(list(func.body.blocks) + [relax.BindingBlock(bindings)],
+                         relax.Tuple(new_items) if tuple_out else new_items[0])
+    ret = relax.TupleType(new_fields) if tuple_out else new_fields[0]
+    mod = mod.with_attr("edgeq", "shape outputs")  # a copy
+    mod["main"] = relax.Function(func.params, body, ret, func.is_pure, func.attrs)
+    return relax.transform.Normalize()(mod)
 
 
 def to_relax(loaded: LoadedModel) -> tuple[Graph, list[TensorSpec]]:
@@ -58,20 +102,32 @@ def to_relax(loaded: LoadedModel) -> tuple[Graph, list[TensorSpec]]:
             f"{loaded.path.name}: node '{nested}' puts an If/Loop inside another one's branch, which TVM "
             f"{_tvm_version()}'s importer cannot compile; fold the condition (onnxsim, or export with fixed inputs)"
         )
+    from edgeq import onnx_ops
+
+    name = loaded.path.name
     try:
-        mod = from_onnx(
-            loaded.onnx_model,
-            shape_dict={spec.name: list(spec.shape) for spec in loaded.inputs},
-            keep_params_in_input=True,
-        )
+        # TVM prints "Error converting operator ..." before re-raising; the one-line error says it instead
+        with onnx_ops.installed(), contextlib.redirect_stdout(io.StringIO()):
+            mod = from_onnx(
+                loaded.onnx_model,
+                shape_dict={spec.name: list(spec.shape) for spec in loaded.inputs},
+                keep_params_in_input=True,
+            )
+        mod = _shape_outputs_as_tensors(mod)
+    except onnx_ops.Refused as err:
+        raise ModelError(f"{name}: {err}") from None
+    except onnx_ops.ConversionError as err:
+        todo = ("if that operand is a graph input, bind it with --const NAME=FILE.npy (or make it an initializer)"
+                if err.runtime_operands else f"re-export the model without this use of {err.op}")
+        raise ModelError(f"TVM {_tvm_version()} could not import {name}: {err}; {todo}") from None
     except Exception as err:  # the frontend raises anything from ValueError to TVMError
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise ModelError(f"TVM could not import {loaded.path.name}: {first}") from None
+        raise ModelError(f"TVM could not import {name}: {first}") from None
     mod, params = relax.frontend.detach_params(mod)
     func = mod["main"]
     weights = list(params.get("main", []))
     names = [p.name for p in func.params[len(loaded.inputs) :]]
-    outputs = _tensor_specs(func.ret_ty, [o.name for o in loaded.onnx_model.graph.output])
+    outputs = _tensor_specs(func.ret_ty, loaded.onnx_model)
     if len(set(names)) != len(names):
         raise ModelError(f"{loaded.path.name}: weight names are not unique after import; rename the initializers")
     _check_activations(func, loaded.path.name)

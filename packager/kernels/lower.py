@@ -68,7 +68,7 @@ def _stores(stmt) -> list:
 
 def scalar_minmax(func) -> str | None:
     """"maximum"/"minimum" when a TIR function is an element-wise max/min of a tensor and a one-element
-    tensor (how TVM imports ONNX Clip with bounds given as inputs, e.g. ReLU6), else None."""
+    or 0-d tensor (how TVM imports ONNX Clip with bounds given as inputs, e.g. ReLU6), else None."""
     if not isinstance(func, tvm.tirx.PrimFunc):
         return None
     stores = _stores(func.body)
@@ -77,7 +77,7 @@ def scalar_minmax(func) -> str | None:
     a, b = stores[0].value.a, stores[0].value.b
     if not (isinstance(a, tvm.ir.TensorLoad) and isinstance(b, tvm.ir.TensorLoad)):
         return None
-    if [int(d) for d in b.source.shape] != [1] or len(a.indices) != len(stores[0].indices):
+    if [int(d) for d in b.source.shape] not in ([], [1]) or len(a.indices) != len(stores[0].indices):
         return None
     if any(not ia.same_as(ib) for ia, ib in zip(a.indices, stores[0].indices)):
         return None

@@ -51,6 +51,54 @@ def _extent(sch: Schedule, loop) -> int | None:
     return int(ext) if isinstance(ext, tvm.tirx.IntImm) else None
 
 
+def _vector_lanes(sch: Schedule, block, lanes: int) -> int:
+    """``lanes``, halved until every ``x // d`` and ``x % d`` in the block whose ``x`` involves the innermost
+    axis has ``d`` a multiple of it: then a vector never straddles a change of the quotient. (Reshapes that
+    split the last axis, (.., 32) -> (.., 4, 8), index with ``i % 8``; TVM 0.27 vectorises ``ramp(16) % 8``
+    wrongly: seen as wrong values in every second head of a rotary embedding.)"""
+    stmt = sch.get(block)
+    if not stmt.iter_vars:
+        return lanes
+    inner = stmt.iter_vars[-1].var
+    divisions = (tvm.tirx.FloorDiv, tvm.tirx.FloorMod, tvm.tirx.Div, tvm.tirx.Mod)
+    divisors = []
+
+    def walk(node, found_inner: list) -> None:  # TVM 0.27 has no Python TIR visitor
+        if isinstance(node, (list, tuple, tvm.ir.Array)):
+            for item in node:
+                walk(item, found_inner)
+            return
+        if isinstance(node, tvm.tirx.Var):
+            if node.same_as(inner):
+                found_inner.append(True)
+            return
+        if isinstance(node, divisions):
+            uses = []
+            walk(node.a, uses)
+            if uses:
+                divisors.append(int(node.b.value) if isinstance(node.b, tvm.tirx.IntImm) else 1)
+                # with the divisor a multiple of the lanes, a quotient is one value across a vector
+                # (nothing above it sees the axis), a remainder a ramp (it still varies)
+                if isinstance(node, (tvm.tirx.FloorMod, tvm.tirx.Mod)):
+                    found_inner.append(True)
+            walk(node.b, found_inner)
+            return
+        for field in _CHILDREN:
+            child = getattr(node, field, None)
+            if isinstance(child, (tvm.ir.Expr, tvm.tirx.Stmt, tvm.ir.Array)):
+                walk(child, found_inner)
+
+    walk(stmt.body, [])
+    for d in divisors:
+        while lanes > 1 and d % lanes:
+            lanes //= 2
+    return lanes
+
+
+_CHILDREN = ("a", "b", "value", "indices", "args", "condition", "true_value", "false_value", "base", "stride",
+             "body", "seq", "then_case", "else_case")
+
+
 def schedule_generic(sch: Schedule, isa: Isa) -> None:
     """Inline what can be inlined; then fuse, vectorise and parallelise each remaining loop nest."""
     for block in _blocks(sch)[:-1]:
@@ -71,7 +119,8 @@ def schedule_generic(sch: Schedule, isa: Isa) -> None:
             total = math.prod(extents)
             fused = sch.fuse(*loops)
             inner = extents[-1]
-            lanes = isa.lanes if inner % isa.lanes == 0 else 1
+            lanes = _vector_lanes(sch, block, isa.lanes)
+            lanes = lanes if inner % lanes == 0 else 1
             if total >= PARALLEL_MIN:
                 outer, vec = sch.split(fused, [None, lanes]) if lanes > 1 else (fused, None)
                 sch.parallel(outer)
