@@ -219,7 +219,8 @@ def _lower_qdq(b: _Build) -> None:
 def _quantize(b: _Build) -> None:
     from edgeq.quantize import quantize
 
-    b.quantization = quantize(b.graph, b.model, b.args.quantize, note=b.progress.note, tick=b.progress.tick)
+    b.quantization = quantize(b.graph, b.model, b.args.quantize, note=b.progress.note, tick=b.progress.tick,
+                              warn=b.progress.warn)
     b.graph = b.quantization.graph
 
 

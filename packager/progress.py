@@ -26,6 +26,10 @@ class StageProgress:
         if not self.quiet:
             self.console.print(text, highlight=False, markup=False)
 
+    def warn(self, text: str) -> None:
+        """A warning: shown even with --quiet (which silences progress, not problems)."""
+        self.console.print(f"edgeq: warning: {text}", highlight=False, markup=False)
+
     def tick(self, label: str, done: int, total: int) -> None:
         """Progress inside a stage: a live line on a terminal, every quarter elsewhere."""
         if self.quiet or total <= 0:

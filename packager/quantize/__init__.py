@@ -176,12 +176,15 @@ def _sqnr_per_layer(graph: Graph, layers: list[Layer], act_scales: dict[str, flo
 
 
 def quantize(graph: Graph, model: LoadedModel, args: QuantizeArgs, note: Callable[[str], None] = lambda _: None,
-             tick: Callable[[str, int, int], None] | None = None) -> QuantizeResult:
-    """Quantize ``graph`` (the float import of ``model``). ``note`` receives progress lines."""
+             tick: Callable[[str, int, int], None] | None = None,
+             warn: Callable[[str], None] | None = None) -> QuantizeResult:
+    """Quantize ``graph`` (the float import of ``model``). ``note`` receives progress lines, ``warn`` warnings
+    (default: a line on stderr)."""
     check_args(args)
     specs = model.inputs
     calibrator = CALIBRATORS[args.method]
-    calib = load_data(args.calibrate, specs, "calibration", args.preprocess, args.samples, MIN_CALIBRATION_SAMPLES)
+    calib = load_data(args.calibrate, specs, "calibration", args.preprocess, args.samples, MIN_CALIBRATION_SAMPLES,
+                      warn=warn)
     evaluation = (load_data(args.eval, specs, "evaluation", args.preprocess, MAX_EVAL_SAMPLES) if args.eval
                   else calib)
     layers = find_layers(graph, model.onnx_model)
