@@ -22,17 +22,17 @@ import numpy as np
 
 import edgeq
 from edgeq import bundle
+from edgeq.choices import PRECISIONS, RUNTIME_CHOICES
 from edgeq.compile import HostRunner, Toolchain, build, cuda_device_code, elf_machine, export, lower_graph, toolchain_for
 from edgeq.errors import EdgeqError, ModelError, OutputError, ToolchainError, UsageError
 from edgeq.graph import Graph
 from edgeq.load import LoadedModel, TensorSpec, load_model
 from edgeq.progress import StageProgress
 from edgeq.relax_import import to_relax
-from edgeq.runtime.assemble import RUNTIME_CHOICES, assemble, check_elves
+from edgeq.runtime.assemble import assemble, check_elves
 from edgeq.targets import Profile, profiles, resolve
 from edgeq.toolchain import import_tvm
 
-PRECISIONS = ("fp32", "int8", "mixed")  # mixed: int8 with layers returned to float to hold an accuracy budget
 GOLDEN_SEED = 0
 # Golden outputs are computed on the build host; the device may use other kernels (CUDA, fast math).
 GOLDEN_RTOL, GOLDEN_ATOL = 1e-3, 1e-4

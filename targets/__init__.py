@@ -6,12 +6,18 @@ with values detected at run time (``"detect"`` in its file).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import hashlib
+import importlib.util
 import os
 import platform
+import re
+import tempfile
 import tomllib
 from functools import cache
 from importlib import resources
+from pathlib import Path
 from typing import Any
 
 from edgeq.errors import DeviceError
@@ -126,9 +132,6 @@ def _parse(text: str, source: str) -> Profile:
 
 def _detect_host(profile: Profile) -> Profile:
     """Fill the ``detect`` fields of the host profile from this machine."""
-    from edgeq.toolchain import import_tvm
-
-    codegen = import_tvm().target.codegen
     machine = platform.machine()
     mem_kb = 0
     try:
@@ -138,10 +141,72 @@ def _detect_host(profile: Profile) -> Profile:
         pass
     cpu = CpuSpec(
         triple=f"{machine}-linux-gnu",
-        mcpu=codegen.llvm_get_system_cpu(),
+        mcpu=_host_cpu_name(),
         cores=len(os.sched_getaffinity(0)),
     )
     return dataclasses.replace(profile, cpu=cpu, memory_mb=mem_kb // 1024)
+
+
+_CPU_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,63}")
+# /proc/cpuinfo fields LLVM's host CPU detection depends on (x86: CPUID's identity and features; Arm: the parts)
+_CPUINFO_KEYS = {"vendor_id", "cpu family", "model", "model name", "stepping", "flags", "CPU implementer",
+                 "CPU architecture", "CPU variant", "CPU part", "CPU revision", "Features"}
+
+
+def _host_cpu_name() -> str:
+    """LLVM's name for this machine's CPU (``-mcpu=native``), from TVM; kept in edgeq's cache per CPU and TVM
+    build, so that listing or resolving profiles loads TVM (about a second) only the first time."""
+    key = _host_cpu_key()
+    path = None
+    if key:
+        from edgeq.toolchain import cache_dir
+
+        path = cache_dir() / "host-cpu" / key
+        try:
+            name = path.read_text(encoding="ascii").strip()
+            if _CPU_NAME.fullmatch(name):
+                return name
+        except (OSError, UnicodeDecodeError):
+            pass
+    from edgeq.toolchain import import_tvm
+
+    name = str(import_tvm().target.codegen.llvm_get_system_cpu())
+    if path is not None and _CPU_NAME.fullmatch(name):
+        _remember(path, name)
+    return name
+
+
+def _remember(path: Path, name: str) -> None:
+    """Write ``name`` to ``path`` whole or not at all; a cache that cannot be written is no error."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    except OSError:
+        return
+    try:
+        with os.fdopen(fd, "w", encoding="ascii") as out:
+            out.write(name + "\n")
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+
+
+def _host_cpu_key() -> str | None:
+    """What the host CPU name depends on, hashed: the CPU as /proc/cpuinfo describes it and the TVM library
+    that names it. None (no caching) where either cannot be read."""
+    try:
+        spec = importlib.util.find_spec("tvm")
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as cpuinfo:
+            lines = {line.strip() for line in cpuinfo if line.split(":", 1)[0].strip() in _CPUINFO_KEYS}
+        if spec is None or not spec.origin or not lines:
+            return None
+        libraries = sorted(Path(spec.origin).parent.joinpath("lib").glob("libtvm*.so"))
+        stamps = [f"{lib}:{lib.stat().st_size}:{lib.stat().st_mtime_ns}" for lib in libraries]
+    except (OSError, ImportError, ValueError):
+        return None
+    text = "\n".join([platform.machine(), os.environ.get("TVM_LIBRARY_PATH", ""), *stamps, *sorted(lines)])
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
 @cache

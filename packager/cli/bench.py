@@ -8,7 +8,7 @@ from pathlib import Path
 from rich.table import Table
 from rich.text import Text
 
-from edgeq.rpc.bench import POWER_SOURCES, BenchArgs, bench
+from edgeq.choices import POWER_SOURCES
 
 
 def add_parser(sub) -> None:
@@ -27,6 +27,8 @@ def add_parser(sub) -> None:
 
 
 def run(args, env) -> int:
+    from edgeq.rpc.bench import BenchArgs, bench
+
     err = env.err()
     result = bench(BenchArgs(bundle=args.bundle, rpc=args.rpc, key=args.key, repeat=args.repeat, warmup=args.warmup,
                              power=args.power, timeout=args.timeout, session_timeout=args.session_timeout),

@@ -6,8 +6,6 @@ import json
 
 from rich.table import Table
 
-from edgeq.targets import profiles
-
 
 def add_parser(sub) -> None:
     parser = sub.add_parser("devices", help="list the device profiles", description="List the device profiles edgeq can build for.")
@@ -15,6 +13,8 @@ def add_parser(sub) -> None:
 
 
 def run(args, env) -> int:
+    from edgeq.targets import profiles
+
     table = profiles()
     if args.json:
         print(json.dumps([p.to_dict() for p in table.values()], indent=2), file=env.stdout)

@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.table import Table
 from rich.text import Text
 
 from edgeq.errors import ExitStatus
-from edgeq.fleet import FlashArgs, HostResult, flash, fleet_rollback, fleet_status
+
+if TYPE_CHECKING:
+    from edgeq.fleet import HostResult
 
 
 def add_parser(sub) -> None:
@@ -61,6 +64,8 @@ def report(results: list[HostResult], env, as_json: bool, title: str, extra: dic
 
 
 def run(args, env) -> int:
+    from edgeq.fleet import FlashArgs, flash
+
     flash_args = FlashArgs(bundle=args.bundle, fleet=args.fleet, canary=args.canary, batch=args.batch,
                            max_failures=args.max_failures, parallel=args.parallel, dry_run=args.dry_run,
                            allow_downgrade=args.allow_downgrade)
@@ -83,6 +88,8 @@ class FleetVerb:
 
     @staticmethod
     def run(args, env) -> int:
+        from edgeq.fleet import fleet_status
+
         rows = fleet_status(args.fleet)
         if args.json:
             print(json.dumps(rows, indent=2), file=env.stdout)
@@ -109,5 +116,7 @@ class RollbackVerb:
 
     @staticmethod
     def run(args, env) -> int:
+        from edgeq.fleet import fleet_rollback
+
         results = fleet_rollback(args.fleet, args.host, _printer(env))
         return report(results, env, args.json, "rollback", bad_states=("failed",))

@@ -8,7 +8,6 @@ from pathlib import Path
 from rich.table import Table
 from rich.text import Text
 
-from edgeq.bundle import read_manifest
 from edgeq.errors import BundleError
 
 
@@ -46,6 +45,8 @@ def _runtime(record, compatibility) -> str:
 
 
 def run(args, env) -> int:
+    from edgeq.bundle import read_manifest
+
     m = read_manifest(args.bundle)
     if args.json:
         print(json.dumps(m, indent=2), file=env.stdout)

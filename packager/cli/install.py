@@ -6,8 +6,6 @@ import json
 from pathlib import Path
 
 from edgeq.errors import BundleError, UsageError
-from edgeq.safebundle import BundleRefused, install, repair_state
-from edgeq.signing import load_public_key
 
 
 def add_parser(sub) -> None:
@@ -24,6 +22,9 @@ def add_parser(sub) -> None:
 
 
 def run(args, env) -> int:
+    from edgeq.safebundle import BundleRefused, install, repair_state
+    from edgeq.signing import load_public_key
+
     if args.repair_state:
         state = repair_state(args.root)
         print(json.dumps(state) if args.json else f"rebuilt {args.root / 'state.json'}: "

@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from edgeq.signing import keygen
-
 
 def add_parser(sub) -> None:
     parser = sub.add_parser("keygen", help="make an ed25519 key pair for signing bundles",
@@ -16,6 +14,8 @@ def add_parser(sub) -> None:
 
 
 def run(args, env) -> int:
+    from edgeq.signing import keygen
+
     private, public, kid = keygen(args.out)
     if args.json:
         print(json.dumps({"private_key": str(private), "public_key": str(public), "key_id": kid}), file=env.stdout)

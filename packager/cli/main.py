@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import sys
 import traceback
 from typing import TextIO
@@ -11,11 +12,21 @@ from typing import TextIO
 from rich.console import Console
 
 from edgeq import __version__
-from edgeq.cli import bench, devices, flash, inspect, install, keygen, package, rpc, tune, verify
 from edgeq.errors import EdgeqError, ExitStatus, UsageError
 
-VERBS = {"devices": devices, "package": package, "inspect": inspect, "keygen": keygen, "verify": verify, "install": install,
-         "flash": flash, "fleet": flash.FleetVerb, "rollback": flash.RollbackVerb, "rpc": rpc, "bench": bench, "tune": tune}
+# verb -> "module" or "module:attribute" with add_parser(sub) and run(args, env). A verb module imports only
+# light modules at its top (argparse needs its choices for --help); what it runs on is imported in run(), so
+# 'edgeq devices' or 'edgeq --version' never loads TVM, ONNX or the compiler.
+VERBS = {"devices": "devices", "package": "package", "inspect": "inspect", "keygen": "keygen", "verify": "verify",
+         "install": "install", "flash": "flash", "fleet": "flash:FleetVerb", "rollback": "flash:RollbackVerb",
+         "rpc": "rpc", "bench": "bench", "tune": "tune"}
+
+
+def verb(name: str):
+    """The object behind a verb: its module under edgeq.cli, or a class in it."""
+    module, _, attribute = VERBS[name].partition(":")
+    found = importlib.import_module(f"edgeq.cli.{module}")
+    return getattr(found, attribute) if attribute else found
 
 
 @dataclasses.dataclass
@@ -48,8 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"edgeq {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     sub = parser.add_subparsers(dest="verb", metavar="COMMAND", parser_class=_Parser)
-    for name, verb in VERBS.items():
-        verb.add_parser(sub)
+    for name in VERBS:
+        verb(name).add_parser(sub)
     return parser
 
 
@@ -61,7 +72,7 @@ def main(argv: list[str] | None = None, env: Environment | None = None) -> int:
         args = build_parser().parse_args(argv)
         if args.verb is None:
             raise UsageError("give a command: " + ", ".join(VERBS) + " (see 'edgeq --help')")
-        return int(VERBS[args.verb].run(args, env) or ExitStatus.OK)
+        return int(verb(args.verb).run(args, env) or ExitStatus.OK)
     except EdgeqError as err:
         if debug:
             traceback.print_exc(file=env.stderr)

@@ -8,13 +8,8 @@ from pathlib import Path
 from rich.table import Table
 from rich.text import Text
 
+from edgeq.choices import CALIBRATION_METHODS, DEFAULT_METHOD, PRECISIONS, RUNTIME_CHOICES
 from edgeq.errors import UsageError
-from edgeq.load import parse_const, parse_shape
-from edgeq.quantize import DEFAULT_METHOD, QuantizeArgs
-from edgeq.quantize.calibrators import CALIBRATORS
-from edgeq.quantize.data import Preprocess
-from edgeq.package import PRECISIONS, RUNTIME_CHOICES, PackageArgs, package
-from edgeq.progress import StageProgress
 
 
 def add_parser(sub) -> None:
@@ -38,7 +33,7 @@ def add_parser(sub) -> None:
     q = parser.add_argument_group("quantization (--precision int8 / mixed)")
     q.add_argument("--calibrate", type=Path, metavar="DATA",
                    help=".npz (one array per input, samples first), a folder of .npy/.npz, or a folder of images")
-    q.add_argument("--calibration", choices=list(CALIBRATORS), default=DEFAULT_METHOD,
+    q.add_argument("--calibration", choices=list(CALIBRATION_METHODS), default=DEFAULT_METHOD,
                    help=f"activation range method (default: {DEFAULT_METHOD})")
     q.add_argument("--percentile", type=float, default=99.99, help="for --calibration percentile (default 99.99)")
     q.add_argument("--calib-samples", type=int, default=256, metavar="N",
@@ -64,6 +59,12 @@ def add_parser(sub) -> None:
 
 
 def run(args, env) -> int:
+    from edgeq.load import parse_const, parse_shape
+    from edgeq.package import PackageArgs, package
+    from edgeq.progress import StageProgress
+    from edgeq.quantize import QuantizeArgs
+    from edgeq.quantize.data import Preprocess
+
     shapes = dict(parse_shape(text) for text in args.input_shape)
     consts = dict(parse_const(text) for text in args.const)
     quantize_args = None

@@ -8,10 +8,6 @@ from pathlib import Path
 from rich.table import Table
 from rich.text import Text
 
-from edgeq.load import parse_shape
-from edgeq.progress import StageProgress
-from edgeq.rpc.tune import TuneArgs, tune
-
 
 def add_parser(sub) -> None:
     parser = sub.add_parser("tune", help="tune schedules on a device over TVM RPC",
@@ -33,6 +29,10 @@ def add_parser(sub) -> None:
 
 
 def run(args, env) -> int:
+    from edgeq.load import parse_shape
+    from edgeq.progress import StageProgress
+    from edgeq.rpc.tune import TuneArgs, tune
+
     progress = StageProgress(console=env.err())
     result = tune(TuneArgs(model=args.model, device=args.device, rpc=args.rpc, key=args.key, trials=args.trials,
                            records=args.records, input_shapes=dict(parse_shape(t) for t in args.input_shape),

@@ -7,8 +7,6 @@ import tempfile
 from pathlib import Path
 
 from edgeq.errors import BundleError
-from edgeq.safebundle import BundleRefused, open_bundle
-from edgeq.signing import load_public_key
 
 
 def add_parser(sub) -> None:
@@ -21,6 +19,9 @@ def add_parser(sub) -> None:
 
 
 def run(args, env) -> int:
+    from edgeq.safebundle import BundleRefused, open_bundle
+    from edgeq.signing import load_public_key
+
     key = load_public_key(args.pub) if args.pub else None
     with tempfile.TemporaryDirectory(prefix="edgeq-verify-") as tmp:
         try:

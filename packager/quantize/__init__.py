@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from edgeq.choices import DEFAULT_METHOD
 from edgeq.errors import ModelError, UsageError
 from edgeq.graph import Graph
 from edgeq.load import LoadedModel
@@ -33,7 +34,6 @@ from edgeq.quantize.lower_qdq import is_qdq, lower_qdq  # noqa: F401 - is_qdq is
 from edgeq.quantize.quantize_ops import QMAX, LayerPlan, quantize_ops, quantize_weight
 from edgeq.quantize.requantize import requantize
 
-DEFAULT_METHOD = "mse"  # chosen by measurement: see README, "Choosing the calibration default"
 MIN_CALIBRATION_SAMPLES = 10
 MAX_EVAL_SAMPLES = 1000
 # Below this cosine against the float model (or with NaN/Inf), the quantized model has collapsed: no bundle.

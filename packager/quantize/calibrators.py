@@ -9,6 +9,7 @@ import dataclasses
 
 import numpy as np
 
+from edgeq.choices import CALIBRATION_METHODS
 from edgeq.quantize.calibrate import TensorStats
 
 LEVELS = 128  # int8 symmetric: 0..127 on each side
@@ -102,4 +103,4 @@ class MSE:
         return float(candidates[int(np.argmin(errors))])
 
 
-CALIBRATORS = {"minmax": MinMax(), "percentile": Percentile(), "entropy": Entropy(), "mse": MSE()}
+CALIBRATORS = dict(zip(CALIBRATION_METHODS, (MinMax(), Percentile(), Entropy(), MSE()), strict=True))  # names: edgeq.choices

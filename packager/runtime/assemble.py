@@ -40,7 +40,6 @@ LIBRARIES = (
 CUDA_LIBRARY = (TVM_PROJECT, "tvm/lib/libtvm_runtime_cuda.so")
 BRIDGE = f"{RUNTIME_DIR}/libcudart.so.13"
 TVM_CUDART_MAJOR = 13  # libtvm_runtime_cuda.so NEEDs libcudart.so.13
-RUNTIME_CHOICES = ("bundled", "none")
 
 
 @dataclasses.dataclass

@@ -1,0 +1,24 @@
+"""The choices and defaults the command line offers, defined once, in a module that imports nothing.
+
+The argument parsers (``edgeq.cli``) read them here without loading the compiler; the library modules that
+check them (``edgeq.package``, ``edgeq.quantize``, ``edgeq.runtime.assemble``, ``edgeq.rpc.bench``) import
+them from here too. Standard library only: keep it that way, so ``edgeq --help`` never pays for TVM.
+"""
+
+from __future__ import annotations
+
+# edgeq package --precision. mixed: int8 with layers returned to float to hold an accuracy budget
+PRECISIONS = ("fp32", "int8", "mixed")
+
+# edgeq package --runtime; the first is the default. bundled: runtime/ with TVM's runtime, the CUDA bridge and
+# edgeq-run; none: the device brings apache-tvm
+RUNTIME_CHOICES = ("bundled", "none")
+
+# edgeq package --calibration: the keys of edgeq.quantize.calibrators.CALIBRATORS, in this order
+CALIBRATION_METHODS = ("minmax", "percentile", "entropy", "mse")
+DEFAULT_METHOD = "mse"  # chosen by measurement: see README, "Choosing the calibration default"
+
+# edgeq bench --power
+POWER_SOURCES = ("auto", "tegrastats", "sysfs", "nvml", "none")
+
+__all__ = ["PRECISIONS", "RUNTIME_CHOICES", "CALIBRATION_METHODS", "DEFAULT_METHOD", "POWER_SOURCES"]
