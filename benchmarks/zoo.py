@@ -61,9 +61,9 @@ def matches(out: np.ndarray, ref: np.ndarray) -> tuple[bool, float]:
 
 
 def cosine(a: np.ndarray, b: np.ndarray) -> float:
-    a, b = a.ravel().astype(np.float64), b.ravel().astype(np.float64)
-    den = np.linalg.norm(a) * np.linalg.norm(b)
-    return float(a @ b / den) if den > 0 else float("nan")
+    from edgeq.quantize import _agreement  # scale-free, as edgeq's own quantization report
+
+    return _agreement(a, b)["cosine"]
 
 
 def one(path: Path, work: Path, int8: bool, jetson: bool, speed: bool, repeat: int) -> dict:

@@ -1,7 +1,8 @@
 """Export torchvision's classification models to ONNX, the way users export them.
 
 ``torch.onnx.export`` (the TorchScript exporter, ``dynamo=False``), opset 17, random weights
-(``weights=None``, fixed seed), eval mode, batch 1. Nothing is downloaded. Runs in the export
+(``weights=None``, torchvision's own init, fixed seed; a weight matrix torchvision initialises to all zeros,
+ViT's head, gets N(0, 0.02) so outputs are not identically 0), eval mode, batch 1. Nothing is downloaded. Runs in the export
 environment that ``scripts/setup.sh`` makes (``.venv-export``, torch + torchvision only: tvm-ffi imports
 torch whenever it is installed beside it, which would slow every edgeq command):
 
@@ -50,6 +51,10 @@ def export(name: str, out_dir: Path, size: int) -> dict:
     torch.manual_seed(0)
     kwargs = {"aux_logits": False, "init_weights": True} if name in ("googlenet", "inception_v3") else {}
     model = torchvision.models.get_model(name, weights=None, **kwargs).eval()
+    with torch.no_grad():  # a zero-initialised layer (ViT's head) would make every output 0: nothing to compare
+        for param in model.parameters():
+            if param.ndim >= 2 and not param.any():
+                param.normal_(0.0, 0.02)
     start = time.perf_counter()
     tmp = path.with_suffix(".part")
     torch.backends.mha.set_fastpath_enabled(False)  # the fused attention kernel has no ONNX export
