@@ -19,7 +19,7 @@ from edgeq.rpc.session import DAY_S, Remote, bounded, parse_addr
 from edgeq.targets import resolve
 from edgeq.toolchain import import_tvm
 
-POWER_SOURCES = ("auto", "tegrastats", "sysfs", "nvml", "none")
+from edgeq.choices import POWER_SOURCES  # noqa: E402,F401 - defined once, for the CLI too
 MAX_RUNS = LIMITS["benchmark_runs"].value  # --repeat and --warmup: beyond this a benchmark runs for days
 
 
