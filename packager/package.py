@@ -1,7 +1,9 @@
 """``edgeq package``: ONNX model -> runtime bundle for one device. The library entry point.
 
-The job is an ordered list of stages (``STAGES``); each is a plain function of the build state, timed
-and reported by ``StageProgress``. Nothing lands in the output folder until every stage has succeeded:
+The job is declared once, in the order it runs: ``STAGES``, a list of ``edgeq.pipeline.Stage``, each a
+plain function of the build state with a predicate saying when it applies; ``edgeq.pipeline.run_stages``
+walks it, timed and reported by ``StageProgress`` (whose total follows from the predicates), and with
+``dump_ir`` writes the Relax module after each stage that changes it. Nothing lands in the output folder until every stage has succeeded:
 the bundle is built in a hidden staging folder beside it and renamed into place at the end.
 """
 
@@ -14,7 +16,6 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from edgeq.compile import HostRunner, Toolchain, build, cuda_device_code, elf_ma
 from edgeq.errors import EdgeqError, ModelError, OutputError, ToolchainError, UsageError
 from edgeq.graph import Graph
 from edgeq.load import LoadedModel, TensorSpec, load_model
+from edgeq.pipeline import IRDump, Stage, run_stages
 from edgeq.progress import StageProgress
 from edgeq.relax_import import to_relax
 from edgeq.runtime.assemble import assemble, check_elves
@@ -54,8 +56,11 @@ class PackageArgs:
     records: Path | None = None  # tuning records (edgeq tune) to compile with
     runtime: str = "bundled"  # "bundled": runtime/ with TVM's runtime, the CUDA bridge and edgeq-run; "none"
     consts: dict[str, Path] = dataclasses.field(default_factory=dict)  # graph input -> .npy bound before import
+    dump_ir: Path | None = None  # write the Relax module after each stage that changes it here (NN-<stage>.py)
 
     def to_dict(self) -> dict[str, Any]:
+        """What the manifest records (``build.args``). ``dump_ir`` is left out: a debugging aid that
+        changes nothing in the bundle, so the same input still gives the same manifest."""
         return {
             "quantize": self.quantize.to_dict() if self.quantize else None,
             "model": str(self.model),
@@ -126,8 +131,11 @@ class _Build:
     staging: Path | None = None
     model: LoadedModel | None = None
     graph: Graph | None = None
-    prequantized: bool = False
-    looks_prequantized: bool = False  # the model file mentions DequantizeLinear (counted in the stage total)
+    prequantized: bool | None = None  # decided by import (QuantizeLinear/DequantizeLinear in the graph)
+    looks_prequantized: bool = False  # before import: the model file mentions DequantizeLinear
+    ir_dump: IRDump | None = None
+    target: Any = None  # the profile's TVM target (set by lower)
+    mod: Any = None  # the IRModule the build compiles: the graph's, lowered for the target, with records applied
     signing_key: Any = None
     quantization: Any = None  # edgeq.quantize.QuantizeResult
     outputs: list[TensorSpec] = dataclasses.field(default_factory=list)
@@ -177,6 +185,8 @@ def _check(b: _Build) -> None:
         raise UsageError(f"bundle name '{b.name}' is {len(b.name)} characters; with the device and a hash the bundle id "
                          f"would be {longest}, over 128: choose a shorter --name")
     b.toolchain = toolchain_for(b.profile)
+    if b.ir_dump is not None:
+        b.ir_dump.prepare()
     b.out_dir = Path(args.output)
     try:
         b.created_out_dir = not b.out_dir.exists()
@@ -201,7 +211,6 @@ def _import(b: _Build) -> None:
 
     b.graph, b.outputs = to_relax(b.model)
     b.prequantized = is_qdq(b.graph)
-    b.progress.total += b.prequantized - b.looks_prequantized
     if b.prequantized and b.args.quantize is not None:
         raise UsageError(f"{Path(b.args.model).name} is already quantized (QuantizeLinear/DequantizeLinear); "
                          "package it without --precision/--calibrate")
@@ -224,15 +233,20 @@ def _quantize(b: _Build) -> None:
     b.graph = b.quantization.graph
 
 
-def _compile(b: _Build) -> None:
-    target = b.profile.tvm_target()
-    b.graph, b.kernel_calls = lower_graph(b.graph, target)
-    mod = b.graph.mod
-    if b.args.records is not None:
-        from edgeq.rpc.tune import apply_records
+def _lower(b: _Build) -> None:
+    b.target = b.profile.tvm_target()
+    b.graph, b.kernel_calls = lower_graph(b.graph, b.target)
+    b.mod = b.graph.mod
 
-        mod = apply_records(mod, target, Path(b.args.records), b.profile)
-    b.executable = build(mod, target, b.toolchain, b.schedules)
+
+def _tuning_records(b: _Build) -> None:
+    from edgeq.rpc.tune import apply_records
+
+    b.mod = apply_records(b.mod, b.target, Path(b.args.records), b.profile)
+
+
+def _compile(b: _Build) -> None:
+    b.executable = build(b.mod, b.target, b.toolchain, b.schedules)
     library = b.staging / bundle.LIBRARY
     export(b.executable, library, b.toolchain)
     machine = elf_machine(library)
@@ -301,6 +315,13 @@ def _mentions(path, needle: bytes) -> bool:
     except OSError:
         pass
     return False
+
+
+def _inside(path: Path | None, folder: Path) -> bool:
+    if path is None:
+        return False
+    path, folder = Path(path).resolve(), Path(folder).resolve()
+    return path == folder or folder in path.parents
 
 
 def _precision(b: _Build) -> str:
@@ -409,44 +430,63 @@ def _bundle(b: _Build) -> None:
     archive_tmp.replace(b.out_dir / f"{b.bundle_name}.tar.gz")
 
 
-STAGES: list[tuple[str, Callable[[_Build], str], Callable[[_Build], None]]] = [
-    ("check", lambda b: f"device {b.args.device}, compilers, output folder", _check),
-    ("load", lambda b: f"read and check {b.args.model}", _load),
-    ("import", lambda b: "ONNX -> Relax IRModule", _import),
-    ("quantize", lambda b: f"calibrate ({b.args.quantize.method}) and quantize to {b.args.precision}", _quantize),
-    ("lower-qdq", lambda b: "QDQ pattern -> integer conv/matmul kernels", _lower_qdq),
-    ("compile", lambda b: _compile_description(b), _compile),
-    ("golden", lambda b: "golden input and outputs on the build host", _golden),
-    ("runtime", lambda b: f"runtime/ for {b.profile.cpu.arch}: TVM runtime, {'CUDA bridge, ' if b.profile.cuda else ''}edgeq-run", _runtime),
-    ("bundle", lambda b: f"write {b.out_dir / b.bundle_name} and .tar.gz", _bundle),
-]
+def _is_prequantized(b: _Build) -> bool:
+    """Decided by import; before it, a cheap look at the model file's bytes (the progress total may be
+    corrected once import has looked at the graph)."""
+    return b.looks_prequantized if b.prequantized is None else b.prequantized
+
+
+# CPU and CUDA builds side by side: what lower and compile do for each.
+def _lower_description(b: _Build) -> str:
+    p = b.profile
+    if p.cuda:  # CUDA: TVM's default GPU pipeline (legalize, fuse, dlight schedules) runs in compile
+        return f"{p.name}: nothing for CUDA ({p.cuda.arch}); TVM's GPU pipeline schedules in compile"
+    # CPU: convolutions and matrix products onto edgeq's kernels, NHWC between them
+    return f"{p.name}: conv/matmul -> edgeq CPU kernels for {p.cpu.mcpu}"
 
 
 def _compile_description(b: _Build) -> str:
     p = b.profile
-    if p.cuda:
+    if p.cuda:  # TVM's default pipeline; device code by the CUDA toolkit matching the device, host by the cross g++
         return f"{p.name}: {p.cuda.arch} with {b.toolchain.cuda.describe()}, host {p.cpu.triple} ({p.cpu.mcpu})"
+    # TVM's pipeline with edgeq's schedules after fusion (edgeq.kernels.schedule.cpu_pipeline)
     return f"{p.name}: LLVM {p.cpu.triple} ({p.cpu.mcpu})"
+
+
+def _graph_mod(b: _Build):
+    return b.graph.mod
+
+
+# The whole job, in the order it runs. `ir`: the module a stage leaves, for --dump-ir.
+STAGES: tuple[Stage[_Build], ...] = (
+    Stage("check", lambda b: f"device {b.args.device}, compilers, output folder", _check),
+    Stage("load", lambda b: f"read and check {b.args.model}", _load),
+    Stage("import", lambda b: "ONNX -> Relax IRModule", _import, ir=_graph_mod),
+    Stage("quantize", lambda b: f"calibrate ({b.args.quantize.method}) and quantize to {b.args.precision}", _quantize,
+          applies=lambda b: b.args.precision != "fp32", ir=_graph_mod),
+    Stage("lower-qdq", lambda b: "QDQ pattern -> integer conv/matmul kernels", _lower_qdq,
+          applies=_is_prequantized, ir=_graph_mod),
+    Stage("lower", _lower_description, _lower, ir=lambda b: b.mod),
+    Stage("tuning-records", lambda b: f"best schedules from {b.args.records} (legalized and fused first)",
+          _tuning_records, applies=lambda b: b.args.records is not None, ir=lambda b: b.mod),
+    Stage("compile", _compile_description, _compile),  # build, export, check the library's machine and device code
+    Stage("golden", lambda b: "golden input and outputs on the build host", _golden),
+    Stage("runtime", lambda b: f"runtime/ for {b.profile.cpu.arch}: TVM runtime, {'CUDA bridge, ' if b.profile.cuda else ''}"
+          "edgeq-run", _runtime, applies=lambda b: b.args.runtime != "none"),
+    Stage("bundle", lambda b: f"write {b.out_dir / b.bundle_name} and .tar.gz", _bundle),
+)
 
 
 def package(args: PackageArgs, progress: StageProgress | None = None) -> PackageResult:
     """Package ``args.model`` for ``args.device``. Raises EdgeqError subclasses with one-line messages."""
     progress = progress or StageProgress(quiet=True)
-    b = _Build(args=args, progress=progress)
-    # quantize runs for int8/mixed, lower-qdq for pre-quantized models (a cheap look for the op name here;
-    # the import stage decides and corrects the count)
-    b.looks_prequantized = _mentions(args.model, b"DequantizeLinear")
-    progress.total = len(STAGES) - 3 + (args.precision != "fp32") + b.looks_prequantized + (args.runtime != "none")
+    b = _Build(args=args, progress=progress, ir_dump=IRDump(args.dump_ir) if args.dump_ir is not None else None)
+    b.looks_prequantized = _mentions(args.model, b"DequantizeLinear")  # until import decides (_is_prequantized)
     try:
-        for name, describe, run in STAGES:
-            if ((name == "quantize" and args.precision == "fp32") or (name == "lower-qdq" and not b.prequantized)
-                    or (name == "runtime" and args.runtime == "none")):
-                continue
-            with progress.stage(name, describe(b)):
-                run(b)
+        run_stages(STAGES, b, progress, b.ir_dump)
     except BaseException:
-        if b.created_out_dir and b.out_dir is not None:
-            shutil.rmtree(b.out_dir, ignore_errors=True)
+        if b.created_out_dir and b.out_dir is not None and not _inside(args.dump_ir, b.out_dir):
+            shutil.rmtree(b.out_dir, ignore_errors=True)  # (not when it holds the IR dump, which must stay)
         raise
     finally:
         if b.staging is not None:

@@ -56,6 +56,10 @@ def add_parser(sub) -> None:
                              "it and the native loader edgeq-run; none: bring your own apache-tvm on the device")
     parser.add_argument("--release", type=int, metavar="N",
                         help="release number, increasing per model name (default: build time as YYYYMMDDHHMMSS)")
+    parser.add_argument("--dump-ir", type=Path, metavar="DIR",
+                        help="write the Relax module after each stage that changes it to DIR/NN-<stage>.py (TVMScript; "
+                             "NN as in the progress output), replacing such files from an earlier run; the files of the "
+                             "stages before a failure stay. Nothing of it enters the bundle")
 
 
 def run(args, env) -> int:
@@ -96,6 +100,7 @@ def run(args, env) -> int:
         records=args.records,
         runtime=args.runtime,
         consts=consts,
+        dump_ir=args.dump_ir,
     )
     progress = StageProgress(console=env.err(), quiet=args.quiet)
     result = package(package_args, progress)

@@ -1,0 +1,102 @@
+"""How a declared list of stages runs: each ``Stage`` says when it applies (a predicate on the build
+state) and, when it changes the Relax module, which module it leaves (``ir``). ``run_stages`` walks the
+list in order, runs what applies, keeps the progress total equal to the stages that have run plus those
+that still apply, and hands each stage's module to an ``IRDump`` (``edgeq package --dump-ir DIR``).
+
+What ``edgeq package`` runs is declared in ``edgeq.package.STAGES``; this module knows nothing of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+from edgeq.errors import OutputError
+from edgeq.progress import StageProgress
+
+S = TypeVar("S")
+
+
+def always(_state: Any) -> bool:
+    return True
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage(Generic[S]):
+    """One step of a job: ``run`` it when ``applies``; ``describe`` is its progress line; ``ir``, for a
+    stage that changes the module, returns the module it leaves (written by ``--dump-ir``).
+
+    ``applies`` is asked before every stage that runs (the progress total follows from it), so it must be
+    cheap and must hold for a state in which the earlier stages have not run yet."""
+
+    name: str
+    describe: Callable[[S], str]
+    run: Callable[[S], None]
+    applies: Callable[[S], bool] = always
+    ir: Callable[[S], Any] | None = None
+
+
+# The files an IRDump writes: NN-<stage>.py
+DUMP_FILE = re.compile(r"\d{2,}-[a-z0-9-]+\.py")
+
+
+class IRDump:
+    """Writes a Relax module as TVMScript to ``folder/NN-<stage>.py`` (NN: the stage's number in the
+    progress output), each file atomically, so the files of the stages before a failure stay."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        self.written: list[Path] = []
+
+    def prepare(self) -> None:
+        """Make the folder and remove the files an earlier dump left there (only NN-<stage>.py files),
+        so that what it holds after a failure is this run's."""
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            for path in self.folder.iterdir():
+                if DUMP_FILE.fullmatch(path.name) and path.is_file():
+                    path.unlink()
+            if not os.access(self.folder, os.W_OK | os.X_OK):
+                raise PermissionError(13, "Permission denied")
+        except OSError as err:
+            raise OutputError(f"cannot write the IR dump folder {self.folder}: {err.strerror or err}; "
+                              "choose another with --dump-ir") from None
+
+    def write(self, number: int, stage: str, mod: Any) -> Path:
+        path = self.folder / f"{number:02d}-{stage}.py"
+        # show_meta: constants folded into the module (metadata[...]) are printed too, so the file parses back
+        text = mod.script(show_meta=True)
+        tmp = self.folder / f".{path.name}.{os.getpid()}.tmp"
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write(f"# edgeq package --dump-ir: the Relax module after stage '{stage}'\n")
+                f.write(text if text.endswith("\n") else text + "\n")
+            os.replace(tmp, path)
+        except OSError as err:
+            tmp.unlink(missing_ok=True)
+            raise OutputError(f"cannot write {path}: {err.strerror or err}") from None
+        self.written.append(path)
+        return path
+
+
+def planned(stages: Sequence[Stage[S]], state: S) -> list[str]:
+    """The names of the stages that apply to ``state`` now, in order."""
+    return [stage.name for stage in stages if stage.applies(state)]
+
+
+def run_stages(stages: Sequence[Stage[S]], state: S, progress: StageProgress, dump: IRDump | None = None) -> None:
+    """Run the stages that apply, in order. Before each, the progress total is set to the stages run so
+    far plus those that apply now (a stage whose predicate a later stage decides is counted as the state
+    says at that moment; this is the one place the total is corrected)."""
+    for position, stage in enumerate(stages):
+        if not stage.applies(state):
+            continue
+        progress.total = len(progress.seconds) + len(planned(stages[position:], state))
+        with progress.stage(stage.name, stage.describe(state)):
+            stage.run(state)
+        if dump is not None and stage.ir is not None:
+            dump.write(len(progress.seconds), stage.name, stage.ir(state))
