@@ -42,6 +42,9 @@ class Stage(Generic[S]):
 
 # The files an IRDump writes: NN-<stage>.py
 DUMP_FILE = re.compile(r"\d{2,}-[a-z0-9-]+\.py")
+# TVM 0.27 prints a non-finite scalar constant as R.const("-inf", "float32"), which its own parser refuses
+# ("value has to be scalar or Tensor"); R.const(float("-inf"), "float32") is the same constant and parses.
+NON_FINITE_CONST = re.compile(r'R\.const\("(-?inf|nan)", ')
 
 
 class IRDump:
@@ -69,7 +72,7 @@ class IRDump:
     def write(self, number: int, stage: str, mod: Any) -> Path:
         path = self.folder / f"{number:02d}-{stage}.py"
         # show_meta: constants folded into the module (metadata[...]) are printed too, so the file parses back
-        text = mod.script(show_meta=True)
+        text = NON_FINITE_CONST.sub(r'R.const(float("\1"), ', mod.script(show_meta=True))
         tmp = self.folder / f".{path.name}.{os.getpid()}.tmp"
         try:
             with open(tmp, "w", encoding="utf-8") as f:
