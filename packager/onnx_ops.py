@@ -283,7 +283,7 @@ def reverse_sequence(ctx, inputs, attr):
     t = relax.op.reshape(relax.op.arange(0, steps, 1, "int64"), index_shape)
     index_shape = [1] * len(shape)
     index_shape[batch_axis] = batch
-    n = relax.op.reshape(relax.op.astype(lens, "int64"), index_shape)
+    n = relax.op.reshape(relax.op.clip(relax.op.astype(lens, "int64"), 0, steps), index_shape)  # never read past the end
     index = relax.op.where(relax.op.less(t, n), relax.op.subtract(relax.op.subtract(n, _c(1, "int64")), t), t)
     return relax.op.gather_elements(x, relax.op.broadcast_to(index, shape), axis=time_axis)
 
@@ -302,6 +302,8 @@ def tensor_scatter(ctx, inputs, attr):
         index = relax.op.add(index, relax.op.reshape(relax.op.astype(indices, "int64"), [shape[0]] + [1] * (len(shape) - 1)))
     if mode == "circular":
         index = relax.op.floor_mod(index, _c(shape[axis], "int64"))
+    else:  # an index past the cache would write out of bounds: clamp it
+        index = relax.op.clip(index, 0, shape[axis] - 1)
     return relax.op.scatter_elements(past, relax.op.broadcast_to(index, ushape), update, axis=axis)
 
 
@@ -586,6 +588,261 @@ def upsample(ctx, inputs, attr):
     ctx.refuse(f"mode '{mode}' with scales {scales}", "use Resize, or nearest mode")
 
 
+def dft(ctx, inputs, attr):
+    """DFT as products with cosine and sine matrices along the transformed axis (any length, not only
+    powers of two); the inverse of a one-sided spectrum (irfft) is refused."""
+    x = inputs[0]
+    shape = _shape(x)
+    rank = len(shape)
+    if ctx.opset >= 20:
+        axis_value = ctx.const(inputs[2]) if len(inputs) > 2 and inputs[2] is not None else None
+        axis = -2 if axis_value is None else int(axis_value.reshape(-1)[0])
+    else:
+        axis = int(attr.get("axis", 1))
+    axis = _axis(axis, rank)
+    if axis == rank - 1:
+        ctx.refuse("the axis is the complex dimension", "fix the model")
+    inverse, onesided = bool(attr.get("inverse", 0)), bool(attr.get("onesided", 0))
+    length = ctx.const(inputs[1]) if len(inputs) > 1 and inputs[1] is not None else None
+    if inverse and onesided:
+        ctx.refuse("the inverse of a one-sided spectrum", "edgeq supports DFT and full inverse DFT")
+    n = shape[axis]
+    length = n if length is None else int(length.reshape(-1)[0])
+    dt = "float64"  # sums of up to `length` products: float32 would lose ~1e-6 (ONNX's reference uses numpy's FFT)
+    bb = ctx.bb
+    order = [d for d in range(rank - 1) if d != axis] + [axis]
+    parts = [bb.emit(relax.op.astype(relax.op.permute_dims(relax.op.squeeze(_slice(x, rank - 1, c, c + 1), [rank - 1]),
+                                                           order), dt))
+             for c in range(shape[-1])]
+    if length < n:
+        parts = [bb.emit(_slice(p, rank - 2, 0, length)) for p in parts]
+    elif length > n:
+        widths = [0] * (rank - 2)
+        parts = [bb.emit_te(topi.nn.pad, p, widths + [0], widths + [length - n], 0.0) for p in parts]
+    out_len = length // 2 + 1 if onesided else length
+    k = np.arange(length)[:, None] * np.arange(out_len)[None, :]
+    cos = _c(np.cos(2 * np.pi * k / length), dt)
+    sin = _c(np.sin(2 * np.pi * k / length), dt)
+    sign = 1.0 if inverse else -1.0  # e^{sign i 2 pi n k / L}
+    real = parts[0]
+    imag = parts[1] if len(parts) > 1 else None
+    yr = relax.op.matmul(real, cos)
+    yi = relax.op.multiply(relax.op.matmul(real, sin), _c(sign, dt))
+    if imag is not None:
+        yr = relax.op.subtract(yr, relax.op.multiply(relax.op.matmul(imag, sin), _c(sign, dt)))
+        yi = relax.op.add(yi, relax.op.matmul(imag, cos))
+    if inverse:
+        yr, yi = relax.op.divide(yr, _c(length, dt)), relax.op.divide(yi, _c(length, dt))
+    y = relax.op.stack([bb.normalize(yr), bb.normalize(yi)], axis=rank - 1)  # (..., out_len, 2)
+    back = list(np.argsort(order)) + [rank - 1]
+    return relax.op.astype(relax.op.permute_dims(y, [int(a) for a in back]), _dtype(x))
+
+
+def causal_conv_with_state(ctx, inputs, attr):
+    """Depthwise causal 1-D convolution over [past state, input]; the state carried on is the last k - 1
+    positions (Mamba, Gated DeltaNet)."""
+    args = list(inputs) + [None] * 2
+    x, w, bias, past = args[:4]
+    b, c, _ = _shape(x)
+    k = _shape(w)[2]
+    bb = ctx.bb
+    dt = _dtype(x)
+    if k > 1:
+        past = past if past is not None else _c(np.zeros((b, c, k - 1)), dt)
+        padded = bb.emit(relax.op.concat([past, x], axis=2))
+    else:
+        padded = x
+    f32 = (lambda t: relax.op.astype(t, "float32")) if dt != "float32" else (lambda t: t)  # accumulate in float32
+    y = relax.op.nn.conv1d(f32(padded), f32(w), groups=c)
+    if bias is not None:
+        y = relax.op.add(y, relax.op.reshape(f32(bias), [1, c, 1]))
+    y = bb.emit(relax.op.astype(y, dt) if dt != "float32" else y)
+    activation = attr.get("activation", b"none").decode()
+    if activation in ("silu", "swish"):  # in float32, as ONNX's reference
+        y32 = bb.emit(relax.op.astype(y, "float32")) if dt != "float32" else y
+        y = bb.emit(relax.op.astype(relax.op.multiply(y32, relax.op.sigmoid(y32)), dt))
+    if ctx.num_outputs == 1:
+        return y
+    if k == 1:
+        ctx.refuse("kernel size 1 carries an empty state (a tensor of length 0)", "leave the present_state output out")
+    total = _shape(padded)[2]
+    return relax.Tuple([y, bb.normalize(_slice(padded, 2, total - (k - 1), total))])
+
+
+def linear_attention(ctx, inputs, attr):
+    """Linear attention as a recurrence over the (static) sequence, unrolled: a state of d_k x d_v per
+    head, decayed (gated rules), corrected by what it already holds (delta rules), read by the queries."""
+    args = list(inputs) + [None] * 3
+    q, k, v, past, decay, beta = args[:6]
+    rule = attr.get("update_rule", b"gated_delta").decode()
+    gating, delta = rule in ("gated", "gated_delta"), rule in ("delta", "gated_delta")
+    qh, kvh = int(attr.get("q_num_heads", 0)), int(attr.get("kv_num_heads", 0))
+    if not qh or not kvh or qh % kvh:
+        ctx.refuse("q_num_heads/kv_num_heads missing or not a multiple", "set both attributes")
+    if gating != (decay is not None) or delta != (beta is not None):
+        ctx.refuse(f"update_rule '{rule}' with the decay/beta inputs it does not take", "fix the model")
+    bb = ctx.bb
+    out_dt = _dtype(q)
+    b, t, _ = _shape(q)
+    dk, dv = _shape(q)[2] // qh, _shape(v)[2] // kvh
+    f32 = "float32"
+
+    def heads(x, n):  # (B, T, n*d) -> (B, n, T, d) in float32
+        d = _shape(x)[2] // n
+        return bb.emit(relax.op.astype(relax.op.permute_dims(relax.op.reshape(x, [b, t, n, d]), [0, 2, 1, 3]), f32))
+
+    q4, k4, v4 = heads(q, qh), heads(k, kvh), heads(v, kvh)
+    if decay is not None:
+        last = _shape(decay)[-1]
+        decay4 = heads(decay, kvh) if last != kvh else bb.emit(relax.op.astype(relax.op.permute_dims(
+            relax.op.reshape(decay, [b, t, kvh, 1]), [0, 2, 1, 3]), f32))  # (B, Hkv, T, 1 or dk)
+    if beta is not None:
+        last = _shape(beta)[-1]
+        beta4 = bb.emit(relax.op.astype(relax.op.permute_dims(relax.op.reshape(beta, [b, t, last, 1]), [0, 2, 1, 3]), f32))
+    state = bb.emit(relax.op.astype(past, f32)) if past is not None else _c(np.zeros((b, kvh, dk, dv)), f32)
+    scale = float(attr.get("scale", 0.0)) or 1.0 / math.sqrt(dk)
+    group = qh // kvh
+
+    def step(x, i):  # time step i of a (B, H, T, d) tensor -> (B, H, d)
+        return bb.emit(relax.op.squeeze(_slice(x, 2, i, i + 1), [2]))
+
+    outs = []
+    for i in range(t):
+        q_t, k_t, v_t = step(q4, i), step(k4, i), step(v4, i)
+        if gating:
+            state = bb.emit(relax.op.multiply(state, relax.op.expand_dims(relax.op.exp(step(decay4, i)), 3)))
+        if delta:
+            retrieved = relax.op.sum(relax.op.multiply(state, relax.op.expand_dims(k_t, 3)), axis=[2])
+            v_t = bb.emit(relax.op.multiply(step(beta4, i), relax.op.subtract(v_t, retrieved)))
+        state = bb.emit(relax.op.add(state, relax.op.multiply(relax.op.expand_dims(k_t, 3), relax.op.expand_dims(v_t, 2))))
+        read = state
+        if group > 1:
+            read = bb.emit(relax.op.reshape(relax.op.broadcast_to(relax.op.expand_dims(state, 2), [b, kvh, group, dk, dv]),
+                                            [b, qh, dk, dv]))
+        o_t = relax.op.sum(relax.op.multiply(relax.op.expand_dims(q_t, 3), read), axis=[2])
+        outs.append(bb.emit(relax.op.multiply(o_t, _c(scale, f32))))
+    y = relax.op.reshape(relax.op.permute_dims(relax.op.stack(outs, axis=2), [0, 2, 1, 3]), [b, t, qh * dv])
+    y = relax.op.astype(y, out_dt)
+    state_dt = _dtype(past) if past is not None else out_dt
+    return relax.Tuple([bb.normalize(y), bb.normalize(relax.op.astype(state, state_dt))])
+
+
+# ----------------------------------------------------------------------------------------------- QOperator
+
+
+def _int32(ctx, x, zero_point, axis: int | None = None):
+    """``x - zero_point`` in int32; a per-channel zero point is broadcast along ``axis``."""
+    x = ctx.bb.emit(relax.op.astype(x, "int32"))
+    if zero_point is None:
+        return x
+    zp = relax.op.astype(zero_point, "int32")
+    size = math.prod(_shape(zero_point))
+    if size > 1 and axis is not None:
+        shape = [1] * len(_shape(x))
+        shape[axis] = size
+        zp = relax.op.reshape(zp, shape)
+    elif len(_shape(zero_point)):
+        zp = relax.op.reshape(zp, [])
+    return ctx.bb.emit(relax.op.subtract(x, zp))
+
+
+def _conv_int32(ctx, x, w, attr):
+    """TVM's Conv converter (auto_pad, 1-D to 3-D) on int32 operands: exact int32 accumulation."""
+    conv = _TVM_CONVERT_MAP()["Conv"].get_converter(ctx.opset)
+    return ctx.bb.normalize(conv(ctx.bb, [x, w, None], attr, ctx.params))
+
+
+def _requantize(ctx, acc, scale, zero_point, out_dtype: str, axis: int | None):
+    """``acc * scale`` rounded half to even, plus the zero point, saturated to ``out_dtype``."""
+    scale = ctx.bb.emit(relax.op.astype(scale, "float32"))
+    if math.prod(_shape(scale)) > 1 and axis is not None:
+        shape = [1] * len(_shape(acc))
+        shape[axis] = -1
+        scale = relax.op.reshape(scale, shape)
+    elif _shape(scale):
+        scale = relax.op.reshape(scale, [])
+    y = relax.op.round(relax.op.multiply(relax.op.astype(acc, "float32"), scale))
+    if zero_point is not None:
+        y = relax.op.add(y, relax.op.reshape(relax.op.astype(zero_point, "float32"), []))
+    info = np.iinfo(out_dtype)
+    return relax.op.astype(relax.op.clip(y, int(info.min), int(info.max)), out_dtype)
+
+
+def conv_integer(ctx, inputs, attr):
+    args = list(inputs) + [None] * 2
+    x = _int32(ctx, args[0], args[2])
+    w = _int32(ctx, args[1], args[3], axis=0)
+    return _conv_int32(ctx, x, w, attr)
+
+
+def qlinear_conv(ctx, inputs, attr):
+    """QLinearConv as ONNX Runtime computes it: int32 accumulation of the zero-point-shifted operands,
+    plus the int32 bias, times x_scale * w_scale / y_scale, rounded, shifted, saturated."""
+    args = list(inputs) + [None]
+    x, xs, xzp, w, ws, wzp, ys, yzp, bias = args[:9]
+    acc = _conv_int32(ctx, _int32(ctx, x, xzp), _int32(ctx, w, wzp, axis=0), attr)
+    rank = len(_shape(acc))
+    if bias is not None:
+        channels = _shape(bias)[0]
+        acc = relax.op.add(acc, relax.op.reshape(relax.op.astype(bias, "int32"), [1, channels] + [1] * (rank - 2)))
+    scale = relax.op.divide(relax.op.multiply(relax.op.astype(xs, "float32"), relax.op.astype(ws, "float32")),
+                            relax.op.astype(ys, "float32"))
+    return _requantize(ctx, ctx.bb.emit(acc), ctx.bb.emit(scale), yzp, _dtype(x if yzp is None else yzp), axis=1)
+
+
+def qlinear_matmul(ctx, inputs, attr):
+    a, a_s, azp, b, b_s, bzp, ys, yzp = inputs[:8]
+    a_rank, b_rank = len(_shape(a)), len(_shape(b))
+    acc = relax.op.matmul(_int32(ctx, a, azp, axis=a_rank - 2), _int32(ctx, b, bzp, axis=b_rank - 1), out_dtype="int32")
+    acc = ctx.bb.emit(acc)
+    scale = relax.op.divide(relax.op.multiply(relax.op.astype(a_s, "float32"), relax.op.astype(b_s, "float32")),
+                            relax.op.astype(ys, "float32"))
+    return _requantize(ctx, acc, ctx.bb.emit(scale), yzp, _dtype(yzp), axis=len(_shape(acc)) - 1)
+
+
+# ----------------------------------------------------------------------------------------------- losses
+
+
+def _nll(ctx, log_prob, target, weight, attr):
+    """Negative log-likelihood of ``target`` classes (axis 1) with optional class weights and ignore_index."""
+    reduction = attr.get("reduction", b"mean").decode()
+    ignore = attr.get("ignore_index")
+    target = relax.op.astype(target, "int64") if _dtype(target) != "int64" else target
+    mask = None
+    if ignore is not None:
+        mask = ctx.bb.emit(relax.op.not_equal(target, _c(int(ignore), "int64")))
+        target = ctx.bb.emit(relax.op.where(mask, target, _c(0, "int64")))
+    dt = _dtype(log_prob)
+    target = ctx.bb.emit(relax.op.clip(target, 0, _shape(log_prob)[1] - 1))  # never read outside the classes
+    picked = relax.op.squeeze(relax.op.gather_elements(log_prob, relax.op.expand_dims(target, 1), axis=1), [1])
+    w = relax.op.take(weight, target, axis=0) if weight is not None else None
+    if mask is not None:
+        keep = relax.op.astype(mask, dt)
+        w = keep if w is None else relax.op.multiply(w, keep)
+    loss = relax.op.negative(picked)
+    if w is not None:
+        w = ctx.bb.emit(w)
+        loss = relax.op.multiply(loss, w)
+    loss = ctx.bb.emit(loss)
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return relax.op.sum(loss)
+    if w is None:
+        return relax.op.mean(loss)
+    return relax.op.divide(relax.op.sum(loss), relax.op.sum(w))
+
+
+def negative_log_likelihood_loss(ctx, inputs, attr):
+    return _nll(ctx, inputs[0], inputs[1], inputs[2] if len(inputs) > 2 else None, attr)
+
+
+def softmax_cross_entropy_loss(ctx, inputs, attr):
+    log_prob = ctx.bb.emit(relax.op.nn.log_softmax(inputs[0], axis=1))
+    loss = _nll(ctx, log_prob, inputs[1], inputs[2] if len(inputs) > 2 else None, attr)
+    return relax.Tuple([ctx.bb.normalize(loss), log_prob]) if ctx.num_outputs > 1 else loss
+
+
 # ----------------------------------------------------------------------------------------------- recurrent
 
 
@@ -749,6 +1006,11 @@ def data_dependent(ctx, inputs, attr):
                f"end the model before {ctx.op} and run that step in the application")
 
 
+def sequence_output(ctx, inputs, attr):
+    ctx.refuse("it makes a sequence of tensors, and an edgeq bundle takes and returns tensors",
+               "use Split, which returns the parts as separate tensors")
+
+
 CONVERTERS: dict[str, Callable] = {
     "Swish": swish,
     "Celu": celu,
@@ -767,6 +1029,14 @@ CONVERTERS: dict[str, Callable] = {
     "Col2Im": col2im,
     "RotaryEmbedding": rotary_embedding,
     "Attention": attention,
+    "DFT": dft,
+    "CausalConvWithState": causal_conv_with_state,
+    "LinearAttention": linear_attention,
+    "QLinearConv": qlinear_conv,
+    "QLinearMatMul": qlinear_matmul,
+    "ConvInteger": conv_integer,
+    "NegativeLogLikelihoodLoss": negative_log_likelihood_loss,
+    "SoftmaxCrossEntropyLoss": softmax_cross_entropy_loss,
     "RNN": recurrent,
     "GRU": recurrent,
     "LSTM": recurrent,
@@ -778,6 +1048,7 @@ CONVERTERS: dict[str, Callable] = {
     "NonZero": data_dependent,
     "Unique": data_dependent,
     "Compress": data_dependent,
+    "SplitToSequence": sequence_output,
     "Expand": expand,
     "OneHot": one_hot,
     "Pad": pad,
@@ -793,6 +1064,7 @@ OVERRIDES = {
     "NonZero": "data-dependent output size: refused in one line instead of failing in the build",
     "Unique": "data-dependent output size: refused in one line instead of failing in the build",
     "Compress": "a constant condition becomes a take of fixed indices; a computed one is refused",
+    "SplitToSequence": "a sequence cannot be a bundle's output: refused in one line",
     "Expand": "TVM leaves the shape symbolic when the target shape is an initializer",
     "OneHot": "TVM needs the on/off values constant",
     "Pad": "TVM needs the pad value constant",
@@ -809,6 +1081,7 @@ def known_ops() -> set[str]:
 
 
 _TVM_CONVERT_MAP = onnx_frontend._get_convert_map
+_FAILED_BUILDERS: list = []
 
 
 class _Converter:
@@ -830,8 +1103,10 @@ class _Converter:
                 if isinstance(result, relax.Expr):
                     result = bb.normalize(result)
             except (Refused, ConversionError):
+                _FAILED_BUILDERS.append(bb)
                 raise
             except Exception as err:  # noqa: BLE001 - TVM's converters raise anything
+                _FAILED_BUILDERS.append(bb)
                 raise ConversionError(self.op, node, err, _runtime_operands(inputs, params)) from err
             _check_static(self.op, node, inputs, result, params)
             return result
@@ -884,3 +1159,6 @@ def installed():
         yield
     finally:
         onnx_frontend._get_convert_map = previous
+        while _FAILED_BUILDERS:  # an import that failed leaves its builder a block open: close it, quietly
+            with contextlib.suppress(Exception):
+                _FAILED_BUILDERS.pop()._end_block()

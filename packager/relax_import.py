@@ -85,7 +85,10 @@ def to_relax(loaded: LoadedModel) -> tuple[Graph, list[TensorSpec]]:
     from tvm.relax.frontend.onnx import from_onnx
 
     missing = unsupported_ops(loaded.onnx_model)
-    qoperator = [op for op in missing if op in QOPERATOR_OPS]
+    # edgeq converts QLinearConv, QLinearMatMul and ConvInteger (exactly, in int32); a model that also needs
+    # the other QOperator ops is refused as a whole, naming all of them
+    qoperator = sorted({n.op_type for n in loaded.onnx_model.graph.node if n.op_type in QOPERATOR_OPS}) \
+        if any(op in QOPERATOR_OPS for op in missing) else []
     if qoperator:
         raise ModelError(
             f"{loaded.path.name} is quantized in the QOperator format ({', '.join(qoperator)}), which TVM cannot import; "
