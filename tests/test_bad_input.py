@@ -47,14 +47,17 @@ def test_corrupt_protobuf(models, tmp_path, out):
 
 
 def test_op_tvm_cannot_import_is_named(tmp_path, out):
-    node = helper.make_node("Celu", ["x"], ["y"], alpha=1.0)
-    graph = helper.make_graph([node], "celu", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    path = tmp_path / "celu.onnx"
+    # DeformConv: neither TVM 0.27 nor edgeq.onnx_ops converts it (Celu, the old example, edgeq now converts)
+    node = helper.make_node("DeformConv", ["x", "w", "offset"], ["y"], kernel_shape=[1, 1])
+    graph = helper.make_graph([node], "deform", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, 2, 2]),
+                                                helper.make_tensor_value_info("w", TensorProto.FLOAT, [1, 1, 1, 1]),
+                                                helper.make_tensor_value_info("offset", TensorProto.FLOAT, [1, 2, 2, 2])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1, 2, 2])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])
+    model.ir_version = 9
+    path = tmp_path / "deform.onnx"
     onnx.save(model, path)
-    assert_refused(package(path, out, "--device", "host"), 3, "uses ONNX op(s) TVM", "cannot import: Celu")
+    assert_refused(package(path, out, "--device", "host"), 3, "uses ONNX op(s) TVM", "cannot import: DeformConv")
 
 
 def test_unknown_device_lists_valid_ones(models, out):
