@@ -214,3 +214,16 @@ def test_tensor_files_keep_rank_0(tmp_path):
     for (_, want), entry in zip(arrays, table):
         got = read_tensor(tmp_path / "t.bin", entry)
         assert got.shape == want.shape and got.dtype == want.dtype and np.array_equal(got, want)
+
+
+def test_int8_quantization_of_0d_weights(tmp_path):
+    """edgeq's own int8 quantization of the ReLU6 model (0-d Clip bounds) builds and passes its self-test."""
+    model = mobilenet_relu6(tmp_path / "m.onnx")
+    calib = tmp_path / "calib.npz"
+    np.savez(calib, x=np.random.default_rng(1).standard_normal((16, 1, 3, 16, 16)).astype(np.float32))
+    res = run_cli("package", model, "--device", "host", "-o", tmp_path / "out", "--runtime", "none", "--precision",
+                  "int8", "--calibrate", calib, "--json")
+    assert res.code == 0, res.stderr
+    bundle = Path(json.loads(res.stdout)["bundle_dir"])
+    assert json.loads((bundle / "manifest.json").read_text())["precision"] == "int8"
+    assert run_py(bundle, "--self-test").returncode == 0
