@@ -1,10 +1,11 @@
 """``edgeq package``: ONNX model -> runtime bundle for one device. The library entry point.
 
 The job is declared once, in the order it runs: ``STAGES``, a list of ``edgeq.pipeline.Stage``, each a
-plain function of the build state with a predicate saying when it applies; ``edgeq.pipeline.run_stages``
+plain function of the build state with a predicate saying when it applies. ``edgeq.pipeline.run_stages``
 walks it, timed and reported by ``StageProgress`` (whose total follows from the predicates), and with
-``dump_ir`` writes the Relax module after each stage that changes it. Nothing lands in the output folder until every stage has succeeded:
-the bundle is built in a hidden staging folder beside it and renamed into place at the end.
+``dump_ir`` writes the Relax module after each stage that changes it. Nothing lands in the output folder
+until every stage has succeeded: the bundle is built in a hidden staging folder beside it and renamed into
+place at the end.
 """
 
 from __future__ import annotations
