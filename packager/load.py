@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -120,6 +121,58 @@ def _bind_consts(model: onnx.ModelProto, consts: dict[str, np.ndarray]) -> dict[
         model.graph.initializer.append(numpy_helper.from_array(np.array(array, order="C"), name))
         bound[name] = TensorSpec(name, tuple(array.shape), str(array.dtype))
     return bound
+
+
+IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _identifier_names(model: onnx.ModelProto) -> None:
+    """Rename initializers whose names are not C identifiers (``/features/Constant_1_output_0`` from torch's
+    exporter, ``conv1/weights:0`` from TensorFlow's). They become function parameters whose names TVM's CUDA
+    code generator writes into the kernel signatures as they are (TVM's importer only maps '.' to '_'), and
+    NVRTC stops at the first '/'. Node names, graph inputs and outputs keep their names."""
+    graph = model.graph
+    outputs = {o.name for o in graph.output}
+    taken = {t.name for t in graph.initializer} | {i.name for i in graph.input} | outputs
+    taken |= {name for node in graph.node for name in node.output}
+    renames = {}
+    for tensor in graph.initializer:
+        if IDENTIFIER.fullmatch(tensor.name.replace(".", "_")) or tensor.name in outputs:
+            continue
+        base = re.sub(r"[^A-Za-z0-9_]+", "_", tensor.name).strip("_") or "w"
+        base = base if IDENTIFIER.fullmatch(base) else f"w_{base}"
+        new, n = base, 1
+        while new in taken:
+            n += 1
+            new = f"{base}_{n}"
+        taken.add(new)
+        renames[tensor.name] = new
+    if not renames:
+        return
+
+    def rename(g: onnx.GraphProto) -> None:
+        for tensor in g.initializer:
+            tensor.name = renames.get(tensor.name, tensor.name)
+        for value in list(g.input) + list(g.value_info):
+            value.name = renames.get(value.name, value.name)
+        for node in g.node:
+            for i, name in enumerate(node.input):
+                if name in renames:
+                    node.input[i] = renames[name]
+            for attr in node.attribute:  # subgraphs (If/Loop/Scan) may read outer initializers
+                for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                    rename_uses(sub)
+
+    def rename_uses(g: onnx.GraphProto) -> None:
+        for node in g.node:
+            for i, name in enumerate(node.input):
+                if name in renames:
+                    node.input[i] = renames[name]
+            for attr in node.attribute:
+                for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                    rename_uses(sub)
+
+    rename(graph)
 
 
 def _read(path: Path) -> tuple[onnx.ModelProto, str]:
@@ -308,6 +361,7 @@ def load_model(path: str | Path, input_shapes: dict[str, tuple[int, ...]] | None
     inputs = _fix_inputs(model, input_shapes or {})
     # checker, strict shape inference and constant folding (edgeq.fold), in a limited child process
     model = checked(model, path.name)
+    _identifier_names(model)
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
     return LoadedModel(path=path, sha256=sha, onnx_model=model, inputs=inputs, opset=opset, consts=bound,
                        shape_operand_inputs=_shape_operand_inputs(model, inputs))

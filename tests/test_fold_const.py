@@ -168,3 +168,29 @@ def test_fold_never_evaluates_a_bomb(tmp_path):
     assert "ConstantOfShape" in [n.op_type for n in loaded.onnx_model.graph.node]
     res = run_cli("package", path, "--device", "host", "-o", tmp_path / "out", "-q")
     assert_refused(res, 3, "more than the limit")
+
+
+def test_initializer_names_that_are_not_identifiers_build_for_cuda(tmp_path):
+    """torch.onnx names folded constants '/block/Constant_output_0', TensorFlow 'conv1/weights:0'; as kernel
+    parameter names they stopped NVRTC ('expected a )') in ConvNeXt's and MaxViT's Orin builds."""
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal((4, 3, 3, 3)).astype(np.float32), "conv1/weights:0"),
+             numpy_helper.from_array(np.array(0.5, np.float32), "/block/Constant_output_0"),
+             numpy_helper.from_array(np.zeros(4, np.float32), "input_conv1.bias")]
+    nodes = [helper.make_node("Conv", ["x", "conv1/weights:0", "input_conv1.bias"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("Mul", ["c", "/block/Constant_output_0"], ["m"]),
+             helper.make_node("Erf", ["m"], ["y"])]
+    graph = helper.make_graph(nodes, "names", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 8, 8])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    path = tmp_path / "names.onnx"
+    onnx.save(model, path)
+    loaded = load_model(path)
+    names = [t.name for t in loaded.onnx_model.graph.initializer]
+    assert all(n.replace(".", "_").isidentifier() for n in names), names
+    res = run_cli("package", path, "--device", "host", "-o", tmp_path / "host", "-q", "--runtime", "none")
+    assert res.code == 0, res.stderr
+    golden = read_golden(tmp_path / "host" / "names-host")
+    np.testing.assert_allclose(golden["output:y"], ort_outputs(model, {"x": golden["input:x"]})[0], rtol=1e-5, atol=1e-6)
+    res = run_cli("package", path, "--device", "jetson-orin-nano", "-o", tmp_path / "orin", "-q", "--runtime", "none")
+    assert res.code == 0, res.stderr
