@@ -10,7 +10,7 @@ ONNX domain and of ``ai.onnx.preview`` (classical ML ``ai.onnx.ml`` and training
 ``ai.onnx.preview.training`` are left out: not what edgeq packages), the first case in that order that is
 not an expanded variant. With onnx 1.23 that is 190 tests (``--verbose`` lists their names).
 
-Per test, in a forked child process with a time limit (so a hang or a segfault costs that test only):
+Per test, in a child process with a time limit (so a hang or a segfault costs that test only):
 
 - edgeq: the model is packaged for ``host`` in fp32 (``edgeq.package.package``, ``runtime="none"``), the
   bundle is loaded by its own ``run.py`` (``run.Model``, as on a device) and run on the test's inputs;
@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import json
 import multiprocessing
 import os
@@ -229,7 +228,7 @@ RUN = {"edgeq": run_edgeq, "onnxruntime": run_onnxruntime}
 
 
 def _child(runner: str, test: NodeTest, workdir: Path) -> None:
-    """In the forked child: the output goes to a log file, the result to result.pkl."""
+    """In the child: the output goes to a log file, the result to result.pkl."""
     log = os.open(workdir / "log.txt", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(log, 1)
     os.dup2(log, 2)
@@ -258,14 +257,14 @@ def _died(workdir: Path, code: int | None) -> Result:
 
 def run_all(tests: list[NodeTest], runners: list[str], jobs: int, timeout: float,
             progress=None) -> dict[str, dict[str, Result]]:
-    """{test name: {runner: Result}}, each (test, runner) in its own forked child, ``jobs`` at a time."""
-    from edgeq.toolchain import import_tvm
+    """{test name: {runner: Result}}, each (test, runner) in its own child process, ``jobs`` at a time.
 
-    import_tvm()  # imported once here, inherited by every child (the CUDA stub, if any, loads first)
-    for module in ("edgeq.package", "edgeq.onnx_ops", "onnxruntime"):
-        importlib.import_module(module)
-
-    ctx = multiprocessing.get_context("fork")
+    Children are forked from a fork server that imported edgeq, TVM and ONNX Runtime once and never ran
+    anything (not from this process: one that has run TVM holds its thread pool's locks, and a child forked
+    from it can hang)."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["edgeq.toolchain", "edgeq.package", "edgeq.onnx_ops", "onnxruntime", "numpy", "onnx",
+                                __name__])
     results: dict[str, dict[str, Result]] = {t.name: {} for t in tests}
     todo = [(t, r) for t in tests for r in runners]
     running: list = []

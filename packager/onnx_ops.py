@@ -843,6 +843,25 @@ def softmax_cross_entropy_loss(ctx, inputs, attr):
     return relax.Tuple([ctx.bb.normalize(loss), log_prob]) if ctx.num_outputs > 1 else loss
 
 
+def indices_in_range(ctx, inputs, attr):
+    """Gather, GatherElements, ScatterElements, Scatter with run-time indices clamped into the axis before
+    TVM's converter sees them. ONNX calls an index out of range an error; TVM's kernels do not check, so
+    one would read or write outside the tensor (seen: the golden run reading garbage). In range, nothing
+    changes."""
+    data, indices = inputs[0], inputs[1]
+    if (ctx.const(indices) is not None or not isinstance(data.ty, relax.TensorType)
+            or not isinstance(indices.ty, relax.TensorType)):
+        return ctx.tvm(inputs, attr)
+    shape = _shape(data)
+    axis = _axis(int(attr.get("axis", 0)), len(shape))
+    dim, dt = shape[axis], _dtype(indices)
+    index = indices
+    if not dt.startswith("uint"):
+        index = relax.op.where(relax.op.less(index, _c(0, dt)), relax.op.add(index, _c(dim, dt)), index)
+    index = ctx.bb.emit(relax.op.clip(index, 0, max(dim - 1, 0)))
+    return ctx.tvm(onnx_frontend.onnx_input([data, index, *inputs[2:]]), attr)
+
+
 # ----------------------------------------------------------------------------------------------- recurrent
 
 
@@ -1049,6 +1068,10 @@ CONVERTERS: dict[str, Callable] = {
     "Unique": data_dependent,
     "Compress": data_dependent,
     "SplitToSequence": sequence_output,
+    "Gather": indices_in_range,
+    "GatherElements": indices_in_range,
+    "ScatterElements": indices_in_range,
+    "Scatter": indices_in_range,
     "Expand": expand,
     "OneHot": one_hot,
     "Pad": pad,
@@ -1065,6 +1088,10 @@ OVERRIDES = {
     "Unique": "data-dependent output size: refused in one line instead of failing in the build",
     "Compress": "a constant condition becomes a take of fixed indices; a computed one is refused",
     "SplitToSequence": "a sequence cannot be a bundle's output: refused in one line",
+    "Gather": "run-time indices clamped into the axis: TVM's take reads out of bounds on a bad index",
+    "GatherElements": "run-time indices clamped into the axis (as Gather)",
+    "ScatterElements": "run-time indices clamped into the axis: TVM would write out of bounds",
+    "Scatter": "run-time indices clamped into the axis (as ScatterElements)",
     "Expand": "TVM leaves the shape symbolic when the target shape is an initializer",
     "OneHot": "TVM needs the on/off values constant",
     "Pad": "TVM needs the pad value constant",

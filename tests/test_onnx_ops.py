@@ -47,6 +47,10 @@ def _inputs() -> dict[str, np.ndarray]:
                         ("la_decay", (2, 3, 2)), ("la_beta", (2, 3, 2))):
         out[name] = (0.5 * rng.standard_normal(shape)).astype(np.float32)
     out["hot_idx"] = np.array([[0, 2, -1], [1, 4, 3]], np.int64)
+    out["g_idx"] = np.array([[0, -1], [2, 1]], np.int64)
+    out["ge_idx"] = np.array([[3, -1, 0], [1, 2, -4]], np.int64)
+    out["se_idx"] = np.array([[1, 3, 0]], np.int64)
+    out["se_upd"] = rng.standard_normal((1, 3)).astype(np.float32)
     out["qx"] = rng.integers(0, 256, (1, 3, 6, 6)).astype(np.uint8)
     out["qa"] = rng.integers(-128, 128, (2, 5)).astype(np.int8)
     out["logits"] = rng.standard_normal((4, 8, 3)).astype(np.float32)  # 8 classes: the golden labels are 0..7
@@ -123,6 +127,9 @@ def _model() -> onnx.ModelProto:
         n("Attention", ["q", "k", "v"], ["attn"], is_causal=1),
         n("BitCast", ["x"], ["bits"], to=T.INT32),
         n("Expand", ["x", "expand_shape"], ["expanded"]),
+        n("Gather", ["x", "g_idx"], ["gathered"], axis=1),
+        n("GatherElements", ["seq", "ge_idx"], ["gathered_el"], axis=0),
+        n("ScatterElements", ["seq", "se_idx", "se_upd"], ["scattered_el"], axis=0, reduction="add"),
         n("OneHot", ["hot_idx", "depth", "hot_values"], ["onehot"], axis=1),
         n("Pad", ["x", "pads", "pad_value"], ["padded"]),
         n("QLinearConv", ["qx", "qx_s", "qx_zp", "qw", "qw_s", "qw_zp", "qy_s", "qy_zp", "qb"], ["qconv"],
@@ -162,6 +169,7 @@ def _model() -> onnx.ModelProto:
 
 OUTPUTS = ["swish", "celu", "mish", "l2norm", "l1norm", "cumprod", "hann", "hamming", "blackman", "det", "col2im",
            "ln", "ln_mean", "ln_inv", "rms", "crop", "reversed", "scattered", "rotary", "attn", "bits", "expanded",
+           "gathered", "gathered_el", "scattered_el",
            "onehot", "padded", "qconv", "convint", "qmatmul", "nll", "sce", "sce_log_prob", "mel", "rfft", "ifft",
            "cc_y", "cc_next", "la_y", "la_next", "rnn_y", "rnn_h", "gru_y", "gru_h", "lstm_y", "lstm_h", "lstm_c", "lstm1_h"]
 
@@ -217,7 +225,8 @@ def test_every_op_is_in_the_model():
     from edgeq.onnx_ops import CONVERTERS
 
     ops = {node.op_type for node in _model().graph.node}
-    left_out = {"SwiGLU", "Upsample", "NonMaxSuppression", "NonZero", "Unique", "Compress", "SplitToSequence"}
+    left_out = {"SwiGLU", "Upsample", "NonMaxSuppression", "NonZero", "Unique", "Compress", "SplitToSequence",
+                "Scatter"}
     assert set(CONVERTERS) - left_out <= ops  # those: tests/test_node_tests.py, or refusals below
 
 
@@ -267,6 +276,21 @@ def test_tvm_failure_names_the_node(tmp_path):
     qkv = [("q", [1, 2, 3, 4]), ("k", [1, 2, 3, 4]), ("v", [1, 2, 3, 4])]
     message = _refusal(_one_node(tmp_path, node, qkv, [("y", F, [1, 2, 3, 4])]))
     assert "Attention node 'attn0'" in message
+
+
+def test_out_of_range_indices_are_clamped(tmp_path):
+    """ONNX calls them an error; the bundle must not read outside the tensor: they land on the last element."""
+    from edgeq.compile import HostRunner
+
+    node = h.make_node("GatherElements", ["x", "i"], ["y"], axis=1)
+    graph = h.make_graph([node], "one", [h.make_tensor_value_info("x", F, [2, 3]), h.make_tensor_value_info("i", T.INT64, [2, 2])],
+                         [h.make_tensor_value_info("y", F, [2, 2])])
+    path = tmp_path / "gather.onnx"
+    onnx.save(h.make_model(graph, opset_imports=[h.make_opsetid("", OPSET)]), path)
+    graph, _ = to_relax(load_model(path))
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    (y,) = HostRunner(graph)([x, np.array([[1, 1000], [-1, -1000]], np.int64)])
+    np.testing.assert_array_equal(y, [[1, 2], [5, 3]])
 
 
 def test_converters_are_installed_only_during_an_import(tmp_path):
