@@ -8,7 +8,8 @@ modules in alphabetical order and runs each op's ``export*`` functions in the or
 function-expanded variants (``*_expanded*``). One test per op type: for every op type of the default
 ONNX domain and of ``ai.onnx.preview`` (classical ML ``ai.onnx.ml`` and training
 ``ai.onnx.preview.training`` are left out: not what edgeq packages), the first case in that order that is
-not an expanded variant. With onnx 1.23 that is 190 tests (``--verbose`` lists their names).
+not an expanded variant. With onnx 1.23 that is 190 tests (``--verbose`` lists their names). A numpy
+scalar in a case's data stands for a 0-d tensor and is given to both runtimes as one.
 
 Per test, in a child process with a time limit (so a hang or a segfault costs that test only):
 
