@@ -39,6 +39,7 @@ from edgeq.toolchain import import_tvm
 GOLDEN_SEED = 0
 # Golden outputs are computed on the build host; the device may use other kernels (CUDA, fast math).
 GOLDEN_RTOL, GOLDEN_ATOL = 1e-3, 1e-4
+GOLDEN_DISTRIBUTIONS = ("standard normal", "uniform(0.5, 1.5)")  # the second where the first gives NaN/Inf
 
 
 @dataclasses.dataclass
@@ -144,6 +145,7 @@ class _Build:
     kernel_calls: int = 0  # conv/matmul calls on edgeq CPU kernels
     schedules: dict[str, int] = dataclasses.field(default_factory=dict)  # CPU builds: TIR functions by schedule
     golden_from: str = ""
+    golden_floats: str = GOLDEN_DISTRIBUTIONS[0]  # what the golden input's floats were drawn from
     golden: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # the golden file's tensor table
     runtime: Any = None  # edgeq.runtime.assemble.Runtime
     manifest: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -260,13 +262,17 @@ def _compile(b: _Build) -> None:
         )
 
 
-def golden_inputs(specs: list[TensorSpec], seed: int = GOLDEN_SEED) -> dict[str, np.ndarray]:
-    """The deterministic golden input: standard normal floats, small non-negative integers."""
+def golden_inputs(specs: list[TensorSpec], seed: int = GOLDEN_SEED, floats: str = GOLDEN_DISTRIBUTIONS[0]
+                  ) -> dict[str, np.ndarray]:
+    """The deterministic golden input: standard normal floats (or, for models defined only on positive
+    values such as Log, Sqrt or Acosh, uniform in [0.5, 1.5)), small non-negative integers."""
     rng = np.random.default_rng(seed)
     out = {}
     for spec in specs:
         dtype = np.dtype(spec.dtype)
-        if dtype.kind == "f":
+        if dtype.kind == "f" and floats == GOLDEN_DISTRIBUTIONS[1]:
+            out[spec.name] = rng.uniform(0.5, 1.5, spec.shape).astype(dtype)
+        elif dtype.kind == "f":
             out[spec.name] = rng.standard_normal(spec.shape).astype(dtype)
         elif dtype.kind == "b":
             out[spec.name] = rng.integers(0, 2, spec.shape).astype(dtype)
@@ -282,8 +288,13 @@ def _golden(b: _Build) -> None:
         host = profiles()["host"]
         executable = build(b.graph.mod, host.tvm_target())
         b.golden_from = f"a TVM LLVM build for the build host ({host.cpu.mcpu})"
-    inputs = golden_inputs(b.model.inputs)
-    outputs = HostRunner(b.graph, executable)(list(inputs.values()))
+    runner = HostRunner(b.graph, executable)
+    has_floats = any(np.dtype(spec.dtype).kind == "f" for spec in b.model.inputs)
+    for b.golden_floats in GOLDEN_DISTRIBUTIONS[: 1 + has_floats]:
+        inputs = golden_inputs(b.model.inputs, floats=b.golden_floats)
+        outputs = runner(list(inputs.values()))
+        if all(np.asarray(o).dtype.kind != "f" or np.isfinite(o).all() for o in outputs):
+            break
     for spec, out in zip(b.outputs, outputs):
         if np.asarray(out).dtype.kind == "f" and not np.isfinite(out).all():
             from onnx import numpy_helper
@@ -403,6 +414,7 @@ def _bundle(b: _Build) -> None:
             "format": bundle.TENSOR_FORMAT,
             "tensors": b.golden,
             "seed": GOLDEN_SEED,
+            "float_inputs": b.golden_floats,
             "computed_with": b.golden_from,
             "rtol": GOLDEN_RTOL,
             "atol": GOLDEN_ATOL,

@@ -162,3 +162,23 @@ def test_dynamic_batch_fixed_by_input_shape(models, tmp_path, cli):
     assert proc.returncode == 0, proc.stderr
     np.testing.assert_allclose(np.load(tmp_path / "o.npz")["logits"], ort_outputs(dynamic, {"input": x})["logits"],
                                rtol=1e-4, atol=1e-5)
+
+
+def test_golden_input_for_a_model_defined_on_positive_values(tmp_path):
+    """Log(x) is NaN on half of a standard-normal input: the golden input is drawn from uniform(0.5, 1.5)
+    instead (recorded in the manifest) and the bundle's self-test passes."""
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph([helper.make_node("Log", ["x"], ["y"])], "log",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 4])])
+    path = tmp_path / "log.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    res = run_cli("package", path, "--device", "host", "-o", tmp_path / "out", "-q", "--runtime", "none")
+    assert res.code == 0, res.stderr
+    bundle = tmp_path / "out" / "log-host"
+    assert json.loads((bundle / "manifest.json").read_text())["golden"]["float_inputs"] == "uniform(0.5, 1.5)"
+    golden = read_golden(bundle)
+    assert golden["input:x"].min() >= 0.5
+    np.testing.assert_allclose(golden["output:y"], np.log(golden["input:x"]), rtol=1e-5)
+    assert run_py(bundle, "--self-test").returncode == 0
