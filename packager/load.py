@@ -150,11 +150,7 @@ def _identifier_names(model: onnx.ModelProto) -> None:
     if not renames:
         return
 
-    def rename(g: onnx.GraphProto) -> None:
-        for tensor in g.initializer:
-            tensor.name = renames.get(tensor.name, tensor.name)
-        for value in list(g.input) + list(g.value_info):
-            value.name = renames.get(value.name, value.name)
+    def rename_uses(g: onnx.GraphProto) -> None:
         for node in g.node:
             for i, name in enumerate(node.input):
                 if name in renames:
@@ -163,16 +159,11 @@ def _identifier_names(model: onnx.ModelProto) -> None:
                 for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
                     rename_uses(sub)
 
-    def rename_uses(g: onnx.GraphProto) -> None:
-        for node in g.node:
-            for i, name in enumerate(node.input):
-                if name in renames:
-                    node.input[i] = renames[name]
-            for attr in node.attribute:
-                for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
-                    rename_uses(sub)
-
-    rename(graph)
+    for tensor in graph.initializer:
+        tensor.name = renames.get(tensor.name, tensor.name)
+    for value in list(graph.input) + list(graph.value_info):
+        value.name = renames.get(value.name, value.name)
+    rename_uses(graph)
 
 
 def _read(path: Path) -> tuple[onnx.ModelProto, str]:
