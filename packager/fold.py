@@ -52,7 +52,7 @@ def _shape_of(node: onnx.NodeProto, shape: tuple[int, ...]) -> np.ndarray:
     return np.array(shape[slice(start, end)], np.int64)
 
 
-def _output_elements(node: onnx.NodeProto, values: list[np.ndarray]) -> int | None:
+def _output_elements(node: onnx.NodeProto, values: list[np.ndarray | None]) -> int | None:
     """The output size of the ops whose size is set by their input values, before evaluating them."""
     try:
         if node.op_type == "ConstantOfShape":
@@ -64,27 +64,27 @@ def _output_elements(node: onnx.NodeProto, values: list[np.ndarray]) -> int | No
             return math.prod(np.broadcast_shapes(values[0].shape, tuple(int(v) for v in values[1].ravel())))
         if node.op_type == "Tile":
             return values[0].size * math.prod(int(v) for v in values[1].ravel())
-    except (ValueError, TypeError, OverflowError, ZeroDivisionError):
+    except (ValueError, TypeError, AttributeError, OverflowError, ZeroDivisionError):
         return None
     return 0
 
 
-def _evaluate(node: onnx.NodeProto, values: list[np.ndarray], opset: list) -> list[np.ndarray] | None:
+def evaluate_node(node: onnx.NodeProto, values: list[np.ndarray | None], opset: list) -> list[np.ndarray]:
+    """``node`` run by ONNX's reference evaluator on ``values`` (one per input position, None where the input
+    is absent). Raises whatever the evaluator raises. Also used by edgeq.onnx_ops for ops whose every input
+    is known at import time."""
     from onnx.reference import ReferenceEvaluator
 
-    names = [f"in{i}" if name else "" for i, name in enumerate(node.input)]
+    names = [f"in{i}" if v is not None else "" for i, v in enumerate(values)]
     inputs = [onnx.helper.make_tensor_value_info(n, onnx.helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
               for n, v in zip(names, values) if n]
     outputs = [onnx.helper.make_tensor_value_info(f"out{i}", onnx.TensorProto.UNDEFINED, None)
-               for i, name in enumerate(node.output)]
+               for i in range(len(node.output))]
     single = onnx.helper.make_node(node.op_type, names, [o.name for o in outputs], domain=node.domain)
     single.attribute.extend(node.attribute)
     graph = onnx.helper.make_graph([single], "fold", inputs, outputs)
     model = onnx.helper.make_model(graph, opset_imports=opset)
-    try:
-        results = ReferenceEvaluator(model).run(None, {n: v for n, v in zip(names, values) if n})
-    except Exception:  # noqa: BLE001 - an op the reference evaluator cannot run stays in the graph for TVM
-        return None
+    results = ReferenceEvaluator(model).run(None, {n: v for n, v in zip(names, values) if n})
     return [np.asarray(r) for r in results]
 
 
@@ -117,11 +117,14 @@ def fold_once(model: onnx.ModelProto) -> int:
             if (not node.input and node.op_type != "Constant") or any(v is None for n, v in zip(node.input, values) if n):
                 keep.append(node)
                 continue
-            size = _output_elements(node, [v for v in values if v is not None])
+            size = _output_elements(node, values)
             if size is None or size > MAX_FOLD_ELEMENTS:
                 keep.append(node)
                 continue
-            results = _evaluate(node, [v for v in values if v is not None], list(model.opset_import))
+            try:
+                results = evaluate_node(node, values, list(model.opset_import))
+            except Exception:  # noqa: BLE001 - an op the reference evaluator cannot run stays in the graph for TVM
+                results = None
             if results is None or len(results) < len([o for o in node.output if o]) \
                     or any(r.size > MAX_FOLD_ELEMENTS for r in results):
                 keep.append(node)

@@ -113,18 +113,12 @@ def _reference(ctx: Context, attr: dict, values: list[np.ndarray | None]) -> lis
     """The op evaluated by ONNX's reference implementation on constant inputs (ops whose every input is
     known at import time, such as the window functions)."""
     import onnx
-    from onnx.reference import ReferenceEvaluator
 
-    names = [f"in{i}" if v is not None else "" for i, v in enumerate(values)]
+    from edgeq.fold import evaluate_node
+
     attrs = {k: v for k, v in attr.items() if k != "tvm_custom"}
-    node = onnx.helper.make_node(ctx.op, names, [f"out{i}" for i in range(ctx.num_outputs)], **attrs)
-    graph = onnx.helper.make_graph(
-        [node], "edgeq_const",
-        [onnx.helper.make_tensor_value_info(n, onnx.helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
-         for n, v in zip(names, values) if n],
-        [onnx.helper.make_tensor_value_info(o, onnx.TensorProto.UNDEFINED, None) for o in node.output])
-    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", ctx.opset)])
-    return [np.asarray(r) for r in ReferenceEvaluator(model).run(None, {n: v for n, v in zip(names, values) if n})]
+    node = onnx.helper.make_node(ctx.op, [""] * len(values), [f"out{i}" for i in range(ctx.num_outputs)], **attrs)
+    return evaluate_node(node, values, [onnx.helper.make_opsetid("", ctx.opset)])
 
 
 def _bounded(ctx: Context, elements: int) -> None:

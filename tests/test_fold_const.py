@@ -194,3 +194,23 @@ def test_initializer_names_that_are_not_identifiers_build_for_cuda(tmp_path):
     np.testing.assert_allclose(golden["output:y"], ort_outputs(model, {"x": golden["input:x"]})[0], rtol=1e-5, atol=1e-6)
     res = run_cli("package", path, "--device", "jetson-orin-nano", "-o", tmp_path / "orin", "-q", "--runtime", "none")
     assert res.code == 0, res.stderr
+
+
+def test_fold_keeps_inputs_in_place_around_an_absent_optional_one():
+    """Clip(c, '', hi) on constants: the max must reach Clip's third input, not its absent second."""
+    import tempfile
+    from pathlib import Path
+
+    nodes = [helper.make_node("Clip", ["c", "", "hi"], ["clipped"]), helper.make_node("Add", ["x", "clipped"], ["y"])]
+    inits = [numpy_helper.from_array(np.array([-3.0, 0.5, 3.0], np.float32), "c"),
+             numpy_helper.from_array(np.array(1.0, np.float32), "hi")]
+    graph = helper.make_graph(nodes, "clip", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "clip.onnx"
+        onnx.save(model, path)
+        folded = load_model(path).onnx_model
+    assert [n.op_type for n in folded.graph.node] == ["Add"]
+    values = {t.name: numpy_helper.to_array(t) for t in folded.graph.initializer}
+    np.testing.assert_array_equal(values["clipped"], [-3.0, 0.5, 1.0])
