@@ -33,9 +33,6 @@ class LoadedModel:
     onnx_model: onnx.ModelProto  # with the input shapes fixed
     inputs: list[TensorSpec]
     opset: int
-    consts: dict[str, TensorSpec] = dataclasses.field(default_factory=dict)  # graph inputs bound by --const
-    # graph inputs still feeding a shape operand (Reshape's shape, Slice's starts, ...): name -> "Op 'node'"
-    shape_operand_inputs: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def parse_shape(text: str) -> tuple[str, tuple[int, ...]]:
@@ -84,23 +81,12 @@ SHAPE_OPERANDS = {
 }
 
 
-def _shape_operand_inputs(model: onnx.ModelProto, inputs: list[TensorSpec]) -> dict[str, str]:
-    names = {spec.name for spec in inputs}
-    found = {}
-    for node in model.graph.node:
-        for position in SHAPE_OPERANDS.get(node.op_type, ()):
-            if position < len(node.input) and node.input[position] in names:
-                found.setdefault(node.input[position], f"{node.op_type} '{node.name or node.op_type}'")
-    return found
-
-
-def _bind_consts(model: onnx.ModelProto, consts: dict[str, np.ndarray]) -> dict[str, TensorSpec]:
+def _bind_consts(model: onnx.ModelProto, consts: dict[str, np.ndarray]) -> None:
     """Turn the named graph inputs into initializers holding the given arrays."""
     from onnx import numpy_helper
 
     initializers = {t.name for t in model.graph.initializer}
     graph_inputs = {i.name: i for i in model.graph.input if i.name not in initializers}
-    bound = {}
     for name, array in consts.items():
         value = graph_inputs.get(name)
         if value is None:
@@ -119,8 +105,6 @@ def _bind_consts(model: onnx.ModelProto, consts: dict[str, np.ndarray]) -> dict[
             raise UsageError(f"--const {name}: the file's shape {_fmt(array.shape) or 'scalar'} does not fit the input's {shown}")
         model.graph.input.remove(value)
         model.graph.initializer.append(numpy_helper.from_array(np.array(array, order="C"), name))
-        bound[name] = TensorSpec(name, tuple(array.shape), str(array.dtype))
-    return bound
 
 
 IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -348,11 +332,10 @@ def load_model(path: str | Path, input_shapes: dict[str, tuple[int, ...]] | None
     model, sha = _read(path)
     _check_sizes(path, model)
     _check_graph(path, model)
-    bound = _bind_consts(model, consts or {})
+    _bind_consts(model, consts or {})
     inputs = _fix_inputs(model, input_shapes or {})
     # checker, strict shape inference and constant folding (edgeq.fold), in a limited child process
     model = checked(model, path.name)
     _identifier_names(model)
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
-    return LoadedModel(path=path, sha256=sha, onnx_model=model, inputs=inputs, opset=opset, consts=bound,
-                       shape_operand_inputs=_shape_operand_inputs(model, inputs))
+    return LoadedModel(path=path, sha256=sha, onnx_model=model, inputs=inputs, opset=opset)
