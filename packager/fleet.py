@@ -18,10 +18,14 @@ import re
 import shlex
 import threading
 import time
-import tomllib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10 (JetPack 6): the same parser, from PyPI
+    import tomli as tomllib
 
 from edgeq import safebundle
 from edgeq.errors import BundleError, UsageError

@@ -14,11 +14,15 @@ import os
 import platform
 import re
 import tempfile
-import tomllib
 from functools import cache
 from importlib import resources
 from pathlib import Path
 from typing import Any
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10 (JetPack 6): the same parser, from PyPI
+    import tomli as tomllib
 
 from edgeq.errors import DeviceError
 
