@@ -1,10 +1,42 @@
 #!/usr/bin/env bash
-# Everything edgeq and its tests need on a fresh Debian/Ubuntu machine (x86_64 or aarch64 host):
-# the aarch64 cross compiler, qemu-user, a C compiler, and the Python packages (edgeq editable, with the CUDA 12
-# NVRTC wheels for JetPack 6 targets and the test tools). With --zoo also .venv-export: torch and torchvision
-# for exporting the torchvision models the tests and benchmarks/zoo.py use.
+# Everything edgeq and its tests need on a fresh Debian/Ubuntu machine (x86_64 or aarch64 host): the aarch64
+# cross compiler, qemu-user, a C compiler, chromium, and the Python packages in a virtual environment in the
+# checkout, .venv (edgeq editable with its test tools; the CUDA 12 NVRTC wheels for JetPack 6 targets are
+# default dependencies). Stock system Pythons refuse `pip install` outside a venv (externally managed), so
+# nothing is installed into the interpreter itself. .venv is made from $PYTHON (default python3; 3.10 to
+# 3.13), reused when it exists, and made again when PYTHON names another version than the one it has.
+# Activate it with `. .venv/bin/activate`. With --zoo also .venv-export: torch and torchvision for exporting
+# the torchvision models the tests and benchmarks/zoo.py use.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+VENV=.venv
+PYTHON_GIVEN=${PYTHON:+yes}
+PYTHON=${PYTHON:-python3}
+ZOO=""
+[ "${1:-}" = "--zoo" ] && ZOO=yes
+
+py_version() { "$1" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null; }
+
+# Is .venv to be made (again)? Missing, broken (its interpreter gone), or another version than PYTHON asks for.
+make_venv=""
+if [ ! -x "$VENV/bin/python" ] || [ -z "$(py_version "$VENV/bin/python")" ]; then
+    make_venv=yes
+elif [ -n "$PYTHON_GIVEN" ] && [ "$(py_version "$VENV/bin/python")" != "$(py_version "$PYTHON")" ]; then
+    make_venv=yes
+fi
+if [ -n "$make_venv" ] || { [ -n "$ZOO" ] && [ ! -x .venv-export/bin/python ]; }; then
+    if ! command -v "$PYTHON" >/dev/null; then
+        echo "setup: $PYTHON not found; install it, or pick another interpreter: PYTHON=python3.X bash scripts/setup.sh" >&2
+        exit 1
+    fi
+    version=$(py_version "$PYTHON")
+    case "$version" in
+        3.1[0-3]) ;;
+        *) echo "setup: $PYTHON is Python ${version:-?}; edgeq needs 3.10 to 3.13 (PYTHON=python3.X bash scripts/setup.sh)" >&2
+           exit 1 ;;
+    esac
+fi
 
 SUDO=""
 [ "$(id -u)" -eq 0 ] || SUDO="sudo"
@@ -15,18 +47,47 @@ command -v cc >/dev/null || need+=(gcc)
 command -v ssh-keygen >/dev/null || need+=(openssh-client)
 command -v qemu-aarch64 >/dev/null || need+=(qemu-user)   # runs aarch64 bundles (edgeq-run) in the tests
 command -v readelf >/dev/null || need+=(binutils)         # ELF checks of every file in a bundle
+command -v git >/dev/null || need+=(git)                  # tests/test_install.py installs the checkout's files
+# Debian and Ubuntu ship venv's pip bootstrap (ensurepip) in a package of its own: python3-venv, python3.X-venv
+if [ -n "$make_venv$ZOO" ] && ! "$PYTHON" -c 'import ensurepip, venv' 2>/dev/null; then
+    need+=("$(basename "$(command -v "$PYTHON")")-venv")
+fi
+want_chromium=""
+command -v chromium >/dev/null || want_chromium=yes      # the --report test opens the HTML in a headless browser
+if [ ${#need[@]} -gt 0 ] || [ -n "$want_chromium" ]; then
+    $SUDO apt-get update -qq
+    # Debian calls it chromium; Ubuntu has only a snap wrapper (chromium-browser), which does not run here
+    if [ -n "$want_chromium" ]; then
+        if [ -n "$(apt-cache policy chromium 2>/dev/null | sed -n 's/^ *Candidate: //p' | grep -v '(none)')" ]; then
+            echo "setup: installing Debian package: chromium"
+            DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends chromium >/dev/null
+        else
+            echo "setup: no chromium package here (Ubuntu ships it as a snap): the test that opens an HTML report in a headless browser needs one"
+        fi
+    fi
+fi
 if [ ${#need[@]} -gt 0 ]; then
     echo "setup: installing Debian packages: ${need[*]}"
-    $SUDO apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}" >/dev/null
 fi
 
-PYTHON=${PYTHON:-python3}
-echo "setup: installing edgeq and its Python dependencies"
-"$PYTHON" -m pip install -q --disable-pip-version-check -e ".[jetson,test]"
+if [ -n "$make_venv" ]; then
+    echo "setup: making $VENV from $(command -v "$PYTHON") (Python $(py_version "$PYTHON"))"
+    "$PYTHON" -m venv --clear "$VENV"
+fi
+PY="$VENV/bin/python"
+# Installed already from this very pyproject.toml into this interpreter, and edgeq runs: nothing to do.
+stamp="$(sha256sum pyproject.toml | cut -d' ' -f1) $(py_version "$PY") $PWD"
+if [ "$(cat "$VENV/.edgeq-setup" 2>/dev/null)" = "$stamp" ] && "$VENV/bin/edgeq" --version >/dev/null 2>&1; then
+    echo "setup: $VENV is up to date"
+else
+    echo "setup: installing edgeq and its Python dependencies into $VENV (the first time about 250 MB to download)"
+    "$PY" -m pip install --disable-pip-version-check -e ".[test]"
+    echo "$stamp" > "$VENV/.edgeq-setup"
+fi
 echo "setup: fetching the aarch64 TVM runtime and CUDA header wheels a Jetson bundle carries (cached)"
-"$PYTHON" -m edgeq.runtime.wheels
-if [ "${1:-}" = "--zoo" ]; then
+"$PY" -m edgeq.runtime.wheels
+if [ -n "$ZOO" ]; then
     # torch + torchvision in an environment of their own, used only to export the torchvision zoo
     # (examples/export_torchvision.py): tvm-ffi imports torch whenever it is importable, which would add
     # seconds to every edgeq command. These pins are the builds this project tests with.
@@ -40,4 +101,4 @@ if [ "${1:-}" = "--zoo" ]; then
     fi
     .venv-export/bin/python -m pip install -q --disable-pip-version-check "${torch_pins[@]}" "onnx>=1.21"
 fi
-echo "setup: done ($("$PYTHON" -m edgeq --version))"
+echo "setup: done ($("$VENV/bin/edgeq" --version), Python $(py_version "$PY") in $VENV; activate it with: . $VENV/bin/activate)"

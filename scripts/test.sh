@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Set up (idempotent), then run the whole test suite.
+# Set up (idempotent), then run the whole test suite with .venv's Python (PYTHON=python3.X picks the
+# interpreter .venv is made from; see scripts/setup.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --zoo
-PYTHON=${PYTHON:-python3}
-exec "$PYTHON" -m pytest -q "$@"
+exec .venv/bin/python -m pytest -q "$@"
