@@ -19,7 +19,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from conftest import read_golden
 from edgeq.compile import HostRunner, build, lower_graph
-from edgeq.kernels.conv import Isa
+from edgeq.kernels.common import Isa
 from edgeq.kernels.lower import describe
 from edgeq.load import load_model
 from edgeq.quantize import lower_prequantized

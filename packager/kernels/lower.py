@@ -3,9 +3,10 @@
 One pass over the bindings (``edgeq.graph.rewrite``):
 
 - every supported ``conv2d`` (float32, or int8/uint8 x int8 -> int32; groups 1 or depthwise) and every
-  ``matmul`` by a weight becomes a ``call_tir`` of the kernel from ``edgeq.kernels.conv`` for its shape,
-  with the weight packed for that kernel now, at build time (the bundle ships the packed arrays); a
-  ``matmul`` of two activations (attention) becomes the batched kernel of ``edgeq.kernels.matmul``;
+  ``matmul`` by a weight (a 1x1 convolution) is described as a ``ConvSpec``, a ``matmul`` of two float32
+  activations (attention) as a ``BmmSpec``; the first kernel of ``edgeq.kernels.rules.KERNELS`` that takes
+  it replaces it with a ``call_tir`` of its TIR function, with the weight packed for that kernel now, at
+  build time (the bundle ships the packed arrays);
 - activations stay NHWC from one convolution to the next: element-wise operations, (de)quantize, pooling,
   padding and spatial means run on NHWC directly (their per-channel operands are transposed at build
   time), and a value is transposed back to NCHW only where something else reads it, and for the outputs.
@@ -18,8 +19,8 @@ from typing import Any
 import numpy as np
 
 from edgeq.graph import Graph, Rewriter, call_op, rewrite
-from edgeq.kernels.conv import ConvSpec, Isa, conv_func
-from edgeq.kernels.matmul import BmmSpec, bmm_func
+from edgeq.kernels.common import BmmSpec, ConvSpec, Isa, Kernel
+from edgeq.kernels.rules import KERNELS
 from edgeq.toolchain import import_tvm
 
 tvm = import_tvm()
@@ -51,6 +52,16 @@ def _dtype(expr) -> str:
 def _kernel_dtypes(data: str, weight: str, out: str) -> bool:
     """float32 all through, or int8/uint8 data x int8 weights -> int32: what the conv kernels compute."""
     return (data, weight, out) == ("float32", "float32", "float32") or (data in ("int8", "uint8") and weight == "int8" and out == "int32")
+
+
+def choose(problem, isa: Isa) -> tuple[Kernel, Any] | None:
+    """(the first kernel of ``KERNELS`` that takes ``problem`` on ``isa``, the spec it planned), or None."""
+    for kernel in KERNELS:
+        if isinstance(problem, kernel.spec):
+            spec = kernel.plan(problem, isa)
+            if spec is not None:
+                return kernel, spec
+    return None
 
 
 def _stores(stmt) -> list:
@@ -180,9 +191,11 @@ class _Lowering:
         depthwise = groups == c == oc and icg == 1 and groups > 1
         if groups != 1 and not depthwise:
             return None
-        spec = ConvSpec(n, h, width, c, oc, kh, kw, tuple(int(s) for s in a.strides),
-                        tuple(int(p) for p in a.padding), tuple(int(d) for d in a.dilation), xd, depthwise).plan(self.isa)
-        return self.kernel(rw, var, spec, self.to_nhwc(rw, rw.new(x)), wv, w.name if isinstance(w, relax.Var) else "w")
+        chosen = choose(ConvSpec(n, h, width, c, oc, kh, kw, tuple(int(s) for s in a.strides),
+                                 tuple(int(p) for p in a.padding), tuple(int(d) for d in a.dilation), xd, depthwise), self.isa)
+        if chosen is None:
+            return None
+        return self.kernel(rw, var, chosen, self.to_nhwc(rw, rw.new(x)), wv, w.name if isinstance(w, relax.Var) else "w")
 
     def matmul(self, rw: Rewriter, var, value):
         x = value.args[0]
@@ -201,13 +214,15 @@ class _Lowering:
             return None
         k, cols = w.shape
         m = int(np.prod(xs[:-1]))
-        spec = ConvSpec(1, 1, m, k, cols, 1, 1, (1, 1), (0, 0, 0, 0), (1, 1), xd).plan(self.isa)
+        chosen = choose(ConvSpec(1, 1, m, k, cols, 1, 1, (1, 1), (0, 0, 0, 0), (1, 1), xd), self.isa)
+        if chosen is None:
+            return None
         x4 = rw.emit(relax.op.reshape(self.plain(rw, x), [1, 1, m, k]))
-        y4 = self.kernel(rw, None, spec, x4, np.ascontiguousarray(w.T).reshape(cols, k, 1, 1), w_var.name + "_t")
+        y4 = self.kernel(rw, None, chosen, x4, np.ascontiguousarray(w.T).reshape(cols, k, 1, 1), w_var.name + "_t")
         return self.result(rw, var, relax.op.reshape(y4, ys), nhwc=False)
 
     def batched_matmul(self, rw: Rewriter, var, value):
-        """``a @ b`` of two activations (same batch dims, float32) on the batched matmul kernel."""
+        """``a @ b`` of two activations (same batch dims, float32) on the kernel that takes a ``BmmSpec``."""
         a, b = value.args
         sa, sb, ys = _shape(a), _shape(b), _shape(var)
         if sa is None or sb is None or ys is None or len(sa) < 2 or len(sa) != len(sb) or sa[:-2] != sb[:-2]:
@@ -215,32 +230,31 @@ class _Lowering:
         if {_dtype(a), _dtype(b), _dtype(var)} != {"float32"}:
             return None
         batch = int(np.prod(sa[:-2])) if len(sa) > 2 else 1
-        spec = BmmSpec(batch, sa[-2], sa[-1], sb[-1])
-        gv = rw.bb.add_func(bmm_func(spec).without_attr("global_symbol"), "edgeq_bmm")
+        chosen = choose(BmmSpec(batch, sa[-2], sa[-1], sb[-1]), self.isa)
+        if chosen is None:
+            return None
+        kernel, spec = chosen
+        func, _ = kernel.build(spec)
+        gv = rw.bb.add_func(func.without_attr("global_symbol"), kernel.symbol)
         a3 = rw.emit(relax.op.reshape(self.plain(rw, a), [batch, spec.m, spec.k]))
         b3 = rw.emit(relax.op.reshape(self.plain(rw, b), [batch, spec.k, spec.n]))
         y3 = rw.emit(relax.call_tir(gv, relax.Tuple([a3, b3]), relax.TensorType([batch, spec.m, spec.n], "float32")))
         self.kernels += 1
         return self.result(rw, var, relax.op.reshape(y3, ys), nhwc=False)
 
-    def kernel(self, rw: Rewriter, var, spec: ConvSpec, x_nhwc, weight: np.ndarray, name: str):
-        func, pack = conv_func(spec)
-        params = [rw.param(f"{name}_{self.kernel_tag(spec)}_{i}", arr) for i, arr in enumerate(pack(weight))]
-        kind = "dwconv2d" if spec.depthwise else "conv2d"
-        gv = rw.bb.add_func(func.without_attr("global_symbol"), f"edgeq_{kind}")
+    def kernel(self, rw: Rewriter, var, chosen: tuple[Kernel, ConvSpec], x_nhwc, weight: np.ndarray, name: str):
+        """The call of a convolution kernel (``choose``) on NHWC data, its weight packed and named after
+        the layout (``Kernel.tag``)."""
+        kernel, spec = chosen
+        func, pack = kernel.build(spec)
+        params = [rw.param(f"{name}_{kernel.tag(spec)}_{i}", arr) for i, arr in enumerate(pack(weight))]
+        gv = rw.bb.add_func(func.without_attr("global_symbol"), kernel.symbol)
         out = relax.TensorType([spec.n, spec.oh, spec.ow, spec.oc], spec.out_dtype)
         call = relax.call_tir(gv, relax.Tuple([x_nhwc, *params]), out)
         self.kernels += 1
         if var is None:
             return rw.emit(call)
         return self.result(rw, var, call, nhwc=True)
-
-    def kernel_tag(self, spec: ConvSpec) -> str:
-        if spec.depthwise:
-            return "dw"
-        if spec.wino:
-            return f"wino{spec.wino}_oc{spec.ocb}"
-        return "vnni" if spec.vnni else f"oc{spec.ocb}"
 
     # ------------------------------------------------------------ layout-following operations
 

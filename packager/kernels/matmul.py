@@ -8,10 +8,7 @@ one element of the left operand per row and reduction step, and spreads the tile
 
 from __future__ import annotations
 
-import dataclasses
-import json
-
-from edgeq.kernels.conv import Isa, _epilogue, _largest_divisor
+from edgeq.kernels.common import BmmSpec, Isa, Kernel, epilogue, largest_divisor
 from edgeq.toolchain import import_tvm
 
 tvm = import_tvm()
@@ -19,41 +16,30 @@ from tvm import te  # noqa: E402
 from tvm.s_tir import Schedule  # noqa: E402
 
 BMM = "edgeq_bmm"
-SPEC = "edgeq.bmm_spec"
 
 
-@dataclasses.dataclass(frozen=True)
-class BmmSpec:
-    batch: int
-    m: int
-    k: int
-    n: int
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> BmmSpec:
-        return cls(**json.loads(text))
+def plan(problem: BmmSpec, isa: Isa) -> BmmSpec:
+    """Every product of two activations (lowering offers float32 ones only)."""
+    return problem
 
 
 def bmm_func(spec: BmmSpec):
-    """``out[b, m, n] = sum_k a[b, m, k] * b[b, k, n]`` in float32."""
+    """(PrimFunc ``out[b, m, n] = sum_k a[b, m, k] * b[b, k, n]`` in float32, None: no weight to pack)."""
     a = te.placeholder((spec.batch, spec.m, spec.k), "float32", name="a")
     b = te.placeholder((spec.batch, spec.k, spec.n), "float32", name="b")
     k = te.reduce_axis((0, spec.k), "k")
     out = te.compute((spec.batch, spec.m, spec.n), lambda i, r, c: te.sum(a[i, r, k] * b[i, k, c], axis=[k]),
-                     name=BMM, attrs={SPEC: spec.to_json()})
-    return te.create_prim_func([a, b, out], index_dtype_override="int64")
+                     name=BMM, attrs={spec.annotation: spec.to_json()})
+    return te.create_prim_func([a, b, out], index_dtype_override="int64"), None
 
 
 def schedule_bmm(sch: Schedule, spec: BmmSpec, isa: Isa) -> None:
     main = sch.get_sblock(BMM)
-    wb = _epilogue(sch, main)
+    wb = epilogue(sch, main)
     b, m, n, k = sch.get_loops(main)
     nb = isa.vector_block(spec.n)
     vectors = max(1, -(-nb // isa.lanes))
-    mb = _largest_divisor(spec.m, max(1, isa.accumulators // vectors))
+    mb = largest_divisor(spec.m, max(1, isa.accumulators // vectors))
     mo, mi = sch.split(m, [None, mb])
     no, ni = sch.split(n, [None, nb])
     sch.reorder(b, mo, no, k, mi, ni)
@@ -63,3 +49,7 @@ def schedule_bmm(sch: Schedule, spec: BmmSpec, isa: Isa) -> None:
     sch.parallel(sch.fuse(b, mo, no))
     sch.decompose_reduction(main, k)
     sch.vectorize(sch.get_loops(wb)[-1])
+
+
+KERNEL = Kernel(name="bmm", spec=BmmSpec, plan=plan, build=bmm_func, symbol="edgeq_bmm", block=BMM,
+                schedule=schedule_bmm)

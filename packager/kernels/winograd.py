@@ -9,9 +9,11 @@ time (``[(m+2)^2, OC/ocb, C, ocb]``); the GEMM uses the same register tiling as 
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
-from edgeq.kernels.conv import PAD, SPEC, ConvSpec, Isa, _epilogue, _largest_divisor
+from edgeq.kernels.common import PAD, ConvSpec, Isa, Kernel, epilogue, largest_divisor
 from edgeq.toolchain import import_tvm
 
 tvm = import_tvm()
@@ -24,6 +26,25 @@ WINO_T = "edgeq_wino_t"
 WINO_GEMM = "edgeq_wino_gemm"
 
 
+def plan(problem: ConvSpec, isa: Isa) -> ConvSpec | None:
+    """float32 3x3 stride-1 convolutions big enough to pay for the transforms, with output sizes that
+    split into tiles: F(4x4, 3x3) where they allow, else F(2x2, 3x3)."""
+    m = _tile(problem)
+    return dataclasses.replace(problem, ocb=isa.vector_block(problem.oc), wino=m) if m else None
+
+
+def _tile(spec: ConvSpec) -> int:
+    if spec.integer or spec.depthwise or (spec.kh, spec.kw) != (3, 3) or spec.stride != (1, 1) or spec.dilation != (1, 1):
+        return 0
+    if spec.c < 64 or spec.oc < 64 or min(spec.oh, spec.ow) < 8:  # measured: below, the transforms cost more
+        return 0
+    if spec.oh % 4 == 0 and spec.ow % 4 == 0:
+        return 4
+    if spec.oh % 2 == 0 and spec.ow % 2 == 0:
+        return 2
+    return 0
+
+
 def matrices(m: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(A, B, G) of F(m, 3): Cook-Toom with TVM's interpolation points."""
     from tvm.topi.nn.winograd_util import _cook_toom_convolution, _interpolation_points
@@ -33,7 +54,7 @@ def matrices(m: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def winograd_func(spec: ConvSpec):
-    """(PrimFunc, weight packer) of the Winograd kernel for a planned ``spec`` with ``spec.wino`` = m."""
+    """(PrimFunc, weight packer) of the Winograd kernel for a planned ``spec`` (``spec.wino`` = m)."""
     from tvm.topi.utils import const_matrix
 
     m, ocb = spec.wino, spec.ocb
@@ -72,7 +93,7 @@ def winograd_func(spec: ConvSpec):
         (n, spec.oh, spec.ow, oc),
         lambda i, y, z, o: te.sum(
             gemm[sa, sb, i * nh * nw + y // m * nw + z // m, o] * (a_c[sa, y % m] * a_c[sb, z % m]), axis=[sa, sb]),
-        name=WINO, attrs={SPEC: spec.to_json()},
+        name=WINO, attrs={spec.annotation: spec.to_json()},
     )
 
     def pack(weight: np.ndarray) -> list[np.ndarray]:
@@ -115,7 +136,7 @@ def schedule_winograd(sch: Schedule, spec: ConvSpec, isa: Isa) -> None:
     e, u, p, o, rc = sch.get_loops(gb)
     tiles = spec.n * (spec.oh // m) * (spec.ow // m)
     vectors = max(1, -(-ocb // lanes))
-    pb = _largest_divisor(tiles, max(1, isa.accumulators // vectors))
+    pb = largest_divisor(tiles, max(1, isa.accumulators // vectors))
     po, pi = sch.split(p, [None, pb])
     oo, oi = sch.split(o, [None, ocb])
     sch.reorder(e, u, oo, po, rc, pi, oi)
@@ -127,7 +148,7 @@ def schedule_winograd(sch: Schedule, spec: ConvSpec, isa: Isa) -> None:
     sch.vectorize(sch.get_loops(gw)[-1])
     # output transform + the fused epilogue, per m x m tile and channel vector
     main = sch.get_sblock(WINO)
-    wb = _epilogue(sch, main)
+    wb = epilogue(sch, main)
     n, y, z, o, sa, sb = sch.get_loops(main)
     yo, yi = sch.split(y, [None, m])
     zo, zi = sch.split(z, [None, m])
@@ -141,3 +162,7 @@ def schedule_winograd(sch: Schedule, spec: ConvSpec, isa: Isa) -> None:
     sch.parallel(sch.fuse(n, yo))
     sch.decompose_reduction(main, sa)
     sch.vectorize(sch.get_loops(wb)[-1])
+
+
+KERNEL = Kernel(name="winograd", spec=ConvSpec, plan=plan, build=winograd_func, symbol="edgeq_conv2d", block=WINO,
+                schedule=schedule_winograd, tag=lambda spec: f"wino{spec.wino}_oc{spec.ocb}")

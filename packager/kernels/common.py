@@ -1,0 +1,233 @@
+"""What edgeq's CPU kernels share: the CPU they are planned for (``Isa``), the problems lowering hands
+them (``ConvSpec``, ``BmmSpec``), the ``Kernel`` record each kernel module declares, and the schedule
+steps more than one kernel uses (padding the input, computing the fused epilogue on the accumulators).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Callable, ClassVar
+
+import numpy as np
+
+from edgeq.toolchain import import_tvm
+
+tvm = import_tvm()
+from tvm import te  # noqa: E402
+from tvm.s_tir import Schedule  # noqa: E402
+
+PAD = "edgeq_pad"  # the padded input's block: the epilogue leaves it where it is
+
+# a kernel's weight packer: the model's weight -> the arrays the kernel's TIR function takes after the data
+Packer = Callable[[np.ndarray], list[np.ndarray]]
+
+
+def largest_divisor(n: int, limit: int) -> int:
+    return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
+
+
+def blocks(sch: Schedule) -> list:
+    """The blocks of a function, in order (the root's children)."""
+    return list(sch.get_child_blocks(sch.get_sblock("root")))
+
+
+def is_spatial(sch: Schedule, block) -> bool:
+    """Whether a block has no reduction axes (element-wise, layout moves, padding)."""
+    return all(int(iv.iter_type) == 0 for iv in sch.get(block).iter_vars)
+
+
+@dataclasses.dataclass(frozen=True)
+class Isa:
+    """What the kernels need to know about the target CPU."""
+
+    lanes: int  # float32 lanes of a vector register
+    vnni: bool  # AVX-512 VNNI (vpdpbusd)
+    registers: int  # vector registers
+
+    @classmethod
+    def of(cls, target) -> Isa:
+        from tvm.target.codegen import target_has_features
+
+        def has(feature: str) -> bool:
+            try:
+                return bool(target_has_features(feature, target))
+            except Exception:  # noqa: BLE001 - a feature LLVM does not know for this triple
+                return False
+
+        if has("avx512f"):
+            return cls(lanes=16, vnni=has("avx512vnni"), registers=32)
+        if has("avx2") or has("avx"):
+            return cls(lanes=8, vnni=False, registers=16)
+        if has("neon") or "aarch64" in str(target.attrs.get("mtriple", "")):
+            return cls(lanes=4, vnni=False, registers=32)
+        return cls(lanes=4, vnni=False, registers=16)
+
+    @property
+    def accumulators(self) -> int:
+        """Vector registers a tile may keep accumulators in (the rest hold weights and the broadcast)."""
+        return self.registers - 4
+
+    def vector_block(self, n: int) -> int:
+        """How much of an axis of size ``n`` one tile covers: two or one whole vectors where ``n`` allows,
+        else the largest divisor of ``n`` up to two vectors."""
+        for vectors in (2, 1):
+            if n % (self.lanes * vectors) == 0:
+                return self.lanes * vectors
+        return largest_divisor(n, 2 * self.lanes)
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvSpec:
+    """One 2-D convolution in NHWC terms (``groups`` is 1 or, for depthwise, ``c``). Lowering makes it
+    with the last three fields at their defaults; the kernel that takes it fills them in (``Kernel.plan``)."""
+
+    annotation: ClassVar[str] = "edgeq.conv_spec"  # the kernel block's annotation holding the spec as JSON
+
+    n: int
+    h: int
+    w: int
+    c: int
+    oc: int
+    kh: int
+    kw: int
+    stride: tuple[int, int]
+    padding: tuple[int, int, int, int]  # top, left, bottom, right
+    dilation: tuple[int, int]
+    dtype: str  # data dtype: float32, int8 or uint8 (weights: float32 or int8)
+    depthwise: bool = False
+    vnni: bool = False  # planned: int8 with AVX-512 VNNI
+    ocb: int = 0  # planned: output channels per packed weight block / tile
+    wino: int = 0  # planned: Winograd output tile size m (0: direct convolution)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> ConvSpec:
+        d = json.loads(text)
+        for key in ("stride", "padding", "dilation"):
+            d[key] = tuple(d[key])
+        return cls(**d)
+
+    @property
+    def oh(self) -> int:
+        return (self.h + self.padding[0] + self.padding[2] - self.dilation[0] * (self.kh - 1) - 1) // self.stride[0] + 1
+
+    @property
+    def ow(self) -> int:
+        return (self.w + self.padding[1] + self.padding[3] - self.dilation[1] * (self.kw - 1) - 1) // self.stride[1] + 1
+
+    @property
+    def integer(self) -> bool:
+        return self.dtype in ("int8", "uint8")
+
+    @property
+    def out_dtype(self) -> str:
+        return "int32" if self.integer else "float32"
+
+
+@dataclasses.dataclass(frozen=True)
+class BmmSpec:
+    """``out[b] = a[b] @ b[b]`` of two float32 activations: ``[batch, m, k] x [batch, k, n]``."""
+
+    annotation: ClassVar[str] = "edgeq.bmm_spec"
+
+    batch: int
+    m: int
+    k: int
+    n: int
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> BmmSpec:
+        return cls(**json.loads(text))
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """One CPU kernel, all that lowering and scheduling need of it (``edgeq.kernels.rules`` lists them).
+
+    Lowering offers each convolution or matrix product, as a ``spec`` instance, to the kernels in order;
+    the first whose ``plan`` returns a spec gets it: ``build`` makes its TIR function (named ``symbol``,
+    computing the result in a block named ``block`` annotated with the spec) and the packer of its weight.
+    After fusion the scheduler finds that block and calls ``schedule`` on the whole fused function."""
+
+    name: str  # the schedule's name, as the manifest's cpu_kernels counts it
+    spec: type  # the problem it takes: ConvSpec or BmmSpec
+    plan: Callable[[Any, Isa], Any]  # (problem, isa) -> the spec with this kernel's choices, or None: not mine
+    build: Callable[[Any], tuple[Any, Packer | None]]  # spec -> (PrimFunc, weight packer; None: no weight)
+    symbol: str  # the TIR function's name in the module
+    block: str  # the block the kernel is recognised by after fusion
+    schedule: Callable[[Schedule, Any, Isa], None]
+    tag: Callable[[Any], str] | None = None  # spec -> the packed weights' name tag (their layout)
+    label: Callable[[Any, Isa], str] | None = None  # (spec, isa) -> the name when it depends on them
+
+    def apply(self, sch: Schedule, isa: Isa) -> str | None:
+        """A schedule rule: schedule ``sch`` when it holds this kernel's block and return the schedule's
+        name; None, with ``sch`` untouched, for any other function."""
+        spec = self._find(sch)
+        if spec is None:
+            return None
+        self.schedule(sch, spec, isa)
+        return self.label(spec, isa) if self.label else self.name
+
+    def _find(self, sch: Schedule):
+        for block in blocks(sch):
+            stmt = sch.get(block)
+            if stmt.name_hint == self.block and self.spec.annotation in stmt.annotations:
+                return self.spec.from_json(str(stmt.annotations[self.spec.annotation]))
+        return None
+
+
+def pad_input(x, spec: ConvSpec, channels: int, convert=None, value=0):
+    """The input with its spatial padding (and for VNNI its channels rounded up to 4), in one stage."""
+    pt, pl, pb, pr = spec.padding
+    if not any(spec.padding) and channels == spec.c and convert is None:
+        return x
+    shape = (spec.n, spec.h + pt + pb, spec.w + pl + pr, channels)
+    dtype = convert[0] if convert else x.dtype
+
+    def body(n, h, w, c):
+        inside = tvm.tirx.all(h >= pt, h < spec.h + pt, w >= pl, w < spec.w + pl, c < spec.c)
+        v = x[n, h - pt, w - pl, tvm.tirx.min(c, spec.c - 1)]
+        if convert:
+            v = convert[1](v)
+        return te.if_then_else(inside, v, tvm.tirx.const(value, dtype))
+
+    return te.compute(shape, body, name=PAD)
+
+
+def epilogue(sch: Schedule, main) -> object:
+    """Accumulate ``main`` in registers and fold everything after it into the write-back block. Element-wise
+    side inputs of the epilogue (a residual dequantized from int8) are first inlined where they are read."""
+    root = sch.get_sblock("root")
+    downstream, frontier = set(), [main]
+    while frontier:
+        for consumer in sch.get_consumers(frontier.pop()):
+            name = sch.get(consumer).name_hint
+            if name not in downstream:
+                downstream.add(name)
+                frontier.append(consumer)
+    main_name = sch.get(main).name_hint
+    for block in sch.get_child_blocks(root):
+        stmt = sch.get(block)
+        if stmt.name_hint in downstream or stmt.name_hint in (PAD, main_name):
+            continue
+        if is_spatial(sch, block):
+            try:
+                sch.compute_inline(block)
+            except tvm.s_tir.ScheduleError:
+                pass
+    wb = sch.cache_write(main, 0, "local")
+    while True:
+        consumers = sch.get_consumers(wb)
+        if len(consumers) != 1:
+            break
+        try:
+            sch.reverse_compute_inline(consumers[0])
+        except tvm.s_tir.ScheduleError:
+            break
+    return wb

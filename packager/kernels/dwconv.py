@@ -1,0 +1,75 @@
+"""The depthwise convolution kernel for CPUs (groups = input channels = output channels).
+
+Each output channel reads one input channel, so channels are the vector axis: a tile is a run of output
+pixels x one vector of channels, the ``KH x KW`` weights per channel packed as ``[KH, KW, C]``. float32,
+or int8/uint8 data x int8 weights accumulated in int32; the fused epilogue is computed on the tile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from edgeq.kernels.common import PAD, ConvSpec, Isa, Kernel, epilogue, largest_divisor, pad_input
+from edgeq.toolchain import import_tvm
+
+tvm = import_tvm()
+from tvm import te  # noqa: E402
+from tvm.s_tir import Schedule  # noqa: E402
+
+DWCONV = "edgeq_dwconv"  # the block the scheduler looks for after fusion
+
+
+def plan(problem: ConvSpec, isa: Isa) -> ConvSpec | None:
+    """Every depthwise convolution."""
+    if not problem.depthwise:
+        return None
+    return dataclasses.replace(problem, ocb=isa.vector_block(problem.oc))
+
+
+def dwconv_func(spec: ConvSpec):
+    """(PrimFunc ``(data NHWC, weight [KH, KW, C]) -> output NHWC``, packer of the OIHW weight)."""
+    sh, sw = spec.stride
+    dh, dw = spec.dilation
+    x = te.placeholder((spec.n, spec.h, spec.w, spec.c), spec.dtype, name="data")
+    wt = te.placeholder((spec.kh, spec.kw, spec.c), "int8" if spec.integer else "float32", name="weight")
+    xp = pad_input(x, spec, spec.c)
+    rh, rw = te.reduce_axis((0, spec.kh), "rh"), te.reduce_axis((0, spec.kw), "rw")
+    acc = spec.out_dtype
+    out = te.compute(
+        (spec.n, spec.oh, spec.ow, spec.c),
+        lambda n, y, z, c: te.sum(
+            xp[n, y * sh + rh * dh, z * sw + rw * dw, c].astype(acc) * wt[rh, rw, c].astype(acc), axis=[rh, rw]),
+        name=DWCONV, attrs={spec.annotation: spec.to_json()},
+    )
+
+    def pack(w: np.ndarray) -> list[np.ndarray]:
+        return [np.ascontiguousarray(w[:, 0].transpose(1, 2, 0))]
+
+    return te.create_prim_func([x, wt, out], index_dtype_override="int64"), pack
+
+
+def schedule_dwconv(sch: Schedule, spec: ConvSpec, isa: Isa) -> None:
+    """Each input value is used by KH x KW outputs only, so the padding is computed where it is read (a
+    copy of the padded input would cost as much as the convolution)."""
+    try:
+        sch.compute_inline(sch.get_sblock(PAD))
+    except tvm.s_tir.ScheduleError:
+        pass  # no padding
+    main = sch.get_sblock(DWCONV)
+    wb = epilogue(sch, main)
+    n, y, z, c, rh, rw = sch.get_loops(main)
+    co, ci = sch.split(c, [None, isa.vector_block(spec.c)])
+    zo, zi = sch.split(z, [None, largest_divisor(spec.ow, 8)])
+    sch.reorder(n, y, co, zo, rh, rw, zi, ci)
+    sch.reverse_compute_at(wb, zo)
+    sch.vectorize(ci)
+    sch.unroll(zi)
+    sch.parallel(sch.fuse(n, y, co))
+    sch.decompose_reduction(main, rh)
+    sch.vectorize(sch.get_loops(wb)[-1])
+
+
+KERNEL = Kernel(name="dwconv", spec=ConvSpec, plan=plan, build=dwconv_func, symbol="edgeq_dwconv2d", block=DWCONV,
+                schedule=schedule_dwconv, tag=lambda spec: "dw")

@@ -1,0 +1,151 @@
+"""The last schedule rule: whatever no kernel claims (pooling, element-wise chains, layout transposes,
+reductions) gets producers inlined, each loop nest fused, vectorised along the innermost axis and split
+over the cores when it is large enough to pay for the threads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from edgeq.kernels.common import Isa, blocks, is_spatial
+from edgeq.toolchain import import_tvm
+
+tvm = import_tvm()
+from tvm.s_tir import Schedule, ScheduleError  # noqa: E402
+
+PARALLEL_MIN = 1 << 14  # elements below which a loop nest runs on one core
+
+
+def _extent(sch: Schedule, loop) -> int | None:
+    ext = sch.get(loop).extent
+    return int(ext) if isinstance(ext, tvm.tirx.IntImm) else None
+
+
+def _vector_lanes(sch: Schedule, block, lanes: int) -> int:
+    """``lanes``, halved until every ``x // d`` and ``x % d`` in the block whose ``x`` involves the innermost
+    axis has ``d`` a multiple of it: then a vector never straddles a change of the quotient. (Reshapes that
+    split the last axis, (.., 32) -> (.., 4, 8), index with ``i % 8``; TVM 0.27 vectorises ``ramp(16) % 8``
+    wrongly: seen as wrong values in every second head of a rotary embedding.)"""
+    stmt = sch.get(block)
+    if not stmt.iter_vars:
+        return lanes
+    inner = stmt.iter_vars[-1].var
+    divisions = (tvm.tirx.FloorDiv, tvm.tirx.FloorMod, tvm.tirx.Div, tvm.tirx.Mod)
+    divisors = []
+
+    def walk(node, found_inner: list) -> None:  # TVM 0.27 has no Python TIR visitor
+        if isinstance(node, (list, tuple, tvm.ir.Array)):
+            for item in node:
+                walk(item, found_inner)
+            return
+        if isinstance(node, tvm.tirx.Var):
+            if node.same_as(inner):
+                found_inner.append(True)
+            return
+        if isinstance(node, divisions):
+            uses = []
+            walk(node.a, uses)
+            if uses:
+                divisors.append(int(node.b.value) if isinstance(node.b, tvm.tirx.IntImm) else 1)
+                # with the divisor a multiple of the lanes, a quotient is one value across a vector
+                # (nothing above it sees the axis), a remainder a ramp (it still varies)
+                if isinstance(node, (tvm.tirx.FloorMod, tvm.tirx.Mod)):
+                    found_inner.append(True)
+            walk(node.b, found_inner)
+            return
+        for field in _CHILDREN:
+            child = getattr(node, field, None)
+            if isinstance(child, (tvm.ir.Expr, tvm.tirx.Stmt, tvm.ir.Array)):
+                walk(child, found_inner)
+
+    walk(stmt.body, [])
+    for d in divisors:
+        while lanes > 1 and d % lanes:
+            lanes //= 2
+    return lanes
+
+
+_CHILDREN = ("a", "b", "value", "indices", "args", "condition", "true_value", "false_value", "base", "stride",
+             "body", "seq", "then_case", "else_case")
+
+
+def schedule_generic(sch: Schedule, isa: Isa) -> None:
+    """Inline what can be inlined; then fuse, vectorise and parallelise each remaining loop nest."""
+    for block in blocks(sch)[:-1]:
+        # inline only into a single consumer: inlining into two (softmax's exp) computes it twice
+        if is_spatial(sch, block) and len(sch.get_consumers(block)) == 1:
+            try:
+                sch.compute_inline(block)
+            except ScheduleError:
+                pass
+    for block in blocks(sch):
+        loops = sch.get_loops(block)
+        if not loops:
+            continue
+        if is_spatial(sch, block):
+            extents = [_extent(sch, lp) for lp in loops]
+            if any(e is None for e in extents):
+                continue
+            total = math.prod(extents)
+            fused = sch.fuse(*loops)
+            inner = extents[-1]
+            lanes = _vector_lanes(sch, block, isa.lanes)
+            lanes = lanes if inner % lanes == 0 else 1
+            if total >= PARALLEL_MIN:
+                outer, vec = sch.split(fused, [None, lanes]) if lanes > 1 else (fused, None)
+                sch.parallel(outer)
+            elif lanes > 1:
+                _, vec = sch.split(fused, [None, lanes])
+            else:
+                vec = None
+            if vec is not None:
+                sch.vectorize(vec)
+        else:
+            _schedule_reduction(sch, block, isa)
+
+
+def _schedule_reduction(sch: Schedule, block, isa: Isa) -> None:
+    """Pooling, means, sums: when the innermost output axis is also the innermost axis of what the block
+    reads (channels of NHWC data), vectorise it inside the reduction loops; parallelise the outer axes."""
+    stmt = sch.get(block)
+    loops = sch.get_loops(block)
+    kinds = [int(iv.iter_type) for iv in stmt.iter_vars]
+    if len(loops) != len(kinds) or any(k not in (0, 2) for k in kinds):
+        return
+    spatial = [lp for lp, k in zip(loops, kinds) if k == 0]
+    reduce = [lp for lp, k in zip(loops, kinds) if k == 2]
+    extents = [_extent(sch, lp) for lp in spatial]
+    if not spatial or any(e is None for e in extents):
+        return
+    last_var = [iv.var for iv, k in zip(stmt.iter_vars, kinds) if k == 0][-1]
+    contiguous = all(r.region and r.region[-1].min.same_as(last_var) for r in stmt.reads)
+    total = math.prod(extents[:-1])
+    if contiguous and extents[-1] % isa.lanes == 0 and reduce:
+        outer, inner = sch.split(spatial[-1], [None, isa.lanes])
+        sch.reorder(*spatial[:-1], outer, *reduce, inner)
+        sch.vectorize(inner)
+        sch.parallel(sch.fuse(*spatial[:-1], outer))
+        sch.decompose_reduction(block, reduce[0])
+    elif total * extents[-1] >= 2 * isa.lanes:
+        lead = []
+        for lp, k in zip(loops, kinds):
+            if k != 0:
+                break
+            lead.append(lp)
+        if lead:
+            sch.parallel(sch.fuse(*lead) if len(lead) > 1 else lead[0])
+
+
+@dataclasses.dataclass(frozen=True)
+class Generic:
+    """A schedule rule that applies to every function: put it last."""
+
+    name: str = "generic"
+
+    def apply(self, sch: Schedule, isa: Isa) -> str:
+        schedule_generic(sch, isa)
+        return self.name
+
+
+GENERIC = Generic()
