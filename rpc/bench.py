@@ -35,14 +35,28 @@ class BenchArgs:
     session_timeout: float = 0.0
 
 
+def significant(value: float, digits: int = 4) -> float:
+    """``value`` to ``digits`` significant digits: what a timer or a power sensor means, and JSON without
+    ``0.05498290000000001``."""
+    return float(f"{value:.{digits}g}")
+
+
 def statistics(times_s: list[float], batch: int) -> dict[str, Any]:
+    """Latency percentiles in ms (4 significant digits) and the throughput they sustain, ``batch`` x 1000 /
+    mean_ms, computed from the rounded mean so that the two agree."""
     ms = np.sort(np.asarray(times_s, np.float64) * 1e3)
-    mean = float(ms.mean())
+    mean = significant(float(ms.mean()))
     return {
-        "runs": int(ms.size), "min_ms": float(ms[0]), "mean_ms": mean, "p50_ms": float(np.percentile(ms, 50)),
-        "p90_ms": float(np.percentile(ms, 90)), "p99_ms": float(np.percentile(ms, 99)), "max_ms": float(ms[-1]),
-        "batch": batch, "throughput_per_s": batch * 1e3 / mean,
+        "runs": int(ms.size), "min_ms": significant(ms[0]), "mean_ms": mean,
+        "p50_ms": significant(np.percentile(ms, 50)), "p90_ms": significant(np.percentile(ms, 90)),
+        "p99_ms": significant(np.percentile(ms, 99)), "max_ms": significant(ms[-1]),
+        "batch": batch, "throughput_per_s": significant(batch * 1e3 / mean, 7) if mean > 0 else None,
     }
+
+
+def in_order_ms(times_s) -> list[float]:
+    """Per-run latencies in ms, in the order they ran (4 significant digits)."""
+    return [significant(t * 1e3) for t in times_s]
 
 
 def profile_power_config(name: str) -> dict:
@@ -60,13 +74,19 @@ def power_config(manifest: dict) -> dict:
 
 
 def energy(power: dict, stats: dict) -> dict:
-    """Average power per rail and in total, and the energy of one inference (total power x mean latency)."""
+    """Average power per rail and in total, the energy of one inference (total power x mean latency), and
+    the power per rail over the window (``trace``: ``t_s``, and W per rail)."""
     rails = {r: round(mw / 1000, 4) for r, mw in power.get("average_mw", {}).items()}
     out = {"source": power.get("source", "none"), "samples": power.get("samples", 0), "window_s": power.get("window_s"),
            "average_w": rails}
     if rails:
         total = sum(rails.values())
-        out.update(total_w=round(total, 4), energy_per_inference_mj=round(total * stats["mean_ms"] / stats["batch"], 4))
+        out.update(total_w=round(total, 4),
+                   energy_per_inference_mj=significant(total * stats["mean_ms"] / stats["batch"]))
+    trace = power.get("trace")
+    if trace and trace.get("t_s"):
+        out["trace"] = {"t_s": trace["t_s"], "w": {r: [None if mw is None else round(mw / 1000, 4) for mw in values]
+                                                   for r, values in trace["mw"].items()}}
     return out
 
 
@@ -130,8 +150,10 @@ def bench(args: BenchArgs, note=lambda _: None) -> dict[str, Any]:
         arrays = call("copy inputs and weights to the device",
                       lambda: [tvm.runtime.tensor(a, dev) for a in _inputs(directory, manifest) + _weights(directory, manifest)])
         note(f"warming up ({args.warmup}) and timing ({args.repeat}) on {where}")
-        for _ in range(args.warmup):
-            call("warm-up run", lambda: vm["main"](*arrays))
+        warmup_s = []
+        if args.warmup:  # timed too, on the device, to show how the latency settles (TVM's timer adds one untimed first call)
+            warm = call("prepare the warm-up timer", vm.time_evaluator, "main", dev, number=1, repeat=args.warmup)
+            warmup_s = list(call("warm-up runs", warm, *arrays).results)
         call("synchronise", dev.sync)
         timer = call("prepare the timer", vm.time_evaluator, "main", dev, number=1, repeat=args.repeat)
         source = start() if args.power != "none" else "none"
@@ -148,4 +170,5 @@ def bench(args: BenchArgs, note=lambda _: None) -> dict[str, Any]:
         stats = statistics(list(result.results), batch)
     return {"bundle": str(args.bundle), "bundle_id": manifest["bundle_id"], "device": manifest["device"]["profile"],
             "where": where, "warmup": args.warmup, **stats, "power": energy(power, stats) | {"requested": args.power,
-                                                                                            "used": source}}
+                                                                                            "used": source},
+            "warmup_ms": in_order_ms(warmup_s), "samples_ms": in_order_ms(result.results)}

@@ -11,6 +11,8 @@ import subprocess
 import threading
 import time
 
+MAX_TRACE_POINTS = 2000  # the power trace over time: longer windows are averaged down to this many points
+
 # "VDD_IN 5002mW/5002mW" (JetPack 5/6) and "POM_5V_IN 2047/2047" (Nano, JetPack 4: no unit)
 _RAIL = re.compile(r"\b([A-Z][A-Z0-9_]*) (\d+)(?:mW)?/(\d+)(?:mW)?\b")
 _NOT_RAILS = {"RAM", "SWAP", "IRAM", "LFB", "EMC_FREQ", "GR3D_FREQ", "APE", "MTS", "NVENC", "NVDEC"}
@@ -85,6 +87,7 @@ class Sampler:
     def __init__(self, source: str, config: dict, interval_s: float = 0.02):
         self.source, self.config, self.interval = choose(source, config), config, interval_s
         self.samples: list[dict[str, float]] = []
+        self.times: list[float] = []  # seconds after start(), one per sample
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._proc: subprocess.Popen | None = None
@@ -98,7 +101,7 @@ class Sampler:
             except Exception:
                 reading = {}
             if reading:
-                self.samples.append(reading)
+                self._add(reading)
             self._stop.wait(self.interval)
 
     def _tegrastats_loop(self) -> None:
@@ -108,9 +111,13 @@ class Sampler:
         for line in self._proc.stdout:
             reading = parse_tegrastats(line, self.config.get("tegrastats_rails", ()))
             if reading:
-                self.samples.append(reading)
+                self._add(reading)
             if self._stop.is_set():
                 break
+
+    def _add(self, reading: dict[str, float]) -> None:
+        self.times.append(time.monotonic() - self._t0)
+        self.samples.append(reading)
 
     def start(self) -> "Sampler":
         self._t0 = time.monotonic()
@@ -130,4 +137,20 @@ class Sampler:
         rails = sorted({r for s in self.samples for r in s})
         average = {r: sum(s.get(r, 0.0) for s in self.samples) / len(self.samples) for r in rails} if self.samples else {}
         return {"source": self.source, "samples": len(self.samples), "window_s": round(self._t1 - self._t0, 4),
-                "average_mw": average}
+                "average_mw": average, "trace": trace(self.times, self.samples, rails)}
+
+
+def trace(times: list[float], samples: list[dict[str, float]], rails: list[str],
+          points: int = MAX_TRACE_POINTS) -> dict:
+    """Power over time: ``t_s`` (seconds after sampling started) and, per rail, mW at those times (null where
+    a reading missed the rail). More samples than ``points`` are averaged in consecutive groups, so a
+    long window stays a few thousand numbers."""
+    n = len(samples)
+    groups = [(i * n // points, (i + 1) * n // points) for i in range(points)] if n > points else [(i, i + 1) for i in range(n)]
+    t_s, mw = [], {r: [] for r in rails}
+    for lo, hi in groups:
+        t_s.append(round(sum(times[lo:hi]) / (hi - lo), 4))
+        for rail in rails:
+            values = [s[rail] for s in samples[lo:hi] if rail in s]
+            mw[rail].append(round(sum(values) / len(values), 1) if values else None)
+    return {"t_s": t_s, "mw": mw}

@@ -24,15 +24,27 @@ def add_parser(sub) -> None:
     parser.add_argument("--timeout", type=float, default=120, help="deadline in seconds for each remote step, 1 to 86400 (default 120)")
     parser.add_argument("--session-timeout", type=float, default=0, help="server-side session limit in seconds, 0 (none) to 86400")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--report", type=Path, metavar="FILE",
+                        help="also draw the result: FILE.html (one self-contained page, figures and numbers) or "
+                             "FILE.png; latency histogram with p50/p90/p99, every run in order with the warm-up, "
+                             "power per rail over time")
 
 
 def run(args, env) -> int:
     from edgeq.rpc.bench import BenchArgs, bench
 
     err = env.err()
+    if args.report:
+        from edgeq.report import check_output
+
+        check_output(args.report)  # before the benchmark: a wrong suffix or folder is known now
     result = bench(BenchArgs(bundle=args.bundle, rpc=args.rpc, key=args.key, repeat=args.repeat, warmup=args.warmup,
                              power=args.power, timeout=args.timeout, session_timeout=args.session_timeout),
                    note=lambda text: err.print(text, highlight=False, markup=False))
+    if args.report:
+        from edgeq.report import bench_report, write
+
+        err.print(f"report: {write(bench_report(result), args.report)}", highlight=False, markup=False)
     if args.json:
         print(json.dumps(result, indent=2), file=env.stdout)
         return 0
