@@ -126,12 +126,15 @@ def _direct_func(spec: ConvSpec, x, rh, rw):
 
 
 def _register_vnni() -> None:
-    """TVM's ``dot_16x4_vnni`` with the accumulator in registers ("local") instead of memory."""
+    """TVM's ``dot_16x4_vnni`` with the accumulator in registers ("local") instead of memory. (Buffers by
+    ``match_buffer``: the same function as ``T.Buffer`` annotations, which pyflakes misreads.)"""
     from tvm.script import tirx as T
 
     @T.prim_func(s_tir=True)
-    def desc(a: T.Buffer((4,), "uint8", offset_factor=1), b: T.Buffer((16, 4), "int8", offset_factor=1),
-             c: T.Buffer((16,), "int32", offset_factor=1, scope="local")) -> None:
+    def desc(a_handle: T.handle, b_handle: T.handle, c_handle: T.handle) -> None:
+        a = T.match_buffer(a_handle, (4,), "uint8", offset_factor=1)
+        b = T.match_buffer(b_handle, (16, 4), "int8", offset_factor=1)
+        c = T.match_buffer(c_handle, (16,), "int32", offset_factor=1, scope="local")
         with T.sblock("root"):
             T.reads(c[0:16], a[0:4], b[0:16, 0:4])
             T.writes(c[0:16])
@@ -142,8 +145,10 @@ def _register_vnni() -> None:
                         c[vi] = c[vi] + T.cast(a[vk], "int32") * T.cast(b[vi, vk], "int32")
 
     @T.prim_func(s_tir=True)
-    def impl(a: T.Buffer((4,), "uint8", offset_factor=1), b: T.Buffer((16, 4), "int8", offset_factor=1),
-             c: T.Buffer((16,), "int32", offset_factor=1, scope="local")) -> None:
+    def impl(a_handle: T.handle, b_handle: T.handle, c_handle: T.handle) -> None:
+        a = T.match_buffer(a_handle, (4,), "uint8", offset_factor=1)
+        b = T.match_buffer(b_handle, (16, 4), "int8", offset_factor=1)
+        c = T.match_buffer(c_handle, (16,), "int32", offset_factor=1, scope="local")
         with T.sblock("root"):
             T.reads(c[0:16], a[0:4], b[0:16, 0:4])
             T.writes(c[0:16])
