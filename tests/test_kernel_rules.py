@@ -1,0 +1,136 @@
+"""The kernel registry (``edgeq.kernels.rules``) without compiling anything: which kernel lowering picks
+for a convolution or matrix product and what it plans (pinned to the choices made before the registry
+existed), which schedule rule takes a kernel's TIR function and the name the manifest records for it, and
+the registry's own shape (every kernel module listed once, the generic rule last)."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+from pathlib import Path
+
+import pytest
+
+from edgeq.kernels.common import BmmSpec, ConvSpec, Isa, Kernel
+from edgeq.kernels.generic import GENERIC
+from edgeq.kernels.lower import choose
+from edgeq.kernels.rules import KERNELS, SCHEDULES
+from edgeq.kernels.schedule import schedule_function
+from edgeq.toolchain import import_tvm
+
+tvm = import_tvm()
+
+KERNEL_DIR = Path(__file__).resolve().parent.parent / "packager" / "kernels"
+ISAS = {"avx512-vnni": Isa(16, True, 32), "avx512": Isa(16, False, 32), "avx2": Isa(8, False, 16), "neon": Isa(4, False, 32)}
+
+
+def conv(n, hw, c, oc, k, dtype="float32", stride=1, pad=1, depthwise=False) -> ConvSpec:
+    return ConvSpec(n, hw[0], hw[1], c, oc, k, k, (stride, stride), (pad,) * 4, (1, 1), dtype, depthwise)
+
+
+PROBLEMS = {
+    "3x3 64->64 16x16": conv(1, (16, 16), 64, 64, 3),
+    "3x3 64->80 10x10 b2": conv(2, (10, 10), 64, 80, 3),
+    "3x3 64->64 9x9": conv(1, (9, 9), 64, 64, 3),
+    "3x3 16->32 12x12": conv(1, (12, 12), 16, 32, 3),
+    "3x3 3->10 9x11": conv(1, (9, 11), 3, 10, 3),
+    "dw 24 10x10": conv(1, (10, 10), 24, 24, 3, depthwise=True),
+    "dw 30 13x13 s2 int8": conv(1, (13, 13), 30, 30, 3, "int8", stride=2, depthwise=True),
+    "3x3 64->64 16x16 int8": conv(1, (16, 16), 64, 64, 3, "int8"),
+    "1x1 32->48 uint8": conv(1, (8, 8), 32, 48, 1, "uint8", pad=0),
+    "3x3 3->10 int8": conv(1, (9, 11), 3, 10, 3, "int8"),
+    "matmul 6x40 @ 40x24": conv(1, (1, 6), 40, 24, 1, pad=0),
+}
+
+# (problem, CPU) -> kernel, vnni, ocb, wino: as ConvSpec.plan chose them before the registry
+PLANS = [
+    ("3x3 64->64 16x16", "avx512-vnni", "winograd", False, 32, 4),
+    ("3x3 64->64 16x16", "avx2", "winograd", False, 16, 4),
+    ("3x3 64->64 16x16", "neon", "winograd", False, 8, 4),
+    ("3x3 64->80 10x10 b2", "avx512-vnni", "winograd", False, 16, 2),
+    ("3x3 64->80 10x10 b2", "neon", "winograd", False, 8, 2),
+    ("3x3 64->64 9x9", "avx512-vnni", "conv", False, 32, 0),
+    ("3x3 64->64 9x9", "avx2", "conv", False, 16, 0),
+    ("3x3 16->32 12x12", "avx512-vnni", "conv", False, 32, 0),
+    ("3x3 16->32 12x12", "neon", "conv", False, 8, 0),
+    ("3x3 3->10 9x11", "avx512-vnni", "conv", False, 10, 0),
+    ("3x3 3->10 9x11", "neon", "conv", False, 5, 0),
+    ("dw 24 10x10", "avx512-vnni", "dwconv", False, 24, 0),
+    ("dw 24 10x10", "avx2", "dwconv", False, 8, 0),
+    ("dw 30 13x13 s2 int8", "avx512-vnni", "dwconv", False, 30, 0),
+    ("dw 30 13x13 s2 int8", "avx2", "dwconv", False, 15, 0),
+    ("dw 30 13x13 s2 int8", "neon", "dwconv", False, 6, 0),
+    ("3x3 64->64 16x16 int8", "avx512-vnni", "conv", True, 64, 0),
+    ("3x3 64->64 16x16 int8", "avx512", "conv", False, 32, 0),
+    ("3x3 64->64 16x16 int8", "neon", "conv", False, 8, 0),
+    ("1x1 32->48 uint8", "avx512-vnni", "conv", True, 16, 0),
+    ("1x1 32->48 uint8", "avx2", "conv", False, 16, 0),
+    ("3x3 3->10 int8", "avx512-vnni", "conv", False, 10, 0),
+    ("matmul 6x40 @ 40x24", "avx512-vnni", "conv", False, 24, 0),
+    ("matmul 6x40 @ 40x24", "avx2", "conv", False, 8, 0),
+]
+
+
+@pytest.mark.parametrize("problem, isa, kernel, vnni, ocb, wino", PLANS, ids=lambda v: str(v))
+def test_lowering_picks_the_same_kernel_and_plan(problem, isa, kernel, vnni, ocb, wino):
+    chosen, spec = choose(PROBLEMS[problem], ISAS[isa])
+    assert (chosen.name, spec.vnni, spec.ocb, spec.wino) == (kernel, vnni, ocb, wino)
+
+
+def test_products_of_two_activations_go_to_the_batched_kernel():
+    problem = BmmSpec(6, 10, 4, 10)
+    chosen, spec = choose(problem, ISAS["avx2"])
+    assert chosen.name == "bmm" and spec == problem
+
+
+@pytest.mark.parametrize("problem, isa, name, tag", [
+    ("3x3 64->64 16x16", "avx512-vnni", "winograd", "wino4_oc32"),
+    ("3x3 16->32 12x12", "avx512-vnni", "conv", "oc32"),
+    ("3x3 64->64 16x16 int8", "avx512-vnni", "conv-vnni", "vnni"),
+    ("3x3 64->64 16x16 int8", "avx512", "conv", "oc32"),
+    ("dw 24 10x10", "avx2", "dwconv", "dw"),
+])
+def test_each_kernel_is_scheduled_by_its_own_rule(problem, isa, name, tag):
+    """The TIR function a kernel builds is claimed by that kernel's rule; the weight tag and the name the
+    manifest counts are the strings they were before the registry."""
+    kernel, spec = choose(PROBLEMS[problem], ISAS[isa])
+    func, _ = kernel.build(spec)
+    scheduled, kind = schedule_function(func, ISAS[isa])
+    assert (kind, kernel.tag(spec)) == (name, tag)
+    assert not scheduled.same_as(func)
+
+
+def test_a_vnni_layout_on_a_cpu_without_vnni_is_scheduled_as_plain_conv():
+    kernel, spec = choose(PROBLEMS["1x1 32->48 uint8"], ISAS["avx512-vnni"])
+    func, _ = kernel.build(spec)
+    assert schedule_function(func, ISAS["avx512"])[1] == "conv"
+
+
+def test_the_bmm_kernel_and_anything_else_get_their_rules():
+    kernel, spec = choose(BmmSpec(2, 8, 16, 32), ISAS["avx2"])
+    func, pack = kernel.build(spec)
+    assert pack is None and schedule_function(func, ISAS["avx2"])[1] == "bmm"
+    from tvm import te
+
+    x = te.placeholder((64, 32), "float32", name="x")
+    relu = te.compute(x.shape, lambda i, j: tvm.te.max(x[i, j], tvm.tirx.const(0.0, "float32")), name="relu")
+    assert schedule_function(te.create_prim_func([x, relu]), ISAS["avx2"])[1] == "generic"
+
+
+def test_every_kernel_module_is_listed_once_and_the_generic_rule_is_last():
+    declared = []
+    for path in sorted(KERNEL_DIR.glob("*.py")):
+        module = importlib.import_module(f"edgeq.kernels.{path.stem}")
+        if isinstance(getattr(module, "KERNEL", None), Kernel):
+            declared.append(module.KERNEL)
+    assert sorted(k.name for k in declared) == sorted(k.name for k in KERNELS)
+    assert len({k.name for k in KERNELS}) == len(KERNELS) and len({k.block for k in KERNELS}) == len(KERNELS)
+    assert SCHEDULES == [*KERNELS, GENERIC]
+
+
+def test_no_kernel_module_imports_another_modules_private_names():
+    for path in sorted(KERNEL_DIR.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("edgeq"):
+                private = [alias.name for alias in node.names if alias.name.startswith("_")]
+                assert not private, f"{path.name} imports {private} from {node.module}"
