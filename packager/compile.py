@@ -51,9 +51,12 @@ def is_cpu(target) -> bool:
 
 def lower_graph(graph, target):
     """The graph on edgeq's CPU kernels (convolutions and matrix products, NHWC between them) when
-    ``target`` is a CPU; unchanged for GPU targets. Returns (graph, kernel calls)."""
+    ``target`` is a CPU; for GPU targets the CUDA path's graph clean-up (``edgeq.gpu.prepare_graph``:
+    BatchNorm folded, weight reshapes precomputed). Returns (graph, conv/matmul calls on CPU kernels)."""
     if not is_cpu(target):
-        return graph, 0
+        from edgeq.gpu import prepare_graph
+
+        return prepare_graph(graph), 0
     tvm = import_tvm()
     from edgeq.kernels.conv import Isa
     from edgeq.kernels.lower import lower_for_cpu
@@ -61,17 +64,24 @@ def lower_graph(graph, target):
     return lower_for_cpu(graph, Isa.of(tvm.target.Target(target)))
 
 
-def build(mod, target, toolchain: Toolchain | None = None, stats: dict[str, int] | None = None):
+def build(mod, target, toolchain: Toolchain | None = None, stats: dict | None = None):
     """``relax.build`` for ``target``: for CPUs TVM's pipeline with edgeq's schedules after fusion
-    (``edgeq.kernels.schedule``; ``stats`` counts the functions by schedule), for GPUs TVM's default
-    pipeline with CUDA kernels compiled by ``toolchain.cuda``."""
+    (``edgeq.kernels.schedule``; ``stats`` counts the functions by schedule), for GPUs TVM's CUDA pipeline
+    with edgeq's schedule step and CUDA graph capture (``edgeq.gpu``; ``stats`` gets its ``GpuKernels``
+    record: rule per kernel, fallbacks, kernels per inference) with CUDA kernels compiled by ``toolchain.cuda``."""
     tvm = import_tvm()
     from tvm import relax
 
     with tvm.target.Target(target) as tgt:
         if toolchain is not None and toolchain.cuda is not None:
+            from edgeq import gpu
+
+            report = gpu.GpuKernels()
             with toolchain.cuda.active():
-                return relax.build(mod, target=tgt)
+                executable = gpu.build(mod, tgt, report)
+            if stats is not None:
+                stats.update(report.to_dict())
+            return executable
         if is_cpu(tgt):
             from edgeq.kernels.conv import Isa
             from edgeq.kernels.schedule import cpu_pipeline

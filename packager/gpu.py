@@ -1,0 +1,393 @@
+"""The CUDA path: the graph clean-up before TVM, and TVM's CUDA pipeline with edgeq's schedule step.
+
+Graph (``prepare_graph``, run by ``edgeq.compile.lower_graph`` for CUDA targets, so the golden outputs are
+computed on the same graph the device runs):
+
+- ``fold_batch_norm``: inference BatchNorm folded into the convolution before it (its weights scaled, its
+  bias shifted); a BatchNorm with no convolution before it becomes a per-channel multiply and add, which
+  FuseOps fuses into the kernel before it. No batch-norm kernel is left.
+- ``precompute_weight_ops``: reshapes, transposes and casts of weights (ONNX Conv's bias reshaped to
+  [1, C, 1, 1], Gemm's transposed weight) done here, once, on the weights: they are kernels per inference
+  otherwise (TVM cannot fold them, weights are parameters, not constants).
+
+Bias, activation and residual add then fuse into the producing conv/matmul kernel by TVM's FuseOps/FuseTIR.
+
+Pipeline (``pipeline``): the phases of TVM's ``relax/backend/cuda/pipeline.py``, the same passes, with the
+dlight step replaced by ``ScheduleKernels``: dlight's GPU rules per PrimFunc in order; a tensor-core
+schedule (dlight's Matmul picks ``MatmulInt8Tensorization`` for int8 x int8 -> int32 and
+``MatmulTensorization`` for fp16 when every GEMM extent is over 64) is built alone for the target first, and
+when TVM cannot build it (TVM 0.27's int8 tensorization fails in InjectSoftwarePipeline,
+``GetWmmaFragmentSize``) the function is scheduled again without tensor cores. ``GpuKernels`` records
+which rule each function got, the fallbacks with the first line of TVM's error, the kernel launches per
+inference and whether CUDA graph capture took effect; the manifest carries it as ``library.gpu_kernels``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from edgeq.graph import Graph, Rewriter, call_op, const_value, rewrite
+from edgeq.toolchain import import_tvm
+
+tvm = import_tvm()
+from tvm import relax  # noqa: E402
+from tvm.s_tir import dlight as dl  # noqa: E402
+
+# PassContext key that makes RewriteCUDAGraph (in TVM's finalize phase) lift static call sequences into
+# functions captured once as a CUDA graph and replayed (vm.builtin.cuda_graph.run_or_capture).
+USE_CUDA_GRAPH = "relax.backend.use_cuda_graph"
+CUDA_GRAPH_BUILTIN = "vm.builtin.cuda_graph.run_or_capture"
+NO_TENSOR_CORES = "dlight.do_not_tensorize"  # dlight's tensorization rules skip a PrimFunc with this attribute
+
+
+# ------------------------------------------------------------------ graph transforms
+
+
+def _static(rw: Rewriter, expr) -> np.ndarray | None:
+    """The value of ``expr`` when it is known before run time: a weight, a constant, a dequantized weight,
+    or a reshape / transpose / cast / squeeze / expand_dims of one."""
+    value = rw.static_value(expr)
+    if value is not None:
+        return value
+    inner = rw.value(expr) if isinstance(expr, relax.Var) else expr
+    if not isinstance(inner, relax.Call):
+        return None
+    return _apply_layout_op(inner, lambda e: _static(rw, e))
+
+
+def _apply_layout_op(call, value_of) -> np.ndarray | None:
+    op = call_op(call)
+    if op not in WEIGHT_OPS:
+        return None
+    arg = value_of(call.args[0])
+    if arg is None:
+        return None
+    a = call.attrs
+    if op == "relax.reshape":
+        shape = call.args[1]
+        if not isinstance(shape, relax.ShapeExpr) or not all(isinstance(d, tvm.tirx.IntImm) for d in shape.values):
+            return None
+        return arg.reshape([int(d) for d in shape.values])
+    if op == "relax.permute_dims":
+        return np.transpose(arg, None if a.axes is None else [int(x) for x in a.axes])
+    if op == "relax.astype":
+        return arg.astype(str(a.dtype))
+    if op == "relax.squeeze":
+        return np.squeeze(arg, None if a.axis is None else tuple(int(x) for x in a.axis))
+    if op == "relax.expand_dims":
+        out = arg
+        for axis in sorted(int(x) % (arg.ndim + len(a.axis)) for x in a.axis):
+            out = np.expand_dims(out, axis)
+        return out
+    return None
+
+
+WEIGHT_OPS = ("relax.reshape", "relax.permute_dims", "relax.astype", "relax.squeeze", "relax.expand_dims")
+
+
+def _name(expr, default: str) -> str:
+    return expr.name if isinstance(expr, relax.Var) else default
+
+
+def fold_batch_norm(graph: Graph) -> Graph:
+    """Inference BatchNorm (``relax.nn.batch_norm``, training off, statistics known) folded away: into the
+    weights and bias of a convolution (NCHW/OIHW, weights known, its output used only by the BatchNorm) or
+    a ``conv + bias`` before it, otherwise into a per-channel multiply and add."""
+
+    def visit(rw: Rewriter, var, value):
+        if not isinstance(value, relax.TupleGetItem) or value.index != 0:
+            return None
+        bn = rw.value(value.tuple_value)
+        if call_op(bn) != "relax.nn.batch_norm" or bool(bn.attrs.training):
+            return None
+        x, gamma, beta, mean, variance = bn.args
+        stats = [_static(rw, a) for a in (gamma, beta, mean, variance)]
+        shape = _shape(x)
+        if any(s is None for s in stats) or shape is None or _dtype(x) != "float32":
+            return None
+        axis = int(bn.attrs.axis) % len(shape)
+        gamma_v, beta_v, mean_v, var_v = (s.astype(np.float64).reshape(-1) for s in stats)
+        eps = float(bn.attrs.epsilon)
+        scale = gamma_v / np.sqrt(var_v + eps) if bool(bn.attrs.scale) else 1.0 / np.sqrt(var_v + eps)
+        shift = (beta_v if bool(bn.attrs.center) else 0.0) - mean_v * scale
+        base = _name(value.tuple_value, "bn")
+        folded = _fold_into_conv(rw, x, scale, shift, axis, base)
+        if folded is not None:
+            return folded
+        bshape = [1] * len(shape)
+        bshape[axis] = -1
+        mul = relax.op.multiply(rw.new(x), rw.param(f"{base}_scale", scale.astype(np.float32).reshape(bshape)))
+        return relax.op.add(rw.emit(mul), rw.param(f"{base}_shift", shift.astype(np.float32).reshape(bshape)))
+
+    return rewrite(graph, visit)
+
+
+def _fold_into_conv(rw: Rewriter, x, scale, shift, axis: int, base: str):
+    """conv2d(data, W * scale) + (bias * scale + shift), or None when ``x`` is not such a convolution."""
+    if axis != 1 or not isinstance(x, relax.Var) or rw.uses(x) != 1:
+        return None
+    inner = rw.value(x)
+    bias = None
+    if call_op(inner) == "relax.add":
+        a, b = inner.args
+        for conv_var, bias_expr in ((a, b), (b, a)):
+            if call_op(rw.value(conv_var)) == "relax.nn.conv2d" and _static(rw, bias_expr) is not None:
+                bias = _static(rw, bias_expr)
+                if rw.uses(conv_var) != 1 or bias.size not in (1, scale.size):
+                    return None
+                inner = rw.value(conv_var)
+                break
+        else:
+            return None
+    if call_op(inner) != "relax.nn.conv2d":
+        return None
+    a = inner.attrs
+    if (a.data_layout, a.kernel_layout, a.out_layout) != ("NCHW", "OIHW", "NCHW") or str(a.out_dtype) not in ("", "None", "void", "float32"):
+        return None
+    data, w = inner.args
+    wv = _static(rw, w)
+    if wv is None or wv.dtype != np.float32 or wv.shape[0] != scale.size:
+        return None
+    weight = (wv.astype(np.float64) * scale.reshape(-1, 1, 1, 1)).astype(np.float32)
+    b = np.zeros(scale.size) if bias is None else np.broadcast_to(bias.reshape(-1).astype(np.float64), scale.shape)
+    new_bias = (b * scale + shift).astype(np.float32).reshape(1, -1, 1, 1)
+    conv = relax.op.nn.conv2d(rw.new(data), rw.param(f"{_name(w, base)}_{base}_folded", weight), a.strides, a.padding,
+                              a.dilation, int(a.groups), "NCHW", "OIHW", "NCHW")
+    return relax.op.add(rw.emit(conv), rw.param(f"{base}_folded_bias", new_bias))
+
+
+def precompute_weight_ops(graph: Graph) -> Graph:
+    """Reshapes, transposes, casts, squeezes and expand_dims of known values computed now: their results
+    become weight parameters (or stay constants), so no kernel computes them on every inference."""
+
+    def visit(rw: Rewriter, var, value):
+        if call_op(value) not in WEIGHT_OPS:
+            return None
+        arg = value.args[0]
+        if rw.weight(arg) is None and const_value(arg) is None and _static(rw, arg) is None:
+            return None
+        result = _static(rw, value)
+        if result is None:
+            return None
+        if rw.weight(arg) is None and const_value(arg) is not None:
+            return rw.const(result, str(result.dtype))
+        return rw.param(f"{_name(arg, 'w')}_{var.name}", result)
+
+    return rewrite(graph, visit)
+
+
+def prepare_graph(graph: Graph) -> Graph:
+    """The graph transforms of the CUDA path, in order (no scheduling: the result builds for any target,
+    which is how its correctness is checked without a GPU)."""
+    return precompute_weight_ops(fold_batch_norm(graph))
+
+
+def _shape(expr) -> list[int] | None:
+    ty = getattr(expr, "struct_info", None) or getattr(expr, "ty", None)
+    shape = getattr(ty, "shape", None)
+    if shape is None or not hasattr(shape, "values"):
+        return None
+    values = list(shape.values)
+    return [int(v) for v in values] if all(isinstance(v, tvm.tirx.IntImm) for v in values) else None
+
+
+def _dtype(expr) -> str | None:
+    ty = getattr(expr, "struct_info", None) or getattr(expr, "ty", None)
+    return str(ty.dtype) if ty is not None and hasattr(ty, "dtype") else None
+
+
+# ------------------------------------------------------------------ scheduling
+
+
+@dataclasses.dataclass
+class GpuKernels:
+    """What each GPU kernel got; JSON-ready and deterministic (sorted), recorded in the manifest."""
+
+    functions: dict[str, str] = dataclasses.field(default_factory=dict)  # PrimFunc -> schedule rule
+    fallbacks: list[dict[str, str]] = dataclasses.field(default_factory=list)
+    kernels_per_inference: int = 0  # kernel launches of one call of main
+    cuda_graph: bool = False  # main's static call sequences run as one captured CUDA graph
+
+    def to_dict(self) -> dict[str, Any]:
+        counts: dict[str, int] = {}
+        for rule in self.functions.values():
+            counts[rule] = counts.get(rule, 0) + 1
+        return {
+            "kernels_per_inference": self.kernels_per_inference,
+            "cuda_graph": self.cuda_graph,
+            "schedules": dict(sorted(counts.items())),
+            "functions": dict(sorted(self.functions.items())),
+            "fallbacks": sorted(self.fallbacks, key=lambda f: f["function"]),
+        }
+
+
+# dlight's GPU rules in the order TVM's CUDA pipeline tries them, with the name each is recorded under.
+RULES = (
+    ("matmul", dl.gpu.Matmul()),
+    ("gemv", dl.gpu.GEMV()),
+    ("reduction", dl.gpu.Reduction()),
+    ("general reduction", dl.gpu.GeneralReduction()),
+    ("fallback", dl.gpu.Fallback()),
+)
+TENSOR_CORE_NAMES = {"int8": "int8 tensorized matmul", "float16": "tensorized matmul"}
+
+
+def _tensorized(sch) -> bool:
+    return any(inst.kind.name in ("Tensorize", "Blockize") for inst in sch.trace.insts)
+
+
+def _input_dtype(func) -> str:
+    text = func.script()
+    return "int8" if '"int8"' in text else "float16" if '"float16"' in text else "float32"
+
+
+def _first_line(err: Exception) -> str:
+    text = str(err).strip()
+    line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
+    return f"{type(err).__name__}: {line}"[:300]
+
+
+def _builds(name: str, func, target) -> Exception | None:
+    """Build one scheduled PrimFunc alone for ``target``; the error when TVM cannot."""
+    try:
+        tvm.tirx.build(tvm.IRModule({name: func.with_attr("global_symbol", name)}), target=target)
+    except Exception as err:  # noqa: BLE001 - TVM raises InternalError, TVMError, ValueError, ...
+        return err
+    return None
+
+
+def schedule_function(name: str, func, target, check_all: bool = False) -> tuple[Any, str, list[dict[str, str]]]:
+    """(scheduled PrimFunc or None, rule name, fallbacks) for one PrimFunc: the first dlight rule that applies
+    and, for tensor-core schedules (or every schedule with ``check_all``), builds alone for ``target``."""
+    fallbacks: list[dict[str, str]] = []
+    candidates = list(RULES)
+    while candidates:
+        rule_name, rule = candidates.pop(0)
+        try:
+            sch = rule.apply(func, target, False)
+        except Exception as err:  # noqa: BLE001 - a rule that raises is a rule that does not apply
+            fallbacks.append({"function": name, "rule": rule_name, "error": _first_line(err)})
+            continue
+        if sch is None:
+            continue
+        if isinstance(sch, list):
+            sch = sch[0]
+        scheduled = sch.mod["main"].with_attr("tirx.is_scheduled", True)
+        if rule_name == "matmul" and _tensorized(sch):
+            rule_name = TENSOR_CORE_NAMES.get(_input_dtype(func), "tensorized matmul")
+        fragile = rule_name in TENSOR_CORE_NAMES.values() or check_all
+        err = _builds(name, scheduled, target) if fragile else None
+        if err is None:
+            return scheduled, rule_name, fallbacks
+        fallbacks.append({"function": name, "rule": rule_name, "error": _first_line(err)})
+        if rule_name in TENSOR_CORE_NAMES.values():
+            func = func.with_attr(NO_TENSOR_CORES, True)
+            candidates.insert(0, ("matmul", rule))
+    return None, "unscheduled", fallbacks
+
+
+def ScheduleKernels(target, report: GpuKernels, check_all: bool = False):  # noqa: N802 - a pass, named like TVM's
+    """dlight's ApplyDefaultSchedule with a build check and fallback per PrimFunc (see the module docstring)."""
+
+    @tvm.transform.module_pass(opt_level=0, name="edgeq.ScheduleKernels")
+    def _pass(mod, _ctx):
+        updates = {}
+        for gv, func in sorted(mod.functions_items(), key=lambda item: item[0].name_hint):
+            if not isinstance(func, tvm.tirx.PrimFunc) or int(func.attrs.get("tirx.is_scheduled", 0) or 0) == 1:
+                continue
+            scheduled, rule, fallbacks = schedule_function(gv.name_hint, func, target, check_all)
+            report.functions[gv.name_hint] = rule
+            report.fallbacks.extend(fallbacks)
+            if scheduled is not None:
+                updates[gv] = scheduled
+        for gv, func in updates.items():
+            mod[gv] = func
+        return mod
+
+    return _pass
+
+
+def CountKernels(report: GpuKernels):  # noqa: N802
+    """Kernel launches per inference: main's call_tir calls once reshapes have become views."""
+
+    @tvm.transform.module_pass(opt_level=0, name="edgeq.CountKernels")
+    def _pass(mod, _ctx):
+        count = 0
+
+        def visit(expr):
+            nonlocal count
+            if call_op(expr) == "relax.call_tir":
+                count += 1
+
+        relax.analysis.post_order_visit(mod["main"], visit)
+        report.kernels_per_inference = count
+        return mod
+
+    return _pass
+
+
+def RecordResult(report: GpuKernels):  # noqa: N802
+    """What the pipeline left: whether RewriteCUDAGraph lifted anything (main calls the capture-or-replay
+    builtin), and the rules of only the kernels still in the module (reshapes became views)."""
+
+    @tvm.transform.module_pass(opt_level=0, name="edgeq.RecordResult")
+    def _pass(mod, _ctx):
+        found = False
+
+        def visit(expr):
+            nonlocal found
+            if isinstance(expr, relax.ExternFunc) and expr.global_symbol == CUDA_GRAPH_BUILTIN:
+                found = True
+
+        relax.analysis.post_order_visit(mod["main"], visit)
+        report.cuda_graph = found
+        kept = {gv.name_hint for gv, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)}
+        report.functions = {name: rule for name, rule in report.functions.items() if name in kept}
+        return mod
+
+    return _pass
+
+
+def pipeline(target, report: GpuKernels, check_all: bool = False):
+    """TVM's CUDA pipeline (relax/backend/cuda/pipeline.py) with edgeq's schedule step and records."""
+    from tvm.relax.backend.cuda import pipeline as cuda
+
+    @tvm.transform.module_pass(opt_level=0, name="edgeq.CudaPipeline")
+    def _pipeline(mod, _ctx):
+        legalize = [
+            relax.transform.LegalizeOps(),
+            relax.transform.AnnotateTIROpPattern(),
+            relax.transform.FoldConstant(),
+            relax.transform.FuseOps(),
+            relax.transform.FuseTIR(),
+            ScheduleKernels(target, report, check_all),  # TVM: dl.ApplyDefaultSchedule(Matmul, GEMV, ...)
+        ]
+        dataflow_lower = cuda.dataflow_lower_passes(target)  # RewriteDataflowReshape first: reshapes become views
+        passes = (cuda.library_dispatch_passes(target) + legalize + dataflow_lower[:1]
+                  + [relax.transform.DeadCodeElimination(["main"]), CountKernels(report)]  # drop the reshapes' kernels
+                  + dataflow_lower[1:] + cuda.finalize_passes(target) + [RecordResult(report)])
+        with target:
+            return tvm.transform.Sequential(passes)(mod)
+
+    return _pipeline
+
+
+def build(mod, target, report: GpuKernels):
+    """``relax.build`` on ``pipeline`` with CUDA graph capture on. When the whole build still fails (a
+    schedule no rule check caught), it is retried once with every schedule built alone first."""
+    config = {USE_CUDA_GRAPH: True}
+    try:
+        with tvm.transform.PassContext(config=config):
+            return relax.build(mod, target=target, relax_pipeline=pipeline(target, report))
+    except Exception as err:  # noqa: BLE001
+        first = _first_line(err)
+    fresh = GpuKernels()
+    with tvm.transform.PassContext(config=config):
+        executable = relax.build(mod, target=target, relax_pipeline=pipeline(target, fresh, check_all=True))
+    report.functions, report.fallbacks = fresh.functions, fresh.fallbacks
+    report.kernels_per_inference, report.cuda_graph = fresh.kernels_per_inference, fresh.cuda_graph
+    report.fallbacks.append({"function": "(whole module)", "rule": "build", "error": first})
+    return executable

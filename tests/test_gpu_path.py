@@ -1,0 +1,210 @@
+"""The CUDA path (edgeq.gpu): BatchNorm folded and epilogues fused into the conv kernels, CUDA graph capture,
+a tensor-core schedule TVM cannot build falling back instead of ending the package, the per-kernel record,
+and the transformed graph checked against ONNX Runtime on this machine's CPU."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from conftest import run_cli
+from edgeq.toolchain import import_tvm
+
+tvm = import_tvm()
+from tvm import relax  # noqa: E402
+
+from edgeq import gpu  # noqa: E402
+from edgeq.compile import HostRunner, build, lower_graph, toolchain_for  # noqa: E402
+from edgeq.graph import call_op  # noqa: E402
+from edgeq.load import load_model  # noqa: E402
+from edgeq.relax_import import to_relax  # noqa: E402
+from edgeq.targets import profiles  # noqa: E402
+
+ORIN = "jetson-orin-nano"
+
+
+class _Net:
+    """An ONNX graph written with onnx.helper: conv-BatchNorm-activation layers, residual blocks."""
+
+    def __init__(self, activations: tuple[str, ...]):
+        self.rng = np.random.default_rng(0)
+        self.nodes: list = []
+        self.inits: list = []
+        self.activations = activations
+        self.count = 0
+
+    def name(self, prefix: str) -> str:
+        self.count += 1
+        return f"{prefix}{self.count}"
+
+    def const(self, prefix: str, array) -> str:
+        name = self.name(prefix)
+        self.inits.append(numpy_helper.from_array(np.asarray(array, np.float32), name))
+        return name
+
+    def node(self, op: str, inputs: list[str], **attrs) -> str:
+        out = self.name(op.lower())
+        self.nodes.append(helper.make_node(op, inputs, [out], **attrs))
+        return out
+
+    def conv_bn(self, x: str, cin: int, cout: int, k: int, stride: int, bias: bool = False) -> str:
+        w = self.const("w", self.rng.standard_normal((cout, cin, k, k)) / np.sqrt(cin * k * k))
+        b = [self.const("b", self.rng.standard_normal(cout) * 0.1)] if bias else []
+        y = self.node("Conv", [x, w, *b], kernel_shape=[k, k], strides=[stride] * 2, pads=[k // 2] * 4)
+        stats = [self.rng.uniform(0.5, 1.5, cout), self.rng.standard_normal(cout) * 0.1,
+                 self.rng.standard_normal(cout) * 0.1, self.rng.uniform(0.5, 1.5, cout)]
+        return self.node("BatchNormalization", [y, *(self.const(p, s) for p, s in zip(("g", "be", "m", "v"), stats))],
+                         epsilon=1e-5)
+
+    def act(self, x: str) -> str:
+        kind = self.activations[self.count % len(self.activations)]
+        if kind == "Relu6":
+            return self.node("Clip", [x, self.const("lo", 0.0), self.const("hi", 6.0)])
+        if kind == "SiLU":
+            return self.node("Mul", [x, self.node("Sigmoid", [x])])
+        if kind == "GELU":  # x/2 (1 + erf(x/sqrt 2)), as exporters write it before opset 20
+            erf = self.node("Erf", [self.node("Div", [x, self.const("sqrt2", np.sqrt(2.0))])])
+            return self.node("Mul", [self.node("Mul", [x, self.const("half", 0.5)]),
+                                     self.node("Add", [erf, self.const("one", 1.0)])])
+        return self.node(kind, [x])
+
+    def block(self, x: str, cin: int, cout: int, stride: int) -> str:
+        y = self.act(self.conv_bn(x, cin, cout, 3, stride))
+        y = self.conv_bn(y, cout, cout, 3, 1)
+        shortcut = x if stride == 1 and cin == cout else self.conv_bn(x, cin, cout, 1, stride)
+        return self.act(self.node("Add", [y, shortcut]))
+
+
+def resnet(path: Path, size: int = 32, widths=(8, 16), blocks: int = 1, stem: int = 3, classes: int = 10,
+           activations: tuple[str, ...] = ("Relu",)) -> Path:
+    """A ResNet with BatchNorm after every conv (as an exporter that does not fold it writes one):
+    ``resnet(p, 224, (64, 128, 256, 512), 2, stem=7, classes=1000)`` has ResNet-18's 20 convolutions."""
+    net = _Net(activations)
+    x = net.act(net.conv_bn("input", 3, widths[0], stem, 2 if stem == 7 else 1, bias=stem != 7))
+    if stem == 7:
+        x = net.node("MaxPool", [x], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])
+    cin = widths[0]
+    for i, width in enumerate(widths):
+        for j in range(blocks):
+            x = net.block(x, cin, width, 2 if i > 0 and j == 0 else 1)
+            cin = width
+    flat = net.node("Flatten", [net.node("GlobalAveragePool", [x])], axis=1)
+    fc = [net.const("fcw", net.rng.standard_normal((classes, cin)) * 0.1), net.const("fcb", net.rng.standard_normal(classes) * 0.1)]
+    net.nodes.append(helper.make_node("Gemm", [flat, *fc], ["logits"], transB=1))
+    graph = helper.make_graph(net.nodes, "resnet", [helper.make_tensor_value_info("input", TensorProto.FLOAT, [1, 3, size, size])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, classes])], net.inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="onnx.helper")
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    onnx.save(model, path)
+    return path
+
+
+def conv1x1_int32(path: Path, channels: int = 128, size: int = 16) -> Path:
+    """One 1x1 convolution whose GEMM (spatial x out-channels x in-channels) is over 64 in every extent: int8
+    quantized, TVM's dlight schedules it with int8 tensor cores (MatmulInt8Tensorization), which TVM 0.27 cannot
+    build (InjectSoftwarePipeline: GetWmmaFragmentSize). The smallest model seen to hit ResNet-18's int8 crash."""
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array((rng.standard_normal((channels, channels, 1, 1)) / np.sqrt(channels)).astype(np.float32), "w")
+    nodes = [helper.make_node("Conv", ["input", "w"], ["y"], kernel_shape=[1, 1]), helper.make_node("Relu", ["y"], ["out"])]
+    graph = helper.make_graph(nodes, "conv1x1", [helper.make_tensor_value_info("input", TensorProto.FLOAT, [1, channels, size, size])],
+                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, [1, channels, size, size])], [w])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="onnx.helper")
+    model.ir_version = 8
+    onnx.save(model, path)
+    return path
+
+
+def scheduled(graph) -> gpu.GpuKernels:
+    """Run the CUDA pipeline (no device code: nothing here is tensorized, so nothing is built) on ``graph``."""
+    profile = profiles()[ORIN]
+    toolchain_for(profile)  # loads TVM's CUDA backend (driver stub) or says why not
+    target = tvm.target.Target(profile.tvm_target())
+    report = gpu.GpuKernels()
+    with tvm.transform.PassContext(config={gpu.USE_CUDA_GRAPH: True}), target:
+        gpu.pipeline(target, report)(graph.mod)
+    return report
+
+
+def ops(graph) -> set[str]:
+    return {call_op(b.value) for b in graph.bindings()} - {None}
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    path = resnet(tmp_path_factory.mktemp("gpu") / "resnet_bn.onnx", activations=("Relu", "Relu6", "SiLU", "HardSwish", "GELU"))
+    graph, _ = to_relax(load_model(path, {}, {}))
+    return path, graph
+
+
+def test_prepare_graph_folds_batch_norm_into_the_convs(small):
+    _, graph = small
+    assert "relax.nn.batch_norm" in ops(graph)
+    prepared = gpu.prepare_graph(graph)
+    assert "relax.nn.batch_norm" not in ops(prepared)
+    assert "relax.permute_dims" not in ops(prepared)  # Gemm's transposed weight and the biases' reshapes: precomputed
+    convs = [b for b in prepared.bindings() if call_op(b.value) == "relax.nn.conv2d"]
+    assert len(convs) == 6 and all(b.value.args[1] in prepared.weight_params for b in convs)
+
+
+def test_prepared_graph_matches_onnxruntime_on_the_host(small):
+    import onnxruntime as ort
+
+    path, graph = small
+    x = np.random.default_rng(1).standard_normal((1, 3, 32, 32)).astype(np.float32)
+    expected = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"input": x})[0]
+    prepared, _ = lower_graph(graph, profiles()[ORIN].tvm_target())  # what a Jetson build compiles
+    got = HostRunner(prepared)([x])[0]
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_one_kernel_per_conv_with_bias_activation_and_residual_fused(small):
+    _, graph = small
+    report = scheduled(gpu.prepare_graph(graph))
+    functions = report.to_dict()["functions"]
+    assert not [f for f in functions if "batch_norm" in f]
+    convs = [f for f in functions if "conv2d" in f]
+    # 6 convolutions, the global average pool, the classifier: nothing else runs per inference
+    assert report.kernels_per_inference == 8 and len(functions) == 8, functions
+    assert len(convs) == 6 and all("add" in f for f in convs)  # bias (folded BatchNorm) fused
+    assert sum("add" in f.split("conv2d", 1)[1].split("_", 2)[-1] for f in convs) >= 2  # residual adds fused
+    assert report.cuda_graph
+
+
+def test_before_the_clean_up_batch_norm_ran_as_kernels_of_its_own(small):
+    _, graph = small
+    report = scheduled(graph)
+    assert [f for f in report.functions if "batch_norm" in f] and report.kernels_per_inference > 8
+
+
+@pytest.mark.slow
+def test_resnet18_shape_fits_the_kernel_budget(tmp_path):
+    """ResNet-18 at 224x224 with BatchNorm after each conv: <= 23 kernels per inference (20 convs, max pool,
+    average pool, classifier), no BatchNorm kernel."""
+    path = resnet(tmp_path / "resnet18.onnx", 224, (64, 128, 256, 512), 2, stem=7, classes=1000)
+    graph, _ = to_relax(load_model(path, {}, {}))
+    report = scheduled(gpu.prepare_graph(graph))
+    assert report.kernels_per_inference <= 23, report.to_dict()
+    assert not [f for f in report.functions if "batch_norm" in f] and report.cuda_graph
+
+
+@pytest.mark.slow
+def test_unbuildable_int8_tensor_core_schedule_falls_back(tmp_path):
+    model = conv1x1_int32(tmp_path / "conv1x1.onnx")
+    calib = tmp_path / "calib.npz"
+    np.savez(calib, input=np.random.default_rng(0).standard_normal((4, 128, 16, 16)).astype(np.float32))
+    res = run_cli("package", model, "--device", ORIN, "--precision", "int8", "--calibrate", calib, "--calibration", "minmax",
+                  "-o", tmp_path / "out", "--runtime", "none", "--json")
+    assert res.code == 0, res.stderr
+    manifest = json.loads(Path(json.loads(res.stdout)["bundle_dir"], "manifest.json").read_text())
+    kernels = manifest["library"]["gpu_kernels"]
+    assert kernels["fallbacks"] and kernels["fallbacks"][0]["rule"] == "int8 tensorized matmul"
+    assert kernels["fallbacks"][0]["error"]  # TVM's error, first line
+    assert "int8 tensorized matmul" not in kernels["schedules"] and kernels["schedules"]["matmul"] == 1
+    assert isinstance(kernels["cuda_graph"], bool)
+    assert manifest["library"]["cuda_device_code"] == ["sm_87"]
