@@ -182,6 +182,15 @@ def _log_scale(values: list[float]) -> bool:
     return lo > 0 and hi / lo > 10
 
 
+def _log_axis(axis) -> None:
+    """A log axis labelled 0.1, 0.2, 0.5, 1, 2, 5 ... (not 2x10^-1)."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    axis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    axis.set_minor_formatter(NullFormatter())
+
+
 def _bin_edges(samples: list[float]):
     import numpy as np
 
@@ -211,6 +220,7 @@ def _draw_histogram(result: dict) -> Callable:
             tips[name] = f"{name} {value:.6g} ms"
         if log:
             ax.set_xscale("log")
+            _log_axis(ax.xaxis)
         ax.set_xlabel("latency (ms)" + (", log scale" if log else ""))
         ax.set_ylabel("runs")
         ax.set_title(f"latency of {len(samples)} timed runs (batch {result['batch']}): "
@@ -256,6 +266,7 @@ def _draw_runs(result: dict) -> Callable:
         tips["p50"] = f"p50 {result['p50_ms']:.6g} ms"
         if _log_scale(everything):
             ax.set_yscale("log")
+            _log_axis(ax.yaxis)
         ax.set_xlim(0.5, len(everything) + 0.5)
         ax.set_xlabel("run, in the order they ran")
         ax.set_ylabel("latency (ms)")
@@ -285,12 +296,13 @@ def _draw_power(result: dict) -> Callable:
                               markersize=3, label=f"{rail}: average {_g(average)} W")
             line.set_gid(_rail_id(rail))
             tips[_rail_id(rail)] = f"{rail}: average {_g(average)} W over {len(values)} points"
-        ax.set_ylim(bottom=0)
+        top = max((w for ws in trace["w"].values() for w in ws if w is not None), default=1.0)
+        ax.set_ylim(0, top * 1.45 or 1.0)  # room for the legend above the lines
         ax.set_xlabel("time since the timed runs started (s)")
         ax.set_ylabel("power (W)")
         ax.set_title(f"power per rail ({power['source']}, {power['samples']} samples): {_g(power.get('total_w'))} W, "
                      f"{_g(power.get('energy_per_inference_mj'))} mJ per inference")
-        ax.legend(loc="lower right")
+        ax.legend(loc="upper right", ncol=2)
         return tips
 
     return draw
