@@ -26,9 +26,9 @@ from edgeq.toolchain import import_tvm  # noqa: E402
 
 
 def median_ms(model, repeat: int) -> float:
-    spec = model.manifest["inputs"][0]
-    x = np.random.default_rng(0).standard_normal(spec["shape"]).astype(spec["dtype"])
-    return model.benchmark({spec["name"]: x}, repeat=repeat, warmup=10)["median_ms"]
+    spec = model.manifest.inputs[0]
+    x = np.random.default_rng(0).standard_normal(spec.shape).astype(spec.dtype)
+    return model.benchmark({spec.name: x}, repeat=repeat, warmup=10)["p50_ms"]
 
 
 def datasets(tmp: Path) -> dict[str, tuple[Path, Path, Path | None]]:
@@ -56,7 +56,7 @@ def latency_rows(cases, tmp: Path, repeat: int) -> list[dict]:
         qdq = package(PackageArgs(model=qdq_model, device="host", output=tmp / "qdq"))
         f_ms, q_ms = median_ms(bundle_model(fp32.bundle_dir), repeat), median_ms(bundle_model(int8.bundle_dir), repeat)
         qdq_ms = median_ms(bundle_model(qdq.bundle_dir), repeat)
-        ev = int8.manifest["quantization"]["evaluation"]
+        ev = int8.manifest.quantization.evaluation
         rows.append({
             "model": name,
             "fp32_ms": round(f_ms, 3),
@@ -64,7 +64,7 @@ def latency_rows(cases, tmp: Path, repeat: int) -> list[dict]:
             "int8_speedup": round(f_ms / q_ms, 2),
             "ort_qdq_model_ms": round(qdq_ms, 3),
             "qdq_speedup": round(f_ms / qdq_ms, 2),
-            "weights_ratio": int8.manifest["quantization"]["weight_bytes"]["ratio"],
+            "weights_ratio": int8.manifest.quantization.weight_bytes.ratio,
             "cosine": round(ev["cosine"], 5),
             "top1_fp32": round(ev["top1_fp32"], 2) if "top1_fp32" in ev else "-",
             "top1_int8": round(ev["top1_quantized"], 2) if "top1_quantized" in ev else "-",

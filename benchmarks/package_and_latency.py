@@ -33,8 +33,8 @@ def main() -> None:
         for path in make_models.write_all(Path(tmp, "models")):
             host = package(PackageArgs(model=path, device="host", output=Path(tmp, "dist")))
             jetson = package(PackageArgs(model=path, device=args.jetson, output=Path(tmp, "dist")))
-            spec = host.manifest["inputs"][0]
-            inputs = {spec["name"]: np.random.default_rng(0).standard_normal(spec["shape"]).astype(spec["dtype"])}
+            spec = host.manifest.inputs[0]
+            inputs = {spec.name: np.random.default_rng(0).standard_normal(spec.shape).astype(spec.dtype)}
             model = bundle_model(host.bundle_dir)
             edgeq_args = model.arguments(inputs)
             session = ort_session(path, args.threads)

@@ -115,7 +115,7 @@ def one(path: Path, work: Path, int8: bool, jetson: bool, speed: bool, repeat: i
             outs = [model.run({spec.name: held[i:i + 1]})["logits"] for i in range(EVAL_SAMPLES)]
             row["int8_cosine"] = round(min(cosine(o, r) for o, r in zip(outs, refs)), 4)
             row["int8"] = "ok" if row["int8_cosine"] >= 0.99 else "LOW"
-            row["int8_float_layers"] = q.manifest["quantization"]["precision_counts"].get("fp32")
+            row["int8_float_layers"] = q.manifest.quantization.precision_counts.get("fp32")
             if speed:
                 row["int8_ms"] = round(median_ms(lambda: model.run({spec.name: x}), repeat, 3), 2)
     if jetson:

@@ -1,11 +1,13 @@
-"""Write a bundle: library, weights, golden vectors, manifest, loader and README rendered from the
-templates, SHA256SUMS; then the .tar.gz. Also reads manifests back for ``edgeq inspect``."""
+"""Write a bundle: the arrays (weights, golden vectors), the loader with its two modules, the README rendered
+from its template, manifest.json, SHA256SUMS; then the .tar.gz. Also reads manifests back. What a bundle
+holds and what its manifest says is ``edgeq.contract``."""
 
 from __future__ import annotations
 
 import gzip
 import json
 import os
+import shutil
 import tarfile
 import zlib
 from pathlib import Path
@@ -17,38 +19,16 @@ import numpy as np
 from edgeq import safebundle
 from edgeq.errors import BundleError
 
-SCHEMA_VERSION = safebundle.SCHEMA_VERSION
-LIBRARY = "model.so"
-WEIGHTS = "weights.bin"
-GOLDEN = "golden.bin"
-TENSOR_FORMAT = "edgeq-raw-1"  # little-endian C-order arrays, each at a 64-byte aligned offset; the manifest has the table
-RUNTIME = safebundle.RUNTIME
-QUANT_PARAMS = "quant_params.npz"
-MANIFEST = "manifest.json"
-LOADER = "run.py"
-README = "README.md"
-SUMS = "SHA256SUMS"
-SIGNATURE = "manifest.sig"
+from edgeq import contract
+from edgeq.contract import (CONTRACT, FILE_ROLES, GOLDEN, LIBRARY, LOADER, MANIFEST, README, SIGNATURE, SUMS, VERIFIER,
+                            WEIGHTS, Manifest)
 
-FILE_ROLES = {
-    LIBRARY: "compiled model (TVM Relax executable, shared library)",
-    WEIGHTS: "weights, in the order the library takes them",
-    GOLDEN: "golden input and the outputs computed on the build host",
-    MANIFEST: "what the bundle is and needs: model, device, toolchain, inputs/outputs, file hashes",
-    LOADER: "loader: checks, runs, self-tests and benchmarks the model",
-    README: "this file",
-    SUMS: "SHA-256 of every other file (sha256sum -c SHA256SUMS)",
-    QUANT_PARAMS: "int8 scales: activation scale and per-channel weight scales of each int8 layer",
-    SIGNATURE: "ed25519 signature over manifest.json (edgeq verify BUNDLE --pub KEY)",
-    f"{RUNTIME}/edgeq-run": "native loader: checks, runs, self-tests and benchmarks the model without Python",
-    f"{RUNTIME}/libtvm_ffi.so": "TVM FFI library (apache-tvm-ffi), the version the model was compiled with",
-    f"{RUNTIME}/libtvm_runtime.so": "TVM runtime (apache-tvm), the version the model was compiled with",
-    f"{RUNTIME}/libtvm_runtime_cuda.so": "TVM's CUDA backend (links CUDA 13's libcudart.so.13)",
-    f"{RUNTIME}/libcudart.so.13": "edgeq's CUDA 12 bridge: gives TVM's CUDA backend the device's libcudart.so.12",
-}
+# Shipped as they are: the Python loader and the two standard-library modules it shares with edgeq.
+SHIPPED = {LOADER: Path(__file__).resolve().parent.parent / "templates" / "run.py", CONTRACT: Path(contract.__file__),
+           VERIFIER: Path(safebundle.__file__)}
 
 
-def write_tensors(path: Path, tensors: list[tuple[str, np.ndarray]]) -> list[dict[str, Any]]:
+def write_tensors(path: Path, tensors: list[tuple[str, np.ndarray]]) -> list[contract.StoredTensor]:
     """Write arrays in the ``edgeq-raw-1`` form (read by edgeq-run without numpy); returns the table the
     manifest keeps: name, dtype, shape, byte offset and size of each."""
     table, offset = [], 0
@@ -60,25 +40,25 @@ def write_tensors(path: Path, tensors: list[tuple[str, np.ndarray]]) -> list[dic
             f.write(b"\0" * pad)
             offset += pad
             f.write(data)
-            table.append({"name": name, "dtype": str(array.dtype), "shape": list(array.shape), "offset": offset,
-                          "bytes": len(data)})
+            table.append(contract.StoredTensor(name=name, dtype=str(array.dtype), shape=list(array.shape), offset=offset,
+                                               bytes=len(data)))
             offset += len(data)
     return table
 
 
-def read_tensor(path: Path, entry: dict[str, Any]) -> np.ndarray:
+def read_tensor(path: Path, entry: contract.StoredTensor) -> np.ndarray:
     """One array of an ``edgeq-raw-1`` file, by its manifest entry (0-d arrays stay 0-d)."""
-    dtype = np.dtype(entry["dtype"]).newbyteorder("<")
-    count = int(np.prod(entry["shape"], dtype=np.int64))
-    flat = np.fromfile(path, dtype=dtype, count=count, offset=entry["offset"])
+    dtype = np.dtype(entry.dtype).newbyteorder("<")
+    count = int(np.prod(entry.shape, dtype=np.int64))
+    flat = np.fromfile(path, dtype=dtype, count=count, offset=entry.offset)
     if flat.size != count:
         raise BundleError(f"{Path(path).name} is shorter than its manifest says")
-    return flat.astype(dtype.newbyteorder("="), copy=False).reshape(entry["shape"])
+    return flat.astype(dtype.newbyteorder("="), copy=False).reshape(entry.shape)
 
 
-def read_tensors(directory: Path, section: dict[str, Any]) -> dict[str, np.ndarray]:
-    """All arrays of a manifest section (``weights``, ``golden``) by name, in file order."""
-    return {t["name"]: read_tensor(Path(directory) / section["file"], t) for t in section["tensors"]}
+def read_tensors(directory: Path, section) -> dict[str, np.ndarray]:
+    """All arrays of a manifest section (``manifest.weights``, ``manifest.golden``) by name, in file order."""
+    return {t.name: read_tensor(Path(directory) / section.file, t) for t in section.tensors}
 
 _ENV = jinja2.Environment(
     loader=jinja2.PackageLoader("edgeq.templates", ""),
@@ -95,58 +75,33 @@ def render(template: str, **context: Any) -> str:
 sha256_file = safebundle.sha256_file
 
 
-def template_context(manifest: dict[str, Any]) -> dict[str, Any]:
-    """What the loader and README templates see: a flat view of the manifest."""
-    toolkit = manifest["toolchain"]["cuda_toolkit"]
+def template_context(manifest: Manifest) -> dict[str, Any]:
+    """What the device README template sees: the manifest, and the roles of the files it lists."""
+    listed = set(manifest.files) | {MANIFEST, SUMS} | ({SIGNATURE} if manifest.signed else set())
     return {
-        "bundle_id": manifest["bundle_id"],
-        "model_name": manifest["name"],
-        "device": manifest["device"],
-        "precision": manifest["precision"],
-        "edgeq_version": manifest["edgeq_version"],
-        "tvm_version": manifest["tvm_version"],
-        "schema_version": manifest["schema_version"],
-        "model_sha256": manifest["model"]["sha256"],
-        "inputs": manifest["inputs"],
-        "outputs": manifest["outputs"],
-        "first_input": manifest["inputs"][0]["name"] if manifest["inputs"] else "input",
-        "cuda_arch": manifest["device"]["cuda_arch"],
-        "cuda_major": toolkit["version"].split(".")[0] if toolkit else "",
-        "toolkit": f"CUDA {toolkit['version']} {toolkit['kind']}" if toolkit else "",
-        "quantization": _quantization_summary(manifest.get("quantization")),
-        "runtime": manifest.get("runtime"),
-        "files": sorted((name, what) for name, what in FILE_ROLES.items()
-                        if name in manifest["files"] or name in (MANIFEST, SUMS) or (name == SIGNATURE and manifest.get("signed"))),
+        "m": manifest,
+        "toolkit": manifest.toolchain.cuda_toolkit,
+        "first_input": manifest.inputs[0].name if manifest.inputs else "input",
+        "files": sorted((name, what) for name, what in FILE_ROLES.items() if name in listed),
     }
 
 
-def _quantization_summary(report: dict[str, Any] | None) -> str:
-    if not report:
-        return ""
-    counts = ", ".join(f"{n} {p}" for p, n in report["precision_counts"].items() if n)
-    if "source" in report:
-        return f"{counts} layers; {report['source']}"
-    ratio = report["weight_bytes"]["ratio"]
-    return f"{counts} layers; {report['method']} calibration; weights {ratio:.2f}x of fp32"
-
-
-def write_bundle(directory: Path, manifest: dict[str, Any], extra_files: list[str] = (), signing_key=None) -> dict[str, Any]:
-    """Render the loader and README into ``directory`` (which already holds the library, weights and
-    golden file), hash everything, write manifest.json, its signature (with ``signing_key``) and
-    SHA256SUMS. Returns the final manifest."""
-    manifest = dict(manifest)
-    names = (LIBRARY, WEIGHTS, GOLDEN, *extra_files, LOADER, README)
-    manifest["files"] = dict.fromkeys(names, "")
-    context = template_context(manifest)
-    (directory / LOADER).write_text(render("run.py.j2", **context), encoding="utf-8")
-    (directory / LOADER).chmod(0o755)
-    (directory / README).write_text(render("README.md.j2", **context), encoding="utf-8")
-    manifest["files"] = {name: sha256_file(directory / name) for name in names}
-    manifest["sizes"] = {name: (directory / name).stat().st_size for name in names}
-    manifest_bytes = (json.dumps(manifest, indent=2, sort_keys=False) + "\n").encode("utf-8")
+def write_bundle(directory: Path, manifest: Manifest, extra_files: list[str] = (), signing_key=None) -> Manifest:
+    """Copy the loader and its two modules into ``directory`` (which already holds the library, weights,
+    golden file and ``extra_files``), render the README, hash everything, write manifest.json, its signature
+    (with ``signing_key``) and SHA256SUMS. Returns the final manifest."""
+    names = (LIBRARY, WEIGHTS, GOLDEN, *extra_files, *SHIPPED, README)
+    for name, source in SHIPPED.items():
+        shutil.copyfile(source, directory / name)
+        (directory / name).chmod(0o755 if name == LOADER else 0o644)
+    listed = manifest.replace(files=dict.fromkeys(names, ""))
+    (directory / README).write_text(render("README.md.j2", **template_context(listed)), encoding="utf-8")
+    manifest = manifest.replace(files={name: sha256_file(directory / name) for name in names},
+                                sizes={name: (directory / name).stat().st_size for name in names})
+    manifest_bytes = (json.dumps(manifest.to_json(), indent=2) + "\n").encode("utf-8")
     safebundle.check_manifest(json.loads(manifest_bytes))  # what devices will insist on
     (directory / MANIFEST).write_bytes(manifest_bytes)
-    sums = {**manifest["files"], MANIFEST: sha256_file(directory / MANIFEST)}
+    sums = {**manifest.files, MANIFEST: sha256_file(directory / MANIFEST)}
     if signing_key is not None:
         (directory / SIGNATURE).write_bytes(safebundle.signature_for(manifest_bytes, signing_key))
         sums[SIGNATURE] = sha256_file(directory / SIGNATURE)
@@ -183,7 +138,7 @@ def _add_file(tar: tarfile.TarFile, path: Path, name: str, mtime: int) -> None:
         tar.addfile(info, f)
 
 
-def read_manifest(bundle: str | Path) -> dict[str, Any]:
+def read_manifest(bundle: str | Path) -> Manifest:
     """The manifest of a bundle directory or .tar.gz archive."""
     bundle = Path(bundle)
     try:
@@ -196,10 +151,7 @@ def read_manifest(bundle: str | Path) -> dict[str, Any]:
             data = _manifest_from_archive(bundle)
         else:
             raise BundleError(f"bundle not found: {bundle}")
-        raw = safebundle.load_json(data, "manifest.json")
-        if not isinstance(raw, dict) or raw.get("schema_version") != SCHEMA_VERSION:
-            raise BundleError(f"{bundle}: manifest schema_version is not {SCHEMA_VERSION}; not a bundle this edgeq reads")
-        return safebundle.check_manifest(raw)
+        return safebundle.parse_manifest(data)
     except FileNotFoundError:
         raise BundleError(f"{bundle} has no {MANIFEST}; is it an edgeq bundle?") from None
     except OSError as err:

@@ -18,7 +18,17 @@ RUNTIME_CHOICES = ("bundled", "none")
 CALIBRATION_METHODS = ("minmax", "percentile", "entropy", "mse")
 DEFAULT_METHOD = "mse"  # chosen by measurement: see README, "Choosing the calibration default"
 
+# edgeq package defaults (PackageArgs, QuantizeArgs and the parser read these)
+DEFAULT_OUTPUT = "dist"
+DEFAULT_PERCENTILE = 99.99  # --calibration percentile
+DEFAULT_CALIB_SAMPLES = 256  # --calib-samples
+
+# edgeq bench defaults (BenchArgs and the parser)
+DEFAULT_REPEAT = 100
+DEFAULT_WARMUP = 10
+
 # edgeq bench --power
 POWER_SOURCES = ("auto", "tegrastats", "sysfs", "nvml", "none")
 
-__all__ = ["PRECISIONS", "RUNTIME_CHOICES", "CALIBRATION_METHODS", "DEFAULT_METHOD", "POWER_SOURCES"]
+__all__ = ["PRECISIONS", "RUNTIME_CHOICES", "CALIBRATION_METHODS", "DEFAULT_METHOD", "POWER_SOURCES", "DEFAULT_OUTPUT",
+           "DEFAULT_PERCENTILE", "DEFAULT_CALIB_SAMPLES", "DEFAULT_REPEAT", "DEFAULT_WARMUP"]

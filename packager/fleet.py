@@ -27,10 +27,10 @@ try:
 except ModuleNotFoundError:  # Python 3.10 (JetPack 6): the same parser, from PyPI
     import tomli as tomllib
 
-from edgeq import safebundle
+from edgeq import contract, safebundle
+from edgeq.contract import HostState
 from edgeq.errors import BundleError, UsageError
 
-STATES = ("updated", "already", "rolled-back", "failed", "skipped")
 MAX_HOSTS = 100_000  # bound of --batch, --canary and --max-failures counts
 MAX_PARALLEL = 256
 
@@ -177,7 +177,7 @@ def load_fleet(path: str | Path) -> Fleet:
 @dataclasses.dataclass
 class HostResult:
     host: str
-    state: str = "skipped"
+    state: HostState = HostState.SKIPPED
     before: str | None = None
     after: str | None = None
     duration_s: float = 0.0
@@ -407,7 +407,7 @@ def _channel_stderr(chan) -> str:
 @dataclasses.dataclass
 class FlashPlan:
     archive: Path
-    manifest: dict[str, Any]
+    manifest: contract.Manifest
     allow_downgrade: bool = False
 
 
@@ -417,12 +417,14 @@ def _q(*parts: str) -> str:
 
 def _device_paths(host: Host) -> dict[str, str]:
     tools = f"{host.root}/.edgeq"
-    return {"tools": tools, "guard": f"{tools}/safebundle.py", "key": f"{tools}/trusted.pub", "incoming": f"{tools}/incoming"}
+    return {"tools": tools, "guard": f"{tools}/{contract.VERIFIER}", "contract": f"{tools}/{contract.CONTRACT}",
+            "key": f"{tools}/trusted.pub", "incoming": f"{tools}/incoming"}
 
 
 def _setup_tools(dev: Device, host: Host, fleet: Fleet) -> dict[str, str]:
     paths = _device_paths(host)
     dev.run(_q("mkdir", "-p", paths["incoming"], f"{host.root}/releases"), "prepare")
+    dev.put(Path(contract.__file__), paths["contract"], "upload verifier")  # safebundle.py imports it
     dev.put(Path(safebundle.__file__), paths["guard"], "upload verifier")
     if fleet.public_key is not None:
         dev.put(fleet.public_key, paths["key"], "upload public key")
@@ -454,9 +456,9 @@ def flash_host(host: Host, fleet: Fleet, plan: FlashPlan, note: Callable[[str], 
     start = time.monotonic()
     dev = None
     switched = False
-    bundle_id = plan.manifest["bundle_id"]
+    bundle_id = plan.manifest.bundle_id
     try:
-        want = plan.manifest["device"]["profile"]
+        want = plan.manifest.device.profile
         if host.device and host.device != want:
             raise HostFailure(f"preflight: host is a {host.device}, the bundle is for {want}")
         note(f"{host.name}: connecting to {host.address}:{host.port}")
@@ -465,17 +467,17 @@ def flash_host(host: Host, fleet: Fleet, plan: FlashPlan, note: Callable[[str], 
         before = _status(dev, host, paths)
         result.before = result.after = before["current"]
         if before["current"] == bundle_id:
-            result.state = "already"
+            result.state = HostState.ALREADY
             note(f"{host.name}: already on {bundle_id}")
             return result
         arch = dev.run("uname -m", "preflight").strip()
-        if arch != plan.manifest["device"]["arch"]:
-            raise HostFailure(f"preflight: host is {arch}, the bundle is for {plan.manifest['device']['arch']}")
+        if arch != plan.manifest.device.arch:
+            raise HostFailure(f"preflight: host is {arch}, the bundle is for {plan.manifest.device.arch}")
         # the bundle's runtime/ (edgeq-run) runs it where the device's python has no TVM
         probe = ("import os, json\ntry:\n    import tvm; v = tvm.__version__\nexcept ImportError:\n    v = None\n"
                  "s = os.statvfs(%r); print(json.dumps({'free': s.f_bavail * s.f_frsize, 'tvm': v}))" % host.root)
         facts = _answer(dev, _q(host.python, "-c", probe), "preflight (python, TVM or bundled runtime)")
-        if facts["tvm"] is None and not plan.manifest.get("runtime"):
+        if facts["tvm"] is None and plan.manifest.runtime is None:
             raise HostFailure("preflight: the device's python has no TVM and the bundle carries no runtime "
                               "(packaged with --runtime none); package it with the runtime or install apache-tvm there")
         need = 3 * plan.archive.stat().st_size
@@ -497,15 +499,15 @@ def flash_host(host: Host, fleet: Fleet, plan: FlashPlan, note: Callable[[str], 
         result.after = bundle_id
         _self_test(dev, host, f"{host.root}/current", "health check (through current)", fleet, paths)
         dev.run(_q(host.python, paths["guard"], "prune", "--root", host.root) + " && " + _q("rm", "-f", remote), "prune")
-        result.state = "updated"
+        result.state = HostState.UPDATED
         note(f"{host.name}: updated to {bundle_id}")
     except Exception as err:  # HostFailure, or anything unexpected: one host never takes the rollout down
         result.error = str(err) if isinstance(err, HostFailure) else _plain(f"unexpected {type(err).__name__}: {err}")
-        result.state = "failed"
+        result.state = HostState.FAILED
         if switched and dev is not None:
             try:
                 dev.run(_q(host.python, _device_paths(host)["guard"], "rollback", "--root", host.root), "rollback")
-                result.state, result.after = "rolled-back", result.before
+                result.state, result.after = HostState.ROLLED_BACK, result.before
             except HostFailure as rollback_err:
                 result.error += f"; rollback failed too: {rollback_err}"
         note(f"{host.name}: {result.state}: {result.error}")
@@ -571,7 +573,7 @@ def flash(args: FlashArgs, note: Callable[[str], None] = lambda _: None) -> tupl
     plan_waves = waves(fleet.hosts, parse_count(args.canary, total, "--canary"), args.batch)
     names = [[h.name for h in w] for w in plan_waves]
     if args.dry_run:
-        return [HostResult(h.name, state="skipped", error="dry run") for h in fleet.hosts], names
+        return [HostResult(h.name, state=HostState.SKIPPED, error="dry run") for h in fleet.hosts], names
     max_failures = parse_count(args.max_failures, total, "--max-failures")
     plan = FlashPlan(Path(args.bundle), manifest, args.allow_downgrade)
     results: dict[str, HostResult] = {}
@@ -582,12 +584,12 @@ def flash(args: FlashArgs, note: Callable[[str], None] = lambda _: None) -> tupl
         nonlocal failures
         with lock:
             if failures > max_failures:
-                results[host.name] = HostResult(host.name, "skipped", error="rollout stopped: too many failures")
+                results[host.name] = HostResult(host.name, HostState.SKIPPED, error="rollout stopped: too many failures")
                 return
         res = flash_host(host, fleet, plan, note)
         with lock:
             results[host.name] = res
-            if res.state in ("failed", "rolled-back"):
+            if res.state in (HostState.FAILED, HostState.ROLLED_BACK):
                 failures += 1
 
     for wave in plan_waves:
@@ -633,11 +635,11 @@ def fleet_rollback(fleet_path: Path, only: list[str] | None = None, note: Callab
                 done = _answer(dev, _q(host.python, paths["guard"], "rollback", "--root", host.root), "rollback")
                 res.after = done.get("current")
                 _self_test(dev, host, f"{host.root}/current", "health check", fleet, paths)
-                res.state = "rolled-back"
+                res.state = HostState.ROLLED_BACK
             finally:
                 dev.close()
         except HostFailure as err:
-            res.state, res.error = "failed", str(err)
+            res.state, res.error = HostState.FAILED, str(err)
         res.duration_s = round(time.monotonic() - start, 2)
         note(f"{host.name}: {res.state} {res.error}".strip())
         out.append(res)

@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 
 import edgeq
-from edgeq import bundle
-from edgeq.choices import PRECISIONS, RUNTIME_CHOICES
+from edgeq import bundle, contract
+from edgeq.choices import DEFAULT_OUTPUT, PRECISIONS, RUNTIME_CHOICES
 from edgeq.compile import HostRunner, Toolchain, build, cuda_device_code, elf_machine, export, lower_graph, toolchain_for
 from edgeq.errors import EdgeqError, ModelError, OutputError, ToolchainError, UsageError
 from edgeq.graph import Graph
@@ -48,7 +48,7 @@ class PackageArgs:
 
     model: Path
     device: str
-    output: Path = Path("dist")
+    output: Path = Path(DEFAULT_OUTPUT)
     input_shapes: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     name: str | None = None
     precision: str = "fp32"
@@ -91,31 +91,34 @@ class PackageResult:
     precision: str
     stages: dict[str, float]
     total_seconds: float
-    manifest: dict[str, Any]
+    manifest: contract.Manifest
 
     def to_dict(self) -> dict[str, Any]:
+        m = self.manifest
+        toolkit = m.toolchain.cuda_toolkit
         return {
             "bundle_dir": str(self.bundle_dir),
             "archive": str(self.archive),
-            "bundle_id": self.manifest["bundle_id"],
+            "bundle_id": m.bundle_id,
             "device": self.device,
             "device_note": self.device_note,
             "precision": self.precision,
-            "cuda_toolkit": self.manifest["toolchain"]["cuda_toolkit"],
-            "signed": self.manifest.get("signed", False),
-            "release": self.manifest.get("release"),
-            "quantization": _quantization_summary(self.manifest.get("quantization")),
+            "cuda_toolkit": toolkit.to_json() if toolkit else None,
+            "signed": m.signed,
+            "release": m.release,
+            "quantization": _quantization_summary(m.quantization),
             "stages": self.stages,
             "total_seconds": self.total_seconds,
         }
 
 
-def _quantization_summary(report: dict[str, Any] | None) -> dict[str, Any] | None:
+def _quantization_summary(report: contract.QuantizationReport | None) -> dict[str, Any] | None:
     """What --json shows of the quantization report (the manifest has all of it)."""
-    if not report:
+    if report is None:
         return None
-    keys = ("method", "source", "precision_counts", "evaluation", "weight_bytes", "fallbacks", "float_ops")
-    return {k: report[k] for k in keys if k in report}
+    return {"kind": report.kind, "source": report.source, "method": report.method,
+            "precision_counts": report.precision_counts, "evaluation": report.evaluation,
+            "weight_bytes": report.weight_bytes.to_json(), "fallbacks": report.fallbacks, "float_ops": report.float_ops}
 
 
 @dataclasses.dataclass
@@ -148,7 +151,7 @@ class _Build:
     golden_floats: str = GOLDEN_DISTRIBUTIONS[0]  # what the golden input's floats were drawn from
     golden: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # the golden file's tensor table
     runtime: Any = None  # edgeq.runtime.assemble.Runtime
-    manifest: dict[str, Any] = dataclasses.field(default_factory=dict)
+    manifest: contract.Manifest | None = None
 
     @property
     def bundle_name(self) -> str:
@@ -163,6 +166,8 @@ def _check(b: _Build) -> None:
         raise UsageError(f"--precision {args.precision} needs calibration data: add --calibrate DATA")
     if args.precision == "fp32" and args.quantize is not None:
         raise UsageError("--calibrate and the other quantization options need --precision int8 or mixed")
+    if args.precision == "mixed" and args.quantize.accuracy_budget is None:
+        raise UsageError("--precision mixed needs --accuracy-budget X (top-1 points, or relative output error)")
     if args.quantize is not None:
         from edgeq.quantize import check_args
 
@@ -224,7 +229,7 @@ def _lower_qdq(b: _Build) -> None:
 
     b.quantization = lower_prequantized(b.graph, b.model)
     b.graph = b.quantization.graph
-    counts = b.quantization.report["precision_counts"]
+    counts = b.quantization.report.precision_counts
     b.progress.note(f"pre-quantized model: {counts['int8']} layers lowered to integer kernels, {counts['fp32']} left in float")
 
 
@@ -250,7 +255,7 @@ def _tuning_records(b: _Build) -> None:
 
 def _compile(b: _Build) -> None:
     b.executable = build(b.mod, b.target, b.toolchain, b.schedules)
-    library = b.staging / bundle.LIBRARY
+    library = b.staging / contract.LIBRARY
     export(b.executable, library, b.toolchain)
     machine = elf_machine(library)
     if machine != b.profile.cpu.arch:
@@ -306,11 +311,11 @@ def _golden(b: _Build) -> None:
                              "a bundle whose self-test cannot pass is not written")
     arrays = [(f"input:{k}", v) for k, v in inputs.items()]
     arrays += [(f"output:{spec.name}", out) for spec, out in zip(b.outputs, outputs)]
-    b.golden = bundle.write_tensors(b.staging / bundle.GOLDEN, arrays)
+    b.golden = bundle.write_tensors(b.staging / contract.GOLDEN, arrays)
 
 
 def _runtime(b: _Build) -> None:
-    b.runtime = assemble(b.profile, b.toolchain.cxx, b.staging, bundle.SCHEMA_VERSION, note=b.progress.note)
+    b.runtime = assemble(b.profile, b.toolchain.cxx, b.staging, contract.SCHEMA_VERSION, note=b.progress.note)
 
 
 def _mentions(path, needle: bytes) -> bool:
@@ -340,92 +345,65 @@ def _precision(b: _Build) -> str:
     return "int8" if b.prequantized else b.args.precision
 
 
-def _device_record(profile: Profile) -> dict[str, Any]:
-    return {
-        "profile": profile.name,
-        "description": profile.description,
-        "family": profile.family,
-        "kind": profile.kind,
-        "arch": profile.cpu.arch,
-        "host_triple": profile.cpu.triple,
-        "mcpu": profile.cpu.mcpu,
-        "cores": profile.cpu.cores,
-        "cuda_arch": profile.cuda.arch if profile.cuda else None,
-        "cuda_version": profile.cuda.version if profile.cuda else None,
-        "jetpack": profile.software.get("jetpack"),
-        "l4t": profile.software.get("l4t"),
-    }
+def _device_record(profile: Profile) -> contract.DeviceRecord:
+    return contract.DeviceRecord(
+        profile=profile.name, description=profile.description, family=profile.family, kind=profile.kind,
+        arch=profile.cpu.arch, host_triple=profile.cpu.triple, mcpu=profile.cpu.mcpu, cores=profile.cpu.cores,
+        cuda_arch=profile.cuda.arch if profile.cuda else None, cuda_version=profile.cuda.version if profile.cuda else None,
+        jetpack=profile.software.get("jetpack"), l4t=profile.software.get("l4t"))
 
 
 def _bundle(b: _Build) -> None:
     tvm = import_tvm()
-    library = b.staging / bundle.LIBRARY
+    library = b.staging / contract.LIBRARY
     weight_arrays = b.graph.weight_list()
-    weight_table = bundle.write_tensors(b.staging / bundle.WEIGHTS,
+    weight_table = bundle.write_tensors(b.staging / contract.WEIGHTS,
                                         [(p.name, w) for p, w in zip(b.graph.weight_params, weight_arrays)])
     extra_files = list(b.runtime.files) if b.runtime else []
     if b.quantization is not None:
-        np.savez(b.staging / bundle.QUANT_PARAMS, **b.quantization.scales)
-        extra_files.append(bundle.QUANT_PARAMS)
+        np.savez(b.staging / contract.QUANT_PARAMS, **b.quantization.scales)
+        extra_files.append(contract.QUANT_PARAMS)
     content_hash = hashlib.sha256()
-    for name in (bundle.LIBRARY, bundle.WEIGHTS, *extra_files):
+    for name in (contract.LIBRARY, contract.WEIGHTS, *extra_files):
         content_hash.update(bundle.sha256_file(b.staging / name).encode())
     created = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0)
-    weights = b.staging / bundle.WEIGHTS
-    manifest = {
-        "schema_version": bundle.SCHEMA_VERSION,
-        "bundle_id": f"{b.bundle_name}-{content_hash.hexdigest()[:12]}",
-        "name": b.name,
-        "release": b.args.release if b.args.release is not None else int(created.strftime("%Y%m%d%H%M%S")),
-        "signed": b.signing_key is not None,
-        "created": created.isoformat(),
-        "edgeq_version": edgeq.__version__,
-        "tvm_version": tvm.__version__,
-        "precision": _precision(b),
-        "model": {
-            "file": Path(b.args.model).name,
-            "sha256": b.model.sha256,
-            "opset": b.model.opset,
-            "producer": f"{b.model.onnx_model.producer_name} {b.model.onnx_model.producer_version}".strip(),
-        },
-        "inputs": [t.to_dict() for t in b.model.inputs],
-        "outputs": [t.to_dict() for t in b.outputs],
-        "device": _device_record(b.profile),
-        "toolchain": b.toolchain.to_dict(),
-        "library": {
-            "file": bundle.LIBRARY,
-            "machine": elf_machine(library),
-            "cuda_device_code": cuda_device_code(library),
-            "bytes": library.stat().st_size,
-            **({"cpu_kernels": {"conv_matmul_calls": b.kernel_calls, "schedules": dict(sorted(b.schedules.items()))}}
-               if b.schedules else {}),
-        },
-        "weights": {
-            "file": bundle.WEIGHTS,
-            "format": bundle.TENSOR_FORMAT,
-            "count": len(weight_arrays),
-            "dtypes": sorted({str(w.dtype) for w in weight_arrays}),
-            "bytes": int(sum(w.nbytes for w in weight_arrays)),
-            "file_bytes": weights.stat().st_size,
-            "tensors": weight_table,  # in the order the library takes them
-        },
-        "golden": {
-            "file": bundle.GOLDEN,
-            "format": bundle.TENSOR_FORMAT,
-            "tensors": b.golden,
-            "seed": GOLDEN_SEED,
-            "float_inputs": b.golden_floats,
-            "computed_with": b.golden_from,
-            "rtol": GOLDEN_RTOL,
-            "atol": GOLDEN_ATOL,
-            "atol_scaled_by": "max(1, max |expected output|)",
-        },
-        "quantization": b.quantization.report if b.quantization else None,
-        "runtime": b.runtime.record if b.runtime else None,
-        "build": {"args": b.args.to_dict(), "stage_seconds": dict(b.progress.seconds)},
-    }
-    if b.runtime:
-        manifest["compatibility"] = check_elves(b.staging, [bundle.LIBRARY, *b.runtime.files], b.profile)
+    weights = b.staging / contract.WEIGHTS
+    manifest = contract.Manifest(
+        schema_version=contract.SCHEMA_VERSION,
+        bundle_id=f"{b.bundle_name}-{content_hash.hexdigest()[:12]}",
+        name=b.name,
+        release=b.args.release if b.args.release is not None else int(created.strftime("%Y%m%d%H%M%S")),
+        signed=b.signing_key is not None,
+        created=created.isoformat(),
+        edgeq_version=edgeq.__version__,
+        tvm_version=tvm.__version__,
+        precision=_precision(b),
+        model=contract.ModelRecord(
+            file=Path(b.args.model).name, sha256=b.model.sha256, opset=b.model.opset,
+            producer=f"{b.model.onnx_model.producer_name} {b.model.onnx_model.producer_version}".strip()),
+        inputs=[contract.TensorSpec(name=t.name, shape=list(t.shape), dtype=t.dtype) for t in b.model.inputs],
+        outputs=[contract.TensorSpec(name=t.name, shape=list(t.shape), dtype=t.dtype) for t in b.outputs],
+        device=_device_record(b.profile),
+        toolchain=contract.ToolchainRecord.from_json(b.toolchain.to_dict(), "toolchain"),
+        library=contract.LibraryRecord(
+            file=contract.LIBRARY, machine=elf_machine(library), cuda_device_code=cuda_device_code(library),
+            bytes=library.stat().st_size,
+            cpu_kernels={"conv_matmul_calls": b.kernel_calls, "schedules": dict(sorted(b.schedules.items()))}
+            if b.schedules else None),
+        weights=contract.WeightsRecord(
+            file=contract.WEIGHTS, format=contract.TENSOR_FORMAT, count=len(weight_arrays),
+            dtypes=sorted({str(w.dtype) for w in weight_arrays}), bytes=int(sum(w.nbytes for w in weight_arrays)),
+            file_bytes=weights.stat().st_size, tensors=weight_table),
+        golden=contract.GoldenRecord(
+            file=contract.GOLDEN, format=contract.TENSOR_FORMAT, tensors=b.golden, seed=GOLDEN_SEED,
+            float_inputs=b.golden_floats, computed_with=b.golden_from, rtol=GOLDEN_RTOL, atol=GOLDEN_ATOL,
+            atol_scaled_by="max(1, max |expected output|)"),
+        quantization=b.quantization.report if b.quantization else None,
+        runtime=contract.RuntimeRecord.from_json(b.runtime.record, "runtime") if b.runtime else None,
+        build={"args": b.args.to_dict(), "stage_seconds": dict(b.progress.seconds)},
+        compatibility=check_elves(b.staging, [contract.LIBRARY, *b.runtime.files], b.profile) if b.runtime else None,
+        files={}, sizes={},
+    )
     b.manifest = bundle.write_bundle(b.staging, manifest, extra_files, b.signing_key)
     # The archive is made from the staging folder under the final name, then both are renamed into place.
     final_dir = b.out_dir / b.bundle_name

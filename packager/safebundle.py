@@ -27,9 +27,18 @@ import tempfile
 import zlib
 from pathlib import Path
 
-SCHEMA_VERSION = 2
-MANIFEST, SIGNATURE, SUMS = "manifest.json", "manifest.sig", "SHA256SUMS"
-RUNTIME = "runtime"  # the one sub-folder a bundle may have: the runtime libraries and the native loader
+if __package__ == "edgeq":
+    from edgeq import contract
+else:  # a file of its own (on a device after edgeq flash, or inside a bundle): contract.py lies beside it
+    import importlib.util
+
+    _spec = importlib.util.spec_from_file_location("edgeq_bundle_contract", Path(__file__).with_name("contract.py"))
+    contract = importlib.util.module_from_spec(_spec)
+    sys.modules[_spec.name] = contract
+    _spec.loader.exec_module(contract)
+
+SCHEMA_VERSION = contract.SCHEMA_VERSION
+MANIFEST, SIGNATURE, SUMS, RUNTIME = contract.MANIFEST, contract.SIGNATURE, contract.SUMS, contract.RUNTIME
 # Bounds on what a bundle may make this code read or allocate (edgeq.limits documents all of them).
 MAX_MANIFEST_BYTES = 4 << 20
 MAX_SMALL_FILE_BYTES = 1 << 20  # manifest.sig, SHA256SUMS, state.json
@@ -92,75 +101,37 @@ def load_json(data: bytes | str, what: str, max_bytes: int = MAX_MANIFEST_BYTES)
 # manifest shape
 # ---------------------------------------------------------------------------------------------------
 
-_TENSOR = {"name": str, "shape": list, "dtype": str}
-_REQUIRED = {
-    "schema_version": int, "bundle_id": str, "name": str, "release": int, "precision": str, "tvm_version": str,
-    "files": dict, "sizes": dict, "inputs": list, "outputs": list, "device": dict, "library": dict,
-    "weights": dict, "golden": dict,
-}
-
-
-def check_manifest(manifest) -> dict:
-    """Refuse a manifest with missing fields, wrong types or unsafe file names."""
+def check_manifest(manifest) -> "contract.Manifest":
+    """The manifest as the contract's typed ``Manifest``; refused when a field is missing or has the wrong
+    type (``Manifest.from_json``), or names an unsafe file, a bad hash or size, or a file it does not list."""
     if not isinstance(manifest, dict):
         raise BundleRefused("manifest.json is not a JSON object")
-    for key, typ in _REQUIRED.items():
-        value = manifest.get(key)
-        if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
-            raise BundleRefused(f"manifest field '{key}' is missing or not a {typ.__name__}")
-    if manifest["schema_version"] != SCHEMA_VERSION:
-        raise BundleRefused(f"manifest schema_version {manifest['schema_version']} is not {SCHEMA_VERSION}")
-    if not NAME.match(manifest["bundle_id"]) or not NAME.match(manifest["name"]) or manifest["release"] < 0:
-        raise BundleRefused("manifest bundle_id, name or release is not valid")
-    files, sizes = manifest["files"], manifest["sizes"]
-    if set(files) != set(sizes) or not files:
+    try:
+        m = contract.Manifest.from_json(manifest)
+    except contract.ContractError as err:
+        raise BundleRefused(str(err)) from None
+    if not NAME.match(m.bundle_id) or not NAME.match(m.name):
+        raise BundleRefused("manifest bundle_id or name is not valid")
+    if set(m.files) != set(m.sizes) or not m.files:
         raise BundleRefused("manifest 'files' and 'sizes' must name the same files")
-    for name, digest in files.items():
+    for name, digest in m.files.items():
         if not FILE_NAME.match(name) or name in (MANIFEST, SIGNATURE, SUMS):
             raise BundleRefused(f"manifest lists an unsafe file name {name!r}")
-        if not isinstance(digest, str) or not HEX64.match(digest):
+        if not HEX64.match(digest):
             raise BundleRefused(f"manifest hash of {name} is not a SHA-256")
-        size = sizes[name]
-        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-            raise BundleRefused(f"manifest size of {name} is not a byte count")
     for section in ("library", "weights", "golden"):
-        name = manifest[section].get("file")
-        if not isinstance(name, str) or name not in files:
+        if getattr(m, section).file not in m.files:
             raise BundleRefused(f"manifest {section}.file is not one of the bundle's files")
-    for section in ("weights", "golden"):
-        tensors = manifest[section].get("tensors")
-        if not isinstance(tensors, list) or not all(_is_stored_tensor(t) for t in tensors):
-            raise BundleRefused(f"manifest {section}.tensors is not a list of {{name, dtype, shape, offset, bytes}}")
-    runtime = manifest.get("runtime")
-    if runtime is not None:
-        loader, libraries = (runtime.get("loader"), runtime.get("libraries")) if isinstance(runtime, dict) else (0, 0)
-        if (not isinstance(libraries, list) or not all(isinstance(n, str) and n in files for n in libraries)
-                or not isinstance(loader, str) or loader not in files):
-            raise BundleRefused("manifest runtime.loader / runtime.libraries are not the bundle's files")
-    for key in ("inputs", "outputs"):
-        for spec in manifest[key]:
-            if not isinstance(spec, dict) or any(not isinstance(spec.get(k), t) for k, t in _TENSOR.items()):
-                raise BundleRefused(f"manifest {key} entry is not {{name, shape, dtype}}")
-            if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in spec["shape"]):
-                raise BundleRefused(f"manifest {key} shape of {spec['name']!r} is not a list of sizes")
-    if not isinstance(manifest["device"].get("arch"), str) or not isinstance(manifest["device"].get("profile"), str):
-        raise BundleRefused("manifest device needs 'arch' and 'profile'")
-    if not all(isinstance(manifest["device"].get(k), (str, type(None))) for k in ("cuda_arch", "cuda_version")):
-        raise BundleRefused("manifest device.cuda_arch / cuda_version must be text or null")
-    return manifest
+    if m.runtime is not None and not all(n in m.files for n in (m.runtime.loader, *m.runtime.libraries)):
+        raise BundleRefused("manifest runtime.loader / runtime.libraries are not the bundle's files")
+    return m
 
 
 def _is_count(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _is_stored_tensor(entry) -> bool:
-    return (isinstance(entry, dict) and isinstance(entry.get("name"), str) and isinstance(entry.get("dtype"), str)
-            and isinstance(entry.get("shape"), list) and all(_is_count(d) for d in entry["shape"])
-            and _is_count(entry.get("offset")) and _is_count(entry.get("bytes")))
-
-
-def parse_manifest(data: bytes) -> dict:
+def parse_manifest(data: bytes) -> "contract.Manifest":
     return check_manifest(load_json(data, "manifest.json"))
 
 
@@ -243,8 +214,9 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def verify_dir(directory: str | os.PathLike, public_key=None) -> dict:
-    """Check a bundle directory: shape, signature (when a key is given), sizes and hashes, no extra files."""
+def verify_dir(directory: str | os.PathLike, public_key=None, extra_files: bool = False) -> "contract.Manifest":
+    """Check a bundle directory: shape, signature (when a key is given), sizes and hashes, and no files the
+    manifest does not list (``extra_files``: ignore those, for a loader that never opens them)."""
     directory = Path(directory)
     if directory.is_symlink() or not directory.is_dir():
         raise BundleRefused(f"{directory} is not a bundle directory")
@@ -255,10 +227,10 @@ def verify_dir(directory: str | os.PathLike, public_key=None) -> dict:
         raise BundleRefused("manifest.json is too large")
     manifest_bytes = manifest_path.read_bytes()
     manifest = parse_manifest(manifest_bytes)
-    allowed = set(manifest["files"]) | {MANIFEST, SIGNATURE, SUMS}
-    entries = list(directory.iterdir())
+    allowed = set(manifest.files) | {MANIFEST, SIGNATURE, SUMS}
+    entries = [] if extra_files else list(directory.iterdir())
     runtime = directory / RUNTIME
-    if any(name.startswith(RUNTIME + "/") for name in manifest["files"]) and runtime in entries:
+    if any(name.startswith(RUNTIME + "/") for name in manifest.files) and runtime in entries:
         if runtime.is_symlink() or not runtime.is_dir():
             raise BundleRefused(f"bundle member {RUNTIME} is not a folder")
         entries.remove(runtime)
@@ -272,11 +244,11 @@ def verify_dir(directory: str | os.PathLike, public_key=None) -> dict:
     if public_key is not None:
         sig_path = directory / SIGNATURE
         verify_signature(manifest_bytes, sig_path.read_bytes() if sig_path.is_file() else None, public_key)
-    for name, digest in manifest["files"].items():
+    for name, digest in manifest.files.items():
         path = directory / name
-        if not path.is_file():
-            raise BundleRefused(f"bundle file {name} is missing")
-        if path.stat().st_size != manifest["sizes"][name] or sha256_file(path) != digest:
+        if path.is_symlink() or not path.is_file():
+            raise BundleRefused(f"bundle file {name} is missing" if not path.exists() else f"bundle member {name} is not a regular file")
+        if path.stat().st_size != manifest.sizes[name] or sha256_file(path) != digest:
             raise BundleRefused(f"bundle file {name} does not match the manifest (changed or from another bundle)")
     return manifest
 
@@ -343,7 +315,7 @@ def _extract(tar: tarfile.TarFile, dest: Path, public_key=None) -> Path:
     manifest_bytes, signed = b"", public_key is None
     for member in tar:
         count += 1
-        if count > MAX_MEMBERS or (manifest is not None and count > len(manifest["files"]) + 5):
+        if count > MAX_MEMBERS or (manifest is not None and count > len(manifest.files) + 5):
             raise BundleRefused("archive has more members than the manifest declares")
         folder, name = _member_name(member, top)
         top = folder
@@ -353,7 +325,7 @@ def _extract(tar: tarfile.TarFile, dest: Path, public_key=None) -> Path:
             seen.add(folder)
             (dest / folder).mkdir()
             continue
-        if name == RUNTIME and manifest is not None and any(f.startswith(RUNTIME + "/") for f in manifest["files"]):
+        if name == RUNTIME and manifest is not None and any(f.startswith(RUNTIME + "/") for f in manifest.files):
             if not member.isdir() or name in seen:
                 raise BundleRefused(f"archive member {member.name!r} is not the runtime folder")
             seen.add(name)
@@ -370,8 +342,8 @@ def _extract(tar: tarfile.TarFile, dest: Path, public_key=None) -> Path:
             if name != MANIFEST:
                 raise BundleRefused("archive does not start with manifest.json")
             limit = MAX_MANIFEST_BYTES
-        elif name in manifest["files"]:
-            limit = manifest["sizes"][name]
+        elif name in manifest.files:
+            limit = manifest.sizes[name]
             if member.size != limit:
                 raise BundleRefused(f"archive member {name} has {member.size} bytes, the manifest declares {limit}")
         elif name in (SIGNATURE, SUMS):
@@ -407,7 +379,7 @@ def _extract(tar: tarfile.TarFile, dest: Path, public_key=None) -> Path:
     return dest / top
 
 
-def open_bundle(bundle: str | os.PathLike, workdir: str | os.PathLike, public_key=None) -> tuple[Path, dict]:
+def open_bundle(bundle: str | os.PathLike, workdir: str | os.PathLike, public_key=None) -> "tuple[Path, contract.Manifest]":
     """A verified bundle directory: the directory itself, or an archive unpacked into ``workdir``."""
     bundle = Path(bundle)
     if bundle.is_dir():
@@ -464,9 +436,9 @@ def repair_state(root) -> dict:
             manifest = parse_manifest((path / MANIFEST).read_bytes())
         except (OSError, BundleRefused):
             continue
-        known = models.get(manifest["name"])
-        if known is None or manifest["release"] > known["release"]:
-            models[manifest["name"]] = {"release": manifest["release"], "bundle_id": manifest["bundle_id"]}
+        known = models.get(manifest.name)
+        if known is None or manifest.release > known["release"]:
+            models[manifest.name] = {"release": manifest.release, "bundle_id": manifest.bundle_id}
     state = {"current": current_id(root), "previous": None, "models": models}
     _write_json_atomic(root / "state.json", state)
     return state
@@ -503,18 +475,18 @@ def stage(archive, root, public_key=None, allow_downgrade: bool = False) -> dict
         read_state(root)  # a damaged state refuses before anything is unpacked
         directory = safe_extract(archive, staging, public_key)
         manifest = verify_dir(directory, public_key)
-        installed = read_state(root).get("models", {}).get(manifest["name"], {})
-        if manifest["release"] < installed.get("release", -1) and not allow_downgrade:
-            raise BundleRefused(f"release {manifest['release']} of {manifest['name']} is older than the installed "
+        installed = read_state(root).get("models", {}).get(manifest.name, {})
+        if manifest.release < installed.get("release", -1) and not allow_downgrade:
+            raise BundleRefused(f"release {manifest.release} of {manifest.name} is older than the installed "
                                 f"release {installed['release']}; use --allow-downgrade to install it anyway")
-        target = root / "releases" / manifest["bundle_id"]
+        target = root / "releases" / manifest.bundle_id
         if target.is_dir():
             verify_dir(target, public_key)  # an earlier copy is only reused if it is still intact
         else:
             os.rename(directory, target)
         done = True
-        return {"bundle_id": manifest["bundle_id"], "name": manifest["name"], "release": manifest["release"],
-                "path": str(target), "already": current_id(root) == manifest["bundle_id"]}
+        return {"bundle_id": manifest.bundle_id, "name": manifest.name, "release": manifest.release,
+                "path": str(target), "already": current_id(root) == manifest.bundle_id}
     finally:
         shutil.rmtree(staging, ignore_errors=True)
         for path in reversed(created if not done else []):  # a refused first install leaves no folders behind
@@ -535,7 +507,7 @@ def activate(root, bundle_id: str) -> dict:
     if before != bundle_id:
         state["previous"] = before
     state["current"] = bundle_id
-    state.setdefault("models", {})[manifest["name"]] = {"release": manifest["release"], "bundle_id": bundle_id}
+    state.setdefault("models", {})[manifest.name] = {"release": manifest.release, "bundle_id": bundle_id}
     _write_json_atomic(root / "state.json", state)
     return {"current": bundle_id, "previous": state.get("previous")}
 
@@ -575,7 +547,7 @@ def status(root) -> dict:
     release = None
     if current:
         try:
-            release = parse_manifest((root / "releases" / current / MANIFEST).read_bytes())["release"]
+            release = parse_manifest((root / "releases" / current / MANIFEST).read_bytes()).release
         except (OSError, BundleRefused):
             pass
     return {"current": current, "release": release, "previous": state.get("previous"), "releases": releases}
@@ -612,7 +584,7 @@ def main(argv=None) -> int:
         if args.cmd == "verify":
             with tempfile.TemporaryDirectory() as tmp:
                 manifest = open_bundle(args.bundle, tmp, key)[1]
-            result = {"bundle_id": manifest["bundle_id"], "release": manifest["release"], "signed": key is not None}
+            result = {"bundle_id": manifest.bundle_id, "release": manifest.release, "signed": key is not None}
         elif args.cmd in ("install", "stage"):
             result = (install if args.cmd == "install" else stage)(args.bundle, args.root, key, args.allow_downgrade)
         elif args.cmd == "activate":

@@ -50,12 +50,9 @@ def cli():
 
 def read_golden(bundle_dir) -> dict[str, np.ndarray]:
     """A bundle's golden vectors ("input:NAME", "output:NAME"), read with edgeq's own tensor-file reader."""
-    import json
+    from edgeq.bundle import read_manifest, read_tensors
 
-    from edgeq.bundle import read_tensors
-
-    manifest = json.loads(Path(bundle_dir, "manifest.json").read_text())
-    return read_tensors(Path(bundle_dir), manifest["golden"])
+    return read_tensors(Path(bundle_dir), read_manifest(bundle_dir).golden)
 
 
 def run_py(bundle_dir: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -83,9 +80,9 @@ import sys, numpy as np
 sys.path.insert(0, sys.argv[1])
 import run
 model = run.Model()
-name = model.manifest["inputs"][0]["name"]
+name = model.manifest.inputs[0].name
 x = np.load(sys.argv[2])["input"]
-out = [model.run({name: x[i:i + 1]})[model.manifest["outputs"][0]["name"]][0] for i in range(len(x))]
+out = [model.run({name: x[i:i + 1]})[model.manifest.outputs[0].name][0] for i in range(len(x))]
 np.save(sys.argv[3], np.stack(out))
 """
 

@@ -117,14 +117,15 @@ def test_deeply_nested_json(bundles, keys, tmp_path, where):
     if where == "manifest":
         refused(run_cli("inspect", bundle), 7, "nests deeper than 64")
     proc = run_py(bundle, "--check", env={"EDGEQ_TRUSTED_KEY": str(keys[1])})
-    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert proc.returncode == 7 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert "Traceback" not in proc.stderr
 
 
 @pytest.mark.parametrize("change,message", [
-    (lambda m: m["library"].__setitem__("file", ["model.so"]), "library.file is not one of the bundle's files"),
-    (lambda m: m["golden"].__setitem__("file", {"x": 1}), "golden.file is not one of the bundle's files"),
-    (lambda m: m["weights"].__setitem__("tensors", [{"name": "w"}]), "weights.tensors is not a list"),
+    (lambda m: m["library"].__setitem__("file", ["model.so"]), "'library.file' is not text"),
+    (lambda m: m["golden"].__setitem__("file", {"x": 1}), "'golden.file' is not text"),
+    (lambda m: m["weights"].__setitem__("tensors", [{"name": "w"}]), "'weights.tensors[0].dtype' is missing"),
+    (lambda m: m["library"].__setitem__("file", "other.so"), "library.file is not one of the bundle's files"),
     (lambda m: m.__setitem__("runtime", {"loader": 5, "libraries": []}), "runtime.loader"),
     (lambda m: [m.pop(k) for k in list(m) if k != "schema_version"], "is missing"),
 ])
@@ -137,7 +138,7 @@ def test_type_confused_manifest(bundles, tmp_path, change, message):
     refused(run_cli("verify", bundle), 7, message)
     refused(run_cli("inspect", bundle), 7)
     proc = run_py(bundle, "--check")
-    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+    assert proc.returncode == 7 and len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
 
 
 # ---- install: anti-rollback fails closed ----------------------------------------------------------------

@@ -74,8 +74,18 @@ def test_self_test_benchmark_and_check(host_bundles):
     assert bench.returncode == 0, bench.stderr
     stats = json.loads(bench.stdout)
     assert stats["runs"] == 5
-    assert 0 < stats["min_ms"] <= stats["median_ms"] <= stats["p90_ms"] <= stats["p99_ms"] <= stats["max_ms"]
+    assert 0 < stats["min_ms"] <= stats["p50_ms"] <= stats["p90_ms"] <= stats["p99_ms"] <= stats["max_ms"]
     assert run_py(bundle_dir, "--check").returncode == 0
+
+
+def test_loader_and_its_modules_ship_as_they_are(host_bundles):
+    """run.py, contract.py and safebundle.py are the same files in every bundle: edgeq's own, not rendered."""
+    repo = Path(__file__).resolve().parent.parent
+    bundle_dir = Path(host_bundles["resnet_cnn"]["bundle_dir"])
+    for name, source in (("run.py", "templates/run.py"), ("contract.py", "packager/contract.py"),
+                         ("safebundle.py", "packager/safebundle.py")):
+        assert (bundle_dir / name).read_bytes() == (repo / source).read_bytes(), name
+    assert not (bundle_dir / "__pycache__").exists()  # running run.py above wrote nothing into the bundle
 
 
 def test_self_test_fails_when_outputs_are_wrong(host_bundles, tmp_path):
@@ -101,9 +111,9 @@ def test_loader_refuses_a_tampered_file(host_bundles, tmp_path):
         f.seek(-8, 2)
         f.write(b"tampered")
     proc = run_py(bundle_dir, "--self-test")
-    assert proc.returncode == 2
+    assert proc.returncode == 7  # contract.LoaderExit.BUNDLE
     assert proc.stderr.strip().splitlines() == [
-        "run.py: error: bundle file weights.bin does not match its SHA-256 in the manifest; re-copy the bundle"
+        "run.py: error: bundle file weights.bin does not match the manifest (changed or from another bundle)"
     ]
 
 
@@ -118,7 +128,7 @@ def test_manifest_records_what_the_device_needs(host_bundles, models):
     res = host_bundles["transformer_block"]
     bundle_dir = Path(res["bundle_dir"])
     m = json.loads((bundle_dir / "manifest.json").read_text())
-    assert m["schema_version"] == 2
+    assert m["schema_version"] == 3
     assert m["model"]["sha256"] == hashlib.sha256(models["transformer_block"].read_bytes()).hexdigest()
     assert m["inputs"] == [{"name": "input", "shape": [1, 16, 32], "dtype": "float32"}]
     assert m["outputs"] == [{"name": "output", "shape": [1, 16, 32], "dtype": "float32"}]

@@ -69,7 +69,7 @@ def test_orin_loader_refuses_this_x86_machine(orin_bundle):
     if os.uname().machine == "aarch64":
         pytest.skip("this machine is aarch64")
     proc = run_py(Path(orin_bundle["bundle_dir"]), "--self-test")
-    assert proc.returncode == 2
+    assert proc.returncode == 4  # contract.LoaderExit.DEVICE
     assert proc.stderr.strip().splitlines() == [
         f"run.py: error: this bundle is for aarch64 (jetson-orin-nano) but this machine is {os.uname().machine}"
     ]

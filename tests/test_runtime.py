@@ -15,6 +15,7 @@ import onnxruntime as ort
 import pytest
 
 from conftest import read_golden, run_cli, run_py
+from edgeq.contract import latency_statistics
 from edgeq.runtime.assemble import check_elves
 from edgeq.runtime.wheels import fetch, installed_version
 from edgeq.targets import profiles
@@ -23,7 +24,8 @@ QEMU = shutil.which("qemu-aarch64")
 SYSROOT = "/usr/aarch64-linux-gnu"
 needs_qemu = pytest.mark.skipif(QEMU is None or not Path(SYSROOT).is_dir(),
                                 reason="qemu-user and the aarch64 cross toolchain are needed (scripts/setup.sh)")
-BENCH_KEYS = {"runs", "warmup", "min_ms", "median_ms", "mean_ms", "p90_ms", "p99_ms", "max_ms", "throughput_per_s"}
+BENCH_KEYS = {"runs", "batch", "warmup", "min_ms", "mean_ms", "p50_ms", "p90_ms", "p99_ms", "max_ms", "throughput_per_s",
+              "samples_ms"}
 
 
 def package(model, device, out, *extra) -> Path:
@@ -46,9 +48,10 @@ def ort_run(model: Path, inputs: dict) -> dict:
     return dict(zip([o.name for o in session.get_outputs()], session.run(None, inputs)))
 
 
-def one_line_refusal(proc, *fragments):
+def one_line_refusal(proc, status, *fragments):
+    """One line on stderr and the loaders' exit status (contract.LoaderExit): 2 usage, 4 device, 7 bundle."""
     lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("edgeq-run: error: "), proc.stderr
+    assert proc.returncode == status and len(lines) == 1 and lines[0].startswith("edgeq-run: error: "), proc.stderr
     for fragment in fragments:
         assert fragment in lines[0], lines[0]
 
@@ -107,8 +110,14 @@ def test_benchmark_json_has_the_keys_run_py_prints(host_bundle):
     stats = json.loads(native.stdout)
     assert set(stats) == set(json.loads(python.stdout)) == BENCH_KEYS
     assert stats["runs"] == 5 and stats["warmup"] == 1
-    assert 0 < stats["min_ms"] <= stats["median_ms"] <= stats["p90_ms"] <= stats["p99_ms"] <= stats["max_ms"]
-    assert stats["throughput_per_s"] == pytest.approx(1e3 / stats["median_ms"])
+    assert 0 < stats["min_ms"] <= stats["p50_ms"] <= stats["p90_ms"] <= stats["p99_ms"] <= stats["max_ms"]
+    # both loaders' statistics are contract.latency_statistics of the runs they report
+    for loader in (native, python):
+        reported = json.loads(loader.stdout)
+        expected = latency_statistics(reported["samples_ms"], batch=1)
+        assert len(reported["samples_ms"]) == 5
+        for key, value in expected.items():
+            assert reported[key] == pytest.approx(value, rel=1e-3, abs=2e-4), (key, reported, expected)
     check = edgeq_run(host_bundle, "--check", "--json")
     assert check.returncode == 0 and json.loads(check.stdout) == {"ok": True}
 
@@ -128,12 +137,12 @@ def test_signature_is_checked_before_loading(models, tmp_path):
     unsigned = package(models["resnet_cnn"], "host", tmp_path / "u")
     trust_a = {"EDGEQ_TRUSTED_KEY": str(keys / "a" / "edgeq_signing.pub")}
     assert edgeq_run(signed, "--self-test", env=trust_a).returncode == 0
-    one_line_refusal(edgeq_run(unsigned, "--check", env=trust_a), "not signed")
-    one_line_refusal(edgeq_run(signed, "--check", env={"EDGEQ_TRUSTED_KEY": str(keys / "b" / "edgeq_signing.pub")}),
+    one_line_refusal(edgeq_run(unsigned, "--check", env=trust_a), 7, "not signed")
+    one_line_refusal(edgeq_run(signed, "--check", env={"EDGEQ_TRUSTED_KEY": str(keys / "b" / "edgeq_signing.pub")}), 7,
                      "signed by another key")
     manifest = signed / "manifest.json"
     manifest.write_text(manifest.read_text().replace('"release": ', '"release": 1'))
-    one_line_refusal(edgeq_run(signed, "--check", env=trust_a), "signature does not match")
+    one_line_refusal(edgeq_run(signed, "--check", env=trust_a), 7, "signature does not match")
 
 
 def test_changed_runtime_file_wrong_arch_and_hostile_manifest(host_bundle, arm64_bundle, tmp_path):
@@ -142,20 +151,20 @@ def test_changed_runtime_file_wrong_arch_and_hostile_manifest(host_bundle, arm64
     with open(bundle / "runtime" / "libtvm_runtime.so", "r+b") as f:
         f.seek(4096)
         f.write(b"\x90\x90\x90\x90")
-    one_line_refusal(edgeq_run(bundle, "--self-test"), "runtime/libtvm_runtime.so does not match its SHA-256")
+    one_line_refusal(edgeq_run(bundle, "--self-test"), 7, "runtime/libtvm_runtime.so does not match its SHA-256")
     # the host's loader pointed at the aarch64 bundle: refused before anything is loaded
     one_line_refusal(edgeq_run(arm64_bundle, "--check", "--bundle", arm64_bundle,
-                               loader=host_bundle / "runtime" / "edgeq-run"),
+                               loader=host_bundle / "runtime" / "edgeq-run"), 4,
                      "this bundle is for aarch64 (arm64-cpu) but this machine is x86_64")
     proc = run_py(arm64_bundle, "--check")
-    assert proc.returncode == 2 and "this bundle is for aarch64" in proc.stderr
+    assert proc.returncode == 4 and "this bundle is for aarch64" in proc.stderr
     (bundle / "manifest.json").write_text("[" * 100000 + "]" * 100000)
-    one_line_refusal(edgeq_run(bundle, "--check"), "nested deeper than")
+    one_line_refusal(edgeq_run(bundle, "--check"), 7, "nested deeper than")
     header = b"{'descr': '<f4', 'fortran_order': False, 'shape': (1, 3, 100000, 100000), }".ljust(127) + b"\n"
     (tmp_path / "bomb.npy").write_bytes(b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header)  # 120 GB claimed
     shutil.copyfile(host_bundle / "manifest.json", bundle / "manifest.json")
     shutil.copyfile(host_bundle / "runtime" / "libtvm_runtime.so", bundle / "runtime" / "libtvm_runtime.so")
-    one_line_refusal(edgeq_run(bundle, "--input", f"input={tmp_path / 'bomb.npy'}"), "EDGEQ_MAX_INPUT_BYTES")
+    one_line_refusal(edgeq_run(bundle, "--input", f"input={tmp_path / 'bomb.npy'}"), 2, "EDGEQ_MAX_INPUT_BYTES")
 
 
 def test_elf_needs_are_checked_against_the_profile_os(host_bundle):
@@ -231,13 +240,13 @@ def test_orin_bundle_loads_everything_under_qemu_and_refuses_cleanly(orin_bundle
     stand_ins = aarch64_cuda_stand_ins
     env = {"LD_LIBRARY_PATH": f"{stand_ins['driver']}:{stand_ins['cudart']}"}
     proc = edgeq_run(orin_bundle, "--check", env=env, qemu=True)
-    one_line_refusal(proc, "needs a CUDA GPU (sm_87) but none is visible")
+    one_line_refusal(proc, 4, "needs a CUDA GPU (sm_87) but none is visible")
     assert "undefined symbol" not in proc.stderr and "cannot load" not in proc.stderr
     # no libcudart.so.12 anywhere: the bridge says where it looked
     proc = edgeq_run(orin_bundle, "--check", env={"LD_LIBRARY_PATH": str(stand_ins["driver"])}, qemu=True)
-    one_line_refusal(proc, "libcudart.so.12")
+    one_line_refusal(proc, 4, "libcudart.so.12")
     # no driver at all
-    one_line_refusal(edgeq_run(orin_bundle, "--check", qemu=True), "no CUDA driver")
+    one_line_refusal(edgeq_run(orin_bundle, "--check", qemu=True), 4, "no CUDA driver")
 
 
 # ---- a pip-installed TVM on a CUDA 12 machine (edgeq rpc serve on JetPack 6) -------------------------------

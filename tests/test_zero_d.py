@@ -210,7 +210,7 @@ def test_scalar_input_keeps_rank_0(bundles, tmp_path):
 def test_tensor_files_keep_rank_0(tmp_path):
     arrays = [("a", np.array(3.5, np.float32)), ("b", np.array(7, np.int64)), ("c", np.zeros((2, 1), np.uint8))]
     table = write_tensors(tmp_path / "t.bin", arrays)
-    assert [entry["shape"] for entry in table] == [[], [], [2, 1]]
+    assert [entry.shape for entry in table] == [[], [], [2, 1]]
     for (_, want), entry in zip(arrays, table):
         got = read_tensor(tmp_path / "t.bin", entry)
         assert got.shape == want.shape and got.dtype == want.dtype and np.array_equal(got, want)

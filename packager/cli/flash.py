@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from rich.table import Table
 from rich.text import Text
 
+from edgeq.contract import HostState
 from edgeq.errors import ExitStatus
 
 if TYPE_CHECKING:
@@ -49,7 +50,7 @@ def _cells(*values) -> list[Text]:
 
 
 def report(results: list[HostResult], env, as_json: bool, title: str, extra: dict | None = None,
-           bad_states: tuple[str, ...] = ("failed", "rolled-back", "skipped")) -> int:
+           bad_states: tuple[HostState, ...] = (HostState.FAILED, HostState.ROLLED_BACK, HostState.SKIPPED)) -> int:
     if as_json:
         print(json.dumps({**(extra or {}), "hosts": [r.to_dict() for r in results]}, indent=2), file=env.stdout)
     else:
@@ -70,7 +71,7 @@ def run(args, env) -> int:
                            max_failures=args.max_failures, parallel=args.parallel, dry_run=args.dry_run,
                            allow_downgrade=args.allow_downgrade)
     results, waves = flash(flash_args, _printer(env))
-    summary = {state: sum(r.state == state for r in results) for state in ("updated", "already", "rolled-back", "failed", "skipped")}
+    summary = {state.value: sum(r.state == state for r in results) for state in HostState}
     return report(results, env, args.json, f"flash {args.bundle.name}: " + ", ".join(f"{n} {s}" for s, n in summary.items() if n),
                   {"bundle": str(args.bundle), "waves": waves, "summary": summary, "dry_run": args.dry_run})
 
@@ -119,4 +120,4 @@ class RollbackVerb:
         from edgeq.fleet import fleet_rollback
 
         results = fleet_rollback(args.fleet, args.host, _printer(env))
-        return report(results, env, args.json, "rollback", bad_states=("failed",))
+        return report(results, env, args.json, "rollback", bad_states=(HostState.FAILED,))

@@ -18,24 +18,34 @@ def add_parser(sub) -> None:
 
 
 def _tensors(specs) -> str:
-    return ", ".join(f"{t['name']} {t['dtype']} {'x'.join(map(str, t['shape']))}" for t in specs)
+    return ", ".join(f"{t.name} {t.dtype} {'x'.join(map(str, t.shape))}" for t in specs)
 
 
-def _kernels(info) -> str:
+def _cpu_kernels(info) -> str:
     if not info:
         return "-"
     schedules = ", ".join(f"{k} {v}" for k, v in info["schedules"].items())
     return f"{info['conv_matmul_calls']} conv/matmul calls on edgeq kernels; TIR functions by schedule: {schedules}"
 
 
+def _gpu_kernels(info) -> str:
+    if not info:
+        return "-"
+    rules = ", ".join(f"{k} {v}" for k, v in info.get("rules", {}).items())
+    text = f"{info.get('kernels', '?')} kernels per inference; by schedule rule: {rules or '-'}"
+    if info.get("fallbacks"):
+        text += f"; {len(info['fallbacks'])} fell back to another rule"
+    return text + f"; CUDA graph: {'yes' if info.get('cuda_graph') else 'no'}"
+
+
 def _runtime(record, compatibility) -> str:
     if not record:
         return "none (packaged with --runtime none: the device brings apache-tvm)"
     sources = ", ".join(f"{s['project']} {s['version']}" + (f" ({s['wheel']})" if s.get("wheel") else " (installed)")
-                        for s in record["sources"])
-    bridge = record.get("cuda_bridge")
-    text = (f"{len(record['libraries']) + 1} files, {record['bytes'] / 1e6:.1f} MB: {', '.join(record['libraries'])}, "
-            f"{record['loader']}; from {sources}")
+                        for s in record.sources)
+    bridge = record.cuda_bridge
+    text = (f"{len(record.libraries) + 1} files, {record.bytes / 1e6:.1f} MB: {', '.join(record.libraries)}, "
+            f"{record.loader}; from {sources}")
     if bridge:
         text += f"; CUDA bridge {bridge['provides']} -> {bridge['forwards_to']} ({len(bridge['functions'])} functions)"
     if compatibility:
@@ -49,14 +59,14 @@ def run(args, env) -> int:
 
     m = read_manifest(args.bundle)
     if args.json:
-        print(json.dumps(m, indent=2), file=env.stdout)
+        print(json.dumps(m.to_json(), indent=2), file=env.stdout)
         return 0
     try:
         rows = _rows(m)
     except (KeyError, TypeError, AttributeError, ValueError, IndexError) as err:
         raise BundleError(f"{args.bundle}: the manifest's {err} is missing or of the wrong type; "
                           "'edgeq inspect --json' prints it as it is") from None
-    view = Table(title=Text(f"bundle {m['bundle_id']}"), show_header=False)
+    view = Table(title=Text(f"bundle {m.bundle_id}"), show_header=False)
     for key, value in rows:
         view.add_row(key, Text(value))  # manifest text is data, never rich markup
     env.out().print(view)
@@ -64,20 +74,21 @@ def run(args, env) -> int:
 
 
 def _rows(m) -> list[tuple[str, str]]:
-    device, toolkit = m["device"], m["toolchain"]["cuda_toolkit"]
+    device, toolkit = m.device, m.toolchain.cuda_toolkit
     return [
-        ("model", f"{m['model']['file']} (sha256 {m['model']['sha256'][:16]}…, opset {m['model']['opset']})"),
-        ("precision", m["precision"]),
-        ("device", f"{device['profile']}: {device['description']}"),
-        ("host", f"{device['host_triple']} ({device['mcpu']})"),
-        ("GPU code", f"{', '.join(m['library']['cuda_device_code']) or '-'}"
-                     + (f" from CUDA {toolkit['version']} {toolkit['kind']}" if toolkit else "")),
-        ("CPU kernels", _kernels(m["library"].get("cpu_kernels"))),
-        ("inputs", _tensors(m["inputs"])),
-        ("outputs", _tensors(m["outputs"])),
-        ("weights", f"{m['weights']['count']} tensors, {m['weights']['bytes'] / 1e6:.2f} MB"),
-        ("runtime", _runtime(m.get("runtime"), m.get("compatibility"))),
-        ("built", f"{m['created']} with edgeq {m['edgeq_version']}, TVM {m['tvm_version']}"),
-        ("stage times", ", ".join(f"{k} {v:.2f}s" for k, v in m["build"]["stage_seconds"].items())),
-        ("files", ", ".join(m["files"])),
+        ("model", f"{m.model.file} (sha256 {m.model.sha256[:16]}…, opset {m.model.opset})"),
+        ("precision", m.precision + (f" ({m.quantization.summary()})" if m.quantization else "")),
+        ("device", f"{device.profile}: {device.description}"),
+        ("host", f"{device.host_triple} ({device.mcpu})"),
+        ("GPU code", f"{', '.join(m.library.cuda_device_code) or '-'}"
+                     + (f" from CUDA {toolkit.version} {toolkit.kind}" if toolkit else "")),
+        ("CPU kernels", _cpu_kernels(m.library.cpu_kernels)),
+        ("GPU kernels", _gpu_kernels(m.library.gpu_kernels)),
+        ("inputs", _tensors(m.inputs)),
+        ("outputs", _tensors(m.outputs)),
+        ("weights", f"{m.weights.count} tensors, {m.weights.bytes / 1e6:.2f} MB"),
+        ("runtime", _runtime(m.runtime, m.compatibility)),
+        ("built", f"{m.created} with edgeq {m.edgeq_version}, TVM {m.tvm_version}"),
+        ("stage times", ", ".join(f"{k} {v:.2f}s" for k, v in m.build.get("stage_seconds", {}).items())),
+        ("files", ", ".join(m.files)),
     ]

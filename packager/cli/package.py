@@ -8,8 +8,9 @@ from pathlib import Path
 from rich.table import Table
 from rich.text import Text
 
-from edgeq.choices import CALIBRATION_METHODS, DEFAULT_METHOD, PRECISIONS, RUNTIME_CHOICES
-from edgeq.errors import UsageError
+from edgeq.choices import (CALIBRATION_METHODS, DEFAULT_CALIB_SAMPLES, DEFAULT_METHOD, DEFAULT_OUTPUT, DEFAULT_PERCENTILE,
+                           PRECISIONS, RUNTIME_CHOICES)
+from edgeq.contract import QuantizationReport
 
 
 def add_parser(sub) -> None:
@@ -20,7 +21,8 @@ def add_parser(sub) -> None:
     )
     parser.add_argument("model", type=Path, help="the ONNX model")
     parser.add_argument("--device", required=True, help="device profile or alias (see 'edgeq devices')")
-    parser.add_argument("-o", "--output", type=Path, default=Path("dist"), help="output folder (default: dist)")
+    parser.add_argument("-o", "--output", type=Path, default=Path(DEFAULT_OUTPUT),
+                        help=f"output folder (default: {DEFAULT_OUTPUT})")
     parser.add_argument("--input-shape", action="append", default=[], metavar="NAME=1x3x224x224",
                         help="fix the shape of an input with dynamic dims; repeat per input")
     parser.add_argument("--const", action="append", default=[], metavar="NAME=FILE.npy",
@@ -35,9 +37,10 @@ def add_parser(sub) -> None:
                    help=".npz (one array per input, samples first), a folder of .npy/.npz, or a folder of images")
     q.add_argument("--calibration", choices=list(CALIBRATION_METHODS), default=DEFAULT_METHOD,
                    help=f"activation range method (default: {DEFAULT_METHOD})")
-    q.add_argument("--percentile", type=float, default=99.99, help="for --calibration percentile (default 99.99)")
-    q.add_argument("--calib-samples", type=int, default=256, metavar="N",
-                   help="calibration samples to use at most (default 256), counted one per input row: a batch of B "
+    q.add_argument("--percentile", type=float, default=DEFAULT_PERCENTILE,
+                   help=f"for --calibration percentile (default {DEFAULT_PERCENTILE})")
+    q.add_argument("--calib-samples", type=int, default=DEFAULT_CALIB_SAMPLES, metavar="N",
+                   help=f"calibration samples to use at most (default {DEFAULT_CALIB_SAMPLES}), counted one per input row: a batch of B "
                         "counts B; used in whole batches, at least one; fewer than 10 only warn")
     q.add_argument("--preprocess", nargs="?", const="", metavar="SPEC",
                    help="how to turn images into inputs: resize=HxW,mean=a/b/c,std=a/b/c,scale=255,layout=NCHW,order=RGB")
@@ -73,9 +76,6 @@ def run(args, env) -> int:
     consts = dict(parse_const(text) for text in args.const)
     quantize_args = None
     if args.calibrate is not None:
-        budget = args.accuracy_budget
-        if args.precision == "mixed" and budget is None:
-            raise UsageError("--precision mixed needs --accuracy-budget X (top-1 points, or relative output error)")
         quantize_args = QuantizeArgs(
             calibrate=args.calibrate,
             method=args.calibration,
@@ -83,7 +83,7 @@ def run(args, env) -> int:
             samples=args.calib_samples,
             skip=tuple(args.skip),
             fallback="fp16" if args.fp16 else "fp32",
-            accuracy_budget=budget,
+            accuracy_budget=args.accuracy_budget,
             eval=args.eval,
             preprocess=Preprocess.parse(args.preprocess) if args.preprocess is not None else None,
         )
@@ -108,14 +108,15 @@ def run(args, env) -> int:
     if args.json:
         print(json.dumps(result.to_dict(), indent=2), file=env.stdout)
         return 0
-    view = Table(title=Text(f"bundle {result.manifest['bundle_id']}"), show_header=False)
-    toolkit = result.manifest["toolchain"]["cuda_toolkit"]
+    m = result.manifest
+    view = Table(title=Text(f"bundle {m.bundle_id}"), show_header=False)
+    toolkit = m.toolchain.cuda_toolkit
     rows = [
         ("bundle", str(result.bundle_dir)),
         ("archive", str(result.archive)),
         ("device", result.device),
         ("precision", result.precision),
-        ("CUDA", f"{result.manifest['device']['cuda_arch']}, CUDA {toolkit['version']} {toolkit['kind']}" if toolkit else "-"),
+        ("CUDA", f"{m.device.cuda_arch}, CUDA {toolkit.version} {toolkit.kind}" if toolkit else "-"),
         *((f"time: {name}", f"{seconds:.2f} s") for name, seconds in result.stages.items()),
         ("time: total", f"{result.total_seconds:.2f} s"),
     ]
@@ -123,35 +124,34 @@ def run(args, env) -> int:
         view.add_row(key, Text(value))  # paths and names are data, never rich markup
     out = env.out()
     out.print(view)
-    report = result.manifest.get("quantization")
-    if report:
-        out.print(quantization_table(report))
+    if m.quantization:
+        out.print(quantization_table(m.quantization))
     return 0
 
 
-def quantization_table(report: dict) -> Table:
-    if "evaluation" not in report:  # a pre-quantized (QDQ) model
-        table = Table(title=f"quantization: {report['source']}; float ops: "
-                            f"{', '.join(f'{k} x{v}' for k, v in report['float_ops'].items()) or 'none'}")
+def quantization_table(report: QuantizationReport) -> Table:
+    float_ops = ", ".join(f"{k} x{v}" for k, v in report.float_ops.items()) or "none"
+    w = report.weight_bytes
+    weights = f"weights {w.float / 1e3:.1f} kB -> {w.bundle / 1e3:.1f} kB ({w.ratio:.2f}x)"
+    if report.kind == "pre-quantized":
+        table = Table(title=f"quantization: {report.source}; float ops: {float_ops}; {weights}")
         for column in ("layer", "op", "precision", "activation", "zero point", "why not integer"):
             table.add_column(column)
-        for row in report["layers"]:
-            table.add_row(Text(row["name"]), row["op_type"], row["precision"], row["activation_dtype"] or "-",
-                          str(row["activation_zero_point"]), row["reason"] or "-")
+        for row in report.layers:
+            table.add_row(Text(row.name), row.op_type, row.precision, row.activation_dtype or "-",
+                          str(row.activation_zero_point), row.reason or "-")
         return table
-    ev = report["evaluation"]
+    ev = report.evaluation
     summary = f"rel. output error {ev['rel_error']:.4f}, cosine {ev['cosine']:.5f}"
     if "top1_agreement" in ev:
         summary += f", top-1 agreement {ev['top1_agreement']:.1f}%"
     if "top1_fp32" in ev:
         summary += f", top-1 fp32 {ev['top1_fp32']:.1f}% -> quantized {ev['top1_quantized']:.1f}%"
-    w = report["weight_bytes"]
-    summary += f"; weights {w['fp32'] / 1e3:.1f} kB -> {w['quantized'] / 1e3:.1f} kB ({w['ratio']:.2f}x)"
-    table = Table(title=f"quantization ({report['method']}): {summary}")
+    table = Table(title=f"quantization ({report.method}): {summary}; {weights}")
     for column in ("layer", "op", "precision", "act scale", "SQNR dB", "why not int8"):
         table.add_column(column)
-    for row in report["layers"]:
-        table.add_row(Text(row["name"]), row["op_type"], row["precision"],
-                      f"{row['activation_scale']:.4g}" if row.get("activation_scale") else "-",
-                      f"{row['sqnr_db']:.1f}" if row.get("sqnr_db") is not None else "-", row["reason"] or "-")
+    for row in report.layers:
+        table.add_row(Text(row.name), row.op_type, row.precision,
+                      f"{row.activation_scale:.4g}" if row.activation_scale else "-",
+                      f"{row.sqnr_db:.1f}" if row.sqnr_db is not None else "-", row.reason or "-")
     return table

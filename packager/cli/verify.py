@@ -28,8 +28,8 @@ def run(args, env) -> int:
             _, manifest = open_bundle(args.bundle, tmp, key)
         except BundleRefused as err:
             raise BundleError(f"{args.bundle}: refused: {err}") from None
-    result = {"bundle": str(args.bundle), "bundle_id": manifest["bundle_id"], "release": manifest["release"],
-              "files": len(manifest["files"]), "signature": "verified" if key else "not checked (no --pub)"}
+    result = {"bundle": str(args.bundle), "bundle_id": manifest.bundle_id, "release": manifest.release,
+              "files": len(manifest.files), "signature": "verified" if key else "not checked (no --pub)"}
     if args.json:
         print(json.dumps(result), file=env.stdout)
     else:

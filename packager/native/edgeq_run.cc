@@ -5,8 +5,9 @@
 //   runtime/edgeq-run --input NAME=x.npy ... [--output DIR_OR_FILE.npz] [--json]
 //   runtime/edgeq-run --benchmark N [--warmup W] [--json]
 //
-// Same flags, JSON keys and exit codes as run.py: 0 ok, 1 self-test failed, 2 refused (with one line on
-// stderr naming the problem). Before any TVM library is loaded: the manifest is read (size and nesting
+// Same flags, JSON keys, statistics (contract.latency_statistics) and exit codes as run.py (contract.LoaderExit):
+// 0 ok, 1 self-test failed, 2 usage (flags, inputs, outputs), 4 this machine cannot run the bundle, 7 the
+// bundle is damaged, changed or refused; each refusal is one line on stderr naming the problem. Before any TVM library is loaded: the manifest is read (size and nesting
 // bounded), its signature checked when this device trusts a key ($EDGEQ_TRUSTED_KEY, else
 // /etc/edgeq/trusted.pub; ed25519 through the system's OpenSSL libcrypto), the architecture compared,
 // every file's size and SHA-256 checked, and for CUDA bundles the driver looked for. Only then are the
@@ -44,10 +45,18 @@ constexpr size_t kMaxManifestBytes = 4u << 20;
 constexpr int kMaxJsonDepth = 64;
 constexpr uint64_t kMaxInputBytes = 4ull << 30;  // one .npy input; raise with EDGEQ_MAX_INPUT_BYTES
 
+enum Exit { kOk = 0, kSelfTestFailed = 1, kUsage = 2, kDevice = 4, kBundle = 7 };  // contract.LoaderExit
+
 struct Refused : std::runtime_error {
-  using std::runtime_error::runtime_error;
+  Refused(const std::string& why, int status) : std::runtime_error(why), status(status) {}
+  int status;
 };
-[[noreturn]] void refuse(const std::string& why) { throw Refused(why); }
+// The bundle is damaged, changed, unsigned where a key is trusted, or not one this loader reads.
+[[noreturn]] void refuse(const std::string& why) { throw Refused(why, kBundle); }
+// This machine cannot run the bundle: architecture, driver, GPU, libraries.
+[[noreturn]] void refuse_device(const std::string& why) { throw Refused(why, kDevice); }
+// The user's flags, inputs or output path.
+[[noreturn]] void refuse_usage(const std::string& why) { throw Refused(why, kUsage); }
 
 // ------------------------------------------------------------------------------------------------
 // SHA-256 (FIPS 180-4)
@@ -474,7 +483,7 @@ std::string ShapeText(const std::vector<int64_t>& shape) {
 
 // Reads a .npy file (version 1-3, little-endian, C order) with the size bounded before allocation.
 HostTensor ReadNpy(const std::string& path, const std::string& what) {
-  auto fail = [&](const std::string& why) { refuse("cannot read " + what + ": " + why); };
+  auto fail = [&](const std::string& why) { refuse_usage("cannot read " + what + ": " + why); };
   FILE* f = std::fopen(path.c_str(), "rb");
   if (!f) fail(std::strerror(errno));
   std::unique_ptr<FILE, int (*)(FILE*)> guard(f, std::fclose);
@@ -586,12 +595,12 @@ void Put32(std::string* s, uint32_t v) { Put16(s, v & 0xFFFF); Put16(s, v >> 16)
 void WriteFileAtomic(const std::string& path, const std::string& data) {
   std::string tmp = path + ".tmp" + std::to_string(getpid());
   FILE* f = std::fopen(tmp.c_str(), "wb");
-  if (!f) refuse("cannot write " + path + ": " + std::strerror(errno));
+  if (!f) refuse_usage("cannot write " + path + ": " + std::strerror(errno));
   bool ok = std::fwrite(data.data(), 1, data.size(), f) == data.size();
   ok = (std::fclose(f) == 0) && ok;
   if (!ok || std::rename(tmp.c_str(), path.c_str()) != 0) {
     std::remove(tmp.c_str());
-    refuse("cannot write " + path + ": " + std::strerror(errno));
+    refuse_usage("cannot write " + path + ": " + std::strerror(errno));
   }
 }
 
@@ -600,7 +609,7 @@ void WriteNpz(const std::string& path, const std::vector<HostTensor>& tensors) {
   std::string out, central;
   for (const HostTensor& t : tensors) {
     std::string name = t.name + ".npy", data = NpyBytes(t);
-    if (data.size() >= 0xFFFFFFFFu) refuse("output " + t.name + " is too large for a .npz; write a directory instead");
+    if (data.size() >= 0xFFFFFFFFu) refuse_usage("output " + t.name + " is too large for a .npz; write a directory instead");
     uint32_t crc = Crc32(data), offset = uint32_t(out.size());
     std::string common;
     Put16(&common, 20); Put16(&common, 0); Put16(&common, 0); Put16(&common, 0); Put16(&common, 0x21);
@@ -814,7 +823,7 @@ Bundle LoadManifest(const std::string& dir) {
   b.atol = golden.At("atol", "golden.").Num("golden.atol");
   b.library_file = m.At("library", "").At("file", "library.").Str("library.file");
   const Json* runtime = m.Find("runtime");
-  if (!runtime || runtime->kind != Json::kObject) refuse("this bundle carries no runtime (packaged with --runtime none)");
+  if (!runtime || runtime->kind != Json::kObject) refuse_device("this bundle carries no runtime (packaged with --runtime none)");
   for (const Json& lib : runtime->At("libraries", "runtime.").Arr("runtime.libraries"))
     b.libraries.push_back(lib.Str("runtime.libraries"));
   const Json* bridge = runtime->Find("cuda_bridge");
@@ -826,7 +835,7 @@ void CheckArch(const Bundle& b) {
   struct utsname u;
   uname(&u);
   if (b.arch != u.machine)
-    refuse("this bundle is for " + b.arch + " (" + b.profile + ") but this machine is " + std::string(u.machine));
+    refuse_device("this bundle is for " + b.arch + " (" + b.profile + ") but this machine is " + std::string(u.machine));
 }
 
 void CheckFiles(const Bundle& b) {
@@ -850,12 +859,12 @@ void CheckFiles(const Bundle& b) {
 // The CUDA driver: present and new enough for the toolkit the device code was built with.
 void CheckDriver(const Bundle& b) {
   void* libcuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
-  if (!libcuda) refuse("this bundle needs a CUDA GPU (" + b.cuda_arch + ") but no CUDA driver (libcuda.so.1) was found");
+  if (!libcuda) refuse_device("this bundle needs a CUDA GPU (" + b.cuda_arch + ") but no CUDA driver (libcuda.so.1) was found");
   using GetVersion = int (*)(int*);
   auto get_version = reinterpret_cast<GetVersion>(dlsym(libcuda, "cuDriverGetVersion"));
   int version = 0;
   if (get_version && get_version(&version) == 0 && version > 0 && version / 1000 < b.cuda_major)
-    refuse("this bundle was built with CUDA " + std::to_string(b.cuda_major) + ".x but the driver here is CUDA " +
+    refuse_device("this bundle was built with CUDA " + std::to_string(b.cuda_major) + ".x but the driver here is CUDA " +
            std::to_string(version / 1000) + "." + std::to_string((version % 1000) / 10) + "; it needs a CUDA " +
            std::to_string(b.cuda_major) + ".x driver or newer");
 }
@@ -939,7 +948,7 @@ void* OpenLibrary(const std::string& path) {
   void* handle = dlopen(path.c_str(), RTLD_NOW | RTLD_GLOBAL);
   if (!handle) {
     const char* err = dlerror();
-    refuse("cannot load " + path + ": " + (err ? err : "unknown error"));
+    refuse_device("cannot load " + path + ": " + (err ? err : "unknown error"));
   }
   return handle;
 }
@@ -1032,7 +1041,7 @@ std::unique_ptr<Runtime> LoadRuntime(const Bundle& b) {
     if (!b.bridge.empty() && lib == b.bridge) {
       using ErrorFn = const char* (*)();
       auto error = reinterpret_cast<ErrorFn>(dlsym(handle, "edgeq_cudart_bridge_error"));
-      if (error && error()) refuse(error());
+      if (error && error()) refuse_device(error());
     }
   }
   if (!ffi_lib) refuse("the bundle's runtime has no libtvm_ffi.so");
@@ -1046,7 +1055,7 @@ std::unique_ptr<Runtime> LoadRuntime(const Bundle& b) {
   if (!b.cuda_arch.empty()) {
     // The GPU, through the CUDA runtime the TVM CUDA backend uses (the bridge on CUDA 12 devices).
     void* cudart = dlopen("libcudart.so.13", RTLD_NOW | RTLD_NOLOAD);
-    if (!cudart) refuse("the CUDA runtime libcudart.so.13 is not loaded; the bundle's runtime is incomplete");
+    if (!cudart) refuse_device("the CUDA runtime libcudart.so.13 is not loaded; the bundle's runtime is incomplete");
     using Count = int (*)(int*);
     using Attr = int (*)(int*, int, int);
     using ErrorString = const char* (*)(int);
@@ -1056,13 +1065,13 @@ std::unique_ptr<Runtime> LoadRuntime(const Bundle& b) {
     int n = 0;
     int err = count ? count(&n) : -1;
     if (err != 0 || n < 1)
-      refuse("this bundle needs a CUDA GPU (" + b.cuda_arch + ") but none is visible" +
+      refuse_device("this bundle needs a CUDA GPU (" + b.cuda_arch + ") but none is visible" +
              (err != 0 && error_string ? std::string(" (") + error_string(err) + ")" : std::string()));
     int major = 0, minor = 0;
     attr(&major, 75, 0);  // cudaDevAttrComputeCapabilityMajor
     attr(&minor, 76, 0);
     std::string have = "sm_" + std::to_string(major) + std::to_string(minor);
-    if (have != b.cuda_arch) refuse("this bundle carries code for " + b.cuda_arch + " but the GPU here is " + have);
+    if (have != b.cuda_arch) refuse_device("this bundle carries code for " + b.cuda_arch + " but the GPU here is " + have);
     rt->dev = DLDevice{kDLCUDA, 0};
   }
   rt->make_shape = Global("ffi.Shape");
@@ -1098,7 +1107,7 @@ std::vector<Value> DeviceInputs(Runtime* rt, const Bundle& b, const std::map<std
   for (auto& kv : given) {
     bool known = false;
     for (const TensorSpec& s : b.inputs) known = known || s.name == kv.first;
-    if (!known) refuse("unknown input(s): " + kv.first);
+    if (!known) refuse_usage("unknown input(s): " + kv.first);
   }
   std::vector<Value> out;
   for (const TensorSpec& spec : b.inputs) {
@@ -1106,11 +1115,11 @@ std::vector<Value> DeviceInputs(Runtime* rt, const Bundle& b, const std::map<std
     if (it == given.end()) {
       std::string names;
       for (const TensorSpec& s : b.inputs) names += (names.empty() ? "" : ", ") + s.name;
-      refuse("input '" + spec.name + "' is missing; the model's inputs are: " + names);
+      refuse_usage("input '" + spec.name + "' is missing; the model's inputs are: " + names);
     }
     const HostTensor& t = it->second;
     if (t.shape != spec.shape || t.dtype.name != spec.dtype.name)
-      refuse("input '" + spec.name + "' must be " + spec.dtype.name + " " + ShapeText(spec.shape) + ", got " +
+      refuse_usage("input '" + spec.name + "' must be " + spec.dtype.name + " " + ShapeText(spec.shape) + ", got " +
              t.dtype.name + " " + ShapeText(t.shape));
     TensorSpec sized = spec;
     sized.bytes = t.data.size();
@@ -1185,7 +1194,7 @@ std::string BundleDir(const Args& a) {
   if (!a.bundle.empty()) return a.bundle;
   char buf[4096];
   ssize_t n = readlink("/proc/self/exe", buf, sizeof buf - 1);
-  if (n <= 0) refuse("cannot find the bundle folder; pass --bundle DIR");
+  if (n <= 0) refuse_usage("cannot find the bundle folder; pass --bundle DIR");
   std::string exe(buf, size_t(n));
   std::string runtime = exe.substr(0, exe.rfind('/'));
   return runtime.substr(0, runtime.rfind('/'));
@@ -1280,22 +1289,27 @@ void Benchmark(Runtime* rt, const Bundle& b, std::map<std::string, HostTensor> i
     rt->Sync();
     times.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
   }
-  std::sort(times.begin(), times.end());
+  // contract.latency_statistics: percentiles by linear interpolation, throughput = batch / mean latency
+  std::vector<double> sorted = times;
+  std::sort(sorted.begin(), sorted.end());
   double mean = 0;
-  for (double t : times) mean += t;
-  mean /= double(times.size());
-  double median = Percentile(times, 50);
-  double batch = b.inputs.empty() || b.inputs[0].shape.empty() ? 1.0 : double(b.inputs[0].shape[0]);
-  double throughput = batch * 1e3 / median;
+  for (double t : sorted) mean += t;
+  mean /= double(sorted.size());
+  long batch = b.inputs.empty() || b.inputs[0].shape.empty() ? 1 : long(b.inputs[0].shape[0]);
+  double throughput = double(batch) * 1e3 / mean;
+  auto ms = [](double v) { return JsonNumber(std::round(v * 1e4) / 1e4); };
+  double p50 = Percentile(sorted, 50), p90 = Percentile(sorted, 90), p99 = Percentile(sorted, 99);
   if (json) {
-    std::printf("{\"runs\": %ld, \"warmup\": %ld, \"min_ms\": %s, \"median_ms\": %s, \"mean_ms\": %s, \"p90_ms\": %s, "
-                "\"p99_ms\": %s, \"max_ms\": %s, \"throughput_per_s\": %s}\n",
-                runs, warmup, JsonNumber(times.front()).c_str(), JsonNumber(median).c_str(), JsonNumber(mean).c_str(),
-                JsonNumber(Percentile(times, 90)).c_str(), JsonNumber(Percentile(times, 99)).c_str(),
-                JsonNumber(times.back()).c_str(), JsonNumber(throughput).c_str());
+    std::string samples;
+    for (size_t k = 0; k < times.size(); ++k) samples += (k ? ", " : "") + ms(times[k]);
+    std::printf("{\"runs\": %ld, \"batch\": %ld, \"min_ms\": %s, \"mean_ms\": %s, \"p50_ms\": %s, \"p90_ms\": %s, "
+                "\"p99_ms\": %s, \"max_ms\": %s, \"throughput_per_s\": %s, \"warmup\": %ld, \"samples_ms\": [%s]}\n",
+                runs, batch, ms(sorted.front()).c_str(), ms(mean).c_str(), ms(p50).c_str(), ms(p90).c_str(),
+                ms(p99).c_str(), ms(sorted.back()).c_str(), JsonNumber(std::round(throughput * 100) / 100).c_str(),
+                warmup, samples.c_str());
   } else {
-    std::printf("%ld runs: min %.3f ms  median %.3f ms  p90 %.3f ms  p99 %.3f ms  (%.1f inferences/s)\n", runs,
-                times.front(), median, Percentile(times, 90), Percentile(times, 99), throughput);
+    std::printf("%ld runs: min %.3f ms  p50 %.3f ms  p90 %.3f ms  p99 %.3f ms  mean %.3f ms  (%.1f inferences/s)\n",
+                runs, sorted.front(), p50, p90, p99, mean, throughput);
   }
 }
 
@@ -1309,7 +1323,7 @@ int Main(int argc, char** argv) {
   std::map<std::string, HostTensor> inputs;
   for (const std::string& spec : args.inputs) {
     size_t eq = spec.find('=');
-    if (eq == std::string::npos || eq == 0) refuse("--input '" + spec + "' is not NAME=FILE.npy");
+    if (eq == std::string::npos || eq == 0) refuse_usage("--input '" + spec + "' is not NAME=FILE.npy");
     HostTensor t = ReadNpy(spec.substr(eq + 1), "--input " + spec);
     t.name = spec.substr(0, eq);
     inputs[t.name] = std::move(t);
@@ -1335,7 +1349,7 @@ int Main(int argc, char** argv) {
         WriteNpz(args.output, outputs);
       } else {
         if (!IsDir(args.output) && mkdir(args.output.c_str(), 0755) != 0)
-          refuse("cannot make the output folder " + args.output + ": " + std::strerror(errno));
+          refuse_usage("cannot make the output folder " + args.output + ": " + std::strerror(errno));
         for (const HostTensor& t : outputs) WriteFileAtomic(args.output + "/" + SafeFileName(t.name) + ".npy", NpyBytes(t));
       }
     }
@@ -1363,9 +1377,9 @@ int main(int argc, char** argv) {
     return Main(argc, argv);
   } catch (const Refused& err) {
     std::fprintf(stderr, "edgeq-run: error: %s\n", err.what());
-    return 2;
+    return err.status;
   } catch (const std::exception& err) {
     std::fprintf(stderr, "edgeq-run: error: %s\n", err.what());
-    return 2;
+    return kDevice;
   }
 }

@@ -19,7 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from edgeq.choices import DEFAULT_METHOD
+from edgeq.choices import DEFAULT_CALIB_SAMPLES, DEFAULT_METHOD, DEFAULT_PERCENTILE
+from edgeq.contract import QUANT_PARAMS, LayerRow, WeightBytes
+from edgeq.contract import QuantizationReport as Report
 from edgeq.errors import ModelError, UsageError
 from edgeq.graph import Graph
 from edgeq.load import LoadedModel
@@ -47,8 +49,8 @@ QDQ_PASSES: list[tuple[str, Callable[[Graph], Graph]]] = [*PASSES, ("commute_qdq
 class QuantizeArgs:
     calibrate: Path
     method: str = DEFAULT_METHOD
-    percentile: float = 99.99
-    samples: int = 256
+    percentile: float = DEFAULT_PERCENTILE
+    samples: int = DEFAULT_CALIB_SAMPLES
     skip: tuple[str, ...] = ()
     fallback: str = "fp32"  # precision of layers that leave int8 by the budget: fp32 or fp16
     accuracy_budget: float | None = None  # top-1 points with labelled eval data, else relative output error
@@ -66,7 +68,7 @@ class QuantizeArgs:
 class QuantizeResult:
     graph: Graph
     layers: list[Layer]
-    report: dict[str, Any]
+    report: Report  # the manifest's ``quantization``
     scales: dict[str, np.ndarray]  # what quant_params.npz holds
 
 
@@ -243,30 +245,58 @@ def quantize(graph: Graph, model: LoadedModel, args: QuantizeArgs, note: Callabl
             w_scale = quantize_weight(graph.weights[layer.weight], layer.channel_axis)[1]
             scales[f"{layer.name}/activation_scale"] = np.float32(act_scales[layer.weight])
             scales[f"{layer.name}/weight_scale"] = w_scale
-            row.update(activation_scale=act_scales[layer.weight], activation_threshold=thresholds[layer.weight],
+            row.update(activation_scale=float(act_scales[layer.weight]), activation_threshold=float(thresholds[layer.weight]),
                        weight_scale_min=float(w_scale.min()), weight_scale_max=float(w_scale.max()))
         layer_rows.append(row)
-    fp32_bytes = int(sum(w.nbytes for w in graph.weights.values()))
-    q_bytes = int(sum(w.nbytes for w in quantized.weights.values()))
-    report = {
-        "method": args.method,
-        "percentile": args.percentile if args.method == "percentile" else None,
-        "activations": "int8, per-tensor, symmetric (zero point 0)",
-        "weights": "int8, per-output-channel, symmetric",
-        "accumulation": "int32, bias added in int32, requantized or dequantized in the epilogue",
-        "calibration": {"source": calib.source, "samples": calib.count},
-        "layers": layer_rows,
-        "precision_counts": {p: sum(l.precision == p for l in layers) for p in ("int8", "fp16", "fp32")},
-        "evaluation": {"source": evaluation.source if args.eval else f"{calib.source} (calibration data; no --eval)",
-                       **metrics},
-        "fallbacks": decisions,
-        # round(bias / (activation scale x weight scale)) beyond 2^30: the bias is added in float after dequantize
-        "float_biases": {"names": kept_float, "reason": "round(bias / scale) does not fit int32"},
-        "weight_bytes": {"fp32": fp32_bytes, "quantized": q_bytes, "ratio": round(q_bytes / max(fp32_bytes, 1), 4)},
-        "scales_file": "quant_params.npz",
-        "args": args.to_dict(),
-    }
+    report = Report(
+        kind="calibrated",
+        source=f"edgeq post-training quantization, {args.method} calibration on {calib.source}",
+        precision_counts=_precision_counts(layers),
+        layers=[LayerRow.from_json(row, "quantization.layers") for row in layer_rows],
+        weight_bytes=_weight_bytes(graph, quantized),
+        float_ops=_float_ops(quantized),
+        float_biases=list(kept_float),  # round(bias / scale) beyond 2^30: added in float after the dequantize
+        method=args.method,
+        calibration={"source": calib.source, "samples": calib.count,
+                     "percentile": args.percentile if args.method == "percentile" else None},
+        evaluation={"source": evaluation.source if args.eval else f"{calib.source} (calibration data; no --eval)",
+                    **metrics},
+        fallbacks=decisions,
+        scheme={"activations": "int8, per-tensor, symmetric (zero point 0)",
+                "weights": "int8, per-output-channel, symmetric",
+                "accumulation": "int32, bias added in int32, requantized or dequantized in the epilogue"},
+        scales_file=QUANT_PARAMS,
+        args=args.to_dict(),
+    )
     return QuantizeResult(quantized, layers, report, scales)
+
+
+def _precision_counts(layers: list[Layer]) -> dict[str, int]:
+    return {p: sum(l.precision == p for l in layers) for p in ("int8", "fp16", "fp32")}
+
+
+def _weight_bytes(before: Graph, after: Graph) -> WeightBytes:
+    floats = int(sum(w.nbytes for w in before.weights.values()))
+    stored = int(sum(w.nbytes for w in after.weights.values()))
+    return WeightBytes(float=floats, bundle=stored, ratio=round(stored / max(floats, 1), 4))
+
+
+FLOAT_OPS = ("relax.nn.conv2d", "relax.matmul", "relax.mean", "relax.nn.avg_pool2d", "relax.nn.softmax",
+             "relax.nn.layer_norm", "relax.concat")
+
+
+def _float_ops(graph: Graph) -> dict[str, int]:
+    """Ops that still compute in float after quantization, by op: float convolutions and matrix products,
+    and the reductions and concatenations that have no integer form here."""
+    from edgeq.graph import call_op
+
+    counts: dict[str, int] = {}
+    for b in graph.bindings():
+        op = call_op(b.value)
+        if op not in FLOAT_OPS or (op in FLOAT_OPS[:2] and not str(b.value.args[0].ty.dtype).startswith("float")):
+            continue
+        counts[op] = counts.get(op, 0) + 1
+    return counts
 
 
 def _onnx_consumers(model) -> dict[str, Any]:
@@ -294,24 +324,21 @@ def lower_prequantized(graph: Graph, model: LoadedModel) -> QuantizeResult:
                       reason=ql.reason)
         layers.append(layer)
         rows.append({**layer.to_dict(), "activation_dtype": ql.activation_dtype,
-                     "activation_zero_point": ql.activation_zero_point})
-    float_ops: dict[str, int] = {}
-    from edgeq.graph import call_op
-
-    for b in lowered.bindings():
-        op = call_op(b.value)
-        if op in ("relax.nn.conv2d", "relax.matmul") and str(b.value.args[0].ty.dtype).startswith("float"):
-            float_ops[op] = float_ops.get(op, 0) + 1
-        elif op in ("relax.mean", "relax.nn.avg_pool2d", "relax.nn.softmax", "relax.nn.layer_norm", "relax.concat"):
-            float_ops[op] = float_ops.get(op, 0) + 1
-    report = {
-        "source": "pre-quantized ONNX (QDQ): scales and zero points from the model",
-        "layers": rows,
-        "precision_counts": {p: sum(l.precision == p for l in layers) for p in ("int8", "fp16", "fp32")},
-        "float_ops": float_ops,
-        "note": "elementwise ops between integer layers (Add, Relu, requantize) run fused into the integer "
-                "kernels' epilogues; ops in float_ops compute in float on dequantized values",
-        "weight_bytes": {"model": int(sum(w.nbytes for w in graph.weights.values())),
-                         "bundle": int(sum(w.nbytes for w in lowered.weights.values()))},
-    }
+                     "activation_zero_point": int(ql.activation_zero_point)})
+    report = Report(
+        kind="pre-quantized",
+        source="pre-quantized ONNX (QDQ): scales and zero points from the model",
+        precision_counts=_precision_counts(layers),
+        layers=[LayerRow.from_json(row, "quantization.layers") for row in rows],
+        weight_bytes=_weight_bytes(graph, lowered),
+        float_ops=_float_ops(lowered),
+        float_biases=[],
+        method=None, calibration=None, evaluation=None, fallbacks=[],
+        scheme={"activations": "the model's QDQ scales and zero points (int8 or uint8)",
+                "weights": "the model's QDQ scales (per-tensor or per-channel)",
+                "accumulation": "int32; elementwise ops between integer layers (Add, Relu, requantize) run fused "
+                                "into the integer kernels' epilogues; ops in float_ops compute in float on "
+                                "dequantized values"},
+        scales_file=None, args=None,
+    )
     return QuantizeResult(lowered, layers, report, {})

@@ -1,0 +1,354 @@
+#!/usr/bin/env python3
+"""The Python loader of an edgeq bundle: checks, runs, self-tests and benchmarks the model in this folder.
+
+    python3 run.py --check                  only check that this machine can run the bundle
+    python3 run.py --self-test              run the golden input, compare with the outputs in the manifest
+    python3 run.py --input NAME=x.npy [--output out.npz]
+    python3 run.py --benchmark 100 [--warmup 10] [--json]
+
+Needs numpy and the TVM runtime (the apache-tvm version in manifest.json). Where Python has no TVM (or no
+numpy), it hands over to the bundle's native loader runtime/edgeq-run, which takes the same flags and needs
+nothing installed. On a CUDA 12 device (JetPack 6) it loads the bundle's CUDA bridge (runtime/libcudart.so.13)
+before TVM, so a pip-installed apache-tvm (built for CUDA 13) reaches the GPU.
+
+Before anything is loaded, safebundle.py (beside this file) checks the manifest's shape (contract.py) and
+every file against its size and SHA-256; when this device trusts a signing key ($EDGEQ_TRUSTED_KEY, else
+/etc/edgeq/trusted.pub), the manifest must carry a valid signature by it. A refusal is one line on stderr.
+Exit status: 0 ok, 1 self-test failed, 2 usage, 4 this machine cannot run the bundle, 7 the bundle is damaged
+or refused. Shipped as is in every bundle (the same file for all); the bundle's facts come from manifest.json.
+"""
+
+import os
+import sys
+
+if __name__ == "__main__" and sys.path and os.path.abspath(sys.path[0] or os.curdir) == os.path.dirname(os.path.abspath(__file__)):
+    del sys.path[0]  # files in this folder are data: none may stand in for a module (json, numpy, tvm) imported below
+
+import argparse  # noqa: E402
+import ctypes  # noqa: E402
+import importlib.util  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+NATIVE_LOADER = os.path.join(HERE, "runtime", "edgeq-run")
+MAX_RUNS = 1000000  # --benchmark / --warmup
+MAX_INPUT_BYTES = int(os.environ.get("EDGEQ_MAX_INPUT_BYTES") or 4 << 30)  # one --input .npy
+TRUSTED_KEY = os.environ.get("EDGEQ_TRUSTED_KEY") or "/etc/edgeq/trusted.pub"
+# TVM's thread pool assumes two hardware threads per core and, unless told, uses half the CPUs; inference
+# gets every CPU this process may run on (set TVM_NUM_THREADS to choose).
+if hasattr(os, "sched_getaffinity"):
+    os.environ.setdefault("TVM_NUM_THREADS", str(len(os.sched_getaffinity(0))))
+
+
+def _sibling(name, module_name):
+    """A module of this folder, by path: nothing else in the folder can stand in for it or for numpy/tvm."""
+    spec = importlib.util.spec_from_file_location(module_name, os.path.join(HERE, name))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+sys.dont_write_bytecode = True  # importing the two modules below must not add __pycache__ to the bundle
+safebundle = _sibling("safebundle.py", "edgeq_bundle_safebundle")
+contract = safebundle.contract
+Exit = contract.LoaderExit
+
+
+class LoaderError(Exception):
+    """A refusal: ``str()`` is the one-line reason, ``status`` the exit status."""
+
+    def __init__(self, message, status=Exit.DEVICE):
+        super().__init__(message)
+        self.status = status
+
+
+BRIDGE_PROBLEM = []  # why the CUDA bridge cannot reach a CUDA 12 runtime, reported after the driver check
+
+
+def load_cuda_bridge(manifest):
+    """Give TVM's CUDA backend (linked to CUDA 13's libcudart.so.13) the device's CUDA 12 runtime through the
+    bundle's bridge. Takes the verified manifest (the bridge is loaded only after every file's hash matched);
+    must run before ``import tvm``; does nothing where the bundle has no bridge."""
+    bridge = manifest.runtime.cuda_bridge if manifest.runtime else None
+    if not bridge or manifest.device.arch != platform.machine():
+        return
+    try:
+        ctypes.CDLL("libcudart.so.13", mode=ctypes.RTLD_GLOBAL)  # a CUDA 13 runtime of the device's own
+        return
+    except OSError:
+        pass
+    try:
+        lib = ctypes.CDLL(os.path.join(HERE, str(bridge.get("file"))), mode=ctypes.RTLD_GLOBAL)
+    except OSError as err:
+        BRIDGE_PROBLEM.append("cannot load the bundle's CUDA bridge: %s" % err)
+        return
+    lib.edgeq_cudart_bridge_error.restype = ctypes.c_char_p
+    problem = lib.edgeq_cudart_bridge_error()
+    if problem:
+        BRIDGE_PROBLEM.append(problem.decode("utf-8", "replace"))
+
+
+def hand_over(argv, missing):
+    """No TVM (or numpy) for this Python: run the bundle with its native loader, which checks everything itself."""
+    if not os.path.isfile(NATIVE_LOADER):
+        raise LoaderError("this Python has no %s and the bundle carries no runtime (packaged with --runtime none); "
+                          "pip install numpy and the apache-tvm version manifest.json names" % missing)
+    sys.stdout.flush()
+    os.execv(NATIVE_LOADER, [NATIVE_LOADER, "--bundle", HERE] + list(argv))
+
+
+def verified_manifest(verify=True):
+    """The manifest checked by safebundle.py (signature where a key is trusted, every file's size and hash),
+    and the CUDA bridge loaded: all before TVM. Files the manifest does not list are ignored: nothing loads them."""
+    try:
+        key = safebundle.load_public_key(TRUSTED_KEY) if os.path.exists(TRUSTED_KEY) else None
+        if verify:
+            manifest = safebundle.verify_dir(HERE, key, extra_files=True)
+        else:
+            with open(os.path.join(HERE, contract.MANIFEST), "rb") as f:
+                manifest = safebundle.parse_manifest(f.read(safebundle.MAX_MANIFEST_BYTES + 1))
+    except safebundle.BundleRefused as err:
+        raise LoaderError(str(err), Exit.BUNDLE)
+    except OSError as err:
+        raise LoaderError("cannot read the bundle: %s" % (err.strerror or err), Exit.BUNDLE)
+    load_cuda_bridge(manifest)
+    return manifest
+
+
+def cuda_driver_version():
+    """(major, minor) of the installed CUDA driver, or None when there is none."""
+    try:
+        libcuda = ctypes.CDLL("libcuda.so.1")
+        version = ctypes.c_int(0)
+        if libcuda.cuDriverGetVersion(ctypes.byref(version)) != 0:
+            return None
+        return version.value // 1000, (version.value % 1000) // 10
+    except (OSError, AttributeError):
+        return None
+
+
+def check_machine(manifest, tvm):
+    """Refuse, with one reason, a machine this bundle cannot run on. Runs before the library is loaded."""
+    device = manifest.device
+    machine = platform.machine()
+    if machine != device.arch:
+        raise LoaderError("this bundle is for %s (%s) but this machine is %s" % (device.arch, device.profile, machine))
+    if tvm.__version__.split(".")[:2] != manifest.tvm_version.split(".")[:2]:
+        raise LoaderError("this bundle was built with TVM %s but the runtime here is %s; install apache-tvm==%s"
+                          % (manifest.tvm_version, tvm.__version__, manifest.tvm_version))
+    if not device.cuda_arch:
+        return tvm.cpu(0)
+    toolkit = manifest.toolchain.cuda_toolkit
+    driver = cuda_driver_version()
+    if driver is None:
+        raise LoaderError("this bundle needs a CUDA GPU (%s) but no CUDA driver was found" % device.cuda_arch)
+    if toolkit is not None and driver[0] < toolkit.major:
+        raise LoaderError("this bundle was built with CUDA %s but the driver here is CUDA %d.%d; it needs a CUDA %d.x "
+                          "driver or newer" % (toolkit.version, driver[0], driver[1], toolkit.major))
+    if BRIDGE_PROBLEM:
+        raise LoaderError(BRIDGE_PROBLEM[0])
+    if not tvm.runtime.enabled("cuda"):
+        raise LoaderError("the TVM runtime here is built without CUDA; install a CUDA-enabled TVM runtime")
+    dev = tvm.cuda(0)
+    if not dev.exist:
+        raise LoaderError("this bundle needs a CUDA GPU (%s) but none is visible" % device.cuda_arch)
+    have_arch = "sm_" + dev.compute_version.replace(".", "")
+    if have_arch != device.cuda_arch:
+        raise LoaderError("this bundle carries code for %s but the GPU here is %s" % (device.cuda_arch, have_arch))
+    return dev
+
+
+def read_tensor(np, name, entry):
+    """One array of an edgeq-raw-1 file (little-endian, C order, at the manifest's offset)."""
+    dtype = np.dtype(entry.dtype).newbyteorder("<")
+    count = int(np.prod(entry.shape, dtype=np.int64))
+    flat = np.fromfile(os.path.join(HERE, name), dtype=dtype, count=count, offset=entry.offset)
+    if flat.size != count:
+        raise LoaderError("bundle file %s is shorter than the manifest says" % name, Exit.BUNDLE)
+    return flat.astype(dtype.newbyteorder("="), copy=False).reshape(entry.shape)
+
+
+class Model:
+    """The bundle's model, loaded: ``Model().run({name: array})`` returns ``{output name: array}``."""
+
+    def __init__(self, manifest=None, verify=True):
+        """``manifest``: one already checked by ``verified_manifest``; else it is done here."""
+        self.manifest = manifest or verified_manifest(verify)
+        import numpy as np
+        import tvm
+        from tvm.runtime.vm import VirtualMachine
+
+        self.np = np
+        self.tvm = tvm
+        self.dev = check_machine(self.manifest, tvm)
+        lib = tvm.runtime.load_module(os.path.join(HERE, self.manifest.library.file))
+        self.vm = VirtualMachine(lib, self.dev)
+        weights = self.manifest.weights
+        self.params = [tvm.runtime.tensor(read_tensor(np, weights.file, t), self.dev) for t in weights.tensors]
+
+    def arguments(self, inputs):
+        np = self.np
+        specs = self.manifest.inputs
+        args = []
+        for spec in specs:
+            if spec.name not in inputs:
+                raise LoaderError("input '%s' is missing; the model's inputs are: %s"
+                                  % (spec.name, ", ".join(s.name for s in specs)), Exit.USAGE)
+            array = np.asarray(inputs[spec.name])
+            if list(array.shape) != spec.shape or str(array.dtype) != spec.dtype:
+                raise LoaderError("input '%s' must be %s %s, got %s %s" % (
+                    spec.name, spec.dtype, "x".join(map(str, spec.shape)), array.dtype,
+                    "x".join(map(str, array.shape))), Exit.USAGE)
+            args.append(self.tvm.runtime.tensor(np.require(array, requirements="C"), self.dev))
+        unknown = set(inputs) - {s.name for s in specs}
+        if unknown:
+            raise LoaderError("unknown input(s): %s" % ", ".join(sorted(unknown)), Exit.USAGE)
+        return args + self.params
+
+    def run(self, inputs):
+        result = self.vm["main"](*self.arguments(inputs))
+        results = [result] if isinstance(result, self.tvm.runtime.Tensor) else list(result)
+        return {spec.name: r.numpy() for spec, r in zip(self.manifest.outputs, results)}
+
+    def benchmark(self, inputs, repeat, warmup):
+        """``contract.latency_statistics`` of ``repeat`` timed runs after ``warmup``, and the runs themselves."""
+        args = self.arguments(inputs)
+        for _ in range(warmup):
+            self.vm["main"](*args)
+        self.dev.sync()
+        timer = self.vm.time_evaluator("main", self.dev, number=1, repeat=repeat)
+        samples = [t * 1e3 for t in timer(*args).results]
+        stats = contract.latency_statistics(samples, self.manifest.batch)
+        return dict(stats, warmup=warmup, samples_ms=[round(t, 4) for t in samples])
+
+
+def self_test(model):
+    np = model.np
+    golden = model.manifest.golden
+    arrays = {t.name: read_tensor(np, golden.file, t) for t in golden.tensors}
+    inputs = {s.name: arrays["input:" + s.name] for s in model.manifest.inputs}
+    expected = {s.name: arrays["output:" + s.name] for s in model.manifest.outputs}
+    outputs = model.run(inputs)
+    report, ok = [], True
+    for name, want in expected.items():
+        got = outputs[name]
+        atol = golden.tolerance(float(np.max(np.abs(want))) if want.size else 1.0)
+        close = got.shape == want.shape and bool(np.allclose(got, want, rtol=golden.rtol, atol=atol))
+        diff = float(np.max(np.abs(got.astype(np.float64) - want))) if got.shape == want.shape else float("inf")
+        report.append({"output": name, "max_abs_diff": float("%.4g" % diff), "rtol": golden.rtol,
+                       "atol": float("%.4g" % atol), "ok": close})
+        ok = ok and close
+    return ok, report
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description="Run the edgeq bundle in %s." % HERE)
+    parser.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy",
+                        help="an input array (.npy); repeat for each model input")
+    parser.add_argument("--output", metavar="FILE.npz", help="where to write the outputs (default: print a summary)")
+    parser.add_argument("--self-test", action="store_true", help="run the golden input and compare with the manifest")
+    parser.add_argument("--benchmark", type=int, metavar="N", help="time N inferences after warm-up")
+    parser.add_argument("--warmup", type=int, default=10, metavar="N", help="warm-up runs before --benchmark (default 10)")
+    parser.add_argument("--check", action="store_true", help="only check that this machine can run the bundle")
+    parser.add_argument("--json", action="store_true", help="print results as JSON")
+    args = parser.parse_args(argv)
+    if args.benchmark is not None and not 1 <= args.benchmark <= MAX_RUNS:
+        parser.error("--benchmark needs N from 1 to %d" % MAX_RUNS)
+    if not 0 <= args.warmup <= MAX_RUNS:
+        parser.error("--warmup needs N from 0 to %d" % MAX_RUNS)
+    if not (args.self_test or args.benchmark or args.check or args.input):
+        parser.error("give --self-test, --benchmark N, --check or --input NAME=FILE.npy")
+    return args
+
+
+def read_inputs(specs):
+    import numpy as np
+
+    inputs = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep:
+            raise LoaderError("--input '%s' is not NAME=FILE.npy" % spec, Exit.USAGE)
+        try:
+            with open(path, "rb") as f:  # the header alone first: the size is bounded before anything is read
+                major, _ = np.lib.format.read_magic(f)
+                read_header = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
+                shape, _, dtype = read_header(f)
+            nbytes = int(np.prod(shape, dtype=object)) * dtype.itemsize
+            if nbytes > MAX_INPUT_BYTES:
+                raise LoaderError("--input %s declares %d bytes, more than %d; raise EDGEQ_MAX_INPUT_BYTES to read it"
+                                  % (spec, nbytes, MAX_INPUT_BYTES), Exit.USAGE)
+            inputs[name] = np.load(path, allow_pickle=False)
+        except (OSError, ValueError, EOFError) as err:
+            reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise LoaderError("cannot read --input %s: %s" % (spec, reason), Exit.USAGE)
+    return inputs
+
+
+def report_self_test(ok, report, as_json):
+    if as_json:
+        print(json.dumps({"ok": ok, "outputs": report}))
+        return
+    for row in report:
+        print("%-4s %s: max |diff| %.3g (rtol %g, atol %.3g)" % (
+            "ok" if row["ok"] else "FAIL", row["output"], row["max_abs_diff"], row["rtol"], row["atol"]))
+    print("self-test %s" % ("passed" if ok else "FAILED"))
+
+
+def run_inputs(model, inputs, args):
+    outputs = model.run(inputs)
+    if args.output:
+        try:
+            model.np.savez(args.output, **outputs)
+        except OSError as err:
+            raise LoaderError("cannot write --output %s: %s" % (args.output, err.strerror or err), Exit.USAGE)
+    if args.json:
+        print(json.dumps({k: {"shape": list(v.shape), "dtype": str(v.dtype)} for k, v in outputs.items()}))
+    elif not args.output:
+        for name, value in outputs.items():
+            print("%s: %s %s" % (name, value.dtype, "x".join(map(str, value.shape))))
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    try:
+        try:
+            __import__("numpy")
+        except ImportError:
+            hand_over(argv, "numpy")
+        if importlib.util.find_spec("tvm") is None:  # not imported yet: the CUDA bridge must load first
+            hand_over(argv, "tvm")
+        manifest = verified_manifest()
+        try:
+            import tvm
+        except ImportError:
+            hand_over(argv, "a working tvm")
+        if args.check:
+            check_machine(manifest, tvm)
+            print(json.dumps({"ok": True}) if args.json else "ok: this machine can run %s" % manifest.bundle_id)
+            return Exit.OK
+        inputs = read_inputs(args.input)
+        model = Model(manifest)
+        if args.self_test:
+            ok, report = self_test(model)
+            report_self_test(ok, report, args.json)
+            if not ok:
+                return Exit.SELF_TEST_FAILED
+        if args.benchmark:
+            np = model.np
+            inputs = inputs or {s.name: np.zeros(s.shape, s.dtype) for s in manifest.inputs}
+            stats = model.benchmark(inputs, args.benchmark, args.warmup)
+            print(json.dumps(stats) if args.json else contract.describe_latency(stats))
+        elif inputs:
+            run_inputs(model, inputs, args)
+        return Exit.OK
+    except LoaderError as err:
+        print("run.py: error: %s" % err, file=sys.stderr)
+        return err.status
+
+
+if __name__ == "__main__":
+    sys.exit(int(main()))
