@@ -371,11 +371,13 @@ def _draw_layers(report: dict) -> Callable:
                 what += f"; {layer['reason']}"
             tips[f"layer-{i}"] = what
             if sqnr and layer.get("sqnr_db") is None:  # no quantization noise to measure: say why instead
-                ax.text(right * 0.01, y[i], _short(f"{layer['precision']}: {layer.get('reason') or 'not quantized'}", 60),
-                        va="center", fontsize=7, color="#444")
+                ax.text(right * 0.01, y[i], _short(f"{layer['precision']}, no SQNR: {layer.get('reason') or 'not quantized'}", 70),
+                        va="center", fontsize=7, color=PRECISION_COLOURS.get(layer["precision"], "#444"))
             elif not sqnr:
                 ax.text(0.02, y[i], _short(what.split(": ", 1)[1], 70), va="center", fontsize=7, color="white")
         ax.set_yticks(y, [_short(l["name"]) for l in layers], fontsize=7)
+        for label, layer in zip(ax.get_yticklabels(), layers):  # the precision shows on every row, bar or not
+            label.set_color(PRECISION_COLOURS.get(layer["precision"], "#444"))
         ax.set_ylim(-0.6, len(layers) - 0.4)
         if sqnr:
             ax.set_xlabel("SQNR of the layer's output (dB, higher is better)")
@@ -394,7 +396,8 @@ def _draw_layers(report: dict) -> Callable:
 def _draw_weights(report: dict, precision: str) -> Callable:
     def draw(ax) -> dict[str, str]:
         before, after = _weight_bytes(report)
-        labels = ["float (the model)", f"{precision} (the bundle)"]
+        calibrated = bool(report.get("method"))  # a QDQ model's weights are quantized already
+        labels = ["float (the model)" if calibrated else "the model (QDQ)", f"{precision} (the bundle)"]
         bars = ax.barh([1, 0], [(before or 0) / 1e3, (after or 0) / 1e3], color=[PRECISION_COLOURS["fp32"], PRECISION_COLOURS["int8"]],
                        height=0.6)
         tips = {}
@@ -406,7 +409,7 @@ def _draw_weights(report: dict, precision: str) -> Callable:
         ax.set_xlim(0, max(before or 0, after or 0, 1) / 1e3 * 1.2)
         ax.set_xlabel("weights (kB)")
         ratio = f"{after / before:.2f}x" if before and after is not None else "-"
-        ax.set_title(f"weights: {_kb(before)} -> {_kb(after)} ({ratio} of float)")
+        ax.set_title(f"weights: {_kb(before)} -> {_kb(after)} ({ratio} of the model's)")
         return tips
 
     return draw

@@ -22,17 +22,30 @@ SVG = "{http://www.w3.org/2000/svg}"
 RAILS = {"VDD_IN": (5000, 1000), "VDD_SOC": (5000, 200)}  # mV, mA: 5 W and 1 W
 
 
+def package_has_report() -> bool:
+    from edgeq.cli.main import build_parser
+    from edgeq.errors import UsageError
+
+    try:
+        build_parser().parse_args(["package", "m.onnx", "--device", "host", "--report", "r.html"])
+    except UsageError:
+        return False
+    return True
+
+
 @pytest.fixture(scope="module")
 def int8_bundle(models, tmp_path_factory):
-    """The ResNet-style example in int8, its classifier (Gemm) kept in fp32 so that two precisions show."""
+    """The ResNet-style example in int8, its classifier (Gemm) kept in fp32 so that two precisions show; with
+    ``edgeq package --report``: (bundle folder, manifest, the report it drew)."""
     root = tmp_path_factory.mktemp("int8")
     calib = root / "calib.npz"
     np.savez(calib, input=np.random.default_rng(1).standard_normal((16, 3, 32, 32)).astype(np.float32))
+    page = root / "package.html" if package_has_report() else None
     res = run_cli("package", models["resnet_cnn"], "--device", "host", "-o", root, "-q", "--json",
-                  "--precision", "int8", "--calibrate", calib, "--skip", "Gemm")
+                  "--precision", "int8", "--calibrate", calib, "--skip", "Gemm", *(["--report", page] if page else []))
     assert res.code == 0, res.stderr
     bundle_dir = Path(json.loads(res.stdout)["bundle_dir"])
-    return bundle_dir, json.loads((bundle_dir / "manifest.json").read_text())
+    return bundle_dir, json.loads((bundle_dir / "manifest.json").read_text()), page
 
 
 @pytest.fixture
@@ -115,7 +128,7 @@ def check_png(path: Path, min_height: int) -> None:
 
 
 def test_bench_html_report_from_a_real_run(int8_bundle, fake_power, tmp_path):
-    bundle_dir, _ = int8_bundle
+    bundle_dir = int8_bundle[0]
     page = tmp_path / "bench.html"
     res = run_cli("bench", bundle_dir, "--repeat", "400", "--warmup", "7", "--power", "sysfs", "--json",
                   "--report", page)
@@ -181,7 +194,7 @@ def test_bench_html_report_from_a_real_run(int8_bundle, fake_power, tmp_path):
 
 
 def test_bench_png_report(int8_bundle, tmp_path):
-    bundle_dir, _ = int8_bundle
+    bundle_dir = int8_bundle[0]
     res = run_cli("bench", bundle_dir, "--repeat", "20", "--warmup", "2", "--power", "none", "--report", tmp_path / "b.PNG")
     assert res.code == 0, res.stderr
     check_png(tmp_path / "b.PNG", 700)
@@ -203,7 +216,7 @@ def test_bench_report_refused_before_measuring(int8_bundle, tmp_path, name, code
 
 
 def test_quantization_report(int8_bundle, tmp_path):
-    _, manifest = int8_bundle
+    manifest = int8_bundle[1]
     layers = manifest["quantization"]["layers"]
     assert {l["precision"] for l in layers} == {"int8", "fp32"}  # the classifier kept in fp32
     page = report.write(report.quantization_report(manifest), tmp_path / "q.html")
@@ -235,6 +248,16 @@ def test_quantization_report(int8_bundle, tmp_path):
 
     check_png(report.write(report.quantization_report(manifest), tmp_path / "q.png"), 500)
     assert report.render_html(report.quantization_report(manifest)) == text
+
+
+def test_package_cli_report(int8_bundle, models, tmp_path):
+    if not package_has_report():
+        pytest.skip("edgeq package has no --report option yet (packager/cli/package.py)")
+    _, manifest, page = int8_bundle
+    assert page.read_text() == report.render_html(report.quantization_report(manifest))
+    res = run_cli("package", models["resnet_cnn"], "--device", "host", "-o", tmp_path / "out", "--report", tmp_path / "q.svg")
+    assert res.code == 2 and "give a file ending in .html or .png" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1 and list(tmp_path.iterdir()) == []  # refused before the build
 
 
 def test_fp32_bundle_report_says_there_is_no_quantization(int8_bundle, tmp_path):
