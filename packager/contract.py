@@ -432,21 +432,25 @@ def percentile(sorted_values, q: float) -> float:
     return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
 
 
-def _ms(value: float) -> float:
-    return round(value, 4)  # 0.1 us: below what a timer of this kind resolves
+def significant(value: float, digits: int = 4) -> float:
+    """``value`` to ``digits`` significant digits: what a timer or a power sensor means, and JSON without
+    ``0.05498290000000001``."""
+    return float("%.*g" % (digits, value))
 
 
 def latency_statistics(times_ms, batch: int = 1) -> dict:
-    """Latency percentiles of timed runs (ms, any order) and the throughput they sustain: ``batch``
-    inferences per mean latency (the N runs took N x mean, so that is the rate they ran at)."""
+    """Latency percentiles of timed runs (ms, any order; 4 significant digits) and the throughput they
+    sustain: ``batch`` inferences per mean latency (N runs took N x mean, so that is the rate they ran at),
+    computed from the rounded mean so the two printed numbers agree."""
     ms = sorted(float(t) for t in times_ms)
     if not ms:
         raise ValueError("no timed runs")
-    mean = math.fsum(ms) / len(ms)
+    mean = significant(math.fsum(ms) / len(ms))
     return {
-        "runs": len(ms), "batch": batch, "min_ms": _ms(ms[0]), "mean_ms": _ms(mean), "p50_ms": _ms(percentile(ms, 50)),
-        "p90_ms": _ms(percentile(ms, 90)), "p99_ms": _ms(percentile(ms, 99)), "max_ms": _ms(ms[-1]),
-        "throughput_per_s": round(batch * 1e3 / mean, 2) if mean > 0 else None,
+        "runs": len(ms), "batch": batch, "min_ms": significant(ms[0]), "mean_ms": mean,
+        "p50_ms": significant(percentile(ms, 50)), "p90_ms": significant(percentile(ms, 90)),
+        "p99_ms": significant(percentile(ms, 99)), "max_ms": significant(ms[-1]),
+        "throughput_per_s": significant(batch * 1e3 / mean) if mean > 0 else None,
     }
 
 

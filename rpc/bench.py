@@ -10,8 +10,10 @@ from typing import Any
 
 import numpy as np
 
-from edgeq import safebundle
+from edgeq import contract, safebundle
 from edgeq.bundle import read_tensor, read_tensors
+from edgeq.choices import DEFAULT_REPEAT, DEFAULT_WARMUP, POWER_SOURCES
+from edgeq.contract import significant
 from edgeq.errors import BundleError, UsageError
 from edgeq.limits import LIMITS
 from edgeq.rpc.power import Sampler
@@ -19,7 +21,6 @@ from edgeq.rpc.session import DAY_S, Remote, bounded, parse_addr
 from edgeq.targets import resolve
 from edgeq.toolchain import import_tvm
 
-from edgeq.choices import POWER_SOURCES  # noqa: E402,F401 - defined once, for the CLI too
 MAX_RUNS = LIMITS["benchmark_runs"].value  # --repeat and --warmup: beyond this a benchmark runs for days
 
 
@@ -28,35 +29,16 @@ class BenchArgs:
     bundle: Path
     rpc: str | None = None
     key: str | None = None
-    repeat: int = 100
-    warmup: int = 10
+    repeat: int = DEFAULT_REPEAT
+    warmup: int = DEFAULT_WARMUP
     power: str = "auto"
     timeout: float = 120.0
     session_timeout: float = 0.0
 
 
-def significant(value: float, digits: int = 4) -> float:
-    """``value`` to ``digits`` significant digits: what a timer or a power sensor means, and JSON without
-    ``0.05498290000000001``."""
-    return float(f"{value:.{digits}g}")
-
-
-def statistics(times_s: list[float], batch: int) -> dict[str, Any]:
-    """Latency percentiles in ms (4 significant digits) and the throughput they sustain, ``batch`` x 1000 /
-    mean_ms, computed from the rounded mean so that the two agree."""
-    ms = np.sort(np.asarray(times_s, np.float64) * 1e3)
-    mean = significant(float(ms.mean()))
-    return {
-        "runs": int(ms.size), "min_ms": significant(ms[0]), "mean_ms": mean,
-        "p50_ms": significant(np.percentile(ms, 50)), "p90_ms": significant(np.percentile(ms, 90)),
-        "p99_ms": significant(np.percentile(ms, 99)), "max_ms": significant(ms[-1]),
-        "batch": batch, "throughput_per_s": significant(batch * 1e3 / mean, 7) if mean > 0 else None,
-    }
-
-
 def in_order_ms(times_s) -> list[float]:
     """Per-run latencies in ms, in the order they ran (4 significant digits)."""
-    return [significant(t * 1e3) for t in times_s]
+    return [contract.significant(t * 1e3) for t in times_s]
 
 
 def profile_power_config(name: str) -> dict:
@@ -66,9 +48,9 @@ def profile_power_config(name: str) -> dict:
             "hwmon_rails": dict(profile.power.hwmon_rails)}
 
 
-def power_config(manifest: dict) -> dict:
+def power_config(manifest: contract.Manifest) -> dict:
     try:
-        return profile_power_config(manifest["device"]["profile"])
+        return profile_power_config(manifest.device.profile)
     except Exception:
         return {}
 
@@ -97,14 +79,13 @@ def _bundle(path: Path, workdir: str) -> tuple[Path, dict]:
         raise BundleError(f"{path}: refused: {err}") from None
 
 
-def _inputs(directory: Path, manifest: dict) -> list[np.ndarray]:
-    golden = read_tensors(directory, manifest["golden"])
-    return [golden["input:" + s["name"]] for s in manifest["inputs"]]
+def _inputs(directory: Path, manifest: contract.Manifest) -> list[np.ndarray]:
+    golden = read_tensors(directory, manifest.golden)
+    return [golden["input:" + s.name] for s in manifest.inputs]
 
 
-def _weights(directory: Path, manifest: dict) -> list[np.ndarray]:
-    weights = manifest["weights"]
-    return [read_tensor(directory / weights["file"], t) for t in weights["tensors"]]
+def _weights(directory: Path, manifest: contract.Manifest) -> list[np.ndarray]:
+    return [read_tensor(directory / manifest.weights.file, t) for t in manifest.weights.tensors]
 
 
 def bench(args: BenchArgs, note=lambda _: None) -> dict[str, Any]:
@@ -123,15 +104,14 @@ def bench(args: BenchArgs, note=lambda _: None) -> dict[str, Any]:
 
     with tempfile.TemporaryDirectory(prefix="edgeq-bench-") as tmp:
         directory, manifest = _bundle(Path(args.bundle), tmp)
-        batch = manifest["inputs"][0]["shape"][0] if manifest["inputs"] and manifest["inputs"][0]["shape"] else 1
-        cuda = bool(manifest["device"].get("cuda_arch"))
+        cuda = bool(manifest.device.cuda_arch)
         config = power_config(manifest)
         if args.rpc:
             note(f"connecting to {args.rpc} for a '{args.key}' device")
             remote = Remote.open(args.rpc, args.key, args.timeout, args.session_timeout)
             sess = remote.session
-            remote.call("upload the library", sess.upload, str(directory / manifest["library"]["file"]))
-            lib = remote.call("load the library on the device", sess.load_module, manifest["library"]["file"])
+            remote.call("upload the library", sess.upload, str(directory / manifest.library.file))
+            lib = remote.call("load the library on the device", sess.load_module, manifest.library.file)
             dev = sess.cuda(0) if cuda else sess.cpu(0)
             call = remote.call
             start = lambda: call("start power sampling",
@@ -139,7 +119,7 @@ def bench(args: BenchArgs, note=lambda _: None) -> dict[str, Any]:
             stop = lambda: json.loads(call("stop power sampling", lambda: sess.get_function("edgeq.power.stop")()))
             where = f"{args.key} via {args.rpc}"
         else:
-            lib = tvm.runtime.load_module(str(directory / manifest["library"]["file"]))
+            lib = tvm.runtime.load_module(str(directory / manifest.library.file))
             dev = tvm.cuda(0) if cuda else tvm.cpu(0)
             call = lambda step, fn, *a, **kw: fn(*a, **kw)
             sampler = Sampler(args.power, config)
@@ -167,8 +147,8 @@ def bench(args: BenchArgs, note=lambda _: None) -> dict[str, Any]:
                     pass
             raise
         power = stop() if args.power != "none" else {"source": "none"}
-        stats = statistics(list(result.results), batch)
-    return {"bundle": str(args.bundle), "bundle_id": manifest["bundle_id"], "device": manifest["device"]["profile"],
+        stats = contract.latency_statistics([t * 1e3 for t in result.results], manifest.batch)
+    return {"bundle": str(args.bundle), "bundle_id": manifest.bundle_id, "device": manifest.device.profile,
             "where": where, "warmup": args.warmup, **stats, "power": energy(power, stats) | {"requested": args.power,
                                                                                             "used": source},
             "warmup_ms": in_order_ms(warmup_s), "samples_ms": in_order_ms(result.results)}

@@ -221,7 +221,7 @@ class Model:
         timer = self.vm.time_evaluator("main", self.dev, number=1, repeat=repeat)
         samples = [t * 1e3 for t in timer(*args).results]
         stats = contract.latency_statistics(samples, self.manifest.batch)
-        return dict(stats, warmup=warmup, samples_ms=[round(t, 4) for t in samples])
+        return dict(stats, warmup=warmup, samples_ms=[contract.significant(t) for t in samples])
 
 
 def self_test(model):

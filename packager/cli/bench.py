@@ -8,7 +8,7 @@ from pathlib import Path
 from rich.table import Table
 from rich.text import Text
 
-from edgeq.choices import POWER_SOURCES
+from edgeq.choices import DEFAULT_REPEAT, DEFAULT_WARMUP, POWER_SOURCES
 
 
 def add_parser(sub) -> None:
@@ -18,8 +18,9 @@ def add_parser(sub) -> None:
     parser.add_argument("bundle", type=Path, help="bundle directory or .tar.gz")
     parser.add_argument("--rpc", metavar="HOST:PORT", help="TVM RPC tracker (omit to measure on this machine)")
     parser.add_argument("--key", help="device key registered with the tracker")
-    parser.add_argument("--repeat", type=int, default=100, help="timed runs, 1 to 1000000 (default 100)")
-    parser.add_argument("--warmup", type=int, default=10, help="untimed runs first, 0 to 1000000 (default 10)")
+    parser.add_argument("--repeat", type=int, default=DEFAULT_REPEAT, help=f"timed runs, 1 to 1000000 (default {DEFAULT_REPEAT})")
+    parser.add_argument("--warmup", type=int, default=DEFAULT_WARMUP,
+                        help=f"runs before the timed ones (timed too, shown apart), 0 to 1000000 (default {DEFAULT_WARMUP})")
     parser.add_argument("--power", choices=POWER_SOURCES, default="auto", help="power source on the device")
     parser.add_argument("--timeout", type=float, default=120, help="deadline in seconds for each remote step, 1 to 86400 (default 120)")
     parser.add_argument("--session-timeout", type=float, default=0, help="server-side session limit in seconds, 0 (none) to 86400")

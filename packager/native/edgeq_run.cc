@@ -1296,8 +1296,14 @@ void Benchmark(Runtime* rt, const Bundle& b, std::map<std::string, HostTensor> i
   for (double t : sorted) mean += t;
   mean /= double(sorted.size());
   long batch = b.inputs.empty() || b.inputs[0].shape.empty() ? 1 : long(b.inputs[0].shape[0]);
+  auto significant = [](double v) {  // contract.significant: 4 significant digits
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%.4g", v);
+    return std::strtod(buf, nullptr);
+  };
+  mean = significant(mean);
   double throughput = double(batch) * 1e3 / mean;
-  auto ms = [](double v) { return JsonNumber(std::round(v * 1e4) / 1e4); };
+  auto ms = [&](double v) { return JsonNumber(significant(v)); };
   double p50 = Percentile(sorted, 50), p90 = Percentile(sorted, 90), p99 = Percentile(sorted, 99);
   if (json) {
     std::string samples;
@@ -1305,7 +1311,7 @@ void Benchmark(Runtime* rt, const Bundle& b, std::map<std::string, HostTensor> i
     std::printf("{\"runs\": %ld, \"batch\": %ld, \"min_ms\": %s, \"mean_ms\": %s, \"p50_ms\": %s, \"p90_ms\": %s, "
                 "\"p99_ms\": %s, \"max_ms\": %s, \"throughput_per_s\": %s, \"warmup\": %ld, \"samples_ms\": [%s]}\n",
                 runs, batch, ms(sorted.front()).c_str(), ms(mean).c_str(), ms(p50).c_str(), ms(p90).c_str(),
-                ms(p99).c_str(), ms(sorted.back()).c_str(), JsonNumber(std::round(throughput * 100) / 100).c_str(),
+                ms(p99).c_str(), ms(sorted.back()).c_str(), ms(throughput).c_str(),
                 warmup, samples.c_str());
   } else {
     std::printf("%ld runs: min %.3f ms  p50 %.3f ms  p90 %.3f ms  p99 %.3f ms  mean %.3f ms  (%.1f inferences/s)\n",
