@@ -46,16 +46,26 @@ NO_TENSOR_CORES = "dlight.do_not_tensorize"  # dlight's tensorization rules skip
 # ------------------------------------------------------------------ graph transforms
 
 
-def _static(rw: Rewriter, expr) -> np.ndarray | None:
-    """The value of ``expr`` when it is known before run time: a weight, a constant, a dequantized weight,
-    or a reshape / transpose / cast / squeeze / expand_dims of one."""
-    value = rw.static_value(expr)
+def _static(rw: Rewriter, expr, dequantize: bool = True) -> np.ndarray | None:
+    """The value of ``expr`` when it is known before run time: a weight, a constant, (with ``dequantize``)
+    a dequantized weight, or a reshape / transpose / cast / squeeze / expand_dims of one."""
+    value = rw.static_value(expr) if dequantize else rw.array(expr)
     if value is not None:
         return value
     inner = rw.value(expr) if isinstance(expr, relax.Var) else expr
     if not isinstance(inner, relax.Call):
         return None
-    return _apply_layout_op(inner, lambda e: _static(rw, e))
+    return _apply_layout_op(inner, lambda e: _static(rw, e, dequantize))
+
+
+def _fresh(rw: Rewriter, name: str) -> str:
+    """A weight parameter name not taken yet (``Rewriter.param`` returns the existing one for a taken name)."""
+    taken = set(rw.weights) | set(rw.graph.weights)
+    candidate, n = name, 1
+    while candidate in taken:
+        n += 1
+        candidate = f"{name}_{n}"
+    return candidate
 
 
 def _apply_layout_op(call, value_of) -> np.ndarray | None:
@@ -119,8 +129,8 @@ def fold_batch_norm(graph: Graph) -> Graph:
             return folded
         bshape = [1] * len(shape)
         bshape[axis] = -1
-        mul = relax.op.multiply(rw.new(x), rw.param(f"{base}_scale", scale.astype(np.float32).reshape(bshape)))
-        return relax.op.add(rw.emit(mul), rw.param(f"{base}_shift", shift.astype(np.float32).reshape(bshape)))
+        mul = relax.op.multiply(rw.new(x), rw.param(_fresh(rw, f"{base}_scale"), scale.astype(np.float32).reshape(bshape)))
+        return relax.op.add(rw.emit(mul), rw.param(_fresh(rw, f"{base}_shift"), shift.astype(np.float32).reshape(bshape)))
 
     return rewrite(graph, visit)
 
@@ -136,7 +146,8 @@ def _fold_into_conv(rw: Rewriter, x, scale, shift, axis: int, base: str):
         for conv_var, bias_expr in ((a, b), (b, a)):
             if call_op(rw.value(conv_var)) == "relax.nn.conv2d" and _static(rw, bias_expr) is not None:
                 bias = _static(rw, bias_expr)
-                if rw.uses(conv_var) != 1 or bias.size not in (1, scale.size):
+                per_channel = bias.ndim >= 3 and bias.shape[-3] == scale.size and bias.size == scale.size
+                if rw.uses(conv_var) != 1 or not (bias.size == 1 or per_channel):
                     return None
                 inner = rw.value(conv_var)
                 break
@@ -154,27 +165,23 @@ def _fold_into_conv(rw: Rewriter, x, scale, shift, axis: int, base: str):
     weight = (wv.astype(np.float64) * scale.reshape(-1, 1, 1, 1)).astype(np.float32)
     b = np.zeros(scale.size) if bias is None else np.broadcast_to(bias.reshape(-1).astype(np.float64), scale.shape)
     new_bias = (b * scale + shift).astype(np.float32).reshape(1, -1, 1, 1)
-    conv = relax.op.nn.conv2d(rw.new(data), rw.param(f"{_name(w, base)}_{base}_folded", weight), a.strides, a.padding,
-                              a.dilation, int(a.groups), "NCHW", "OIHW", "NCHW")
-    return relax.op.add(rw.emit(conv), rw.param(f"{base}_folded_bias", new_bias))
+    conv = relax.op.nn.conv2d(rw.new(data), rw.param(_fresh(rw, f"{_name(w, base)}_{base}_folded"), weight), a.strides,
+                              a.padding, a.dilation, int(a.groups), "NCHW", "OIHW", "NCHW")
+    return relax.op.add(rw.emit(conv), rw.param(_fresh(rw, f"{base}_folded_bias"), new_bias))
 
 
 def precompute_weight_ops(graph: Graph) -> Graph:
-    """Reshapes, transposes, casts, squeezes and expand_dims of known values computed now: their results
-    become weight parameters (or stay constants), so no kernel computes them on every inference."""
+    """Reshapes, transposes, casts, squeezes and expand_dims of weights computed now: their results become
+    weight parameters, so no kernel computes them on every inference. (Of constants alone TVM's FoldConstant
+    takes care; dequantized weights stay as they are: precomputed they would be float, four times larger.)"""
 
     def visit(rw: Rewriter, var, value):
-        if call_op(value) not in WEIGHT_OPS:
+        if call_op(value) not in WEIGHT_OPS or const_value(value.args[0]) is not None:
             return None
-        arg = value.args[0]
-        if rw.weight(arg) is None and const_value(arg) is None and _static(rw, arg) is None:
-            return None
-        result = _static(rw, value)
+        result = _static(rw, value, dequantize=False)
         if result is None:
             return None
-        if rw.weight(arg) is None and const_value(arg) is not None:
-            return rw.const(result, str(result.dtype))
-        return rw.param(f"{_name(arg, 'w')}_{var.name}", result)
+        return rw.param(_fresh(rw, f"{_name(value.args[0], 'w')}_{var.name}"), result)
 
     return rewrite(graph, visit)
 
