@@ -51,6 +51,10 @@ def add_parser(sub) -> None:
                    help="allowed loss: top-1 points when --eval has labels, else relative output error (e.g. 0.02)")
     q.add_argument("--eval", type=Path, metavar="DATA", help="held-out data (same formats; 'labels' for top-1)")
     parser.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    parser.add_argument("--report", type=Path, metavar="FILE",
+                        help="also draw the quantization report: FILE.html (one self-contained page) or FILE.png; "
+                             "SQNR and precision per layer, weight bytes before and after (an fp32 bundle gets a "
+                             "short page saying it has no quantization)")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress output")
     parser.add_argument("--records", type=Path, metavar="FILE", help="tuning records from 'edgeq tune' to compile with")
     parser.add_argument("--sign-key", type=Path, metavar="KEY", help="ed25519 private key (edgeq keygen): sign the manifest")
@@ -72,6 +76,10 @@ def run(args, env) -> int:
     from edgeq.quantize import QuantizeArgs
     from edgeq.quantize.data import Preprocess
 
+    if args.report:
+        from edgeq.report import check_output
+
+        check_output(args.report)  # a wrong suffix or folder is known before the build
     shapes = dict(parse_shape(text) for text in args.input_shape)
     consts = dict(parse_const(text) for text in args.const)
     quantize_args = None
@@ -105,6 +113,10 @@ def run(args, env) -> int:
     progress = StageProgress(console=env.err(), quiet=args.quiet)
     result = package(package_args, progress)
     progress.note(f"done: {result.bundle_dir} and {result.archive.name} in {result.total_seconds:.1f} s")
+    if args.report:
+        from edgeq.report import quantization_report, write
+
+        progress.note(f"report: {write(quantization_report(result.manifest), args.report)}")
     if args.json:
         print(json.dumps(result.to_dict(), indent=2), file=env.stdout)
         return 0
