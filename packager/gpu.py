@@ -303,7 +303,7 @@ def ScheduleKernels(target, report: GpuKernels, check_all: bool = False):  # noq
     def _pass(mod, _ctx):
         updates = {}
         for gv, func in sorted(mod.functions_items(), key=lambda item: item[0].name_hint):
-            if not isinstance(func, tvm.tirx.PrimFunc) or int(func.attrs.get("tirx.is_scheduled", 0) or 0) == 1:
+            if not isinstance(func, tvm.tirx.PrimFunc) or int((func.attrs or {}).get("tirx.is_scheduled", 0) or 0) == 1:
                 continue
             scheduled, rule, fallbacks = schedule_function(gv.name_hint, func, target, check_all)
             report.functions[gv.name_hint] = rule

@@ -236,3 +236,48 @@ def test_int8_model_whose_tensor_core_schedule_fails_still_packages(tmp_path):
         pytest.xfail("package.py does not record library.gpu_kernels yet")
     assert [f["rule"] for f in kernels["fallbacks"]] == ["int8 tensorized matmul"]
     assert "int8 tensorized matmul" not in kernels["schedules"] and kernels["schedules"]["matmul"] == 1
+
+
+def _bn_graph(conv: bool):
+    """x -> [conv2d(x, w) + b ->] batch_norm, with weights as parameters (as the ONNX import makes them)."""
+    from edgeq.graph import Graph
+
+    rng = np.random.default_rng(2)
+    weights = {"w": rng.standard_normal((4, 3, 3, 3)).astype(np.float32), "b": rng.standard_normal(4).astype(np.float32),
+               "g": rng.uniform(0.5, 1.5, 4).astype(np.float32), "be": rng.standard_normal(4).astype(np.float32),
+               "m": rng.standard_normal(4).astype(np.float32), "v": rng.uniform(0.5, 1.5, 4).astype(np.float32)}
+    channels = 4 if conv else 3
+    if not conv:
+        weights = {k: v[:3] for k, v in weights.items() if k != "w" and k != "b"}
+    params = {k: relax.Var(k, relax.TensorType(list(v.shape), "float32")) for k, v in weights.items()}
+    x = relax.Var("x", relax.TensorType([1, 3, 8, 8], "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, *params.values()], attrs={"num_input": 1}):
+        with bb.dataflow():
+            y = x
+            if conv:
+                y = bb.emit(relax.op.nn.conv2d(x, params["w"], padding=1))
+                y = bb.emit(relax.op.add(y, bb.emit(relax.op.reshape(params["b"], [1, channels, 1, 1]))))
+            bn = bb.emit(relax.op.nn.batch_norm(y, params["g"], params["be"], params["m"], params["v"], axis=1, epsilon=1e-3,
+                                                    training=False))
+            out = bb.emit_output(bb.emit(relax.TupleGetItem(bn, 0)))
+        bb.emit_func_output(out)
+    return Graph(bb.get(), weights)
+
+
+def test_batch_norm_after_conv_plus_bias_becomes_its_weights_and_bias():
+    graph = _bn_graph(conv=True)
+    folded = gpu.prepare_graph(graph)
+    assert ops(folded) == {"relax.nn.conv2d", "relax.add"}
+    (weight,) = [w for w in folded.weight_list() if w.ndim == 4 and w.shape[0] == 4 and w.shape[2] == 3]
+    (bias,) = [w for w in folded.weight_list() if w.shape == (1, 4, 1, 1)]
+    wt = graph.weights
+    scale = wt["g"] / np.sqrt(wt["v"] + 1e-3)
+    np.testing.assert_allclose(weight, wt["w"] * scale[:, None, None, None], rtol=1e-6)
+    np.testing.assert_allclose(bias.reshape(-1), (wt["b"] - wt["m"]) * scale + wt["be"], rtol=1e-5, atol=1e-6)
+
+
+def test_batch_norm_without_a_conv_becomes_a_channel_multiply_add():
+    folded = gpu.prepare_graph(_bn_graph(conv=False))
+    assert ops(folded) == {"relax.multiply", "relax.add"}
+    assert sorted(w.shape for w in folded.weight_list()) == [(1, 3, 1, 1), (1, 3, 1, 1)]
