@@ -79,14 +79,16 @@ def write(report: Report, path: Path) -> Path:
     renamed over it, so a failure leaves nothing half-written."""
     path = Path(path)
     data = render_png(report) if check_output(path) == "png" else render_html(report).encode()
-    fd, tmp = tempfile.mkstemp(dir=path.resolve().parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = None
     try:
+        fd, tmp = tempfile.mkstemp(dir=path.resolve().parent, prefix=f".{path.name}.", suffix=".tmp")
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     except OSError as err:
-        Path(tmp).unlink(missing_ok=True)
+        if tmp:
+            Path(tmp).unlink(missing_ok=True)
         raise OutputError(f"cannot write the report {path}: {err.strerror or err}") from None
     return path
 

@@ -212,6 +212,18 @@ def test_bench_report_refused_before_measuring(int8_bundle, tmp_path, name, code
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_failed_write_leaves_nothing(int8_bundle, tmp_path, monkeypatch):
+    from edgeq.errors import OutputError
+
+    def full(*_):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(report.os, "replace", full)
+    with pytest.raises(OutputError, match="cannot write the report .*: No space left on device"):
+        report.write(report.quantization_report(int8_bundle[1]), tmp_path / "q.html")
+    assert list(tmp_path.iterdir()) == []
+
+
 # ---- the quantization report --------------------------------------------------------------------------
 
 
