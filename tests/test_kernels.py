@@ -241,11 +241,11 @@ def test_layout_flows_through_pools_and_back_for_outputs(tmp_path):
     assert_close(ours, theirs)  # includes c2, an NHWC value inside, returned as NCHW
 
 
-def test_gpu_targets_are_not_lowered():
-    graph_before = object()
-    orin = profiles()["jetson-orin-nano"].tvm_target()
-    graph, calls = lower_graph(graph_before, orin)
-    assert graph is graph_before and calls == 0
+def test_gpu_targets_are_not_lowered_onto_cpu_kernels(tmp_path):
+    """A GPU target gets the CUDA path's graph clean-up (``edgeq.gpu``), never a call of a CPU kernel."""
+    graph, _ = to_relax(load_model(conv_model(Conv(16, 32, (12, 12)), tmp_path / "m.onnx", np.random.default_rng(9)), None))
+    lowered, calls = lower_graph(graph, profiles()["jetson-orin-nano"].tvm_target())
+    assert calls == 0 and not any(name.startswith("edgeq_") for name in describe(lowered)), describe(lowered)
 
 
 def attention_model(path, rng, batch=2, heads=3, seq=10, dim=12):
