@@ -444,13 +444,22 @@ def _compile_description(b: _Build) -> str:
     return f"{p.name}: LLVM {p.cpu.triple} ({p.cpu.mcpu})"
 
 
+def _device_label(device: str) -> str:
+    """The profile a device name resolves to (an alias names its default profile); the name itself when it
+    does not resolve (check says why)."""
+    try:
+        return resolve(device)[0].name
+    except EdgeqError:
+        return device
+
+
 def _graph_mod(b: _Build):
     return b.graph.mod
 
 
 # The whole job, in the order it runs. `ir`: the module a stage leaves, for --dump-ir.
 STAGES: tuple[Stage[_Build], ...] = (
-    Stage("check", lambda b: f"device {b.args.device}, compilers, output folder", _check),
+    Stage("check", lambda b: f"device {_device_label(b.args.device)}, compilers, output folder", _check),
     Stage("load", lambda b: f"read and check {b.args.model}", _load),
     Stage("import", lambda b: "ONNX -> Relax IRModule", _import, ir=_graph_mod),
     Stage("quantize", lambda b: f"calibrate ({b.args.quantize.method}) and quantize to {b.args.precision}", _quantize,
