@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from edgeq.choices import DEFAULT_CALIB_SAMPLES, DEFAULT_METHOD, DEFAULT_PERCENTILE
-from edgeq.contract import QUANT_PARAMS, LayerRow, WeightBytes
+from edgeq.contract import QUANT_PARAMS, LayerRow, WeightBytes, significant
 from edgeq.contract import QuantizationReport as Report
 from edgeq.errors import ModelError, UsageError
 from edgeq.graph import Graph
@@ -227,7 +227,8 @@ def quantize(graph: Graph, model: LoadedModel, args: QuantizeArgs, note: Callabl
                 quantized = build_graph(graph, layers, act_scales, kept_float)
                 metrics = evaluator.metrics(quantized)
                 value = evaluator.budget_metric(metrics)[1]
-                decisions.append({"layer": layer.name, "to": args.fallback, "alone": alone[layer.weight], "after": value})
+                decisions.append({"layer": layer.name, "to": args.fallback, "alone": significant(alone[layer.weight], 6),
+                                  "after": significant(value, 6)})
                 note(f"  {layer.name} -> {args.fallback}: {label} now {value:.4g}")
         metrics.update(budget=args.accuracy_budget, budget_metric=label, budget_value=value,
                        budget_met=bool(value <= args.accuracy_budget))
@@ -245,8 +246,10 @@ def quantize(graph: Graph, model: LoadedModel, args: QuantizeArgs, note: Callabl
             w_scale = quantize_weight(graph.weights[layer.weight], layer.channel_axis)[1]
             scales[f"{layer.name}/activation_scale"] = np.float32(act_scales[layer.weight])
             scales[f"{layer.name}/weight_scale"] = w_scale
-            row.update(activation_scale=float(act_scales[layer.weight]), activation_threshold=float(thresholds[layer.weight]),
-                       weight_scale_min=float(w_scale.min()), weight_scale_max=float(w_scale.max()))
+            # shown to 6 significant digits; quant_params.npz holds the exact scales
+            row.update(activation_scale=significant(act_scales[layer.weight], 6),
+                       activation_threshold=significant(thresholds[layer.weight], 6),
+                       weight_scale_min=significant(w_scale.min(), 6), weight_scale_max=significant(w_scale.max(), 6))
         layer_rows.append(row)
     report = Report(
         kind="calibrated",
@@ -260,7 +263,7 @@ def quantize(graph: Graph, model: LoadedModel, args: QuantizeArgs, note: Callabl
         calibration={"source": calib.source, "samples": calib.count,
                      "percentile": args.percentile if args.method == "percentile" else None},
         evaluation={"source": evaluation.source if args.eval else f"{calib.source} (calibration data; no --eval)",
-                    **metrics},
+                    **{k: significant(v, 6) if isinstance(v, float) and np.isfinite(v) else v for k, v in metrics.items()}},
         fallbacks=decisions,
         scheme={"activations": "int8, per-tensor, symmetric (zero point 0)",
                 "weights": "int8, per-output-channel, symmetric",
