@@ -7,9 +7,35 @@ users arrive with them: per-channel int8 weights, uint8 or int8 activations.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 from pathlib import Path
 
 import numpy as np
+
+
+@contextlib.contextmanager
+def ort_quiet():
+    """ONNX Runtime's quantizer logs advice through Python's root logger ("Please consider to run
+    pre-processing before quantization", "Axis 1 is out-of-range for weight ...") and its calibration sessions
+    log through ORT's own C++ logger; neither is for the user here. Errors still show. Python's logging is put
+    back as it was; ORT's C++ logger back to its default severity (warning)."""
+    import onnxruntime as ort
+
+    root = logging.getLogger()
+    null = logging.NullHandler() if not root.handlers else None  # or logging.warning() would call basicConfig()
+    if null:
+        root.addHandler(null)
+    disabled = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    ort.set_default_logger_severity(3)  # 0 verbose, 1 info, 2 warning, 3 error, 4 fatal
+    try:
+        yield
+    finally:
+        ort.set_default_logger_severity(2)
+        logging.disable(disabled)
+        if null:
+            root.removeHandler(null)
 
 
 def ort_quantize(src: Path, dst: Path, activations: str = "u8", fmt: str = "QDQ", per_channel: bool = True,
@@ -27,9 +53,10 @@ def ort_quantize(src: Path, dst: Path, activations: str = "u8", fmt: str = "QDQ"
         def get_next(self):
             return next(items, None)
 
-    quantize_static(str(src), str(dst), Reader(), quant_format=getattr(QuantFormat, fmt), per_channel=per_channel,
-                    activation_type=QuantType.QUInt8 if activations == "u8" else QuantType.QInt8,
-                    weight_type=QuantType.QInt8)
+    with ort_quiet():
+        quantize_static(str(src), str(dst), Reader(), quant_format=getattr(QuantFormat, fmt), per_channel=per_channel,
+                        activation_type=QuantType.QUInt8 if activations == "u8" else QuantType.QInt8,
+                        weight_type=QuantType.QInt8)
     return dst
 
 

@@ -5,6 +5,7 @@ Writes, deterministically (fixed seed and split):
     digits_cnn.onnx     Conv3x3(8) ReLU -> Conv3x3/2(16) ReLU -> Flatten -> Gemm(10), input 1x1x8x8
     digits_calib.npz    'input': 256 training images (calibration data)
     digits_test.npz     'input' + 'labels': the held-out test split (360 images)
+and prints the float model's accuracy on the test split (the number an int8 build is compared with).
 
     python examples/train_digits.py [-o examples/models]
 """
@@ -100,6 +101,28 @@ def train(x_train, y_train, epochs: int = 30, batch: int = 32, lr: float = 0.005
     return {"w1": conv1.w, "b1": conv1.b, "w2": conv2.w, "b2": conv2.b, "fc_w": fc_w, "fc_b": fc_b}
 
 
+def conv(x, w, b, stride: int):
+    """3x3 convolution, padding 1, of a batch ``x`` (N, C, H, W)."""
+    c, r, q, out = im2col_indices(x.shape[1], x.shape[2], 3, stride, 1)
+    cols = np.pad(x, ((0, 0), (0, 0), (1, 1), (1, 1)))[:, c, r, q]
+    y = np.einsum("fk,nkp->nfp", w.reshape(len(w), -1), cols) + b[None, :, None]
+    return y.reshape(len(x), len(w), out, out)
+
+
+def predict(p: dict[str, np.ndarray], x: np.ndarray) -> np.ndarray:
+    """The network of ``to_onnx``, in numpy: class indices for a batch of images."""
+    a1 = np.maximum(conv(x, p["w1"], p["b1"], 1), 0)
+    a2 = np.maximum(conv(a1, p["w2"], p["b2"], 2), 0)
+    return (a2.reshape(len(x), -1) @ p["fc_w"].T + p["fc_b"]).argmax(axis=1)
+
+
+def accuracy(model: Path, test: Path) -> float:
+    """The float model's top-1 accuracy on a test file ('input', 'labels'), from the ONNX file's weights."""
+    params = {t.name: numpy_helper.to_array(t) for t in onnx.load(model).graph.initializer}
+    data = np.load(test)
+    return float((predict(params, data["input"]) == data["labels"]).mean())
+
+
 def to_onnx(p: dict[str, np.ndarray]) -> onnx.ModelProto:
     nodes = [
         helper.make_node("Conv", ["input", "w1", "b1"], ["c1"], name="conv1", kernel_shape=[3, 3], pads=[1] * 4),
@@ -144,8 +167,11 @@ def write(out_dir: Path) -> dict[str, Path]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("-o", "--out", type=Path, default=Path(__file__).parent / "models")
-    for path in write(parser.parse_args().out).values():
+    paths = write(parser.parse_args().out)
+    for path in paths.values():
         print(path)
+    n = len(np.load(paths["test"])["labels"])
+    print(f"float model accuracy on the {n} test images: {accuracy(paths['model'], paths['test']):.1%}")
 
 
 if __name__ == "__main__":
