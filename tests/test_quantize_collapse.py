@@ -64,7 +64,7 @@ def test_vanishing_activations_keep_the_bias_in_float(tmp_path):
     assert "too large for int32" in res.stderr
     bundle = tmp_path / "out" / "vanishing-host"
     report = json.loads((bundle / "manifest.json").read_text())["quantization"]
-    assert report["float_biases"]["names"], report["float_biases"]
+    assert report["float_biases"], report["float_biases"]
     assert report["precision_counts"]["int8"] == 5  # every layer stays integer; only a bias add is float
     scales = [row["activation_scale"] for row in report["layers"]]
     assert all(np.isfinite(s) and s > 0 for s in scales) and min(scales) < 1e-9, scales

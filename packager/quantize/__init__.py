@@ -2,7 +2,7 @@
 
     stats  = calibrate.collect(float graph, layers, calibration data)     # host TVM run, two passes
     scales = CALIBRATORS[method].threshold(stats) / 127                   # per-tensor activation scales
-    graph  = requantize(fold_bias(quantize_ops(graph, plans)))             # the passes, in this order
+    graph  = quantize_ops(graph, plans), then each of PASSES in order     # fold_bias, requantize
 
 Layers named by ``--skip`` stay in float; with an accuracy budget the layers whose int8 version costs the
 most accuracy on their own go back to the fallback precision (fp32, or fp16 with ``--fp16``) one at a time
@@ -30,6 +30,7 @@ from edgeq.quantize.calibrate import collect
 from edgeq.quantize.calibrators import CALIBRATORS
 from edgeq.quantize.data import Dataset, Preprocess, load_data
 from edgeq.quantize.fold_bias import fold_bias
+from edgeq.quantize.notes import PassNotes
 from edgeq.quantize.commute_qdq import commute_qdq
 from edgeq.quantize.layers import Layer, find_layers
 from edgeq.quantize.lower_qdq import is_qdq, lower_qdq  # noqa: F401 - is_qdq is part of this API
@@ -41,8 +42,10 @@ MAX_EVAL_SAMPLES = 1000
 # Below this cosine against the float model (or with NaN/Inf), the quantized model has collapsed: no bundle.
 COLLAPSE_COSINE = 0.9
 
-PASSES: list[tuple[str, Callable[[Graph], Graph]]] = [("fold_bias", fold_bias), ("requantize", requantize)]
-QDQ_PASSES: list[tuple[str, Callable[[Graph], Graph]]] = [*PASSES, ("commute_qdq", commute_qdq)]
+# The passes after quantize_ops, in order. Each is ``pass(graph, notes) -> graph``; what one leaves for the
+# report it writes into ``notes`` (PassNotes).
+PASSES: list[tuple[str, Callable[[Graph, PassNotes], Graph]]] = [("fold_bias", fold_bias), ("requantize", requantize)]
+QDQ_PASSES: list[tuple[str, Callable[[Graph, PassNotes], Graph]]] = [*PASSES, ("commute_qdq", commute_qdq)]
 
 
 @dataclasses.dataclass
@@ -95,13 +98,13 @@ def _apply_skip(layers: list[Layer], skip: tuple[str, ...]) -> None:
             layer.precision, layer.reason = "fp32", f"--skip {item}"
 
 
-def build_graph(graph: Graph, layers: list[Layer], act_scales: dict[str, float],
-                kept_float: list[str] | None = None) -> Graph:
-    """The quantized graph; ``kept_float`` receives the biases too large for int32 (left as float adds)."""
+def build_graph(graph: Graph, layers: list[Layer], act_scales: dict[str, float], notes: PassNotes | None = None) -> Graph:
+    """The quantized graph; ``notes`` receives what the passes report (biases left as float adds)."""
     plans = {l.weight: LayerPlan(l.precision, act_scales.get(l.weight, 0.0)) for l in layers}
     out = quantize_ops(graph, plans)
-    for name, run in PASSES:
-        out = run(out, kept_float) if name == "fold_bias" else run(out)
+    notes = notes if notes is not None else PassNotes()
+    for _, run in PASSES:
+        out = run(out, notes)
     return out
 
 
@@ -205,8 +208,8 @@ def quantize(graph: Graph, model: LoadedModel, args: QuantizeArgs, note: Callabl
         raise ModelError(f"{model.path.name}: calibration found NaN/Inf activations at {len(bad)} layer(s) "
                          f"(first: {bad[0]}); check the calibration data and the model on it")
     evaluator = Evaluator(graph, evaluation, specs)
-    kept_float: list[str] = []
-    quantized = build_graph(graph, layers, act_scales, kept_float)
+    notes = PassNotes()
+    quantized = build_graph(graph, layers, act_scales, notes)
     metrics = evaluator.metrics(quantized)
     decisions = []
     if args.accuracy_budget is not None:
@@ -223,8 +226,8 @@ def quantize(graph: Graph, model: LoadedModel, args: QuantizeArgs, note: Callabl
                     break
                 layer.precision = args.fallback
                 layer.reason = f"accuracy budget: alone in int8 it costs {alone[layer.weight]:.4g} ({label})"
-                kept_float = []
-                quantized = build_graph(graph, layers, act_scales, kept_float)
+                notes = PassNotes()
+                quantized = build_graph(graph, layers, act_scales, notes)
                 metrics = evaluator.metrics(quantized)
                 value = evaluator.budget_metric(metrics)[1]
                 decisions.append({"layer": layer.name, "to": args.fallback, "alone": significant(alone[layer.weight], 6),
@@ -233,9 +236,10 @@ def quantize(graph: Graph, model: LoadedModel, args: QuantizeArgs, note: Callabl
         metrics.update(budget=args.accuracy_budget, budget_metric=label, budget_value=value,
                        budget_met=bool(value <= args.accuracy_budget))
     _check_collapse(metrics, model.path.name, evaluation.source if args.eval else "the calibration data")
-    if kept_float:
-        note(f"{len(kept_float)} bias(es) too large for int32 at their layer's scale stay float adds: "
-             f"{', '.join(kept_float[:3])}{' ...' if len(kept_float) > 3 else ''}")
+    if notes.float_biases:
+        kept = notes.float_biases
+        note(f"{len(kept)} bias(es) too large for int32 at their layer's scale stay float adds: "
+             f"{', '.join(kept[:3])}{' ...' if len(kept) > 3 else ''}")
 
     sqnr = _sqnr_per_layer(graph, layers, act_scales, evaluation, specs)
     scales, layer_rows = {}, []
@@ -258,7 +262,7 @@ def quantize(graph: Graph, model: LoadedModel, args: QuantizeArgs, note: Callabl
         layers=[LayerRow.from_json(row, "quantization.layers") for row in layer_rows],
         weight_bytes=_weight_bytes(graph, quantized),
         float_ops=_float_ops(quantized),
-        float_biases=list(kept_float),  # round(bias / scale) beyond 2^30: added in float after the dequantize
+        float_biases=list(notes.float_biases),  # round(bias / scale) beyond 2^30: added in float after the dequantize
         method=args.method,
         calibration={"source": calib.source, "samples": calib.count,
                      "percentile": args.percentile if args.method == "percentile" else None},
@@ -315,8 +319,9 @@ def _onnx_consumers(model) -> dict[str, Any]:
 def lower_prequantized(graph: Graph, model: LoadedModel) -> QuantizeResult:
     """Lower a pre-quantized (QDQ) model to integer kernels with the scales it carries."""
     lowered, qdq_layers = lower_qdq(graph)
+    notes = PassNotes()
     for _, run in QDQ_PASSES:
-        lowered = run(lowered)
+        lowered = run(lowered, notes)
     consumers = _onnx_consumers(model.onnx_model)
     layers, rows = [], []
     for ql in qdq_layers:
@@ -335,7 +340,7 @@ def lower_prequantized(graph: Graph, model: LoadedModel) -> QuantizeResult:
         layers=[LayerRow.from_json(row, "quantization.layers") for row in rows],
         weight_bytes=_weight_bytes(graph, lowered),
         float_ops=_float_ops(lowered),
-        float_biases=[],
+        float_biases=list(notes.float_biases),
         method=None, calibration=None, evaluation=None, fallbacks=[],
         scheme={"activations": "the model's QDQ scales and zero points (int8 or uint8)",
                 "weights": "the model's QDQ scales (per-tensor or per-channel)",

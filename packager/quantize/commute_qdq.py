@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from edgeq.graph import Graph, Rewriter, call_op, relax, rewrite
+from edgeq.quantize.notes import PassNotes
 
 MOVERS = ("relax.reshape", "relax.permute_dims", "relax.nn.max_pool2d")
 
@@ -22,7 +23,7 @@ def _same(rw: Rewriter, a, b) -> bool:
     return va is not None and vb is not None and va.shape == vb.shape and np.array_equal(va, vb)
 
 
-def commute_qdq(graph: Graph) -> Graph:
+def commute_qdq(graph: Graph, notes: PassNotes | None = None) -> Graph:
     def visit(rw: Rewriter, var, value):
         if call_op(value) != "relax.quantize":
             return None

@@ -11,7 +11,7 @@ channel. The int32 bias is a new weight parameter.
 
 A bias that does not fit is left as the float add after the dequantize (the convolution or matmul stays
 integer): with vanishing activations (random weights, a dead branch) the scale ``s`` can be 1e-17, and
-round(b / s) would wrap around int32 and flip the sign of the layer's output. Its name goes to ``kept_float``.
+round(b / s) would wrap around int32 and flip the sign of the layer's output. Its name goes to ``notes.float_biases``.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from edgeq.graph import Graph, Rewriter, call_op, const_value, relax, rewrite
+from edgeq.quantize.notes import PassNotes
 
 
 def _bias(rw: Rewriter, expr):
@@ -44,7 +45,10 @@ def _name(rw: Rewriter, expr) -> str:
 INT32_BIAS_LIMIT = 1 << 30
 
 
-def fold_bias(graph: Graph, kept_float: list[str] | None = None) -> Graph:
+def fold_bias(graph: Graph, notes: PassNotes | None = None) -> Graph:
+    """Integer bias adds: ``dequantize(acc) + b`` becomes ``dequantize(acc + round(b / scale))``. A bias that
+    does not fit int32 at its scale stays a float add after the dequantize; ``notes.float_biases`` names it."""
+
     def visit(rw: Rewriter, var, value):
         if call_op(value) != "relax.add":
             return None
@@ -61,8 +65,8 @@ def fold_bias(graph: Graph, kept_float: list[str] | None = None) -> Graph:
             with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
                 rounded = np.round(bias.astype(np.float64) / s.astype(np.float64))
             if not np.isfinite(rounded).all() or np.abs(rounded).max(initial=0) > INT32_BIAS_LIMIT:
-                if kept_float is not None:
-                    kept_float.append(bias_name)
+                if notes is not None:
+                    notes.float_biases.append(bias_name)
                 continue
             bias_q = rw.param(f"{bias_name.removesuffix('_quantized')}_int32", rounded.astype(np.int32))
             if shape is not None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from edgeq.graph import Graph, Rewriter, call_op, relax, rewrite
+from edgeq.quantize.notes import PassNotes
 
 
 RANGES = {"int8": (-128, 127), "uint8": (0, 255)}
@@ -27,7 +28,7 @@ def requantize_expr(rw: Rewriter, acc, ratio, axis: int, ndim: int, zero_point: 
     return relax.op.astype(relax.op.clip(scaled, lo, hi), dtype)
 
 
-def requantize(graph: Graph) -> Graph:
+def requantize(graph: Graph, notes: PassNotes | None = None) -> Graph:
     def visit(rw: Rewriter, var, value):
         dtype = value.attrs.out_dtype if call_op(value) == "relax.quantize" else None
         if dtype not in RANGES:
