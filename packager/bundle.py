@@ -4,6 +4,7 @@ holds and what its manifest says is ``edgeq.contract``."""
 
 from __future__ import annotations
 
+import functools
 import gzip
 import json
 import os
@@ -11,26 +12,26 @@ import shutil
 import tarfile
 import zlib
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jinja2
-import numpy as np
-
-from edgeq import safebundle
-from edgeq.errors import BundleError
-
-from edgeq import contract
+from edgeq import contract, safebundle, templates
 from edgeq.contract import (CONTRACT, FILE_ROLES, GOLDEN, LIBRARY, LOADER, MANIFEST, README, SIGNATURE, SUMS, VERIFIER,
                             WEIGHTS, Manifest)
+from edgeq.errors import BundleError
+
+if TYPE_CHECKING:
+    import numpy as np
 
 # Shipped as they are: the Python loader and the two standard-library modules it shares with edgeq.
-SHIPPED = {LOADER: Path(__file__).resolve().parent.parent / "templates" / "run.py", CONTRACT: Path(contract.__file__),
+SHIPPED = {LOADER: Path(templates.__file__).with_name("run.py"), CONTRACT: Path(contract.__file__),
            VERIFIER: Path(safebundle.__file__)}
 
 
 def write_tensors(path: Path, tensors: list[tuple[str, np.ndarray]]) -> list[contract.StoredTensor]:
     """Write arrays in the ``edgeq-raw-1`` form (read by edgeq-run without numpy); returns the table the
     manifest keeps: name, dtype, shape, byte offset and size of each."""
+    import numpy as np
+
     table, offset = [], 0
     with open(path, "wb") as f:
         for name, array in tensors:
@@ -48,6 +49,8 @@ def write_tensors(path: Path, tensors: list[tuple[str, np.ndarray]]) -> list[con
 
 def read_tensor(path: Path, entry: contract.StoredTensor) -> np.ndarray:
     """One array of an ``edgeq-raw-1`` file, by its manifest entry (0-d arrays stay 0-d)."""
+    import numpy as np
+
     dtype = np.dtype(entry.dtype).newbyteorder("<")
     count = int(np.prod(entry.shape, dtype=np.int64))
     flat = np.fromfile(path, dtype=dtype, count=count, offset=entry.offset)
@@ -60,16 +63,16 @@ def read_tensors(directory: Path, section) -> dict[str, np.ndarray]:
     """All arrays of a manifest section (``manifest.weights``, ``manifest.golden``) by name, in file order."""
     return {t.name: read_tensor(Path(directory) / section.file, t) for t in section.tensors}
 
-_ENV = jinja2.Environment(
-    loader=jinja2.PackageLoader("edgeq.templates", ""),
-    undefined=jinja2.StrictUndefined,
-    keep_trailing_newline=True,
-    autoescape=False,
-)
+@functools.lru_cache(maxsize=None)
+def _templates():
+    import jinja2  # here, not at import: reading a manifest (edgeq inspect, verify) needs neither jinja2 nor numpy
+
+    return jinja2.Environment(loader=jinja2.PackageLoader("edgeq.templates", ""), undefined=jinja2.StrictUndefined,
+                              keep_trailing_newline=True, autoescape=False)
 
 
 def render(template: str, **context: Any) -> str:
-    return _ENV.get_template(template).render(**context)
+    return _templates().get_template(template).render(**context)
 
 
 sha256_file = safebundle.sha256_file
