@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from edgeq import __version__
+from edgeq.contract import Manifest, QuantizationReport
 from edgeq.errors import OutputError, UsageError
 
 FORMATS = (".html", ".png")
@@ -335,14 +336,6 @@ def bench_report(result: dict) -> Report:
 # ---- edgeq package: the manifest's quantization report ---------------------------------------------------
 
 
-def _weight_bytes(report: dict) -> tuple[int | None, int | None]:
-    """(float, as stored) weight bytes, from any shape the report has had."""
-    w = report.get("weight_bytes") or {}
-    before = next((w[k] for k in ("float", "fp32", "model") if k in w), None)
-    after = next((w[k] for k in ("bundle", "quantized") if k in w), None)
-    return before, after
-
-
 def _kb(n: int | None) -> str:
     return "-" if n is None else f"{n / 1e3:.4g} kB"
 
@@ -351,35 +344,35 @@ def _short(text: str, n: int = 36) -> str:
     return text if len(text) <= n else text[: n - 1] + "\u2026"
 
 
-def _draw_layers(report: dict) -> Callable:
+def _draw_layers(report: QuantizationReport) -> Callable:
     def draw(ax) -> dict[str, str]:
         from matplotlib.patches import Patch
 
-        layers = report["layers"]
-        sqnr = any(layer.get("sqnr_db") is not None for layer in layers)
+        layers = report.layers
+        sqnr = any(layer.sqnr_db is not None for layer in layers)
         y = list(range(len(layers)))[::-1]  # the first layer on top
-        widths = [(layer.get("sqnr_db") or 0.0) if sqnr else 1.0 for layer in layers]
-        bars = ax.barh(y, widths, color=[PRECISION_COLOURS.get(l["precision"], "#444") for l in layers], height=0.7)
+        widths = [(layer.sqnr_db or 0.0) if sqnr else 1.0 for layer in layers]
+        bars = ax.barh(y, widths, color=[PRECISION_COLOURS.get(l.precision, "#444") for l in layers], height=0.7)
         tips = {}
         right = max(widths) if widths else 1.0
         for i, (bar, layer) in enumerate(zip(bars, layers)):
             bar.set_gid(f"layer-{i}")
-            what = f"{layer['name']} ({layer['op_type']}): {layer['precision']}"
-            if layer.get("sqnr_db") is not None:
-                what += f", SQNR {layer['sqnr_db']:.4g} dB"
-            if layer.get("activation_dtype"):
-                what += f", activations {layer['activation_dtype']} (zero point {layer.get('activation_zero_point')})"
-            if layer.get("reason"):
-                what += f"; {layer['reason']}"
+            what = f"{layer.name} ({layer.op_type}): {layer.precision}"
+            if layer.sqnr_db is not None:
+                what += f", SQNR {layer.sqnr_db:.4g} dB"
+            if layer.activation_dtype:
+                what += f", activations {layer.activation_dtype} (zero point {layer.activation_zero_point})"
+            if layer.reason:
+                what += f"; {layer.reason}"
             tips[f"layer-{i}"] = what
-            if sqnr and layer.get("sqnr_db") is None:  # no quantization noise to measure: say why instead
-                ax.text(right * 0.01, y[i], _short(f"{layer['precision']}, no SQNR: {layer.get('reason') or 'not quantized'}", 70),
-                        va="center", fontsize=7, color=PRECISION_COLOURS.get(layer["precision"], "#444"))
+            if sqnr and layer.sqnr_db is None:  # no quantization noise to measure: say why instead
+                ax.text(right * 0.01, y[i], _short(f"{layer.precision}, no SQNR: {layer.reason or 'not quantized'}", 70),
+                        va="center", fontsize=7, color=PRECISION_COLOURS.get(layer.precision, "#444"))
             elif not sqnr:
                 ax.text(0.02, y[i], _short(what.split(": ", 1)[1], 70), va="center", fontsize=7, color="white")
-        ax.set_yticks(y, [_short(l["name"]) for l in layers], fontsize=7)
+        ax.set_yticks(y, [_short(l.name) for l in layers], fontsize=7)
         for label, layer in zip(ax.get_yticklabels(), layers):  # the precision shows on every row, bar or not
-            label.set_color(PRECISION_COLOURS.get(layer["precision"], "#444"))
+            label.set_color(PRECISION_COLOURS.get(layer.precision, "#444"))
         ax.set_ylim(-0.6, len(layers) - 0.4)
         if sqnr:
             ax.set_xlabel("SQNR of the layer's output (dB, higher is better)")
@@ -387,7 +380,7 @@ def _draw_layers(report: dict) -> Callable:
         else:
             ax.set_xticks([])
             ax.set_title("precision per layer")
-        present = [p for p in PRECISION_COLOURS if any(l["precision"] == p for l in layers)]
+        present = [p for p in PRECISION_COLOURS if any(l.precision == p for l in layers)]
         ax.legend(handles=[Patch(color=PRECISION_COLOURS[p], label=p) for p in present], loc="upper left",
                   bbox_to_anchor=(1.0, 1.0), title="precision")
         return tips
@@ -395,12 +388,12 @@ def _draw_layers(report: dict) -> Callable:
     return draw
 
 
-def _draw_weights(report: dict, precision: str) -> Callable:
+def _draw_weights(report: QuantizationReport, precision: str) -> Callable:
     def draw(ax) -> dict[str, str]:
-        before, after = _weight_bytes(report)
-        calibrated = bool(report.get("method"))  # a QDQ model's weights are quantized already
+        before, after = report.weight_bytes.float, report.weight_bytes.bundle
+        calibrated = report.kind == "calibrated"  # a QDQ model's weights are quantized already
         labels = ["float (the model)" if calibrated else "the model (QDQ)", f"{precision} (the bundle)"]
-        bars = ax.barh([1, 0], [(before or 0) / 1e3, (after or 0) / 1e3], color=[PRECISION_COLOURS["fp32"], PRECISION_COLOURS["int8"]],
+        bars = ax.barh([1, 0], [before / 1e3, after / 1e3], color=[PRECISION_COLOURS["fp32"], PRECISION_COLOURS["int8"]],
                        height=0.6)
         tips = {}
         for bar, gid, label, n in zip(bars, ("weights-float", "weights-bundle"), labels, (before, after)):
@@ -408,42 +401,36 @@ def _draw_weights(report: dict, precision: str) -> Callable:
             tips[gid] = f"{label}: {n} bytes"
             ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {_kb(n)}", va="center", fontsize=8)
         ax.set_yticks([1, 0], labels)
-        ax.set_xlim(0, max(before or 0, after or 0, 1) / 1e3 * 1.2)
+        ax.set_xlim(0, max(before, after, 1) / 1e3 * 1.2)
         ax.set_xlabel("weights (kB)")
-        ratio = f"{after / before:.2f}x" if before and after is not None else "-"
+        ratio = f"{after / before:.2f}x" if before else "-"
         ax.set_title(f"weights: {_kb(before)} -> {_kb(after)} ({ratio} of the model's)")
         return tips
 
     return draw
 
 
-def quantization_report(manifest: dict) -> Report:
-    """The report of a bundle's quantization (``manifest["quantization"]``). A bundle without one gets a short
+def quantization_report(manifest: Manifest) -> Report:
+    """The report of a bundle's quantization (``manifest.quantization``). A bundle without one gets a short
     report that says so, not an error: whether there is one is known only after the build (a QDQ model is
     quantized at the default --precision fp32), and a build that succeeded should not end in a failure."""
-    if not isinstance(manifest, dict):  # an edgeq.contract.Manifest: its JSON form
-        manifest = manifest.to_json()
-    report = manifest.get("quantization")
-    title = f"edgeq package: {manifest['bundle_id']}"
-    if not report:
+    m, report = manifest, manifest.quantization
+    title = f"edgeq package: {m.bundle_id}"
+    rows = [("bundle", m.bundle_id), ("device", m.device.profile), ("precision", m.precision)]
+    if report is None:
         return Report(title=f"{title}: no quantization",
-                      lines=[f"This is a {manifest['precision']} bundle: every layer runs in float as the model "
+                      lines=[f"This is a {m.precision} bundle: every layer runs in float as the model "
                              "gives it, so there is no per-layer SQNR, precision or weight saving to draw. "
                              "Package with --precision int8 --calibrate DATA (or a QDQ model) for one."],
-                      rows=[("bundle", manifest["bundle_id"]), ("device", manifest["device"]["profile"]),
-                            ("precision", manifest["precision"]), ("weights", _kb(manifest["weights"]["bytes"]))],
-                      figures=[])
-    counts = report.get("precision_counts") or {}
-    rows = [("bundle", manifest["bundle_id"]), ("device", manifest["device"]["profile"]),
-            ("precision", manifest["precision"]),
-            ("layers", ", ".join(f"{n} {p}" for p, n in counts.items() if n) or str(len(report["layers"])))]
-    if report.get("method"):
-        calibration = report.get("calibration") or {}
-        rows.append(("calibration", f"{report['method']} on {calibration.get('source', '?')} "
+                      rows=[*rows, ("weights", _kb(m.weights.bytes))], figures=[])
+    rows.append(("layers", ", ".join(f"{n} {p}" for p, n in report.precision_counts.items() if n) or str(len(report.layers))))
+    if report.kind == "calibrated":
+        calibration = report.calibration or {}
+        rows.append(("calibration", f"{report.method} on {calibration.get('source', '?')} "
                                     f"({calibration.get('samples', '?')} samples)"))
     else:
-        rows.append(("source", report.get("source", "-")))
-    evaluation = report.get("evaluation") or {}
+        rows.append(("source", report.source))
+    evaluation = report.evaluation or {}
     for key, label, fmt in (("rel_error", "relative output error", "{:.4g}"), ("cosine", "cosine vs float", "{:.6g}"),
                             ("top1_agreement", "top-1 agreement", "{:.1f}%"), ("top1_fp32", "top-1 float", "{:.1f}%"),
                             ("top1_quantized", "top-1 quantized", "{:.1f}%")):
@@ -451,22 +438,16 @@ def quantization_report(manifest: dict) -> Report:
             rows.append((label, fmt.format(evaluation[key])))
     if evaluation.get("source"):
         rows.append(("evaluated on", f"{evaluation['source']}"))
-    before, after = _weight_bytes(report)
-    rows.append(("weights", f"{_kb(before)} -> {_kb(after)}"))
-    sqnr = [l["sqnr_db"] for l in report["layers"] if l.get("sqnr_db") is not None]
+    rows.append(("weights", f"{_kb(report.weight_bytes.float)} -> {_kb(report.weight_bytes.bundle)}"))
+    sqnr = sorted(l.sqnr_db for l in report.layers if l.sqnr_db is not None)
     if sqnr:
-        rows.append(("SQNR", f"{min(sqnr):.4g} to {max(sqnr):.4g} dB (median {sorted(sqnr)[len(sqnr) // 2]:.4g})"))
-    if report.get("fallbacks"):
-        rows.append(("back to float", ", ".join(f"{d['layer']} -> {d['to']}" for d in report["fallbacks"])))
-    if report.get("float_ops"):
-        rows.append(("float ops", ", ".join(f"{op} x{n}" for op, n in report["float_ops"].items())))
-    biases = report.get("float_biases")
-    names = biases.get("names") if isinstance(biases, dict) else biases
-    if names:
-        rows.append(("float biases", ", ".join(names)))
-    layers_in = min(MAX_LAYER_ROWS_IN, 1.0 + 0.24 * max(len(report["layers"]), 1))
-    figures = [Figure("layers", layers_in, _draw_layers(report))]
-    if before is not None and after is not None:
-        figures.append(Figure("weights", 1.6, _draw_weights(report, manifest["precision"])))
-    return Report(title=f"{title}: quantization", lines=[report.get("source") or f"{report.get('method')} calibration"],
-                  rows=rows, figures=figures)
+        rows.append(("SQNR", f"{sqnr[0]:.4g} to {sqnr[-1]:.4g} dB (median {sqnr[len(sqnr) // 2]:.4g})"))
+    if report.fallbacks:
+        rows.append(("back to float", ", ".join(f"{d['layer']} -> {d['to']}" for d in report.fallbacks)))
+    if report.float_ops:
+        rows.append(("float ops", ", ".join(f"{op} x{n}" for op, n in report.float_ops.items())))
+    if report.float_biases:
+        rows.append(("float biases", ", ".join(report.float_biases)))
+    layers_in = min(MAX_LAYER_ROWS_IN, 1.0 + 0.24 * max(len(report.layers), 1))
+    figures = [Figure("layers", layers_in, _draw_layers(report)), Figure("weights", 1.6, _draw_weights(report, m.precision))]
+    return Report(title=f"{title}: quantization", lines=[report.source], rows=rows, figures=figures)

@@ -16,6 +16,7 @@ from PIL import Image
 
 from conftest import run_cli
 from edgeq import report
+from edgeq.contract import Manifest
 from edgeq.report import PRECISION_COLOURS
 
 SVG = "{http://www.w3.org/2000/svg}"
@@ -220,7 +221,7 @@ def test_a_failed_write_leaves_nothing(int8_bundle, tmp_path, monkeypatch):
 
     monkeypatch.setattr(report.os, "replace", full)
     with pytest.raises(OutputError, match="cannot write the report .*: No space left on device"):
-        report.write(report.quantization_report(int8_bundle[1]), tmp_path / "q.html")
+        report.write(report.quantization_report(Manifest.from_json(int8_bundle[1])), tmp_path / "q.html")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -231,7 +232,7 @@ def test_quantization_report(int8_bundle, tmp_path):
     manifest = int8_bundle[1]
     layers = manifest["quantization"]["layers"]
     assert {l["precision"] for l in layers} == {"int8", "fp32"}  # the classifier kept in fp32
-    page = report.write(report.quantization_report(manifest), tmp_path / "q.html")
+    page = report.write(report.quantization_report(Manifest.from_json(manifest)), tmp_path / "q.html")
     text = page.read_text()
     check_self_contained(text)
     html = Page(text)
@@ -252,21 +253,21 @@ def test_quantization_report(int8_bundle, tmp_path):
 
     # weight bytes before and after, as the manifest has them
     w = manifest["quantization"]["weight_bytes"]
-    before, after = w.get("float", w.get("fp32")), w.get("bundle", w.get("quantized"))
+    before, after = w["float"], w["bundle"]
     weights = groups(figures["weights"], "weights-weights-")
     assert title(weights["weights-weights-float"]).endswith(f": {before} bytes")
     assert title(weights["weights-weights-bundle"]).endswith(f": {after} bytes")
     assert after < before
 
-    check_png(report.write(report.quantization_report(manifest), tmp_path / "q.png"), 500)
-    assert report.render_html(report.quantization_report(manifest)) == text
+    check_png(report.write(report.quantization_report(Manifest.from_json(manifest)), tmp_path / "q.png"), 500)
+    assert report.render_html(report.quantization_report(Manifest.from_json(manifest))) == text
 
 
 def test_package_cli_report(int8_bundle, models, tmp_path):
     if not package_has_report():
         pytest.skip("edgeq package has no --report option yet (packager/cli/package.py)")
     _, manifest, page = int8_bundle
-    assert page.read_text() == report.render_html(report.quantization_report(manifest))
+    assert page.read_text() == report.render_html(report.quantization_report(Manifest.from_json(manifest)))
     res = run_cli("package", models["resnet_cnn"], "--device", "host", "-o", tmp_path / "out", "--report", tmp_path / "q.svg")
     assert res.code == 2 and "give a file ending in .html or .png" in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1 and list(tmp_path.iterdir()) == []  # refused before the build
@@ -274,10 +275,10 @@ def test_package_cli_report(int8_bundle, models, tmp_path):
 
 def test_fp32_bundle_report_says_there_is_no_quantization(int8_bundle, tmp_path):
     manifest = {k: v for k, v in int8_bundle[1].items() if k != "quantization"} | {"precision": "fp32"}
-    text = report.write(report.quantization_report(manifest), tmp_path / "n.html").read_text()
+    text = report.write(report.quantization_report(Manifest.from_json(manifest)), tmp_path / "n.html").read_text()
     check_self_contained(text)
     assert "no quantization" in text and "<svg" not in text
-    check_png(report.write(report.quantization_report(manifest), tmp_path / "n.png"), 100)
+    check_png(report.write(report.quantization_report(Manifest.from_json(manifest)), tmp_path / "n.png"), 100)
 
 
 # ---- in a browser -------------------------------------------------------------------------------------
@@ -287,7 +288,7 @@ def test_html_renders_in_headless_chromium(int8_bundle, tmp_path):
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     if not chromium:
         pytest.skip("no chromium here (Debian package 'chromium'): the HTML is checked by parsing only")
-    page = report.write(report.quantization_report(int8_bundle[1]), tmp_path / "q.html")
+    page = report.write(report.quantization_report(Manifest.from_json(int8_bundle[1])), tmp_path / "q.html")
     flags = [chromium, "--headless", "--disable-gpu", "--no-sandbox", "--disable-dev-shm-usage",
              f"--user-data-dir={tmp_path / 'profile'}"]
     dom = subprocess.run([*flags, "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120)
