@@ -30,10 +30,12 @@ if [ -n "$make_venv" ] || { [ -n "$ZOO" ] && [ ! -x .venv-export/bin/python ]; }
         echo "setup: $PYTHON not found; install it, or pick another interpreter: PYTHON=python3.X bash scripts/setup.sh" >&2
         exit 1
     fi
-    version=$(py_version "$PYTHON")
+    version=$(py_version "$PYTHON" || true)
     case "$version" in
         3.1[0-3]) ;;
-        *) echo "setup: $PYTHON is Python ${version:-?}; edgeq needs 3.10 to 3.13 (PYTHON=python3.X bash scripts/setup.sh)" >&2
+        "") echo "setup: $PYTHON does not run ($("$PYTHON" -c pass 2>&1 | head -n 1)); PYTHON=python3.X bash scripts/setup.sh picks another" >&2
+            exit 1 ;;
+        *) echo "setup: $PYTHON is Python $version; edgeq needs 3.10 to 3.13 (PYTHON=python3.X bash scripts/setup.sh)" >&2
            exit 1 ;;
     esac
 fi
