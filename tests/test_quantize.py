@@ -98,7 +98,7 @@ def test_transformer_block_int8(models, tmp_path):
     np.savez(calib, input=np.random.default_rng(3).standard_normal((32, 16, 32)).astype(np.float32))
     result = _quantized_graph(models["transformer_block"], calib)
     assert [l.op_type for l in result.layers].count("MatMul") == 6  # q, k, v, out, mlp x2; attention stays float
-    assert result.report["evaluation"]["cosine"] > 0.99
+    assert result.report.evaluation["cosine"] > 0.99
 
 
 def test_skip_keeps_layers_in_fp32(models, random_data):
