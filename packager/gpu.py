@@ -25,6 +25,7 @@ inference and whether CUDA graph capture took effect; the manifest carries it as
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 import numpy as np
@@ -252,15 +253,21 @@ def _input_dtype(func) -> str:
 
 
 def _first_line(err: Exception) -> str:
-    text = str(err).strip()
-    line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
-    return f"{type(err).__name__}: {line}"[:300]
+    """The error's first line, and where that only introduces the cause (NVRTC: "compilation failed:"),
+    the first line that names an error, without paths from this machine."""
+    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
+    text = lines[0] if lines else ""
+    cause = next((ln for ln in lines[1:] if "error" in ln.lower()), None) if text.endswith(":") else None
+    if cause:
+        text = f"{text} {re.sub(r'^.*?/include/', 'include/', cause)}"
+    return f"{type(err).__name__}: {text}"[:300]
 
 
 def _builds(name: str, func, target) -> Exception | None:
     """Build one scheduled PrimFunc alone for ``target``; the error when TVM cannot."""
     try:
-        tvm.tirx.build(tvm.IRModule({name: func.with_attr("global_symbol", name)}), target=target)
+        with target:  # TVM's NVRTC callback reads the architecture from the current target
+            tvm.tirx.build(tvm.IRModule({name: func.with_attr("global_symbol", name)}), target=target)
     except Exception as err:  # noqa: BLE001 - TVM raises InternalError, TVMError, ValueError, ...
         return err
     return None
