@@ -389,7 +389,8 @@ def _bundle(b: _Build) -> None:
             file=contract.LIBRARY, machine=elf_machine(library), cuda_device_code=cuda_device_code(library),
             bytes=library.stat().st_size,
             cpu_kernels={"conv_matmul_calls": b.kernel_calls, "schedules": dict(sorted(b.schedules.items()))}
-            if b.schedules else None),
+            if b.schedules and not b.profile.cuda else None,
+            gpu_kernels=dict(b.schedules) if b.schedules and b.profile.cuda else None),  # edgeq.gpu.GpuKernels
         weights=contract.WeightsRecord(
             file=contract.WEIGHTS, format=contract.TENSOR_FORMAT, count=len(weight_arrays),
             dtypes=sorted({str(w.dtype) for w in weight_arrays}), bytes=int(sum(w.nbytes for w in weight_arrays)),
