@@ -31,8 +31,8 @@ def _cpu_kernels(info) -> str:
 def _gpu_kernels(info) -> str:
     if not info:
         return "-"
-    rules = ", ".join(f"{k} {v}" for k, v in info.get("rules", {}).items())
-    text = f"{info.get('kernels', '?')} kernels per inference; by schedule rule: {rules or '-'}"
+    rules = ", ".join(f"{k} {v}" for k, v in info.get("schedules", {}).items())
+    text = f"{info.get('kernels_per_inference', '?')} kernels per inference; TIR functions by schedule rule: {rules or '-'}"
     if info.get("fallbacks"):
         text += f"; {len(info['fallbacks'])} fell back to another rule"
     return text + f"; CUDA graph: {'yes' if info.get('cuda_graph') else 'no'}"
