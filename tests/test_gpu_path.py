@@ -105,7 +105,7 @@ def resnet(path: Path, size: int = 32, widths=(8, 16), blocks: int = 1, stem: in
     return path
 
 
-def conv1x1_int32(path: Path, channels: int = 128, size: int = 16) -> Path:
+def conv1x1(path: Path, channels: int = 128, size: int = 16) -> Path:
     """One 1x1 convolution whose GEMM (spatial x out-channels x in-channels) is over 64 in every extent: int8
     quantized, TVM's dlight schedules it with int8 tensor cores (MatmulInt8Tensorization), which TVM 0.27 cannot
     build (InjectSoftwarePipeline: GetWmmaFragmentSize). The smallest model seen to hit ResNet-18's int8 crash."""
@@ -194,7 +194,7 @@ def test_resnet18_shape_fits_the_kernel_budget(tmp_path):
 
 
 def int8_conv_module(channels: int = 128, size: int = 16):
-    """int8 x int8 -> int32 1x1 convolution, cast and ReLU, as Relax: the kernel of ``conv1x1_int32`` after
+    """int8 x int8 -> int32 1x1 convolution, cast and ReLU, as Relax: the kernel of ``conv1x1`` after
     quantization, without the quantizer."""
     bb = relax.BlockBuilder()
     x = relax.Var("x", relax.TensorType([1, channels, size, size], "int8"))
@@ -223,7 +223,8 @@ def test_unbuildable_int8_tensor_core_schedule_falls_back_and_is_recorded():
 
 @pytest.mark.slow
 def test_int8_model_whose_tensor_core_schedule_fails_still_packages(tmp_path):
-    model = conv1x1_int32(tmp_path / "conv1x1.onnx")
+    """The ResNet-18 int8 crash, in one layer: the package is written, its manifest says what fell back."""
+    model = conv1x1(tmp_path / "conv1x1.onnx")
     calib = tmp_path / "calib.npz"
     np.savez(calib, input=np.random.default_rng(0).standard_normal((4, 128, 16, 16)).astype(np.float32))
     res = run_cli("package", model, "--device", ORIN, "--precision", "int8", "--calibrate", calib, "--calibration", "minmax",
@@ -231,9 +232,8 @@ def test_int8_model_whose_tensor_core_schedule_fails_still_packages(tmp_path):
     assert res.code == 0, res.stderr
     manifest = json.loads(Path(json.loads(res.stdout)["bundle_dir"], "manifest.json").read_text())
     assert manifest["library"]["cuda_device_code"] == ["sm_87"]
-    kernels = manifest["library"].get("gpu_kernels")
-    if kernels is None:
-        pytest.xfail("package.py does not record library.gpu_kernels yet")
+    kernels = manifest["library"]["gpu_kernels"]
+    assert "cpu_kernels" not in manifest["library"]
     assert [f["rule"] for f in kernels["fallbacks"]] == ["int8 tensorized matmul"]
     assert "int8 tensorized matmul" not in kernels["schedules"] and kernels["schedules"]["matmul"] == 1
 
@@ -281,3 +281,15 @@ def test_batch_norm_without_a_conv_becomes_a_channel_multiply_add():
     folded = gpu.prepare_graph(_bn_graph(conv=False))
     assert ops(folded) == {"relax.multiply", "relax.add"}
     assert sorted(w.shape for w in folded.weight_list()) == [(1, 3, 1, 1), (1, 3, 1, 1)]
+
+
+@pytest.mark.slow
+def test_orin_manifest_records_the_gpu_kernels(small, tmp_path):
+    path, _ = small
+    res = run_cli("package", path, "--device", ORIN, "-o", tmp_path, "--runtime", "none", "--json")
+    assert res.code == 0, res.stderr
+    library = json.loads(Path(json.loads(res.stdout)["bundle_dir"], "manifest.json").read_text())["library"]
+    kernels = library["gpu_kernels"]
+    assert kernels["kernels_per_inference"] == 8 and kernels["cuda_graph"] is True and kernels["fallbacks"] == []
+    assert sum(kernels["schedules"].values()) == len(kernels["functions"]) == 8
+    assert not [f for f in kernels["functions"] if "batch_norm" in f]
