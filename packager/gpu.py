@@ -17,7 +17,9 @@ dlight step replaced by ``ScheduleKernels``: dlight's GPU rules per PrimFunc in 
 schedule (dlight's Matmul picks ``MatmulInt8Tensorization`` for int8 x int8 -> int32 and
 ``MatmulTensorization`` for fp16 when every GEMM extent is over 64) is built alone for the target first, and
 when TVM cannot build it (TVM 0.27's int8 tensorization fails in InjectSoftwarePipeline,
-``GetWmmaFragmentSize``) the function is scheduled again without tensor cores. ``GpuKernels`` records
+``GetWmmaFragmentSize``) it is tried once more without its software-pipeline annotations (that lowers; NVRTC
+then needs CUDA's ``crt/mma.h``), and failing that the function is scheduled again without tensor cores
+(dlight's plain Matmul; for int8 the SASS has IDP.4A, dp4a). ``GpuKernels`` records
 which rule each function got, the fallbacks with the first line of TVM's error, the kernel launches per
 inference and whether CUDA graph capture took effect; the manifest carries it as ``library.gpu_kernels``.
 """
@@ -275,7 +277,9 @@ def _builds(name: str, func, target) -> Exception | None:
 
 def schedule_function(name: str, func, target, check_all: bool = False) -> tuple[Any, str, list[dict[str, str]]]:
     """(scheduled PrimFunc or None, rule name, fallbacks) for one PrimFunc: the first dlight rule that applies
-    and, for tensor-core schedules (or every schedule with ``check_all``), builds alone for ``target``."""
+    and, for tensor-core schedules (or every schedule with ``check_all``), builds alone for ``target``. A
+    tensor-core schedule that does not build is tried once more without its software pipeline, then the
+    function is scheduled without tensor cores."""
     fallbacks: list[dict[str, str]] = []
     candidates = list(RULES)
     while candidates:
@@ -289,18 +293,45 @@ def schedule_function(name: str, func, target, check_all: bool = False) -> tuple
             continue
         if isinstance(sch, list):
             sch = sch[0]
-        scheduled = sch.mod["main"].with_attr("tirx.is_scheduled", True)
-        if rule_name == "matmul" and _tensorized(sch):
+        tensor_cores = rule_name == "matmul" and _tensorized(sch)
+        if tensor_cores:
             rule_name = TENSOR_CORE_NAMES.get(_input_dtype(func), "tensorized matmul")
-        fragile = rule_name in TENSOR_CORE_NAMES.values() or check_all
-        err = _builds(name, scheduled, target) if fragile else None
-        if err is None:
-            return scheduled, rule_name, fallbacks
-        fallbacks.append({"function": name, "rule": rule_name, "error": _first_line(err)})
-        if rule_name in TENSOR_CORE_NAMES.values():
+        attempts = [(rule_name, sch.mod["main"])]
+        if tensor_cores and _drop_software_pipeline(sch):  # TVM 0.27's int8 wmma fails in InjectSoftwarePipeline
+            attempts.append((f"{rule_name} (no software pipeline)", sch.mod["main"]))
+        for attempt, scheduled in attempts:
+            scheduled = scheduled.with_attr("tirx.is_scheduled", True)
+            err = _builds(name, scheduled, target) if tensor_cores or check_all else None
+            if err is None:
+                return scheduled, attempt, fallbacks
+            fallbacks.append({"function": name, "rule": attempt, "error": _first_line(err)})
+        if tensor_cores:
             func = func.with_attr(NO_TENSOR_CORES, True)
             candidates.insert(0, ("matmul", rule))
     return None, "unscheduled", fallbacks
+
+
+SOFTWARE_PIPELINE = ("software_pipeline_stage", "software_pipeline_order", "software_pipeline_async_stages")
+
+
+def _drop_software_pipeline(sch) -> bool:
+    """Remove the software-pipeline annotations from every loop of ``sch`` (the same computation, without
+    overlapping the next tile's loads with this tile's math); whether there were any."""
+    seen, dropped = set(), False
+    blocks = [sch.get_sblock("root")]
+    while blocks:
+        block = blocks.pop()
+        blocks.extend(sch.get_child_blocks(block))
+        for loop in sch.get_loops(block):
+            stmt = sch.get(loop)
+            if stmt in seen:
+                continue
+            seen.add(stmt)
+            for key in SOFTWARE_PIPELINE:
+                if key in stmt.annotations:
+                    sch.unannotate(loop, key)
+                    dropped = True
+    return dropped
 
 
 def ScheduleKernels(target, report: GpuKernels, check_all: bool = False):  # noqa: N802 - a pass, named like TVM's

@@ -214,10 +214,13 @@ def test_unbuildable_int8_tensor_core_schedule_falls_back_and_is_recorded():
     stats: dict = {}
     build(int8_conv_module(), profile.tvm_target(), toolchain_for(profile), stats)
     assert json.loads(json.dumps(stats)) == stats  # what the manifest records: JSON as it is
-    (fallback,) = stats["fallbacks"]
-    assert fallback["rule"] == "int8 tensorized matmul" and fallback["function"] == "fused_conv2d_cast_relu"
-    assert "fragment_info_" in fallback["error"]  # TVM 0.27: InjectSoftwarePipeline, GetWmmaFragmentSize
-    assert stats["functions"] == {"fused_conv2d_cast_relu": "matmul"} and stats["kernels_per_inference"] == 1
+    first = stats["fallbacks"][0]
+    assert first["rule"] == "int8 tensorized matmul" and first["function"] == "fused_conv2d_cast_relu"
+    assert "fragment_info_" in first["error"]  # TVM 0.27: InjectSoftwarePipeline, GetWmmaFragmentSize
+    # then without the software pipeline (it builds where NVRTC has CUDA's crt/ headers), else without tensor cores
+    rule = stats["functions"]["fused_conv2d_cast_relu"]
+    assert rule in ("int8 tensorized matmul (no software pipeline)", "matmul") and stats["kernels_per_inference"] == 1
+    assert len(stats["fallbacks"]) == (1 if rule != "matmul" else 2)
     assert isinstance(stats["cuda_graph"], bool)
 
 
@@ -234,8 +237,8 @@ def test_int8_model_whose_tensor_core_schedule_fails_still_packages(tmp_path):
     assert manifest["library"]["cuda_device_code"] == ["sm_87"]
     kernels = manifest["library"]["gpu_kernels"]
     assert "cpu_kernels" not in manifest["library"]
-    assert [f["rule"] for f in kernels["fallbacks"]] == ["int8 tensorized matmul"]
-    assert "int8 tensorized matmul" not in kernels["schedules"] and kernels["schedules"]["matmul"] == 1
+    assert kernels["fallbacks"][0]["rule"] == "int8 tensorized matmul"
+    assert "int8 tensorized matmul" not in kernels["schedules"]
 
 
 def _bn_graph(conv: bool):
