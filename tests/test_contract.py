@@ -69,11 +69,12 @@ def test_latency_statistics_match_numpy_and_define_throughput_by_the_mean():
     rng = np.random.default_rng(0)
     times = list(rng.gamma(4.0, 0.5, size=97))
     stats = latency_statistics(times, batch=4)
-    for q in (50, 90, 99):
-        assert stats[f"p{q}_ms"] == pytest.approx(np.percentile(times, q), abs=1e-4)
-    assert stats["mean_ms"] == pytest.approx(np.mean(times), abs=1e-4)
-    assert stats["throughput_per_s"] == pytest.approx(4 * 1e3 / np.mean(times), abs=0.01)
-    assert stats["min_ms"] == pytest.approx(min(times), abs=1e-4) and stats["runs"] == 97
+    for q in (50, 90, 99):  # 4 significant digits
+        assert stats[f"p{q}_ms"] == pytest.approx(np.percentile(times, q), rel=5e-4)
+    assert stats["mean_ms"] == pytest.approx(np.mean(times), rel=5e-4)
+    assert stats["throughput_per_s"] == pytest.approx(4 * 1e3 / np.mean(times), rel=1e-3)
+    assert stats["min_ms"] == pytest.approx(min(times), rel=5e-4) and stats["runs"] == 97
+    assert len(repr(stats["mean_ms"]).replace(".", "").lstrip("0")) <= 4
     assert contract.describe_latency(stats).startswith("97 runs: min ")
 
 
