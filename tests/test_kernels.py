@@ -300,9 +300,9 @@ def test_arm64_bundle_is_built_on_neon_kernels(precision, models, tmp_path, cli)
     assert float(np.abs(got - want).max()) <= tolerance * float(np.abs(want).max())
 
 
-def test_convolutions_without_a_kernel_fall_back_correctly(tmp_path):
-    """Grouped (not depthwise) and channel-multiplier convolutions stay TVM's NCHW conv2d, fed by transposes
-    from the NHWC neighbours; asymmetric padding still gets the kernel."""
+def test_grouped_multiplier_and_asymmetric_convolutions_get_the_kernel(tmp_path):
+    """Grouped (not depthwise) and channel-multiplier convolutions run on the conv kernel as grouped
+    convolutions (a multiplier of 2 is groups of 1 input and 2 outputs); asymmetric padding too."""
     rng = np.random.default_rng(8)
 
     def w(*shape):
@@ -311,13 +311,13 @@ def test_convolutions_without_a_kernel_fall_back_correctly(tmp_path):
     inits = {"w1": w(16, 3, 3, 3), "wg": w(16, 8, 3, 3), "wm": w(32, 1, 3, 3), "wa": w(8, 32, 2, 2)}
     nodes = [
         helper.make_node("Conv", ["x", "w1"], ["a"], pads=[1, 1, 1, 1]),
-        helper.make_node("Conv", ["a", "wg"], ["b"], pads=[1, 1, 1, 1], group=2),  # grouped: fallback
-        helper.make_node("Conv", ["b", "wm"], ["c"], pads=[1, 1, 1, 1], group=16),  # multiplier 2: fallback
+        helper.make_node("Conv", ["a", "wg"], ["b"], pads=[1, 1, 1, 1], group=2),  # grouped
+        helper.make_node("Conv", ["b", "wm"], ["c"], pads=[1, 1, 1, 1], group=16),  # multiplier 2
         helper.make_node("Conv", ["c", "wa"], ["y"], pads=[0, 0, 1, 1]),  # asymmetric padding: kernel
     ]
     g = helper.make_graph(nodes, "fallback", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 11, 11])],
                           [_out("y", 4)], [numpy_helper.from_array(v, k) for k, v in inits.items()])
     ours, theirs, stats, calls, _ = edgeq_vs_ort(_save(g, tmp_path / "m.onnx"))
-    assert calls == 2, calls
-    assert stats.get("conv") == 2 and stats.get("none", 0) == 0, stats
+    assert calls == 4, calls
+    assert stats.get("conv") == 4 and stats.get("none", 0) == 0, stats
     assert_close(ours, theirs)

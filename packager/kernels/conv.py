@@ -13,7 +13,8 @@ is padded, and ``128 * sum(weights)`` per channel, computed at build time, is su
 
 Whatever follows a convolution in the same fused function (bias, ReLU, residual add, requantize to int8)
 is computed on the accumulator tile while it is in registers. Matrix products by a weight run here as 1x1
-convolutions; depthwise convolutions have their own kernel (``dwconv``), large float 3x3 ones a Winograd
+convolutions, and grouped convolutions (each block of output channels inside one group, reading its
+group's inputs); depthwise convolutions have their own kernel (``dwconv``), large float 3x3 ones a Winograd
 kernel (``winograd``), tried before this one.
 """
 
@@ -42,11 +43,11 @@ def plan(problem: ConvSpec, isa: Isa) -> ConvSpec | None:
     vector registers where the channel count allows)."""
     if problem.depthwise:
         return None
-    vnni = isa.vnni and problem.integer and problem.oc % 16 == 0
+    vnni = isa.vnni and problem.integer and problem.oc % 16 == 0 and problem.groups == 1
     if vnni:
         ocb = next(b for b in (64, 32, 16) if problem.oc % b == 0 and b // 16 * 4 <= isa.accumulators)
-    else:
-        ocb = isa.vector_block(problem.oc)
+    else:  # grouped: a block of output channels stays inside one group (it reads one run of inputs)
+        ocb = isa.vector_block(problem.oc // problem.groups)
     return dataclasses.replace(problem, vnni=vnni, ocb=ocb)
 
 
@@ -98,19 +99,25 @@ def _vnni_func(spec: ConvSpec, x, rh, rw):
 
 
 def _direct_func(spec: ConvSpec, x, rh, rw):
-    """float32, or int8/uint8 x int8 without VNNI: weights in ``[OC/ocb, KH, KW, C, ocb]``."""
+    """float32, or int8/uint8 x int8 without VNNI: weights in ``[OC/ocb, KH, KW, C/groups, ocb]``; output
+    channel ``o`` of a grouped convolution reads the inputs of its group, ``(o // (OC/groups)) * C/groups + rc``."""
     sh, sw = spec.stride
     dh, dw = spec.dilation
-    ocb = spec.ocb
+    ocb, cg, ocg = spec.ocb, spec.cg, spec.oc // spec.groups
     wdtype = "int8" if spec.integer else "float32"
     xp = pad_input(x, spec, spec.c)
-    wt = te.placeholder((spec.oc // ocb, spec.kh, spec.kw, spec.c, ocb), wdtype, name="weight")
-    rc = te.reduce_axis((0, spec.c), "rc")
+    wt = te.placeholder((spec.oc // ocb, spec.kh, spec.kw, cg, ocb), wdtype, name="weight")
+    rc = te.reduce_axis((0, cg), "rc")
     accd = spec.out_dtype
+
+    def channel(o, rc):  # the block o // ocb lies in one group: (o // ocb) // (ocg // ocb) is its group
+        return rc if spec.groups == 1 else (o // ocb) // (ocg // ocb) * cg + rc
+
     out = te.compute(
         (spec.n, spec.oh, spec.ow, spec.oc),
         lambda n, y, z, o: te.sum(
-            xp[n, y * sh + rh * dh, z * sw + rw * dw, rc].astype(accd) * wt[o // ocb, rh, rw, rc, o % ocb].astype(accd),
+            xp[n, y * sh + rh * dh, z * sw + rw * dw, channel(o, rc)].astype(accd)
+            * wt[o // ocb, rh, rw, rc, o % ocb].astype(accd),
             axis=[rh, rw, rc]),
         name=CONV, attrs={spec.annotation: spec.to_json()},
     )
@@ -182,7 +189,7 @@ def _schedule_pad(sch: Schedule) -> None:
 def _outer(spec: ConvSpec, n, y, oo) -> tuple:
     """The order of the parallel loops: where the weights outweigh the input, each core keeps one block of
     output channels (its weights stay in its cache) for all rows; otherwise it keeps rows of input."""
-    weights = spec.kh * spec.kw * spec.c * spec.oc
+    weights = spec.kh * spec.kw * spec.cg * spec.oc
     data = spec.n * spec.h * spec.w * spec.c
     return (oo, n, y) if weights > data else (n, y, oo)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from edgeq.kernels.common import Isa, blocks, is_spatial
+from edgeq.kernels.common import Isa, blocks, is_scheduled, is_spatial
 from edgeq.toolchain import import_tvm
 
 tvm = import_tvm()
@@ -80,29 +80,56 @@ def schedule_generic(sch: Schedule, isa: Isa) -> None:
             except ScheduleError:
                 pass
     for block in blocks(sch):
-        loops = sch.get_loops(block)
-        if not loops:
-            continue
         if is_spatial(sch, block):
-            extents = [_extent(sch, lp) for lp in loops]
-            if any(e is None for e in extents):
-                continue
-            total = math.prod(extents)
-            fused = sch.fuse(*loops)
-            inner = extents[-1]
-            lanes = _vector_lanes(sch, block, isa.lanes)
-            lanes = lanes if inner % lanes == 0 else 1
-            if total >= PARALLEL_MIN:
-                outer, vec = sch.split(fused, [None, lanes]) if lanes > 1 else (fused, None)
-                sch.parallel(outer)
-            elif lanes > 1:
-                _, vec = sch.split(fused, [None, lanes])
-            else:
-                vec = None
-            if vec is not None:
-                sch.vectorize(vec)
-        else:
+            _schedule_spatial(sch, block, isa)
+        elif sch.get_loops(block):
             _schedule_reduction(sch, block, isa)
+
+
+def schedule_rest(sch: Schedule, isa: Isa) -> None:
+    """After a kernel's schedule: the element-wise blocks of its fused function that its epilogue did not
+    take (a broadcast after the kernel, as squeeze-and-excitation's scale of a feature map) are first merged
+    into one loop nest, then fused, vectorised and parallelised like any other."""
+    rest = [b for b in blocks(sch) if is_spatial(sch, b) and _own_nest(sch, b) and not is_scheduled(sch, b)]
+    for block in rest[:-1]:
+        if len(sch.get_consumers(block)) == 1:
+            try:
+                sch.compute_inline(block)
+                continue
+            except ScheduleError:
+                pass
+        _schedule_spatial(sch, block, isa)
+    if rest:
+        _schedule_spatial(sch, rest[-1], isa)
+
+
+def _own_nest(sch: Schedule, block) -> bool:
+    """Whether a block has loops and is alone in its loop nest (not computed inside a kernel's loops)."""
+    loops = sch.get_loops(block)
+    return bool(loops) and len(sch.get_child_blocks(loops[0])) == 1
+
+
+def _schedule_spatial(sch: Schedule, block, isa: Isa) -> None:
+    """One element-wise loop nest: fused, vectorised along the innermost axis, split over the cores when
+    it is large enough to pay for the threads."""
+    loops = sch.get_loops(block)
+    extents = [_extent(sch, lp) for lp in loops]
+    if not loops or any(e is None for e in extents):
+        return
+    total = math.prod(extents)
+    fused = sch.fuse(*loops)
+    inner = extents[-1]
+    lanes = _vector_lanes(sch, block, isa.lanes)
+    lanes = lanes if inner % lanes == 0 else 1
+    if total >= PARALLEL_MIN:
+        outer, vec = sch.split(fused, [None, lanes]) if lanes > 1 else (fused, None)
+        sch.parallel(outer)
+    elif lanes > 1:
+        _, vec = sch.split(fused, [None, lanes])
+    else:
+        vec = None
+    if vec is not None:
+        sch.vectorize(vec)
 
 
 def _schedule_reduction(sch: Schedule, block, isa: Isa) -> None:

@@ -2,13 +2,13 @@
 
 One pass over the bindings (``edgeq.graph.rewrite``):
 
-- every supported ``conv2d`` (float32, or int8/uint8 x int8 -> int32; groups 1 or depthwise) and every
+- every supported ``conv2d`` (float32, or int8/uint8 x int8 -> int32; any groups) and every
   ``matmul`` by a weight (a 1x1 convolution) is described as a ``ConvSpec``, a ``matmul`` of two float32
   activations (attention) as a ``BmmSpec``; the first kernel of ``edgeq.kernels.rules.KERNELS`` that takes
   it replaces it with a ``call_tir`` of its TIR function, with the weight packed for that kernel now, at
   build time (the bundle ships the packed arrays);
 - activations stay NHWC from one convolution to the next: element-wise operations, (de)quantize, pooling,
-  padding and spatial means run on NHWC directly (their per-channel operands are transposed at build
+  padding, concatenation and spatial means run on NHWC directly (their per-channel operands are transposed at build
   time), and a value is transposed back to NCHW only where something else reads it, and for the outputs.
 """
 
@@ -189,10 +189,11 @@ class _Lowering:
         oc, icg, kh, kw = wv.shape
         groups = int(a.groups)
         depthwise = groups == c == oc and icg == 1 and groups > 1
-        if groups != 1 and not depthwise:
+        if c % groups or oc % groups or icg != c // groups:
             return None
         chosen = choose(ConvSpec(n, h, width, c, oc, kh, kw, tuple(int(s) for s in a.strides),
-                                 tuple(int(p) for p in a.padding), tuple(int(d) for d in a.dilation), xd, depthwise), self.isa)
+                                 tuple(int(p) for p in a.padding), tuple(int(d) for d in a.dilation), xd, depthwise,
+                                 groups=1 if depthwise else groups), self.isa)
         if chosen is None:
             return None
         return self.kernel(rw, var, chosen, self.to_nhwc(rw, rw.new(x)), wv, w.name if isinstance(w, relax.Var) else "w")
@@ -270,6 +271,8 @@ class _Lowering:
             value = self.static(rw, bound)
             operand = rw.const(value.reshape(()), str(value.dtype)) if value is not None else rw.new(bound)
             return self.result(rw, var, fn(rw.new(x), operand), True)
+        if op == "relax.concat":
+            return self.concat(rw, var, value)
         if not args or not any(rw.new(a) in self.nhwc for a in args if isinstance(a, relax.Var)):
             return None
         if op in UNARY:
@@ -308,6 +311,23 @@ class _Lowering:
             nhwc = width[0:2] + width[4:6] + width[6:8] + width[2:4]
             return self.result(rw, var, relax.op.nn.pad(rw.new(args[0]), nhwc, pad_value=float(value.attrs.pad_value)), True)
         return None
+
+    def concat(self, rw: Rewriter, var, value):
+        """A concat of 4-d tensors of which one at least is NHWC (SqueezeNet's fire modules, DenseNet's
+        feature stacks, Inception's branches) concatenates NHWC; the others are transposed to it."""
+        tup = value.args[0]
+        if isinstance(tup, relax.Var):
+            tup = rw.value(tup)
+        if not isinstance(tup, relax.Tuple) or len(_shape(var) or []) != 4:
+            return None
+        if any(len(_shape(f) or []) != 4 for f in tup.fields):
+            return None
+        fields = [rw.new(f) for f in tup.fields]
+        if not any(f in self.nhwc for f in fields):
+            return None
+        axis = {0: 0, 1: 3, 2: 1, 3: 2}[int(value.attrs.axis) % 4]
+        fields = [self.to_nhwc(rw, f) for f in fields]
+        return self.result(rw, var, relax.op.concat(fields, axis=axis), True)
 
     def visit(self, rw: Rewriter, var, value):
         op = call_op(value)

@@ -34,7 +34,7 @@ def plan(problem: ConvSpec, isa: Isa) -> ConvSpec | None:
 
 
 def _tile(spec: ConvSpec) -> int:
-    if spec.integer or spec.depthwise or (spec.kh, spec.kw) != (3, 3) or spec.stride != (1, 1) or spec.dilation != (1, 1):
+    if spec.integer or spec.depthwise or spec.groups != 1 or (spec.kh, spec.kw) != (3, 3) or spec.stride != (1, 1) or spec.dilation != (1, 1):
         return 0
     if spec.c < 64 or spec.oc < 64 or min(spec.oh, spec.ow) < 8:  # measured: below, the transforms cost more
         return 0

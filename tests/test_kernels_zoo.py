@@ -1,0 +1,97 @@
+"""The patterns of the torchvision zoo that had no fast path (issue #15), each against ONNX Runtime:
+grouped convolutions (RegNet, ResNeXt) on the conv kernel, squeeze-and-excitation (a channel scale of a
+whole feature map fused after a 1x1 convolution), concatenations that keep NHWC (SqueezeNet, DenseNet,
+Inception), and 1000-channel classifiers in whole 8-lane vectors.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from test_kernels import Conv, _out, _save, assert_close, conv_model, edgeq_vs_ort, qdq_conv_model
+
+GROUPED = [
+    Conv(32, 32, (10, 10), group=4),  # RegNet: 8 channels per group
+    Conv(64, 64, (9, 9), stride=2, group=16),  # ResNeXt-like: 4 channels per group, stride 2
+    Conv(16, 32, (8, 8), group=2),  # more outputs than inputs per group
+]
+
+
+@pytest.mark.parametrize("cv", GROUPED, ids=lambda cv: f"g{cv.group}-{cv.c}to{cv.oc}-s{cv.stride}")
+def test_grouped_convolutions_run_on_the_conv_kernel(cv, tmp_path):
+    ours, theirs, stats, calls, _ = edgeq_vs_ort(conv_model(cv, tmp_path / "m.onnx", np.random.default_rng(0)))
+    assert calls == 1 and stats.get("conv") == 1 and stats.get("none", 0) == 0, stats
+    assert_close(ours, theirs)
+
+
+@pytest.mark.parametrize("cv", GROUPED[:2], ids=lambda cv: f"g{cv.group}-{cv.c}to{cv.oc}")
+def test_int8_grouped_convolutions_run_on_the_conv_kernel(cv, tmp_path):
+    path = qdq_conv_model(cv, tmp_path / "m.onnx", np.random.default_rng(1), "int8")
+    ours, theirs, stats, calls, _ = edgeq_vs_ort(path, prequantized=True)
+    assert calls == 1 and stats.get("conv") == 1 and stats.get("none", 0) == 0, stats  # no VNNI layout: grouped
+    assert_close(ours, theirs, rtol=1e-5)
+
+
+def _weights(rng, **shapes):
+    return [numpy_helper.from_array((rng.standard_normal(s) * 0.3).astype(np.float32), k) for k, s in shapes.items()]
+
+
+def test_squeeze_and_excitation_scale_is_scheduled_with_its_convolution(tmp_path):
+    """conv -> GlobalAveragePool -> 1x1 conv -> ReLU -> 1x1 conv -> HardSigmoid -> times the feature map:
+    the last 1x1 convolution's function also holds the broadcast multiply; all of it gets a schedule."""
+    rng = np.random.default_rng(3)
+    inits = _weights(rng, w=(48, 16, 3, 3), w1=(12, 48, 1, 1), b1=(12,), w2=(48, 12, 1, 1), b2=(48,))
+    nodes = [
+        helper.make_node("Conv", ["x", "w"], ["f"], pads=[1, 1, 1, 1]),
+        helper.make_node("GlobalAveragePool", ["f"], ["g"]),
+        helper.make_node("Conv", ["g", "w1", "b1"], ["s1"]),
+        helper.make_node("Relu", ["s1"], ["r1"]),
+        helper.make_node("Conv", ["r1", "w2", "b2"], ["s2"]),
+        helper.make_node("HardSigmoid", ["s2"], ["h"], alpha=1 / 6),
+        helper.make_node("Mul", ["f", "h"], ["y"]),
+    ]
+    g = helper.make_graph(nodes, "se", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16, 14, 14])],
+                          [_out("y", 4)], inits)
+    ours, theirs, stats, calls, _ = edgeq_vs_ort(_save(g, tmp_path / "m.onnx"))
+    assert calls == 3 and stats.get("none", 0) == 0, stats
+    assert_close(ours, theirs)
+
+
+def _transposes(lowered) -> int:
+    return sum(b.value.op.name == "relax.permute_dims" for b in lowered.bindings()
+               if hasattr(b.value, "op") and hasattr(b.value.op, "name"))
+
+
+def test_concatenation_keeps_nhwc(tmp_path):
+    """A SqueezeNet fire module twice: squeeze 1x1, expand 1x1 and 3x3, concatenated on channels, then a
+    max-pool with ceil_mode; the concatenations run on NHWC (one transpose in, one out)."""
+    rng = np.random.default_rng(4)
+    inits = _weights(rng, s1=(8, 16, 1, 1), e1=(16, 8, 1, 1), e3=(16, 8, 3, 3), s2=(8, 32, 1, 1), f1=(8, 8, 1, 1),
+                     f3=(24, 8, 3, 3))
+    nodes = [
+        helper.make_node("Conv", ["x", "s1"], ["a"]), helper.make_node("Relu", ["a"], ["ar"]),
+        helper.make_node("Conv", ["ar", "e1"], ["b1"]), helper.make_node("Conv", ["ar", "e3"], ["b3"], pads=[1, 1, 1, 1]),
+        helper.make_node("Concat", ["b1", "b3"], ["c"], axis=1),
+        helper.make_node("MaxPool", ["c"], ["p"], kernel_shape=[3, 3], strides=[2, 2], ceil_mode=1),
+        helper.make_node("Conv", ["p", "s2"], ["d"]), helper.make_node("Relu", ["d"], ["dr"]),
+        helper.make_node("Conv", ["dr", "f1"], ["g1"]), helper.make_node("Conv", ["dr", "f3"], ["g3"], pads=[1, 1, 1, 1]),
+        helper.make_node("Concat", ["g1", "g3", "dr"], ["y"], axis=1),
+    ]
+    g = helper.make_graph(nodes, "fire", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16, 15, 15])],
+                          [_out("y", 4)], inits)
+    ours, theirs, stats, calls, lowered = edgeq_vs_ort(_save(g, tmp_path / "m.onnx"))
+    assert calls == 6 and stats.get("none", 0) == 0, stats
+    assert _transposes(lowered) == 2
+    assert_close(ours, theirs)
+
+
+def test_thousand_class_classifier_runs_in_whole_vectors(tmp_path):
+    """SqueezeNet's classifier: a 1x1 convolution to 1000 channels on 13x13 pixels, in blocks of 8 channels
+    (1000 has no 16- or 32-channel divisor; blocks of 25 were not vectorised)."""
+    ours, theirs, stats, calls, lowered = edgeq_vs_ort(
+        conv_model(Conv(32, 1000, (13, 13), k=1, pad=0), tmp_path / "m.onnx", np.random.default_rng(2)))
+    assert calls == 1 and stats.get("conv") == 1 and stats.get("none", 0) == 0, stats
+    assert any("_oc8_" in name for name in lowered.weights), list(lowered.weights)
+    assert_close(ours, theirs)
