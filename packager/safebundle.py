@@ -352,7 +352,8 @@ def _extract(tar: tarfile.TarFile, dest: Path, public_key=None) -> Path:
             raise BundleRefused(f"archive holds a file the manifest does not list: {name}")
         if member.size > limit:
             raise BundleRefused(f"archive member {name} is larger than allowed")
-        tarfile.data_filter(member, str(dest))  # the standard library's own checks, on top of ours
+        if hasattr(tarfile, "data_filter"):  # Python >= 3.10.12 / 3.11.4: not Debian 12's 3.11.2
+            tarfile.data_filter(member, str(dest))  # the standard library's own checks, on top of ours
         (dest / folder / name).parent.mkdir(parents=True, exist_ok=True)
         data = tar.extractfile(member)
         target = dest / folder / name
