@@ -88,6 +88,26 @@ def test_loader_and_its_modules_ship_as_they_are(host_bundles):
     assert not (bundle_dir / "__pycache__").exists()  # running run.py above wrote nothing into the bundle
 
 
+@pytest.mark.parametrize("version", ["3.8", "3.10"])
+def test_shipped_verifier_runs_on_device_pythons(host_bundles, version):
+    """safebundle.py and contract.py as shipped run on the Pythons devices have (JetPack 5: 3.8, JetPack 6:
+    3.10) without edgeq: they verify the bundle, and run.py (no TVM there) hands over to edgeq-run."""
+    import subprocess
+
+    from test_install import find_python
+
+    python, how = find_python(version)
+    if python is None:
+        pytest.skip(how)
+    bundle_dir = Path(host_bundles["resnet_cnn"]["bundle_dir"])
+    env = {"PATH": "/usr/bin:/bin", "PYTHONNOUSERSITE": "1"}  # nothing of edgeq's environment
+    verify = subprocess.run([python, str(bundle_dir / "safebundle.py"), "verify", str(bundle_dir.with_suffix(".tar.gz"))],
+                            capture_output=True, text=True, env=env, cwd="/")
+    assert verify.returncode == 0 and json.loads(verify.stdout)["bundle_id"] == host_bundles["resnet_cnn"]["bundle_id"], verify.stderr
+    check = subprocess.run([python, str(bundle_dir / "run.py"), "--check"], capture_output=True, text=True, env=env, cwd="/")
+    assert check.returncode == 0 and "can run" in check.stdout, check.stderr
+
+
 def test_self_test_fails_when_outputs_are_wrong(host_bundles, tmp_path):
     """Corrupt the golden outputs (and their hash, so the file check passes): the self-test must fail."""
     bundle_dir = tmp_path / "b"
