@@ -132,8 +132,9 @@ def fold_batch_norm(graph: Graph) -> Graph:
             return folded
         bshape = [1] * len(shape)
         bshape[axis] = -1
-        mul = relax.op.multiply(rw.new(x), rw.param(_fresh(rw, f"{base}_scale"), scale.astype(np.float32).reshape(bshape)))
-        return relax.op.add(rw.emit(mul), rw.param(_fresh(rw, f"{base}_shift"), shift.astype(np.float32).reshape(bshape)))
+        scale_param = rw.param(_fresh(rw, f"{base}_scale"), scale.astype(np.float32).reshape(bshape))
+        shift_param = rw.param(_fresh(rw, f"{base}_shift"), shift.astype(np.float32).reshape(bshape))
+        return relax.op.add(rw.emit(relax.op.multiply(rw.new(x), scale_param)), shift_param)
 
     return rewrite(graph, visit)
 
@@ -159,7 +160,9 @@ def _fold_into_conv(rw: Rewriter, x, scale, shift, axis: int, base: str):
     if call_op(inner) != "relax.nn.conv2d":
         return None
     a = inner.attrs
-    if (a.data_layout, a.kernel_layout, a.out_layout) != ("NCHW", "OIHW", "NCHW") or str(a.out_dtype) not in ("", "None", "void", "float32"):
+    if (a.data_layout, a.kernel_layout, a.out_layout) != ("NCHW", "OIHW", "NCHW"):
+        return None
+    if str(a.out_dtype) not in ("", "None", "void", "float32"):  # None: the input's dtype
         return None
     data, w = inner.args
     wv = _static(rw, w)
