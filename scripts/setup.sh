@@ -4,7 +4,7 @@
 # checkout, .venv (edgeq editable with its test tools; the CUDA 12 NVRTC wheels for JetPack 6 targets are
 # default dependencies). Stock system Pythons refuse `pip install` outside a venv (externally managed), so
 # nothing is installed into the interpreter itself. .venv is made from $PYTHON (default python3; 3.10 to
-# 3.13), reused when it exists, and made again when PYTHON names another version than the one it has.
+# 3.13), reused when it exists, and made again when PYTHON names another interpreter than the one it has.
 # Activate it with `. .venv/bin/activate`. With --zoo also .venv-export: torch and torchvision for exporting
 # the torchvision models the tests and benchmarks/zoo.py use.
 set -euo pipefail
@@ -17,12 +17,14 @@ ZOO=""
 [ "${1:-}" = "--zoo" ] && ZOO=yes
 
 py_version() { "$1" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null; }
+# which installation an interpreter (or a venv's) is: version and real base prefix
+py_base() { "$1" -c 'import os, sys; print("%d.%d" % sys.version_info[:2], os.path.realpath(sys.base_prefix))' 2>/dev/null; }
 
-# Is .venv to be made (again)? Missing, broken (its interpreter gone), or another version than PYTHON asks for.
+# Is .venv to be made (again)? Missing, broken (its interpreter gone), or not of the interpreter PYTHON names.
 make_venv=""
 if [ ! -x "$VENV/bin/python" ] || [ -z "$(py_version "$VENV/bin/python")" ]; then
     make_venv=yes
-elif [ -n "$PYTHON_GIVEN" ] && [ "$(py_version "$VENV/bin/python")" != "$(py_version "$PYTHON")" ]; then
+elif [ -n "$PYTHON_GIVEN" ] && [ "$(py_base "$VENV/bin/python")" != "$(py_base "$PYTHON")" ]; then
     make_venv=yes
 fi
 if [ -n "$make_venv" ] || { [ -n "$ZOO" ] && [ ! -x .venv-export/bin/python ]; }; then
