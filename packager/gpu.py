@@ -223,6 +223,7 @@ class GpuKernels:
     fallbacks: list[dict[str, str]] = dataclasses.field(default_factory=list)
     kernels_per_inference: int = 0  # kernel launches of one call of main
     cuda_graph: bool = False  # main's static call sequences run as one captured CUDA graph
+    cuda_graph_kernels: int = 0  # of kernels_per_inference, those inside the graph (one launch for all)
 
     def to_dict(self) -> dict[str, Any]:
         counts: dict[str, int] = {}
@@ -231,6 +232,7 @@ class GpuKernels:
         return {
             "kernels_per_inference": self.kernels_per_inference,
             "cuda_graph": self.cuda_graph,
+            "cuda_graph_kernels": self.cuda_graph_kernels,
             "schedules": dict(sorted(counts.items())),
             "functions": dict(sorted(self.functions.items())),
             "fallbacks": sorted(self.fallbacks, key=lambda f: f["function"]),
@@ -379,21 +381,31 @@ def CountKernels(report: GpuKernels):  # noqa: N802
 
 def RecordResult(report: GpuKernels):  # noqa: N802
     """What the pipeline left: whether RewriteCUDAGraph lifted anything (main calls the capture-or-replay
-    builtin), and the rules of only the kernels still in the module (reshapes became views)."""
+    builtin) and how many kernel calls the captured functions hold, and the rules of only the kernels still
+    in the module (reshapes became views)."""
 
     @tvm.transform.module_pass(opt_level=0, name="edgeq.RecordResult")
     def _pass(mod, _ctx):
-        found = False
+        kernels = {gv for gv, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)}
+        found, captured = False, 0
 
-        def visit(expr):
+        def visit_main(expr):
             nonlocal found
             if isinstance(expr, relax.ExternFunc) and expr.global_symbol == CUDA_GRAPH_BUILTIN:
                 found = True
 
-        relax.analysis.post_order_visit(mod["main"], visit)
-        report.cuda_graph = found
-        kept = {gv.name_hint for gv, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)}
-        report.functions = {name: rule for name, rule in report.functions.items() if name in kept}
+        def visit_capture(expr):
+            nonlocal captured
+            if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.GlobalVar) and expr.op in kernels:
+                captured += 1
+
+        relax.analysis.post_order_visit(mod["main"], visit_main)
+        for gv, func in mod.functions_items():
+            if isinstance(func, relax.Function) and gv.name_hint.endswith("_cuda_graph_capture"):
+                relax.analysis.post_order_visit(func, visit_capture)
+        report.cuda_graph, report.cuda_graph_kernels = found, captured if found else 0
+        names = {gv.name_hint for gv in kernels}
+        report.functions = {name: rule for name, rule in report.functions.items() if name in names}
         return mod
 
     return _pass
@@ -435,7 +447,7 @@ def build(mod, target, report: GpuKernels):
     fresh = GpuKernels()
     with tvm.transform.PassContext(config=config):
         executable = relax.build(mod, target=target, relax_pipeline=pipeline(target, fresh, check_all=True))
-    report.functions, report.fallbacks = fresh.functions, fresh.fallbacks
-    report.kernels_per_inference, report.cuda_graph = fresh.kernels_per_inference, fresh.cuda_graph
+    for field in dataclasses.fields(GpuKernels):
+        setattr(report, field.name, getattr(fresh, field.name))
     report.fallbacks.append({"function": "(whole module)", "rule": "build", "error": first})
     return executable

@@ -296,3 +296,32 @@ def test_orin_manifest_records_the_gpu_kernels(small, tmp_path):
     assert kernels["kernels_per_inference"] == 8 and kernels["cuda_graph"] is True and kernels["fallbacks"] == []
     assert sum(kernels["schedules"].values()) == len(kernels["functions"]) == 8
     assert not [f for f in kernels["functions"] if "batch_norm" in f]
+
+
+@pytest.mark.slow
+def test_a_schedule_no_check_caught_is_found_by_the_whole_module_retry(monkeypatch):
+    """A rule whose schedule does not build (here: a wmma fragment no tensor-core intrinsic fills) and is not checked (not tensor cores)
+    makes the first build fail; the retry builds every schedule alone first and takes the next rule."""
+    from tvm import s_tir
+    from tvm.s_tir import dlight as dl
+
+    class FragmentWithoutTensorCores(dl.gpu.Fallback):
+        def apply(self, func, target, _):
+            sch = dl.gpu.Fallback().apply(func, target, _)
+            block = sch.get_child_blocks(sch.get_sblock("root"))[0]
+            staged = sch.cache_read(block, 0, "wmma.matrix_a")  # a tensor-core fragment, not filled by tensor cores
+            sch.compute_at(staged, sch.get_loops(block)[-1])
+            return sch
+
+    monkeypatch.setattr(gpu, "RULES", (("fragment without tensor cores", FragmentWithoutTensorCores()), ("fallback", dl.gpu.Fallback())))
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType([1, 4096], "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            out = bb.emit_output(bb.emit(relax.op.nn.relu(x)))
+        bb.emit_func_output(out)
+    profile = profiles()[ORIN]
+    stats: dict = {}
+    build(bb.get(), profile.tvm_target(), toolchain_for(profile), stats)
+    assert stats["functions"] == {"relu": "fallback"}
+    assert [f["rule"] for f in stats["fallbacks"]] == ["build", "fragment without tensor cores"]
