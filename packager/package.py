@@ -92,6 +92,7 @@ class PackageResult:
     stages: dict[str, float]
     total_seconds: float
     manifest: contract.Manifest
+    replaced: bool = False  # a bundle of this name was in the output folder and is replaced
 
     def to_dict(self) -> dict[str, Any]:
         m = self.manifest
@@ -109,6 +110,7 @@ class PackageResult:
             "quantization": _quantization_summary(m.quantization),
             "stages": self.stages,
             "total_seconds": self.total_seconds,
+            "replaced": self.replaced,
         }
 
 
@@ -152,6 +154,7 @@ class _Build:
     golden: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # the golden file's tensor table
     runtime: Any = None  # edgeq.runtime.assemble.Runtime
     manifest: contract.Manifest | None = None
+    replaced: bool = False  # the output folder held a bundle of this name, now replaced
 
     @property
     def bundle_name(self) -> str:
@@ -415,8 +418,9 @@ def _bundle(b: _Build) -> None:
             path.rename(named / path.name)
     archive_tmp = b.staging / f"{b.bundle_name}.tar.gz"
     bundle.make_archive(named, archive_tmp, mtime=int(created.timestamp()))
-    if final_dir.exists():
-        b.progress.note(f"replacing the bundle already in {final_dir}")
+    if final_dir.exists():  # said even with --quiet, and in --json as "replaced"
+        b.progress.warn(f"replacing the bundle already in {final_dir}")
+        b.replaced = True
         final_dir.rename(b.staging / "previous")
     named.rename(final_dir)
     archive_tmp.replace(b.out_dir / f"{b.bundle_name}.tar.gz")
@@ -501,6 +505,7 @@ def package(args: PackageArgs, progress: StageProgress | None = None) -> Package
         stages=dict(progress.seconds),
         total_seconds=progress.total_seconds,
         manifest=b.manifest,
+        replaced=b.replaced,
     )
 
 

@@ -1,6 +1,8 @@
 """Every bad input of `edgeq package` through the real CLI: one line on stderr, a non-zero exit status,
 and nothing left in the output folder."""
 
+import json
+
 import onnx
 import pytest
 from onnx import TensorProto, helper
@@ -245,6 +247,9 @@ def test_packaging_over_an_existing_bundle_says_so(models, tmp_path):
     again = run_cli("package", models["resnet_cnn"], "--device", "host", "-o", tmp_path, "--runtime", "none")
     assert first.code == again.code == 0, again.stderr
     assert "replacing" not in first.stderr and f"replacing the bundle already in {tmp_path / 'resnet_cnn-host'}" in again.stderr
+    quiet = run_cli("package", models["resnet_cnn"], "--device", "host", "-o", tmp_path, "--runtime", "none", "-q", "--json")
+    assert quiet.code == 0 and json.loads(quiet.stdout)["replaced"] is True  # said with --quiet and in --json too
+    assert quiet.stderr.strip() == f"edgeq: warning: replacing the bundle already in {tmp_path / 'resnet_cnn-host'}"
 
 
 def test_deeply_nested_records_line(models, tmp_path, out):
