@@ -300,8 +300,9 @@ def test_orin_manifest_records_the_gpu_kernels(small, tmp_path):
 
 @pytest.mark.slow
 def test_a_schedule_no_check_caught_is_found_by_the_whole_module_retry(monkeypatch):
-    """A rule whose schedule does not build (here: a wmma fragment no tensor-core intrinsic fills) and is not checked (not tensor cores)
-    makes the first build fail; the retry builds every schedule alone first and takes the next rule."""
+    """A rule whose schedule does not build (here: a wmma fragment no tensor-core intrinsic fills) and is not
+    checked (not tensor cores) makes the first build fail; the retry builds every schedule alone first and
+    takes the next rule."""
     from tvm import s_tir
     from tvm.s_tir import dlight as dl
 
@@ -313,7 +314,8 @@ def test_a_schedule_no_check_caught_is_found_by_the_whole_module_retry(monkeypat
             sch.compute_at(staged, sch.get_loops(block)[-1])
             return sch
 
-    monkeypatch.setattr(gpu, "RULES", (("fragment without tensor cores", FragmentWithoutTensorCores()), ("fallback", dl.gpu.Fallback())))
+    rules = (("fragment without tensor cores", FragmentWithoutTensorCores()), ("fallback", dl.gpu.Fallback()))
+    monkeypatch.setattr(gpu, "RULES", rules)
     bb = relax.BlockBuilder()
     x = relax.Var("x", relax.TensorType([1, 4096], "float32"))
     with bb.function("main", [x]):
