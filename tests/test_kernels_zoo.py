@@ -95,3 +95,22 @@ def test_thousand_class_classifier_runs_in_whole_vectors(tmp_path):
     assert calls == 1 and stats.get("conv") == 1 and stats.get("none", 0) == 0, stats
     assert any("_oc8_" in name for name in lowered.weights), list(lowered.weights)
     assert_close(ours, theirs)
+
+
+def test_silu_epilogue_uses_the_fast_tanh(tmp_path):
+    """EfficientNet's SiLU (Sigmoid then Mul) and a plain Sigmoid output: sigmoid is computed as
+    0.5 tanh(x / 2) + 0.5 with TVM's vectorised fast_tanh, within ONNX Runtime's results."""
+    rng = np.random.default_rng(5)
+    inits = _weights(rng, w=(32, 8, 3, 3), w2=(16, 32, 1, 1))
+    nodes = [
+        helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+        helper.make_node("Sigmoid", ["c"], ["s"]), helper.make_node("Mul", ["c", "s"], ["a"]),
+        helper.make_node("Conv", ["a", "w2"], ["d"]), helper.make_node("Sigmoid", ["d"], ["y"]),
+    ]
+    g = helper.make_graph(nodes, "silu", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 12, 12])],
+                          [_out("y", 4)], inits)
+    ours, theirs, stats, calls, lowered = edgeq_vs_ort(_save(g, tmp_path / "m.onnx"))
+    assert calls == 2 and stats.get("none", 0) == 0, stats
+    ops = {b.value.op.name for b in lowered.bindings() if hasattr(b.value, "op") and hasattr(b.value.op, "name")}
+    assert "relax.sigmoid" not in ops and "relax.tanh" in ops, ops
+    assert_close(ours, theirs, rtol=1e-5)

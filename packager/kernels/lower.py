@@ -329,9 +329,27 @@ class _Lowering:
         fields = [self.to_nhwc(rw, f) for f in fields]
         return self.result(rw, var, relax.op.concat(fields, axis=axis), True)
 
+    def sigmoid(self, rw: Rewriter, var, value):
+        """float32 ``sigmoid(x)`` (and ``silu(x) = x sigmoid(x)``) as ``0.5 tanh(x / 2) + 0.5``: TVM's CPU code
+        calls libm's ``expf`` once per lane for sigmoid, while tanh becomes ``fast_tanh``, a vectorised
+        rational function, in the CPU pipeline (``relax.transform.FastMathTransform``). EfficientNet's
+        SiLU epilogues took longer than their convolutions."""
+        x = value.args[0]
+        if _dtype(x) != "float32" or _dtype(var) != "float32":
+            return None
+        new = rw.new(x)
+        half = rw.const(0.5)
+        t = rw.emit(relax.op.tanh(rw.emit(relax.op.multiply(new, half))))
+        s = relax.op.add(rw.emit(relax.op.multiply(t, half)), half)
+        if call_op(value) == "relax.nn.silu":
+            s = relax.op.multiply(new, rw.emit(s))
+        return self.result(rw, var, s, new in self.nhwc)
+
     def visit(self, rw: Rewriter, var, value):
         op = call_op(value)
         replacement = None
+        if op in ("relax.sigmoid", "relax.nn.silu"):
+            replacement = self.sigmoid(rw, var, value)
         if op == "relax.nn.conv2d":
             replacement = self.conv(rw, var, value)
         elif op == "relax.matmul":

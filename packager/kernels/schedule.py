@@ -1,5 +1,5 @@
 """The CPU compilation pipeline: TVM's default Relax pipeline with edgeq's schedules applied to every
-TIR function after operator fusion.
+TIR function after operator fusion, and exp/tanh as TVM's fast (vectorisable) approximations.
 
 Each function gets the first schedule rule of ``edgeq.kernels.rules.SCHEDULES`` that applies to it:
 
@@ -20,6 +20,7 @@ from edgeq.kernels.rules import SCHEDULES
 from edgeq.toolchain import import_tvm
 
 tvm = import_tvm()
+from tvm import relax  # noqa: E402
 from tvm.s_tir import Schedule  # noqa: E402
 
 
@@ -67,6 +68,8 @@ def cpu_pipeline(target, isa: Isa, stats: dict[str, int] | None = None):
         with target:
             seq = tvm.transform.Sequential(
                 cpu.library_dispatch_passes(target)
+                # exp and tanh as vectorised polynomials (fast_exp, fast_tanh): LLVM calls libm per lane
+                + [relax.transform.FastMathTransform()]
                 + cpu.legalize_passes(target)
                 + [schedule_pass(isa, stats)]
                 + cpu.dataflow_lower_passes(target)
