@@ -435,15 +435,16 @@ def _is_prequantized(b: _Build) -> bool:
 # CPU and CUDA builds side by side: what lower and compile do for each.
 def _lower_description(b: _Build) -> str:
     p = b.profile
-    if p.cuda:  # CUDA: TVM's default GPU pipeline (legalize, fuse, dlight schedules) runs in compile
-        return f"{p.name}: nothing for CUDA ({p.cuda.arch}); TVM's GPU pipeline schedules in compile"
+    if p.cuda:  # CUDA: graph clean-up only (edgeq.gpu.prepare_graph); scheduling is edgeq.gpu.pipeline, in compile
+        return f"{p.name}: BatchNorm folded into convs, weight reshapes precomputed for CUDA ({p.cuda.arch})"
     # CPU: convolutions and matrix products onto edgeq's kernels, NHWC between them
     return f"{p.name}: conv/matmul -> edgeq CPU kernels for {p.cpu.mcpu}"
 
 
 def _compile_description(b: _Build) -> str:
     p = b.profile
-    if p.cuda:  # TVM's default pipeline; device code by the CUDA toolkit matching the device, host by the cross g++
+    if p.cuda:  # edgeq.gpu.pipeline (TVM's CUDA passes, dlight rules per kernel with a build check and fallback);
+        # device code by the CUDA toolkit matching the device, host by the cross g++
         return f"{p.name}: {p.cuda.arch} with {b.toolchain.cuda.describe()}, host {p.cpu.triple} ({p.cpu.mcpu})"
     # TVM's pipeline with edgeq's schedules after fusion (edgeq.kernels.schedule.cpu_pipeline)
     return f"{p.name}: LLVM {p.cpu.triple} ({p.cpu.mcpu})"
