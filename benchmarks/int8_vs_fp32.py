@@ -83,7 +83,7 @@ def method_rows(cases, tmp: Path) -> list[dict]:
         graph, _ = to_relax(loaded)
         row = {"model": name}
         for method in CALIBRATORS:
-            ev = quantize(graph, loaded, QuantizeArgs(calibrate=calib, eval=held_out, method=method)).report["evaluation"]
+            ev = quantize(graph, loaded, QuantizeArgs(calibrate=calib, eval=held_out, method=method)).report.evaluation
             row[method] = round(ev["rel_error"], 4)
         rows.append(row)
     return rows
