@@ -53,16 +53,23 @@ def _reports(python: str, version: str) -> str | None:
     return None
 
 
+def _base_prefix(python: str) -> str:
+    """The installation an interpreter (or a venv's) belongs to."""
+    out = subprocess.run([python, "-c", "import sys; print(sys.base_prefix)"], capture_output=True, text=True,
+                         timeout=60).stdout.strip()
+    return os.path.realpath(out) if out else ""
+
+
 def find_system_python() -> tuple[str | None, str]:
-    """The distribution's python3, unless it is the interpreter running the tests (then that one is tried)."""
+    """The distribution's python3, unless it is the one tried for its version already (Ubuntu 22.04's
+    python3.10, or the interpreter running the tests)."""
     if not os.path.exists(SYSTEM):
         return None, f"no {SYSTEM}"
-    prefix = subprocess.run([SYSTEM, "-c", "import sys; print(sys.prefix)"], capture_output=True, text=True,
-                            timeout=60).stdout.strip()
-    if prefix and os.path.realpath(prefix) == os.path.realpath(sys.base_prefix):
-        return None, f"{SYSTEM} is the interpreter running the tests (tried as {THIS})"
     version = subprocess.run([SYSTEM, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
                              capture_output=True, text=True, timeout=60).stdout.strip()
+    same, _ = find_python(version) if version in VERSIONS else (None, "")
+    if same and _base_prefix(same) == _base_prefix(SYSTEM):
+        return None, f"{SYSTEM} is the Python {version} tried above"
     why = _reports(SYSTEM, version)
     return (None, why) if why else (SYSTEM, f"the system's Python {version}")
 
