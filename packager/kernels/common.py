@@ -23,6 +23,26 @@ PAD = "edgeq_pad"  # the padded input's block: the epilogue leaves it where it i
 Packer = Callable[[np.ndarray], list[np.ndarray]]
 
 
+# multiply-adds below which a kernel runs on one core. TVM's thread pool splits a parallel loop statically
+# and waits for every thread: where the cores are shared (another process runs), each parallel region
+# waits for a descheduled thread, ms per call (MNASNet, 2 threads: 100 ms wall vs 7 ms on one thread);
+# below this size threads gain a few microseconds at best.
+PARALLEL_MACS = 1 << 22
+
+
+def worth_threads(work: int) -> bool:
+    """Whether a kernel of ``work`` multiply-adds (or element operations) is split over the cores."""
+    return work >= PARALLEL_MACS
+
+
+def parallel(sch: Schedule, loops: list, work: int):
+    """``loops`` fused, and run on all cores when ``work`` is worth it; returns the fused loop."""
+    fused = sch.fuse(*loops) if len(loops) > 1 else loops[0]
+    if worth_threads(work):
+        sch.parallel(fused)
+    return fused
+
+
 def largest_divisor(n: int, limit: int) -> int:
     return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
 
@@ -129,6 +149,12 @@ class ConvSpec:
     def cg(self) -> int:
         """Input channels each output reads (per group)."""
         return self.c // self.groups
+
+    @property
+    def macs(self) -> int:
+        """Multiply-adds of the direct convolution."""
+        per_output = self.kh * self.kw * (1 if self.depthwise else self.cg)
+        return self.n * self.oh * self.ow * self.oc * per_output
 
     @property
     def integer(self) -> bool:

@@ -25,7 +25,7 @@ import math
 
 import numpy as np
 
-from edgeq.kernels.common import PAD, ConvSpec, Isa, Kernel, epilogue, largest_divisor, pad_input
+from edgeq.kernels.common import PAD, ConvSpec, Isa, Kernel, epilogue, largest_divisor, pad_input, parallel
 from edgeq.toolchain import import_tvm
 
 tvm = import_tvm()
@@ -171,13 +171,13 @@ def _register_vnni() -> None:
 _register_vnni()
 
 
-def _schedule_pad(sch: Schedule) -> None:
+def _schedule_pad(sch: Schedule, spec: ConvSpec) -> None:
     try:
         pad = sch.get_sblock(PAD)
     except tvm.s_tir.ScheduleError:
         return
     loops = sch.get_loops(pad)
-    sch.parallel(sch.fuse(*loops[:2]))
+    parallel(sch, loops[:2], spec.macs)
     channels = int(sch.get(loops[3]).extent)
     width = 64 if channels % 64 == 0 else 16 if channels % 16 == 0 else channels if channels <= 64 else 0
     if width == channels:
@@ -217,7 +217,7 @@ def schedule_conv(sch: Schedule, spec: ConvSpec, isa: Isa) -> None:
         sch.reverse_compute_at(wb, zo)
         sch.unroll(zi)
         sch.unroll(om)
-        sch.parallel(sch.fuse(*_outer(spec, n, y, oo)))
+        parallel(sch, list(_outer(spec, n, y, oo)), spec.macs)
         init = sch.decompose_reduction(main, rh)
         sch.vectorize(sch.get_loops(init)[-1])
         if isa.vnni:
@@ -228,10 +228,10 @@ def schedule_conv(sch: Schedule, spec: ConvSpec, isa: Isa) -> None:
         sch.reverse_compute_at(wb, zo)
         sch.vectorize(oi)
         sch.unroll(zi)
-        sch.parallel(sch.fuse(*_outer(spec, n, y, oo)))
+        parallel(sch, list(_outer(spec, n, y, oo)), spec.macs)
         sch.decompose_reduction(main, rh)
     sch.vectorize(sch.get_loops(wb)[-1])
-    _schedule_pad(sch)
+    _schedule_pad(sch, spec)
 
 
 def _tag(spec: ConvSpec) -> str:

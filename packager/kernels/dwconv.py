@@ -11,7 +11,7 @@ import dataclasses
 
 import numpy as np
 
-from edgeq.kernels.common import PAD, ConvSpec, Isa, Kernel, epilogue, largest_divisor, pad_input
+from edgeq.kernels.common import PAD, ConvSpec, Isa, Kernel, epilogue, largest_divisor, pad_input, parallel
 from edgeq.toolchain import import_tvm
 
 tvm = import_tvm()
@@ -66,7 +66,7 @@ def schedule_dwconv(sch: Schedule, spec: ConvSpec, isa: Isa) -> None:
     sch.reverse_compute_at(wb, zo)
     sch.vectorize(ci)
     sch.unroll(zi)
-    sch.parallel(sch.fuse(n, y, co))
+    parallel(sch, [n, y, co], spec.macs)
     sch.decompose_reduction(main, rh)
     sch.vectorize(sch.get_loops(wb)[-1])
 

@@ -8,13 +8,13 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from edgeq.kernels.common import Isa, blocks, is_scheduled, is_spatial
+from edgeq.kernels.common import Isa, blocks, is_scheduled, is_spatial, parallel
 from edgeq.toolchain import import_tvm
 
 tvm = import_tvm()
 from tvm.s_tir import Schedule, ScheduleError  # noqa: E402
 
-PARALLEL_MIN = 1 << 14  # elements below which a loop nest runs on one core
+PARALLEL_MIN = 1 << 16  # elements below which a loop nest runs on one core (see common.PARALLEL_MACS)
 
 
 def _extent(sch: Schedule, loop) -> int | None:
@@ -148,11 +148,12 @@ def _schedule_reduction(sch: Schedule, block, isa: Isa) -> None:
     last_var = [iv.var for iv, k in zip(stmt.iter_vars, kinds) if k == 0][-1]
     contiguous = all(r.region and r.region[-1].min.same_as(last_var) for r in stmt.reads)
     total = math.prod(extents[:-1])
+    work = math.prod(e or 1 for e in [_extent(sch, lp) for lp in loops])
     if contiguous and extents[-1] % isa.lanes == 0 and reduce:
         outer, inner = sch.split(spatial[-1], [None, isa.lanes])
         sch.reorder(*spatial[:-1], outer, *reduce, inner)
         sch.vectorize(inner)
-        sch.parallel(sch.fuse(*spatial[:-1], outer))
+        parallel(sch, [*spatial[:-1], outer], work)
         sch.decompose_reduction(block, reduce[0])
     elif total * extents[-1] >= 2 * isa.lanes:
         lead = []
@@ -161,7 +162,7 @@ def _schedule_reduction(sch: Schedule, block, isa: Isa) -> None:
                 break
             lead.append(lp)
         if lead:
-            sch.parallel(sch.fuse(*lead) if len(lead) > 1 else lead[0])
+            parallel(sch, lead, work)
 
 
 @dataclasses.dataclass(frozen=True)
