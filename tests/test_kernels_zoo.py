@@ -114,3 +114,16 @@ def test_silu_epilogue_uses_the_fast_tanh(tmp_path):
     ops = {b.value.op.name for b in lowered.bindings() if hasattr(b.value, "op") and hasattr(b.value.op, "name")}
     assert "relax.sigmoid" not in ops and "relax.tanh" in ops, ops
     assert_close(ours, theirs, rtol=1e-5)
+
+
+def test_prime_token_counts_are_padded_to_whole_tiles(tmp_path):
+    """ViT's 197 tokens are a prime: the weight products' rows and both attention products' rows and columns
+    are zero-padded to whole tiles (19 -> 24 rows, 32 columns) and the padding sliced off the results."""
+    from test_kernels import attention_model
+
+    path = attention_model(tmp_path / "m.onnx", np.random.default_rng(6), batch=1, heads=2, seq=19, dim=16)
+    ours, theirs, stats, calls, lowered = edgeq_vs_ort(path)
+    assert calls == 4 and stats.get("bmm") == 2 and stats.get("none", 0) == 0, stats
+    ops = [b.value.op.name for b in lowered.bindings() if hasattr(b.value, "op") and hasattr(b.value.op, "name")]
+    assert ops.count("relax.strided_slice") == 4, ops
+    assert_close(ours, theirs)
