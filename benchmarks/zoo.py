@@ -10,7 +10,8 @@ own (a crash or a hang costs one row, not the run):
   Runtime on 8 held-out inputs (goal >= 0.99);
 - ``jetson-orin-nano`` fp32 bundle (``--jetson``): packaged (cross-compiled, sm_87), not run;
 - latency (``--speed``): median ms of the fp32 / int8 bundles and of ONNX Runtime fp32 / its QDQ int8
-  (``quantize_static``, same calibration data), all measured in that child, threads = cores.
+  (``quantize_static``, same calibration data), all measured in that child, threads = cores, in
+  interleaved rounds (each round times every one of them in turn, so they share the machine's load).
 
     python benchmarks/zoo.py --families --int8 [--jetson] [--speed] [--size 224] [--json]
     python benchmarks/zoo.py resnet18 shufflenet_v2_x0_5 --int8
@@ -98,6 +99,7 @@ def one(path: Path, work: Path, int8: bool, jetson: bool, speed: bool, repeat: i
         row[f"{key}_s"] = round(time.perf_counter() - start, 1)
         return result
 
+    timed: dict = {}  # --speed: what to time, all in interleaved rounds at the end
     fp32 = attempt("fp32", lambda: package(PackageArgs(model=path, device="host", output=work / "fp32", runtime="none")))
     fp32_model = None
     if fp32 is not None:
@@ -117,28 +119,44 @@ def one(path: Path, work: Path, int8: bool, jetson: bool, speed: bool, repeat: i
             row["int8"] = "ok" if row["int8_cosine"] >= 0.99 else "LOW"
             row["int8_float_layers"] = q.manifest.quantization.precision_counts.get("fp32")
             if speed:
-                row["int8_ms"] = round(median_ms(lambda: model.run({spec.name: x}), repeat, 3), 2)
+                timed["int8_ms"] = lambda: model.run({spec.name: x})
     if jetson:
         attempt("jetson", lambda: package(PackageArgs(model=path, device="jetson-orin-nano", output=work / "jetson",
                                                        runtime="none")))
         row.setdefault("jetson", "built")
     if speed:
-        row["ort_ms"] = round(median_ms(lambda: ort.run(None, {spec.name: x}), repeat, 3), 2)
+        timed["ort_ms"] = lambda: ort.run(None, {spec.name: x})
         if fp32_model is not None:
-            row["fp32_ms"] = round(median_ms(lambda: fp32_model.run({spec.name: x}), repeat, 3), 2)
-            row["fp32_vs_ort"] = round(row["ort_ms"] / row["fp32_ms"], 2)
+            timed["fp32_ms"] = lambda: fp32_model.run({spec.name: x})
         if int8:
             sys.path.insert(0, str(ROOT / "examples"))
             from quantize_with_ort import ort_quantize
 
             qdq = ort_quantize(path, work / "qdq.onnx", samples=CALIB_SAMPLES)
             ort8 = ort_session(qdq, threads)
-            row["ort_int8_ms"] = round(median_ms(lambda: ort8.run(None, {spec.name: x}), repeat, 3), 2)
+            timed["ort_int8_ms"] = lambda: ort8.run(None, {spec.name: x})
+        row.update(interleaved(timed, repeat))
+        if "fp32_ms" in row:
+            row["fp32_vs_ort"] = round(row["ort_ms"] / row["fp32_ms"], 2)
+        if int8:
             if "int8_ms" in row:
                 row["int8_vs_ort_int8"] = round(row["ort_int8_ms"] / row["int8_ms"], 2)
                 if "fp32_ms" in row:
                     row["int8_vs_fp32"] = round(row["fp32_ms"] / row["int8_ms"], 2)
     return row
+
+
+def interleaved(timed: dict, repeat: int) -> dict:
+    """Median ms of each callable over ``repeat`` rounds, each round calling every one of them in turn (3
+    calls, averaged): on a machine whose cores are shared, edgeq and ONNX Runtime see the same load."""
+    for fn in timed.values():
+        for _ in range(3):
+            fn()
+    samples: dict = {key: [] for key in timed}
+    for _ in range(repeat):
+        for key, fn in timed.items():
+            samples[key].append(median_ms(fn, 3, 0))
+    return {key: round(float(np.median(v)), 2) for key, v in samples.items()}
 
 
 def geomean(values: list[float]) -> float | None:

@@ -23,11 +23,12 @@ PAD = "edgeq_pad"  # the padded input's block: the epilogue leaves it where it i
 Packer = Callable[[np.ndarray], list[np.ndarray]]
 
 
-# multiply-adds below which a kernel runs on one core. TVM's thread pool splits a parallel loop statically
-# and waits for every thread: where the cores are shared (another process runs), each parallel region
-# waits for a descheduled thread, ms per call (MNASNet, 2 threads: 100 ms wall vs 7 ms on one thread);
-# below this size threads gain a few microseconds at best.
-PARALLEL_MACS = 1 << 22
+# multiply-adds below which a kernel runs on one core (32M: about 0.3 ms on one AVX-512 core). TVM's thread
+# pool splits a parallel loop statically and waits for every thread: where the cores are shared (another
+# process runs), each parallel region waits for a descheduled thread, ms per call (MNASNet 0.5, 2 threads:
+# 100 ms wall vs 7 ms on one thread); below this size threads gain little even on an idle machine.
+# Measured on the shared 2-core machine, same run: MobileNetV2 57.4 ms (threshold 4M) -> 23.4 ms, ORT 34.7 ms.
+PARALLEL_MACS = 1 << 25
 
 
 def worth_threads(work: int) -> bool:
