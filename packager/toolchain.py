@@ -7,7 +7,8 @@ ships: a cubin from CUDA 13 does not load under a CUDA 12 driver (apache/tvm#175
   ``/usr/local/cuda*``), driven through TVM's ``nvcc`` compile mode, producing a fatbin;
 * NVRTC from NVIDIA's PyPI wheels (``pip install 'edgeq[jetson]'``), driven through TVM's ``nvrtc`` mode,
   producing a cubin. PyPI's ``nvidia-cuda-nvcc-cu12`` has ``ptxas`` but no ``nvcc`` driver, so for
-  JetPack 6 (CUDA 12) NVRTC is the toolkit a plain ``pip install`` can provide.
+  JetPack 6 (CUDA 12) NVRTC is the toolkit a plain ``pip install`` can provide; that wheel's ``crt/``
+  headers are what NVRTC needs for tensor-core (wmma) kernels.
 """
 
 from __future__ import annotations
@@ -220,13 +221,19 @@ def _nvrtc_toolkit() -> CudaToolkit | None:
         return None
     runtime_include = Path(list(nvidia.cuda_runtime.__path__)[0], "include")
     cccl_include = Path(list(nvidia.cuda_cccl.__path__)[0], "include")
-    # TVM's NVRTC mode reads headers from $CUDA_PATH/include and $CUDA_PATH/targets/<arch>-linux/include/cccl:
-    # lay the wheels' header folders out that way.
+    # TVM's NVRTC mode reads headers from $CUDA_PATH/include, $CUDA_PATH/targets/<arch>-linux/include and its
+    # cccl/: lay the wheels' header folders out that way. crt/ (mma.h: the wmma fragments of tensor-core
+    # kernels, which the runtime wheel's mma.h includes) is in the nvcc wheel; without it tensor-core
+    # schedules fail the build check and edgeq.gpu falls back to kernels without tensor cores.
     root = cache_dir() / f"nvrtc-{major}.{minor}-root"
-    cccl_link = root / "targets" / f"{platform.machine()}-linux" / "include" / "cccl"
-    if not (root / "include").exists() or not cccl_link.exists():
-        cccl_link.parent.mkdir(parents=True, exist_ok=True)
-        for link, dest in ((root / "include", runtime_include), (cccl_link, cccl_include)):
+    target_include = root / "targets" / f"{platform.machine()}-linux" / "include"
+    links = {root / "include": runtime_include, target_include / "cccl": cccl_include}
+    crt = _crt_include()
+    if crt is not None:
+        links[target_include / "crt"] = crt
+    if any(not link.exists() or link.resolve() != dest.resolve() for link, dest in links.items()):
+        target_include.mkdir(parents=True, exist_ok=True)
+        for link, dest in links.items():
             if link.is_symlink():
                 link.unlink()
             link.symlink_to(dest, target_is_directory=True)
@@ -237,6 +244,19 @@ def _nvrtc_toolkit() -> CudaToolkit | None:
         f"NVRTC {major}.{minor} from PyPI wheels",
         tuple(f"sm_{a}" for a in archs),
     )
+
+
+def _crt_include() -> Path | None:
+    """CUDA's crt/ headers from the ``nvidia-cuda-nvcc-cu12`` wheel, if it is installed."""
+    try:
+        import nvidia.cuda_nvcc
+    except ImportError:
+        return None
+    for base in nvidia.cuda_nvcc.__path__:
+        crt = Path(base, "include", "crt")
+        if (crt / "mma.h").is_file():
+            return crt
+    return None
 
 
 @cache
