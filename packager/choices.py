@@ -7,8 +7,10 @@ them from here too. Standard library only: keep it that way, so ``edgeq --help``
 
 from __future__ import annotations
 
-# edgeq package --precision. mixed: int8 with layers returned to float to hold an accuracy budget
-PRECISIONS = ("fp32", "int8", "mixed")
+# edgeq package --precision. mixed: int8 with layers returned to float to hold an accuracy budget; fp16: CUDA
+# profiles only (fp16 weights and activations, fp32 accumulation)
+PRECISIONS = ("fp32", "int8", "mixed", "fp16")
+QUANTIZED = ("int8", "mixed")  # the precisions that calibrate (--calibrate DATA)
 
 # edgeq package --runtime; the first is the default. bundled: runtime/ with TVM's runtime, the CUDA bridge and
 # edgeq-run; none: the device brings apache-tvm
@@ -30,5 +32,5 @@ DEFAULT_WARMUP = 10
 # edgeq bench --power
 POWER_SOURCES = ("auto", "tegrastats", "sysfs", "nvml", "none")
 
-__all__ = ["PRECISIONS", "RUNTIME_CHOICES", "CALIBRATION_METHODS", "DEFAULT_METHOD", "POWER_SOURCES", "DEFAULT_OUTPUT",
+__all__ = ["PRECISIONS", "QUANTIZED", "RUNTIME_CHOICES", "CALIBRATION_METHODS", "DEFAULT_METHOD", "POWER_SOURCES", "DEFAULT_OUTPUT",
            "DEFAULT_PERCENTILE", "DEFAULT_CALIB_SAMPLES", "DEFAULT_REPEAT", "DEFAULT_WARMUP"]

@@ -21,7 +21,7 @@ when TVM cannot build it (TVM 0.27's int8 tensorization fails in InjectSoftwareP
 then needs CUDA's ``crt/mma.h``), and failing that the function is scheduled again without tensor cores
 (dlight's plain Matmul; for int8 the SASS has IDP.4A, dp4a). ``GpuKernels`` records
 which rule each function got, the fallbacks with the first line of TVM's error, the kernel launches per
-inference and whether CUDA graph capture took effect; the manifest carries it as ``library.gpu_kernels``.
+inference (in all and per function) and whether CUDA graph capture took effect; the manifest carries it as ``library.gpu_kernels``.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from edgeq.errors import ModelError
 from edgeq.graph import Graph, Rewriter, call_op, const_value, rewrite
 from edgeq.toolchain import import_tvm
 
@@ -222,6 +223,7 @@ class GpuKernels:
     functions: dict[str, str] = dataclasses.field(default_factory=dict)  # PrimFunc -> schedule rule
     fallbacks: list[dict[str, str]] = dataclasses.field(default_factory=list)
     kernels_per_inference: int = 0  # kernel launches of one call of main
+    launches: dict[str, int] = dataclasses.field(default_factory=dict)  # PrimFunc -> its launches per inference
     cuda_graph: bool = False  # main's static call sequences run as one captured CUDA graph
     cuda_graph_kernels: int = 0  # of kernels_per_inference, those inside the graph (one launch for all)
 
@@ -235,6 +237,7 @@ class GpuKernels:
             "cuda_graph_kernels": self.cuda_graph_kernels,
             "schedules": dict(sorted(counts.items())),
             "functions": dict(sorted(self.functions.items())),
+            "launches": dict(sorted(self.launches.items())),
             "fallbacks": sorted(self.fallbacks, key=lambda f: f["function"]),
         }
 
@@ -361,19 +364,20 @@ def ScheduleKernels(target, report: GpuKernels, check_all: bool = False):  # noq
 
 
 def CountKernels(report: GpuKernels):  # noqa: N802
-    """Kernel launches per inference: main's call_tir calls once reshapes have become views."""
+    """Kernel launches per inference, in all and per PrimFunc: main's call_tir calls once reshapes have become
+    views."""
 
     @tvm.transform.module_pass(opt_level=0, name="edgeq.CountKernels")
     def _pass(mod, _ctx):
-        count = 0
+        launches: dict[str, int] = {}
 
         def visit(expr):
-            nonlocal count
             if call_op(expr) == "relax.call_tir":
-                count += 1
+                name = expr.args[0].name_hint
+                launches[name] = launches.get(name, 0) + 1
 
         relax.analysis.post_order_visit(mod["main"], visit)
-        report.kernels_per_inference = count
+        report.kernels_per_inference, report.launches = sum(launches.values()), launches
         return mod
 
     return _pass
@@ -451,3 +455,76 @@ def build(mod, target, report: GpuKernels):
         setattr(report, field.name, getattr(fresh, field.name))
     report.fallbacks.append({"function": "(whole module)", "rule": "build", "error": first})
     return executable
+
+
+# ------------------------------------------------------------------ fp16
+
+
+def to_fp16(graph: Graph) -> Graph:
+    """fp16 weights and activations, fp32 accumulation in convolutions and matrix products: TVM's
+    ``ToMixedPrecision`` on the graph with its weights bound as constants, so that the casts of weights it
+    inserts fold here, once (the bundle ships fp16 weights; no cast of a weight runs per inference), and the
+    bias adds, activations and residual adds after a conv run in fp16 too (with weights as fp32 parameters
+    they would stay fp32, and so would the tensors between kernels). The operators ToMixedPrecision keeps in
+    fp32 (softmax, reductions) get casts; the model's inputs and outputs keep their dtypes. The folded
+    constants become weight parameters again. Run after ``fold_batch_norm`` (it folds float32 only)."""
+    # (ToMixedPrecision's fp16_input_names would convert the parameters directly, but TVM 0.27 fails with it
+    # on a graph holding call_tir or R.clip: "Expected TensorType, but got T.int64".)
+    bound = relax.transform.BindParams("main", {k: tvm.runtime.tensor(v) for k, v in graph.weights.items()})(graph.mod)
+    bound = _clips_as_max_min(Graph(relax.transform.FoldConstant()(bound), {}))
+    try:
+        mixed = relax.transform.FoldConstant()(relax.transform.ToMixedPrecision("float32")(bound.mod))
+    except Exception as err:  # noqa: BLE001 - TVM's InternalError
+        raise ModelError(f"--precision fp16: TVM's ToMixedPrecision cannot convert this graph ({_first_line(err)}); "
+                         "package it in fp32") from None
+    return _lift_constants(Graph(mixed, {}))
+
+
+def _clips_as_max_min(graph: Graph) -> Graph:
+    """Clips as ``maximum``/``minimum`` of a 0-d constant, which ToMixedPrecision converts (it fails on a
+    call_tir, and on ``relax.clip``'s PrimValue bounds: "Expected TensorType, but got T.int64"). ONNX Clip with
+    bounds that are weights imports as TIR calls ``maximum``/``minimum`` (the NaN guard around the bound folded
+    by FoldConstant once the weights are constants); HardSwish and ReLU6 as ``relax.clip``."""
+
+    def visit(rw: Rewriter, var, value):
+        op = call_op(value)
+        if op == "relax.clip" and all(isinstance(a, _IMMEDIATES) for a in value.args[1:]):
+            dtype = _dtype(value.args[0]) or "float32"
+            low, high = (relax.const(float(a.value), dtype) for a in value.args[1:])
+            return relax.op.minimum(rw.emit(relax.op.maximum(rw.new(value.args[0]), low)), high)
+        if op != "relax.call_tir" or not isinstance(value.args[1], relax.Tuple):
+            return None
+        name = value.args[0].name_hint
+        tir_op = relax.op.maximum if name.startswith("maximum") else relax.op.minimum if name.startswith("minimum") else None
+        args = list(value.args[1].fields)
+        if tir_op is None or len(args) != 2 or _array(args[1]) is None or _array(args[1]).ndim != 0:
+            return None
+        return tir_op(rw.new(args[0]), args[1])
+
+    return rewrite(graph, visit)
+
+
+def _lift_constants(graph: Graph) -> Graph:
+    """The constants (not scalars) that calls in ``graph`` take become weight parameters."""
+
+    def visit(rw: Rewriter, var, value):
+        if not isinstance(value, relax.Call) or not any(_liftable(a) for a in value.args):
+            return None
+        args = [rw.param(_fresh(rw, f"{var.name}_w{i}"), _array(a)) if _liftable(a) else rw.new(a)
+                for i, a in enumerate(value.args)]
+        return relax.Call(value.op, args, value.attrs, value.ty_args)
+
+    return rewrite(graph, visit)
+
+
+def _liftable(expr) -> bool:
+    value = _array(expr)
+    return value is not None and value.ndim > 0
+
+
+_IMMEDIATES = (tvm.tirx.IntImm, tvm.tirx.FloatImm)  # PrimValue arguments (relax.clip's bounds): Constants too
+
+
+def _array(expr) -> np.ndarray | None:
+    """The array of a tensor constant; None for anything else (a PrimValue included)."""
+    return None if isinstance(expr, _IMMEDIATES) else const_value(expr)

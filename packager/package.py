@@ -24,7 +24,7 @@ import numpy as np
 
 import edgeq
 from edgeq import bundle, contract
-from edgeq.choices import DEFAULT_OUTPUT, PRECISIONS, RUNTIME_CHOICES
+from edgeq.choices import DEFAULT_OUTPUT, PRECISIONS, QUANTIZED, RUNTIME_CHOICES
 from edgeq.compile import HostRunner, Toolchain, build, cuda_device_code, elf_machine, export, lower_graph, toolchain_for
 from edgeq.errors import EdgeqError, ModelError, OutputError, ToolchainError, UsageError
 from edgeq.graph import Graph
@@ -39,6 +39,8 @@ from edgeq.toolchain import import_tvm
 GOLDEN_SEED = 0
 # Golden outputs are computed on the build host; the device may use other kernels (CUDA, fast math).
 GOLDEN_RTOL, GOLDEN_ATOL = 1e-3, 1e-4
+# fp16: the device's sums (tensor cores, another order) round to fp16 after each layer where the host's may not
+GOLDEN_FP16_RTOL, GOLDEN_FP16_ATOL = 2e-2, 5e-3
 GOLDEN_DISTRIBUTIONS = ("standard normal", "uniform(0.5, 1.5)")  # the second where the first gives NaN/Inf
 
 
@@ -165,9 +167,9 @@ def _check(b: _Build) -> None:
     args = b.args
     if args.precision not in PRECISIONS:
         raise UsageError(f"unknown precision '{args.precision}'; choose one of: {', '.join(PRECISIONS)}")
-    if args.precision != "fp32" and args.quantize is None:
+    if args.precision in QUANTIZED and args.quantize is None:
         raise UsageError(f"--precision {args.precision} needs calibration data: add --calibrate DATA")
-    if args.precision == "fp32" and args.quantize is not None:
+    if args.precision not in QUANTIZED and args.quantize is not None:
         raise UsageError("--calibrate and the other quantization options need --precision int8 or mixed")
     if args.precision == "mixed" and args.quantize.accuracy_budget is None:
         raise UsageError("--precision mixed needs --accuracy-budget X (top-1 points, or relative output error)")
@@ -191,6 +193,9 @@ def _check(b: _Build) -> None:
     b.profile, b.device_note = resolve(args.device)
     if b.device_note:
         b.progress.note(b.device_note)
+    if args.precision == "fp16" and not b.profile.cuda:
+        raise UsageError(f"--precision fp16 is for CUDA profiles (jetson-*); {b.profile.name} is a CPU profile: "
+                         "use fp32, int8 or mixed")
     longest = len(f"{b.bundle_name}-") + 12  # bundle_id = NAME-DEVICE-<12 hex digits>, at most 128 characters
     if longest > 128:
         raise UsageError(f"bundle name '{b.name}' is {len(b.name)} characters; with the device and a hash the bundle id "
@@ -247,6 +252,13 @@ def _quantize(b: _Build) -> None:
 def _lower(b: _Build) -> None:
     b.target = b.profile.tvm_target()
     b.graph, b.kernel_calls = lower_graph(b.graph, b.target)
+    b.mod = b.graph.mod
+
+
+def _fp16(b: _Build) -> None:
+    from edgeq.gpu import to_fp16
+
+    b.graph = to_fp16(b.graph)  # the golden outputs are computed on this graph too
     b.mod = b.graph.mod
 
 
@@ -400,7 +412,9 @@ def _bundle(b: _Build) -> None:
             file_bytes=weights.stat().st_size, tensors=weight_table),
         golden=contract.GoldenRecord(
             file=contract.GOLDEN, format=contract.TENSOR_FORMAT, tensors=b.golden, seed=GOLDEN_SEED,
-            float_inputs=b.golden_floats, computed_with=b.golden_from, rtol=GOLDEN_RTOL, atol=GOLDEN_ATOL,
+            float_inputs=b.golden_floats, computed_with=b.golden_from,
+            rtol=GOLDEN_FP16_RTOL if b.args.precision == "fp16" else GOLDEN_RTOL,
+            atol=GOLDEN_FP16_ATOL if b.args.precision == "fp16" else GOLDEN_ATOL,
             atol_scaled_by="max(1, max |expected output|)"),
         quantization=b.quantization.report if b.quantization else None,
         runtime=contract.RuntimeRecord.from_json(b.runtime.record, "runtime") if b.runtime else None,
@@ -469,10 +483,12 @@ STAGES: tuple[Stage[_Build], ...] = (
     Stage("load", lambda b: f"read and check {b.args.model}", _load),
     Stage("import", lambda b: "ONNX -> Relax IRModule", _import, ir=_graph_mod),
     Stage("quantize", lambda b: f"calibrate ({b.args.quantize.method}) and quantize to {b.args.precision}", _quantize,
-          applies=lambda b: b.args.precision != "fp32", ir=_graph_mod),
+          applies=lambda b: b.args.precision in QUANTIZED, ir=_graph_mod),
     Stage("lower-qdq", lambda b: "QDQ pattern -> integer conv/matmul kernels", _lower_qdq,
           applies=_is_prequantized, ir=_graph_mod),
     Stage("lower", _lower_description, _lower, ir=lambda b: b.mod),
+    Stage("fp16", lambda b: "fp16 weights and activations, fp32 accumulation (TVM's ToMixedPrecision)", _fp16,
+          applies=lambda b: b.args.precision == "fp16", ir=lambda b: b.mod),
     Stage("tuning-records", lambda b: f"best schedules from {b.args.records} (legalized and fused first)",
           _tuning_records, applies=lambda b: b.args.records is not None, ir=lambda b: b.mod),
     Stage("compile", _compile_description, _compile),  # build, export, check the library's machine and device code
