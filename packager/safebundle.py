@@ -32,6 +32,8 @@ if __package__ == "edgeq":
 else:  # a file of its own (on a device after edgeq flash, or inside a bundle): contract.py lies beside it
     import importlib.util
 
+    sys.dont_write_bytecode = True  # loading contract.py must not add __pycache__ to a bundle being verified
+
     _spec = importlib.util.spec_from_file_location("edgeq_bundle_contract", Path(__file__).with_name("contract.py"))
     contract = importlib.util.module_from_spec(_spec)
     sys.modules[_spec.name] = contract
