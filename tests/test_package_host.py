@@ -106,6 +106,7 @@ def test_shipped_verifier_runs_on_device_pythons(host_bundles, version):
     assert verify.returncode == 0 and json.loads(verify.stdout)["bundle_id"] == host_bundles["resnet_cnn"]["bundle_id"], verify.stderr
     check = subprocess.run([python, str(bundle_dir / "run.py"), "--check"], capture_output=True, text=True, env=env, cwd="/")
     assert check.returncode == 0 and "can run" in check.stdout, check.stderr
+    assert not (bundle_dir / "__pycache__").exists()  # verifying a bundle leaves it as it was
 
 
 def test_self_test_fails_when_outputs_are_wrong(host_bundles, tmp_path):
