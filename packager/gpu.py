@@ -21,7 +21,11 @@ when TVM cannot build it (TVM 0.27's int8 tensorization fails in InjectSoftwareP
 then needs CUDA's ``crt/mma.h``), and failing that the function is scheduled again without tensor cores
 (dlight's plain Matmul; for int8 the SASS has IDP.4A, dp4a). ``GpuKernels`` records
 which rule each function got, the fallbacks with the first line of TVM's error, the kernel launches per
-inference (in all and per function) and whether CUDA graph capture took effect; the manifest carries it as ``library.gpu_kernels``.
+inference (in all and per function) and whether CUDA graph capture took effect; the manifest carries it
+as ``library.gpu_kernels``.
+
+fp16 (``to_fp16``, ``edgeq package --precision fp16``): TVM's ToMixedPrecision on the prepared graph, fp16
+weights folded once, fp32 accumulation in the conv/matmul kernels (dlight's ``MatmulTensorization``: HMMA).
 """
 
 from __future__ import annotations
@@ -495,7 +499,8 @@ def _clips_as_max_min(graph: Graph) -> Graph:
         if op != "relax.call_tir" or not isinstance(value.args[1], relax.Tuple):
             return None
         name = value.args[0].name_hint
-        tir_op = relax.op.maximum if name.startswith("maximum") else relax.op.minimum if name.startswith("minimum") else None
+        ops = {"maximum": relax.op.maximum, "minimum": relax.op.minimum}
+        tir_op = next((op for prefix, op in ops.items() if name.startswith(prefix)), None)
         args = list(value.args[1].fields)
         if tir_op is None or len(args) != 2 or _array(args[1]) is None or _array(args[1]).ndim != 0:
             return None

@@ -1,10 +1,12 @@
 """The CUDA path (edgeq.gpu): BatchNorm folded and epilogues fused into the conv kernels, CUDA graph capture,
 a tensor-core schedule TVM cannot build falling back instead of ending the package, the per-kernel record,
-and the transformed graph checked against ONNX Runtime on this machine's CPU."""
+fp16, and the transformed graph checked against ONNX Runtime on this machine's CPU. The slow ResNet-18 and
+MobileNetV2 builds run through benchmarks/gpu_kernels.py (the same code as the README's table)."""
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +14,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from conftest import run_cli
+from conftest import REPO, read_golden, run_cli
 from edgeq.toolchain import import_tvm
 
 tvm = import_tvm()
@@ -24,6 +26,9 @@ from edgeq.graph import call_op  # noqa: E402
 from edgeq.load import load_model  # noqa: E402
 from edgeq.relax_import import to_relax  # noqa: E402
 from edgeq.targets import profiles  # noqa: E402
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+import gpu_kernels  # noqa: E402
 
 ORIN = "jetson-orin-nano"
 
@@ -327,3 +332,72 @@ def test_a_schedule_no_check_caught_is_found_by_the_whole_module_retry(monkeypat
     build(bb.get(), profile.tvm_target(), toolchain_for(profile), stats)
     assert stats["functions"] == {"relu": "fallback"}
     assert [f["rule"] for f in stats["fallbacks"]] == ["build", "fragment without tensor cores"]
+
+
+def cosine(a, b) -> float:
+    a, b = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+def test_fp16_graph_keeps_fp16_weights_and_matches_onnxruntime_fp32(small):
+    import onnxruntime as ort
+
+    path, graph = small
+    fp16 = gpu.to_fp16(gpu.prepare_graph(graph))
+    convs = [b.value for b in fp16.bindings() if call_op(b.value) == "relax.nn.conv2d"]
+    weights = {p.name: fp16.weights[p.name] for p in fp16.weight_params}
+    assert all(weights[c.args[1].name].dtype == np.float16 for c in convs)  # converted once, here
+    assert all(str(c.attrs.out_dtype) == "float32" for c in convs)  # fp32 accumulation
+    # fp32 are only what the fp32 epilogues read: biases, the classifier's bias, activation constants
+    assert all(w.dtype == np.float16 or w.ndim < 2 or w.shape[0] == 1 for w in weights.values())
+    x = np.random.default_rng(1).standard_normal((1, 3, 32, 32)).astype(np.float32)
+    expected = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"input": x})[0]
+    got = HostRunner(fp16)([x])[0]
+    assert got.dtype == np.float32 and cosine(got, expected) >= 0.999
+
+
+def test_fp16_is_refused_for_cpu_profiles(small, tmp_path):
+    path, _ = small
+    res = run_cli("package", path, "--device", "host", "--precision", "fp16", "-o", tmp_path)
+    assert res.code == 2 and "--precision fp16 is for CUDA profiles" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1 and "Traceback" not in res.stderr
+
+
+def _check_builds(model: Path, tmp_path: Path, tensorized: dict[str, int]) -> dict[str, dict]:
+    """fp32, fp16 and int8 bundles of ``model`` for Orin: CUDA graph, no conv/matmul on dlight's fallback rule,
+    at least ``tensorized[precision]`` conv/matmul launches with HMMA (fp16) / IMMA (int8) in their SASS, and
+    the fp16 bundle's golden outputs (computed on the host from its fp16 graph) close to ONNX Runtime fp32."""
+    import onnxruntime as ort
+
+    calib = gpu_kernels.calibration(model, tmp_path)
+    rows = {p: gpu_kernels.package_and_measure(model, p, tmp_path, calib) for p in ("fp32", "fp16", "int8")}
+    for precision, row in rows.items():
+        assert row["manifest_precision"] == precision and row["cuda_graph"], row
+        assert row["cuda_graph_kernels"] >= row["kernels_per_inference"] - 2, row  # all but the first and last
+        assert row["on_fallback_rule"] == [], row
+        assert row["tensor_core_launches"] >= tensorized.get(precision, 0), row
+        assert row["tensor_core_fallbacks"] == [], row  # with crt/ for NVRTC each builds (int8: without pipeline)
+    assert rows["fp16"]["weight_bytes"] * 2 <= rows["fp32"]["weight_bytes"] * 1.01  # fp16 weights, converted once
+    bundle = tmp_path / "fp16" / f"{model.stem}-{ORIN}"
+    golden = read_golden(bundle)
+    session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    expected = session.run(None, {"input": golden["input:input"]})[0]
+    assert cosine(golden["output:logits"], expected) >= 0.999
+    return rows
+
+
+@pytest.mark.slow
+def test_resnet18_fp32_fp16_int8_builds_for_orin(tmp_path):
+    """ResNet-18, 224x224: 20 convolutions and the classifier. dlight tensorizes a GEMM whose M, N and K are
+    all over 64: the 9 convolutions of the 128- and 256-channel stages but for the 1x1 64->128 shortcut; not
+    the stem and 64-channel stage (N = 64), the 512-channel stage (M = 7x7 = 49), the classifier (M = 1)."""
+    rows = _check_builds(gpu_kernels.resnet18(tmp_path / "resnet18.onnx"), tmp_path, {"fp16": 9, "int8": 9})
+    assert rows["fp32"]["kernels_per_inference"] <= 23
+
+
+@pytest.mark.slow
+def test_mobilenet_v2_fp32_fp16_int8_builds_for_orin(tmp_path):
+    """MobileNetV2, 224x224: 35 1x1 convolutions, 17 depthwise ones (no GEMM: never tensor cores), the stem, the
+    classifier. The 1x1 convolutions of the 96-channel stage (14x14, 96 <-> 576 channels) are the ones whose
+    M, N and K are all over 64."""
+    _check_builds(gpu_kernels.mobilenet_v2(tmp_path / "mobilenet_v2.onnx"), tmp_path, {"fp16": 6, "int8": 6})

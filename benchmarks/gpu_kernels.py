@@ -1,0 +1,306 @@
+"""The CUDA path from the build alone: per model and precision, what a jetson-orin-nano bundle runs per inference.
+
+    python benchmarks/gpu_kernels.py [--models resnet18 mobilenet_v2] [--precisions fp32 fp16 int8] [--json]
+    python benchmarks/gpu_kernels.py --onnx resnet18=zoo/resnet18-224.onnx   # a real export instead of the builder
+
+For each bundle (``edgeq package``, runtime none): kernel launches per inference and whether CUDA graph capture
+took effect (``library.gpu_kernels``), the conv/matmul kernels and how many of them run on tensor cores (their
+SASS, cut out of model.so and disassembled with cuobjdump, has HMMA for fp16 or IMMA for int8), the kernels
+still on dlight's "fallback" rule, the tensor-core schedules that fell back, and the bytes of weights. No GPU
+is needed. The models are written with the onnx helper (random weights, BatchNorm after every conv, as an
+exporter that does not fold it writes them): ResNet-18 and MobileNetV2 at 224x224.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sysconfig
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+DEVICE = "jetson-orin-nano"
+TENSOR_CORE_SASS = {"fp16": "HMMA", "int8": "IMMA"}
+
+
+# ------------------------------------------------------------------ models (onnx helper)
+
+
+class Net:
+    """An ONNX graph written with onnx.helper: conv-BatchNorm layers, activations, residual adds."""
+
+    def __init__(self, seed: int = 0):
+        self.rng = np.random.default_rng(seed)
+        self.nodes: list = []
+        self.inits: list = []
+        self.count = 0
+
+    def name(self, prefix: str) -> str:
+        self.count += 1
+        return f"{prefix}{self.count}"
+
+    def const(self, prefix: str, array) -> str:
+        name = self.name(prefix)
+        self.inits.append(numpy_helper.from_array(np.asarray(array, np.float32), name))
+        return name
+
+    def node(self, op: str, inputs: list[str], **attrs) -> str:
+        out = self.name(op.lower())
+        self.nodes.append(helper.make_node(op, inputs, [out], **attrs))
+        return out
+
+    def conv_bn(self, x: str, cin: int, cout: int, k: int, stride: int = 1, groups: int = 1) -> str:
+        w = self.const("w", self.rng.standard_normal((cout, cin // groups, k, k)) / np.sqrt(cin // groups * k * k))
+        y = self.node("Conv", [x, w], kernel_shape=[k, k], strides=[stride] * 2, pads=[k // 2] * 4, group=groups)
+        stats = [self.rng.uniform(0.5, 1.5, cout), self.rng.standard_normal(cout) * 0.1,
+                 self.rng.standard_normal(cout) * 0.1, self.rng.uniform(0.5, 1.5, cout)]
+        return self.node("BatchNormalization", [y, *(self.const(p, s) for p, s in zip(("g", "be", "m", "v"), stats))],
+                         epsilon=1e-5)
+
+    def relu6(self, x: str) -> str:
+        return self.node("Clip", [x, self.const("lo", 0.0), self.const("hi", 6.0)])
+
+    def classifier(self, x: str, cin: int, classes: int) -> None:
+        flat = self.node("Flatten", [self.node("GlobalAveragePool", [x])], axis=1)
+        fc = [self.const("fcw", self.rng.standard_normal((classes, cin)) / np.sqrt(cin)),
+              self.const("fcb", self.rng.standard_normal(classes) * 0.1)]
+        self.nodes.append(helper.make_node("Gemm", [flat, *fc], ["logits"], transB=1))
+
+    def save(self, path: Path, size: int, classes: int) -> Path:
+        graph = helper.make_graph(self.nodes, path.stem,
+                                  [helper.make_tensor_value_info("input", TensorProto.FLOAT, [1, 3, size, size])],
+                                  [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, classes])], self.inits)
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="onnx.helper")
+        model.ir_version = 8
+        onnx.checker.check_model(model)
+        onnx.save(model, path)
+        return path
+
+
+def resnet18(path: Path, size: int = 224, classes: int = 1000) -> Path:
+    """ResNet-18 (torchvision's layout: 7x7/2 stem, max pool, 4 stages of 2 basic blocks), BatchNorm after every conv."""
+    net = Net(18)
+    x = net.node("Relu", [net.conv_bn("input", 3, 64, 7, 2)])
+    x = net.node("MaxPool", [x], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])
+    cin = 64
+    for stage, cout in enumerate((64, 128, 256, 512)):
+        for block in range(2):
+            stride = 2 if stage and not block else 1
+            y = net.conv_bn(net.node("Relu", [net.conv_bn(x, cin, cout, 3, stride)]), cout, cout, 3)
+            short = x if stride == 1 and cin == cout else net.conv_bn(x, cin, cout, 1, stride)
+            x = net.node("Relu", [net.node("Add", [y, short])])
+            cin = cout
+    net.classifier(x, cin, classes)
+    return net.save(path, size, classes)
+
+
+# torchvision's MobileNetV2: (expansion, channels, repeats, first stride)
+MOBILENET_V2 = ((1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 4, 2), (6, 96, 3, 1), (6, 160, 3, 2), (6, 320, 1, 1))
+
+
+def mobilenet_v2(path: Path, size: int = 224, classes: int = 1000, settings=MOBILENET_V2, last: int = 1280) -> Path:
+    """MobileNetV2: inverted residual blocks (1x1 expand, 3x3 depthwise, 1x1 project; ReLU6, residual add
+    where the shape allows), BatchNorm after every conv."""
+    net = Net(2)
+    x = net.relu6(net.conv_bn("input", 3, 32, 3, 2))
+    cin = 32
+    for t, c, n, s in settings:
+        for i in range(n):
+            stride = s if i == 0 else 1
+            hidden = cin * t
+            y = net.relu6(net.conv_bn(x, cin, hidden, 1)) if t != 1 else x
+            y = net.relu6(net.conv_bn(y, hidden, hidden, 3, stride, groups=hidden))
+            y = net.conv_bn(y, hidden, c, 1)
+            x = net.node("Add", [x, y]) if stride == 1 and cin == c else y
+            cin = c
+    x = net.relu6(net.conv_bn(x, cin, last, 1))
+    net.classifier(x, last, classes)
+    return net.save(path, size, classes)
+
+
+MODELS = {"resnet18": resnet18, "mobilenet_v2": mobilenet_v2}
+
+
+# ------------------------------------------------------------------ measuring a bundle
+
+
+def cuda_tool(name: str) -> str | None:
+    """cuobjdump / nvdisasm: from NVIDIA's PyPI wheels (edgeq's test extra) or a CUDA toolkit on PATH."""
+    wheel_bin = Path(sysconfig.get_paths()["purelib"], "nvidia", "cu13", "bin", name)
+    return str(wheel_bin) if wheel_bin.exists() else shutil.which(name)
+
+
+def sass_by_kernel(library: Path) -> dict[str, str]:
+    """Kernel symbol -> its SASS, for every CUDA image in ``library``."""
+    from edgeq.compile import cuda_images
+
+    cuobjdump = cuda_tool("cuobjdump")
+    if cuobjdump is None:
+        raise SystemExit("cuobjdump not found: pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm")
+    env = {**os.environ, "PATH": f"{Path(cuobjdump).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    out: dict[str, str] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, image in enumerate(cuda_images(library)):
+            cubin = Path(tmp, f"{i}.cubin")
+            cubin.write_bytes(image.data)
+            text = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, env=env,
+                                  check=True).stdout
+            for part in text.split("Function : ")[1:]:
+                name, _, body = part.partition("\n")
+                out[name.strip()] = body
+    return out
+
+
+def kernel_sass(function: str, sass: dict[str, str]) -> str:
+    """The SASS of a TVM PrimFunc's kernels (``<function>_kernel``, ``<function>_kernel_1``, ...)."""
+    pattern = re.compile(rf"{re.escape(function)}_kernel(_?\d+)?")
+    return "".join(body for name, body in sass.items() if pattern.fullmatch(name))
+
+
+def is_gemm(function: str) -> bool:
+    """A conv/matmul kernel (FuseOps names a fused function after its operators)."""
+    return any(op in function for op in ("conv2d", "matmul", "dense"))
+
+
+def measure(bundle_dir: Path, precision: str) -> dict:
+    """What one bundle runs: see the module docstring."""
+    manifest = json.loads(Path(bundle_dir, "manifest.json").read_text())
+    kernels = manifest["library"]["gpu_kernels"]
+    sass = sass_by_kernel(Path(bundle_dir, "model.so"))
+    gemms = sorted(f for f in kernels["functions"] if is_gemm(f))
+    instruction = TENSOR_CORE_SASS.get(precision)
+    tensor_cores = sorted(f for f in gemms if instruction and instruction in kernel_sass(f, sass))
+    launches = kernels["launches"]  # a PrimFunc runs as often as main calls it (same shapes: one function)
+    return {
+        "precision": precision,
+        "kernels_per_inference": kernels["kernels_per_inference"],
+        "cuda_graph": kernels["cuda_graph"],
+        "cuda_graph_kernels": kernels["cuda_graph_kernels"],
+        "conv_matmul_launches": sum(launches.get(f, 0) for f in gemms),
+        "tensor_core_launches": sum(launches.get(f, 0) for f in tensor_cores),
+        "conv_matmul_kernels": len(gemms),  # distinct functions
+        "tensor_core_kernels": len(tensor_cores),
+        "tensor_core_instruction": instruction,
+        "gemm_without_tensor_cores": [f for f in gemms if f not in tensor_cores],
+        "on_fallback_rule": sorted(f for f in gemms if kernels["functions"][f] == "fallback"),
+        # tensor-core schedules that did not build: retried without software pipeline (and built), or fell back
+        "pipeline_retries": sorted({f["function"] for f in kernels["fallbacks"]
+                                    if "tensorized" in kernels["functions"].get(f["function"], "")}),
+        "tensor_core_fallbacks": sorted({f["function"] for f in kernels["fallbacks"] if "tensorized" in f["rule"]
+                                         and "tensorized" not in kernels["functions"].get(f["function"], "")}),
+        "fallbacks": kernels["fallbacks"],
+        "schedules": kernels["schedules"],
+        "weight_bytes": manifest["weights"]["bytes"],
+        "weight_dtypes": manifest["weights"]["dtypes"],
+        "manifest_precision": manifest["precision"],
+    }
+
+
+def package_and_measure(model: Path, precision: str, out: Path, calib: Path | None = None) -> dict:
+    """``edgeq package`` for jetson-orin-nano in ``precision`` (int8: minmax calibration on ``calib``), measured."""
+    from edgeq.package import PackageArgs, package
+    from edgeq.quantize import QuantizeArgs
+
+    quantize = None
+    if precision in ("int8", "mixed"):
+        quantize = QuantizeArgs(calibrate=calib, method="minmax", samples=4)
+    result = package(PackageArgs(model=model, device=DEVICE, output=out / precision, precision=precision,
+                                 quantize=quantize, runtime="none"))
+    return measure(result.bundle_dir, precision)
+
+
+def tvm_default_launches(model: Path) -> int:
+    """Kernel launches per inference of the fp32 graph as TVM's default CUDA pipeline leaves it (no BatchNorm
+    folding, dlight's ApplyDefaultSchedule; reshapes as views): counted before any device code is built."""
+    from edgeq.compile import toolchain_for
+    from edgeq.graph import call_op
+    from edgeq.load import load_model
+    from edgeq.relax_import import to_relax
+    from edgeq.targets import profiles
+    from edgeq.toolchain import import_tvm
+
+    tvm = import_tvm()
+    from tvm import relax
+    from tvm.relax.backend.cuda import pipeline as cuda
+
+    profile = profiles()[DEVICE]
+    toolchain_for(profile)
+    graph, _ = to_relax(load_model(model, {}, {}))
+    launches = 0
+
+    def visit(expr):
+        nonlocal launches
+        launches += call_op(expr) == "relax.call_tir"
+
+    with tvm.target.Target(profile.tvm_target()) as target:
+        passes = cuda.library_dispatch_passes(target) + cuda.legalize_passes(target) + cuda.dataflow_lower_passes(target)[:1]
+        mod = tvm.transform.Sequential(passes)(graph.mod)
+    relax.analysis.post_order_visit(mod["main"], visit)
+    return launches
+
+
+def calibration(model: Path, out: Path, samples: int = 4) -> Path:
+    shape = [d.dim_value for d in onnx.load(model, load_external_data=False).graph.input[0].type.tensor_type.shape.dim]
+    path = out / f"{model.stem}-calib.npz"
+    np.savez(path, input=np.random.default_rng(0).standard_normal((samples, *shape[1:])).astype(np.float32))
+    return path
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| model | precision | kernels per inference | tensorized (tensor-core / conv+matmul launches) | weights (MB) |"
+             " conv/matmul on dlight's fallback rule | tensor-core schedules built without software pipeline |"
+             " tensor-core schedules that fell back |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "tvm_default_launches" in r:
+            lines.append(f"| {r['model']} | fp32, TVM's default pipeline | {r['tvm_default_launches']} | - | | | | |")
+            continue
+        share = "-" if r["tensor_core_instruction"] is None else (
+            f"{r['tensor_core_launches']}/{r['conv_matmul_launches']} ({r['tensor_core_instruction']})")
+        graph = f" (CUDA graph: {r['cuda_graph_kernels']})" if r["cuda_graph"] else ""
+        lines.append(f"| {r['model']} | {r['precision']} | {r['kernels_per_inference']}{graph} | {share} | "
+                     f"{r['weight_bytes'] / 1e6:.1f} | {len(r['on_fallback_rule'])} | {len(r['pipeline_retries'])} | "
+                     f"{len(r['tensor_core_fallbacks'])} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--precisions", nargs="+", default=["fp32", "fp16", "int8"], choices=["fp32", "fp16", "int8"])
+    parser.add_argument("--onnx", action="append", default=[], metavar="MODEL=PATH",
+                        help="use this ONNX file for MODEL instead of the onnx-helper builder")
+    parser.add_argument("--keep", type=Path, help="keep the bundles here")
+    parser.add_argument("--before", action="store_true",
+                        help="also count the fp32 launches of TVM's default CUDA pipeline (no edgeq graph clean-up)")
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+    args = parser.parse_args()
+    given = dict(item.split("=", 1) for item in args.onnx)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        work = args.keep or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        for name in args.models:
+            model = Path(given[name]) if name in given else MODELS[name](work / f"{name}.onnx")
+            calib = calibration(model, work)
+            if args.before:
+                row = {"model": name, "precision": "fp32", "tvm_default_launches": tvm_default_launches(model)}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            for precision in args.precisions:
+                row = {"model": name, **package_and_measure(model, precision, work / name, calib)}
+                rows.append(row)
+                if not args.json:
+                    print(table([row]).splitlines()[-1], flush=True)
+    print(json.dumps(rows, indent=1) if args.json else table(rows))
+
+
+if __name__ == "__main__":
+    main()
