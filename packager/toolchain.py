@@ -225,18 +225,11 @@ def _nvrtc_toolkit() -> CudaToolkit | None:
     # cccl/: lay the wheels' header folders out that way. crt/ (mma.h: the wmma fragments of tensor-core
     # kernels, which the runtime wheel's mma.h includes) is in the nvcc wheel; without it tensor-core
     # schedules fail the build check and edgeq.gpu falls back to kernels without tensor cores.
-    root = cache_dir() / f"nvrtc-{major}.{minor}-root"
-    target_include = root / "targets" / f"{platform.machine()}-linux" / "include"
-    links = {root / "include": runtime_include, target_include / "cccl": cccl_include}
+    links = {"include": runtime_include, f"targets/{platform.machine()}-linux/include/cccl": cccl_include}
     crt = _crt_include()
     if crt is not None:
-        links[target_include / "crt"] = crt
-    if any(not link.exists() or link.resolve() != dest.resolve() for link, dest in links.items()):
-        target_include.mkdir(parents=True, exist_ok=True)
-        for link, dest in links.items():
-            if link.is_symlink():
-                link.unlink()
-            link.symlink_to(dest, target_is_directory=True)
+        links[f"targets/{platform.machine()}-linux/include/crt"] = crt
+    root = _header_root(f"nvrtc-{major}.{minor}", links)
     return CudaToolkit(
         "nvrtc",
         (major, minor),
@@ -244,6 +237,26 @@ def _nvrtc_toolkit() -> CudaToolkit | None:
         f"NVRTC {major}.{minor} from PyPI wheels",
         tuple(f"sm_{a}" for a in archs),
     )
+
+
+def _header_root(name: str, links: dict[str, Path]) -> Path:
+    """A folder of symlinks (relative path -> header folder), one per set of targets: Python environments
+    with their own wheels get their own folder, so none relinks what a concurrent build is reading. Made in
+    a temporary folder and renamed into place."""
+    digest = hashlib.sha256("\0".join(f"{k}={v}" for k, v in sorted(links.items())).encode()).hexdigest()[:12]
+    root = cache_dir() / f"{name}-{digest}"
+    if root.exists():
+        return root
+    root.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.", dir=root.parent))
+    for rel, dest in links.items():
+        (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp / rel).symlink_to(dest, target_is_directory=True)
+    try:
+        os.rename(tmp, root)
+    except OSError:  # another process made it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return root
 
 
 def _crt_include() -> Path | None:
