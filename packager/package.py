@@ -227,7 +227,7 @@ def _import(b: _Build) -> None:
 
     b.graph, b.outputs = to_relax(b.model)
     b.prequantized = is_qdq(b.graph)
-    if b.prequantized and b.args.quantize is not None:
+    if b.prequantized and (b.args.quantize is not None or b.args.precision == "fp16"):
         raise UsageError(f"{Path(b.args.model).name} is already quantized (QuantizeLinear/DequantizeLinear); "
                          "package it without --precision/--calibrate")
 

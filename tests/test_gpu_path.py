@@ -401,3 +401,11 @@ def test_mobilenet_v2_fp32_fp16_int8_builds_for_orin(tmp_path):
     classifier. The 1x1 convolutions of the 96-channel stage (14x14, 96 <-> 576 channels) are the ones whose
     M, N and K are all over 64."""
     _check_builds(gpu_kernels.mobilenet_v2(tmp_path / "mobilenet_v2.onnx"), tmp_path, {"fp16": 6, "int8": 6})
+
+
+def test_fp16_is_refused_for_a_model_already_quantized(models, tmp_path):
+    from conftest import ort_quantize
+
+    model = ort_quantize(models["mobilenet_cnn"], tmp_path / "qdq.onnx")
+    res = run_cli("package", model, "--device", ORIN, "--precision", "fp16", "-o", tmp_path / "out")
+    assert res.code == 2 and "already quantized" in res.stderr
