@@ -53,5 +53,5 @@ def test_jetson_orin_nano_build(exported, tmp_path):
 
     result = package(PackageArgs(model=exported["shufflenet_v2_x0_5"], device="jetson-orin-nano", output=tmp_path,
                                  runtime="none"))
-    library = result.manifest["library"]
-    assert library["machine"] == "aarch64" and "sm_87" in library["cuda_device_code"], library
+    library = result.manifest.library
+    assert library.machine == "aarch64" and "sm_87" in library.cuda_device_code, library
