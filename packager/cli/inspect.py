@@ -34,7 +34,8 @@ def _gpu_kernels(info) -> str:
     rules = ", ".join(f"{k} {v}" for k, v in info.get("schedules", {}).items())
     text = f"{info.get('kernels_per_inference', '?')} kernels per inference; TIR functions by schedule rule: {rules or '-'}"
     if info.get("fallbacks"):
-        text += f"; {len(info['fallbacks'])} fell back to another rule"
+        text += (f"; {len(info['fallbacks'])} schedule(s) did not build and were replaced by the next that did "
+                 "(library.gpu_kernels.fallbacks)")
     return text + f"; CUDA graph: {'yes' if info.get('cuda_graph') else 'no'}"
 
 

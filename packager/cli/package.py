@@ -31,7 +31,8 @@ def add_parser(sub) -> None:
     parser.add_argument("--name", help="bundle name (default: the model file's name)")
     parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
                         help="fp32; int8 (post-training quantization, needs --calibrate); mixed (int8, with the most "
-                             "sensitive layers returned to float until --accuracy-budget holds)")
+                             "sensitive layers returned to float until --accuracy-budget holds); fp16 (CUDA profiles: fp16 "
+                             "weights and activations, fp32 accumulation, tensor cores where shapes allow)")
     q = parser.add_argument_group("quantization (--precision int8 / mixed)")
     q.add_argument("--calibrate", type=Path, metavar="DATA",
                    help=".npz (one array per input, samples first), a folder of .npy/.npz, or a folder of images")
