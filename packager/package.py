@@ -41,6 +41,11 @@ GOLDEN_SEED = 0
 GOLDEN_RTOL, GOLDEN_ATOL = 1e-3, 1e-4
 # fp16: the device's sums (tensor cores, another order) round to fp16 after each layer where the host's may not
 GOLDEN_FP16_RTOL, GOLDEN_FP16_ATOL = 2e-2, 5e-3
+# int8 built for another machine than the one computing the golden outputs: a float difference of an ulp
+# before a quantize (another summation order, FMA contraction) moves a value across a rounding boundary,
+# one quantization step, and the layers after carry it. Measured on an H200: ResNet-18 int8, max |diff| 0.067
+# on logits of magnitude 10.8, the same with and without tensor cores. A wrong kernel misses by far more.
+GOLDEN_INT8_RTOL, GOLDEN_INT8_ATOL = 2e-2, 2e-2
 GOLDEN_DISTRIBUTIONS = ("standard normal", "uniform(0.5, 1.5)")  # the second where the first gives NaN/Inf
 
 
@@ -360,6 +365,15 @@ def _precision(b: _Build) -> str:
     return "int8" if b.prequantized else b.args.precision
 
 
+def _golden_tolerance(b: _Build) -> tuple[float, float]:
+    """(rtol, atol) of the self-test: what the device's kernels may differ by from the build host's."""
+    if b.args.precision == "fp16":
+        return GOLDEN_FP16_RTOL, GOLDEN_FP16_ATOL
+    if b.quantization is not None and b.profile.name != "host":  # host: the golden come from the bundle's library
+        return GOLDEN_INT8_RTOL, GOLDEN_INT8_ATOL
+    return GOLDEN_RTOL, GOLDEN_ATOL
+
+
 def _device_record(profile: Profile) -> contract.DeviceRecord:
     return contract.DeviceRecord(
         profile=profile.name, description=profile.description, family=profile.family, kind=profile.kind,
@@ -413,8 +427,7 @@ def _bundle(b: _Build) -> None:
         golden=contract.GoldenRecord(
             file=contract.GOLDEN, format=contract.TENSOR_FORMAT, tensors=b.golden, seed=GOLDEN_SEED,
             float_inputs=b.golden_floats, computed_with=b.golden_from,
-            rtol=GOLDEN_FP16_RTOL if b.args.precision == "fp16" else GOLDEN_RTOL,
-            atol=GOLDEN_FP16_ATOL if b.args.precision == "fp16" else GOLDEN_ATOL,
+            rtol=_golden_tolerance(b)[0], atol=_golden_tolerance(b)[1],
             atol_scaled_by="max(1, max |expected output|)"),
         quantization=b.quantization.report if b.quantization else None,
         runtime=contract.RuntimeRecord.from_json(b.runtime.record, "runtime") if b.runtime else None,
