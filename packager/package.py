@@ -43,9 +43,10 @@ GOLDEN_RTOL, GOLDEN_ATOL = 1e-3, 1e-4
 GOLDEN_FP16_RTOL, GOLDEN_FP16_ATOL = 2e-2, 5e-3
 # int8 built for another machine than the one computing the golden outputs: a float difference of an ulp
 # before a quantize (another summation order, FMA contraction) moves a value across a rounding boundary,
-# one quantization step, and the layers after carry it. Measured on an H200: ResNet-18 int8, max |diff| 0.067
-# on logits of magnitude 10.8, the same with and without tensor cores. A wrong kernel misses by far more.
-GOLDEN_INT8_RTOL, GOLDEN_INT8_ATOL = 2e-2, 2e-2
+# one quantization step, and the layers after carry it. Measured on an H200 against the host golden: ResNet-18
+# int8 max |diff| 0.067 on logits up to 10.8 (0.6%), the same with and without tensor cores; MobileNetV2 int8
+# 0.016 on logits up to 1.14 (1.4%). atol is 5% of the output range: a wrong kernel misses by far more.
+GOLDEN_INT8_RTOL, GOLDEN_INT8_ATOL = 2e-2, 5e-2
 GOLDEN_DISTRIBUTIONS = ("standard normal", "uniform(0.5, 1.5)")  # the second where the first gives NaN/Inf
 
 

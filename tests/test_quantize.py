@@ -195,4 +195,4 @@ def test_jetson_int8_bundle(models, random_data, tmp_path):
     m = manifest(res)
     assert m["library"]["cuda_device_code"] == ["sm_87"] and m["quantization"]["precision_counts"]["int8"] == 8
     # the golden outputs come from a host build: the device may round one value to the next int8 step
-    assert (m["golden"]["rtol"], m["golden"]["atol"]) == (0.02, 0.02)
+    assert (m["golden"]["rtol"], m["golden"]["atol"]) == (0.02, 0.05)
