@@ -57,9 +57,10 @@ class Net:
         self.nodes.append(helper.make_node(op, inputs, [out], **attrs))
         return out
 
-    def conv_bn(self, x: str, cin: int, cout: int, k: int, stride: int = 1, groups: int = 1) -> str:
+    def conv_bn(self, x: str, cin: int, cout: int, k: int, stride: int = 1, groups: int = 1, bias: bool = False) -> str:
         w = self.const("w", self.rng.standard_normal((cout, cin // groups, k, k)) / np.sqrt(cin // groups * k * k))
-        y = self.node("Conv", [x, w], kernel_shape=[k, k], strides=[stride] * 2, pads=[k // 2] * 4, group=groups)
+        b = [self.const("b", self.rng.standard_normal(cout) * 0.1)] if bias else []
+        y = self.node("Conv", [x, w, *b], kernel_shape=[k, k], strides=[stride] * 2, pads=[k // 2] * 4, group=groups)
         stats = [self.rng.uniform(0.5, 1.5, cout), self.rng.standard_normal(cout) * 0.1,
                  self.rng.standard_normal(cout) * 0.1, self.rng.uniform(0.5, 1.5, cout)]
         return self.node("BatchNormalization", [y, *(self.const(p, s) for p, s in zip(("g", "be", "m", "v"), stats))],

@@ -33,38 +33,12 @@ import gpu_kernels  # noqa: E402
 ORIN = "jetson-orin-nano"
 
 
-class _Net:
-    """An ONNX graph written with onnx.helper: conv-BatchNorm-activation layers, residual blocks."""
+class _Net(gpu_kernels.Net):
+    """gpu_kernels.Net with the activation of each layer taken in turn from ``activations``."""
 
     def __init__(self, activations: tuple[str, ...]):
-        self.rng = np.random.default_rng(0)
-        self.nodes: list = []
-        self.inits: list = []
+        super().__init__(seed=0)
         self.activations = activations
-        self.count = 0
-
-    def name(self, prefix: str) -> str:
-        self.count += 1
-        return f"{prefix}{self.count}"
-
-    def const(self, prefix: str, array) -> str:
-        name = self.name(prefix)
-        self.inits.append(numpy_helper.from_array(np.asarray(array, np.float32), name))
-        return name
-
-    def node(self, op: str, inputs: list[str], **attrs) -> str:
-        out = self.name(op.lower())
-        self.nodes.append(helper.make_node(op, inputs, [out], **attrs))
-        return out
-
-    def conv_bn(self, x: str, cin: int, cout: int, k: int, stride: int, bias: bool = False) -> str:
-        w = self.const("w", self.rng.standard_normal((cout, cin, k, k)) / np.sqrt(cin * k * k))
-        b = [self.const("b", self.rng.standard_normal(cout) * 0.1)] if bias else []
-        y = self.node("Conv", [x, w, *b], kernel_shape=[k, k], strides=[stride] * 2, pads=[k // 2] * 4)
-        stats = [self.rng.uniform(0.5, 1.5, cout), self.rng.standard_normal(cout) * 0.1,
-                 self.rng.standard_normal(cout) * 0.1, self.rng.uniform(0.5, 1.5, cout)]
-        return self.node("BatchNormalization", [y, *(self.const(p, s) for p, s in zip(("g", "be", "m", "v"), stats))],
-                         epsilon=1e-5)
 
     def act(self, x: str) -> str:
         kind = self.activations[self.count % len(self.activations)]
@@ -101,13 +75,7 @@ def resnet(path: Path, size: int = 32, widths=(8, 16), blocks: int = 1, stem: in
     flat = net.node("Flatten", [net.node("GlobalAveragePool", [x])], axis=1)
     fc = [net.const("fcw", net.rng.standard_normal((classes, cin)) * 0.1), net.const("fcb", net.rng.standard_normal(classes) * 0.1)]
     net.nodes.append(helper.make_node("Gemm", [flat, *fc], ["logits"], transB=1))
-    graph = helper.make_graph(net.nodes, "resnet", [helper.make_tensor_value_info("input", TensorProto.FLOAT, [1, 3, size, size])],
-                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, classes])], net.inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="onnx.helper")
-    model.ir_version = 8
-    onnx.checker.check_model(model)
-    onnx.save(model, path)
-    return path
+    return net.save(path, size, classes)
 
 
 def conv1x1(path: Path, channels: int = 128, size: int = 16) -> Path:
