@@ -398,6 +398,7 @@ def _bundle(b: _Build) -> None:
         content_hash.update(bundle.sha256_file(b.staging / name).encode())
     created = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0)
     weights = b.staging / contract.WEIGHTS
+    rtol, atol = _golden_tolerance(b)
     manifest = contract.Manifest(
         schema_version=contract.SCHEMA_VERSION,
         bundle_id=f"{b.bundle_name}-{content_hash.hexdigest()[:12]}",
@@ -428,7 +429,7 @@ def _bundle(b: _Build) -> None:
         golden=contract.GoldenRecord(
             file=contract.GOLDEN, format=contract.TENSOR_FORMAT, tensors=b.golden, seed=GOLDEN_SEED,
             float_inputs=b.golden_floats, computed_with=b.golden_from,
-            rtol=_golden_tolerance(b)[0], atol=_golden_tolerance(b)[1],
+            rtol=rtol, atol=atol,
             atol_scaled_by="max(1, max |expected output|)"),
         quantization=b.quantization.report if b.quantization else None,
         runtime=contract.RuntimeRecord.from_json(b.runtime.record, "runtime") if b.runtime else None,
