@@ -21,7 +21,8 @@ from edgeq.toolchain import import_tvm
 tvm = import_tvm()
 
 KERNEL_DIR = Path(__file__).resolve().parent.parent / "packager" / "kernels"
-ISAS = {"avx512-vnni": Isa(16, True, 32), "avx512": Isa(16, False, 32), "avx2": Isa(8, False, 16), "neon": Isa(4, False, 32)}
+ISAS = {"avx512-vnni": Isa(16, "vnni", 32), "avx512": Isa(16, "", 32), "avx2": Isa(8, "", 16), "neon": Isa(4, "", 32),
+        "neon-dotprod": Isa(4, "sdot", 32)}
 
 
 def conv(n, hw, c, oc, k, dtype="float32", stride=1, pad=1, depthwise=False) -> ConvSpec:
@@ -42,40 +43,46 @@ PROBLEMS = {
     "matmul 6x40 @ 40x24": conv(1, (1, 6), 40, 24, 1, pad=0),
 }
 
-# (problem, CPU) -> kernel, vnni, ocb, wino: as ConvSpec.plan chose them before the registry, except that
+# (problem, CPU) -> kernel, dot, ocb, wino: as ConvSpec.plan chose them before the registry, except that
 # AVX-512 blocks no longer span a vector and a half (24 -> 8, 30 -> 15: issue #15, Isa.vector_block)
 PLANS = [
-    ("3x3 64->64 16x16", "avx512-vnni", "winograd", False, 32, 4),
-    ("3x3 64->64 16x16", "avx2", "winograd", False, 16, 4),
-    ("3x3 64->64 16x16", "neon", "winograd", False, 8, 4),
-    ("3x3 64->80 10x10 b2", "avx512-vnni", "winograd", False, 16, 2),
-    ("3x3 64->80 10x10 b2", "neon", "winograd", False, 8, 2),
-    ("3x3 64->64 9x9", "avx512-vnni", "conv", False, 32, 0),
-    ("3x3 64->64 9x9", "avx2", "conv", False, 16, 0),
-    ("3x3 16->32 12x12", "avx512-vnni", "conv", False, 32, 0),
-    ("3x3 16->32 12x12", "neon", "conv", False, 8, 0),
-    ("3x3 3->10 9x11", "avx512-vnni", "conv", False, 10, 0),
-    ("3x3 3->10 9x11", "neon", "conv", False, 5, 0),
-    ("dw 24 10x10", "avx512-vnni", "dwconv", False, 8, 0),
-    ("dw 24 10x10", "avx2", "dwconv", False, 8, 0),
-    ("dw 30 13x13 s2 int8", "avx512-vnni", "dwconv", False, 15, 0),
-    ("dw 30 13x13 s2 int8", "avx2", "dwconv", False, 15, 0),
-    ("dw 30 13x13 s2 int8", "neon", "dwconv", False, 6, 0),
-    ("3x3 64->64 16x16 int8", "avx512-vnni", "conv", True, 64, 0),
-    ("3x3 64->64 16x16 int8", "avx512", "conv", False, 32, 0),
-    ("3x3 64->64 16x16 int8", "neon", "conv", False, 8, 0),
-    ("1x1 32->48 uint8", "avx512-vnni", "conv", True, 16, 0),
-    ("1x1 32->48 uint8", "avx2", "conv", False, 16, 0),
-    ("3x3 3->10 int8", "avx512-vnni", "conv", False, 10, 0),
-    ("matmul 6x40 @ 40x24", "avx512-vnni", "conv", False, 8, 0),
-    ("matmul 6x40 @ 40x24", "avx2", "conv", False, 8, 0),
+    ("3x3 64->64 16x16", "avx512-vnni", "winograd", "", 32, 4),
+    ("3x3 64->64 16x16", "avx2", "winograd", "", 16, 4),
+    ("3x3 64->64 16x16", "neon", "winograd", "", 8, 4),
+    ("3x3 64->80 10x10 b2", "avx512-vnni", "winograd", "", 16, 2),
+    ("3x3 64->80 10x10 b2", "neon", "winograd", "", 8, 2),
+    ("3x3 64->64 9x9", "avx512-vnni", "conv", "", 32, 0),
+    ("3x3 64->64 9x9", "avx2", "conv", "", 16, 0),
+    ("3x3 16->32 12x12", "avx512-vnni", "conv", "", 32, 0),
+    ("3x3 16->32 12x12", "neon", "conv", "", 8, 0),
+    ("3x3 3->10 9x11", "avx512-vnni", "conv", "", 10, 0),
+    ("3x3 3->10 9x11", "neon", "conv", "", 5, 0),
+    ("dw 24 10x10", "avx512-vnni", "dwconv", "", 8, 0),
+    ("dw 24 10x10", "avx2", "dwconv", "", 8, 0),
+    ("dw 30 13x13 s2 int8", "avx512-vnni", "dwconv", "", 15, 0),
+    ("dw 30 13x13 s2 int8", "avx2", "dwconv", "", 15, 0),
+    ("dw 30 13x13 s2 int8", "neon", "dwconv", "", 6, 0),
+    ("3x3 64->64 16x16 int8", "avx512-vnni", "conv", "vnni", 64, 0),
+    ("3x3 64->64 16x16 int8", "avx512", "conv", "", 32, 0),
+    ("3x3 64->64 16x16 int8", "neon", "conv", "", 8, 0),
+    ("1x1 32->48 uint8", "avx512-vnni", "conv", "vnni", 16, 0),
+    ("1x1 32->48 uint8", "avx2", "conv", "", 16, 0),
+    ("3x3 3->10 int8", "avx512-vnni", "conv", "", 10, 0),
+    ("matmul 6x40 @ 40x24", "avx512-vnni", "conv", "", 8, 0),
+    ("matmul 6x40 @ 40x24", "avx2", "conv", "", 8, 0),
+    # Arm dotprod (sdot, 4 lanes): any int8 channel count divisible by 4, blocks of four, two or one sdot
+    ("3x3 64->64 16x16 int8", "neon-dotprod", "conv", "sdot", 16, 0),
+    ("1x1 32->48 uint8", "neon-dotprod", "conv", "sdot", 16, 0),
+    ("3x3 3->10 int8", "neon-dotprod", "conv", "", 5, 0),
+    ("dw 30 13x13 s2 int8", "neon-dotprod", "dwconv", "", 6, 0),
+    ("3x3 64->64 16x16", "neon-dotprod", "winograd", "", 8, 4),
 ]
 
 
-@pytest.mark.parametrize("problem, isa, kernel, vnni, ocb, wino", PLANS, ids=lambda v: str(v))
-def test_lowering_picks_the_same_kernel_and_plan(problem, isa, kernel, vnni, ocb, wino):
+@pytest.mark.parametrize("problem, isa, kernel, dot, ocb, wino", PLANS, ids=lambda v: str(v))
+def test_lowering_picks_the_same_kernel_and_plan(problem, isa, kernel, dot, ocb, wino):
     chosen, spec = choose(PROBLEMS[problem], ISAS[isa])
-    assert (chosen.name, spec.vnni, spec.ocb, spec.wino) == (kernel, vnni, ocb, wino)
+    assert (chosen.name, spec.dot, spec.ocb, spec.wino) == (kernel, dot, ocb, wino)
 
 
 def test_products_of_two_activations_go_to_the_batched_kernel():
@@ -89,6 +96,8 @@ def test_products_of_two_activations_go_to_the_batched_kernel():
     ("3x3 16->32 12x12", "avx512-vnni", "conv", "oc32"),
     ("3x3 64->64 16x16 int8", "avx512-vnni", "conv-vnni", "vnni"),
     ("3x3 64->64 16x16 int8", "avx512", "conv", "oc32"),
+    ("3x3 64->64 16x16 int8", "neon-dotprod", "conv-sdot", "sdot"),
+    ("1x1 32->48 uint8", "neon-dotprod", "conv-sdot", "sdot"),
     ("dw 24 10x10", "avx2", "dwconv", "dw"),
 ])
 def test_each_kernel_is_scheduled_by_its_own_rule(problem, isa, name, tag):
@@ -101,10 +110,12 @@ def test_each_kernel_is_scheduled_by_its_own_rule(problem, isa, name, tag):
     assert not scheduled.same_as(func)
 
 
-def test_a_vnni_layout_on_a_cpu_without_vnni_is_scheduled_as_plain_conv():
-    kernel, spec = choose(PROBLEMS["1x1 32->48 uint8"], ISAS["avx512-vnni"])
+@pytest.mark.parametrize("planned, host", [("avx512-vnni", "avx512"), ("neon-dotprod", "avx512-vnni"),
+                                           ("avx512-vnni", "neon-dotprod")])
+def test_a_dot_layout_on_a_cpu_without_that_instruction_is_scheduled_as_plain_conv(planned, host):
+    kernel, spec = choose(PROBLEMS["1x1 32->48 uint8"], ISAS[planned])
     func, _ = kernel.build(spec)
-    assert schedule_function(func, ISAS["avx512"])[1] == "conv"
+    assert schedule_function(func, ISAS[host])[1] == "conv"
 
 
 def test_the_bmm_kernel_and_anything_else_get_their_rules():

@@ -160,7 +160,7 @@ def test_int8_conv_kernels_match_onnxruntime(cv, act, tmp_path):
     ours, theirs, stats, calls, lowered = edgeq_vs_ort(path, prequantized=True)
     assert calls == 1
     assert stats.get("none", 0) == 0, stats
-    vnni = Isa.of(tvm.target.Target(profiles()["host"].tvm_target())).vnni
+    vnni = Isa.of(tvm.target.Target(profiles()["host"].tvm_target())).dot == "vnni"
     expected = "dwconv" if cv.group > 1 else "conv-vnni" if vnni and cv.oc % 16 == 0 else "conv"
     assert stats.get(expected) == 1, stats
     assert any(str(w.dtype) == "int8" for w in lowered.weights.values())  # integer weights, packed
@@ -170,7 +170,7 @@ def test_int8_conv_kernels_match_onnxruntime(cv, act, tmp_path):
 def test_vnni_layout_runs_on_a_cpu_without_vnni(tmp_path):
     """A bundle planned for a VNNI CPU, checked on a build host without VNNI: same answers, no vpdpbusd."""
     host = profiles()["host"].host_target_dict()
-    if not Isa.of(tvm.target.Target(host)).vnni:
+    if Isa.of(tvm.target.Target(host)).dot != "vnni":
         pytest.skip("this machine has no AVX-512 VNNI to plan for")
     path = qdq_conv_model(Conv(16, 32, (9, 9)), tmp_path / "m.onnx", np.random.default_rng(2), "int8")
     skylake = {**host, "mcpu": "skylake-avx512"}
@@ -182,7 +182,7 @@ def test_vnni_layout_runs_on_a_cpu_without_vnni(tmp_path):
 
 def test_avx2_cpu_gets_eight_lane_kernels(tmp_path):
     haswell = {**profiles()["host"].host_target_dict(), "mcpu": "haswell"}
-    assert Isa.of(tvm.target.Target(haswell)) == Isa(lanes=8, vnni=False, registers=16)
+    assert Isa.of(tvm.target.Target(haswell)) == Isa(lanes=8, dot="", registers=16)
     path = conv_model(Conv(16, 24, (11, 11)), tmp_path / "m.onnx", np.random.default_rng(3))
     ours, theirs, stats, _, lowered = edgeq_vs_ort(path, target=haswell)
     assert any("_oc8_" in name for name in lowered.weights)  # 24 channels = 3 AVX2 vectors: blocks of 8

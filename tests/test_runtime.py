@@ -202,6 +202,32 @@ def test_arm64_bundle_runs_under_qemu_with_no_python(arm64_bundle, models, tmp_p
     assert set(golden) == {"input:input", "output:logits"}
 
 
+@needs_qemu
+def test_orin_cpu_int8_bundle_runs_on_sdot_under_qemu(models, tmp_path):
+    """int8 for the Jetson Orin's CPU (Cortex-A78AE, Armv8.2 dotprod): the dense convolutions are on Arm's
+    ``sdot``, in the machine code, and under qemu (whose CPU has dotprod) the bundle reproduces the golden
+    outputs of the host's build of the same graph (plain int8 convolutions there) and ONNX Runtime's float
+    answer within int8's error."""
+    calib = tmp_path / "calib.npz"
+    np.savez(calib, input=np.random.default_rng(0).standard_normal((16, 3, 32, 32)).astype(np.float32))
+    bundle = package(models["resnet_cnn"], "jetson-orin-cpu", tmp_path, "--precision", "int8", "--calibrate", calib)
+    m = json.loads((bundle / "manifest.json").read_text())
+    assert m["library"]["cpu_kernels"]["schedules"].get("conv-sdot", 0) == 6, m["library"]["cpu_kernels"]
+    assert any(t["name"].endswith("_sdot_0") and t["dtype"] == "int8" for t in m["weights"]["tensors"])
+    disassembly = subprocess.run(["aarch64-linux-gnu-objdump", "-d", str(bundle / m["library"]["file"])],
+                                 capture_output=True, text=True, check=True).stdout
+    assert disassembly.count("\tsdot\t") >= 6
+    proc = edgeq_run(bundle, "--self-test", qemu=True)
+    assert proc.returncode == 0 and proc.stdout.splitlines()[-1] == "self-test passed", proc.stdout + proc.stderr
+    x = np.random.default_rng(3).standard_normal((1, 3, 32, 32)).astype(np.float32)
+    np.save(tmp_path / "x.npy", x)
+    proc = edgeq_run(bundle, "--input", f"input={tmp_path / 'x.npy'}", "--output", tmp_path / "o.npz", qemu=True)
+    assert proc.returncode == 0, proc.stderr
+    want = ort_run(models["resnet_cnn"], {"input": x})["logits"]
+    got = np.load(tmp_path / "o.npz")["logits"]
+    assert float(np.abs(got - want).max()) <= 0.1 * float(np.abs(want).max())
+
+
 @pytest.fixture(scope="module")
 def aarch64_cuda_stand_ins(tmp_path_factory) -> dict[str, Path]:
     """JetPack 6 stand-ins for qemu: edgeq's CUDA driver stub built for aarch64 (no device), and the aarch64

@@ -58,12 +58,18 @@ def is_spatial(sch: Schedule, block) -> bool:
     return all(int(iv.iter_type) == 0 for iv in sch.get(block).iter_vars)
 
 
+# int8 dot-product instructions: output channels (int32 lanes) per instruction, and the data type it multiplies
+# the int8 weights with. Each sums 4 products per lane: ``vpdpbusd`` (AVX-512 VNNI) u8 x s8, Arm ``sdot``
+# (Armv8.2 dotprod: Cortex-A76/A78, Jetson Orin's A78AE, Neoverse) s8 x s8.
+DOT = {"vnni": (16, "uint8"), "sdot": (4, "int8")}
+
+
 @dataclasses.dataclass(frozen=True)
 class Isa:
     """What the kernels need to know about the target CPU."""
 
     lanes: int  # float32 lanes of a vector register
-    vnni: bool  # AVX-512 VNNI (vpdpbusd)
+    dot: str  # int8 dot-product instruction (a key of DOT), "" for none
     registers: int  # vector registers
 
     @classmethod
@@ -77,12 +83,12 @@ class Isa:
                 return False
 
         if has("avx512f"):
-            return cls(lanes=16, vnni=has("avx512vnni"), registers=32)
+            return cls(lanes=16, dot="vnni" if has("avx512vnni") else "", registers=32)
         if has("avx2") or has("avx"):
-            return cls(lanes=8, vnni=False, registers=16)
+            return cls(lanes=8, dot="", registers=16)
         if has("neon") or "aarch64" in str(target.attrs.get("mtriple", "")):
-            return cls(lanes=4, vnni=False, registers=32)
-        return cls(lanes=4, vnni=False, registers=16)
+            return cls(lanes=4, dot="sdot" if has("dotprod") else "", registers=32)
+        return cls(lanes=4, dot="", registers=16)
 
     @property
     def accumulators(self) -> int:
@@ -123,7 +129,7 @@ class ConvSpec:
     dilation: tuple[int, int]
     dtype: str  # data dtype: float32, int8 or uint8 (weights: float32 or int8)
     depthwise: bool = False
-    vnni: bool = False  # planned: int8 with AVX-512 VNNI
+    dot: str = ""  # planned: int8 on a dot-product instruction (a key of DOT), weights in its layout
     ocb: int = 0  # planned: output channels per packed weight block / tile
     wino: int = 0  # planned: Winograd output tile size m (0: direct convolution)
     groups: int = 1  # grouped convolution (ResNeXt, RegNet): each group of oc/groups outputs reads c/groups inputs

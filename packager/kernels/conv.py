@@ -6,10 +6,12 @@ registers (for AVX-512: 14 pixels x 32 channels = 28 zmm registers), streams the
 channel block (``[OC/ocb, KH, KW, C, ocb]``, contiguous in the reduction order) and broadcasts one input
 value per pixel and reduction step. Output tiles are spread over the CPU's cores.
 
-INT8 kernels take int8 (or uint8) data and int8 weights and accumulate in int32. Where the CPU has
-AVX-512 VNNI, the innermost ``16 channels x 4 input channels`` step is one ``vpdpbusd`` (u8 x s8 -> s32
-with the four products summed in the instruction); signed data is moved to unsigned by adding 128 when it
-is padded, and ``128 * sum(weights)`` per channel, computed at build time, is subtracted again.
+INT8 kernels take int8 (or uint8) data and int8 weights and accumulate in int32. Where the CPU has an
+int8 dot-product instruction the innermost ``D channels x 4 input channels`` step is one instruction, with
+the four products of each channel summed in it: AVX-512 VNNI's ``vpdpbusd`` (D = 16, u8 x s8) or Arm's
+``sdot`` (D = 4, s8 x s8; Armv8.2 dotprod, as on Jetson Orin's Cortex-A78AE). Data of the other signedness
+is moved by 128 when it is padded, and ``offset * sum(weights)`` per channel, computed at build time, is
+subtracted again.
 
 Whatever follows a convolution in the same fused function (bias, ReLU, residual add, requantize to int8)
 is computed on the accumulator tile while it is in registers. Matrix products by a weight run here as 1x1
@@ -25,7 +27,7 @@ import math
 
 import numpy as np
 
-from edgeq.kernels.common import PAD, ConvSpec, Isa, Kernel, epilogue, largest_divisor, pad_input, parallel
+from edgeq.kernels.common import DOT, PAD, ConvSpec, Isa, Kernel, epilogue, largest_divisor, pad_input, parallel
 from edgeq.toolchain import import_tvm
 
 tvm = import_tvm()
@@ -34,21 +36,22 @@ from tvm.s_tir import Schedule  # noqa: E402
 
 CONV = "edgeq_conv"  # the block the scheduler looks for after fusion
 ZP = "edgeq_conv_zp"
-VNNI_INTRIN = "edgeq_dot_16x4_vnni_local"
+INTRINSICS = {"vnni": "edgeq_dot_16x4_vnni_local", "sdot": "edgeq_dot_4x4_sdot_local"}
 
 
 def plan(problem: ConvSpec, isa: Isa) -> ConvSpec | None:
-    """Every dense convolution (depthwise ones are not this kernel's): VNNI where the CPU has it and the
-    int8 output channels fill 16-lane blocks; the output channel block the weights are packed in (whole
-    vector registers where the channel count allows)."""
+    """Every dense convolution (depthwise ones are not this kernel's): the CPU's int8 dot product where it
+    has one and the int8 output channels fill its blocks (16 for VNNI, 4 for sdot); the output channel block
+    the weights are packed in (four, two or one dot blocks; else whole vector registers where the channel
+    count allows)."""
     if problem.depthwise:
         return None
-    vnni = isa.vnni and problem.integer and problem.oc % 16 == 0 and problem.groups == 1
-    if vnni:
-        ocb = next(b for b in (64, 32, 16) if problem.oc % b == 0 and b // 16 * 4 <= isa.accumulators)
-    else:  # grouped: a block of output channels stays inside one group (it reads one run of inputs)
-        ocb = isa.vector_block(problem.oc // problem.groups)
-    return dataclasses.replace(problem, vnni=vnni, ocb=ocb)
+    lanes = DOT[isa.dot][0] if isa.dot else 0
+    if lanes and problem.integer and problem.oc % lanes == 0 and problem.groups == 1:
+        ocb = next(b for b in (4 * lanes, 2 * lanes, lanes) if problem.oc % b == 0)
+        return dataclasses.replace(problem, dot=isa.dot, ocb=ocb)
+    # grouped: a block of output channels stays inside one group (it reads one run of inputs)
+    return dataclasses.replace(problem, ocb=isa.vector_block(problem.oc // problem.groups))
 
 
 def conv_func(spec: ConvSpec):
@@ -58,25 +61,27 @@ def conv_func(spec: ConvSpec):
     NHWC``; the packer maps the model's OIHW weight to the list of weight arrays that follow the data argument."""
     x = te.placeholder((spec.n, spec.h, spec.w, spec.c), spec.dtype, name="data")
     rh, rw = te.reduce_axis((0, spec.kh), "rh"), te.reduce_axis((0, spec.kw), "rw")
-    return _vnni_func(spec, x, rh, rw) if spec.vnni else _direct_func(spec, x, rh, rw)
+    return _dot_func(spec, x, rh, rw) if spec.dot else _direct_func(spec, x, rh, rw)
 
 
-def _vnni_func(spec: ConvSpec, x, rh, rw):
-    """int8 data moved to uint8 (VNNI multiplies u8 x s8), channels padded to a multiple of 4, weights in
-    ``[OC/16, KH, KW, C/4, 16, 4]`` (one ``vpdpbusd`` operand per 16 x 4 block)."""
+def _dot_func(spec: ConvSpec, x, rh, rw):
+    """Data moved to the instruction's type (VNNI: uint8, sdot: int8) by adding or subtracting 128, channels
+    padded to a multiple of 4, weights in ``[OC/D, KH, KW, C/4, D, 4]`` (one instruction operand per D x 4
+    block)."""
     sh, sw = spec.stride
     dh, dw = spec.dilation
+    d, dtype = DOT[spec.dot]
     cp = -(-spec.c // 4) * 4
-    offset = 128 if spec.dtype == "int8" else 0
-    convert = ("uint8", lambda v: (v.astype("int32") + offset).astype("uint8"))
+    offset = 0 if spec.dtype == dtype else 128 if dtype == "uint8" else -128
+    convert = (dtype, lambda v: (v.astype("int32") + offset).astype(dtype))
     xp = pad_input(x, spec, cp, convert=convert, value=offset)
-    wt = te.placeholder((spec.oc // 16, spec.kh, spec.kw, cp // 4, 16, 4), "int8", name="weight")
+    wt = te.placeholder((spec.oc // d, spec.kh, spec.kw, cp // 4, d, 4), "int8", name="weight")
     rc = te.reduce_axis((0, cp), "rc")
     acc = te.compute(
         (spec.n, spec.oh, spec.ow, spec.oc),
         lambda n, y, z, o: te.sum(
             xp[n, y * sh + rh * dh, z * sw + rw * dw, rc].astype("int32")
-            * wt[o // 16, rh, rw, rc // 4, o % 16, rc % 4].astype("int32"),
+            * wt[o // d, rh, rw, rc // 4, o % d, rc % 4].astype("int32"),
             axis=[rh, rw, rc]),
         name=CONV, attrs={spec.annotation: spec.to_json()},
     )
@@ -85,7 +90,7 @@ def _vnni_func(spec: ConvSpec, x, rh, rw):
         oc, c, kh, kw = w.shape
         wp = np.zeros((oc, cp, kh, kw), np.int8)
         wp[:, :c] = w
-        packed = wp.reshape(oc // 16, 16, cp // 4, 4, kh, kw).transpose(0, 4, 5, 2, 1, 3)
+        packed = wp.reshape(oc // d, d, cp // 4, 4, kh, kw).transpose(0, 4, 5, 2, 1, 3)
         arrays = [np.ascontiguousarray(packed)]
         if offset:
             arrays.append((offset * w.astype(np.int64).sum(axis=(1, 2, 3))).astype(np.int32))
@@ -99,7 +104,7 @@ def _vnni_func(spec: ConvSpec, x, rh, rw):
 
 
 def _direct_func(spec: ConvSpec, x, rh, rw):
-    """float32, or int8/uint8 x int8 without VNNI: weights in ``[OC/ocb, KH, KW, C/groups, ocb]``; output
+    """float32, or int8/uint8 x int8 without a dot-product instruction: weights in ``[OC/ocb, KH, KW, C/groups, ocb]``; output
     channel ``o`` of a grouped convolution reads the inputs of its group, ``(o // (OC/groups)) * C/groups + rc``."""
     sh, sw = spec.stride
     dh, dw = spec.dilation
@@ -132,20 +137,24 @@ def _direct_func(spec: ConvSpec, x, rh, rw):
 # ---------------------------------------------------------------- schedules (on a fused function)
 
 
-def _register_vnni() -> None:
-    """TVM's ``dot_16x4_vnni`` with the accumulator in registers ("local") instead of memory. (Buffers by
-    ``match_buffer``: the same function as ``T.Buffer`` annotations, which pyflakes misreads.)"""
+def _register(dot: str, llvm_name: str) -> None:
+    """TVM's ``dot_16x4_vnni`` / ``dot_4x4_i8i8s32_sdot`` with the accumulator in registers ("local")
+    instead of memory: ``c[i] += sum_k a[k] * b[i, k]`` for D lanes ``i`` and 4 bytes ``k``, the 4 data bytes
+    broadcast to every lane. (Buffers by ``match_buffer``: the same function as ``T.Buffer`` annotations,
+    which pyflakes misreads.)"""
     from tvm.script import tirx as T
+
+    d, dtype = DOT[dot]
 
     @T.prim_func(s_tir=True)
     def desc(a_handle: T.handle, b_handle: T.handle, c_handle: T.handle) -> None:
-        a = T.match_buffer(a_handle, (4,), "uint8", offset_factor=1)
-        b = T.match_buffer(b_handle, (16, 4), "int8", offset_factor=1)
-        c = T.match_buffer(c_handle, (16,), "int32", offset_factor=1, scope="local")
+        a = T.match_buffer(a_handle, (4,), dtype, offset_factor=1)
+        b = T.match_buffer(b_handle, (d, 4), "int8", offset_factor=1)
+        c = T.match_buffer(c_handle, (d,), "int32", offset_factor=1, scope="local")
         with T.sblock("root"):
-            T.reads(c[0:16], a[0:4], b[0:16, 0:4])
-            T.writes(c[0:16])
-            for i in T.serial(0, 16):
+            T.reads(c[0:d], a[0:4], b[0:d, 0:4])
+            T.writes(c[0:d])
+            for i in T.serial(0, d):
                 for k in T.serial(0, 4):
                     with T.sblock("update"):
                         vi, vk = T.axis.remap("SR", [i, k])
@@ -153,22 +162,23 @@ def _register_vnni() -> None:
 
     @T.prim_func(s_tir=True)
     def impl(a_handle: T.handle, b_handle: T.handle, c_handle: T.handle) -> None:
-        a = T.match_buffer(a_handle, (4,), "uint8", offset_factor=1)
-        b = T.match_buffer(b_handle, (16, 4), "int8", offset_factor=1)
-        c = T.match_buffer(c_handle, (16,), "int32", offset_factor=1, scope="local")
+        a = T.match_buffer(a_handle, (4,), dtype, offset_factor=1)
+        b = T.match_buffer(b_handle, (d, 4), "int8", offset_factor=1)
+        c = T.match_buffer(c_handle, (d,), "int32", offset_factor=1, scope="local")
         with T.sblock("root"):
-            T.reads(c[0:16], a[0:4], b[0:16, 0:4])
-            T.writes(c[0:16])
-            a_i32 = T.reinterpret(a.vload([0], "uint8x4"), dtype="int32")
-            c[T.ramp(T.int32(0), 1, 16)] = T.call_llvm_pure_intrin(  # LLVM >= 20 takes the bytes as <64 x i8>
-                T.llvm_lookup_intrinsic_id("llvm.x86.avx512.vpdpbusd.512"),
-                c.vload([0], dtype="int32x16"), T.reinterpret(T.broadcast(a_i32, 16), dtype="int8x64"),
-                b.vload([0, 0], dtype="int8x64"), dtype="int32x16")
+            T.reads(c[0:d], a[0:4], b[0:d, 0:4])
+            T.writes(c[0:d])
+            a_i32 = T.reinterpret(a.vload([0], f"{dtype}x4"), dtype="int32")
+            c[T.ramp(T.int32(0), 1, d)] = T.call_llvm_pure_intrin(  # LLVM >= 20: vpdpbusd takes <64 x i8>
+                T.llvm_lookup_intrinsic_id(llvm_name),
+                c.vload([0], dtype=f"int32x{d}"), T.reinterpret(T.broadcast(a_i32, d), dtype=f"int8x{4 * d}"),
+                b.vload([0, 0], dtype=f"int8x{4 * d}"), dtype=f"int32x{d}")
 
-    tvm.s_tir.TensorIntrin.register(VNNI_INTRIN, desc, impl, override=True)
+    tvm.s_tir.TensorIntrin.register(INTRINSICS[dot], desc, impl, override=True)
 
 
-_register_vnni()
+_register("vnni", "llvm.x86.avx512.vpdpbusd.512")
+_register("sdot", "llvm.aarch64.neon.sdot.v4i32.v16i8")
 
 
 def _schedule_pad(sch: Schedule, spec: ConvSpec) -> None:
@@ -196,7 +206,7 @@ def _outer(spec: ConvSpec, n, y, oo) -> tuple:
 
 def _pixel_block(spec: ConvSpec, isa: Isa) -> int:
     """Output pixels (along the row) per tile: the largest divisor of the row that fits the registers."""
-    vectors = max(1, math.ceil(spec.ocb / (16 if spec.vnni else isa.lanes)))
+    vectors = max(1, math.ceil(spec.ocb / (DOT[spec.dot][0] if spec.dot else isa.lanes)))
     return largest_divisor(spec.ow, max(1, isa.accumulators // vectors))
 
 
@@ -206,12 +216,13 @@ def schedule_conv(sch: Schedule, spec: ConvSpec, isa: Isa) -> None:
     n, y, z, o, rh, rw, rc = sch.get_loops(main)
     zb = _pixel_block(spec, isa)
     zo, zi = sch.split(z, [None, zb])
-    if spec.vnni:
-        oo, om, oi = sch.split(o, [None, spec.ocb // 16, 16])
+    if spec.dot:
+        d = DOT[spec.dot][0]
+        oo, om, oi = sch.split(o, [None, spec.ocb // d, d])
         rco, rci = sch.split(rc, [None, 4])
-        if isa.vnni:
+        if isa.dot == spec.dot:
             sch.reorder(*_outer(spec, n, y, oo), zo, rh, rw, rco, zi, om, oi, rci)
-        else:  # the VNNI weight layout on a CPU without VNNI (a build host checking another CPU's bundle)
+        else:  # a dot layout on a CPU without that instruction (a build host checking another CPU's bundle)
             sch.reorder(*_outer(spec, n, y, oo), zo, rh, rw, rco, rci, zi, om, oi)
             sch.vectorize(oi)
         sch.reverse_compute_at(wb, zo)
@@ -220,8 +231,8 @@ def schedule_conv(sch: Schedule, spec: ConvSpec, isa: Isa) -> None:
         parallel(sch, list(_outer(spec, n, y, oo)), spec.macs)
         init = sch.decompose_reduction(main, rh)
         sch.vectorize(sch.get_loops(init)[-1])
-        if isa.vnni:
-            sch.tensorize(oi, VNNI_INTRIN)
+        if isa.dot == spec.dot:
+            sch.tensorize(oi, INTRINSICS[spec.dot])
     else:
         oo, oi = sch.split(o, [None, spec.ocb])
         sch.reorder(*_outer(spec, n, y, oo), zo, rh, rw, rc, zi, oi)
@@ -235,13 +246,13 @@ def schedule_conv(sch: Schedule, spec: ConvSpec, isa: Isa) -> None:
 
 
 def _tag(spec: ConvSpec) -> str:
-    return "vnni" if spec.vnni else f"oc{spec.ocb}"
+    return spec.dot or f"oc{spec.ocb}"
 
 
 def _label(spec: ConvSpec, isa: Isa) -> str:
-    """"conv-vnni" where ``vpdpbusd`` is used; a VNNI layout scheduled for a CPU without it (a build host
-    checking another CPU's bundle) is plain "conv"."""
-    return "conv-vnni" if spec.vnni and isa.vnni else "conv"
+    """"conv-vnni" / "conv-sdot" where the instruction is used; a dot layout scheduled for a CPU without it
+    (a build host checking another CPU's bundle) is plain "conv"."""
+    return f"conv-{spec.dot}" if spec.dot and isa.dot == spec.dot else "conv"
 
 
 KERNEL = Kernel(name="conv", spec=ConvSpec, plan=plan, build=conv_func, symbol="edgeq_conv2d", block=CONV,
