@@ -2,8 +2,8 @@
 
 Models (random weights): ResNet-18 224x224 at batch 1 and 8, a MobileNet-style CNN (depthwise-separable
 blocks, ReLU6) at 224x224, and a transformer encoder block (seq 128, dim 256). Every case is built first;
-then the runners are timed in interleaved rounds (per round and runner: 2 untimed calls, so that the
-threads of the runtime that ran before have gone quiet, then 5 timed calls), so a noisy machine slows all
+then the runners are timed in interleaved rounds (per round and runner: a 0.2 s pause and 2 untimed
+calls, so that the threads of the runtime that ran before have gone quiet, then 5 timed calls), so a noisy machine slows all
 of them alike, and the median per runner is reported. Also reported: the conv/matmul layers of the
 fp32 ResNet-18 bundle, timed inside the bundle's VM, as GFLOP/s and as a fraction of the CPU's FP32 peak.
 
@@ -144,7 +144,8 @@ def main() -> None:
             times = {k: [] for k in runners}
             for _ in range(args.rounds):
                 for key, run in runners.items():
-                    for _ in range(WARMUP):  # the other runtime's threads may still be spinning
+                    time.sleep(0.2)  # the other runtime's threads may still be spinning (see zoo.interleaved)
+                    for _ in range(WARMUP):
                         run()
                     for _ in range(BLOCK):
                         start = time.perf_counter()

@@ -9,9 +9,12 @@ own (a crash or a hang costs one row, not the run):
 - int8 ``host`` bundle (``--int8``): 32 calibration samples, cosine of its output against fp32 ONNX
   Runtime on 8 held-out inputs (goal >= 0.99);
 - ``jetson-orin-nano`` fp32 bundle (``--jetson``): packaged (cross-compiled, sm_87), not run;
+- where the time goes (``--profile N``): the N costliest kernels of each bundle (VM calls timed by an
+  instrument, median of 10 runs), with their share of the total;
 - latency (``--speed``): median ms of the fp32 / int8 bundles and of ONNX Runtime fp32 / its QDQ int8
   (``quantize_static``, same calibration data), all measured in that child, threads = cores, in
-  interleaved rounds (each round times every one of them in turn, so they share the machine's load).
+  interleaved rounds (each round times every one of them in turn, so they share the machine's load, after
+  a pause that lets the other runtime's threads stop spinning: see ``interleaved``).
 
     python benchmarks/zoo.py --families --int8 [--jetson] [--speed] [--size 224] [--json]
     python benchmarks/zoo.py resnet18 shufflenet_v2_x0_5 --int8
@@ -31,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common import bundle_model, median_ms, ort_session, show
+from common import bundle_model, kernel_breakdown, median_ms, ort_session, show
 
 ROOT = Path(__file__).resolve().parent.parent
 EXPORT_PYTHON = ROOT / ".venv-export" / "bin" / "python"
@@ -67,7 +70,7 @@ def cosine(a: np.ndarray, b: np.ndarray) -> float:
     return _agreement(a, b)["cosine"]
 
 
-def one(path: Path, work: Path, int8: bool, jetson: bool, speed: bool, repeat: int) -> dict:
+def one(path: Path, work: Path, int8: bool, jetson: bool, speed: bool, repeat: int, profile: int = 0) -> dict:
     """Everything for one model (runs in a child process)."""
     from edgeq.errors import EdgeqError
     from edgeq.package import PackageArgs, package
@@ -124,6 +127,11 @@ def one(path: Path, work: Path, int8: bool, jetson: bool, speed: bool, repeat: i
         attempt("jetson", lambda: package(PackageArgs(model=path, device="jetson-orin-nano", output=work / "jetson",
                                                        runtime="none")))
         row.setdefault("jetson", "built")
+    if profile:
+        if fp32_model is not None:
+            row["fp32_kernels"] = kernel_breakdown(fp32_model, {spec.name: x}, top=profile)
+        if int8 and q is not None:
+            row["int8_kernels"] = kernel_breakdown(model, {spec.name: x}, top=profile)
     if speed:
         timed["ort_ms"] = lambda: ort.run(None, {spec.name: x})
         if fp32_model is not None:
@@ -147,16 +155,21 @@ def one(path: Path, work: Path, int8: bool, jetson: bool, speed: bool, repeat: i
 
 
 def interleaved(timed: dict, repeat: int) -> dict:
-    """Median ms of each callable over ``repeat`` rounds, each round calling every one of them in turn (3
-    calls, averaged): on a machine whose cores are shared, edgeq and ONNX Runtime see the same load."""
+    """Median ms of each callable over ``repeat`` rounds, each round timing every one of them in turn, so
+    that on a machine whose cores are shared edgeq and ONNX Runtime see the same load. Before each one's
+    10 timed calls: a 0.2 s pause and 3 untimed calls, so that the thread pool of the runtime that ran
+    before has stopped spinning. (TVM's workers spin, yielding, for tens of ms after a parallel region:
+    ONNX Runtime timed 50 ms after an edgeq run took 7.0 ms for MNASNet 0.5, 1.5 ms alone or after 0.2 s;
+    timed with no pause at all, MNASNet's int8 bundle took 4.9 ms after ONNX Runtime, 2.7 ms alone.)"""
     for fn in timed.values():
         for _ in range(3):
             fn()
     samples: dict = {key: [] for key in timed}
     for _ in range(repeat):
         for key, fn in timed.items():
-            samples[key].append(median_ms(fn, 3, 0))
-    return {key: round(float(np.median(v)), 2) for key, v in samples.items()}
+            time.sleep(0.2)
+            samples[key].append(median_ms(fn, 10, 3))
+    return {key: round(float(np.median(v)), 3) for key, v in samples.items()}
 
 
 def geomean(values: list[float]) -> float | None:
@@ -174,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jetson", action="store_true", help="also package fp32 for jetson-orin-nano")
     parser.add_argument("--speed", action="store_true", help="also latency against ONNX Runtime")
     parser.add_argument("--repeat", type=int, default=10)
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="also the N costliest kernels of each bundle (per-kernel ms and share)")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per model")
     parser.add_argument("--models-dir", type=Path, default=None, help="keep the exported models here")
     parser.add_argument("--json", action="store_true")
@@ -181,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.one:
         with tempfile.TemporaryDirectory() as tmp:
-            print(json.dumps(one(args.one, Path(tmp), args.int8, args.jetson, args.speed, args.repeat)))
+            print(json.dumps(one(args.one, Path(tmp), args.int8, args.jetson, args.speed, args.repeat, args.profile)))
         return 0
 
     sys.path.insert(0, str(ROOT / "examples"))
@@ -198,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
         rows = []
         for name, path in paths.items():
             flags = [f for f, on in (("--int8", args.int8), ("--jetson", args.jetson), ("--speed", args.speed)) if on]
-            cmd = [sys.executable, __file__, "--one", str(path), "--repeat", str(args.repeat), *flags]
+            cmd = [sys.executable, __file__, "--one", str(path), "--repeat", str(args.repeat), "--profile",
+                   str(args.profile), *flags]
             row = {"model": name, "size": path.stem.rsplit("-", 1)[-1]}
             try:
                 done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
@@ -228,6 +244,12 @@ def main(argv: list[str] | None = None) -> int:
                 "fp32_ms", "ort_ms", "fp32_vs_ort", "int8_ms", "ort_int8_ms", "int8_vs_ort_int8", "int8_vs_fp32"]
         keys = [k for k in keys if any(k in r for r in rows)]
         show("torchvision zoo: edgeq vs ONNX Runtime", [{k: str(r.get(k, "-"))[:60] for k in keys} for r in rows])
+        for r in rows:
+            for precision in ("fp32", "int8"):
+                if r.get(f"{precision}_kernels"):
+                    show(f"{r['model']} {precision}: costliest kernels",
+                         [{"kernel": k["kernel"][:70], "args": k["args"][:60], "calls": k["calls"], "ms": k["ms"], "share": f"{k['share']:.1%}"}
+                          for k in r[f"{precision}_kernels"]])
         print(json.dumps(summary))
     return 0
 

@@ -23,12 +23,16 @@ PAD = "edgeq_pad"  # the padded input's block: the epilogue leaves it where it i
 Packer = Callable[[np.ndarray], list[np.ndarray]]
 
 
-# multiply-adds below which a kernel runs on one core (32M: about 0.3 ms on one AVX-512 core). TVM's thread
-# pool splits a parallel loop statically and waits for every thread: where the cores are shared (another
-# process runs), each parallel region waits for a descheduled thread, ms per call (MNASNet 0.5, 2 threads:
-# 100 ms wall vs 7 ms on one thread); below this size threads gain little even on an idle machine.
-# Measured on the shared 2-core machine, same run: MobileNetV2 57.4 ms (threshold 4M) -> 23.4 ms, ORT 34.7 ms.
-PARALLEL_MACS = 1 << 25
+# multiply-adds below which a kernel runs on one core (256K: a few microseconds, about what waking the
+# other cores costs). The mobile nets are made of small layers (MNASNet's 1x1 96 -> 576 on 7x7: 2.7M), so
+# they gain most from every core: on an idle 2-core machine MNASNet 0.5 took 2.72 ms with the threshold at
+# 32M, 2.18 ms at 256K (MobileNetV3-Small 1.96 -> 1.63, EfficientNet-B0 12.4 -> 8.2 with generic's
+# PARALLEL_MIN 32K; ONNX Runtime, 2 threads: 1.72, 1.40, 7.8), measured side by side in one run.
+# The price: TVM's thread pool splits a parallel loop statically and waits for every thread, so where the
+# cores are shared with another busy process each parallel region waits for a descheduled thread (on this
+# shared machine under load, MNASNet once took 100 ms with threads vs 7 ms on one): a device's cores are the
+# model's, and the threshold is set for that.
+PARALLEL_MACS = 1 << 18
 
 
 def worth_threads(work: int) -> bool:

@@ -14,7 +14,7 @@ from edgeq.toolchain import import_tvm
 tvm = import_tvm()
 from tvm.s_tir import Schedule, ScheduleError  # noqa: E402
 
-PARALLEL_MIN = 1 << 18  # elements below which a loop nest runs on one core (see common.PARALLEL_MACS)
+PARALLEL_MIN = 1 << 15  # elements below which a loop nest runs on one core (see common.PARALLEL_MACS)
 
 
 def _extent(sch: Schedule, loop) -> int | None:
