@@ -25,7 +25,9 @@ def requantize_expr(rw: Rewriter, acc, ratio, axis: int, ndim: int, zero_point: 
     scaled = relax.op.round(rw.emit(relax.op.multiply(relax.op.astype(acc, "float32"), rw.const(ratio))))
     if zero_point:
         scaled = relax.op.add(scaled, rw.const(float(zero_point)))
-    return relax.op.astype(relax.op.clip(scaled, lo, hi), dtype)
+    # through int32: LLVM converts float vectors to 8-bit ones lane by lane (16 vpextrb per vector store on
+    # AVX-512), but float -> int32 -> int8 is one vcvttps2dq and one vpmovdb (the value is in range: clipped)
+    return relax.op.astype(relax.op.astype(relax.op.clip(scaled, lo, hi), "int32"), dtype)
 
 
 def requantize(graph: Graph, notes: PassNotes | None = None) -> Graph:
