@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import re
 from pathlib import Path
 
 import pytest
@@ -127,6 +128,25 @@ def test_the_bmm_kernel_and_anything_else_get_their_rules():
     x = te.placeholder((64, 32), "float32", name="x")
     relu = te.compute(x.shape, lambda i, j: tvm.te.max(x[i, j], tvm.tirx.const(0.0, "float32")), name="relu")
     assert schedule_function(te.create_prim_func([x, relu]), ISAS["avx2"])[1] == "generic"
+
+
+def _vectorized_extents(func) -> list[int]:
+    """The extents of a function's vectorised loops (TVM 0.27 has no Python TIR visitor: from its script)."""
+    return [int(n) for n in re.findall(r"T\.vectorized\((?:T\.int64\()?(\d+)", func.script())]
+
+
+@pytest.mark.parametrize("channels, lanes", [(16, 16), (24, 8), (40, 8), (96, 16), (6, 2)])
+def test_an_int8_quantize_is_vectorised_along_its_channels(channels, lanes):
+    """quantize(x) = int8(clip(round(x / scale))): the float division by the scale does not stop the vector
+    (it once left every such loop scalar), and 24 or 40 channels get 8-lane vectors (they were left to LLVM,
+    which vectorised them with gathers and byte-by-byte stores)."""
+    from tvm import te
+
+    x = te.placeholder((1, 28, 28, channels), "float32", name="x")
+    q = te.compute(x.shape, lambda *i: te.max(te.min(tvm.tirx.round(x(*i) / tvm.tirx.const(0.0015, "float32")),
+                                                     127.0), -128.0).astype("int32").astype("int8"), name="q")
+    scheduled, kind = schedule_function(te.create_prim_func([x, q]), ISAS["avx512-vnni"])
+    assert kind == "generic" and _vectorized_extents(scheduled) == [lanes]
 
 
 def test_every_kernel_module_is_listed_once_and_the_generic_rule_is_last():
