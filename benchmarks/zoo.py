@@ -12,7 +12,7 @@ own (a crash or a hang costs one row, not the run):
 - where the time goes (``--profile N``): the N costliest kernels of each bundle (VM calls timed by an
   instrument, median of 10 runs), with their share of the total;
 - latency (``--speed``): median ms of the fp32 / int8 bundles and of ONNX Runtime fp32 / its QDQ int8
-  (``quantize_static``, same calibration data), all measured in that child, threads = cores, in
+  (``quant_pre_process`` then ``quantize_static``, same calibration data), all measured in that child, threads = cores, in
   interleaved rounds (each round times every one of them in turn, so they share the machine's load, after
   a pause that lets the other runtime's threads stop spinning: see ``interleaved``).
 
@@ -140,7 +140,7 @@ def one(path: Path, work: Path, int8: bool, jetson: bool, speed: bool, repeat: i
             sys.path.insert(0, str(ROOT / "examples"))
             from quantize_with_ort import ort_quantize
 
-            qdq = ort_quantize(path, work / "qdq.onnx", samples=CALIB_SAMPLES)
+            qdq = ort_quantize(path, work / "qdq.onnx", samples=CALIB_SAMPLES, preprocess=True)
             ort8 = ort_session(qdq, threads)
             timed["ort_int8_ms"] = lambda: ort8.run(None, {spec.name: x})
         row.update(interleaved(timed, repeat))

@@ -39,10 +39,20 @@ def ort_quiet():
 
 
 def ort_quantize(src: Path, dst: Path, activations: str = "u8", fmt: str = "QDQ", per_channel: bool = True,
-                 samples: int = 16) -> Path:
+                 samples: int = 16, preprocess: bool = False) -> Path:
+    """``preprocess``: first ONNX Runtime's ``quant_pre_process`` (its graph optimisations), as its docs ask
+    before ``quantize_static``. Without it the Identity nodes of a torchvision export stay between the Q/DQ
+    pairs, ONNX Runtime cannot fuse them into integer kernels and its int8 ResNet-18 takes 36 ms, 6.1 ms with."""
     import onnx
     from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
 
+    if preprocess:
+        from onnxruntime.quantization.shape_inference import quant_pre_process
+
+        pre = dst.with_name(dst.stem + "-pre.onnx")
+        with ort_quiet():
+            quant_pre_process(str(src), str(pre), skip_symbolic_shape=True)
+        src = pre
     model = onnx.load(src)
     inp = model.graph.input[0]
     shape = [d.dim_value for d in inp.type.tensor_type.shape.dim]
