@@ -51,7 +51,16 @@ def plan(problem: ConvSpec, isa: Isa) -> ConvSpec | None:
         ocb = next(b for b in (4 * lanes, 2 * lanes, lanes) if problem.oc % b == 0)
         return dataclasses.replace(problem, dot=isa.dot, ocb=ocb)
     # grouped: a block of output channels stays inside one group (it reads one run of inputs)
-    return dataclasses.replace(problem, ocb=isa.vector_block(problem.oc // problem.groups))
+    ocb = isa.vector_block(problem.oc // problem.groups)
+    if problem.n * problem.oh * problem.ow == 1 and problem.groups == 1:
+        # a matrix-vector product (a classifier, squeeze-and-excitation's FCs): with one pixel each vector of
+        # the tile is one chain of dependent multiply-adds along the whole reduction, so the tile takes up to
+        # 8 vectors (2 FMA units x 4 cycles latency): MNASNet's 1280 -> 1000 classifier in blocks of 8 lanes
+        # (one chain each) took 0.156 ms, ONNX Runtime 0.089
+        width = min(ocb, isa.lanes)
+        # (and at least 16 tiles, to share among the cores: 576 -> 1024 in tiles of 128 was slower than 64)
+        ocb = max([ocb, *(m * width for m in range(1, 9) if problem.oc % (m * width) == 0 and problem.oc // (m * width) >= 16)])
+    return dataclasses.replace(problem, ocb=ocb)
 
 
 def conv_func(spec: ConvSpec):
@@ -235,7 +244,14 @@ def schedule_conv(sch: Schedule, spec: ConvSpec, isa: Isa) -> None:
             sch.tensorize(oi, INTRINSICS[spec.dot])
     else:
         oo, oi = sch.split(o, [None, spec.ocb])
-        sch.reorder(*_outer(spec, n, y, oo), zo, rh, rw, rc, zi, oi)
+        width = min(isa.vector_block(spec.ocb), isa.lanes)
+        if spec.ocb > 2 * isa.lanes or spec.ocb % width == 0 and spec.ocb // width > 2:
+            # a matrix-vector tile of several vectors: one register each, unrolled
+            ov, oi = sch.split(oi, [None, width])
+            sch.reorder(*_outer(spec, n, y, oo), zo, rh, rw, rc, zi, ov, oi)
+            sch.unroll(ov)
+        else:
+            sch.reorder(*_outer(spec, n, y, oo), zo, rh, rw, rc, zi, oi)
         sch.reverse_compute_at(wb, zo)
         sch.vectorize(oi)
         sch.unroll(zi)
