@@ -46,8 +46,8 @@ def median_ms(fn, repeat: int, warmup: int) -> float:
 def kernel_breakdown(model, inputs: dict, runs: int = 10, top: int = 15) -> list[dict]:
     """Where a bundle's time goes: every call the Relax VM makes (fused kernels, allocations), timed by a VM
     instrument around the call, median over ``runs`` runs of the model; the ``top`` costliest kernels with
-    their share of the sum, and the shapes of their tensor arguments at the first call (the instrument adds a few microseconds per call to what it measures).
-    ``model`` is a bundle's loaded ``run.Model``."""
+    their share of the sum and the shapes of their tensor arguments at the first call. The instrument adds
+    a few microseconds per call to what it measures. ``model`` is a bundle's loaded ``run.Model``."""
     import tvm
 
     args = model.arguments(inputs)
@@ -76,8 +76,8 @@ def kernel_breakdown(model, inputs: dict, runs: int = 10, top: int = 15) -> list
                 per_run.setdefault(symbol, []).append((len(times), sum(times)))
     finally:
         model.vm.set_instrument(None)
-    rows = [{"kernel": symbol, "args": shapes.get(symbol, ""), "calls": samples[0][0], "ms": float(np.median([t for _, t in samples])) * 1e3}
-            for symbol, samples in per_run.items()]
+    rows = [{"kernel": symbol, "args": shapes.get(symbol, ""), "calls": samples[0][0],
+             "ms": float(np.median([t for _, t in samples])) * 1e3} for symbol, samples in per_run.items()]
     total = sum(r["ms"] for r in rows)
     rows.sort(key=lambda r: -r["ms"])
     return [{**r, "ms": round(r["ms"], 3), "share": round(r["ms"] / total, 3)} for r in rows[:top]]

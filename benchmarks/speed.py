@@ -3,9 +3,10 @@
 Models (random weights): ResNet-18 224x224 at batch 1 and 8, a MobileNet-style CNN (depthwise-separable
 blocks, ReLU6) at 224x224, and a transformer encoder block (seq 128, dim 256). Every case is built first;
 then the runners are timed in interleaved rounds (per round and runner: a 0.2 s pause and 2 untimed
-calls, so that the threads of the runtime that ran before have gone quiet, then 5 timed calls), so a noisy machine slows all
-of them alike, and the median per runner is reported. Also reported: the conv/matmul layers of the
-fp32 ResNet-18 bundle, timed inside the bundle's VM, as GFLOP/s and as a fraction of the CPU's FP32 peak.
+calls, so that the threads of the runtime that ran before have gone quiet, then 5 timed calls), so a
+noisy machine slows all of them alike, and the median per runner is reported. Also reported: the
+conv/matmul layers of the fp32 ResNet-18 bundle, timed inside the bundle's VM, as GFLOP/s and as a fraction
+of the CPU's FP32 peak.
 
     python benchmarks/speed.py [--rounds 10] [--models resnet18 resnet18_b8 mobilenet transformer] [--json]
 """

@@ -12,9 +12,9 @@ own (a crash or a hang costs one row, not the run):
 - where the time goes (``--profile N``): the N costliest kernels of each bundle (VM calls timed by an
   instrument, median of 10 runs), with their share of the total;
 - latency (``--speed``): median ms of the fp32 / int8 bundles and of ONNX Runtime fp32 / its QDQ int8
-  (``quant_pre_process`` then ``quantize_static``, same calibration data), all measured in that child, threads = cores, in
-  interleaved rounds (each round times every one of them in turn, so they share the machine's load, after
-  a pause that lets the other runtime's threads stop spinning: see ``interleaved``).
+  (``quant_pre_process`` then ``quantize_static``, same calibration data), all measured in that child,
+  threads = cores, in interleaved rounds (each round times every one of them in turn, so they share the
+  machine's load, after a pause that lets the other runtime's threads stop spinning: see ``interleaved``).
 
     python benchmarks/zoo.py --families --int8 [--jetson] [--speed] [--size 224] [--json]
     python benchmarks/zoo.py resnet18 shufflenet_v2_x0_5 --int8
@@ -248,8 +248,8 @@ def main(argv: list[str] | None = None) -> int:
             for precision in ("fp32", "int8"):
                 if r.get(f"{precision}_kernels"):
                     show(f"{r['model']} {precision}: costliest kernels",
-                         [{"kernel": k["kernel"][:70], "args": k["args"][:60], "calls": k["calls"], "ms": k["ms"], "share": f"{k['share']:.1%}"}
-                          for k in r[f"{precision}_kernels"]])
+                         [{"kernel": k["kernel"][:70], "args": k["args"][:60], "calls": k["calls"], "ms": k["ms"],
+                           "share": f"{k['share']:.1%}"} for k in r[f"{precision}_kernels"]])
         print(json.dumps(summary))
     return 0
 

@@ -56,11 +56,18 @@ def plan(problem: ConvSpec, isa: Isa) -> ConvSpec | None:
         # a matrix-vector product (a classifier, squeeze-and-excitation's FCs): with one pixel each vector of
         # the tile is one chain of dependent multiply-adds along the whole reduction, so the tile takes up to
         # 8 vectors (2 FMA units x 4 cycles latency): MNASNet's 1280 -> 1000 classifier in blocks of 8 lanes
-        # (one chain each) took 0.156 ms, ONNX Runtime 0.089
-        width = min(ocb, isa.lanes)
-        # (and at least 16 tiles, to share among the cores: 576 -> 1024 in tiles of 128 was slower than 64)
-        ocb = max([ocb, *(m * width for m in range(1, 9) if problem.oc % (m * width) == 0 and problem.oc // (m * width) >= 16)])
+        # (one chain each) took 0.156 ms, ONNX Runtime 0.089. At least 16 tiles stay to share among the
+        # cores: 576 -> 1024 in tiles of 128 was slower than in tiles of 64.
+        width = _register_width(isa, ocb)
+        tiles = [m * width for m in range(1, 9) if problem.oc % (m * width) == 0 and problem.oc // (m * width) >= 16]
+        ocb = max([ocb, *tiles])
     return dataclasses.replace(problem, ocb=ocb)
+
+
+def _register_width(isa: Isa, ocb: int) -> int:
+    """The lanes of one vector register in a tile of ``ocb`` output channels (a matrix-vector tile spans
+    several)."""
+    return min(isa.vector_block(ocb), isa.lanes)
 
 
 def conv_func(spec: ConvSpec):
@@ -113,8 +120,9 @@ def _dot_func(spec: ConvSpec, x, rh, rw):
 
 
 def _direct_func(spec: ConvSpec, x, rh, rw):
-    """float32, or int8/uint8 x int8 without a dot-product instruction: weights in ``[OC/ocb, KH, KW, C/groups, ocb]``; output
-    channel ``o`` of a grouped convolution reads the inputs of its group, ``(o // (OC/groups)) * C/groups + rc``."""
+    """float32, or int8/uint8 x int8 without a dot-product instruction: weights in ``[OC/ocb, KH, KW,
+    C/groups, ocb]``; output channel ``o`` of a grouped convolution reads the inputs of its group,
+    ``(o // (OC/groups)) * C/groups + rc``."""
     sh, sw = spec.stride
     dh, dw = spec.dilation
     ocb, cg, ocg = spec.ocb, spec.cg, spec.oc // spec.groups
@@ -244,9 +252,9 @@ def schedule_conv(sch: Schedule, spec: ConvSpec, isa: Isa) -> None:
             sch.tensorize(oi, INTRINSICS[spec.dot])
     else:
         oo, oi = sch.split(o, [None, spec.ocb])
-        width = min(isa.vector_block(spec.ocb), isa.lanes)
-        if spec.ocb > 2 * isa.lanes or spec.ocb % width == 0 and spec.ocb // width > 2:
-            # a matrix-vector tile of several vectors: one register each, unrolled
+        width = _register_width(isa, spec.ocb)
+        if spec.ocb % width == 0 and spec.ocb // width > 2:
+            # a matrix-vector tile (``plan``) of more than two vectors: one register each, unrolled
             ov, oi = sch.split(oi, [None, width])
             sch.reorder(*_outer(spec, n, y, oo), zo, rh, rw, rc, zi, ov, oi)
             sch.unroll(ov)
