@@ -48,8 +48,10 @@ def plan(problem: ConvSpec, isa: Isa) -> ConvSpec | None:
         return None
     lanes = DOT[isa.dot][0] if isa.dot else 0
     if lanes and problem.integer and problem.oc % lanes == 0 and problem.groups == 1:
-        ocb = next(b for b in (4 * lanes, 2 * lanes, lanes) if problem.oc % b == 0)
-        return dataclasses.replace(problem, dot=isa.dot, ocb=ocb)
+        # the largest tile (pixels x dot blocks) that fits the registers; on a tie the fewer loads per step
+        blocks = [b for b in (4, 2, 1) if problem.oc % (b * lanes) == 0]
+        best = max(blocks, key=lambda b: (b * _dot_pixels(problem.ow, b, isa), -b - _dot_pixels(problem.ow, b, isa)))
+        return dataclasses.replace(problem, dot=isa.dot, ocb=best * lanes)
     # grouped: a block of output channels stays inside one group (it reads one run of inputs)
     ocb = isa.vector_block(problem.oc // problem.groups)
     if problem.n * problem.oh * problem.ow == 1 and problem.groups == 1:
@@ -221,9 +223,20 @@ def _outer(spec: ConvSpec, n, y, oo) -> tuple:
     return (oo, n, y) if weights > data else (n, y, oo)
 
 
+def _dot_pixels(ow: int, vectors: int, isa: Isa) -> int:
+    """Output pixels per tile of a dot-product kernel with ``vectors`` dot blocks: the dot instructions take
+    the broadcast data from a register (``vpdpbusd`` broadcasts only its weight operand from memory), so the
+    accumulators, the block's weight vectors and two broadcast registers must fit in the registers. A tile of
+    7 pixels x 4 blocks (28 + 4 + 1 registers) spilled and ran 512 -> 512 3x3 on 7x7 at 211 G MAC/s;
+    7 x 2 blocks ran it at 429 (measured peak of ``vpdpbusd`` here: about 444 on 2 cores)."""
+    return largest_divisor(ow, max(1, (isa.registers - vectors - 2) // vectors))
+
+
 def _pixel_block(spec: ConvSpec, isa: Isa) -> int:
     """Output pixels (along the row) per tile: the largest divisor of the row that fits the registers."""
-    vectors = max(1, math.ceil(spec.ocb / (DOT[spec.dot][0] if spec.dot else isa.lanes)))
+    if spec.dot:
+        return _dot_pixels(spec.ow, spec.ocb // DOT[spec.dot][0], isa)
+    vectors = max(1, math.ceil(spec.ocb / isa.lanes))
     return largest_divisor(spec.ow, max(1, isa.accumulators // vectors))
 
 
