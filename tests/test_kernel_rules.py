@@ -41,11 +41,14 @@ PROBLEMS = {
     "3x3 64->64 16x16 int8": conv(1, (16, 16), 64, 64, 3, "int8"),
     "1x1 32->48 uint8": conv(1, (8, 8), 32, 48, 1, "uint8", pad=0),
     "3x3 3->10 int8": conv(1, (9, 11), 3, 10, 3, "int8"),
+    "1x1 144->24 56x56 uint8": conv(1, (56, 56), 144, 24, 1, "uint8", pad=0),
+    "3x3 512->512 7x7 int8": conv(1, (7, 7), 512, 512, 3, "int8"),
     "matmul 6x40 @ 40x24": conv(1, (1, 6), 40, 24, 1, pad=0),
 }
 
 # (problem, CPU) -> kernel, dot, ocb, wino: as ConvSpec.plan chose them before the registry, except that
-# AVX-512 blocks no longer span a vector and a half (24 -> 8, 30 -> 15: issue #15, Isa.vector_block)
+# AVX-512 blocks no longer span a vector and a half (24 -> 8, 30 -> 15: issue #15, Isa.vector_block), and that
+# dot-product tiles fit the registers and take the most instructions per load (conv._dot_pixels, _per_load)
 PLANS = [
     ("3x3 64->64 16x16", "avx512-vnni", "winograd", "", 32, 4),
     ("3x3 64->64 16x16", "avx2", "winograd", "", 16, 4),
@@ -66,14 +69,18 @@ PLANS = [
     ("3x3 64->64 16x16 int8", "avx512-vnni", "conv", "vnni", 64, 0),
     ("3x3 64->64 16x16 int8", "avx512", "conv", "", 32, 0),
     ("3x3 64->64 16x16 int8", "neon", "conv", "", 8, 0),
-    ("1x1 32->48 uint8", "avx512-vnni", "conv", "vnni", 16, 0),
+    ("1x1 32->48 uint8", "avx512-vnni", "conv", "vnni", 48, 0),
+    ("1x1 144->24 56x56 uint8", "avx512-vnni", "conv", "vnni8", 24, 0),  # vpdpbusd on 256-bit vectors
+    ("1x1 144->24 56x56 uint8", "avx512", "conv", "", 8, 0),
+    ("3x3 512->512 7x7 int8", "avx512-vnni", "conv", "vnni", 32, 0),  # 7 pixels x 2 blocks; 1 x 4 spilled
     ("1x1 32->48 uint8", "avx2", "conv", "", 16, 0),
     ("3x3 3->10 int8", "avx512-vnni", "conv", "", 10, 0),
     ("matmul 6x40 @ 40x24", "avx512-vnni", "conv", "", 8, 0),
     ("matmul 6x40 @ 40x24", "avx2", "conv", "", 8, 0),
     # Arm dotprod (sdot, 4 lanes): any int8 channel count divisible by 4, blocks of four, two or one sdot
     ("3x3 64->64 16x16 int8", "neon-dotprod", "conv", "sdot", 16, 0),
-    ("1x1 32->48 uint8", "neon-dotprod", "conv", "sdot", 16, 0),
+    ("1x1 32->48 uint8", "neon-dotprod", "conv", "sdot", 12, 0),
+    ("1x1 144->24 56x56 uint8", "neon-dotprod", "conv", "sdot", 12, 0),
     ("3x3 3->10 int8", "neon-dotprod", "conv", "", 5, 0),
     ("dw 30 13x13 s2 int8", "neon-dotprod", "dwconv", "", 6, 0),
     ("3x3 64->64 16x16", "neon-dotprod", "winograd", "", 8, 4),

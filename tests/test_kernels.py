@@ -62,6 +62,7 @@ CONVS = [
     Conv(64, 64, (16, 16)),  # float: Winograd F(4x4, 3x3)
     Conv(64, 80, (10, 10), batch=2),  # float: Winograd F(2x2, 3x3), 80 = 5 x 16 channels, batch 2
     Conv(64, 64, (9, 9)),  # odd output size: direct
+    Conv(48, 24, (11, 11), k=1, pad=0),  # 24 channels: int8 on 256-bit VNNI (3 blocks of 8)
 ]
 
 
@@ -161,7 +162,8 @@ def test_int8_conv_kernels_match_onnxruntime(cv, act, tmp_path):
     assert calls == 1
     assert stats.get("none", 0) == 0, stats
     vnni = Isa.of(tvm.target.Target(profiles()["host"].tvm_target())).dot == "vnni"
-    expected = "dwconv" if cv.group > 1 else "conv-vnni" if vnni and cv.oc % 16 == 0 else "conv"
+    dot = "vnni" if cv.oc % 16 == 0 else "vnni8" if cv.oc % 8 == 0 else ""
+    expected = "dwconv" if cv.group > 1 else f"conv-{dot}" if vnni and dot else "conv"
     assert stats.get(expected) == 1, stats
     assert any(str(w.dtype) == "int8" for w in lowered.weights.values())  # integer weights, packed
     assert_close(ours, theirs, rtol=1e-5)

@@ -64,8 +64,11 @@ def is_spatial(sch: Schedule, block) -> bool:
 
 # int8 dot-product instructions: output channels (int32 lanes) per instruction, and the data type it multiplies
 # the int8 weights with. Each sums 4 products per lane: ``vpdpbusd`` (AVX-512 VNNI) u8 x s8, Arm ``sdot``
-# (Armv8.2 dotprod: Cortex-A76/A78, Jetson Orin's A78AE, Neoverse) s8 x s8.
-DOT = {"vnni": (16, "uint8"), "sdot": (4, "int8")}
+# (Armv8.2 dotprod: Cortex-A76/A78, Jetson Orin's A78AE, Neoverse) s8 x s8. "vnni8" is ``vpdpbusd`` on 256-bit
+# vectors (AVX512-VL), for channel counts that are a multiple of 8 and not of 16 (MobileNetV2's 24, MNASNet's 40).
+DOT = {"vnni": (16, "uint8"), "vnni8": (8, "uint8"), "sdot": (4, "int8")}
+# the layouts a CPU's instruction runs (Isa.dot -> keys of DOT), widest first
+DOT_KINDS = {"vnni": ("vnni", "vnni8"), "sdot": ("sdot",)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +96,10 @@ class Isa:
         if has("neon") or "aarch64" in str(target.attrs.get("mtriple", "")):
             return cls(lanes=4, dot="sdot" if has("dotprod") else "", registers=32)
         return cls(lanes=4, dot="", registers=16)
+
+    def runs(self, dot: str) -> bool:
+        """Whether this CPU has the instruction of the dot layout ``dot`` (a key of DOT)."""
+        return dot in DOT_KINDS.get(self.dot, ())
 
     @property
     def accumulators(self) -> int:

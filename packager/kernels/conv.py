@@ -27,7 +27,7 @@ import math
 
 import numpy as np
 
-from edgeq.kernels.common import DOT, PAD, ConvSpec, Isa, Kernel, epilogue, largest_divisor, pad_input, parallel
+from edgeq.kernels.common import DOT, DOT_KINDS, PAD, ConvSpec, Isa, Kernel, epilogue, largest_divisor, pad_input, parallel
 from edgeq.toolchain import import_tvm
 
 tvm = import_tvm()
@@ -36,7 +36,8 @@ from tvm.s_tir import Schedule  # noqa: E402
 
 CONV = "edgeq_conv"  # the block the scheduler looks for after fusion
 ZP = "edgeq_conv_zp"
-INTRINSICS = {"vnni": "edgeq_dot_16x4_vnni_local", "sdot": "edgeq_dot_4x4_sdot_local"}
+INTRINSICS = {"vnni": "edgeq_dot_16x4_vnni_local", "vnni8": "edgeq_dot_8x4_vnni_local",
+              "sdot": "edgeq_dot_4x4_sdot_local"}
 
 
 def plan(problem: ConvSpec, isa: Isa) -> ConvSpec | None:
@@ -46,12 +47,16 @@ def plan(problem: ConvSpec, isa: Isa) -> ConvSpec | None:
     count allows)."""
     if problem.depthwise:
         return None
-    lanes = DOT[isa.dot][0] if isa.dot else 0
-    if lanes and problem.integer and problem.oc % lanes == 0 and problem.groups == 1:
-        # the largest tile (pixels x dot blocks) that fits the registers; on a tie the fewer loads per step
-        blocks = [b for b in (4, 2, 1) if problem.oc % (b * lanes) == 0]
-        best = max(blocks, key=lambda b: (b * _dot_pixels(problem.ow, b, isa), -b - _dot_pixels(problem.ow, b, isa)))
-        return dataclasses.replace(problem, dot=isa.dot, ocb=best * lanes)
+    dots = [k for k in DOT_KINDS.get(isa.dot, ()) if problem.oc % DOT[k][0] == 0]
+    if dots and problem.integer and problem.groups == 1:
+        dot = dots[0]
+        lanes = DOT[dot][0]
+        # the tile (pixels x dot blocks, fitting the registers) with the most instructions per load: each step
+        # loads one weight vector per block and broadcasts one value per pixel (1x1 24 -> 144 on 56x56: 8 x 3
+        # blocks 0.055 ms, 28 x 1 block 0.062)
+        blocks = [b for b in (4, 3, 2, 1) if problem.oc % (b * lanes) == 0]
+        best = max(blocks, key=lambda b: _per_load(_dot_pixels(problem.ow, b, isa), b))
+        return dataclasses.replace(problem, dot=dot, ocb=best * lanes)
     # grouped: a block of output channels stays inside one group (it reads one run of inputs)
     ocb = isa.vector_block(problem.oc // problem.groups)
     if problem.n * problem.oh * problem.ow == 1 and problem.groups == 1:
@@ -197,6 +202,7 @@ def _register(dot: str, llvm_name: str) -> None:
 
 
 _register("vnni", "llvm.x86.avx512.vpdpbusd.512")
+_register("vnni8", "llvm.x86.avx512.vpdpbusd.256")
 _register("sdot", "llvm.aarch64.neon.sdot.v4i32.v16i8")
 
 
@@ -232,6 +238,10 @@ def _dot_pixels(ow: int, vectors: int, isa: Isa) -> int:
     return largest_divisor(ow, max(1, (isa.registers - vectors - 2) // vectors))
 
 
+def _per_load(pixels: int, blocks: int) -> float:
+    return pixels * blocks / (pixels + blocks)
+
+
 def _pixel_block(spec: ConvSpec, isa: Isa) -> int:
     """Output pixels (along the row) per tile: the largest divisor of the row that fits the registers."""
     if spec.dot:
@@ -250,7 +260,7 @@ def schedule_conv(sch: Schedule, spec: ConvSpec, isa: Isa) -> None:
         d = DOT[spec.dot][0]
         oo, om, oi = sch.split(o, [None, spec.ocb // d, d])
         rco, rci = sch.split(rc, [None, 4])
-        if isa.dot == spec.dot:
+        if isa.runs(spec.dot):
             sch.reorder(*_outer(spec, n, y, oo), zo, rh, rw, rco, zi, om, oi, rci)
         else:  # a dot layout on a CPU without that instruction (a build host checking another CPU's bundle)
             sch.reorder(*_outer(spec, n, y, oo), zo, rh, rw, rco, rci, zi, om, oi)
@@ -261,7 +271,7 @@ def schedule_conv(sch: Schedule, spec: ConvSpec, isa: Isa) -> None:
         parallel(sch, list(_outer(spec, n, y, oo)), spec.macs)
         init = sch.decompose_reduction(main, rh)
         sch.vectorize(sch.get_loops(init)[-1])
-        if isa.dot == spec.dot:
+        if isa.runs(spec.dot):
             sch.tensorize(oi, INTRINSICS[spec.dot])
     else:
         oo, oi = sch.split(o, [None, spec.ocb])
@@ -289,7 +299,7 @@ def _tag(spec: ConvSpec) -> str:
 def _label(spec: ConvSpec, isa: Isa) -> str:
     """"conv-vnni" / "conv-sdot" where the instruction is used; a dot layout scheduled for a CPU without it
     (a build host checking another CPU's bundle) is plain "conv"."""
-    return f"conv-{spec.dot}" if spec.dot and isa.dot == spec.dot else "conv"
+    return f"conv-{spec.dot}" if spec.dot and isa.runs(spec.dot) else "conv"
 
 
 KERNEL = Kernel(name="conv", spec=ConvSpec, plan=plan, build=conv_func, symbol="edgeq_conv2d", block=CONV,
