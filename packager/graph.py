@@ -113,19 +113,41 @@ class Rewriter:
         return value if value is not None else const_value(expr)
 
     def static_value(self, expr) -> np.ndarray | None:
-        """The value of a weight, a constant, or a dequantize of weights (as pre-quantized models store
-        biases); None otherwise."""
+        """The value of ``expr`` when it is known at build time: a weight, a constant, or a dequantize (as
+        pre-quantized models store biases), reshape, transpose, cast, ``isnan`` or ``where`` of them (how
+        ONNX Clip's bounds import); None for anything computed from the inputs."""
         value = self.array(expr)
         if value is not None:
             return value
-        inner = self.value(expr)
-        if call_op(inner) == "relax.dequantize":
+        inner = self.value(expr) if isinstance(expr, relax.Var) else None
+        op = call_op(inner)
+        if op == "relax.dequantize":
             q, scale, zp = (self.array(a) for a in inner.args)
             if q is not None and scale is not None and zp is not None:
                 shape = [1] * q.ndim
                 if scale.size > 1:
                     shape[int(inner.attrs.axis) % q.ndim] = -1
                 return ((q.astype(np.float32) - zp.reshape(shape)) * scale.reshape(shape)).astype(np.float32)
+            return None
+        if op == "relax.isnan":
+            base = self.static_value(inner.args[0])
+            return None if base is None else np.isnan(base)
+        if op == "relax.where":
+            parts = [self.static_value(a) for a in inner.args]
+            return None if any(p is None for p in parts) else np.where(*parts).astype(str(inner.ty.dtype))
+        if op in ("relax.reshape", "relax.permute_dims", "relax.expand_dims", "relax.astype"):
+            base = self.static_value(inner.args[0])
+            if base is None:
+                return None
+            if op == "relax.permute_dims":
+                axes = inner.attrs.axes
+                return np.transpose(base, None if axes is None else [int(a) for a in axes])
+            if op == "relax.astype":
+                return base.astype(str(inner.attrs.dtype))
+            try:
+                return base.reshape([int(d) for d in inner.ty.shape.values])
+            except (TypeError, AttributeError, ValueError):
+                return None
         return None
 
     def weight_operand(self, value):
@@ -215,3 +237,34 @@ def rewrite(graph: Graph, visit: Visit, extra_outputs: Callable[[Rewriter], list
     mod = tvm.IRModule(functions)
     mod["main"] = func
     return Graph(mod, weights)
+
+
+def _stores(stmt) -> list:
+    """The BufferStores of a TIR statement (SBlock/For/SeqStmt nests, as legalized operators are)."""
+    if isinstance(stmt, tvm.tirx.BufferStore):
+        return [stmt]
+    if isinstance(stmt, tvm.tirx.SeqStmt):
+        return [s for child in stmt.seq for s in _stores(child)]
+    for attr in ("block", "body"):
+        child = getattr(stmt, attr, None)
+        if child is not None:
+            return _stores(child)
+    return []
+
+
+def scalar_minmax(func) -> str | None:
+    """"maximum"/"minimum" when a TIR function is an element-wise max/min of a tensor and a one-element
+    or 0-d tensor (how TVM imports ONNX Clip with bounds given as inputs, e.g. ReLU6), else None."""
+    if not isinstance(func, tvm.tirx.PrimFunc):
+        return None
+    stores = _stores(func.body)
+    if len(stores) != 1 or not isinstance(stores[0].value, (tvm.tirx.Max, tvm.tirx.Min)):
+        return None
+    a, b = stores[0].value.a, stores[0].value.b
+    if not (isinstance(a, tvm.ir.TensorLoad) and isinstance(b, tvm.ir.TensorLoad)):
+        return None
+    if [int(d) for d in b.source.shape] not in ([], [1]) or len(a.indices) != len(stores[0].indices):
+        return None
+    if any(not ia.same_as(ib) for ia, ib in zip(a.indices, stores[0].indices)):
+        return None
+    return "maximum" if isinstance(stores[0].value, tvm.tirx.Max) else "minimum"

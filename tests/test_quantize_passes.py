@@ -159,3 +159,63 @@ def test_requantize_removes_the_dequantize_quantize_pair():
     out = requantize(Graph(Before, {}))
     tvm.ir.assert_structural_equal(out.mod, Expected)
     assert "relax.dequantize" not in out.mod.script() and "R.dequantize" not in out.mod.script()
+
+
+def _relu6_requantized(lo: int, hi: int):
+    ratio = (S_CONV / np.float32(0.05)).astype(np.float32).reshape(1, 2, 1, 1)
+
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(acc: R.Tensor((1, 2, 4, 4), "int32")):
+            R.func_attr({"num_input": 1})
+            with R.dataflow():
+                scaled = R.multiply(R.astype(acc, "float32"), R.const(ratio, "float32"))
+                q = R.astype(R.astype(R.clip(R.round(scaled), lo, hi), "int32"), "int8")
+                R.output(q)
+            return q
+
+    return Expected
+
+
+def test_requantize_moves_a_relu6_to_the_integer_side():
+    """ReLU6 between the layers (as ONNX Clip imports: maximum / minimum with constants; or relax.clip) becomes
+    the integer clip bounds q(0) = 0 and q(6) = round(6 / 0.05) = 120, and the float tensor is gone."""
+
+    @I.ir_module
+    class MinMax:
+        @R.function
+        def main(acc: R.Tensor((1, 2, 4, 4), "int32")):
+            R.func_attr({"num_input": 1})
+            with R.dataflow():
+                d = R.dequantize(acc, R.const(S_CONV, "float32"), R.const(0, "int8"), axis=1, out_dtype="float32")
+                m = R.maximum(d, R.const(0.0, "float32"))
+                n = R.minimum(m, R.const(6.0, "float32"))
+                q = R.quantize(n, R.const(0.05, "float32"), R.const(0, "int8"), axis=-1, out_dtype="int8")
+                R.output(q)
+            return q
+
+    @I.ir_module
+    class Clip:
+        @R.function
+        def main(acc: R.Tensor((1, 2, 4, 4), "int32")):
+            R.func_attr({"num_input": 1})
+            with R.dataflow():
+                d = R.dequantize(acc, R.const(S_CONV, "float32"), R.const(0, "int8"), axis=1, out_dtype="float32")
+                n = R.clip(d, -1.0, 6.0)
+                q = R.quantize(n, R.const(0.05, "float32"), R.const(0, "int8"), axis=-1, out_dtype="int8")
+                R.output(q)
+            return q
+
+    tvm.ir.assert_structural_equal(requantize(Graph(MinMax, {})).mod, _relu6_requantized(0, 120))
+    tvm.ir.assert_structural_equal(requantize(Graph(Clip, {})).mod, _relu6_requantized(-20, 120))
+
+    # the same integers as the float path computes them, for every accumulator that lands on a bound or inside
+    from edgeq.compile import HostRunner
+
+    accs = [np.random.default_rng(i).integers(-2000, 12000, (1, 2, 4, 4)).astype(np.int32) for i in range(16)]
+    before, after = HostRunner(Graph(MinMax, {})), HostRunner(requantize(Graph(MinMax, {})))
+    ref = np.concatenate([before([a])[0].ravel() for a in accs]).astype(int)
+    out = np.concatenate([after([a])[0].ravel() for a in accs]).astype(int)
+    assert np.abs(ref - out).max() <= 1 and (ref == out).mean() > 0.95  # float32 x / s vs x * (s1 / s)
+    assert out.min() == 0 and out.max() == 120 and ((out == 0) & (ref == 0)).any() and ((out == 120) & (ref == 120)).any()

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from edgeq.graph import Graph, Rewriter, call_op, rewrite
+from edgeq.graph import Graph, Rewriter, call_op, rewrite, scalar_minmax
 from edgeq.kernels.common import BmmSpec, ConvSpec, Isa, Kernel
 from edgeq.kernels.rules import KERNELS
 from edgeq.toolchain import import_tvm
@@ -74,37 +74,6 @@ def choose(problem, isa: Isa) -> tuple[Kernel, Any] | None:
     return None
 
 
-def _stores(stmt) -> list:
-    """The BufferStores of a TIR statement (SBlock/For/SeqStmt nests, as legalized operators are)."""
-    if isinstance(stmt, tvm.tirx.BufferStore):
-        return [stmt]
-    if isinstance(stmt, tvm.tirx.SeqStmt):
-        return [s for child in stmt.seq for s in _stores(child)]
-    for attr in ("block", "body"):
-        child = getattr(stmt, attr, None)
-        if child is not None:
-            return _stores(child)
-    return []
-
-
-def scalar_minmax(func) -> str | None:
-    """"maximum"/"minimum" when a TIR function is an element-wise max/min of a tensor and a one-element
-    or 0-d tensor (how TVM imports ONNX Clip with bounds given as inputs, e.g. ReLU6), else None."""
-    if not isinstance(func, tvm.tirx.PrimFunc):
-        return None
-    stores = _stores(func.body)
-    if len(stores) != 1 or not isinstance(stores[0].value, (tvm.tirx.Max, tvm.tirx.Min)):
-        return None
-    a, b = stores[0].value.a, stores[0].value.b
-    if not (isinstance(a, tvm.ir.TensorLoad) and isinstance(b, tvm.ir.TensorLoad)):
-        return None
-    if [int(d) for d in b.source.shape] not in ([], [1]) or len(a.indices) != len(stores[0].indices):
-        return None
-    if any(not ia.same_as(ib) for ia, ib in zip(a.indices, stores[0].indices)):
-        return None
-    return "maximum" if isinstance(stores[0].value, tvm.tirx.Max) else "minimum"
-
-
 class _Lowering:
     def __init__(self, graph: Graph, isa: Isa):
         self.graph, self.isa = graph, isa
@@ -114,32 +83,6 @@ class _Lowering:
         self.kernels = 0
 
     # ------------------------------------------------------------ helpers
-
-    def static(self, rw: Rewriter, expr) -> np.ndarray | None:
-        """The value of ``expr`` when it is known at build time (weights, constants, and reshapes,
-        transposes and dequantizes of them)."""
-        value = rw.static_value(expr)
-        if value is not None:
-            return value
-        inner = rw.value(expr) if isinstance(expr, relax.Var) else None
-        op = call_op(inner)
-        if op == "relax.isnan":
-            base = self.static(rw, inner.args[0])
-            return None if base is None else np.isnan(base)
-        if op == "relax.where":
-            parts = [self.static(rw, a) for a in inner.args]
-            return None if any(p is None for p in parts) else np.where(*parts).astype(_dtype(inner))
-        if op in ("relax.reshape", "relax.permute_dims", "relax.expand_dims", "relax.astype"):
-            base = self.static(rw, inner.args[0])
-            if base is None:
-                return None
-            if op == "relax.permute_dims":
-                axes = inner.attrs.axes
-                return np.transpose(base, None if axes is None else [int(a) for a in axes])
-            if op == "relax.astype":
-                return base.astype(str(inner.attrs.dtype))
-            return base.reshape(_shape(inner))
-        return None
 
     def to_nchw(self, rw: Rewriter, new):
         if new not in self.nhwc:
@@ -173,7 +116,7 @@ class _Lowering:
             return None
         if len(shape) <= 1 and (not shape or shape[0] == 1):
             return new  # a scalar
-        value = self.static(rw, expr)
+        value = rw.static_value(expr)
         if value is not None:
             full = value.reshape([1] * (ndim - value.ndim) + list(value.shape))
             return rw.const(np.ascontiguousarray(full.transpose(TO_NHWC)), str(value.dtype))
@@ -313,7 +256,7 @@ class _Lowering:
             if kind is None or rw.new(x) not in self.nhwc:
                 return None
             fn = relax.op.maximum if kind == "maximum" else relax.op.minimum
-            value = self.static(rw, bound)
+            value = rw.static_value(bound)
             operand = rw.const(value.reshape(()), str(value.dtype)) if value is not None else rw.new(bound)
             return self.result(rw, var, fn(rw.new(x), operand), True)
         if op == "relax.concat":

@@ -25,12 +25,12 @@ from edgeq.quantize.notes import PassNotes
 def _bias(rw: Rewriter, expr):
     """(name, bias array, reshape target or None) when ``expr`` is a bias weight (float, or a dequantize of
     an int32 weight as in pre-quantized models), possibly reshaped."""
-    array = rw.static_value(expr)
-    if array is not None:
-        return _name(rw, expr), array, None
     inner = rw.value(expr)
     if call_op(inner) == "relax.reshape" and rw.static_value(inner.args[0]) is not None:
         return _name(rw, inner.args[0]), rw.static_value(inner.args[0]), inner.args[1]
+    array = rw.static_value(expr)
+    if array is not None:
+        return _name(rw, expr), array, None
     return None, None, None
 
 

@@ -2,18 +2,24 @@
 
     quantize(dequantize(acc, s1), s2)        ->  requantize(acc, s1 / s2, -128, 127)
     quantize(relu(dequantize(acc, s1)), s2)  ->  requantize(acc, s1 / s2, 0, 127)
+    quantize(clip(dequantize(acc, s1), a, b), s2)  ->  requantize(acc, s1 / s2, q(a), q(b))   (ReLU6: a, b = 0, 6)
 
 with ``requantize(acc, m, lo, hi) = int8(clip(round(float(acc) * m), lo, hi))``; for a uint8 (or any
 zero point z) output, ``clip(round(float(acc) * m) + z, lo, hi)`` with the uint8 range.: the int32 accumulator of
 one layer becomes the int8 input of the next without a float tensor in between (the multiply by the
 per-channel ratio m runs in the fused epilogue of the producing layer).
+
+A clip between them (ReLU, ReLU6; ``relax.clip``, or the maximum/minimum with a constant that ONNX Clip
+imports as) moves to the integer side exactly: ``q(x) = round(x / s2) + z`` does not decrease as ``x`` grows, so
+``q(clip(x, a, b)) = clip(q(x), q(a), q(b))``. Without this the float clip kept a dequantize, a division per
+value and a quantize in every MobileNet block's epilogue.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from edgeq.graph import Graph, Rewriter, call_op, relax, rewrite
+from edgeq.graph import Graph, Rewriter, call_op, relax, rewrite, scalar_minmax
 from edgeq.quantize.notes import PassNotes
 
 
@@ -30,25 +36,63 @@ def requantize_expr(rw: Rewriter, acc, ratio, axis: int, ndim: int, zero_point: 
     return relax.op.astype(relax.op.astype(relax.op.clip(scaled, lo, hi), "int32"), dtype)
 
 
+def _quantized(bound: float, scale: np.float32, zero_point: int) -> int:
+    """A float clip bound as the quantize of its values computes it (float32 division, round half to even)."""
+    return int(np.round(np.float32(bound) / scale)) + zero_point
+
+
+def _clip_bounds(graph: Graph, rw: Rewriter, value) -> tuple[float | None, float | None] | None:
+    """(lower, upper) of a clip by constants (None: that side open), None for anything else."""
+    op = call_op(value)
+    if op == "relax.nn.relu":
+        return 0.0, None
+    if op == "relax.clip":
+        return float(value.args[1].value), float(value.args[2].value)
+    if op in ("relax.maximum", "relax.minimum"):
+        x, bound = value.args
+    elif op == "relax.call_tir" and isinstance(value.args[1], relax.Tuple) and len(value.args[1].fields) == 2:
+        if value.args[0] not in graph.mod.get_global_vars():
+            return None
+        op = {"maximum": "relax.maximum", "minimum": "relax.minimum"}.get(scalar_minmax(graph.mod[value.args[0]]))
+        x, bound = value.args[1].fields
+        if op is None:
+            return None
+    else:
+        return None
+    v = rw.static_value(bound)
+    if v is None or v.size != 1 or not np.isfinite(v).all():
+        return None
+    v = float(v.reshape(()))
+    return (v, None) if op == "relax.maximum" else (None, v)
+
+
 def requantize(graph: Graph, notes: PassNotes | None = None) -> Graph:
     def visit(rw: Rewriter, var, value):
         dtype = value.attrs.out_dtype if call_op(value) == "relax.quantize" else None
         if dtype not in RANGES:
             return None
-        source, relu = rw.value(value.args[0]), False
-        if call_op(source) == "relax.nn.relu":
-            source, relu = rw.value(source.args[0]), True
-        if call_op(source) != "relax.dequantize" or source.args[0].ty.dtype != "int32":
+        s2, z2 = rw.array(value.args[1]), rw.array(value.args[2])
+        if s2 is None or z2 is None or s2.size != 1 or z2.size != 1 or not s2.reshape(()) > 0:
+            return None
+        s2, zero_point = np.float32(s2.reshape(())), int(z2.reshape(()))
+        lo, hi = RANGES[dtype]
+        source = rw.value(value.args[0])
+        while source is not None and call_op(source) != "relax.dequantize":
+            bounds = _clip_bounds(graph, rw, source)
+            if bounds is None:
+                return None
+            a, b = bounds  # float bounds, each through the same q as the values
+            lo = max(lo, _quantized(a, s2, zero_point)) if a is not None else lo
+            hi = min(hi, _quantized(b, s2, zero_point)) if b is not None else hi
+            source = rw.value(source.args[0] if call_op(source) != "relax.call_tir" else source.args[1].fields[0])
+        if source is None or source.args[0].ty.dtype != "int32":
             return None
         s1, z1 = rw.array(source.args[1]), rw.array(source.args[2])
-        s2, z2 = rw.array(value.args[1]), rw.array(value.args[2])
-        if s1 is None or s2 is None or z1 is None or z2 is None or z1.any() or s2.size != 1 or z2.size != 1:
+        if s1 is None or z1 is None or z1.any():
             return None
-        zero_point = int(z2.reshape(()))
-        lo, hi = RANGES[dtype]
-        ratio = (s1 / s2.reshape(())).astype(np.float32)
+        ratio = (s1 / s2).astype(np.float32)
         acc = rw.new(source.args[0])
         return requantize_expr(rw, acc, ratio, int(source.attrs.axis), len(acc.ty.shape), zero_point,
-                               max(lo, zero_point) if relu else lo, hi, dtype)
+                               lo, max(lo, hi), dtype)
 
     return rewrite(graph, visit)
