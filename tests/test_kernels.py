@@ -42,8 +42,12 @@ class Conv:
     dilation: int = 1
     batch: int = 1
 
+    @property
+    def depthwise(self) -> bool:
+        return self.group > 1 and self.group == self.c == self.oc
+
     def __str__(self) -> str:
-        kind = "dw" if self.group > 1 else "conv"
+        kind = "dw" if self.depthwise else f"g{self.group}conv" if self.group > 1 else "conv"
         return (f"{kind}{self.k}x{self.k}-s{self.stride}-d{self.dilation}-{self.c}to{self.oc}-"
                 f"{self.hw[0]}x{self.hw[1]}-b{self.batch}")
 
@@ -63,11 +67,12 @@ CONVS = [
     Conv(64, 80, (10, 10), batch=2),  # float: Winograd F(2x2, 3x3), 80 = 5 x 16 channels, batch 2
     Conv(64, 64, (9, 9)),  # odd output size: direct
     Conv(48, 24, (11, 11), k=1, pad=0),  # 24 channels: int8 on 256-bit VNNI (3 blocks of 8)
+    Conv(32, 32, (10, 10), group=4, stride=2),  # grouped (RegNet, ResNeXt): int8 summed exactly in float lanes
 ]
 
 
 def float_kernel(cv: Conv) -> str:
-    if cv.group > 1:
+    if cv.depthwise:
         return "dwconv"
     winograd = (cv.k, cv.stride, cv.dilation) == (3, 1, 1) and cv.c >= 64 and cv.oc >= 64 and cv.hw[0] % 2 == 0
     return "winograd" if winograd else "conv"
@@ -163,7 +168,7 @@ def test_int8_conv_kernels_match_onnxruntime(cv, act, tmp_path):
     assert stats.get("none", 0) == 0, stats
     vnni = Isa.of(tvm.target.Target(profiles()["host"].tvm_target())).dot == "vnni"
     dot = "vnni" if cv.oc % 16 == 0 else "vnni8" if cv.oc % 8 == 0 else ""
-    expected = "dwconv" if cv.group > 1 else f"conv-{dot}" if vnni and dot else "conv"
+    expected = "dwconv" if cv.depthwise else f"conv-{dot}" if vnni and dot and cv.group == 1 else "conv"
     assert stats.get(expected) == 1, stats
     assert any(str(w.dtype) == "int8" for w in lowered.weights.values())  # integer weights, packed
     assert_close(ours, theirs, rtol=1e-5)

@@ -48,6 +48,14 @@ def parallel(sch: Schedule, loops: list, work: int):
     return fused
 
 
+def exact_in_float(products: int) -> bool:
+    """Whether a sum of ``products`` int8 x int8 (or uint8 x int8) products is exact in float32: each is an
+    integer of magnitude at most 255 x 128 = 32640, so fewer than 2^24 / 32640 = 514 of them (every partial
+    sum too) stay below 2^24, where float32 holds every integer. Float lanes are the fast way on CPUs: one
+    convert and one fused multiply-add per vector, where int32 lanes need sign extensions and ``vpmulld``."""
+    return products * 255 * 128 < 1 << 24
+
+
 def largest_divisor(n: int, limit: int) -> int:
     return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
 

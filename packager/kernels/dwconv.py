@@ -19,7 +19,7 @@ import dataclasses
 
 import numpy as np
 
-from edgeq.kernels.common import PAD, ConvSpec, Isa, Kernel, epilogue, largest_divisor, pad_input, parallel
+from edgeq.kernels.common import PAD, ConvSpec, Isa, Kernel, epilogue, exact_in_float, largest_divisor, pad_input, parallel
 from edgeq.toolchain import import_tvm
 
 tvm = import_tvm()
@@ -44,7 +44,7 @@ def dwconv_func(spec: ConvSpec):
     wt = te.placeholder((spec.kh, spec.kw, spec.c), "int8" if spec.integer else "float32", name="weight")
     xp = pad_input(x, spec, spec.c)
     rh, rw = te.reduce_axis((0, spec.kh), "rh"), te.reduce_axis((0, spec.kw), "rw")
-    exact = spec.integer and spec.kh * spec.kw * 255 * 128 < 1 << 24
+    exact = spec.integer and exact_in_float(spec.kh * spec.kw)
     acc = "float32" if exact else spec.out_dtype
     out = te.compute(
         (spec.n, spec.oh, spec.ow, spec.c),
