@@ -50,18 +50,21 @@ def is_cpu(target) -> bool:
 
 
 def lower_graph(graph, target):
-    """The graph on edgeq's CPU kernels (convolutions and matrix products, NHWC between them) when
-    ``target`` is a CPU; for GPU targets the CUDA path's graph clean-up (``edgeq.gpu.prepare_graph``:
+    """The graph on edgeq's CPU kernels (convolutions and matrix products, NHWC between them; inference
+    BatchNorms folded, ``edgeq.gpu.fold_batch_norm``) when ``target`` is a CPU; for GPU targets the CUDA path's graph clean-up (``edgeq.gpu.prepare_graph``:
     BatchNorm folded, weight reshapes precomputed). Returns (graph, conv/matmul calls on CPU kernels)."""
     if not is_cpu(target):
         from edgeq.gpu import prepare_graph
 
         return prepare_graph(graph), 0
     tvm = import_tvm()
+    from edgeq.gpu import fold_batch_norm
     from edgeq.kernels.conv import Isa
     from edgeq.kernels.lower import lower_for_cpu
 
-    return lower_for_cpu(graph, Isa.of(tvm.target.Target(target)))
+    # a BatchNorm the exporter left (DenseNet's after each concatenation) as a per-channel multiply and add,
+    # which follows the NHWC layout; as batch_norm it was computed between two transposes to NCHW
+    return lower_for_cpu(fold_batch_norm(graph), Isa.of(tvm.target.Target(target)))
 
 
 def build(mod, target, toolchain: Toolchain | None = None, stats: dict | None = None):

@@ -132,3 +132,31 @@ def test_prime_token_counts_are_padded_to_whole_tiles(tmp_path):
     ops = [b.value.op.name for b in lowered.bindings() if hasattr(b.value, "op") and hasattr(b.value.op, "name")]
     assert ops.count("relax.strided_slice") == 4, ops
     assert_close(ours, theirs)
+
+
+def test_dense_block_concatenation_with_batchnorm_keeps_nhwc(tmp_path):
+    """DenseNet's pattern: a concatenation of many inputs (channel bounds that are not multiples of a vector
+    among them) followed by the BatchNorm and ReLU the exporter cannot fold into a convolution. The
+    BatchNorm becomes a per-channel multiply and add that follows NHWC (it ran between two transposes), and
+    the concatenation's channel loop is partitioned at its bounds."""
+    rng = np.random.default_rng(7)
+    inits = _weights(rng, s=(8, 8, 1, 1), a=(16, 8, 1, 1), b=(8, 8, 3, 3), c=(24, 8, 1, 1), d=(32, 8, 3, 3),
+                     e=(16, 88, 1, 1))
+    for name, n in (("gamma", 88), ("beta", 88), ("mean", 88)):
+        inits.append(numpy_helper.from_array(rng.standard_normal(n).astype(np.float32), name))
+    inits.append(numpy_helper.from_array(rng.uniform(0.5, 2, 88).astype(np.float32), "var"))
+    nodes = [
+        helper.make_node("Conv", ["x", "s"], ["xs"]),
+        helper.make_node("Conv", ["xs", "a"], ["ya"]), helper.make_node("Conv", ["xs", "b"], ["yb"], pads=[1, 1, 1, 1]),
+        helper.make_node("Conv", ["xs", "c"], ["yc"]), helper.make_node("Conv", ["xs", "d"], ["yd"], pads=[1, 1, 1, 1]),
+        helper.make_node("Concat", ["ya", "yb", "xs", "yc", "yd"], ["cat"], axis=1),  # 16 + 8 + 8 + 24 + 32
+        helper.make_node("BatchNormalization", ["cat", "gamma", "beta", "mean", "var"], ["bn"]),
+        helper.make_node("Relu", ["bn"], ["r"]), helper.make_node("Conv", ["r", "e"], ["y"]),
+    ]
+    g = helper.make_graph(nodes, "dense", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 12, 12])],
+                          [_out("y", 4)], inits)
+    ours, theirs, stats, calls, lowered = edgeq_vs_ort(_save(g, tmp_path / "m.onnx"))
+    assert calls == 6 and stats.get("none", 0) == 0, stats
+    assert _transposes(lowered) == 2  # the input in, the output out: none around the BatchNorm
+    assert not any("batch_norm" in str(b.value) for b in lowered.bindings())
+    assert_close(ours, theirs)

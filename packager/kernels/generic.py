@@ -120,6 +120,23 @@ def _schedule_spatial(sch: Schedule, block, isa: Isa) -> None:
     if not loops or any(e is None for e in extents):
         return
     total = math.prod(extents)
+    bounds = _select_bounds(sch, block, sch.get(block).iter_vars[-1].var, extents[-1]) if len(loops) > 1 else []
+    if bounds:  # a concatenation: one plain vector copy per input (see _select_bounds)
+        outer = sch.fuse(*loops[:-1]) if len(loops) > 2 else loops[0]
+        if total >= PARALLEL_MIN:
+            sch.parallel(outer)
+        edges = [0, *bounds, extents[-1]]
+        parts = sch.loop_partition(loops[-1], [b - a for a, b in zip(edges, edges[1:-1])] + [None])
+        for i, (part, size) in enumerate(zip(parts, [b - a for a, b in zip(edges, edges[1:])])):
+            if size <= 4 * isa.lanes:
+                sch.vectorize(part)  # a part starting past 0 cannot be split (TVM 0.27); LLVM splits the vector
+            elif i == 0:
+                lanes = isa.lanes
+                while size % lanes:
+                    lanes //= 2
+                if lanes > 1:
+                    sch.vectorize(sch.split(part, [None, lanes])[1])
+        return
     lanes = _vector_lanes(sch, block, isa.lanes)
     while extents[-1] % lanes:  # 24 or 40 channels: vectors of 8 (left scalar, LLVM vectorised the loop
         lanes //= 2  # itself with gathers and byte-by-byte scattered stores: MNASNet's int8 requantize)
@@ -132,6 +149,56 @@ def _schedule_spatial(sch: Schedule, block, isa: Isa) -> None:
         sch.parallel(outer)
     if vec is not None:
         sch.vectorize(vec)
+
+
+def _select_bounds(sch: Schedule, block, var, extent: int) -> list[int]:
+    """The points where a concatenation along the innermost axis switches input (the constants ``k`` of
+    its ``if k <= c`` chain), or [] when the block is not such a choice. TVM's vectoriser turns a select
+    on the vector's own index into scalar loads and stores, lane by lane (96 ``vmovss`` for a 64 + 64
+    concatenation), and a chain of 13 (DenseNet) costs 13 comparisons per value; partitioned at these
+    points, each part is a plain vector copy of one input."""
+    value = getattr(sch.get(block).body, "value", None)
+    bounds: set[int] = set()
+    compares = (tvm.tirx.LE, tvm.tirx.LT, tvm.tirx.GE, tvm.tirx.GT)
+
+    def bound(cond) -> int | None:  # the first channel of the upper part, for k <= c, c < k and the like
+        if not isinstance(cond, compares):
+            return None
+        a, b = cond.a, cond.b
+        if isinstance(a, tvm.tirx.IntImm) and isinstance(b, tvm.tirx.Var) and b.same_as(var):
+            return int(a.value) + (1 if isinstance(cond, (tvm.tirx.LT, tvm.tirx.GE)) else 0)
+        if isinstance(b, tvm.tirx.IntImm) and isinstance(a, tvm.tirx.Var) and a.same_as(var):
+            return int(b.value) + (1 if isinstance(cond, (tvm.tirx.LE, tvm.tirx.GT)) else 0)
+        return None
+
+    ok = [True]
+
+    def walk(node) -> None:  # every select in the value (a concatenation, maybe under BatchNorm and ReLU)
+        if not ok[0] or node is None:
+            return
+        cond = None
+        if isinstance(node, tvm.tirx.Select):
+            cond = node.condition
+        elif isinstance(node, tvm.ir.Call) and getattr(node.op, "name", "").endswith("if_then_else"):
+            cond = node.args[0]
+        if cond is not None:
+            k = bound(cond)
+            if k is None or not 0 < k < extent:
+                ok[0] = False
+                return
+            bounds.add(k)
+        for field in ("a", "b", "value", "args", "true_value", "false_value", "condition"):
+            child = getattr(node, field, None)
+            if isinstance(child, tvm.ir.Array):
+                for item in child:
+                    walk(item)
+            elif isinstance(child, tvm.ir.Expr):
+                walk(child)
+
+    walk(value)
+    if not ok[0]:
+        return []
+    return sorted(bounds)
 
 
 def _schedule_reduction(sch: Schedule, block, isa: Isa) -> None:
