@@ -51,8 +51,9 @@ def is_cpu(target) -> bool:
 
 def lower_graph(graph, target):
     """The graph on edgeq's CPU kernels (convolutions and matrix products, NHWC between them; inference
-    BatchNorms folded, ``edgeq.gpu.fold_batch_norm``) when ``target`` is a CPU; for GPU targets the CUDA path's graph clean-up (``edgeq.gpu.prepare_graph``:
-    BatchNorm folded, weight reshapes precomputed). Returns (graph, conv/matmul calls on CPU kernels)."""
+    BatchNorms folded, ``edgeq.gpu.fold_batch_norm``) when ``target`` is a CPU; for GPU targets the CUDA
+    path's graph clean-up (``edgeq.gpu.prepare_graph``: BatchNorm folded, weight reshapes precomputed).
+    Returns (graph, conv/matmul calls on CPU kernels)."""
     if not is_cpu(target):
         from edgeq.gpu import prepare_graph
 

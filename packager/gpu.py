@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from edgeq.errors import ModelError
-from edgeq.graph import Graph, Rewriter, call_op, const_value, rewrite
+from edgeq.graph import LAYOUT_OPS, Graph, Rewriter, apply_layout_op, call_op, const_value, rewrite
 from edgeq.toolchain import import_tvm
 
 tvm = import_tvm()
@@ -55,15 +55,15 @@ NO_TENSOR_CORES = "dlight.do_not_tensorize"  # dlight's tensorization rules skip
 
 
 def _static(rw: Rewriter, expr, dequantize: bool = True) -> np.ndarray | None:
-    """The value of ``expr`` when it is known before run time: a weight, a constant, (with ``dequantize``)
-    a dequantized weight, or a reshape / transpose / cast / squeeze / expand_dims of one."""
-    value = rw.static_value(expr) if dequantize else rw.array(expr)
+    """The value of ``expr`` when it is known before run time: with ``dequantize``, ``Rewriter.static_value``;
+    without, only a weight, a constant, or a reshape / transpose / cast / squeeze / expand_dims of one."""
+    if dequantize:
+        return rw.static_value(expr)
+    value = rw.array(expr)
     if value is not None:
         return value
     inner = rw.value(expr) if isinstance(expr, relax.Var) else expr
-    if not isinstance(inner, relax.Call):
-        return None
-    return _apply_layout_op(inner, lambda e: _static(rw, e, dequantize))
+    return apply_layout_op(inner, lambda e: _static(rw, e, False)) if isinstance(inner, relax.Call) else None
 
 
 def _fresh(rw: Rewriter, name: str) -> str:
@@ -76,34 +76,6 @@ def _fresh(rw: Rewriter, name: str) -> str:
     return candidate
 
 
-def _apply_layout_op(call, value_of) -> np.ndarray | None:
-    op = call_op(call)
-    if op not in WEIGHT_OPS:
-        return None
-    arg = value_of(call.args[0])
-    if arg is None:
-        return None
-    a = call.attrs
-    if op == "relax.reshape":
-        shape = call.args[1]
-        if not isinstance(shape, relax.ShapeExpr) or not all(isinstance(d, tvm.tirx.IntImm) for d in shape.values):
-            return None
-        return arg.reshape([int(d) for d in shape.values])
-    if op == "relax.permute_dims":
-        return np.transpose(arg, None if a.axes is None else [int(x) for x in a.axes])
-    if op == "relax.astype":
-        return arg.astype(str(a.dtype))
-    if op == "relax.squeeze":
-        return np.squeeze(arg, None if a.axis is None else tuple(int(x) for x in a.axis))
-    if op == "relax.expand_dims":
-        out = arg
-        for axis in sorted(int(x) % (arg.ndim + len(a.axis)) for x in a.axis):
-            out = np.expand_dims(out, axis)
-        return out
-    return None
-
-
-WEIGHT_OPS = ("relax.reshape", "relax.permute_dims", "relax.astype", "relax.squeeze", "relax.expand_dims")
 
 
 def _name(expr, default: str) -> str:
@@ -187,7 +159,7 @@ def precompute_weight_ops(graph: Graph) -> Graph:
     takes care; dequantized weights stay as they are: precomputed they would be float, four times larger.)"""
 
     def visit(rw: Rewriter, var, value):
-        if call_op(value) not in WEIGHT_OPS or const_value(value.args[0]) is not None:
+        if call_op(value) not in LAYOUT_OPS or const_value(value.args[0]) is not None:
             return None
         result = _static(rw, value, dequantize=False)
         if result is None:

@@ -114,12 +114,12 @@ class Rewriter:
 
     def static_value(self, expr) -> np.ndarray | None:
         """The value of ``expr`` when it is known at build time: a weight, a constant, or a dequantize (as
-        pre-quantized models store biases), reshape, transpose, cast, ``isnan`` or ``where`` of them (how
+        pre-quantized models store biases), layout op (``LAYOUT_OPS``), ``isnan`` or ``where`` of them (how
         ONNX Clip's bounds import); None for anything computed from the inputs."""
         value = self.array(expr)
         if value is not None:
             return value
-        inner = self.value(expr) if isinstance(expr, relax.Var) else None
+        inner = self.value(expr) if isinstance(expr, relax.Var) else expr
         op = call_op(inner)
         if op == "relax.dequantize":
             q, scale, zp = (self.array(a) for a in inner.args)
@@ -135,20 +135,7 @@ class Rewriter:
         if op == "relax.where":
             parts = [self.static_value(a) for a in inner.args]
             return None if any(p is None for p in parts) else np.where(*parts).astype(str(inner.ty.dtype))
-        if op in ("relax.reshape", "relax.permute_dims", "relax.expand_dims", "relax.astype"):
-            base = self.static_value(inner.args[0])
-            if base is None:
-                return None
-            if op == "relax.permute_dims":
-                axes = inner.attrs.axes
-                return np.transpose(base, None if axes is None else [int(a) for a in axes])
-            if op == "relax.astype":
-                return base.astype(str(inner.attrs.dtype))
-            try:
-                return base.reshape([int(d) for d in inner.ty.shape.values])
-            except (TypeError, AttributeError, ValueError):
-                return None
-        return None
+        return apply_layout_op(inner, self.static_value) if op in LAYOUT_OPS else None
 
     def weight_operand(self, value):
         """(weight parameter, transposed?) behind the second argument of a conv2d/matmul call; (None, False)
@@ -268,3 +255,45 @@ def scalar_minmax(func) -> str | None:
     if any(not ia.same_as(ib) for ia, ib in zip(a.indices, stores[0].indices)):
         return None
     return "maximum" if isinstance(stores[0].value, tvm.tirx.Max) else "minimum"
+
+
+def scalar_minmax_call(mod, value) -> tuple[str, Any, Any] | None:
+    """("maximum" | "minimum", x, bound) when ``value`` is a ``call_tir`` of a ``scalar_minmax`` function of
+    ``mod`` on ``(x, bound)``, else None."""
+    if call_op(value) != "relax.call_tir" or len(value.args) < 2:
+        return None
+    fields = value.args[1]
+    if not isinstance(fields, relax.Tuple) or len(fields.fields) != 2 or value.args[0] not in mod.get_global_vars():
+        return None
+    kind = scalar_minmax(mod[value.args[0]])
+    return None if kind is None else (kind, *fields.fields)
+
+
+# operators that only move, reshape or cast values: applied to known arrays at build time
+LAYOUT_OPS = ("relax.reshape", "relax.permute_dims", "relax.astype", "relax.squeeze", "relax.expand_dims")
+
+
+def apply_layout_op(call, value_of) -> np.ndarray | None:
+    """A ``LAYOUT_OPS`` call applied to the array ``value_of(argument)`` (None when that is unknown)."""
+    op = call_op(call)
+    if op not in LAYOUT_OPS:
+        return None
+    arg = value_of(call.args[0])
+    if arg is None:
+        return None
+    a = call.attrs
+    if op == "relax.reshape":
+        shape = call.args[1]
+        if not isinstance(shape, relax.ShapeExpr) or not all(isinstance(d, tvm.tirx.IntImm) for d in shape.values):
+            return None
+        return arg.reshape([int(d) for d in shape.values])
+    if op == "relax.permute_dims":
+        return np.transpose(arg, None if a.axes is None else [int(x) for x in a.axes])
+    if op == "relax.astype":
+        return arg.astype(str(a.dtype))
+    if op == "relax.squeeze":
+        return np.squeeze(arg, None if a.axis is None else tuple(int(x) for x in a.axis))
+    out = arg  # expand_dims
+    for axis in sorted(int(x) % (arg.ndim + len(a.axis)) for x in a.axis):
+        out = np.expand_dims(out, axis)
+    return out

@@ -15,6 +15,7 @@ from tvm.script import relax as R  # noqa: E402
 W = np.array([[1, 0.5], [-0.25, 0.125]], np.float32).reshape(2, 2, 1, 1)
 S_X = 0.1
 S_CONV = (np.float32(S_X) * np.array([1 / 127, 0.25 / 127], np.float32)).astype(np.float32)
+S2 = 0.05  # the scale requantize tests quantize to
 
 
 @I.ir_module
@@ -128,8 +129,25 @@ def test_fold_bias_adds_the_bias_in_int32():
     np.testing.assert_array_equal(out.weights["b_int32"], np.round(bias / S_CONV).astype(np.int32))
 
 
+def _requantized(lo: int, hi: int):
+    """The accumulator requantized at S2 within [lo, hi]: ratio S_CONV / S2, round, clip, via int32."""
+    ratio = (S_CONV / np.float32(S2)).astype(np.float32).reshape(1, 2, 1, 1)
+
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(acc: R.Tensor((1, 2, 4, 4), "int32")):
+            R.func_attr({"num_input": 1})
+            with R.dataflow():
+                scaled = R.multiply(R.astype(acc, "float32"), R.const(ratio, "float32"))
+                q = R.astype(R.astype(R.clip(R.round(scaled), lo, hi), "int32"), "int8")  # via int32: one vpmovdb
+                R.output(q)
+            return q
+
+    return Expected
+
+
 def test_requantize_removes_the_dequantize_quantize_pair():
-    s2 = 0.05
 
     @I.ir_module
     class Before:
@@ -139,43 +157,13 @@ def test_requantize_removes_the_dequantize_quantize_pair():
             with R.dataflow():
                 d = R.dequantize(acc, R.const(S_CONV, "float32"), R.const(0, "int8"), axis=1, out_dtype="float32")
                 r = R.nn.relu(d)
-                q = R.quantize(r, R.const(s2, "float32"), R.const(0, "int8"), axis=-1, out_dtype="int8")
-                R.output(q)
-            return q
-
-    ratio = (S_CONV / np.float32(s2)).astype(np.float32).reshape(1, 2, 1, 1)
-
-    @I.ir_module
-    class Expected:
-        @R.function
-        def main(acc: R.Tensor((1, 2, 4, 4), "int32")):
-            R.func_attr({"num_input": 1})
-            with R.dataflow():
-                scaled = R.multiply(R.astype(acc, "float32"), R.const(ratio, "float32"))
-                q = R.astype(R.astype(R.clip(R.round(scaled), 0, 127), "int32"), "int8")  # via int32: one vpmovdb
+                q = R.quantize(r, R.const(S2, "float32"), R.const(0, "int8"), axis=-1, out_dtype="int8")
                 R.output(q)
             return q
 
     out = requantize(Graph(Before, {}))
-    tvm.ir.assert_structural_equal(out.mod, Expected)
+    tvm.ir.assert_structural_equal(out.mod, _requantized(0, 127))
     assert "relax.dequantize" not in out.mod.script() and "R.dequantize" not in out.mod.script()
-
-
-def _relu6_requantized(lo: int, hi: int):
-    ratio = (S_CONV / np.float32(0.05)).astype(np.float32).reshape(1, 2, 1, 1)
-
-    @I.ir_module
-    class Expected:
-        @R.function
-        def main(acc: R.Tensor((1, 2, 4, 4), "int32")):
-            R.func_attr({"num_input": 1})
-            with R.dataflow():
-                scaled = R.multiply(R.astype(acc, "float32"), R.const(ratio, "float32"))
-                q = R.astype(R.astype(R.clip(R.round(scaled), lo, hi), "int32"), "int8")
-                R.output(q)
-            return q
-
-    return Expected
 
 
 def test_requantize_moves_a_relu6_to_the_integer_side():
@@ -191,7 +179,7 @@ def test_requantize_moves_a_relu6_to_the_integer_side():
                 d = R.dequantize(acc, R.const(S_CONV, "float32"), R.const(0, "int8"), axis=1, out_dtype="float32")
                 m = R.maximum(d, R.const(0.0, "float32"))
                 n = R.minimum(m, R.const(6.0, "float32"))
-                q = R.quantize(n, R.const(0.05, "float32"), R.const(0, "int8"), axis=-1, out_dtype="int8")
+                q = R.quantize(n, R.const(S2, "float32"), R.const(0, "int8"), axis=-1, out_dtype="int8")
                 R.output(q)
             return q
 
@@ -203,12 +191,12 @@ def test_requantize_moves_a_relu6_to_the_integer_side():
             with R.dataflow():
                 d = R.dequantize(acc, R.const(S_CONV, "float32"), R.const(0, "int8"), axis=1, out_dtype="float32")
                 n = R.clip(d, -1.0, 6.0)
-                q = R.quantize(n, R.const(0.05, "float32"), R.const(0, "int8"), axis=-1, out_dtype="int8")
+                q = R.quantize(n, R.const(S2, "float32"), R.const(0, "int8"), axis=-1, out_dtype="int8")
                 R.output(q)
             return q
 
-    tvm.ir.assert_structural_equal(requantize(Graph(MinMax, {})).mod, _relu6_requantized(0, 120))
-    tvm.ir.assert_structural_equal(requantize(Graph(Clip, {})).mod, _relu6_requantized(-20, 120))
+    tvm.ir.assert_structural_equal(requantize(Graph(MinMax, {})).mod, _requantized(0, 120))
+    tvm.ir.assert_structural_equal(requantize(Graph(Clip, {})).mod, _requantized(-20, 120))
 
     # the same integers as the float path computes them, for every accumulator that lands on a bound or inside
     from edgeq.compile import HostRunner

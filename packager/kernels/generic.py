@@ -121,34 +121,44 @@ def _schedule_spatial(sch: Schedule, block, isa: Isa) -> None:
         return
     total = math.prod(extents)
     bounds = _select_bounds(sch, block, sch.get(block).iter_vars[-1].var, extents[-1]) if len(loops) > 1 else []
-    if bounds:  # a concatenation: one plain vector copy per input (see _select_bounds)
-        outer = sch.fuse(*loops[:-1]) if len(loops) > 2 else loops[0]
-        if total >= PARALLEL_MIN:
-            sch.parallel(outer)
-        edges = [0, *bounds, extents[-1]]
-        parts = sch.loop_partition(loops[-1], [b - a for a, b in zip(edges, edges[1:-1])] + [None])
-        for i, (part, size) in enumerate(zip(parts, [b - a for a, b in zip(edges, edges[1:])])):
-            if size <= 4 * isa.lanes:
-                sch.vectorize(part)  # a part starting past 0 cannot be split (TVM 0.27); LLVM splits the vector
-            elif i == 0:
-                lanes = isa.lanes
-                while size % lanes:
-                    lanes //= 2
-                if lanes > 1:
-                    sch.vectorize(sch.split(part, [None, lanes])[1])
-        return
-    lanes = _vector_lanes(sch, block, isa.lanes)
-    while extents[-1] % lanes:  # 24 or 40 channels: vectors of 8 (left scalar, LLVM vectorised the loop
-        lanes //= 2  # itself with gathers and byte-by-byte scattered stores: MNASNet's int8 requantize)
     vec = None
-    if lanes > 1:
-        last, vec = sch.split(loops[-1], [None, lanes])
-        loops = [*loops[:-1], last]
+    if bounds:  # a concatenation: the channel loop is partitioned after the others are fused
+        channels, loops = loops[-1], loops[:-1]
+    else:
+        # 24 or 40 channels: vectors of 8 (left scalar, LLVM vectorised the loop itself with gathers and
+        # byte-by-byte scattered stores: MNASNet's int8 requantize)
+        lanes = _dividing(extents[-1], _vector_lanes(sch, block, isa.lanes))
+        if lanes > 1:
+            last, vec = sch.split(loops[-1], [None, lanes])
+            loops = [*loops[:-1], last]
     outer = sch.fuse(*loops) if len(loops) > 1 else loops[0]
     if total >= PARALLEL_MIN:
         sch.parallel(outer)
     if vec is not None:
         sch.vectorize(vec)
+    if bounds:
+        _vector_copies(sch, channels, [0, *bounds, extents[-1]], isa)
+
+
+def _vector_copies(sch: Schedule, loop, edges: list[int], isa: Isa) -> None:
+    """``loop`` partitioned at ``edges`` (the inputs of a concatenation, see ``_select_bounds``), each part
+    vectorised: one plain vector copy per input."""
+    sizes = [b - a for a, b in zip(edges, edges[1:])]
+    parts = sch.loop_partition(loop, [*sizes[:-1], None])
+    for i, (part, size) in enumerate(zip(parts, sizes)):
+        if size <= 4 * isa.lanes:
+            sch.vectorize(part)  # a part starting past 0 cannot be split (TVM 0.27); LLVM splits the vector
+        elif i == 0:
+            lanes = _dividing(size, isa.lanes)
+            if lanes > 1:
+                sch.vectorize(sch.split(part, [None, lanes])[1])
+
+
+def _dividing(n: int, lanes: int) -> int:
+    """``lanes`` halved until it divides ``n``."""
+    while n % lanes:
+        lanes //= 2
+    return lanes
 
 
 def _select_bounds(sch: Schedule, block, var, extent: int) -> list[int]:

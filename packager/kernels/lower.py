@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from edgeq.graph import Graph, Rewriter, call_op, rewrite, scalar_minmax
+from edgeq.graph import Graph, Rewriter, call_op, rewrite, scalar_minmax_call
 from edgeq.kernels.common import BmmSpec, ConvSpec, Isa, Kernel
 from edgeq.kernels.rules import KERNELS
 from edgeq.toolchain import import_tvm
@@ -250,11 +250,11 @@ class _Lowering:
     def follow(self, rw: Rewriter, var, value):
         op = call_op(value)
         args = value.args
-        if op == "relax.call_tir" and len(args) >= 2 and isinstance(args[1], relax.Tuple) and len(args[1].fields) == 2:
-            x, bound = args[1].fields
-            kind = scalar_minmax(self.graph.mod[args[0]]) if args[0] in self.graph.mod.get_global_vars() else None
-            if kind is None or rw.new(x) not in self.nhwc:
+        if op == "relax.call_tir":
+            found = scalar_minmax_call(self.graph.mod, value)
+            if found is None or rw.new(found[1]) not in self.nhwc:
                 return None
+            kind, x, bound = found
             fn = relax.op.maximum if kind == "maximum" else relax.op.minimum
             value = rw.static_value(bound)
             operand = rw.const(value.reshape(()), str(value.dtype)) if value is not None else rw.new(bound)

@@ -17,9 +17,11 @@ value and a quantize in every MobileNet block's epilogue.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
-from edgeq.graph import Graph, Rewriter, call_op, relax, rewrite, scalar_minmax
+from edgeq.graph import Graph, Rewriter, call_op, relax, rewrite, scalar_minmax_call
 from edgeq.quantize.notes import PassNotes
 
 
@@ -41,29 +43,26 @@ def _quantized(bound: float, scale: np.float32, zero_point: int) -> int:
     return int(np.round(np.float32(bound) / scale)) + zero_point
 
 
-def _clip_bounds(graph: Graph, rw: Rewriter, value) -> tuple[float | None, float | None] | None:
-    """(lower, upper) of a clip by constants (None: that side open), None for anything else."""
+def _clip_bounds(graph: Graph, rw: Rewriter, value) -> tuple[float | None, float | None, Any] | None:
+    """(lower, upper, the clipped operand) of a clip by constants (None: that side open); None for anything
+    else."""
     op = call_op(value)
     if op == "relax.nn.relu":
-        return 0.0, None
+        return 0.0, None, value.args[0]
     if op == "relax.clip":
-        return float(value.args[1].value), float(value.args[2].value)
+        return float(value.args[1].value), float(value.args[2].value), value.args[0]
     if op in ("relax.maximum", "relax.minimum"):
-        x, bound = value.args
-    elif op == "relax.call_tir" and isinstance(value.args[1], relax.Tuple) and len(value.args[1].fields) == 2:
-        if value.args[0] not in graph.mod.get_global_vars():
-            return None
-        op = {"maximum": "relax.maximum", "minimum": "relax.minimum"}.get(scalar_minmax(graph.mod[value.args[0]]))
-        x, bound = value.args[1].fields
-        if op is None:
-            return None
+        kind, (x, bound) = op.removeprefix("relax."), value.args
     else:
-        return None
+        found = scalar_minmax_call(graph.mod, value)
+        if found is None:
+            return None
+        kind, x, bound = found
     v = rw.static_value(bound)
     if v is None or v.size != 1 or not np.isfinite(v).all():
         return None
     v = float(v.reshape(()))
-    return (v, None) if op == "relax.maximum" else (None, v)
+    return (v, None, x) if kind == "maximum" else (None, v, x)
 
 
 def requantize(graph: Graph, notes: PassNotes | None = None) -> Graph:
@@ -81,10 +80,10 @@ def requantize(graph: Graph, notes: PassNotes | None = None) -> Graph:
             bounds = _clip_bounds(graph, rw, source)
             if bounds is None:
                 return None
-            a, b = bounds  # float bounds, each through the same q as the values
+            a, b, x = bounds  # float bounds, each through the same q as the values
             lo = max(lo, _quantized(a, s2, zero_point)) if a is not None else lo
             hi = min(hi, _quantized(b, s2, zero_point)) if b is not None else hi
-            source = rw.value(source.args[0] if call_op(source) != "relax.call_tir" else source.args[1].fields[0])
+            source = rw.value(x)
         if source is None or source.args[0].ty.dtype != "int32":
             return None
         s1, z1 = rw.array(source.args[1]), rw.array(source.args[2])
