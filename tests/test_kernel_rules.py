@@ -16,6 +16,7 @@ from edgeq.kernels.common import BmmSpec, ConvSpec, Isa, Kernel
 from edgeq.kernels.generic import GENERIC
 from edgeq.kernels.lower import choose
 from edgeq.kernels.rules import KERNELS, SCHEDULES
+from edgeq.kernels.rows import ROWS
 from edgeq.kernels.schedule import schedule_function
 from edgeq.toolchain import import_tvm
 
@@ -164,7 +165,7 @@ def test_every_kernel_module_is_listed_once_and_the_generic_rule_is_last():
             declared.append(module.KERNEL)
     assert sorted(k.name for k in declared) == sorted(k.name for k in KERNELS)
     assert len({k.name for k in KERNELS}) == len(KERNELS) and len({k.block for k in KERNELS}) == len(KERNELS)
-    assert SCHEDULES == [*KERNELS, GENERIC]
+    assert SCHEDULES == [*KERNELS, ROWS, GENERIC]
 
 
 def test_no_kernel_module_imports_another_modules_private_names():

@@ -282,6 +282,31 @@ def test_attention_products_run_on_the_batched_kernel(tmp_path):
     assert_close(ours, theirs)
 
 
+def rows_model(path, rng, seq=9, dim=48, classes=13):
+    """LayerNorm over 48 features (3 vectors), a product to 13 classes and the softmax over them (a row that
+    no vector divides), and a softmax over the 48 features."""
+    scale, bias = (rng.standard_normal(dim).astype(np.float32) for _ in range(2))
+    w = rng.standard_normal((dim, classes)).astype(np.float32)
+    nodes = [
+        helper.make_node("LayerNormalization", ["x", "scale", "bias"], ["n"], axis=-1, epsilon=1e-5),
+        helper.make_node("MatMul", ["n", "w"], ["s"]), helper.make_node("Softmax", ["s"], ["p"], axis=-1),
+        helper.make_node("Softmax", ["n"], ["q"], axis=-1),
+    ]
+    g = helper.make_graph(nodes, "rows", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, seq, dim])],
+                          [_out("p", 3), _out("q", 3)],
+                          [numpy_helper.from_array(scale, "scale"), numpy_helper.from_array(bias, "bias"),
+                           numpy_helper.from_array(w, "w")])
+    return _save(g, path)
+
+
+def test_layernorm_and_softmax_are_computed_row_by_row(tmp_path):
+    """Row-wise functions get the rows schedule (a row's steps together, reductions in vectors where the
+    row is whole vectors) and still match ONNX Runtime, also where the row is 13 wide."""
+    ours, theirs, stats, _, lowered = edgeq_vs_ort(rows_model(tmp_path / "m.onnx", np.random.default_rng(8)))
+    assert stats.get("rows", 0) >= 3 and stats.get("none", 0) == 0, stats
+    assert_close(ours, theirs)
+
+
 @pytest.mark.parametrize("precision", ["fp32", "int8"])
 def test_arm64_bundle_is_built_on_neon_kernels(precision, models, tmp_path, cli):
     """The same lowering for an aarch64 CPU (4-lane NEON vectors), cross-compiled; the bundle's golden

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 from edgeq.kernels import conv, dwconv, matmul, winograd
 from edgeq.kernels.generic import GENERIC
+from edgeq.kernels.rows import ROWS
 
 # winograd before conv: both take float 3x3 convolutions, winograd only those it pays for
 KERNELS = [winograd.KERNEL, dwconv.KERNEL, conv.KERNEL, matmul.KERNEL]
 
 # schedule rules: each ``apply(sch, isa)`` schedules the function and returns its name, or returns None
-SCHEDULES = [*KERNELS, GENERIC]
+SCHEDULES = [*KERNELS, ROWS, GENERIC]

@@ -5,9 +5,11 @@ Each function gets the first schedule rule of ``edgeq.kernels.rules.SCHEDULES`` 
 
 - a function that contains an edgeq kernel (its block, annotated with its spec) gets that kernel's
   register-tiled schedule, with the fused epilogue computed on the accumulator tile;
+- a row-wise function (softmax, LayerNorm; ``edgeq.kernels.rows``) is computed row by row;
 - every other function (pooling, element-wise chains, layout transposes, reductions) gets the generic
   schedule (``edgeq.kernels.generic``), the last rule.
-A schedule that fails leaves the function as TVM made it: slower, never wrong.
+A rule that fails hands the function to the next; one that no rule schedules stays as TVM made it:
+slower, never wrong.
 """
 
 from __future__ import annotations
@@ -26,18 +28,20 @@ from tvm.s_tir import Schedule  # noqa: E402
 
 def schedule_function(func, isa: Isa) -> tuple[object, str]:
     """(scheduled function, the name of the rule that scheduled it: "conv", "conv-vnni", "dwconv",
-    "winograd", "bmm", "generic"), or (``func``, "none") when no schedule applied and the function is left
-    as TVM made it."""
-    sch = Schedule(tvm.IRModule({"main": func}))
-    try:
-        for rule in SCHEDULES:
+    "winograd", "bmm", "rows", "generic"), or (``func``, "none") when no schedule applied and the function
+    is left as TVM made it. A rule that fails part-way hands the function, as it was, to the next rule."""
+    for rule in SCHEDULES:
+        sch = Schedule(tvm.IRModule({"main": func}))
+        try:
             kind = rule.apply(sch, isa)
-            if kind is not None:
-                return sch.mod["main"], kind
-    except Exception as err:  # noqa: BLE001 - a schedule that does not apply must not fail the build
-        if os.environ.get("EDGEQ_SCHEDULE_DEBUG"):
-            print(f"edgeq: schedule failed ({type(err).__name__}): {str(err).splitlines()[-1][:300]}", file=sys.stderr)
-            print(func, file=sys.stderr)
+        except Exception as err:  # noqa: BLE001 - a schedule that does not apply must not fail the build
+            if os.environ.get("EDGEQ_SCHEDULE_DEBUG"):
+                print(f"edgeq: schedule {getattr(rule, 'name', rule)} failed ({type(err).__name__}): "
+                      f"{str(err).splitlines()[-1][:300]}", file=sys.stderr)
+                print(func, file=sys.stderr)
+            continue
+        if kind is not None:
+            return sch.mod["main"], kind
     return func, "none"
 
 
