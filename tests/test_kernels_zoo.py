@@ -160,3 +160,67 @@ def test_dense_block_concatenation_with_batchnorm_keeps_nhwc(tmp_path):
     assert _transposes(lowered) == 2  # the input in, the output out: none around the BatchNorm
     assert not any("batch_norm" in str(b.value) for b in lowered.bindings())
     assert_close(ours, theirs)
+
+
+def _ops(lowered) -> list[str]:
+    return [b.value.op.name for b in lowered.bindings() if hasattr(b.value, "op") and hasattr(b.value.op, "name")]
+
+
+def _gelu(x: str, y: str) -> list:
+    """GELU as torch.onnx exports it at opset 17: x * 0.5 * (1 + erf(x / sqrt(2)))."""
+    return [helper.make_node("Div", [x, "sqrt2"], [f"{y}_d"]), helper.make_node("Erf", [f"{y}_d"], [f"{y}_e"]),
+            helper.make_node("Add", [f"{y}_e", "one"], [f"{y}_a"]), helper.make_node("Mul", [x, f"{y}_a"], [f"{y}_m"]),
+            helper.make_node("Mul", [f"{y}_m", "half"], [y])]
+
+
+def _gelu_constants() -> list:
+    return [numpy_helper.from_array(np.array(v, np.float32), k) for k, v in (("sqrt2", 2 ** 0.5), ("one", 1.0), ("half", 0.5))]
+
+
+def test_transformer_mlp_stays_in_the_kernels_row_form(tmp_path):
+    """A ViT block's MLP over 17 tokens (a prime: rows padded to 24): the bias, GELU, residual add and
+    LayerNorm run on the products' padded [1, 1, rows, C] results and the next product reads them as they
+    are: the model's input is padded once, nothing else is, and the output is sliced once."""
+    rng = np.random.default_rng(9)
+    inits = _weights(rng, w1=(32, 64), b1=(64,), w2=(64, 32), b2=(32,), g=(32,), be=(32,), w3=(32, 16)) + _gelu_constants()
+    nodes = [
+        helper.make_node("MatMul", ["x", "w1"], ["h0"]), helper.make_node("Add", ["h0", "b1"], ["h1"]),
+        *_gelu("h1", "h2"),
+        helper.make_node("MatMul", ["h2", "w2"], ["h3"]), helper.make_node("Add", ["h3", "b2"], ["h4"]),
+        helper.make_node("Add", ["h4", "x"], ["h5"]),
+        helper.make_node("LayerNormalization", ["h5", "g", "be"], ["h6"], axis=-1),
+        helper.make_node("MatMul", ["h6", "w3"], ["y"]),
+    ]
+    g = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 17, 32])],
+                          [_out("y", 3)], inits)
+    ours, theirs, stats, calls, lowered = edgeq_vs_ort(_save(g, tmp_path / "m.onnx"))
+    assert calls == 3 and stats.get("none", 0) == 0, stats
+    ops = _ops(lowered)
+    # one pad for the input of the first product, one for the residual's other operand; one slice: the output
+    assert ops.count("relax.nn.pad") == 2 and ops.count("relax.strided_slice") == 1, ops
+    assert_close(ours, theirs)
+
+
+def test_convnext_block_keeps_nhwc_through_its_channels_last_mlp(tmp_path):
+    """ConvNeXt's block: depthwise 7x7, permute to channels-last, LayerNorm, Linear, GELU, Linear, layer
+    scale, permute back, residual add. Both permutes are the NHWC data as it is: one transpose in, one out."""
+    rng = np.random.default_rng(10)
+    inits = _weights(rng, dw=(16, 1, 7, 7), g=(16,), be=(16,), w1=(16, 64), b1=(64,), w2=(64, 16), b2=(16,),
+                     ls=(16,)) + _gelu_constants()
+    nodes = [
+        helper.make_node("Conv", ["x", "dw"], ["d"], pads=[3, 3, 3, 3], group=16),
+        helper.make_node("Transpose", ["d"], ["t"], perm=[0, 2, 3, 1]),
+        helper.make_node("LayerNormalization", ["t", "g", "be"], ["n"], axis=-1),
+        helper.make_node("MatMul", ["n", "w1"], ["h0"]), helper.make_node("Add", ["h0", "b1"], ["h1"]),
+        *_gelu("h1", "h2"),
+        helper.make_node("MatMul", ["h2", "w2"], ["h3"]), helper.make_node("Add", ["h3", "b2"], ["h4"]),
+        helper.make_node("Mul", ["h4", "ls"], ["h5"]),
+        helper.make_node("Transpose", ["h5"], ["h6"], perm=[0, 3, 1, 2]),
+        helper.make_node("Add", ["h6", "x"], ["y"]),
+    ]
+    g = helper.make_graph(nodes, "convnext", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16, 8, 8])],
+                          [_out("y", 4)], inits)
+    ours, theirs, stats, calls, lowered = edgeq_vs_ort(_save(g, tmp_path / "m.onnx"))
+    assert calls == 3 and stats.get("none", 0) == 0, stats
+    assert _transposes(lowered) == 2, _ops(lowered)
+    assert_close(ours, theirs)

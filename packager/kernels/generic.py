@@ -122,15 +122,18 @@ def _schedule_spatial(sch: Schedule, block, isa: Isa) -> None:
     total = math.prod(extents)
     bounds = _select_bounds(sch, block, sch.get(block).iter_vars[-1].var, extents[-1]) if len(loops) > 1 else []
     vec = None
+    widest = _vector_lanes(sch, block, isa.lanes)
+    lanes = _dividing(extents[-1], widest)
+    if not bounds and 2 * lanes < widest == isa.lanes < extents[-1] and len(loops) > 1:
+        # a row no wide vector divides (ViT's 197 tokens: left scalar): whole vectors and a tail part
+        bounds = [extents[-1] - extents[-1] % widest]
     if bounds:  # a concatenation: the channel loop is partitioned after the others are fused
         channels, loops = loops[-1], loops[:-1]
-    else:
+    elif lanes > 1:
         # 24 or 40 channels: vectors of 8 (left scalar, LLVM vectorised the loop itself with gathers and
         # byte-by-byte scattered stores: MNASNet's int8 requantize)
-        lanes = _dividing(extents[-1], _vector_lanes(sch, block, isa.lanes))
-        if lanes > 1:
-            last, vec = sch.split(loops[-1], [None, lanes])
-            loops = [*loops[:-1], last]
+        last, vec = sch.split(loops[-1], [None, lanes])
+        loops = [*loops[:-1], last]
     outer = sch.fuse(*loops) if len(loops) > 1 else loops[0]
     if total >= PARALLEL_MIN:
         sch.parallel(outer)
@@ -228,13 +231,14 @@ def _schedule_reduction(sch: Schedule, block, isa: Isa) -> None:
     contiguous = all(r.region and r.region[-1].min.same_as(last_var) for r in stmt.reads)
     total = math.prod(extents[:-1])
     work = math.prod(e or 1 for e in [_extent(sch, lp) for lp in loops])
-    if contiguous and extents[-1] % isa.lanes == 0 and reduce:
-        outer, inner = sch.split(spatial[-1], [None, isa.lanes])
+    lanes = _dividing(extents[-1], isa.lanes)  # 1000 classes: vectors of 8 (they were left scalar)
+    if contiguous and lanes > 1 and reduce:
+        outer, inner = sch.split(spatial[-1], [None, lanes])
         sch.reorder(*spatial[:-1], outer, *reduce, inner)
         sch.vectorize(inner)
         parallel(sch, [*spatial[:-1], outer], work)
         sch.decompose_reduction(block, reduce[0])
-    elif total * extents[-1] >= 2 * isa.lanes:
+    elif total * extents[-1] >= 2 * lanes:
         lead = []
         for lp, k in zip(loops, kinds):
             if k != 0:

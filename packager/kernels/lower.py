@@ -9,7 +9,14 @@ One pass over the bindings (``edgeq.graph.rewrite``):
   build time (the bundle ships the packed arrays);
 - activations stay NHWC from one convolution to the next: element-wise operations, (de)quantize, pooling,
   padding, concatenation and spatial means run on NHWC directly (their per-channel operands are transposed at build
-  time), and a value is transposed back to NCHW only where something else reads it, and for the outputs.
+  time), and a value is transposed back to NCHW only where something else reads it, and for the outputs;
+  a transpose to channels-last of an NHWC value (ConvNeXt's ``permute(0, 2, 3, 1)``) is the value itself;
+- a matrix product's result stays in the kernel's ``[1, 1, rows, columns]`` form (its "flat twin", rows
+  padded where ``_rows`` pads them) through the element-wise operations, (de)quantize and LayerNorm that
+  follow it, into the next product: the bias, dequantize, GELU and quantize after a transformer's or
+  ConvNeXt's linear layer fuse into its kernel (a reshape between them stopped the fusion: each epilogue
+  was a kernel of its own reading the int32 result back), and the next product reads the rows unpadded.
+  The reshape to the model's shape is emitted beside it and read only where something else needs it.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from tvm import relax  # noqa: E402
 TO_NHWC, TO_NCHW = [0, 2, 3, 1], [0, 3, 1, 2]
 UNARY = {"relax.nn.relu", "relax.clip", "relax.round", "relax.astype", "relax.sigmoid", "relax.tanh",
          "relax.nn.gelu", "relax.nn.silu", "relax.exp", "relax.negative", "relax.abs", "relax.sqrt",
-         "relax.floor", "relax.ceil", "relax.nn.leakyrelu"}
+         "relax.floor", "relax.ceil", "relax.nn.leakyrelu", "relax.erf", "relax.nn.gelu_tanh"}
 BINARY = {"relax.add", "relax.subtract", "relax.multiply", "relax.divide", "relax.maximum", "relax.minimum"}
 POOL = {"relax.nn.max_pool2d", "relax.nn.avg_pool2d"}
 REDUCE = {"relax.mean", "relax.sum", "relax.max"}
@@ -80,6 +87,8 @@ class _Lowering:
         self.outputs = set(relax.analysis.free_vars(graph.main.body.body))
         self.nhwc: set = set()  # output-graph vars that hold NHWC data of an NCHW tensor of the input graph
         self.nchw: dict = {}  # NHWC var -> its NCHW transpose, emitted once
+        self.nhwc_of: dict = {}  # NCHW var -> its NHWC transpose, emitted once
+        self.twin: dict = {}  # output-graph var -> (its flat twin [1, 1, rows, C], the rows that are data)
         self.kernels = 0
 
     # ------------------------------------------------------------ helpers
@@ -92,14 +101,21 @@ class _Lowering:
         return self.nchw[new]
 
     def to_nhwc(self, rw: Rewriter, new):
-        return new if new in self.nhwc else rw.emit(relax.op.permute_dims(new, TO_NHWC))
+        if new in self.nhwc:
+            return new
+        if new not in self.nhwc_of:  # once: a residual's other operand is often a convolution's input too
+            self.nhwc_of[new] = rw.emit(relax.op.permute_dims(new, TO_NHWC))
+        return self.nhwc_of[new]
 
     def plain(self, rw: Rewriter, expr):
         """``rw.new(expr)`` with every NHWC value it reads transposed back to NCHW."""
         return rw.new(expr, lambda var: self.to_nchw(rw, var))
 
     def result(self, rw: Rewriter, var, new_expr, nhwc: bool):
-        new = rw.emit(new_expr, var.name)
+        flat = self.flatten(rw, new_expr)
+        new = rw.emit(flat[0] if flat else new_expr, var.name)
+        if flat:
+            self.twin[new] = flat[1]
         if nhwc:
             self.nhwc.add(new)
             if var in self.outputs:
@@ -121,8 +137,82 @@ class _Lowering:
             full = value.reshape([1] * (ndim - value.ndim) + list(value.shape))
             return rw.const(np.ascontiguousarray(full.transpose(TO_NHWC)), str(value.dtype))
         if len(shape) == ndim == 4:
-            return rw.emit(relax.op.permute_dims(new, TO_NHWC))
+            return self.to_nhwc(rw, new)
         return None
+
+    # ------------------------------------------------------------ flat twins
+
+    def unflat(self, rw: Rewriter, flat, rows: int, shape: list[int]):
+        """The model's-shape view of a flat twin: its padding rows sliced off, reshaped."""
+        if _shape(flat)[2] != rows:
+            flat = rw.emit(relax.op.strided_slice(flat, [2], [0], [rows]))
+        return relax.op.reshape(flat, shape)
+
+    def flat_operand(self, rw: Rewriter, arg, twin: tuple, shape: list[int]):
+        """``arg`` (output graph) as an operand of the flat form of an element-wise call whose result has
+        ``shape`` (flat twin ``twin``), or None where it cannot be one."""
+        flat, rows = twin
+        if arg in self.twin and _shape(self.twin[arg][0]) == _shape(flat) and self.twin[arg][1] == rows:
+            return self.twin[arg][0]
+        s = _shape(arg)
+        if s is None or len(s) > 4:
+            return None
+        if int(np.prod(s[:-1])) == 1 and (not s or s[-1] in (1, shape[-1])):
+            return arg  # a scalar or one value per column: broadcasts against the flat form as it is
+        if s != shape:
+            return None
+        out = rw.emit(relax.op.reshape(arg, [1, 1, rows, shape[-1]]))
+        padded = _shape(flat)[2]
+        if padded != rows:
+            out = rw.emit(relax.op.nn.pad(out, [0, 0, 0, 0, 0, padded - rows, 0, 0]))
+        return out
+
+    def flatten(self, rw: Rewriter, expr) -> tuple[Any, tuple] | None:
+        """For an element-wise call (``UNARY``, ``BINARY``, (de)quantize along the last axis or by one
+        scale, LayerNorm over the last axis, a reshape that keeps the last axis) of output-graph values of
+        which one has a flat twin: (the model's-shape expression to bind, the result's flat twin), with the
+        call itself emitted on the flat forms; None for anything else."""
+        op = call_op(expr)
+        if op is None or op == "relax.call_tir":
+            return None
+        args = list(expr.args)
+        owner = next((a for a in args if isinstance(a, relax.Var) and a in self.twin), None)
+        if owner is None:
+            return None
+        flat, rows = self.twin[owner]
+        columns = _shape(flat)[3]
+        if op == "relax.reshape":
+            shape = [int(d) for d in expr.args[1].values]
+            if args[0].same_as(owner) and shape and shape[-1] == columns and int(np.prod(shape[:-1])) == rows:
+                return relax.op.reshape(owner, shape), (flat, rows)
+            return None
+        shape = _shape(owner)
+        if shape is None or shape[-1] != columns:
+            return None
+        last = len(shape) - 1
+        attrs = expr.attrs
+        if op in UNARY:
+            new = relax.Call(expr.op, [flat, *args[1:]], attrs, expr.ty_args)
+        elif op in BINARY:
+            ops = [self.flat_operand(rw, a, (flat, rows), shape) for a in args]
+            if any(o is None for o in ops):
+                return None
+            new = relax.Call(expr.op, ops, attrs, expr.ty_args)
+        elif op in ("relax.quantize", "relax.dequantize") and args[0].same_as(owner):
+            per_column = int(attrs.axis) % len(shape) == last
+            if not per_column and any(int(np.prod(_shape(a) or [0])) != 1 for a in args[1:]):
+                return None
+            fn = relax.op.quantize if op == "relax.quantize" else relax.op.dequantize
+            new = fn(flat, args[1], args[2], axis=3, out_dtype=str(attrs.out_dtype))
+        elif op == "relax.nn.layer_norm" and args[0].same_as(owner):
+            if [int(a) % len(shape) for a in attrs.axes] != [last]:
+                return None
+            new = relax.op.nn.layer_norm(flat, args[1], args[2], axes=[3], epsilon=float(attrs.epsilon),
+                                         center=bool(attrs.center), scale=bool(attrs.scale))
+        else:
+            return None
+        out = rw.emit(new)
+        return self.unflat(rw, out, rows, shape), (out, rows)
 
     # ------------------------------------------------------------ kernels
 
@@ -194,13 +284,18 @@ class _Lowering:
         chosen = choose(ConvSpec(1, 1, mp, k, cols, 1, 1, (1, 1), (0, 0, 0, 0), (1, 1), xd), self.isa)
         if chosen is None:
             return None
-        x4 = rw.emit(relax.op.reshape(self.plain(rw, x), [1, 1, m, k]))
-        if mp != m:
-            x4 = rw.emit(relax.op.nn.pad(x4, [0, 0, 0, 0, 0, mp - m, 0, 0]))
+        xn = rw.new(x)
+        twin = self.twin.get(xn) if xn not in self.nhwc else None
+        if twin is not None and twin[1] == m and _shape(twin[0]) == [1, 1, mp, k]:
+            x4 = twin[0]  # the previous product's rows, as its kernel left them (padding rows and all)
+        else:
+            x4 = rw.emit(relax.op.reshape(self.plain(rw, x), [1, 1, m, k]))
+            if mp != m:
+                x4 = rw.emit(relax.op.nn.pad(x4, [0, 0, 0, 0, 0, mp - m, 0, 0]))
         y4 = self.kernel(rw, None, chosen, x4, np.ascontiguousarray(w.T).reshape(cols, k, 1, 1), w_var.name + "_t")
-        if mp != m:
-            y4 = rw.emit(relax.op.strided_slice(y4, [2], [0], [m]))
-        return self.result(rw, var, relax.op.reshape(y4, ys), nhwc=False)
+        new = rw.emit(self.unflat(rw, y4, m, ys), var.name)
+        self.twin[new] = (y4, m)
+        return new
 
     def batched_matmul(self, rw: Rewriter, var, value):
         """``a @ b`` of two activations (same batch dims, float32) on the kernel that takes a ``BmmSpec``."""
@@ -252,15 +347,17 @@ class _Lowering:
         args = value.args
         if op == "relax.call_tir":
             found = scalar_minmax_call(self.graph.mod, value)
-            if found is None or rw.new(found[1]) not in self.nhwc:
+            if found is None or (rw.new(found[1]) not in self.nhwc and rw.new(found[1]) not in self.twin):
                 return None
             kind, x, bound = found
             fn = relax.op.maximum if kind == "maximum" else relax.op.minimum
             value = rw.static_value(bound)
             operand = rw.const(value.reshape(()), str(value.dtype)) if value is not None else rw.new(bound)
-            return self.result(rw, var, fn(rw.new(x), operand), True)
+            return self.result(rw, var, fn(rw.new(x), operand), rw.new(x) in self.nhwc)
         if op == "relax.concat":
             return self.concat(rw, var, value)
+        if op == "relax.permute_dims":
+            return self.permute(rw, var, value)
         if not args or not any(rw.new(a) in self.nhwc for a in args if isinstance(a, relax.Var)):
             return None
         if op in UNARY:
@@ -317,6 +414,21 @@ class _Lowering:
         fields = [self.to_nhwc(rw, f) for f in fields]
         return self.result(rw, var, relax.op.concat(fields, axis=axis), True)
 
+    def permute(self, rw: Rewriter, var, value):
+        """A transpose to channels-last of an NHWC value is that value (ConvNeXt's ``permute(0, 2, 3, 1)``
+        around its LayerNorm and MLP), and one back to channels-first makes an NHWC value again: both are
+        the data as it is (a same-shape reshape binds it to a variable of its own), not a transpose."""
+        x = rw.new(value.args[0])
+        axes = [int(a) for a in value.attrs.axes] if value.attrs.axes is not None else None
+        shape = _shape(x)
+        if shape is None or len(shape) != 4:
+            return None
+        if x in self.nhwc and axes == TO_NHWC:
+            return self.result(rw, var, relax.op.reshape(x, shape), nhwc=False)
+        if x not in self.nhwc and axes == TO_NCHW:
+            return self.result(rw, var, relax.op.reshape(x, shape), nhwc=True)
+        return None
+
     def sigmoid(self, rw: Rewriter, var, value):
         """float32 ``sigmoid(x)`` (and ``silu(x) = x sigmoid(x)``) as ``0.5 tanh(x / 2) + 0.5``: TVM's CPU code
         calls libm's ``expf`` once per lane for sigmoid, while tanh becomes ``fast_tanh``, a vectorised
@@ -346,6 +458,10 @@ class _Lowering:
             replacement = self.follow(rw, var, value)
         if replacement is None:
             replacement = self.plain(rw, value)
+            flat = self.flatten(rw, replacement) if isinstance(replacement, relax.Call) else None
+            if flat is not None:
+                replacement = rw.emit(flat[0], var.name)
+                self.twin[replacement] = flat[1]
         return replacement
 
 
