@@ -28,6 +28,7 @@ import numpy as np
 
 from edgeq.graph import Graph, Rewriter, call_op, rewrite, scalar_minmax_call
 from edgeq.kernels.common import BmmSpec, ConvSpec, Isa, Kernel
+from edgeq.kernels.matmul import masked_softmax_func
 from edgeq.kernels.rules import KERNELS
 from edgeq.toolchain import import_tvm
 
@@ -89,6 +90,9 @@ class _Lowering:
         self.nchw: dict = {}  # NHWC var -> its NCHW transpose, emitted once
         self.nhwc_of: dict = {}  # NCHW var -> its NHWC transpose, emitted once
         self.twin: dict = {}  # output-graph var -> (its flat twin [1, 1, rows, C], the rows that are data)
+        # output-graph var -> (its padded form [batch, rows, cols], rows and cols that are data, whether the
+        # other columns are zeros): attention scores and their softmax
+        self.scores: dict = {}
         self.kernels = 0
 
     # ------------------------------------------------------------ helpers
@@ -298,7 +302,9 @@ class _Lowering:
         return new
 
     def batched_matmul(self, rw: Rewriter, var, value):
-        """``a @ b`` of two activations (same batch dims, float32) on the kernel that takes a ``BmmSpec``."""
+        """``a @ b`` of two activations (same batch dims, float32) on the kernel that takes a ``BmmSpec``.
+        Its result is also kept in the kernel's padded shape (``self.scores``) for a softmax that follows
+        (``masked_softmax``), and a softmax so kept is read as it is, padded, by the next product."""
         a, b = value.args
         sa, sb, ys = _shape(a), _shape(b), _shape(var)
         if sa is None or sb is None or ys is None or len(sa) < 2 or len(sa) != len(sb) or sa[:-2] != sb[:-2]:
@@ -306,25 +312,54 @@ class _Lowering:
         if {_dtype(a), _dtype(b), _dtype(var)} != {"float32"}:
             return None
         batch = int(np.prod(sa[:-2])) if len(sa) > 2 else 1
-        m, n = sa[-2], sb[-1]
+        m, k, n = sa[-2], sa[-1], sb[-1]
         mp, np_ = _rows(m), _rows(n, 16)
-        chosen = choose(BmmSpec(batch, mp, sa[-1], np_), self.isa)
+        kept = self.scores.get(rw.new(a))
+        if kept is not None and not (kept[3] and kept[1:3] == (m, k) and _shape(kept[0])[:2] == [batch, mp]):
+            kept = None
+        kp = _shape(kept[0])[2] if kept is not None else k
+        chosen = choose(BmmSpec(batch, mp, kp, np_), self.isa)
         if chosen is None:
             return None
         kernel, spec = chosen
         func, _ = kernel.build(spec)
         gv = rw.bb.add_func(func.without_attr("global_symbol"), kernel.symbol)
-        a3 = rw.emit(relax.op.reshape(self.plain(rw, a), [batch, m, spec.k]))
-        b3 = rw.emit(relax.op.reshape(self.plain(rw, b), [batch, spec.k, n]))
-        if mp != m:
-            a3 = rw.emit(relax.op.nn.pad(a3, [0, 0, 0, mp - m, 0, 0]))
-        if np_ != n:
-            b3 = rw.emit(relax.op.nn.pad(b3, [0, 0, 0, 0, 0, np_ - n]))
+        if kept is not None:
+            a3 = kept[0]  # the softmax's padded columns are zeros: they meet the zero rows padded onto b
+        else:
+            a3 = rw.emit(relax.op.reshape(self.plain(rw, a), [batch, m, k]))
+            if mp != m:
+                a3 = rw.emit(relax.op.nn.pad(a3, [0, 0, 0, mp - m, 0, 0]))
+        b3 = rw.emit(relax.op.reshape(self.plain(rw, b), [batch, k, n]))
+        if (kp, np_) != (k, n):
+            b3 = rw.emit(relax.op.nn.pad(b3, [0, 0, 0, kp - k, 0, np_ - n]))
         y3 = rw.emit(relax.call_tir(gv, relax.Tuple([a3, b3]), relax.TensorType([batch, mp, np_], "float32")))
-        if (mp, np_) != (m, n):
-            y3 = rw.emit(relax.op.strided_slice(y3, [1, 2], [0, 0], [m, n]))
         self.kernels += 1
-        return self.result(rw, var, relax.op.reshape(y3, ys), nhwc=False)
+        new = rw.emit(self.unpad(rw, y3, m, n, ys), var.name)
+        self.scores[new] = (y3, m, n, False)
+        return new
+
+    def unpad(self, rw: Rewriter, padded, m: int, n: int, shape: list[int]):
+        """``padded[..., :m, :n]`` reshaped to ``shape``."""
+        if _shape(padded)[-2:] != [m, n]:
+            padded = rw.emit(relax.op.strided_slice(padded, [1, 2], [0, 0], [m, n]))
+        return relax.op.reshape(padded, shape)
+
+    def softmax(self, rw: Rewriter, var, value):
+        """A softmax along the last axis of attention scores kept padded (``batched_matmul``): computed on the
+        padded tile over the columns that are data, zeros in the others (``matmul.masked_softmax_func``)."""
+        x = rw.new(value.args[0])
+        shape = _shape(var)
+        kept = self.scores.get(x)
+        if kept is None or shape is None or int(value.attrs.axis) % len(shape) != len(shape) - 1:
+            return None
+        padded, m, n, _ = kept
+        batch, rows, cols = _shape(padded)
+        gv = rw.bb.add_func(masked_softmax_func(batch, rows, cols, n).without_attr("global_symbol"), "edgeq_softmax")
+        out = rw.emit(relax.call_tir(gv, relax.Tuple([padded]), relax.TensorType([batch, rows, cols], "float32")))
+        new = rw.emit(self.unpad(rw, out, m, n, shape), var.name)
+        self.scores[new] = (out, m, n, True)
+        return new
 
     def kernel(self, rw: Rewriter, var, chosen: tuple[Kernel, ConvSpec], x_nhwc, weight: np.ndarray, name: str):
         """The call of a convolution kernel (``choose``) on NHWC data, its weight packed and named after
@@ -450,6 +485,8 @@ class _Lowering:
         replacement = None
         if op in ("relax.sigmoid", "relax.nn.silu"):
             replacement = self.sigmoid(rw, var, value)
+        if op == "relax.nn.softmax":
+            replacement = self.softmax(rw, var, value)
         if op == "relax.nn.conv2d":
             replacement = self.conv(rw, var, value)
         elif op == "relax.matmul":

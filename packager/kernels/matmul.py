@@ -53,3 +53,26 @@ def schedule_bmm(sch: Schedule, spec: BmmSpec, isa: Isa) -> None:
 
 KERNEL = Kernel(name="bmm", spec=BmmSpec, plan=plan, build=bmm_func, symbol="edgeq_bmm", block=BMM,
                 schedule=schedule_bmm)
+
+
+def masked_softmax_func(batch: int, rows: int, cols: int, valid: int):
+    """PrimFunc ``softmax`` along the last axis of ``x[batch, rows, cols]`` over its first ``valid`` columns,
+    zeros in the others: the softmax of attention scores left in ``Q @ K^T``'s padded tile shape (ViT's 197
+    tokens computed as 200 x 208), whose result goes on, padded, into ``softmax @ V`` (its padded
+    columns multiply zero rows of ``V``). Rows whole vectors wide are reduced in vectors (the rows schedule),
+    and neither the product's result nor the softmax's is sliced or padded on the way."""
+    from tvm import topi
+
+    x = te.placeholder((batch, rows, cols), "float32", name="x")
+    k = te.reduce_axis((0, cols), "k")
+    low = tvm.tirx.const(-3.4e38, "float32")
+    zero = tvm.tirx.const(0.0, "float32")
+    top = te.compute((batch, rows), lambda b, r: te.max(tvm.tirx.Select(k < valid, x[b, r, k], low), axis=[k]), name="top")
+    shifted = te.compute(x.shape, lambda b, r, c: x[b, r, c] - top[b, r], name="shifted")
+    exp = topi.fast_exp(shifted)
+    e = te.compute(x.shape, lambda b, r, c: tvm.tirx.Select(c < valid, exp[b, r, c], zero), name="e")
+    k2 = te.reduce_axis((0, cols), "k2")
+    total = te.compute((batch, rows), lambda b, r: te.sum(e[b, r, k2], axis=[k2]), name="total")
+    inv = te.compute((batch, rows), lambda b, r: tvm.tirx.const(1.0, "float32") / total[b, r], name="inv")
+    out = te.compute(x.shape, lambda b, r, c: e[b, r, c] * inv[b, r], name="softmax")
+    return te.create_prim_func([x, out], index_dtype_override="int64")
