@@ -187,6 +187,9 @@ class Model:
         self.vm = VirtualMachine(lib, self.dev)
         weights = self.manifest.weights
         self.params = [tvm.runtime.tensor(read_tensor(np, weights.file, t), self.dev) for t in weights.tensors]
+        # input name -> the device tensor its values are copied into, allocated once: a fresh one per call
+        # cost a page-faulting allocation each time (40 us of MNASNet's 1.2 ms on a 2-core x86)
+        self.staged = {}
 
     def arguments(self, inputs):
         np = self.np
@@ -201,7 +204,11 @@ class Model:
                 raise LoaderError("input '%s' must be %s %s, got %s %s" % (
                     spec.name, spec.dtype, "x".join(map(str, spec.shape)), array.dtype,
                     "x".join(map(str, array.shape))), Exit.USAGE)
-            args.append(self.tvm.runtime.tensor(np.require(array, requirements="C"), self.dev))
+            staged = self.staged.get(spec.name)
+            if staged is None:
+                staged = self.staged[spec.name] = self.tvm.runtime.empty(spec.shape, spec.dtype, self.dev)
+            staged.copyfrom(np.require(array, requirements="C"))
+            args.append(staged)
         unknown = set(inputs) - {s.name for s in specs}
         if unknown:
             raise LoaderError("unknown input(s): %s" % ", ".join(sorted(unknown)), Exit.USAGE)
