@@ -7,7 +7,8 @@ activations), its ``plan`` (its matcher: the spec with its choices for the CPU, 
 TIR builder and weight packer, its block name and its schedule; then put ``<name>.KERNEL`` in ``KERNELS``
 below, ahead of the kernels it should win over. ``lower.py`` gives every convolution and matrix product to
 the first kernel whose ``plan`` accepts it; ``schedule.py`` applies the first rule of ``SCHEDULES`` that
-finds its block in a fused function, and the generic rule to everything else.
+finds its block in a fused function, the rows rule to row-wise functions (softmax, LayerNorm), and the
+generic rule to everything else.
 """
 
 from __future__ import annotations
