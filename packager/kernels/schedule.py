@@ -25,6 +25,13 @@ tvm = import_tvm()
 from tvm import relax  # noqa: E402
 from tvm.s_tir import Schedule  # noqa: E402
 
+# ``round`` (relax.round, every requantize) lowers to ``tirx.nearbyint`` (round half to even), which TVM 0.27
+# does not mark vectorisable: a loop holding it was left scalar, and LLVM re-vectorised the requantizing
+# epilogue across pixels instead of channels, with gathers and a byte store per value (MNASNet's first
+# depthwise layer: 128 ``vpextrb`` per tile). It is an LLVM intrinsic with vector forms, like ``round``.
+if tvm.ir.Op.get("tirx.nearbyint").get_attr("TVectorizable") is None:
+    tvm.ir.register_op_attr("tirx.nearbyint", "TVectorizable", True)
+
 
 def schedule_function(func, isa: Isa) -> tuple[object, str]:
     """(scheduled function, the name of the rule that scheduled it: "conv", "conv-vnni", "dwconv",
