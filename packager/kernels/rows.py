@@ -8,7 +8,8 @@ per row (``compute_at`` the last block's row loop, rows split over the cores), s
 stay in L1, each element-wise loop is vectorised, and each reduction whose length is a multiple of the
 vector is summed in one vector of partial results (``rfactor``) and the vector summed at the end: the
 LayerNorm above 0.02 ms. A reduction of another length stays scalar: TVM 0.27's ``compute_at`` drops the
-predicate of a split that does not divide, so the partial sums would read past the row.
+predicate of a split that does not divide, so the partial sums would read past the row; a function with no
+reduction of whole vectors is left to the generic rule.
 """
 
 from __future__ import annotations
@@ -47,10 +48,11 @@ def _row_reduction(sch: Schedule, block, rows: int) -> bool:
     return True
 
 
-def applies(sch: Schedule) -> bool:
+def applies(sch: Schedule, isa: Isa) -> bool:
     """A function of row-wise blocks: the last is element-wise over (rows..., columns); at least one block
-    is a reduction along the columns (``_row_reduction``); every other block element-wise over the rows,
-    or over the rows and columns."""
+    is a reduction along the columns (``_row_reduction``) of whole vectors (``_vector_reduction``); every
+    other block element-wise over the rows, or over the rows and columns. With no reduction to put in
+    vectors the generic schedule is as fast (softmax over 12 x 197 x 197: 0.31 ms there, 0.35 here)."""
     bl = blocks(sch)
     if len(bl) < 2 or not is_spatial(sch, bl[-1]):
         return False
@@ -63,10 +65,16 @@ def applies(sch: Schedule) -> bool:
             if len(sch.get_loops(block)) not in (rows, rows + 1):
                 return False
         elif _row_reduction(sch, block, rows):
-            found = True
+            found = found or _vector_reduction(sch, block, isa)
         else:
             return False
     return found
+
+
+def _vector_reduction(sch: Schedule, block, isa: Isa) -> bool:
+    """Whether a row reduction is long enough and whole vectors long, so that it is summed in a vector."""
+    ext = int(sch.get(sch.get_loops(block)[-1]).extent)
+    return ext % isa.lanes == 0 and ext >= 2 * isa.lanes
 
 
 def _vectorize(sch: Schedule, loop, isa: Isa) -> None:
@@ -99,11 +107,9 @@ def schedule_rows(sch: Schedule, isa: Isa) -> None:
     for block in bl[:-1]:
         if is_spatial(sch, block):
             continue
-        k = sch.get_loops(block)[-1]
-        ext = int(sch.get(k).extent)
-        if ext % isa.lanes or ext < 2 * isa.lanes:
+        if not _vector_reduction(sch, block, isa):
             continue
-        _, lanes = sch.split(k, [None, isa.lanes])
+        _, lanes = sch.split(sch.get_loops(block)[-1], [None, isa.lanes])
         partial.append(sch.get(sch.rfactor(lanes, factor_axis=rows)).name_hint)
     bl = blocks(sch)
     loops = sch.get_loops(bl[-1])
@@ -129,7 +135,7 @@ class Rows:
     name: str = "rows"
 
     def apply(self, sch: Schedule, isa: Isa) -> str | None:
-        if not applies(sch):
+        if not applies(sch, isa):
             return None
         schedule_rows(sch, isa)
         return self.name
