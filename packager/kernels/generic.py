@@ -140,12 +140,12 @@ def _schedule_spatial(sch: Schedule, block, isa: Isa) -> None:
     if vec is not None:
         sch.vectorize(vec)
     if bounds:
-        _vector_copies(sch, channels, [0, *bounds, extents[-1]], isa)
+        vectorize_parts(sch, channels, [0, *bounds, extents[-1]], isa)
 
 
-def _vector_copies(sch: Schedule, loop, edges: list[int], isa: Isa) -> None:
-    """``loop`` partitioned at ``edges`` (the inputs of a concatenation, see ``_select_bounds``), each part
-    vectorised: one plain vector copy per input."""
+def vectorize_parts(sch: Schedule, loop, edges: list[int], isa: Isa) -> None:
+    """``loop`` partitioned at ``edges`` (the inputs of a concatenation, see ``_select_bounds``; whole vectors
+    and a tail), each part vectorised: one plain vector copy per input."""
     sizes = [b - a for a, b in zip(edges, edges[1:])]
     parts = sch.loop_partition(loop, [*sizes[:-1], None])
     for i, (part, size) in enumerate(zip(parts, sizes)):

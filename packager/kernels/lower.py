@@ -146,12 +146,6 @@ class _Lowering:
 
     # ------------------------------------------------------------ flat twins
 
-    def unflat(self, rw: Rewriter, flat, rows: int, shape: list[int]):
-        """The model's-shape view of a flat twin: its padding rows sliced off, reshaped."""
-        if _shape(flat)[2] != rows:
-            flat = rw.emit(relax.op.strided_slice(flat, [2], [0], [rows]))
-        return relax.op.reshape(flat, shape)
-
     def flat_operand(self, rw: Rewriter, arg, twin: tuple, shape: list[int]):
         """``arg`` (output graph) as an operand of the flat form of an element-wise call whose result has
         ``shape`` (flat twin ``twin``), or None where it cannot be one."""
@@ -216,7 +210,7 @@ class _Lowering:
         else:
             return None
         out = rw.emit(new)
-        return self.unflat(rw, out, rows, shape), (out, rows)
+        return self.unpad(rw, out, rows, columns, shape), (out, rows)
 
     # ------------------------------------------------------------ kernels
 
@@ -297,7 +291,7 @@ class _Lowering:
             if mp != m:
                 x4 = rw.emit(relax.op.nn.pad(x4, [0, 0, 0, 0, 0, mp - m, 0, 0]))
         y4 = self.kernel(rw, None, chosen, x4, np.ascontiguousarray(w.T).reshape(cols, k, 1, 1), w_var.name + "_t")
-        new = rw.emit(self.unflat(rw, y4, m, ys), var.name)
+        new = rw.emit(self.unpad(rw, y4, m, cols, ys), var.name)
         self.twin[new] = (y4, m)
         return new
 
@@ -340,9 +334,13 @@ class _Lowering:
         return new
 
     def unpad(self, rw: Rewriter, padded, m: int, n: int, shape: list[int]):
-        """``padded[..., :m, :n]`` reshaped to ``shape``."""
-        if _shape(padded)[-2:] != [m, n]:
-            padded = rw.emit(relax.op.strided_slice(padded, [1, 2], [0, 0], [m, n]))
+        """``padded[..., :m, :n]`` (a kernel's result in its padded tile: a flat twin, attention scores)
+        reshaped to ``shape``, the model's; only the axes that are padded are sliced."""
+        size = _shape(padded)
+        axes = [ax for ax, end in ((len(size) - 2, m), (len(size) - 1, n)) if size[ax] != end]
+        if axes:
+            ends = [m if ax == len(size) - 2 else n for ax in axes]
+            padded = rw.emit(relax.op.strided_slice(padded, axes, [0] * len(axes), ends))
         return relax.op.reshape(padded, shape)
 
     def softmax(self, rw: Rewriter, var, value):

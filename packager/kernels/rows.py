@@ -18,6 +18,7 @@ import dataclasses
 import math
 
 from edgeq.kernels.common import Isa, blocks, is_spatial, parallel
+from edgeq.kernels.generic import vectorize_parts
 from edgeq.toolchain import import_tvm
 
 tvm = import_tvm()
@@ -86,12 +87,10 @@ def _vectorize(sch: Schedule, loop, isa: Isa) -> None:
     if ext <= isa.lanes:
         sch.vectorize(loop)
         return
-    whole = ext - ext % isa.lanes
-    if whole != ext:
-        head, tail = sch.loop_partition(loop, [whole, None])
-        sch.vectorize(tail)
-        loop = head
-    sch.vectorize(sch.split(loop, [None, isa.lanes])[1])
+    if ext % isa.lanes:
+        vectorize_parts(sch, loop, [0, ext - ext % isa.lanes, ext], isa)
+    else:
+        sch.vectorize(sch.split(loop, [None, isa.lanes])[1])
 
 
 def schedule_rows(sch: Schedule, isa: Isa) -> None:
