@@ -40,9 +40,36 @@ def input_size(name: str, size: int) -> int:
     return FIXED_SIZE.get(name, max(size, MIN_SIZE.get(name, 32)))
 
 
+def import_torchvision():
+    """torchvision, also beside torch's CPU build (what ``scripts/setup.sh`` installs: 1 GB, not 5.5).
+
+    PyPI has torchvision only as a CUDA build; beside a CPU torch its C operators (nms, roi_align, ...) do not
+    load, and its import then fails registering fake kernels for two of them. No classification model uses
+    them: their schemas are declared (never implemented) and torchvision imported again."""
+    import torch
+
+    try:
+        import torchvision
+    except RuntimeError as err:
+        if "torchvision::nms does not exist" not in str(err):
+            raise
+        for module in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
+            del sys.modules[module]
+        global _DECLARED
+        _DECLARED = torch.library.Library("torchvision", "DEF")  # kept alive: dropping it removes the schemas
+        for op in ("nms", "qnms"):
+            _DECLARED.define(f"{op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+        import torchvision
+    return torchvision
+
+
+_DECLARED = None
+
+
 def export(name: str, out_dir: Path, size: int) -> dict:
     import torch
-    import torchvision
+
+    torchvision = import_torchvision()
 
     size = input_size(name, size)
     path = out_dir / f"{name}-{size}.onnx"
@@ -74,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--list", action="store_true", help="export every classification builder")
     parser.add_argument("--families", action="store_true", help="export one builder per family")
     args = parser.parse_args(argv)
-    import torchvision
+    torchvision = import_torchvision()
 
     every = torchvision.models.list_models(module=torchvision.models)
     names = list(args.models) + (FAMILIES if args.families else []) + (every if args.list else [])

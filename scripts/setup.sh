@@ -94,15 +94,20 @@ echo "setup: fetching the aarch64 TVM runtime and CUDA header wheels a Jetson bu
 if [ -n "$ZOO" ]; then
     # torch + torchvision in an environment of their own, used only to export the torchvision zoo
     # (examples/export_torchvision.py): tvm-ffi imports torch whenever it is importable, which would add
-    # seconds to every edgeq command. These pins are the builds this project tests with.
+    # seconds to every edgeq command. These pins are the builds this project tests with. On x86_64 torch
+    # 2.13.0 is the CPU build where pip finds it (1 GB; the CUDA build PyPI has is 5.5 GB and filled CI's
+    # disk), and torchvision goes in without its dependencies, which would pull that CUDA build back in:
+    # beside a CPU torch its detection operators do not load, which no classification model uses.
     case "$(uname -m)" in
-        aarch64) torch_pins=(torch==2.9.1 torchvision==0.24.1) ;;
-        *) torch_pins=(torch==2.14.1 torchvision==0.29.1) ;;
+        aarch64) torch_pins=(torch==2.9.1) vision_pin=torchvision==0.24.1 ;;
+        *) torch_pins=(torch==2.13.0) vision_pin=torchvision==0.28.0 ;;
     esac
     if [ ! -x .venv-export/bin/python ]; then
         echo "setup: making .venv-export (torch and torchvision, to export the torchvision zoo)"
         "$PYTHON" -m venv .venv-export
     fi
-    .venv-export/bin/python -m pip install -q --disable-pip-version-check "${torch_pins[@]}" "onnx>=1.21"
+    pip_export=(.venv-export/bin/python -m pip install -q --disable-pip-version-check --no-cache-dir)
+    "${pip_export[@]}" "${torch_pins[@]}" "onnx>=1.21" numpy pillow
+    "${pip_export[@]}" --no-deps "$vision_pin"
 fi
 echo "setup: done ($("$VENV/bin/edgeq" --version), Python $(py_version "$PY") in $VENV; activate it with: . $VENV/bin/activate)"
