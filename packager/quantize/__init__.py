@@ -2,7 +2,7 @@
 
     stats  = calibrate.collect(float graph, layers, calibration data)     # host TVM run, two passes
     scales = CALIBRATORS[method].threshold(stats) / 127                   # per-tensor activation scales
-    graph  = quantize_ops(graph, plans), then each of PASSES in order     # fold_bias, requantize
+    graph  = quantize_ops(graph, plans), then each of PASSES in order     # fold_bias, hoist_quantize, requantize
 
 Layers named by ``--skip`` stay in float; with an accuracy budget the layers whose int8 version costs the
 most accuracy on their own go back to the fallback precision (fp32, or fp16 with ``--fp16``) one at a time
@@ -30,6 +30,7 @@ from edgeq.quantize.calibrate import collect
 from edgeq.quantize.calibrators import CALIBRATORS
 from edgeq.quantize.data import Dataset, Preprocess, load_data
 from edgeq.quantize.fold_bias import fold_bias
+from edgeq.quantize.hoist_quantize import hoist_quantize
 from edgeq.quantize.notes import PassNotes
 from edgeq.quantize.commute_qdq import commute_qdq
 from edgeq.quantize.layers import Layer, find_layers
@@ -44,7 +45,8 @@ COLLAPSE_COSINE = 0.9
 
 # The passes after quantize_ops, in order. Each is ``pass(graph, notes) -> graph``; what one leaves for the
 # report it writes into ``notes`` (PassNotes).
-PASSES: list[tuple[str, Callable[[Graph, PassNotes], Graph]]] = [("fold_bias", fold_bias), ("requantize", requantize)]
+PASSES: list[tuple[str, Callable[[Graph, PassNotes], Graph]]] = [
+    ("fold_bias", fold_bias), ("hoist_quantize", hoist_quantize), ("requantize", requantize)]
 QDQ_PASSES: list[tuple[str, Callable[[Graph, PassNotes], Graph]]] = [*PASSES, ("commute_qdq", commute_qdq)]
 
 

@@ -13,7 +13,8 @@ from collections.abc import Callable, Iterable
 import numpy as np
 
 from edgeq.compile import HostRunner
-from edgeq.graph import Graph, Rewriter, rewrite
+from edgeq.graph import Graph, Rewriter, call_op, rewrite
+from edgeq.quantize.hoist_quantize import POOLS
 from edgeq.quantize.layers import Layer
 
 BINS = 2048
@@ -31,15 +32,25 @@ class TensorStats:
         return {"min": float(self.min), "max": float(self.max), "absmax": float(self.absmax), "count": self.count}
 
 
+def pooled_source(rw: Rewriter, x):
+    """``x``, or what the max-pools that make ``x`` read: a layer after a max-pool is calibrated on the
+    pool's input, so that it and the pool's other readers agree on one scale and the pool can run on int8
+    (``hoist_quantize``), as ONNX Runtime's quantizer gives a MaxPool's output its input's scale."""
+    while call_op(rw.value(x)) in POOLS:
+        x = rw.value(x).args[0]
+    return x
+
+
 def with_taps(graph: Graph, layers: list[Layer]) -> Graph:
-    """The graph with extra outputs: the input activation of each layer, in ``layers`` order."""
+    """The graph with extra outputs: the input activation of each layer (seen through max-pools,
+    ``pooled_source``), in ``layers`` order."""
     wanted = {layer.weight: i for i, layer in enumerate(layers)}
     taps: dict[int, object] = {}
 
     def visit(rw: Rewriter, var, value):
         weight_var, _ = rw.weight_operand(value)
         if weight_var is not None and weight_var.name in wanted:
-            taps.setdefault(wanted[weight_var.name], value.args[0])
+            taps.setdefault(wanted[weight_var.name], pooled_source(rw, value.args[0]))
         return None
 
     return rewrite(graph, visit, extra_outputs=lambda rw: [rw.new(taps[i]) for i in range(len(layers))])
