@@ -196,3 +196,59 @@ def test_jetson_int8_bundle(models, random_data, tmp_path):
     assert m["library"]["cuda_device_code"] == ["sm_87"] and m["quantization"]["precision_counts"]["int8"] == 8
     # the golden outputs come from a host build: the device may round one value to the next int8 step
     assert (m["golden"]["rtol"], m["golden"]["atol"]) == (0.02, 0.05)
+
+
+def _inception_model(path: Path) -> Path:
+    """A GoogLeNet-style stem and inception block (torchvision's layout, small): conv, ReLU, max-pool; four
+    branches (1x1; 1x1 -> 3x3; 1x1 -> 3x3; 3x3 max-pool -> 1x1) concatenated, then a 1x1 conv."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(5)
+    shapes = dict(stem=(16, 3, 3, 3), b1=(8, 16, 1, 1), b2r=(8, 16, 1, 1), b2=(12, 8, 3, 3), b3r=(4, 16, 1, 1),
+                  b3=(8, 4, 3, 3), b4=(4, 16, 1, 1), head=(10, 32, 1, 1))
+    inits = [numpy_helper.from_array((rng.standard_normal(s) * (2 / np.prod(s[1:])) ** 0.5).astype(np.float32), k)
+             for k, s in shapes.items()]
+    inits += [numpy_helper.from_array(rng.uniform(-0.1, 0.2, s[0]).astype(np.float32), f"{k}_b")
+              for k, s in shapes.items()]
+
+    def conv(x, w, y, pad=0):
+        return [helper.make_node("Conv", [x, w, f"{w}_b"], [f"{y}_c"], pads=[pad] * 4),
+                helper.make_node("Relu", [f"{y}_c"], [y])]
+
+    nodes = [*conv("input", "stem", "s", 1),
+             helper.make_node("MaxPool", ["s"], ["p"], kernel_shape=[3, 3], strides=[2, 2], ceil_mode=1),
+             *conv("p", "b1", "y1"), *conv("p", "b2r", "r2"), *conv("r2", "b2", "y2", 1),
+             *conv("p", "b3r", "r3"), *conv("r3", "b3", "y3", 1),
+             helper.make_node("MaxPool", ["p"], ["p4"], kernel_shape=[3, 3], pads=[1, 1, 1, 1], ceil_mode=1),
+             *conv("p4", "b4", "y4"),
+             helper.make_node("Concat", ["y1", "y2", "y3", "y4"], ["cat"], axis=1),
+             helper.make_node("Conv", ["cat", "head", "head_b"], ["y"])]
+    graph = helper.make_graph(nodes, "inception", [helper.make_tensor_value_info("input", TensorProto.FLOAT, [1, 3, 32, 32])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 10, 16, 16])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    path.write_bytes(model.SerializeToString())
+    return path
+
+
+def test_inception_block_concatenates_and_pools_int8(random_data, tmp_path):
+    """Every reader of the concatenation and of the pooled stem quantizes to one scale (calibration measures a
+    layer after a max-pool on the pool's input), so the concatenation and both max-pools run on int8 and each
+    branch's convolution requantizes straight into it; the result still matches the float model."""
+    import onnxruntime as ort
+
+    from edgeq.compile import HostRunner
+
+    path = _inception_model(tmp_path / "inception.onnx")
+    result = _quantized_graph(path, random_data["calib"])
+    ops = {call_op(b.value): b.value for b in result.graph.bindings()}
+    floats = [call_op(b.value) for b in result.graph.bindings()
+              if call_op(b.value) in ("relax.concat", "relax.nn.max_pool2d") and b.value.ty.dtype != "int8"]
+    assert "relax.concat" in ops and "relax.nn.max_pool2d" in ops and not floats, floats
+    assert [call_op(b.value) for b in result.graph.bindings()].count("relax.quantize") == 1  # the model input
+    x = np.load(random_data["eval"])["input"][:8]
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    runner = HostRunner(result.graph)
+    for sample in x:
+        want = session.run(None, {"input": sample[None]})[0].ravel()
+        got = runner([sample[None]])[0].ravel()
+        assert float(got @ want / np.linalg.norm(got) / np.linalg.norm(want)) >= 0.995

@@ -207,3 +207,82 @@ def test_requantize_moves_a_relu6_to_the_integer_side():
     out = np.concatenate([after([a])[0].ravel() for a in accs]).astype(int)
     assert np.abs(ref - out).max() <= 1 and (ref == out).mean() > 0.95  # float32 x / s vs x * (s1 / s)
     assert out.min() == 0 and out.max() == 120 and ((out == 0) & (ref == 0)).any() and ((out == 120) & (ref == 120)).any()
+
+
+@I.ir_module
+class INCEPTION_TAIL:
+    """Two branches concatenated; three readers (two layers and a pool branch) quantize it to one scale."""
+
+    @R.function
+    def main(a: R.Tensor((1, 2, 4, 4), "float32"), b: R.Tensor((1, 3, 4, 4), "float32")):
+        R.func_attr({"num_input": 2})
+        with R.dataflow():
+            x = R.concat((a, b), axis=1)
+            q1 = R.quantize(x, R.const(S2, "float32"), R.const(0, "int8"), axis=-1, out_dtype="int8")
+            q2 = R.quantize(x, R.const(S2, "float32"), R.const(0, "int8"), axis=-1, out_dtype="int8")
+            p = R.nn.max_pool2d(x, pool_size=[3, 3], padding=[1, 1, 1, 1])
+            q3 = R.quantize(p, R.const(S2, "float32"), R.const(0, "int8"), axis=-1, out_dtype="int8")
+            out = (q1, q2, q3)
+            R.output(out)
+        return out
+
+
+def test_hoist_quantize_concatenates_and_pools_int8():
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(a: R.Tensor((1, 2, 4, 4), "float32"), b: R.Tensor((1, 3, 4, 4), "float32")):
+            R.func_attr({"num_input": 2})
+            with R.dataflow():
+                qa = R.quantize(a, R.const(S2, "float32"), R.const(0, "int8"), axis=-1, out_dtype="int8")
+                qb = R.quantize(b, R.const(S2, "float32"), R.const(0, "int8"), axis=-1, out_dtype="int8")
+                xq = R.concat((qa, qb), axis=1)
+                p = R.nn.max_pool2d(xq, pool_size=[3, 3], padding=[1, 1, 1, 1])
+                out = (xq, xq, p)
+                R.output(out)
+            return out
+
+    from edgeq.compile import HostRunner
+    from edgeq.quantize.hoist_quantize import hoist_quantize
+
+    out = hoist_quantize(Graph(INCEPTION_TAIL, {}))
+    tvm.ir.assert_structural_equal(out.mod, Expected)
+    # exact: quantize commutes with moving values and with their maximum (the pool's padding included)
+    rng = np.random.default_rng(0)
+    inputs = [rng.normal(0, 3, (1, 2, 4, 4)).astype(np.float32), rng.normal(0, 3, (1, 3, 4, 4)).astype(np.float32)]
+    for got, want in zip(HostRunner(out)(inputs), HostRunner(Graph(INCEPTION_TAIL, {}))(inputs)):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_hoist_quantize_leaves_a_tensor_still_read_in_float_or_at_two_scales():
+    from edgeq.quantize.hoist_quantize import hoist_quantize
+
+    @I.ir_module
+    class TwoScales:
+        @R.function
+        def main(a: R.Tensor((1, 2, 4, 4), "float32"), b: R.Tensor((1, 3, 4, 4), "float32")):
+            R.func_attr({"num_input": 2})
+            with R.dataflow():
+                x = R.concat((a, b), axis=1)
+                q1 = R.quantize(x, R.const(S2, "float32"), R.const(0, "int8"), axis=-1, out_dtype="int8")
+                p = R.nn.max_pool2d(x, pool_size=[3, 3], padding=[1, 1, 1, 1])
+                q3 = R.quantize(p, R.const(S_X, "float32"), R.const(0, "int8"), axis=-1, out_dtype="int8")
+                out = (q1, q3)
+                R.output(out)
+            return out
+
+    @I.ir_module
+    class FloatReader:
+        @R.function
+        def main(a: R.Tensor((1, 2, 4, 4), "float32"), b: R.Tensor((1, 3, 4, 4), "float32")):
+            R.func_attr({"num_input": 2})
+            with R.dataflow():
+                x = R.concat((a, b), axis=1)
+                q1 = R.quantize(x, R.const(S2, "float32"), R.const(0, "int8"), axis=-1, out_dtype="int8")
+                m = R.mean(x, axis=[2, 3])
+                out = (q1, m)
+                R.output(out)
+            return out
+
+    for before in (TwoScales, FloatReader):
+        tvm.ir.assert_structural_equal(hoist_quantize(Graph(before, {})).mod, before)
