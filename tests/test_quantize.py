@@ -90,6 +90,19 @@ def test_ir_computes_conv_and_matmul_in_integers(models, random_data, family):
             if call_op(src) == "relax.nn.relu":
                 src = values.get(src.args[0])
             assert call_op(src) != "relax.dequantize"
+    # A block's output goes on quantized only, once: the residual add reads that int8 copy (dequantized), not
+    # the float tensor (which would be written in float for it alone).
+    readers: dict = {}
+    for b in result.graph.bindings():
+        for var in b.value.args if hasattr(b.value, "args") else []:
+            readers.setdefault(var, []).append(call_op(b.value))
+    quantized = [b.value.args[0] for b in result.graph.bindings()
+                 if call_op(b.value) == "relax.quantize" and b.value.args[0] in values]
+    assert quantized and all(readers[v] == ["relax.quantize"] for v in quantized), [readers[v] for v in quantized]
+    if family == "resnet_cnn":  # its residual adds read an int8 tensor
+        adds = [b.value for b in result.graph.bindings() if call_op(b.value) == "relax.add" and b.value.ty.dtype == "float32"]
+        assert any(call_op(values.get(a)) == "relax.dequantize" and values[a].args[0].ty.dtype == "int8"
+                   for add in adds for a in add.args)
     assert {str(w.dtype) for w in result.graph.weights.values()} >= {"int8", "int32"}
 
 

@@ -286,3 +286,48 @@ def test_hoist_quantize_leaves_a_tensor_still_read_in_float_or_at_two_scales():
 
     for before in (TwoScales, FloatReader):
         tvm.ir.assert_structural_equal(hoist_quantize(Graph(before, {})).mod, before)
+
+
+def test_hoist_quantize_residual_add_reads_the_int8_copy():
+    """A block's output read by the next layer (quantized) and by the residual add: the add reads the
+    quantized copy, dequantized, so the float tensor has one reader left (the quantize, which ``requantize``
+    then moves into the producing layer's epilogue)."""
+    from edgeq.quantize.hoist_quantize import hoist_quantize
+
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((1, 2, 4, 4), "float32"), acc: R.Tensor((1, 2, 4, 4), "int32")):
+            R.func_attr({"num_input": 2})
+            with R.dataflow():
+                y = R.nn.relu(x)
+                q = R.quantize(y, R.const(S2, "float32"), R.const(0, "int8"), axis=-1, out_dtype="int8")
+                d = R.dequantize(acc, R.const(S_CONV, "float32"), R.const(0, "int8"), axis=1, out_dtype="float32")
+                r = R.add(d, y)
+                out = (q, r)
+                R.output(out)
+            return out
+
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(x: R.Tensor((1, 2, 4, 4), "float32"), acc: R.Tensor((1, 2, 4, 4), "int32")):
+            R.func_attr({"num_input": 2})
+            with R.dataflow():
+                y = R.nn.relu(x)
+                q = R.quantize(y, R.const(S2, "float32"), R.const(0, "int8"), axis=-1, out_dtype="int8")
+                d = R.dequantize(acc, R.const(S_CONV, "float32"), R.const(0, "int8"), axis=1, out_dtype="float32")
+                r = R.add(d, R.dequantize(q, R.const(S2, "float32"), R.const(0, "int8"), axis=-1, out_dtype="float32"))
+                out = (q, r)
+                R.output(out)
+            return out
+
+    out = hoist_quantize(Graph(Before, {}))
+    tvm.ir.assert_structural_equal(out.mod, Expected)
+    from edgeq.compile import HostRunner
+
+    rng = np.random.default_rng(1)
+    x, acc = rng.normal(0, 0.05, (1, 2, 4, 4)).astype(np.float32), rng.integers(-3000, 3000, (1, 2, 4, 4)).astype(np.int32)
+    (q0, r0), (q1, r1) = HostRunner(Graph(Before, {}))([x, acc]), HostRunner(out)([x, acc])
+    np.testing.assert_array_equal(q0, q1)
+    assert np.abs(r1 - r0).max() <= S2 / 2 * 1.0001  # the residual now carries its int8 rounding, no more

@@ -92,9 +92,10 @@ def hoist_quantize(graph: Graph, notes: PassNotes | None = None) -> Graph:
 
     def hoisted(var) -> bool:
         """Is ``var`` quantized where it is made: a concatenation or a max-pool whose readers agree, or a
-        tensor residual adds read as well?"""
+        tensor residual adds or several layers read?"""
         found = agreement(var)
-        return found is not None and (concatenation(values[var]) or pool_of_agreed(values[var]) or found[2])
+        return found is not None and (concatenation(values[var]) or pool_of_agreed(values[var]) or found[2]
+                                      or len(readers[var]) > 1)
 
     made: dict = {}
 
