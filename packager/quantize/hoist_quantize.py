@@ -10,7 +10,9 @@ minimum). The third is the residual connection of ResNet and MobileNet blocks: t
 the next block's first layer (quantized) and by its residual add; the add now reads the int8 copy, as ONNX
 Runtime's quantized Add does, so the float tensor is never written (a float residual made the epilogue of
 every block's last convolution read and write 4 bytes per value: ResNet-50's ran at 150-260 G MAC/s where
-its other convolutions run at 390).
+its other convolutions run at 390). Not exact: the residual carries the rounding of the int8 copy (half a
+step of the scale the next layer reads it at). A tensor that several layers quantize alike is quantized
+once (ResNet's block output, read by the next block's first and downsampling convolutions).
 
 Applied to a tensor only when every reader quantizes it (directly or through max-pools) with the same scale
 and zero point, or is such an add, and at least one quantizes it: then nothing needs it in float, the
