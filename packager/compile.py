@@ -51,7 +51,7 @@ def is_cpu(target) -> bool:
 
 def lower_graph(graph, target):
     """The graph on edgeq's CPU kernels (convolutions and matrix products, NHWC between them; inference
-    BatchNorms folded, ``edgeq.gpu.fold_batch_norm``) when ``target`` is a CPU; for GPU targets the CUDA
+    BatchNorms folded, ``edgeq.graph_passes.fold_batch_norm``) when ``target`` is a CPU; for GPU targets the CUDA
     path's graph clean-up (``edgeq.gpu.prepare_graph``: BatchNorm folded, weight reshapes precomputed).
     Returns (graph, conv/matmul calls on CPU kernels)."""
     if not is_cpu(target):
@@ -59,7 +59,7 @@ def lower_graph(graph, target):
 
         return prepare_graph(graph), 0
     tvm = import_tvm()
-    from edgeq.gpu import fold_batch_norm
+    from edgeq.graph_passes import fold_batch_norm
     from edgeq.kernels.conv import Isa
     from edgeq.kernels.lower import lower_for_cpu
 

@@ -1,14 +1,8 @@
 """The CUDA path: the graph clean-up before TVM, and TVM's CUDA pipeline with edgeq's schedule step.
 
 Graph (``prepare_graph``, run by ``edgeq.compile.lower_graph`` for CUDA targets, so the golden outputs are
-computed on the same graph the device runs):
-
-- ``fold_batch_norm``: inference BatchNorm folded into the convolution before it (its weights scaled, its
-  bias shifted); a BatchNorm with no convolution before it becomes a per-channel multiply and add, which
-  FuseOps fuses into the kernel before it. No batch-norm kernel is left.
-- ``precompute_weight_ops``: reshapes, transposes and casts of weights (ONNX Conv's bias reshaped to
-  [1, C, 1, 1], Gemm's transposed weight) done here, once, on the weights: they are kernels per inference
-  otherwise (TVM cannot fold them, weights are parameters, not constants).
+computed on the same graph the device runs): ``edgeq.graph_passes.fold_batch_norm`` (no batch-norm kernel is
+left) and ``precompute_weight_ops`` (weight reshapes and transposes done once, at build time).
 
 Bias, activation and residual add then fuse into the producing conv/matmul kernel by TVM's FuseOps/FuseTIR.
 
@@ -37,7 +31,8 @@ from typing import Any
 import numpy as np
 
 from edgeq.errors import ModelError
-from edgeq.graph import LAYOUT_OPS, Graph, Rewriter, apply_layout_op, call_op, const_value, rewrite
+from edgeq.graph import Graph, Rewriter, call_op, const_value, rewrite
+from edgeq.graph_passes import dtype_of, fold_batch_norm, fresh_name, precompute_weight_ops
 from edgeq.toolchain import import_tvm
 
 tvm = import_tvm()
@@ -54,139 +49,10 @@ NO_TENSOR_CORES = "dlight.do_not_tensorize"  # dlight's tensorization rules skip
 # ------------------------------------------------------------------ graph transforms
 
 
-def _static(rw: Rewriter, expr, dequantize: bool = True) -> np.ndarray | None:
-    """The value of ``expr`` when it is known before run time: with ``dequantize``, ``Rewriter.static_value``;
-    without, only a weight, a constant, or a reshape / transpose / cast / squeeze / expand_dims of one."""
-    if dequantize:
-        return rw.static_value(expr)
-    value = rw.array(expr)
-    if value is not None:
-        return value
-    inner = rw.value(expr) if isinstance(expr, relax.Var) else expr
-    return apply_layout_op(inner, lambda e: _static(rw, e, False)) if isinstance(inner, relax.Call) else None
-
-
-def _fresh(rw: Rewriter, name: str) -> str:
-    """A weight parameter name not taken yet (``Rewriter.param`` returns the existing one for a taken name)."""
-    taken = set(rw.weights) | set(rw.graph.weights)
-    candidate, n = name, 1
-    while candidate in taken:
-        n += 1
-        candidate = f"{name}_{n}"
-    return candidate
-
-
-
-
-def _name(expr, default: str) -> str:
-    return expr.name if isinstance(expr, relax.Var) else default
-
-
-def fold_batch_norm(graph: Graph) -> Graph:
-    """Inference BatchNorm (``relax.nn.batch_norm``, training off, statistics known) folded away: into the
-    weights and bias of a convolution (NCHW/OIHW, weights known, its output used only by the BatchNorm) or
-    a ``conv + bias`` before it, otherwise into a per-channel multiply and add."""
-
-    def visit(rw: Rewriter, var, value):
-        if not isinstance(value, relax.TupleGetItem) or value.index != 0:
-            return None
-        bn = rw.value(value.tuple_value)
-        if call_op(bn) != "relax.nn.batch_norm" or bool(bn.attrs.training):
-            return None
-        x, gamma, beta, mean, variance = bn.args
-        stats = [_static(rw, a) for a in (gamma, beta, mean, variance)]
-        shape = _shape(x)
-        if any(s is None for s in stats) or shape is None or _dtype(x) != "float32":
-            return None
-        axis = int(bn.attrs.axis) % len(shape)
-        gamma_v, beta_v, mean_v, var_v = (s.astype(np.float64).reshape(-1) for s in stats)
-        eps = float(bn.attrs.epsilon)
-        scale = gamma_v / np.sqrt(var_v + eps) if bool(bn.attrs.scale) else 1.0 / np.sqrt(var_v + eps)
-        shift = (beta_v if bool(bn.attrs.center) else 0.0) - mean_v * scale
-        base = _name(value.tuple_value, "bn")
-        folded = _fold_into_conv(rw, x, scale, shift, axis, base)
-        if folded is not None:
-            return folded
-        bshape = [1] * len(shape)
-        bshape[axis] = -1
-        scale_param = rw.param(_fresh(rw, f"{base}_scale"), scale.astype(np.float32).reshape(bshape))
-        shift_param = rw.param(_fresh(rw, f"{base}_shift"), shift.astype(np.float32).reshape(bshape))
-        return relax.op.add(rw.emit(relax.op.multiply(rw.new(x), scale_param)), shift_param)
-
-    return rewrite(graph, visit)
-
-
-def _fold_into_conv(rw: Rewriter, x, scale, shift, axis: int, base: str):
-    """conv2d(data, W * scale) + (bias * scale + shift), or None when ``x`` is not such a convolution."""
-    if axis != 1 or not isinstance(x, relax.Var) or rw.uses(x) != 1:
-        return None
-    inner = rw.value(x)
-    bias = None
-    if call_op(inner) == "relax.add":
-        a, b = inner.args
-        for conv_var, bias_expr in ((a, b), (b, a)):
-            if call_op(rw.value(conv_var)) == "relax.nn.conv2d" and _static(rw, bias_expr) is not None:
-                bias = _static(rw, bias_expr)
-                per_channel = bias.ndim >= 3 and bias.shape[-3] == scale.size and bias.size == scale.size
-                if rw.uses(conv_var) != 1 or not (bias.size == 1 or per_channel):
-                    return None
-                inner = rw.value(conv_var)
-                break
-        else:
-            return None
-    if call_op(inner) != "relax.nn.conv2d":
-        return None
-    a = inner.attrs
-    if (a.data_layout, a.kernel_layout, a.out_layout) != ("NCHW", "OIHW", "NCHW"):
-        return None
-    if str(a.out_dtype) not in ("", "None", "void", "float32"):  # None: the input's dtype
-        return None
-    data, w = inner.args
-    wv = _static(rw, w)
-    if wv is None or wv.dtype != np.float32 or wv.shape[0] != scale.size:
-        return None
-    weight = (wv.astype(np.float64) * scale.reshape(-1, 1, 1, 1)).astype(np.float32)
-    b = np.zeros(scale.size) if bias is None else np.broadcast_to(bias.reshape(-1).astype(np.float64), scale.shape)
-    new_bias = (b * scale + shift).astype(np.float32).reshape(1, -1, 1, 1)
-    conv = relax.op.nn.conv2d(rw.new(data), rw.param(_fresh(rw, f"{_name(w, base)}_{base}_folded"), weight), a.strides,
-                              a.padding, a.dilation, int(a.groups), "NCHW", "OIHW", "NCHW")
-    return relax.op.add(rw.emit(conv), rw.param(_fresh(rw, f"{base}_folded_bias"), new_bias))
-
-
-def precompute_weight_ops(graph: Graph) -> Graph:
-    """Reshapes, transposes, casts, squeezes and expand_dims of weights computed now: their results become
-    weight parameters, so no kernel computes them on every inference. (Of constants alone TVM's FoldConstant
-    takes care; dequantized weights stay as they are: precomputed they would be float, four times larger.)"""
-
-    def visit(rw: Rewriter, var, value):
-        if call_op(value) not in LAYOUT_OPS or const_value(value.args[0]) is not None:
-            return None
-        result = _static(rw, value, dequantize=False)
-        if result is None:
-            return None
-        return rw.param(_fresh(rw, f"{_name(value.args[0], 'w')}_{var.name}"), result)
-
-    return rewrite(graph, visit)
-
-
 def prepare_graph(graph: Graph) -> Graph:
     """The graph transforms of the CUDA path, in order (no scheduling: the result builds for any target,
     which is how its correctness is checked without a GPU)."""
     return precompute_weight_ops(fold_batch_norm(graph))
-
-
-def _shape(expr) -> list[int] | None:
-    ty = getattr(expr, "struct_info", None) or getattr(expr, "ty", None)
-    shape = getattr(ty, "shape", None)
-    if shape is None or not hasattr(shape, "values"):
-        return None
-    values = list(shape.values)
-    return [int(v) for v in values] if all(isinstance(v, tvm.tirx.IntImm) for v in values) else None
-
-
-def _dtype(expr) -> str | None:
-    ty = getattr(expr, "struct_info", None) or getattr(expr, "ty", None)
-    return str(ty.dtype) if ty is not None and hasattr(ty, "dtype") else None
 
 
 # ------------------------------------------------------------------ scheduling
@@ -465,7 +331,7 @@ def _clips_as_max_min(graph: Graph) -> Graph:
     def visit(rw: Rewriter, var, value):
         op = call_op(value)
         if op == "relax.clip" and all(isinstance(a, _IMMEDIATES) for a in value.args[1:]):
-            dtype = _dtype(value.args[0]) or "float32"
+            dtype = dtype_of(value.args[0]) or "float32"
             low, high = (relax.const(float(a.value), dtype) for a in value.args[1:])
             return relax.op.minimum(rw.emit(relax.op.maximum(rw.new(value.args[0]), low)), high)
         if op != "relax.call_tir" or not isinstance(value.args[1], relax.Tuple):
@@ -487,7 +353,7 @@ def _lift_constants(graph: Graph) -> Graph:
     def visit(rw: Rewriter, var, value):
         if not isinstance(value, relax.Call) or not any(_liftable(a) for a in value.args):
             return None
-        args = [rw.param(_fresh(rw, f"{var.name}_w{i}"), _array(a)) if _liftable(a) else rw.new(a)
+        args = [rw.param(fresh_name(rw, f"{var.name}_w{i}"), _array(a)) if _liftable(a) else rw.new(a)
                 for i, a in enumerate(value.args)]
         return relax.Call(value.op, args, value.attrs, value.ty_args)
 
