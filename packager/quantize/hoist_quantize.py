@@ -127,14 +127,15 @@ def hoist_quantize(graph: Graph, notes: PassNotes | None = None) -> Graph:
             return quantized(rw, value.args[0])
         if op != "relax.add":
             return None
-        args = []
+        args, changed = [], False
         for a in value.args:
             found = agreement(a) if isinstance(a, relax.Var) else None
             if found is not None and found[2] and residual_read(value, a):
                 _, call, _ = found
                 args.append(relax.op.dequantize(quantized(rw, a), call.args[1], call.args[2], out_dtype="float32"))
+                changed = True
             else:
                 args.append(rw.new(a))
-        return relax.Call(value.op, args, value.attrs)
+        return relax.Call(value.op, args, value.attrs) if changed else None
 
     return rewrite(graph, visit)
