@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from edgeq.graph import Graph, Rewriter, call_op, rewrite, scalar_minmax_call
+from edgeq.graph_passes import dtype_of, shape_of
 from edgeq.kernels.common import BmmSpec, ConvSpec, Isa, Kernel
 from edgeq.kernels.matmul import masked_softmax_func
 from edgeq.kernels.rules import KERNELS
@@ -42,20 +43,6 @@ UNARY = {"relax.nn.relu", "relax.clip", "relax.round", "relax.astype", "relax.si
 BINARY = {"relax.add", "relax.subtract", "relax.multiply", "relax.divide", "relax.maximum", "relax.minimum"}
 POOL = {"relax.nn.max_pool2d", "relax.nn.avg_pool2d"}
 REDUCE = {"relax.mean", "relax.sum", "relax.max"}
-
-
-def _shape(expr) -> list[int] | None:
-    ty = expr.ty if hasattr(expr, "ty") else None
-    if not isinstance(ty, relax.TensorType) or ty.shape is None:
-        return None
-    try:
-        return [int(d) for d in ty.shape.values]
-    except (TypeError, AttributeError):
-        return None
-
-
-def _dtype(expr) -> str:
-    return str(expr.ty.dtype)
 
 
 def _kernel_dtypes(data: str, weight: str, out: str) -> bool:
@@ -131,7 +118,7 @@ class _Lowering:
         new = rw.new(expr)
         if new in self.nhwc:
             return new
-        shape = _shape(expr)
+        shape = shape_of(expr)
         if shape is None:
             return None
         if len(shape) <= 1 and (not shape or shape[0] == 1):
@@ -150,9 +137,9 @@ class _Lowering:
         """``arg`` (output graph) as an operand of the flat form of an element-wise call whose result has
         ``shape`` (flat twin ``twin``), or None where it cannot be one."""
         flat, rows = twin
-        if arg in self.twin and _shape(self.twin[arg][0]) == _shape(flat) and self.twin[arg][1] == rows:
+        if arg in self.twin and shape_of(self.twin[arg][0]) == shape_of(flat) and self.twin[arg][1] == rows:
             return self.twin[arg][0]
-        s = _shape(arg)
+        s = shape_of(arg)
         if s is None or len(s) > 4:
             return None
         if int(np.prod(s[:-1])) == 1 and (not s or s[-1] in (1, shape[-1])):
@@ -160,7 +147,7 @@ class _Lowering:
         if s != shape:
             return None
         out = rw.emit(relax.op.reshape(arg, [1, 1, rows, shape[-1]]))
-        padded = _shape(flat)[2]
+        padded = shape_of(flat)[2]
         if padded != rows:
             out = rw.emit(relax.op.nn.pad(out, [0, 0, 0, 0, 0, padded - rows, 0, 0]))
         return out
@@ -178,13 +165,13 @@ class _Lowering:
         if owner is None:
             return None
         flat, rows = self.twin[owner]
-        columns = _shape(flat)[3]
+        columns = shape_of(flat)[3]
         if op == "relax.reshape":
             shape = [int(d) for d in expr.args[1].values]
             if args[0].same_as(owner) and shape and shape[-1] == columns and int(np.prod(shape[:-1])) == rows:
                 return relax.op.reshape(owner, shape), (flat, rows)
             return None
-        shape = _shape(owner)
+        shape = shape_of(owner)
         if shape is None or shape[-1] != columns:
             return None
         last = len(shape) - 1
@@ -198,7 +185,7 @@ class _Lowering:
             new = relax.Call(expr.op, ops, attrs, expr.ty_args)
         elif op in ("relax.quantize", "relax.dequantize") and args[0].same_as(owner):
             per_column = int(attrs.axis) % len(shape) == last
-            if not per_column and any(int(np.prod(_shape(a) or [0])) != 1 for a in args[1:]):
+            if not per_column and any(int(np.prod(shape_of(a) or [0])) != 1 for a in args[1:]):
                 return None
             fn = relax.op.quantize if op == "relax.quantize" else relax.op.dequantize
             new = fn(flat, args[1], args[2], axis=3, out_dtype=str(attrs.out_dtype))
@@ -220,11 +207,11 @@ class _Lowering:
             return None
         x, w = value.args
         wv = rw.array(w)
-        xs, ys = _shape(x), _shape(var)
+        xs, ys = shape_of(x), shape_of(var)
         if wv is None or xs is None or ys is None or len(xs) != 4:
             return None
-        xd = _dtype(x)
-        if not _kernel_dtypes(xd, str(wv.dtype), _dtype(var)):
+        xd = dtype_of(x)
+        if not _kernel_dtypes(xd, str(wv.dtype), dtype_of(var)):
             return None
         n, c, h, width = xs
         oc, icg, kh, kw = wv.shape
@@ -264,7 +251,7 @@ class _Lowering:
     def matmul(self, rw: Rewriter, var, value):
         x = value.args[0]
         w_var, transposed = rw.weight_operand(value)
-        xs, ys = _shape(x), _shape(var)
+        xs, ys = shape_of(x), shape_of(var)
         if w_var is None:
             return self.batched_matmul(rw, var, value)
         if xs is None or ys is None or len(xs) < 2:
@@ -273,8 +260,8 @@ class _Lowering:
         w = wv.T if transposed else wv  # [K, N]
         if w.ndim != 2:
             return None
-        xd = _dtype(x)
-        if not _kernel_dtypes(xd, str(w.dtype), _dtype(var)):
+        xd = dtype_of(x)
+        if not _kernel_dtypes(xd, str(w.dtype), dtype_of(var)):
             return None
         k, cols = w.shape
         m = int(np.prod(xs[:-1]))
@@ -284,7 +271,7 @@ class _Lowering:
             return None
         xn = rw.new(x)
         twin = self.twin.get(xn) if xn not in self.nhwc else None
-        if twin is not None and twin[1] == m and _shape(twin[0]) == [1, 1, mp, k]:
+        if twin is not None and twin[1] == m and shape_of(twin[0]) == [1, 1, mp, k]:
             x4 = twin[0]  # the previous product's rows, as its kernel left them (padding rows and all)
         else:
             x4 = rw.emit(relax.op.reshape(self.plain(rw, x), [1, 1, m, k]))
@@ -300,18 +287,18 @@ class _Lowering:
         Its result is also kept in the kernel's padded shape (``self.scores``) for a softmax that follows
         (``masked_softmax``), and a softmax so kept is read as it is, padded, by the next product."""
         a, b = value.args
-        sa, sb, ys = _shape(a), _shape(b), _shape(var)
+        sa, sb, ys = shape_of(a), shape_of(b), shape_of(var)
         if sa is None or sb is None or ys is None or len(sa) < 2 or len(sa) != len(sb) or sa[:-2] != sb[:-2]:
             return None
-        if {_dtype(a), _dtype(b), _dtype(var)} != {"float32"}:
+        if {dtype_of(a), dtype_of(b), dtype_of(var)} != {"float32"}:
             return None
         batch = int(np.prod(sa[:-2])) if len(sa) > 2 else 1
         m, k, n = sa[-2], sa[-1], sb[-1]
         mp, np_ = _rows(m), _rows(n, 16)
         kept = self.scores.get(rw.new(a))
-        if kept is not None and not (kept[3] and kept[1:3] == (m, k) and _shape(kept[0])[:2] == [batch, mp]):
+        if kept is not None and not (kept[3] and kept[1:3] == (m, k) and shape_of(kept[0])[:2] == [batch, mp]):
             kept = None
-        kp = _shape(kept[0])[2] if kept is not None else k
+        kp = shape_of(kept[0])[2] if kept is not None else k
         chosen = choose(BmmSpec(batch, mp, kp, np_), self.isa)
         if chosen is None:
             return None
@@ -336,7 +323,7 @@ class _Lowering:
     def unpad(self, rw: Rewriter, padded, m: int, n: int, shape: list[int]):
         """``padded[..., :m, :n]`` (a kernel's result in its padded tile: a flat twin, attention scores)
         reshaped to ``shape``, the model's; only the axes that are padded are sliced."""
-        size = _shape(padded)
+        size = shape_of(padded)
         axes = [ax for ax, end in ((len(size) - 2, m), (len(size) - 1, n)) if size[ax] != end]
         if axes:
             ends = [m if ax == len(size) - 2 else n for ax in axes]
@@ -347,12 +334,12 @@ class _Lowering:
         """A softmax along the last axis of attention scores kept padded (``batched_matmul``): computed on the
         padded tile over the columns that are data, zeros in the others (``matmul.masked_softmax_func``)."""
         x = rw.new(value.args[0])
-        shape = _shape(var)
+        shape = shape_of(var)
         kept = self.scores.get(x)
         if kept is None or shape is None or int(value.attrs.axis) % len(shape) != len(shape) - 1:
             return None
         padded, m, n, _ = kept
-        batch, rows, cols = _shape(padded)
+        batch, rows, cols = shape_of(padded)
         gv = rw.bb.add_func(masked_softmax_func(batch, rows, cols, n).without_attr("global_symbol"), "edgeq_softmax")
         out = rw.emit(relax.call_tir(gv, relax.Tuple([padded]), relax.TensorType([batch, rows, cols], "float32")))
         new = rw.emit(self.unpad(rw, out, m, n, shape), var.name)
@@ -396,7 +383,7 @@ class _Lowering:
         if op in UNARY:
             return self.result(rw, var, relax.Call(value.op, [rw.new(args[0]), *args[1:]], value.attrs, value.ty_args), True)
         if op in BINARY:
-            ndim = len(_shape(var) or [])
+            ndim = len(shape_of(var) or [])
             ops = [self.channel_operand(rw, a, ndim) for a in args]
             if ndim != 4 or any(o is None for o in ops):
                 return None
@@ -436,9 +423,9 @@ class _Lowering:
         tup = value.args[0]
         if isinstance(tup, relax.Var):
             tup = rw.value(tup)
-        if not isinstance(tup, relax.Tuple) or len(_shape(var) or []) != 4:
+        if not isinstance(tup, relax.Tuple) or len(shape_of(var) or []) != 4:
             return None
-        if any(len(_shape(f) or []) != 4 for f in tup.fields):
+        if any(len(shape_of(f) or []) != 4 for f in tup.fields):
             return None
         fields = [rw.new(f) for f in tup.fields]
         if not any(f in self.nhwc for f in fields):
@@ -453,7 +440,7 @@ class _Lowering:
         the data as it is (a same-shape reshape binds it to a variable of its own), not a transpose."""
         x = rw.new(value.args[0])
         axes = [int(a) for a in value.attrs.axes] if value.attrs.axes is not None else None
-        shape = _shape(x)
+        shape = shape_of(x)
         if shape is None or len(shape) != 4:
             return None
         if x in self.nhwc and axes == TO_NHWC:
@@ -468,7 +455,7 @@ class _Lowering:
         rational function, in the CPU pipeline (``relax.transform.FastMathTransform``). EfficientNet's
         SiLU epilogues took longer than their convolutions."""
         x = value.args[0]
-        if _dtype(x) != "float32" or _dtype(var) != "float32":
+        if dtype_of(x) != "float32" or dtype_of(var) != "float32":
             return None
         new = rw.new(x)
         half = rw.const(0.5)
