@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import numpy as np
 import onnx
@@ -172,6 +173,46 @@ def test_int8_conv_kernels_match_onnxruntime(cv, act, tmp_path):
     assert stats.get(expected) == 1, stats
     assert any(str(w.dtype) == "int8" for w in lowered.weights.values())  # integer weights, packed
     assert_close(ours, theirs, rtol=1e-5)
+
+
+def qdq_conv_bias_model(path, rng, oc=32, c=16):
+    """x -> Q/DQ -> Conv (int8 weight, int32 bias) -> ReLU -> Q/DQ: an int8 layer with an int8 output."""
+    w = rng.integers(-127, 128, (oc, c, 3, 3)).astype(np.int8)
+    ws = (rng.random(oc).astype(np.float32) + 0.5) * 0.01
+    xs = np.float32(0.05)
+    b = rng.integers(-3000, 3000, oc).astype(np.int32)
+    inits = [numpy_helper.from_array(w, "wq"), numpy_helper.from_array(ws, "ws"),
+             numpy_helper.from_array(np.zeros(oc, np.int8), "wz"),
+             numpy_helper.from_array(np.array(xs, np.float32), "xs"), numpy_helper.from_array(np.array(0, np.int8), "xz"),
+             numpy_helper.from_array(b, "bq"), numpy_helper.from_array((xs * ws).astype(np.float32), "bs"),
+             numpy_helper.from_array(np.zeros(oc, np.int32), "bz"),
+             numpy_helper.from_array(np.array(0.1, np.float32), "ys"), numpy_helper.from_array(np.array(0, np.int8), "yz")]
+    nodes = [
+        helper.make_node("QuantizeLinear", ["x", "xs", "xz"], ["xq"]),
+        helper.make_node("DequantizeLinear", ["xq", "xs", "xz"], ["xd"]),
+        helper.make_node("DequantizeLinear", ["wq", "ws", "wz"], ["wd"], axis=0),
+        helper.make_node("DequantizeLinear", ["bq", "bs", "bz"], ["bd"], axis=0),
+        helper.make_node("Conv", ["xd", "wd", "bd"], ["c"], kernel_shape=[3, 3], pads=[1] * 4),
+        helper.make_node("Relu", ["c"], ["r"]),
+        helper.make_node("QuantizeLinear", ["r", "ys", "yz"], ["yq"]),
+        helper.make_node("DequantizeLinear", ["yq", "ys", "yz"], ["y"]),
+    ]
+    g = helper.make_graph(nodes, "qdq_conv_bias", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, c, 12, 12])],
+                          [_out("y", 4)], inits)
+    return _save(g, path, opset=13)
+
+
+def test_int8_bias_is_where_the_accumulators_start(tmp_path):
+    """The int32 bias of an int8 convolution is folded into the kernel's start values (no add left in the
+    graph, one bias-specific start array) and the requantized output is ONNX Runtime's, value for value."""
+    path = qdq_conv_bias_model(tmp_path / "m.onnx", np.random.default_rng(5))
+    ours, theirs, stats, calls, lowered = edgeq_vs_ort(path, prequantized=True)
+    assert calls == 1 and stats.get("none", 0) == 0, stats
+    ops = [b.value.op.name for b in lowered.bindings()]
+    assert "relax.add" not in ops and ops.count("relax.call_tir") == 1, ops
+    starts = [n for n in lowered.weights if re.search(r"_b[0-9a-f]{8}_[0-9]+$", n)]
+    assert len(starts) == 1 and lowered.weights[starts[0]].dtype == np.int32, list(lowered.weights)
+    np.testing.assert_array_equal(ours[0], theirs[0])
 
 
 def test_vnni_layout_runs_on_a_cpu_without_vnni(tmp_path):

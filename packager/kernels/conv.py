@@ -11,7 +11,9 @@ int8 dot-product instruction the innermost ``D channels x 4 input channels`` ste
 the four products of each channel summed in it: AVX-512 VNNI's ``vpdpbusd`` (D = 16, u8 x s8) or Arm's
 ``sdot`` (D = 4, s8 x s8; Armv8.2 dotprod, as on Jetson Orin's Cortex-A78AE). Data of the other signedness
 is moved by 128 when it is padded, and ``offset * sum(weights)`` per channel, computed at build time, is
-subtracted again.
+subtracted again: the int32 accumulators start from ``start`` (one value per output channel, a parameter:
+minus that compensation, plus the layer's int32 bias, which lowering folds in), so neither costs an
+operation per output in the epilogue.
 
 Whatever follows a convolution in the same fused function (bias, ReLU, residual add, requantize to int8)
 is computed on the accumulator tile while it is in registers. Matrix products by a weight run here as 1x1
@@ -27,8 +29,8 @@ import math
 
 import numpy as np
 
-from edgeq.kernels.common import (DOT, DOT_KINDS, PAD, ConvSpec, Isa, Kernel, epilogue, exact_in_float, largest_divisor,
-                                  pad_input, parallel)
+from edgeq.kernels.common import (DOT, DOT_KINDS, PAD, ConvSpec, Isa, Kernel, accumulate_from, epilogue, exact_in_float,
+                                  largest_divisor, pad_input, parallel)
 from edgeq.toolchain import import_tvm
 
 tvm = import_tvm()
@@ -36,7 +38,6 @@ from tvm import te  # noqa: E402
 from tvm.s_tir import Schedule  # noqa: E402
 
 CONV = "edgeq_conv"  # the block the scheduler looks for after fusion
-ZP = "edgeq_conv_zp"
 INTRINSICS = {"vnni": "edgeq_dot_16x4_vnni_local", "vnni8": "edgeq_dot_8x4_vnni_local",
               "sdot": "edgeq_dot_4x4_sdot_local"}
 
@@ -81,8 +82,8 @@ def _register_width(isa: Isa, ocb: int) -> int:
 def conv_func(spec: ConvSpec):
     """(PrimFunc, weight packer): the TE definition of the kernel and how to pack the OIHW weight for it.
 
-    ``spec`` is planned (``plan``). The PrimFunc takes ``(data NHWC, packed weight[, compensation]) -> output
-    NHWC``; the packer maps the model's OIHW weight to the list of weight arrays that follow the data argument."""
+    ``spec`` is planned (``plan``). The PrimFunc takes ``(data NHWC, packed weight[, start]) -> output NHWC``
+    (``start``: int8 kernels, the accumulators' first values); the packer maps the model's OIHW weight to the list of weight arrays that follow the data argument."""
     x = te.placeholder((spec.n, spec.h, spec.w, spec.c), spec.dtype, name="data")
     rh, rw = te.reduce_axis((0, spec.kh), "rh"), te.reduce_axis((0, spec.kw), "rw")
     return _dot_func(spec, x, rh, rw) if spec.dot else _direct_func(spec, x, rh, rw)
@@ -115,16 +116,11 @@ def _dot_func(spec: ConvSpec, x, rh, rw):
         wp = np.zeros((oc, cp, kh, kw), np.int8)
         wp[:, :c] = w
         packed = wp.reshape(oc // d, d, cp // 4, 4, kh, kw).transpose(0, 4, 5, 2, 1, 3)
-        arrays = [np.ascontiguousarray(packed)]
-        if offset:
-            arrays.append((offset * w.astype(np.int64).sum(axis=(1, 2, 3))).astype(np.int32))
-        return arrays
+        start = -offset * w.astype(np.int64).sum(axis=(1, 2, 3))
+        return [np.ascontiguousarray(packed), start.astype(np.int32)]
 
-    if not offset:
-        return te.create_prim_func([x, wt, acc], index_dtype_override="int64"), pack
-    comp = te.placeholder((spec.oc,), "int32", name="compensation")
-    out = te.compute(acc.shape, lambda n, y, z, o: acc[n, y, z, o] - comp[o], name=ZP)
-    return te.create_prim_func([x, wt, comp, out], index_dtype_override="int64"), pack
+    start = te.placeholder((spec.oc,), "int32", name="start")
+    return accumulate_from(te.create_prim_func([x, wt, start, acc], index_dtype_override="int64"), CONV, 2), pack
 
 
 def _direct_func(spec: ConvSpec, x, rh, rw):
@@ -324,4 +320,4 @@ def _label(spec: ConvSpec, isa: Isa) -> str:
 
 
 KERNEL = Kernel(name="conv", spec=ConvSpec, plan=plan, build=conv_func, symbol="edgeq_conv2d", block=CONV,
-                schedule=schedule_conv, tag=_tag, label=_label)
+                schedule=schedule_conv, tag=_tag, label=_label, starts=lambda spec: bool(spec.dot))

@@ -22,6 +22,7 @@ One pass over the bindings (``edgeq.graph.rewrite``):
 from __future__ import annotations
 
 import dataclasses
+import zlib
 from typing import Any
 
 import numpy as np
@@ -81,6 +82,11 @@ class _Lowering:
         # other columns are zeros): attention scores and their softmax
         self.scores: dict = {}
         self.kernels = 0
+        self.readers: dict = {}  # input-graph var -> the vars of the bindings that read it
+        for b in graph.bindings():
+            for v in relax.analysis.free_vars(b.value):
+                self.readers.setdefault(v, []).append(b.var)
+        self.folded: dict = {}  # input-graph var of a bias add folded into a kernel -> the kernel's result
 
     # ------------------------------------------------------------ helpers
 
@@ -226,12 +232,40 @@ class _Lowering:
         if chosen is None:
             return None
         name = w.name if isinstance(w, relax.Var) else "w"
+        kernel = chosen[0]
+        bias = self.bias_after(rw, var, oc, 1) if kernel.starts and kernel.starts(chosen[1]) else None
+        start = None if bias is None else np.pad(bias[0], (0, ocp - oc))
         if ocp == oc:
-            return self.kernel(rw, var, chosen, self.to_nhwc(rw, rw.new(x)), wv, name)
-        wp = np.zeros((ocp, *wv.shape[1:]), wv.dtype)
-        wp[:oc] = wv
-        y = self.kernel(rw, None, chosen, self.to_nhwc(rw, rw.new(x)), wp, name)
-        return self.result(rw, var, relax.op.strided_slice(y, [3], [0], [oc]), nhwc=True)
+            out = self.kernel(rw, var, chosen, self.to_nhwc(rw, rw.new(x)), wv, name, start)
+        else:
+            wp = np.zeros((ocp, *wv.shape[1:]), wv.dtype)
+            wp[:oc] = wv
+            y = self.kernel(rw, None, chosen, self.to_nhwc(rw, rw.new(x)), wp, name, start)
+            out = self.result(rw, var, relax.op.strided_slice(y, [3], [0], [oc]), nhwc=True)
+        if bias is not None:
+            self.folded[bias[1]] = out
+        return out
+
+    def bias_after(self, rw: Rewriter, var, channels: int, axis: int):
+        """(the int32 constant, one per channel along ``axis``, that the only reader of ``var`` adds to it,
+        that reader's var), or None. An int8 kernel starts its accumulators from it (``Kernel.starts``)."""
+        readers = self.readers.get(var, [])
+        shape = shape_of(var)
+        if var in self.outputs or len(readers) != 1 or rw.uses(var) != 1 or shape is None:
+            return None
+        add = readers[0]
+        value = rw.value(add)
+        if call_op(value) != "relax.add" or dtype_of(add) != "int32" or shape_of(add) != shape:
+            return None
+        others = [a for a in value.args if not a.same_as(var)]
+        bias = rw.static_value(others[0]) if len(others) == 1 else None
+        if bias is None or bias.dtype != np.int32 or bias.ndim > len(shape):
+            return None
+        bias = bias.reshape([1] * (len(shape) - bias.ndim) + list(bias.shape))
+        axis %= len(shape)
+        if any(d != 1 for i, d in enumerate(bias.shape) if i != axis) or bias.shape[axis] not in (1, channels):
+            return None
+        return np.broadcast_to(bias.reshape(-1), (channels,)), add
 
     def padded_channels(self, spec: ConvSpec) -> int:
         """Output channels to compute: a dense convolution whose channels do not fill whole vectors, over
@@ -346,12 +380,19 @@ class _Lowering:
         self.scores[new] = (out, m, n, True)
         return new
 
-    def kernel(self, rw: Rewriter, var, chosen: tuple[Kernel, ConvSpec], x_nhwc, weight: np.ndarray, name: str):
+    def kernel(self, rw: Rewriter, var, chosen: tuple[Kernel, ConvSpec], x_nhwc, weight: np.ndarray, name: str,
+               start: np.ndarray | None = None):
         """The call of a convolution kernel (``choose``) on NHWC data, its weight packed and named after
-        the layout (``Kernel.tag``)."""
+        the layout (``Kernel.tag``); ``start``: an int32 bias per output channel, added to the kernel's
+        start values (``Kernel.starts``)."""
         kernel, spec = chosen
         func, pack = kernel.build(spec)
-        params = [rw.param(f"{name}_{kernel.tag(spec)}_{i}", arr) for i, arr in enumerate(pack(weight))]
+        arrays = pack(weight)
+        names = [f"{name}_{kernel.tag(spec)}_{i}" for i in range(len(arrays))]
+        if start is not None:
+            arrays[-1] = (arrays[-1].astype(np.int64) + start).astype(np.int32)
+            names[-1] = f"{name}_{kernel.tag(spec)}_b{zlib.crc32(start.tobytes()):08x}_{len(arrays) - 1}"  # per bias
+        params = [rw.param(n, arr) for n, arr in zip(names, arrays)]
         gv = rw.bb.add_func(func.without_attr("global_symbol"), kernel.symbol)
         out = relax.TensorType([spec.n, spec.oh, spec.ow, spec.oc], spec.out_dtype)
         call = relax.call_tir(gv, relax.Tuple([x_nhwc, *params]), out)
@@ -466,6 +507,8 @@ class _Lowering:
         return self.result(rw, var, s, new in self.nhwc)
 
     def visit(self, rw: Rewriter, var, value):
+        if var in self.folded:  # a bias add its kernel starts from
+            return self.folded.pop(var)
         op = call_op(value)
         replacement = None
         if op in ("relax.sigmoid", "relax.nn.silu"):

@@ -18,6 +18,7 @@ import os
 import sys
 
 from edgeq.kernels.common import Isa
+from edgeq.kernels.rounding import constant_magnitudes, fast_requantize
 from edgeq.kernels.rules import SCHEDULES
 from edgeq.toolchain import import_tvm
 
@@ -53,14 +54,18 @@ def schedule_function(func, isa: Isa) -> tuple[object, str]:
 
 
 def schedule_pass(isa: Isa, stats: dict[str, int] | None = None):
-    """A module pass scheduling every TIR function not scheduled yet; counts by schedule into ``stats``."""
+    """A module pass scheduling every TIR function not scheduled yet, its requantizing epilogues first
+    in their fast form (``edgeq.kernels.rounding``); counts by schedule into ``stats``."""
 
     @tvm.transform.module_pass(opt_level=0, name="edgeq.ScheduleCPU")
     def _pass(mod, _ctx):
         updates = {}
+        magnitudes = constant_magnitudes(mod)
         for gv, func in mod.functions.items():
             if isinstance(func, tvm.tirx.PrimFunc) and not int(func.attrs.get("tirx.is_scheduled", 0)):
-                updates[gv], kind = schedule_function(func, isa)
+                scheduled, kind = schedule_function(func, isa)
+                # after scheduling: the epilogue is one expression once its blocks are inlined
+                updates[gv] = fast_requantize(scheduled, magnitudes.get(gv.name_hint))
                 if stats is not None:
                     stats[kind] = stats.get(kind, 0) + 1
         for gv, func in updates.items():
