@@ -228,9 +228,11 @@ class Kernel:
     schedule: Callable[[Schedule, Any, Isa], None]
     tag: Callable[[Any], str] | None = None  # spec -> the packed weights' name tag (their layout)
     label: Callable[[Any, Isa], str] | None = None  # (spec, isa) -> the name when it depends on them
-    # spec -> whether the last packed array is the accumulators' first value per output channel (int32),
-    # where lowering folds a bias added to the result (``accumulate_from``)
-    starts: Callable[[Any], bool] | None = None
+    # spec -> the largest magnitude of a bias lowering may fold into the last packed array, the
+    # accumulators' first value per output channel (``accumulate_from``); 0: the kernel has no such array
+    starts: Callable[[Any], float] | None = None
+    # scheduled PrimFunc -> the PrimFunc with the expression rewrites a schedule cannot make
+    finish: Callable[[Any], Any] | None = None
 
     def apply(self, sch: Schedule, isa: Isa) -> str | None:
         """A schedule rule: schedule ``sch`` when it holds this kernel's block and return the schedule's

@@ -320,4 +320,4 @@ def _label(spec: ConvSpec, isa: Isa) -> str:
 
 
 KERNEL = Kernel(name="conv", spec=ConvSpec, plan=plan, build=conv_func, symbol="edgeq_conv2d", block=CONV,
-                schedule=schedule_conv, tag=_tag, label=_label, starts=lambda spec: bool(spec.dot))
+                schedule=schedule_conv, tag=_tag, label=_label, starts=lambda spec: float((1 << 31) - 1) if spec.dot else 0.0)

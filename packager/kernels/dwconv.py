@@ -19,7 +19,8 @@ import dataclasses
 
 import numpy as np
 
-from edgeq.kernels.common import PAD, ConvSpec, Isa, Kernel, epilogue, exact_in_float, largest_divisor, pad_input, parallel
+from edgeq.kernels.common import (PAD, ConvSpec, Isa, Kernel, accumulate_from, epilogue, exact_in_float, largest_divisor,
+                                  pad_input, parallel)
 from edgeq.toolchain import import_tvm
 
 tvm = import_tvm()
@@ -37,7 +38,8 @@ def plan(problem: ConvSpec, isa: Isa) -> ConvSpec | None:
 
 
 def dwconv_func(spec: ConvSpec):
-    """(PrimFunc ``(data NHWC, weight [KH, KW, C]) -> output NHWC``, packer of the OIHW weight)."""
+    """(PrimFunc ``(data NHWC, weight [KH, KW, C], start [C]) -> output NHWC``, packer of the OIHW weight):
+    the accumulators start from ``start`` (zeros, or the layer's bias, which lowering folds in)."""
     sh, sw = spec.stride
     dh, dw = spec.dilation
     x = te.placeholder((spec.n, spec.h, spec.w, spec.c), spec.dtype, name="data")
@@ -52,13 +54,55 @@ def dwconv_func(spec: ConvSpec):
             xp[n, y * sh + rh * dh, z * sw + rw * dw, c].astype(acc) * wt[rh, rw, c].astype(acc), axis=[rh, rw]),
         name=DWCONV, attrs={spec.annotation: spec.to_json()},
     )
+    start = te.placeholder((spec.c,), acc, name="start")
+    func = te.create_prim_func([x, wt, start, out], index_dtype_override="int64")
     if exact:  # the integer sum, in float lanes (see the module's docstring)
-        out = te.compute(out.shape, lambda *i: out(*i).astype("int32"), name=DWCONV + "_int32")
+        out_int = te.compute(out.shape, lambda *i: out(*i).astype("int32"), name=DWCONV + "_int32")
+        func = te.create_prim_func([x, wt, start, out_int], index_dtype_override="int64")
 
     def pack(w: np.ndarray) -> list[np.ndarray]:
-        return [np.ascontiguousarray(w[:, 0].transpose(1, 2, 0))]
+        return [np.ascontiguousarray(w[:, 0].transpose(1, 2, 0)), np.zeros(spec.c, acc)]
 
-    return te.create_prim_func([x, wt, out], index_dtype_override="int64"), pack
+    return accumulate_from(func, DWCONV, 2), pack
+
+
+def start_limit(spec: ConvSpec) -> float:
+    """The largest bias the accumulators may start from: float lanes hold the integer sum exactly while it
+    stays below 2^24 (``exact_in_float``), whatever the bias."""
+    if spec.integer and exact_in_float(spec.kh * spec.kw):
+        return float((1 << 24) - spec.kh * spec.kw * 255 * 128)
+    return float(np.finfo(np.float32).max) if not spec.integer else float((1 << 31) - 1)
+
+
+def finish(func):
+    """An int8 kernel summing in float lanes holds integers: ``float(int32(sum))`` in its epilogue (the
+    int32 result dequantized or requantized) is the sum itself, two conversions per vector saved."""
+    import tvm_ffi
+    from tvm import tirx
+    from tvm.s_tir import SBlock
+
+    found: list = []
+
+    def visit(b):
+        if b.name_hint.startswith(DWCONV) and ConvSpec.annotation in b.annotations and b.writes:
+            spec = ConvSpec.from_json(str(b.annotations[ConvSpec.annotation]))
+            if spec.integer and exact_in_float(spec.kh * spec.kw) and str(b.writes[0].source.ty.dtype) == "float32":
+                found.append(b.writes[0].source)
+        return b
+
+    tvm_ffi.structural_map(func, [(SBlock, visit)])
+    if not found:
+        return func
+
+    def exact(cast):
+        inner = cast.value
+        if str(cast.ty) == "float32" and isinstance(inner, tirx.Cast) and str(inner.ty) == "int32":
+            load = inner.value
+            if isinstance(load, tvm.ir.expr.TensorLoad) and any(load.source.same_as(b) for b in found):
+                return load
+        return cast
+
+    return tvm_ffi.structural_map(func, [(tirx.Cast, exact)])
 
 
 def schedule_dwconv(sch: Schedule, spec: ConvSpec, isa: Isa) -> None:
@@ -83,4 +127,4 @@ def schedule_dwconv(sch: Schedule, spec: ConvSpec, isa: Isa) -> None:
 
 
 KERNEL = Kernel(name="dwconv", spec=ConvSpec, plan=plan, build=dwconv_func, symbol="edgeq_dwconv2d", block=DWCONV,
-                schedule=schedule_dwconv, tag=lambda spec: "dw")
+                schedule=schedule_dwconv, tag=lambda spec: "dw", starts=start_limit, finish=finish)

@@ -232,8 +232,8 @@ class _Lowering:
         if chosen is None:
             return None
         name = w.name if isinstance(w, relax.Var) else "w"
-        kernel = chosen[0]
-        bias = self.bias_after(rw, var, oc, 1) if kernel.starts and kernel.starts(chosen[1]) else None
+        limit = chosen[0].starts(chosen[1]) if chosen[0].starts else 0.0
+        bias = self.bias_after(rw, var, oc, 1, limit) if limit else None
         start = None if bias is None else np.pad(bias[0], (0, ocp - oc))
         if ocp == oc:
             out = self.kernel(rw, var, chosen, self.to_nhwc(rw, rw.new(x)), wv, name, start)
@@ -246,20 +246,24 @@ class _Lowering:
             self.folded[bias[1]] = out
         return out
 
-    def bias_after(self, rw: Rewriter, var, channels: int, axis: int):
-        """(the int32 constant, one per channel along ``axis``, that the only reader of ``var`` adds to it,
-        that reader's var), or None. An int8 kernel starts its accumulators from it (``Kernel.starts``)."""
+    def bias_after(self, rw: Rewriter, var, channels: int, axis: int, limit: float):
+        """(the constant, one per channel along ``axis`` and at most ``limit`` in magnitude, that the only
+        reader of ``var`` adds to it, that reader's var), or None: the kernel starts its accumulators from
+        it (``Kernel.starts``)."""
         readers = self.readers.get(var, [])
         shape = shape_of(var)
         if var in self.outputs or len(readers) != 1 or rw.uses(var) != 1 or shape is None:
             return None
         add = readers[0]
         value = rw.value(add)
-        if call_op(value) != "relax.add" or dtype_of(add) != "int32" or shape_of(add) != shape:
+        dtype = dtype_of(var)
+        if call_op(value) != "relax.add" or dtype not in ("int32", "float32") or dtype_of(add) != dtype \
+                or shape_of(add) != shape:
             return None
         others = [a for a in value.args if not a.same_as(var)]
         bias = rw.static_value(others[0]) if len(others) == 1 else None
-        if bias is None or bias.dtype != np.int32 or bias.ndim > len(shape):
+        if bias is None or str(bias.dtype) != dtype or bias.ndim > len(shape) or not np.isfinite(bias).all() \
+                or (bias.size and float(np.abs(bias).max()) > limit):
             return None
         bias = bias.reshape([1] * (len(shape) - bias.ndim) + list(bias.shape))
         axis %= len(shape)
@@ -383,14 +387,15 @@ class _Lowering:
     def kernel(self, rw: Rewriter, var, chosen: tuple[Kernel, ConvSpec], x_nhwc, weight: np.ndarray, name: str,
                start: np.ndarray | None = None):
         """The call of a convolution kernel (``choose``) on NHWC data, its weight packed and named after
-        the layout (``Kernel.tag``); ``start``: an int32 bias per output channel, added to the kernel's
-        start values (``Kernel.starts``)."""
+        the layout (``Kernel.tag``); ``start``: a bias per output channel, added to the kernel's start
+        values (``Kernel.starts``)."""
         kernel, spec = chosen
         func, pack = kernel.build(spec)
         arrays = pack(weight)
         names = [f"{name}_{kernel.tag(spec)}_{i}" for i in range(len(arrays))]
         if start is not None:
-            arrays[-1] = (arrays[-1].astype(np.int64) + start).astype(np.int32)
+            wide = np.int64 if np.issubdtype(arrays[-1].dtype, np.integer) else np.float64
+            arrays[-1] = (arrays[-1].astype(wide) + start.astype(wide)).astype(arrays[-1].dtype)
             names[-1] = f"{name}_{kernel.tag(spec)}_b{zlib.crc32(start.tobytes()):08x}_{len(arrays) - 1}"  # per bias
         params = [rw.param(n, arr) for n, arr in zip(names, arrays)]
         gv = rw.bb.add_func(func.without_attr("global_symbol"), kernel.symbol)

@@ -34,6 +34,10 @@ if tvm.ir.Op.get("tirx.nearbyint").get_attr("TVectorizable") is None:
     tvm.ir.register_op_attr("tirx.nearbyint", "TVectorizable", True)
 
 
+# schedule name -> the kernel's rewrite of its scheduled function (``Kernel.finish``)
+FINISH = {rule.name: rule.finish for rule in SCHEDULES if getattr(rule, "finish", None) and not rule.label}
+
+
 def schedule_function(func, isa: Isa) -> tuple[object, str]:
     """(scheduled function, the name of the rule that scheduled it: "conv", "conv-vnni", "dwconv",
     "winograd", "bmm", "rows", "generic"), or (``func``, "none") when no schedule applied and the function
@@ -65,7 +69,9 @@ def schedule_pass(isa: Isa, stats: dict[str, int] | None = None):
             if isinstance(func, tvm.tirx.PrimFunc) and not int(func.attrs.get("tirx.is_scheduled", 0)):
                 scheduled, kind = schedule_function(func, isa)
                 # after scheduling: the epilogue is one expression once its blocks are inlined
-                updates[gv] = fast_requantize(scheduled, magnitudes.get(gv.name_hint))
+                scheduled = fast_requantize(scheduled, magnitudes.get(gv.name_hint))
+                finish = FINISH.get(kind)  # then the kernel's own rewrites (which may hide an int32 product)
+                updates[gv] = finish(scheduled) if finish else scheduled
                 if stats is not None:
                     stats[kind] = stats.get(kind, 0) + 1
         for gv, func in updates.items():
