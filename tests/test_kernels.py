@@ -175,12 +175,12 @@ def test_int8_conv_kernels_match_onnxruntime(cv, act, tmp_path):
     assert_close(ours, theirs, rtol=1e-5)
 
 
-def qdq_conv_bias_model(path, rng, oc=32, c=16):
+def qdq_conv_bias_model(path, rng, oc=32, c=16, group=1, bias=3000):
     """x -> Q/DQ -> Conv (int8 weight, int32 bias) -> ReLU -> Q/DQ: an int8 layer with an int8 output."""
-    w = rng.integers(-127, 128, (oc, c, 3, 3)).astype(np.int8)
+    w = rng.integers(-127, 128, (oc, c // group, 3, 3)).astype(np.int8)
     ws = (rng.random(oc).astype(np.float32) + 0.5) * 0.01
     xs = np.float32(0.05)
-    b = rng.integers(-3000, 3000, oc).astype(np.int32)
+    b = rng.integers(-bias, bias, oc).astype(np.int32)
     inits = [numpy_helper.from_array(w, "wq"), numpy_helper.from_array(ws, "ws"),
              numpy_helper.from_array(np.zeros(oc, np.int8), "wz"),
              numpy_helper.from_array(np.array(xs, np.float32), "xs"), numpy_helper.from_array(np.array(0, np.int8), "xz"),
@@ -192,7 +192,7 @@ def qdq_conv_bias_model(path, rng, oc=32, c=16):
         helper.make_node("DequantizeLinear", ["xq", "xs", "xz"], ["xd"]),
         helper.make_node("DequantizeLinear", ["wq", "ws", "wz"], ["wd"], axis=0),
         helper.make_node("DequantizeLinear", ["bq", "bs", "bz"], ["bd"], axis=0),
-        helper.make_node("Conv", ["xd", "wd", "bd"], ["c"], kernel_shape=[3, 3], pads=[1] * 4),
+        helper.make_node("Conv", ["xd", "wd", "bd"], ["c"], kernel_shape=[3, 3], pads=[1] * 4, group=group),
         helper.make_node("Relu", ["c"], ["r"]),
         helper.make_node("QuantizeLinear", ["r", "ys", "yz"], ["yq"]),
         helper.make_node("DequantizeLinear", ["yq", "ys", "yz"], ["y"]),
@@ -202,17 +202,36 @@ def qdq_conv_bias_model(path, rng, oc=32, c=16):
     return _save(g, path, opset=13)
 
 
-def test_int8_bias_is_where_the_accumulators_start(tmp_path):
+@pytest.mark.parametrize("kind,group,bias,start", [("dense", 1, 3000, np.int32), ("depthwise", 16, 3000, np.float32),
+                                                   ("depthwise, bias past float's exact range", 16, 1 << 24, None)])
+def test_int8_bias_is_where_the_accumulators_start(kind, group, bias, start, tmp_path):
     """The int32 bias of an int8 convolution is folded into the kernel's start values (no add left in the
-    graph, one bias-specific start array) and the requantized output is ONNX Runtime's, value for value."""
-    path = qdq_conv_bias_model(tmp_path / "m.onnx", np.random.default_rng(5))
+    graph, one bias-specific start array: int32 for the dot-product kernel, float for the depthwise one,
+    whose float lanes hold the integer sum exactly, unless the bias would take it past 2^24) and the
+    requantized output is ONNX Runtime's, value for value."""
+    path = qdq_conv_bias_model(tmp_path / "m.onnx", np.random.default_rng(5), oc=16 if group > 1 else 32,
+                               group=group, bias=bias)
     ours, theirs, stats, calls, lowered = edgeq_vs_ort(path, prequantized=True)
     assert calls == 1 and stats.get("none", 0) == 0, stats
     ops = [b.value.op.name for b in lowered.bindings()]
-    assert "relax.add" not in ops and ops.count("relax.call_tir") == 1, ops
     starts = [n for n in lowered.weights if re.search(r"_b[0-9a-f]{8}_[0-9]+$", n)]
-    assert len(starts) == 1 and lowered.weights[starts[0]].dtype == np.int32, list(lowered.weights)
+    if start is None:
+        assert "relax.add" in ops and not starts, (ops, list(lowered.weights))
+    else:
+        assert "relax.add" not in ops and ops.count("relax.call_tir") == 1, ops
+        assert len(starts) == 1 and lowered.weights[starts[0]].dtype == start, list(lowered.weights)
     np.testing.assert_array_equal(ours[0], theirs[0])
+
+
+def test_float_bias_is_where_the_accumulators_start(tmp_path):
+    """fp32: a depthwise convolution's bias is its accumulators' first value too (the dense float kernels
+    keep it in the epilogue), within float rounding of ONNX Runtime."""
+    cv = Conv(24, 24, (10, 10), group=24)
+    ours, theirs, stats, calls, lowered = edgeq_vs_ort(conv_model(cv, tmp_path / "m.onnx", np.random.default_rng(6)))
+    assert stats.get("dwconv") == 1, stats
+    starts = [n for n in lowered.weights if re.search(r"_b[0-9a-f]{8}_[0-9]+$", n)]
+    assert len(starts) == 1 and lowered.weights[starts[0]].dtype == np.float32, list(lowered.weights)
+    assert_close(ours, theirs)
 
 
 def test_vnni_layout_runs_on_a_cpu_without_vnni(tmp_path):
