@@ -223,6 +223,18 @@ def test_int8_bias_is_where_the_accumulators_start(kind, group, bias, start, tmp
     np.testing.assert_array_equal(ours[0], theirs[0])
 
 
+def test_requantizing_epilogue_is_lrint_and_a_saturating_narrowing(tmp_path):
+    """The compile pipeline rewrites the int8 epilogue (``edgeq.kernels.rounding``): on an AVX-512 host the
+    library rounds with ``vcvtps2dq`` and narrows with ``vpmovsdb``, not ``vrndscaleps`` and a clip."""
+    target = profiles()["host"].tvm_target()
+    if Isa.of(tvm.target.Target(target)).lanes != 16:
+        pytest.skip("the instruction names checked are AVX-512's")
+    loaded = load_model(qdq_conv_bias_model(tmp_path / "m.onnx", np.random.default_rng(5)), None)
+    lowered, _ = lower_graph(lower_prequantized(to_relax(loaded)[0], loaded).graph, target)
+    asm = "".join(m.inspect_source("asm") for m in build(lowered.mod, target).mod.imports)
+    assert "vcvtps2dq" in asm and "vpmovsdb" in asm and "vrndscaleps" not in asm
+
+
 def test_float_bias_is_where_the_accumulators_start(tmp_path):
     """fp32: a depthwise convolution's bias is its accumulators' first value too (the dense float kernels
     keep it in the epilogue), within float rounding of ONNX Runtime."""

@@ -22,19 +22,24 @@ import edgeq.kernels.schedule  # noqa: E402,F401  (nearbyint vectorisable)
 N = 256
 
 
-def requantize_func(dtype: str, lo: int, hi: int, zp: int, vector: bool):
+def requantize_func(dtype: str, lo: int, hi: int, zp: int, vector: bool, zp_tensor: bool = False):
+    """``cast(clip(round(float(acc) * m) + zp, lo, hi))``; ``zp_tensor``: the zero point read from a
+    one-value tensor of ``dtype`` (as ONNX QuantizeLinear imports), not a constant."""
     acc = te.placeholder((N,), "int32", name="acc")
     m = te.placeholder((N,), "float32", name="m")
+    z = te.placeholder((1,), dtype, name="z")
 
     def body(i):
         r = tirx.nearbyint(acc[i].astype("float32") * m[i])
-        if zp:
+        if zp_tensor:
+            r = r + z[0].astype("float32")
+        elif zp:
             r = r + tirx.const(float(zp), "float32")
         r = te.max(te.min(r, tirx.const(float(hi), "float32")), tirx.const(float(lo), "float32"))
         return r.astype("int32").astype(dtype)
 
     out = te.compute((N,), body, name="out")
-    func = te.create_prim_func([acc, m, out])
+    func = te.create_prim_func([acc, m, z, out] if zp_tensor else [acc, m, out])
     if vector:
         sch = Schedule(tvm.IRModule({"main": func}))
         _, inner = sch.split(sch.get_loops(sch.get_sblock("out"))[0], [None, 16])
@@ -43,11 +48,11 @@ def requantize_func(dtype: str, lo: int, hi: int, zp: int, vector: bool):
     return func
 
 
-def run(func, acc, m, dtype):
+def run(func, acc, m, dtype, *extra):
     target = tvm.target.Target(profiles()["host"].host_target_dict())
     lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=target)
     out = tvm.runtime.tensor(np.zeros(N, dtype))
-    lib["main"](tvm.runtime.tensor(acc), tvm.runtime.tensor(m), out)
+    lib["main"](tvm.runtime.tensor(acc), tvm.runtime.tensor(m), *(tvm.runtime.tensor(e) for e in extra), out)
     return out.numpy(), lib
 
 
@@ -85,6 +90,17 @@ def test_lrint_form_matches_round_clip_cast(dtype, lo, hi, zp, known):
         asm = lib.mod.inspect_source("asm")
         assert "vcvtps2dq" in asm and "vrndscaleps" not in asm
         assert "vpmovsdb" in asm or "vpmovusdb" in asm  # (uint8 with zero point 128: vpmovsdb, then xor 128)
+
+
+@pytest.mark.parametrize("dtype,zp", [("int8", -5), ("uint8", 128)])
+def test_a_zero_point_tensor_is_added_in_integers(dtype, zp):
+    acc, m = cases(np.random.default_rng(2), large=True)
+    lo, hi = (-128, 127) if dtype == "int8" else (0, 255)
+    want = np.clip(np.round(acc.astype(np.float32) * m) + np.float32(zp), lo, hi).astype(dtype)
+    func = fast_requantize(requantize_func(dtype, lo, hi, 0, vector=True, zp_tensor=True))
+    assert "llvm.lrint" in func.script()
+    got, _ = run(func, acc, m, dtype, np.array([zp], dtype))
+    np.testing.assert_array_equal(got, want)
 
 
 def test_the_original_form_is_what_the_reference_computes():

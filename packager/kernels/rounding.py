@@ -10,7 +10,8 @@ lower bound is then one byte-wise ``vpmaxsb`` on a quarter of the register. On M
 
 The one difference: converting a float beyond the int32 range gives INT_MIN, which would saturate to -128
 where the clip gave 127. So the rounded value is first bounded above by 2^30 (``vminps``; any value over 127
-saturates the same), unless it is ``float(i) * m`` of an int32 ``i`` (|float(i)| <= 2^31) by a multiplier
+saturates the same; below too where a zero point is added after the conversion, which INT_MIN would
+overflow), unless it is ``float(i) * m`` of an int32 ``i`` (|float(i)| <= 2^31) by a multiplier
 known at build time to be below ``SAFE_MULTIPLIER`` in magnitude: a constant, or a parameter every call of
 the function passes the same constant for (``constant_magnitudes``). Requantizing epilogues are such
 products (the multiplier: input scale x weight scale / output scale, per channel).
@@ -67,7 +68,8 @@ def _is_bounded(e) -> bool:
 
 
 def _requantize(cast, magnitude):
-    """The lrint form of ``cast(int8|uint8, [cast(int32,)] clip(round(e) [+ zp], lo, hi))``, or None."""
+    """The lrint form of ``cast(int8|uint8, [cast(int32,)] clip(round(e) [+ zp], lo, hi))``, or None; ``zp``:
+    an integer constant of at most 255 in magnitude or an int8/uint8 value (a zero-point tensor)."""
     dtype = str(cast.ty)
     if dtype not in RANGES:
         return None
@@ -81,18 +83,25 @@ def _requantize(cast, magnitude):
     dmin, dmax = RANGES[dtype]
     if not (dmin <= lo <= hi <= dmax and lo == int(lo) and hi == int(hi)):
         return None
-    zp = 0.0
-    if isinstance(x, tirx.Add) and _const(x.b) is not None:
-        x, zp = x.a, _const(x.b)
-    if not (isinstance(x, tvm.ir.expr.Call) and x.op.name in ROUNDS) or str(x.ty) != "float32" or zp != int(zp) \
-            or abs(zp) > 255:
+    zp = None  # the zero point added after rounding: an integer constant or an 8-bit integer value
+    if isinstance(x, tirx.Add):
+        if _const(x.b) is not None and _const(x.b) == int(_const(x.b)) and abs(_const(x.b)) <= 255:
+            zp = tirx.IntImm("int32", int(_const(x.b)))
+        elif isinstance(x.b, tirx.Cast) and str(x.b.value.ty) in RANGES:
+            zp = tirx.Cast("int32", x.b.value)
+        else:
+            return None
+        x = x.a
+    if not (isinstance(x, tvm.ir.expr.Call) and x.op.name in ROUNDS) or str(x.ty) != "float32":
         return None
     e = x.args[0]
-    if not (_safe_product(e, magnitude) or _is_bounded(e)):
+    if not (_safe_product(e, magnitude) or (_is_bounded(e) and zp is None)):
         e = tirx.Min(e, tirx.FloatImm("float32", BOUND))
+        if zp is not None:  # INT_MIN plus a negative zero point would wrap around to the top
+            e = tirx.Max(e, tirx.FloatImm("float32", -BOUND))
     r = tirx.call_llvm_pure_intrin("int32", "llvm.lrint", e)
-    if zp:
-        r = tirx.Add(r, tirx.IntImm("int32", int(zp)))
+    if zp is not None:
+        r = tirx.Add(r, zp)
     out = tirx.Cast(dtype, tirx.Max(tirx.Min(r, tirx.IntImm("int32", dmax)), tirx.IntImm("int32", dmin)))
     if lo > dmin:
         out = tirx.Max(out, tirx.IntImm(dtype, int(lo)))
