@@ -235,6 +235,17 @@ def test_requantizing_epilogue_is_lrint_and_a_saturating_narrowing(tmp_path):
     assert "vcvtps2dq" in asm and "vpmovsdb" in asm and "vrndscaleps" not in asm
 
 
+def test_a_folded_bias_add_that_is_an_output_is_given_back_in_nchw(tmp_path):
+    rng = np.random.default_rng(0)
+    w, b = rng.standard_normal((8, 1, 3, 3)).astype(np.float32), rng.standard_normal(8).astype(np.float32)
+    g = helper.make_graph([helper.make_node("Conv", ["x", "w", "b"], ["y"], kernel_shape=[3, 3], pads=[1] * 4, group=8)],
+                          "dw_out", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 10, 12])], [_out("y", 4)],
+                          [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")])
+    ours, theirs, stats, _, lowered = edgeq_vs_ort(_save(g, tmp_path / "m.onnx"))
+    assert stats.get("dwconv") == 1 and any(re.search(r"_b[0-9a-f]{8}_1$", n) for n in lowered.weights), stats
+    assert_close(ours, theirs)
+
+
 def test_float_bias_is_where_the_accumulators_start(tmp_path):
     """fp32: a depthwise convolution's bias is its accumulators' first value too (the dense float kernels
     keep it in the epilogue), within float rounding of ONNX Runtime."""

@@ -6,7 +6,8 @@ One pass over the bindings (``edgeq.graph.rewrite``):
   ``matmul`` by a weight (a 1x1 convolution) is described as a ``ConvSpec``, a ``matmul`` of two float32
   activations (attention) as a ``BmmSpec``; the first kernel of ``edgeq.kernels.rules.KERNELS`` that takes
   it replaces it with a ``call_tir`` of its TIR function, with the weight packed for that kernel now, at
-  build time (the bundle ships the packed arrays);
+  build time (the bundle ships the packed arrays); a bias the convolution's only reader adds is folded
+  into the kernel's start values where the kernel has them (``Kernel.starts``), and that add disappears;
 - activations stay NHWC from one convolution to the next: element-wise operations, (de)quantize, pooling,
   padding, concatenation and spatial means run on NHWC directly (their per-channel operands are transposed at build
   time), and a value is transposed back to NCHW only where something else reads it, and for the outputs;
@@ -513,7 +514,8 @@ class _Lowering:
 
     def visit(self, rw: Rewriter, var, value):
         if var in self.folded:  # a bias add its kernel starts from
-            return self.folded.pop(var)
+            out = self.folded.pop(var)
+            return self.to_nchw(rw, out) if var in self.outputs else out
         op = call_op(value)
         replacement = None
         if op in ("relax.sigmoid", "relax.nn.silu"):
