@@ -22,6 +22,10 @@ tvm = import_tvm()
 from tvm import relax  # noqa: E402
 
 
+# the integer types quantized tensors have, and their ranges
+INT_RANGES = {"int8": (-128, 127), "uint8": (0, 255)}
+
+
 @dataclasses.dataclass
 class Graph:
     mod: Any  # tvm.IRModule with a "main" function
@@ -51,6 +55,14 @@ class Graph:
     def bindings(self) -> list:
         body = self.main.body
         return [b for block in body.blocks for b in block.bindings]
+
+    def readers(self) -> dict:
+        """{var: the vars of the bindings that read it, in order} (the outputs are not bindings)."""
+        readers: dict = {}
+        for b in self.bindings():
+            for var in set(relax.analysis.free_vars(b.value)):
+                readers.setdefault(var, []).append(b.var)
+        return readers
 
     def weight_list(self) -> list[np.ndarray]:
         """The weight arrays in the order main takes them."""
@@ -87,10 +99,7 @@ class Rewriter:
         self._params: dict[str, Any] = {}
         self._env: dict = {}
         self._values = {b.var: b.value for b in graph.bindings()}
-        self._uses: dict = {}
-        for b in graph.bindings():
-            for var in relax.analysis.free_vars(b.value):
-                self._uses[var] = self._uses.get(var, 0) + 1
+        self._uses: dict = {var: len(readers) for var, readers in graph.readers().items()}
         for var in relax.analysis.free_vars(graph.main.body.body):
             self._uses[var] = self._uses.get(var, 0) + 1
         for p in graph.weight_params:

@@ -54,11 +54,10 @@ def dwconv_func(spec: ConvSpec):
             xp[n, y * sh + rh * dh, z * sw + rw * dw, c].astype(acc) * wt[rh, rw, c].astype(acc), axis=[rh, rw]),
         name=DWCONV, attrs={spec.annotation: spec.to_json()},
     )
+    if exact:  # the integer sum, in float lanes (see the module's docstring)
+        out = te.compute(out.shape, lambda *i: out(*i).astype("int32"), name=DWCONV + "_int32")
     start = te.placeholder((spec.c,), acc, name="start")
     func = te.create_prim_func([x, wt, start, out], index_dtype_override="int64")
-    if exact:  # the integer sum, in float lanes (see the module's docstring)
-        out_int = te.compute(out.shape, lambda *i: out(*i).astype("int32"), name=DWCONV + "_int32")
-        func = te.create_prim_func([x, wt, start, out_int], index_dtype_override="int64")
 
     def pack(w: np.ndarray) -> list[np.ndarray]:
         return [np.ascontiguousarray(w[:, 0].transpose(1, 2, 0)), np.zeros(spec.c, acc)]

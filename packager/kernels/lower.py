@@ -83,10 +83,7 @@ class _Lowering:
         # other columns are zeros): attention scores and their softmax
         self.scores: dict = {}
         self.kernels = 0
-        self.readers: dict = {}  # input-graph var -> the vars of the bindings that read it
-        for b in graph.bindings():
-            for v in relax.analysis.free_vars(b.value):
-                self.readers.setdefault(v, []).append(b.var)
+        self.readers = graph.readers()  # input-graph var -> the vars of the bindings that read it
         self.folded: dict = {}  # input-graph var of a bias add folded into a kernel -> the kernel's result
 
     # ------------------------------------------------------------ helpers
@@ -253,7 +250,7 @@ class _Lowering:
         it (``Kernel.starts``)."""
         readers = self.readers.get(var, [])
         shape = shape_of(var)
-        if var in self.outputs or len(readers) != 1 or rw.uses(var) != 1 or shape is None:
+        if var in self.outputs or len(readers) != 1 or shape is None:
             return None
         add = readers[0]
         value = rw.value(add)

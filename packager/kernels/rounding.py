@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from edgeq.graph import INT_RANGES as RANGES
 from edgeq.toolchain import import_tvm
 
 tvm = import_tvm()
@@ -29,7 +30,6 @@ from tvm import relax, tirx  # noqa: E402
 # |m| below which float(i32) * m stays under 2^31 - 256 (so that adding a zero point cannot overflow either)
 SAFE_MULTIPLIER = 0.99
 BOUND = float(1 << 30)  # rounding's argument is bounded above by this where it is not such a product
-RANGES = {"int8": (-128, 127), "uint8": (0, 255)}
 ROUNDS = ("tirx.round", "tirx.nearbyint")
 
 

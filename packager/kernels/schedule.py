@@ -34,8 +34,8 @@ if tvm.ir.Op.get("tirx.nearbyint").get_attr("TVectorizable") is None:
     tvm.ir.register_op_attr("tirx.nearbyint", "TVectorizable", True)
 
 
-# schedule name -> the kernel's rewrite of its scheduled function (``Kernel.finish``)
-FINISH = {rule.name: rule.finish for rule in SCHEDULES if getattr(rule, "finish", None) and not rule.label}
+# the kernels' rewrites of their scheduled functions (``Kernel.finish``): each leaves other functions alone
+FINISHES = [rule.finish for rule in SCHEDULES if getattr(rule, "finish", None)]
 
 
 def schedule_function(func, isa: Isa) -> tuple[object, str]:
@@ -58,8 +58,8 @@ def schedule_function(func, isa: Isa) -> tuple[object, str]:
 
 
 def schedule_pass(isa: Isa, stats: dict[str, int] | None = None):
-    """A module pass scheduling every TIR function not scheduled yet, its requantizing epilogues first
-    in their fast form (``edgeq.kernels.rounding``); counts by schedule into ``stats``."""
+    """A module pass scheduling every TIR function not scheduled yet, then putting its requantizing
+    epilogues in their fast form (``edgeq.kernels.rounding``); counts by schedule into ``stats``."""
 
     @tvm.transform.module_pass(opt_level=0, name="edgeq.ScheduleCPU")
     def _pass(mod, _ctx):
@@ -70,8 +70,9 @@ def schedule_pass(isa: Isa, stats: dict[str, int] | None = None):
                 scheduled, kind = schedule_function(func, isa)
                 # after scheduling: the epilogue is one expression once its blocks are inlined
                 scheduled = fast_requantize(scheduled, magnitudes.get(gv.name_hint))
-                finish = FINISH.get(kind)  # then the kernel's own rewrites (which may hide an int32 product)
-                updates[gv] = finish(scheduled) if finish else scheduled
+                for finish in FINISHES:  # then the kernels' own rewrites (which may hide an int32 product)
+                    scheduled = finish(scheduled)
+                updates[gv] = scheduled
                 if stats is not None:
                     stats[kind] = stats.get(kind, 0) + 1
         for gv, func in updates.items():

@@ -42,12 +42,8 @@ def _key(value) -> tuple | None:
 
 
 def hoist_quantize(graph: Graph, notes: PassNotes | None = None) -> Graph:
-    bindings = graph.bindings()
-    values = {b.var: b.value for b in bindings}
-    readers: dict = {}
-    for b in bindings:
-        for var in set(relax.analysis.free_vars(b.value)):
-            readers.setdefault(var, []).append(b.var)
+    values = {b.var: b.value for b in graph.bindings()}
+    readers = graph.readers()
     outputs = set(relax.analysis.free_vars(graph.main.body.body))
     agreed: dict = {}
 

@@ -21,11 +21,11 @@ from typing import Any
 
 import numpy as np
 
-from edgeq.graph import Graph, Rewriter, call_op, relax, rewrite, scalar_minmax_call
+from edgeq.graph import INT_RANGES, Graph, Rewriter, call_op, relax, rewrite, scalar_minmax_call
 from edgeq.quantize.notes import PassNotes
 
 
-RANGES = {"int8": (-128, 127), "uint8": (0, 255)}
+RANGES = INT_RANGES
 
 
 def requantize_expr(rw: Rewriter, acc, ratio, axis: int, ndim: int, zero_point: int, lo: int, hi: int, dtype: str):
