@@ -296,6 +296,23 @@ class GoldenRecord(Record):
 
 
 @_rec
+class ReferenceCheck(Record):
+    """The build's outputs on the golden input compared, before the bundle was written, with an independent
+    reference (``edgeq.reference``)."""
+
+    reference: str = _field(STR)  # "onnxruntime 1.23.2" or "tvm 0.27.0 (plain pipeline)"
+    graph: str = _field(STR)  # what the reference ran
+    checked: str = _field(STR)  # what was compared with it (the build that computed the golden outputs)
+    rtol: float = _field(NUM)
+    atol: float = _field(NUM)
+    atol_scaled_by: str = _field(STR)
+    max_abs_diff: float = _field(NUM)
+    outputs: list = _field(_List(OBJECT))  # {output, max_abs_diff, atol, ok}
+    passed: bool = _field(BOOL)
+    note: str | None = _field(_Opt(STR), omit_if_none=True)  # why the first choice of reference was not used
+
+
+@_rec
 class RuntimeRecord(Record):
     loader: str = _field(STR)
     libraries: list = _field(_List(STR))  # in load order
@@ -391,6 +408,7 @@ class Manifest(Record):
     library: LibraryRecord = _field(_Rec(LibraryRecord))
     weights: WeightsRecord = _field(_Rec(WeightsRecord))
     golden: GoldenRecord = _field(_Rec(GoldenRecord))
+    reference_check: ReferenceCheck | None = _field(_Opt(_Rec(ReferenceCheck)), omit_if_none=True)
     quantization: QuantizationReport | None = _field(_Opt(_Rec(QuantizationReport)))
     runtime: RuntimeRecord | None = _field(_Opt(_Rec(RuntimeRecord)))
     build: dict = _field(OBJECT)  # {args, stage_seconds}: how it was made, for people

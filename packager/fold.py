@@ -6,12 +6,16 @@ constants, but TVM's importer sees tensors of unknown value and either refuses (
 tensor to have known shape``) or builds a graph of unknown shapes that fails later. This pass evaluates,
 with ONNX's reference evaluator, every node whose inputs are all constants (initializers, or ``Shape`` /
 ``Size`` of a tensor whose shape inference found static), and replaces it with an initializer, round after
-round with shape inference in between, until nothing changes. What it never folds:
+round with shape inference in between, until nothing changes.
+
+Every ``Constant`` node becomes an initializer, whatever its size (its value is in the file already): a
+weight stored as a ``Constant`` node (Paddle2ONNX, torch exports with constant folding off) is then a weight
+like any other to the importer, the quantizer and the kernels, never an unnamed constant. What it never folds:
 
 - nodes producing a graph output (a model with no inputs keeps its nodes);
 - QuantizeLinear / DequantizeLinear (a pre-quantized model's QDQ pattern is what edgeq lowers to integer
   kernels) and random-number ops;
-- nodes whose output would be large (more than ``MAX_FOLD_ELEMENTS``): weight transforms stay in the graph,
+- nodes other than ``Constant`` whose output would be large (more than ``MAX_FOLD_ELEMENTS``): weight transforms stay in the graph,
   where TVM folds them itself, and a ConstantOfShape/Range/Expand/Tile bomb is never evaluated.
 
 It runs inside ``edgeq.model_guard``'s memory-limited child process.
@@ -88,6 +92,14 @@ def evaluate_node(node: onnx.NodeProto, values: list[np.ndarray | None], opset: 
     return [np.asarray(r) for r in results]
 
 
+def _constant_tensor(node: onnx.NodeProto) -> onnx.TensorProto | None:
+    """The tensor of a ``Constant`` node that stores one (its ``value`` attribute), else None."""
+    for attr in node.attribute:
+        if attr.name == "value" and attr.type == onnx.AttributeProto.TENSOR and len(node.output) == 1:
+            return attr.t
+    return None
+
+
 def fold_once(model: onnx.ModelProto) -> int:
     """One round over the graph; returns the number of nodes folded (the model is changed in place)."""
     graph = model.graph
@@ -112,6 +124,15 @@ def fold_once(model: onnx.ModelProto) -> int:
             continue
         if node.op_type in ("Shape", "Size") and node.input[0] in shapes and node.input[0] not in consts:
             results = [_shape_of(node, shapes[node.input[0]])]
+        elif node.op_type == "Constant" and _constant_tensor(node) is not None:
+            tensor = onnx.TensorProto()
+            tensor.CopyFrom(_constant_tensor(node))  # as stored: dtype and bytes unchanged, nothing evaluated
+            tensor.name = node.output[0]
+            graph.initializer.append(tensor)
+            consts[tensor.name] = tensor
+            created.add(tensor.name)
+            folded += 1
+            continue
         else:
             values = [value(name) if name else None for name in node.input]
             if (not node.input and node.op_type != "Constant") or any(v is None for n, v in zip(node.input, values) if n):

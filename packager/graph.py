@@ -160,11 +160,22 @@ class Rewriter:
         return None, False
 
     def param(self, name: str, array: np.ndarray):
-        """A weight parameter of the output graph (created once per name)."""
-        if name not in self._params:
-            self._params[name] = relax.Var(name, relax.TensorType(list(array.shape), str(array.dtype)))
-            self.weights[name] = np.require(array, requirements="C")  # ascontiguousarray makes 0-d 1-d
-        return self._params[name]
+        """A weight parameter of the output graph holding ``array``, named ``name`` or, where that name holds
+        another array already, ``name_2``, ``name_3``, ...: the one parameter of a name is returned again only
+        for an equal array (same dtype, shape and values), so two weights never share a parameter because
+        their names agree (a name may come from anything: a layer, a kernel's layout tag, a fixed word)."""
+        array = np.require(array, requirements="C")  # ascontiguousarray makes 0-d 1-d
+        candidate, n = name, 1
+        while candidate in self._params:
+            held = self.weights[candidate]
+            if held is array or (held.dtype == array.dtype and held.shape == array.shape
+                                 and np.array_equal(held, array, equal_nan=held.dtype.kind in "fc")):
+                return self._params[candidate]
+            n += 1
+            candidate = f"{name}_{n}"
+        self._params[candidate] = relax.Var(candidate, relax.TensorType(list(array.shape), str(array.dtype)))
+        self.weights[candidate] = array
+        return self._params[candidate]
 
     def const(self, array, dtype: str = "float32"):
         return relax.const(np.asarray(array, dtype=dtype), dtype)

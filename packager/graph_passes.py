@@ -35,7 +35,8 @@ def static_weight(rw: Rewriter, expr, dequantize: bool = True) -> np.ndarray | N
 
 
 def fresh_name(rw: Rewriter, name: str) -> str:
-    """A weight parameter name not taken yet (``Rewriter.param`` returns the existing one for a taken name)."""
+    """A weight parameter name not taken yet, in the output graph nor in the input graph (``Rewriter.param``
+    would give a taken name's parameter back for an equal array)."""
     taken = set(rw.weights) | set(rw.graph.weights)
     candidate, n = name, 1
     while candidate in taken:

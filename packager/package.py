@@ -31,6 +31,9 @@ from edgeq.graph import Graph
 from edgeq.load import LoadedModel, TensorSpec, load_model
 from edgeq.pipeline import IRDump, Stage, run_stages
 from edgeq.progress import StageProgress
+from edgeq.reference import REFERENCE_CHOICES
+from edgeq.reference import choose as choose_reference
+from edgeq.reference import compare as compare_reference
 from edgeq.relax_import import to_relax
 from edgeq.runtime.assemble import assemble, check_elves
 from edgeq.targets import Profile, profiles, resolve
@@ -67,6 +70,7 @@ class PackageArgs:
     runtime: str = "bundled"  # "bundled": runtime/ with TVM's runtime, the CUDA bridge and edgeq-run; "none"
     consts: dict[str, Path] = dataclasses.field(default_factory=dict)  # graph input -> .npy bound before import
     dump_ir: Path | None = None  # write the Relax module after each stage that changes it here (NN-<stage>.py)
+    reference: str = "auto"  # the independent reference the build is checked against: auto, onnxruntime, tvm
 
     def to_dict(self) -> dict[str, Any]:
         """What the manifest records (``build.args``). ``dump_ir`` is left out: a debugging aid that
@@ -84,6 +88,7 @@ class PackageArgs:
             "records": str(self.records) if self.records else None,
             "runtime": self.runtime,
             "consts": {k: str(v) for k, v in self.consts.items()},
+            "reference": self.reference,
         }
 
     def display(self) -> str:
@@ -160,6 +165,10 @@ class _Build:
     golden_from: str = ""
     golden_floats: str = GOLDEN_DISTRIBUTIONS[0]  # what the golden input's floats were drawn from
     golden: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # the golden file's tensor table
+    golden_inputs: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    golden_outputs: list[np.ndarray] = dataclasses.field(default_factory=list)
+    reference_graph: Graph | None = None  # what TVM's plain pipeline builds for the reference check (edgeq.reference)
+    reference_check: contract.ReferenceCheck | None = None
     runtime: Any = None  # edgeq.runtime.assemble.Runtime
     manifest: contract.Manifest | None = None
     replaced: bool = False  # the output folder held a bundle of this name, now replaced
@@ -188,6 +197,11 @@ def _check(b: _Build) -> None:
         raise UsageError(f"bundle name '{b.name}' may use letters, digits, '.', '_' and '-' only; set it with --name")
     if args.release is not None and args.release < 0:
         raise UsageError("--release must be a non-negative integer")
+    if args.reference not in REFERENCE_CHOICES:
+        raise UsageError(f"unknown --reference '{args.reference}'; choose one of: {', '.join(REFERENCE_CHOICES)}")
+    if args.reference == "onnxruntime" and args.precision in QUANTIZED:
+        raise UsageError(f"--reference onnxruntime: a {args.precision} build is checked against its own quantized graph "
+                         "(TVM's plain pipeline); use --reference auto or tvm")
     if args.runtime not in RUNTIME_CHOICES:
         raise UsageError(f"unknown --runtime '{args.runtime}'; choose one of: {', '.join(RUNTIME_CHOICES)}")
     if args.records is not None and not Path(args.records).is_file():
@@ -232,6 +246,7 @@ def _import(b: _Build) -> None:
     from edgeq.quantize import is_qdq
 
     b.graph, b.outputs = to_relax(b.model)
+    b.reference_graph = b.graph
     b.prequantized = is_qdq(b.graph)
     if b.prequantized and (b.args.quantize is not None or b.args.precision == "fp16"):
         raise UsageError(f"{Path(b.args.model).name} is already quantized (QuantizeLinear/DequantizeLinear); "
@@ -253,6 +268,7 @@ def _quantize(b: _Build) -> None:
     b.quantization = quantize(b.graph, b.model, b.args.quantize, note=b.progress.note, tick=b.progress.tick,
                               warn=b.progress.warn)
     b.graph = b.quantization.graph
+    b.reference_graph = b.graph  # an int8/mixed build is checked against its own quantized graph
 
 
 def _lower(b: _Build) -> None:
@@ -333,6 +349,18 @@ def _golden(b: _Build) -> None:
     arrays = [(f"input:{k}", v) for k, v in inputs.items()]
     arrays += [(f"output:{spec.name}", out) for spec, out in zip(b.outputs, outputs)]
     b.golden = bundle.write_tensors(b.staging / contract.GOLDEN, arrays)
+    b.golden_inputs, b.golden_outputs = inputs, outputs
+
+
+def _reference_check(b: _Build) -> None:
+    reference = choose_reference(b.args.reference, b.model.onnx_model, b.reference_graph,
+                                 quantized_by_edgeq=b.args.precision in QUANTIZED)
+    if reference.note:
+        b.progress.note(f"reference: {reference.name} ({reference.note})")
+    rtol, atol = _reference_tolerance(b)
+    b.reference_check = compare_reference(reference, b.golden_inputs, b.golden_outputs, [s.name for s in b.outputs],
+                                          rtol, atol, checked=b.golden_from)
+    b.progress.note(f"reference check passed: {reference.name}, largest |diff| {b.reference_check.max_abs_diff:.3g}")
 
 
 def _runtime(b: _Build) -> None:
@@ -371,6 +399,16 @@ def _golden_tolerance(b: _Build) -> tuple[float, float]:
     if b.args.precision == "fp16":
         return GOLDEN_FP16_RTOL, GOLDEN_FP16_ATOL
     if b.quantization is not None and b.profile.name != "host":  # host: the golden come from the bundle's library
+        return GOLDEN_INT8_RTOL, GOLDEN_INT8_ATOL
+    return GOLDEN_RTOL, GOLDEN_ATOL
+
+
+def _reference_tolerance(b: _Build) -> tuple[float, float]:
+    """(rtol, atol) of the reference check: fp16 rounds after each layer, and an integer build differs from
+    its reference by a quantization step wherever float noise before a quantize crosses a rounding boundary."""
+    if b.args.precision == "fp16":
+        return GOLDEN_FP16_RTOL, GOLDEN_FP16_ATOL
+    if b.quantization is not None:
         return GOLDEN_INT8_RTOL, GOLDEN_INT8_ATOL
     return GOLDEN_RTOL, GOLDEN_ATOL
 
@@ -431,6 +469,7 @@ def _bundle(b: _Build) -> None:
             float_inputs=b.golden_floats, computed_with=b.golden_from,
             rtol=rtol, atol=atol,
             atol_scaled_by="max(1, max |expected output|)"),
+        reference_check=b.reference_check,
         quantization=b.quantization.report if b.quantization else None,
         runtime=contract.RuntimeRecord.from_json(b.runtime.record, "runtime") if b.runtime else None,
         build={"args": b.args.to_dict(), "stage_seconds": dict(b.progress.seconds)},
@@ -508,6 +547,7 @@ STAGES: tuple[Stage[_Build], ...] = (
           _tuning_records, applies=lambda b: b.args.records is not None, ir=lambda b: b.mod),
     Stage("compile", _compile_description, _compile),  # build, export, check the library's machine and device code
     Stage("golden", lambda b: "golden input and outputs on the build host", _golden),
+    Stage("reference", lambda b: "the golden outputs checked against an independent reference", _reference_check),
     Stage("runtime", lambda b: f"runtime/ for {b.profile.cpu.arch}: TVM runtime, {'CUDA bridge, ' if b.profile.cuda else ''}"
           "edgeq-run", _runtime, applies=lambda b: b.args.runtime != "none"),
     Stage("bundle", lambda b: f"write {b.out_dir / b.bundle_name} and .tar.gz", _bundle),

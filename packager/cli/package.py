@@ -11,6 +11,7 @@ from rich.text import Text
 from edgeq.choices import (CALIBRATION_METHODS, DEFAULT_CALIB_SAMPLES, DEFAULT_METHOD, DEFAULT_OUTPUT, DEFAULT_PERCENTILE,
                            PRECISIONS, RUNTIME_CHOICES)
 from edgeq.contract import QuantizationReport
+from edgeq.reference import REFERENCE_CHOICES
 
 
 def add_parser(sub) -> None:
@@ -64,6 +65,10 @@ def add_parser(sub) -> None:
                              "it and the native loader edgeq-run; none: bring your own apache-tvm on the device")
     parser.add_argument("--release", type=int, metavar="N",
                         help="release number, increasing per model name (default: build time as YYYYMMDDHHMMSS)")
+    parser.add_argument("--reference", choices=REFERENCE_CHOICES, default=REFERENCE_CHOICES[0],
+                        help="what the build is checked against on the golden input before anything is written: "
+                             "auto (default): ONNX Runtime where installed, else TVM's plain pipeline on the imported "
+                             "graph; int8/mixed builds: their own quantized graph before lowering, TVM's plain pipeline")
     parser.add_argument("--dump-ir", type=Path, metavar="DIR",
                         help="write the Relax module after each stage that changes it to DIR/NN-<stage>.py (TVMScript; "
                              "NN as in the progress output), replacing such files from an earlier run; the files of the "
@@ -110,6 +115,7 @@ def run(args, env) -> int:
         runtime=args.runtime,
         consts=consts,
         dump_ir=args.dump_ir,
+        reference=args.reference,
     )
     progress = StageProgress(console=env.err(), quiet=args.quiet)
     result = package(package_args, progress)

@@ -229,7 +229,7 @@ class _Lowering:
         chosen = choose(dataclasses.replace(spec, oc=ocp), self.isa)
         if chosen is None:
             return None
-        name = w.name if isinstance(w, relax.Var) else "w"
+        name = w.name if isinstance(w, relax.Var) else f"{var.name}_w"  # a constant weight: named after its layer
         limit = chosen[0].starts(chosen[1]) if chosen[0].starts else 0.0
         bias = self.bias_after(rw, var, oc, 1, limit) if limit else None
         start = None if bias is None else np.pad(bias[0], (0, ocp - oc))

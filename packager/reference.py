@@ -1,0 +1,157 @@
+"""The reference check: a bundle's golden outputs are never the only judge of the build that made them.
+
+Before anything is written, the outputs of the compiled host build on the golden input (what the bundle's
+self-test will later compare the device against) are compared with an independent reference on the same
+input:
+
+- **ONNX Runtime** on the ONNX model as loaded (input shapes fixed, ``--const`` inputs bound, shape
+  arithmetic folded by ONNX's own reference evaluator), where onnxruntime is installed and runs the model:
+  nothing of TVM's importer or edgeq's rewrites is in it;
+- else **TVM's plain pipeline** (``relax.build`` with TVM's default passes, no edgeq lowering, kernels or
+  schedules) on the graph as imported.
+
+A build quantized by edgeq (int8, mixed) is compared with its own quantized graph before lowering, built
+by TVM's plain pipeline, so that a lowering or kernel fault cannot hide behind quantization error (how far
+the quantized model is from the float one is the quantization report's business). A pre-quantized (QDQ)
+model is compared with ONNX Runtime running its QDQ graph, else with TVM's plain build of the graph as
+imported (quantize/dequantize computed in float).
+
+The comparison is the self-test's: ``|got - want| <= atol * max(1, max |want|) + rtol * |want|`` per
+output, with the precision's tolerance. A mismatch refuses the build in one line naming the first output
+that differs; the result is recorded in the manifest (``reference_check``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from edgeq.contract import ReferenceCheck
+from edgeq.errors import EdgeqError, UsageError
+
+REFERENCE_CHOICES = ("auto", "onnxruntime", "tvm")
+
+
+class ReferenceMismatch(EdgeqError):
+    """The compiled build disagrees with the independent reference: an edgeq bug, not the user's."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Reference:
+    """How reference outputs were obtained: ``run(inputs by name) -> outputs`` and what to record of it."""
+
+    name: str  # "onnxruntime 1.23.2", "tvm 0.27.0 (plain pipeline)"
+    graph: str  # what the reference ran
+    run: Callable[[dict[str, np.ndarray]], list[np.ndarray]]
+    note: str | None = None  # why the first choice was not used
+
+
+def onnxruntime_reference(onnx_model, graph_label: str) -> Reference:
+    """ONNX Runtime (CPU) on ``onnx_model``. Raises whatever onnxruntime raises when it cannot load it."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3  # warnings about unused initializers and the like are not ours to show
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC  # semantics-preserving only
+    session = ort.InferenceSession(onnx_model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    names = [o.name for o in session.get_outputs()]
+
+    def run(inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
+        return [np.asarray(o) for o in session.run(names, inputs)]
+
+    return Reference(f"onnxruntime {ort.__version__}", graph_label, run)
+
+
+def tvm_plain_reference(graph, graph_label: str, note: str | None = None) -> Reference:
+    """``graph`` built by TVM's default Relax pipeline for the build host (LLVM), run by TVM's VM."""
+    from edgeq.compile import HostRunner
+    from edgeq.targets import profiles
+    from edgeq.toolchain import import_tvm
+
+    tvm = import_tvm()
+    from tvm import relax
+
+    with tvm.target.Target(profiles()["host"].tvm_target()) as target:
+        executable = relax.build(graph.mod, target=target)
+    runner = HostRunner(graph, executable)
+
+    def run(inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
+        return runner(list(inputs.values()))  # in the model's input order, as the golden input is
+
+    return Reference(f"tvm {tvm.__version__} (plain pipeline)", graph_label, run, note)
+
+
+def choose(choice: str, onnx_model, graph, *, quantized_by_edgeq: bool) -> Reference:
+    """The reference for a build (see the module docstring). ``choice``: auto, onnxruntime or tvm."""
+    if choice not in REFERENCE_CHOICES:
+        raise UsageError(f"unknown --reference '{choice}'; choose one of: {', '.join(REFERENCE_CHOICES)}")
+    if quantized_by_edgeq:
+        if choice == "onnxruntime":
+            raise UsageError("--reference onnxruntime: an int8/mixed build is checked against its own quantized graph "
+                             "(TVM's plain pipeline); use --reference auto or tvm")
+        return tvm_plain_reference(graph, "the quantized graph before lowering")
+    label = "the loaded ONNX model"
+    note = None
+    if choice in ("auto", "onnxruntime"):
+        try:
+            return onnxruntime_reference(onnx_model, label)
+        except ImportError:
+            if choice == "onnxruntime":
+                raise UsageError("--reference onnxruntime: onnxruntime is not installed (pip install onnxruntime)") from None
+            note = "onnxruntime is not installed"
+        except Exception as err:  # noqa: BLE001 - whatever onnxruntime refuses, TVM's plain build is the fallback
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+            if choice == "onnxruntime":
+                raise UsageError(f"--reference onnxruntime: onnxruntime cannot run this model ({first}); "
+                                 "use --reference tvm") from None
+            note = f"onnxruntime cannot run this model: {first}"
+    return tvm_plain_reference(graph, "the graph as imported, before edgeq's rewrites", note)
+
+
+def compare(reference: Reference, inputs: dict[str, np.ndarray], got: Sequence[np.ndarray],
+            output_names: Sequence[str], rtol: float, atol: float, checked: str) -> ReferenceCheck:
+    """Run the reference on ``inputs`` and compare with ``got`` (the build's outputs); raises
+    ReferenceMismatch naming the first output that differs, else returns the record for the manifest."""
+    try:
+        want = reference.run(inputs)
+    except EdgeqError:
+        raise
+    except Exception as err:  # noqa: BLE001 - the reference failing is reported, in one line, as what it is
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        raise ReferenceMismatch(f"the reference ({reference.name}) failed on the golden input: {first}; "
+                                "nothing was written (--reference tvm or onnxruntime picks the other one)") from None
+    rows, first_bad = [], None
+    if len(want) != len(got):
+        raise ReferenceMismatch(f"the reference ({reference.name}) gives {len(want)} outputs, the build {len(got)}; "
+                                "nothing was written")
+    for name, g, w in zip(output_names, got, want):
+        g, w = np.asarray(g), np.asarray(w)
+        if g.shape != w.shape:
+            rows.append({"output": name, "max_abs_diff": None, "atol": None, "ok": False})
+            first_bad = first_bad or (name, f"shape {list(g.shape)}, the reference's {list(w.shape)}")
+            continue
+        g64, w64 = g.astype(np.float64), w.astype(np.float64)
+        scaled = atol * max(1.0, float(np.max(np.abs(w64)))) if w64.size and np.isfinite(w64).all() else atol
+        with np.errstate(invalid="ignore"):
+            diff = np.abs(g64 - w64)
+            ok = bool(np.all((diff <= scaled + rtol * np.abs(w64)) | (np.isnan(g64) & np.isnan(w64))))
+        largest = float(np.nanmax(diff)) if diff.size and not np.isnan(diff).all() else 0.0
+        if np.isnan(w64).any() and not np.isnan(g64).any():
+            largest = float("inf")
+        rows.append({"output": name, "max_abs_diff": float("%.4g" % largest) if np.isfinite(largest) else None,
+                     "atol": float("%.4g" % scaled), "ok": ok})
+        if not ok and first_bad is None:
+            where = int(np.nanargmax(np.where(np.isnan(diff), np.inf, diff))) if diff.size else 0
+            first_bad = (name, f"max |diff| {largest:.4g} over the tolerance {scaled:.3g} + {rtol:g} x |reference| "
+                               f"(at flat index {where}: {g64.ravel()[where]:.6g}, reference {w64.ravel()[where]:.6g})")
+    if first_bad is not None:
+        name, what = first_bad
+        raise ReferenceMismatch(
+            f"the build disagrees with the reference ({reference.name} on {reference.graph}) on the golden input: "
+            f"output '{name}': {what}; nothing was written. This is an edgeq fault: please report it with the model")
+    finite = [r["max_abs_diff"] for r in rows if r["max_abs_diff"] is not None]
+    return ReferenceCheck(reference=reference.name, graph=reference.graph, checked=checked, rtol=rtol, atol=atol,
+                          atol_scaled_by="max(1, max |reference output|)", max_abs_diff=max(finite, default=0.0),
+                          outputs=rows, passed=True, note=reference.note)
