@@ -16,6 +16,10 @@ QUANTIZED = ("int8", "mixed")  # the precisions that calibrate (--calibrate DATA
 # edgeq-run; none: the device brings apache-tvm
 RUNTIME_CHOICES = ("bundled", "none")
 
+# edgeq package --reference: what a build is checked against before it is written (edgeq.reference); the first
+# is the default. auto: ONNX Runtime where installed, else TVM's plain pipeline (int8/mixed: the quantized graph)
+REFERENCE_CHOICES = ("auto", "onnxruntime", "tvm")
+
 # edgeq package --calibration: the keys of edgeq.quantize.calibrators.CALIBRATORS, in this order
 CALIBRATION_METHODS = ("minmax", "percentile", "entropy", "mse")
 DEFAULT_METHOD = "mse"  # chosen by measurement: see README, "Choosing the calibration default"
@@ -32,5 +36,5 @@ DEFAULT_WARMUP = 10
 # edgeq bench --power
 POWER_SOURCES = ("auto", "tegrastats", "sysfs", "nvml", "none")
 
-__all__ = ["PRECISIONS", "QUANTIZED", "RUNTIME_CHOICES", "CALIBRATION_METHODS", "DEFAULT_METHOD", "POWER_SOURCES", "DEFAULT_OUTPUT",
+__all__ = ["PRECISIONS", "QUANTIZED", "RUNTIME_CHOICES", "REFERENCE_CHOICES", "CALIBRATION_METHODS", "DEFAULT_METHOD", "POWER_SOURCES", "DEFAULT_OUTPUT",
            "DEFAULT_PERCENTILE", "DEFAULT_CALIB_SAMPLES", "DEFAULT_REPEAT", "DEFAULT_WARMUP"]

@@ -31,7 +31,7 @@ from edgeq.graph import Graph
 from edgeq.load import LoadedModel, TensorSpec, load_model
 from edgeq.pipeline import IRDump, Stage, run_stages
 from edgeq.progress import StageProgress
-from edgeq.reference import REFERENCE_CHOICES
+from edgeq.reference import check_choice as check_reference
 from edgeq.reference import choose as choose_reference
 from edgeq.reference import compare as compare_reference
 from edgeq.relax_import import to_relax
@@ -197,11 +197,7 @@ def _check(b: _Build) -> None:
         raise UsageError(f"bundle name '{b.name}' may use letters, digits, '.', '_' and '-' only; set it with --name")
     if args.release is not None and args.release < 0:
         raise UsageError("--release must be a non-negative integer")
-    if args.reference not in REFERENCE_CHOICES:
-        raise UsageError(f"unknown --reference '{args.reference}'; choose one of: {', '.join(REFERENCE_CHOICES)}")
-    if args.reference == "onnxruntime" and args.precision in QUANTIZED:
-        raise UsageError(f"--reference onnxruntime: a {args.precision} build is checked against its own quantized graph "
-                         "(TVM's plain pipeline); use --reference auto or tvm")
+    check_reference(args.reference, args.precision in QUANTIZED)
     if args.runtime not in RUNTIME_CHOICES:
         raise UsageError(f"unknown --runtime '{args.runtime}'; choose one of: {', '.join(RUNTIME_CHOICES)}")
     if args.records is not None and not Path(args.records).is_file():

@@ -29,10 +29,9 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from edgeq.choices import REFERENCE_CHOICES
 from edgeq.contract import ReferenceCheck
 from edgeq.errors import EdgeqError, UsageError
-
-REFERENCE_CHOICES = ("auto", "onnxruntime", "tvm")
 
 
 class ReferenceMismatch(EdgeqError):
@@ -84,14 +83,19 @@ def tvm_plain_reference(graph, graph_label: str, note: str | None = None) -> Ref
     return Reference(f"tvm {tvm.__version__} (plain pipeline)", graph_label, run, note)
 
 
-def choose(choice: str, onnx_model, graph, *, quantized_by_edgeq: bool) -> Reference:
-    """The reference for a build (see the module docstring). ``choice``: auto, onnxruntime or tvm."""
+def check_choice(choice: str, quantized_by_edgeq: bool) -> None:
+    """Refuse a ``--reference`` that cannot apply, before any work is done."""
     if choice not in REFERENCE_CHOICES:
         raise UsageError(f"unknown --reference '{choice}'; choose one of: {', '.join(REFERENCE_CHOICES)}")
+    if quantized_by_edgeq and choice == "onnxruntime":
+        raise UsageError("--reference onnxruntime: an int8/mixed build is checked against its own quantized graph "
+                         "(TVM's plain pipeline); use --reference auto or tvm")
+
+
+def choose(choice: str, onnx_model, graph, *, quantized_by_edgeq: bool) -> Reference:
+    """The reference for a build (see the module docstring). ``choice``: auto, onnxruntime or tvm."""
+    check_choice(choice, quantized_by_edgeq)
     if quantized_by_edgeq:
-        if choice == "onnxruntime":
-            raise UsageError("--reference onnxruntime: an int8/mixed build is checked against its own quantized graph "
-                             "(TVM's plain pipeline); use --reference auto or tvm")
         return tvm_plain_reference(graph, "the quantized graph before lowering")
     label = "the loaded ONNX model"
     note = None

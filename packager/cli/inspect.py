@@ -55,6 +55,14 @@ def _runtime(record, compatibility) -> str:
     return text
 
 
+def _reference_check(check) -> str:
+    if check is None:
+        return "- (made by an edgeq without the reference check)"
+    text = (f"{'passed' if check.passed else 'FAILED'}: {check.checked} against {check.reference} on {check.graph}; "
+            f"largest |diff| {check.max_abs_diff:.3g} (rtol {check.rtol:g}, atol {check.atol:g} x max |output|)")
+    return text + (f"; {check.note}" if check.note else "")
+
+
 def run(args, env) -> int:
     from edgeq.bundle import read_manifest
 
@@ -87,6 +95,7 @@ def _rows(m) -> list[tuple[str, str]]:
         ("GPU kernels", _gpu_kernels(m.library.gpu_kernels)),
         ("inputs", _tensors(m.inputs)),
         ("outputs", _tensors(m.outputs)),
+        ("reference check", _reference_check(m.reference_check)),
         ("weights", f"{m.weights.count} tensors, {m.weights.bytes / 1e6:.2f} MB"),
         ("runtime", _runtime(m.runtime, m.compatibility)),
         ("built", f"{m.created} with edgeq {m.edgeq_version}, TVM {m.tvm_version}"),

@@ -9,9 +9,8 @@ from rich.table import Table
 from rich.text import Text
 
 from edgeq.choices import (CALIBRATION_METHODS, DEFAULT_CALIB_SAMPLES, DEFAULT_METHOD, DEFAULT_OUTPUT, DEFAULT_PERCENTILE,
-                           PRECISIONS, RUNTIME_CHOICES)
+                           PRECISIONS, REFERENCE_CHOICES, RUNTIME_CHOICES)
 from edgeq.contract import QuantizationReport
-from edgeq.reference import REFERENCE_CHOICES
 
 
 def add_parser(sub) -> None:
