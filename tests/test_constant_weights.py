@@ -152,7 +152,7 @@ def test_two_same_shape_constant_weights_match_onnxruntime(tmp_path):
     check = manifest["reference_check"]
     assert check["passed"] and check["reference"].startswith("onnxruntime "), check
     assert check["checked"] == "the bundle's own library, on the build host"
-    assert check["rtol"] == 1e-3 and check["atol"] == 1e-4 and check["max_abs_diff"] < 1e-3, check
+    assert check["rtol"] == 1e-3 and check["atol"] == 1e-3 and check["max_abs_diff"] < 1e-4, check
     assert [row["output"] for row in check["outputs"]] == ["y"] and check["outputs"][0]["ok"]
 
 

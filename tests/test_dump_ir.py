@@ -51,7 +51,7 @@ def test_fp32_dumps_import_and_lower(family, models, tmp_path):
     ir = tmp_path / "ir"
     res = package(models[family], tmp_path / "out", ir)
     assert res.code == 0, res.stderr
-    stages = ["check", "load", "import", "lower", "compile", "golden", "runtime", "bundle"]
+    stages = ["check", "load", "import", "lower", "compile", "golden", "reference", "runtime", "bundle"]
     assert_progress_counts_what_ran(res, stages)
     assert all(total == len(stages) for _, total, _ in progress(res.stderr))  # right from the start
     assert dumped(ir) == ["03-import.py", "04-lower.py"]  # numbered as in the progress output
@@ -75,7 +75,7 @@ def test_int8_adds_the_quantize_stage(models, tmp_path):
     res = package(models["resnet_cnn"], tmp_path / "out", ir, "--precision", "int8", "--calibrate", calib)
     assert res.code == 0, res.stderr
     assert_progress_counts_what_ran(
-        res, ["check", "load", "import", "quantize", "lower", "compile", "golden", "runtime", "bundle"])
+        res, ["check", "load", "import", "quantize", "lower", "compile", "golden", "reference", "runtime", "bundle"])
     assert dumped(ir) == ["03-import.py", "04-quantize.py", "05-lower.py"]
     for path in ir.iterdir():
         assert_tvmscript(path)
@@ -87,7 +87,7 @@ def test_prequantized_model_dumps_lower_qdq(models, tmp_path):
     ir = tmp_path / "ir"
     res = package(qdq, tmp_path / "out", ir, "--runtime", "none")
     assert res.code == 0, res.stderr
-    assert_progress_counts_what_ran(res, ["check", "load", "import", "lower-qdq", "lower", "compile", "golden", "bundle"])
+    assert_progress_counts_what_ran(res, ["check", "load", "import", "lower-qdq", "lower", "compile", "golden", "reference", "bundle"])
     assert dumped(ir) == ["03-import.py", "04-lower-qdq.py", "05-lower.py"]
     for path in ir.iterdir():
         assert_tvmscript(path)
@@ -102,8 +102,8 @@ def test_progress_total_corrected_once_the_import_decides(models, tmp_path):
     onnx.save(model, path)
     res = package(path, tmp_path / "out", None)
     assert res.code == 0, res.stderr
-    assert_progress_counts_what_ran(res, ["check", "load", "import", "lower", "compile", "golden", "runtime", "bundle"])
-    assert [total for _, total, _ in progress(res.stderr)] == [9, 9, 9, 8, 8, 8, 8, 8]
+    assert_progress_counts_what_ran(res, ["check", "load", "import", "lower", "compile", "golden", "reference", "runtime", "bundle"])
+    assert [total for _, total, _ in progress(res.stderr)] == [10, 10, 10, 9, 9, 9, 9, 9, 9]
 
 
 def test_tuning_records_stage_runs_with_records(models, tmp_path):
@@ -112,7 +112,7 @@ def test_tuning_records_stage_runs_with_records(models, tmp_path):
     ir = tmp_path / "ir"
     res = package(models["transformer_block"], tmp_path / "out", ir, "--records", records, "--runtime", "none")
     assert res.code == 0, res.stderr
-    assert_progress_counts_what_ran(res, ["check", "load", "import", "lower", "tuning-records", "compile", "golden", "bundle"])
+    assert_progress_counts_what_ran(res, ["check", "load", "import", "lower", "tuning-records", "compile", "golden", "reference", "bundle"])
     assert dumped(ir) == ["03-import.py", "04-lower.py", "05-tuning-records.py"]
     for path in ir.iterdir():
         assert_tvmscript(path)

@@ -44,7 +44,8 @@ def add_parser(sub) -> None:
                    help=f"calibration samples to use at most (default {DEFAULT_CALIB_SAMPLES}), counted one per input row: a batch of B "
                         "counts B; used in whole batches, at least one; fewer than 10 only warn")
     q.add_argument("--preprocess", nargs="?", const="", metavar="SPEC",
-                   help="how to turn images into inputs: resize=HxW,mean=a/b/c,std=a/b/c,scale=255,layout=NCHW,order=RGB")
+                   help="how to turn images (calibration data, --golden-input) into inputs: "
+                        "resize=HxW,mean=a/b/c,std=a/b/c,scale=255,layout=NCHW,order=RGB")
     q.add_argument("--skip", action="append", default=[], metavar="NODE_OR_OP",
                    help="keep this ONNX node (by name) or op type (Conv, Gemm, MatMul) in fp32; repeatable")
     q.add_argument("--fp16", action="store_true", help="layers leaving int8 for the accuracy budget run fp16, not fp32")
@@ -64,6 +65,10 @@ def add_parser(sub) -> None:
                              "it and the native loader edgeq-run; none: bring your own apache-tvm on the device")
     parser.add_argument("--release", type=int, metavar="N",
                         help="release number, increasing per model name (default: build time as YYYYMMDDHHMMSS)")
+    parser.add_argument("--golden-input", type=Path, metavar="FILE",
+                        help="the input the bundle's self-test runs: .npz (one array per input) or .npy, or an image "
+                             "with --preprocess (default: the first calibration sample for int8/mixed, else a generated "
+                             "input, tried within the domains of Log/Acos/Acosh-like ops before refusing)")
     parser.add_argument("--reference", choices=REFERENCE_CHOICES, default=REFERENCE_CHOICES[0],
                         help="what the build is checked against on the golden input before anything is written: "
                              "auto (default): ONNX Runtime where installed, else TVM's plain pipeline on the imported "
@@ -88,6 +93,7 @@ def run(args, env) -> int:
     shapes = dict(parse_shape(text) for text in args.input_shape)
     consts = dict(parse_const(text) for text in args.const)
     quantize_args = None
+    preprocess = Preprocess.parse(args.preprocess) if args.preprocess is not None else None
     if args.calibrate is not None:
         quantize_args = QuantizeArgs(
             calibrate=args.calibrate,
@@ -98,7 +104,7 @@ def run(args, env) -> int:
             fallback="fp16" if args.fp16 else "fp32",
             accuracy_budget=args.accuracy_budget,
             eval=args.eval,
-            preprocess=Preprocess.parse(args.preprocess) if args.preprocess is not None else None,
+            preprocess=preprocess,
         )
     package_args = PackageArgs(
         model=args.model,
@@ -115,6 +121,8 @@ def run(args, env) -> int:
         consts=consts,
         dump_ir=args.dump_ir,
         reference=args.reference,
+        golden_input=args.golden_input,
+        preprocess=preprocess,
     )
     progress = StageProgress(console=env.err(), quiet=args.quiet)
     result = package(package_args, progress)

@@ -75,6 +75,8 @@ class QuantizeResult:
     layers: list[Layer]
     report: Report  # the manifest's ``quantization``
     scales: dict[str, np.ndarray]  # what quant_params.npz holds
+    first_sample: list[np.ndarray] | None = None  # the first model run of the calibration data (the golden input)
+    first_sample_source: str = ""
 
 
 def check_args(args: QuantizeArgs) -> None:
@@ -277,7 +279,7 @@ def quantize(graph: Graph, model: LoadedModel, args: QuantizeArgs, note: Callabl
         scales_file=QUANT_PARAMS,
         args=args.to_dict(),
     )
-    return QuantizeResult(quantized, layers, report, scales)
+    return QuantizeResult(quantized, layers, report, scales, next(calib.batches(specs)), calib.source)
 
 
 def _precision_counts(layers: list[Layer]) -> dict[str, int]:

@@ -270,7 +270,13 @@ def load_data(path: str | Path, specs: list[TensorSpec], what: str = "calibratio
     spent = [0]
     if not path.exists():
         raise DataError(f"{what} data not found: {path}")
-    if path.is_file():
+    if path.is_file() and path.suffix.lower() in IMAGE_SUFFIXES:  # one image
+        if preprocess is None:
+            raise DataError(f"{what} {path} is an image: say how to prepare it with --preprocess")
+        if len(specs) != 1:
+            raise DataError(f"an image as {what} needs a model with one input; this one has {len(specs)}")
+        data = _images([path], path.parent, specs[0], preprocess, what)
+    elif path.is_file():
         if path.suffix not in (".npz", ".npy"):
             raise DataError(f"{what} data {path} is not .npz or .npy; give a .npz, a folder of .npy/.npz, or images")
         data = _from_arrays(_read_npz(path, spent), specs, what, str(path))

@@ -1,0 +1,113 @@
+"""The self-test's input: the user's own (``--golden-input`` .npz or image), an int8 build's first calibration
+sample, or a generated one tried within the domains of the model's ops before a model is refused as NaN."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+from PIL import Image
+
+from conftest import read_golden, run_cli, run_py
+
+
+def _unary(path: Path, op: str) -> Path:
+    graph = helper.make_graph([helper.make_node(op, ["x"], ["y"])], op,
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 8])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path
+
+
+def _manifest(bundle: Path) -> dict:
+    return json.loads((bundle / "manifest.json").read_text())
+
+
+@pytest.mark.parametrize("op, floats", [("Acos", "uniform(0.1, 0.9)"), ("Atanh", "uniform(0.1, 0.9)"),
+                                        ("Acosh", "uniform(1.1, 2.0)")])
+def test_ops_with_a_limited_domain_package_without_a_golden_input(tmp_path, op, floats):
+    model = _unary(tmp_path / f"{op}.onnx", op)
+    res = run_cli("package", model, "--device", "host", "-o", tmp_path / "out", "--runtime", "none", "-q")
+    assert res.code == 0, res.stderr
+    bundle = tmp_path / "out" / f"{op}-host"
+    assert _manifest(bundle)["golden"]["float_inputs"] == floats
+    golden = read_golden(bundle)
+    want = ort.InferenceSession(str(model)).run(None, {"x": golden["input:x"]})[0]
+    assert np.isfinite(golden["output:y"]).all() and np.allclose(golden["output:y"], want, rtol=1e-5, atol=1e-6)
+    check = run_py(bundle, "--self-test")
+    assert check.returncode == 0, check.stderr
+
+
+def test_a_model_that_is_nan_everywhere_is_refused_naming_the_option(tmp_path):
+    """sqrt(-|x| - 1) is NaN for every input: refused in one line that says to give --golden-input."""
+    nodes = [helper.make_node("Abs", ["x"], ["a"]), helper.make_node("Neg", ["a"], ["n"]),
+             helper.make_node("Sub", ["n", "one"], ["m"]), helper.make_node("Sqrt", ["m"], ["y"])]
+    graph = helper.make_graph(nodes, "nan", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])],
+                              [numpy_helper.from_array(np.ones((), np.float32), "one")])
+    model = tmp_path / "nan.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), model)
+    res = run_cli("package", model, "--device", "host", "-o", tmp_path / "out")
+    assert res.code == 3
+    lines = [line for line in res.stderr.splitlines() if line.startswith("edgeq: error:")]
+    assert len(lines) == 1 and "NaN or Inf on the golden input" in lines[0] and "--golden-input" in lines[0], res.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_golden_input_from_an_npz(models, tmp_path):
+    x = np.random.default_rng(7).uniform(-1, 1, (1, 3, 32, 32)).astype(np.float32)
+    np.savez(tmp_path / "golden.npz", input=x)
+    res = run_cli("package", models["resnet_cnn"], "--device", "host", "-o", tmp_path / "out", "--runtime", "none", "-q",
+                  "--golden-input", tmp_path / "golden.npz")
+    assert res.code == 0, res.stderr
+    bundle = tmp_path / "out" / "resnet_cnn-host"
+    golden = read_golden(bundle)
+    assert np.array_equal(golden["input:input"], x)
+    want = ort.InferenceSession(str(models["resnet_cnn"])).run(None, {"input": x})[0]
+    assert np.allclose(golden["output:logits"], want, rtol=1e-3, atol=1e-4 * np.abs(want).max())
+    manifest = _manifest(bundle)
+    assert manifest["golden"]["float_inputs"] == "--golden-input golden.npz"
+    assert manifest["reference_check"]["passed"]
+    assert run_py(bundle, "--self-test").returncode == 0
+
+
+def test_golden_input_from_an_image_is_preprocessed_as_calibration_images_are(models, tmp_path):
+    from edgeq.load import TensorSpec
+    from edgeq.quantize.data import Preprocess, load_data
+
+    pixels = np.random.default_rng(8).integers(0, 256, (48, 40, 3), dtype=np.uint8)
+    folder = tmp_path / "images"
+    folder.mkdir()
+    Image.fromarray(pixels).save(folder / "cat.png")
+    spec = "mean=0.485/0.456/0.406,std=0.229/0.224/0.225"
+    res = run_cli("package", models["resnet_cnn"], "--device", "host", "-o", tmp_path / "out", "--runtime", "none", "-q",
+                  "--golden-input", folder / "cat.png", "--preprocess", spec)
+    assert res.code == 0, res.stderr
+    golden = read_golden(tmp_path / "out" / "resnet_cnn-host")
+    calibration = load_data(folder, [TensorSpec("input", (1, 3, 32, 32), "float32")], "calibration", Preprocess.parse(spec))
+    assert np.array_equal(golden["input:input"], calibration.arrays["input"][:1])
+
+
+def test_an_image_needs_preprocess_and_a_wrong_shape_is_refused(models, tmp_path):
+    Image.new("RGB", (32, 32)).save(tmp_path / "a.png")
+    res = run_cli("package", models["resnet_cnn"], "--device", "host", "-o", tmp_path / "out", "--golden-input", tmp_path / "a.png")
+    assert res.code == 2 and "--preprocess" in res.stderr, res.stderr
+    np.savez(tmp_path / "bad.npz", input=np.zeros((1, 3, 16, 16), np.float32))
+    res = run_cli("package", models["resnet_cnn"], "--device", "host", "-o", tmp_path / "out", "--golden-input", tmp_path / "bad.npz")
+    assert res.code == 2 and "golden input array 'input' has shape 1x3x16x16" in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr and not (tmp_path / "out").exists()
+
+
+def test_int8_golden_input_is_the_first_calibration_sample(models, tmp_path):
+    calib = np.random.default_rng(9).standard_normal((12, 3, 32, 32)).astype(np.float32)
+    np.savez(tmp_path / "calib.npz", input=calib)
+    res = run_cli("package", models["resnet_cnn"], "--device", "host", "-o", tmp_path / "out", "--runtime", "none", "-q",
+                  "--precision", "int8", "--calibrate", tmp_path / "calib.npz")
+    assert res.code == 0, res.stderr
+    bundle = tmp_path / "out" / "resnet_cnn-host"
+    assert np.array_equal(read_golden(bundle)["input:input"], calib[:1])
+    assert _manifest(bundle)["golden"]["float_inputs"] == "the first calibration sample (calib.npz)"
+    assert run_py(bundle, "--self-test").returncode == 0
