@@ -80,6 +80,7 @@ class PackageArgs:
     reference: str = "auto"  # the independent reference the build is checked against: auto, onnxruntime, tvm
     golden_input: Path | None = None  # the self-test's input: .npz/.npy (one array per input) or an image
     preprocess: Any = None  # edgeq.quantize.data.Preprocess: how images (calibration, golden input) become tensors
+    mender: bool = False  # also write OUTDIR/<name>-<device>.mender, a Mender Artifact of the archive (edgeq.mender)
 
     def to_dict(self) -> dict[str, Any]:
         """What the manifest records (``build.args``). ``dump_ir`` is left out: a debugging aid that
@@ -100,6 +101,7 @@ class PackageArgs:
             "reference": self.reference,
             "golden_input": str(self.golden_input) if self.golden_input else None,
             "preprocess": self.preprocess.to_dict() if self.preprocess else None,
+            "mender": self.mender,
         }
 
     def display(self) -> str:
@@ -117,6 +119,7 @@ class PackageResult:
     total_seconds: float
     manifest: contract.Manifest
     replaced: bool = False  # a bundle of this name was in the output folder and is replaced
+    mender: Any = None  # edgeq.mender.MenderResult with --mender
 
     def to_dict(self) -> dict[str, Any]:
         m = self.manifest
@@ -135,6 +138,7 @@ class PackageResult:
             "stages": self.stages,
             "total_seconds": self.total_seconds,
             "replaced": self.replaced,
+            "mender": self.mender.to_dict() if self.mender else None,
         }
 
 
@@ -184,6 +188,7 @@ class _Build:
     runtime: Any = None  # edgeq.runtime.assemble.Runtime
     manifest: contract.Manifest | None = None
     replaced: bool = False  # the output folder held a bundle of this name, now replaced
+    mender: Any = None  # edgeq.mender.MenderResult
 
     @property
     def bundle_name(self) -> str:
@@ -526,6 +531,13 @@ def _bundle(b: _Build) -> None:
     archive_tmp.replace(b.out_dir / f"{b.bundle_name}.tar.gz")
 
 
+def _mender(b: _Build) -> None:
+    from edgeq.mender import MenderArgs, write_artifact
+
+    b.mender = write_artifact(MenderArgs(bundle=b.out_dir / f"{b.bundle_name}.tar.gz",
+                                         output=b.out_dir / f"{b.bundle_name}.mender"))
+
+
 def _is_prequantized(b: _Build) -> bool:
     """Decided by import; before it, a cheap look at the model file's bytes (the progress total may be
     corrected once import has looked at the graph)."""
@@ -583,6 +595,8 @@ STAGES: tuple[Stage[_Build], ...] = (
     Stage("runtime", lambda b: f"runtime/ for {b.profile.cpu.arch}: TVM runtime, {'CUDA bridge, ' if b.profile.cuda else ''}"
           "edgeq-run", _runtime, applies=lambda b: b.args.runtime != "none"),
     Stage("bundle", lambda b: f"write {b.out_dir / b.bundle_name} and .tar.gz", _bundle),
+    Stage("mender", lambda b: f"Mender Artifact {b.out_dir / b.bundle_name}.mender (payload type edgeq)", _mender,
+          applies=lambda b: b.args.mender),
 )
 
 
@@ -610,6 +624,7 @@ def package(args: PackageArgs, progress: StageProgress | None = None) -> Package
         total_seconds=progress.total_seconds,
         manifest=b.manifest,
         replaced=b.replaced,
+        mender=b.mender,
     )
 
 

@@ -75,6 +75,7 @@ class Profile:
     memory_mb: int
     software: dict[str, str]
     power: PowerSpec
+    mender_device_types: tuple[str, ...] = ()  # [mender] device_types: what Mender images of the device report
 
     @property
     def kind(self) -> str:
@@ -134,9 +135,17 @@ def _parse(text: str, source: str) -> Profile:
                 hwmon_rails=dict(power.get("hwmon_rails", {})),
                 nvpmodel_modes=tuple(power.get("nvpmodel_modes", ())),
             ),
+            mender_device_types=_mender_device_types(raw.get("mender", {}), source),
         )
     except TypeError as err:
         raise DeviceError(f"device profile {source} has an unexpected field: {err}") from None
+
+
+def _mender_device_types(section, source: str) -> tuple[str, ...]:
+    types = section.get("device_types", []) if isinstance(section, dict) else None
+    if not isinstance(types, list) or not all(isinstance(t, str) and t for t in types):
+        raise DeviceError(f"device profile {source}: [mender] device_types must be a list of names")
+    return tuple(types)
 
 
 def _detect_host(profile: Profile) -> Profile:

@@ -19,6 +19,7 @@ from edgeq.errors import EdgeqError, ExitStatus, UsageError
 # 'edgeq devices' or 'edgeq --version' never loads TVM, ONNX or the compiler.
 VERBS = {"devices": "devices", "package": "package", "inspect": "inspect", "keygen": "keygen", "verify": "verify",
          "install": "install", "flash": "flash", "fleet": "flash:FleetVerb", "rollback": "flash:RollbackVerb",
+         "mender": "mender",
          "rpc": "rpc", "bench": "bench", "tune": "tune"}
 
 

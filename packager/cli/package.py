@@ -63,6 +63,9 @@ def add_parser(sub) -> None:
     parser.add_argument("--runtime", choices=RUNTIME_CHOICES, default=RUNTIME_CHOICES[0],
                         help="bundled (default): runtime/ with the TVM runtime, the CUDA 12 bridge where the device needs "
                              "it and the native loader edgeq-run; none: bring your own apache-tvm on the device")
+    parser.add_argument("--mender", action="store_true",
+                        help="also write OUTDIR/<name>-<device>.mender: the archive as a Mender Artifact (payload type "
+                             "'edgeq', device types from the profile; see 'edgeq mender' for the options)")
     parser.add_argument("--release", type=int, metavar="N",
                         help="release number, increasing per model name (default: build time as YYYYMMDDHHMMSS)")
     parser.add_argument("--golden-input", type=Path, metavar="FILE",
@@ -123,6 +126,7 @@ def run(args, env) -> int:
         reference=args.reference,
         golden_input=args.golden_input,
         preprocess=preprocess,
+        mender=args.mender,
     )
     progress = StageProgress(console=env.err(), quiet=args.quiet)
     result = package(package_args, progress)
@@ -145,6 +149,7 @@ def run(args, env) -> int:
         ("CUDA", f"{m.device.cuda_arch}, CUDA {toolkit.version} {toolkit.kind}" if toolkit else "-"),
         *((f"time: {name}", f"{seconds:.2f} s") for name, seconds in result.stages.items()),
         ("time: total", f"{result.total_seconds:.2f} s"),
+        *((("mender", f"{result.mender.artifact} for {', '.join(result.mender.device_types)}"),) if result.mender else ()),
     ]
     for key, value in rows:
         view.add_row(key, Text(value))  # paths and names are data, never rich markup
