@@ -32,11 +32,12 @@ import tarfile
 from pathlib import Path
 from typing import Any
 
+from edgeq import templates
 from edgeq.bundle import read_manifest
 from edgeq.errors import BundleError, OutputError, UsageError
 
 PAYLOAD_TYPE = "edgeq"
-MODULE = Path(__file__).resolve().parent.parent / "templates" / "mender-update-module"
+MODULE = Path(templates.__file__).with_name("mender-update-module")  # what a device installs as MODULE_PATH_ON_DEVICE
 MODULE_PATH_ON_DEVICE = "/usr/share/mender/modules/v3/edgeq"
 # Mender's artifact names and device types: what mender-artifact accepts (no whitespace, no quotes)
 TOKEN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:+@-]{0,127}")

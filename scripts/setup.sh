@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything edgeq and its tests need on a fresh Debian/Ubuntu machine (x86_64 or aarch64 host): the aarch64
-# cross compiler, qemu-user, a C compiler, chromium, and the Python packages in a virtual environment in the
+# cross compiler, qemu-user, a C compiler, chromium, Mender's tools (mender-artifact, mender-client), and the Python packages in a virtual environment in the
 # checkout, .venv (edgeq editable with its test tools; the CUDA 12 NVRTC wheels for JetPack 6 targets are
 # default dependencies). Stock system Pythons refuse `pip install` outside a venv (externally managed), so
 # nothing is installed into the interpreter itself. .venv is made from $PYTHON (default python3; 3.10 to
@@ -52,6 +52,9 @@ command -v ssh-keygen >/dev/null || need+=(openssh-client)
 command -v qemu-aarch64 >/dev/null || need+=(qemu-user)   # runs aarch64 bundles (edgeq-run) in the tests
 command -v readelf >/dev/null || need+=(binutils)         # ELF checks of every file in a bundle
 command -v git >/dev/null || need+=(git)                  # tests/test_install.py installs the checkout's files
+command -v mender-artifact >/dev/null || need+=(mender-artifact)  # tests/test_mender.py: Mender's own artifact tool
+command -v mender >/dev/null || need+=(mender-client)      # ... and its client, installing edgeq's artifacts
+command -v unshare >/dev/null || need+=(util-linux)        # the client runs in a private mount namespace
 # Debian and Ubuntu ship venv's pip bootstrap (ensurepip) in a package of its own: python3-venv, python3.X-venv
 if [ -n "$make_venv$ZOO" ] && ! "$PYTHON" -c 'import ensurepip, venv' 2>/dev/null; then
     need+=("$(basename "$(command -v "$PYTHON")")-venv")
