@@ -192,6 +192,10 @@ class Device:
         (folder / "mender.conf").write_text("{}\n")
         (folder / "fallback.conf").write_text("{}\n")
 
+    def verify_with(self, public_key: Path) -> None:
+        """Mender's own signature check: the client refuses artifacts not signed by this key."""
+        (self.folder / "mender.conf").write_text(json.dumps({"ArtifactVerifyKey": str(public_key)}) + "\n")
+
     def mender(self, *args) -> subprocess.CompletedProcess:
         script = ('mount --bind "$1/modules" /usr/share/mender/modules/v3 && mount --bind "$1/etc" /etc/mender && '
                   'shift && exec mender -c "$0/mender.conf" -b "$0/fallback.conf" -d "$0/data" --no-syslog "$@"')
@@ -265,3 +269,24 @@ def test_the_first_release_failing_leaves_no_current(bundles, tmp_path):
     assert "Rolling back" in res.stdout + res.stderr, res.stdout + res.stderr
     assert device.current() is None and not list((device.root / "releases").iterdir())
     assert json.loads((device.root / "state.json").read_text())["models"] == {}
+
+
+@needs_client
+def test_the_mender_client_checks_the_artifact_signature(bundles, tmp_path):
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    (tmp_path / "mender.key").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                            serialization.NoEncryption()))
+    (tmp_path / "mender.pub").write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM,
+                                                                        serialization.PublicFormat.SubjectPublicKeyInfo))
+    device = Device(tmp_path / "device")
+    device.verify_with(tmp_path / "mender.pub")
+    unsigned = _mender_file(bundles["v1"])
+    res = device.mender("install", unsigned)
+    assert res.returncode != 0 and not (device.root / "releases").exists(), res.stderr
+    signed = _mender_file(bundles["v1"], "-k", tmp_path / "mender.key")
+    res = device.mender("install", signed)
+    assert res.returncode == 0, res.stderr
+    assert device.mender("commit").returncode == 0 and device.current() is not None
