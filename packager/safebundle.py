@@ -94,9 +94,26 @@ def load_json(data: bytes | str, what: str, max_bytes: int = MAX_MANIFEST_BYTES)
     if json_depth(text) > MAX_JSON_DEPTH:
         raise BundleRefused(f"{what} nests deeper than {MAX_JSON_DEPTH} levels")
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=_unique_keys)
+    except _DuplicateKey as err:
+        raise BundleRefused(f"{what} is not valid JSON (duplicate key {err})") from None
     except (ValueError, RecursionError) as err:
         raise BundleRefused(f"{what} is not valid JSON: {_first_line(err)}") from None
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def _unique_keys(pairs) -> dict:
+    """An object whose keys are all different: with a key twice, a first-wins and a last-wins reader (edgeq-run
+    and Python's json) would see two different manifests under one signature, so it is refused by both."""
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(json.dumps(key))
+        out[key] = value
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import tarfile
 import time
 from pathlib import Path
@@ -211,3 +212,33 @@ def test_markup_from_a_manifest_is_shown_as_text(bundles, tmp_path):
     (bundle / "manifest.json").write_text(json.dumps(manifest))
     res = run_cli("inspect", bundle)
     assert res.code == 0 and "[/x][bold]model" in res.stdout, res.stderr
+
+
+@pytest.mark.parametrize("damage,fragment", [
+    ("schema-twice", "duplicate key"),  # schema_version 3, then 2: read first-wins by one parser, last-wins by another
+    ("device-twice", "duplicate key"),
+    ("invalid-utf8", "UTF-8"),
+    ("surrogate-utf8", "UTF-8"),  # an encoded surrogate (ED A0 80): strict UTF-8 has none
+    ("overlong-utf8", "UTF-8"),  # '/' as two bytes (C0 AF)
+])
+def test_every_reader_refuses_a_manifest_that_could_be_read_two_ways(bundles, tmp_path, damage, fragment):
+    """The manifest is what the signature covers, so every reader must see the same document: duplicate keys and
+    bytes that are not strict UTF-8 are refused by edgeq verify, run.py and edgeq-run alike (exit 7, one line)."""
+    bundle = tmp_path / "b"
+    shutil.copytree(bundles["unsigned"]["bundle_dir"], bundle)
+    text = (bundle / "manifest.json").read_bytes()
+    if damage == "schema-twice":
+        text = text.replace(b'"schema_version": 3,', b'"schema_version": 3, "schema_version": 2,', 1)
+    elif damage == "device-twice":
+        device = json.dumps(json.loads(text)["device"]).encode()
+        text = text.replace(b'"device": {', b'"device": ' + device + b', "device": {', 1)
+    else:
+        bad = {"invalid-utf8": b"\xff", "surrogate-utf8": b"\xed\xa0\x80", "overlong-utf8": b"\xc0\xaf"}[damage]
+        text = text.replace(b'"name": "', b'"name": "' + bad, 1)
+    assert text != (bundle / "manifest.json").read_bytes()
+    (bundle / "manifest.json").write_bytes(text)
+    refused(run_cli("verify", bundle), 7, fragment)
+    for cmd in ([sys.executable, str(bundle / "run.py"), "--check"], [str(bundle / "runtime" / "edgeq-run"), "--check"]):
+        proc = subprocess.run(cmd, cwd=bundle, capture_output=True, text=True, errors="replace", timeout=120)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 7 and len(lines) == 1 and fragment in lines[0], (cmd[-2], proc.stderr)

@@ -220,6 +220,7 @@ class JsonParser {
  public:
   explicit JsonParser(const std::string& text) : s_(text) {}
   Json Parse() {
+    CheckUtf8();  // the manifest is what the signature covers: every reader must see the same text (Python: strict UTF-8)
     Json v = Value(0);
     Space();
     if (p_ != s_.size()) Fail("trailing data");
@@ -229,6 +230,24 @@ class JsonParser {
  private:
   [[noreturn]] void Fail(const std::string& why) {
     refuse("manifest.json is not valid JSON (" + why + " at byte " + std::to_string(p_) + ")");
+  }
+  // Strict UTF-8 as Python decodes it: no overlong forms, no surrogates, nothing above U+10FFFF.
+  void CheckUtf8() {
+    const auto* b = reinterpret_cast<const uint8_t*>(s_.data());
+    size_t n = s_.size();
+    for (size_t i = 0; i < n;) {
+      uint8_t c = b[i];
+      size_t len = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xE ? 3 : (c >> 3) == 0x1E ? 4 : 0;
+      if (len == 0 || i + len > n) { p_ = i; Fail("not UTF-8 text"); }
+      uint32_t cp = len == 1 ? c : len == 2 ? (c & 0x1F) : len == 3 ? (c & 0x0F) : (c & 0x07);
+      for (size_t k = 1; k < len; ++k) {
+        if ((b[i + k] & 0xC0) != 0x80) { p_ = i; Fail("not UTF-8 text"); }
+        cp = (cp << 6) | (b[i + k] & 0x3F);
+      }
+      static const uint32_t kMin[5] = {0, 0, 0x80, 0x800, 0x10000};
+      if (cp < kMin[len] || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) { p_ = i; Fail("not UTF-8 text"); }
+      i += len;
+    }
   }
   void Space() {
     while (p_ < s_.size() && (s_[p_] == ' ' || s_[p_] == '\n' || s_[p_] == '\r' || s_[p_] == '\t')) ++p_;
@@ -258,7 +277,11 @@ class JsonParser {
       while (true) {
         Space();
         if (p_ >= s_.size() || s_[p_] != '"') Fail("expected a key");
+        size_t key_at = p_;
         std::string key = String();
+        for (auto& kv : v.fields) {  // first-wins and last-wins readers would see different documents
+          if (kv.first == key) { p_ = key_at; Fail("duplicate key \"" + key + "\""); }
+        }
         Space();
         if (p_ >= s_.size() || s_[p_] != ':') Fail("expected ':'");
         ++p_;
