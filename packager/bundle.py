@@ -147,6 +147,8 @@ def read_manifest(bundle: str | Path) -> Manifest:
     try:
         if bundle.is_dir():
             path = bundle / MANIFEST
+            if (path.exists() or path.is_symlink()) and not path.is_file():  # a FIFO would block a read forever
+                raise BundleError(f"{bundle}: {MANIFEST} is not a regular file")
             if path.is_file() and path.stat().st_size > safebundle.MAX_MANIFEST_BYTES:
                 raise BundleError(f"{bundle}: manifest.json is too large ({path.stat().st_size} bytes)")
             data = path.read_bytes()

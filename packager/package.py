@@ -237,6 +237,11 @@ def _check(b: _Build) -> None:
     if b.ir_dump is not None:
         b.ir_dump.prepare()
     b.out_dir = Path(args.output)
+    inside = next((p for p in (b.out_dir.resolve(), *b.out_dir.resolve().parents)
+                   if (p / contract.MANIFEST).is_file() and (p / contract.SUMS).is_file()), None)
+    if inside is not None:  # a bundle holds only the files its manifest lists
+        raise UsageError(f"-o {b.out_dir} is {'a bundle folder' if inside == b.out_dir.resolve() else 'inside the bundle ' + str(inside)}; "
+                         "choose an output folder outside any bundle")
     try:
         b.created_out_dir = not b.out_dir.exists()
         b.out_dir.mkdir(parents=True, exist_ok=True)

@@ -300,3 +300,32 @@ def test_nested_if_is_refused_in_one_line(tmp_path, out):
     path = tmp_path / "nested.onnx"
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
     assert_refused(package(path, out, "--device", "host"), 3, "node 'inner' puts an If/Loop inside another one's branch")
+
+
+def test_const_whose_header_declares_a_huge_array(models, tmp_path, out):
+    """128 bytes on disk, 4 TB declared: refused from the header, before numpy allocates anything."""
+    header = b"{'descr': '<f4', 'fortran_order': False, 'shape': (1000000, 1000000), }".ljust(127) + b"\n"
+    bomb = tmp_path / "bomb.npy"
+    bomb.write_bytes(b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header)
+    assert_refused(package(models["resnet_cnn"], out, "--device", "host", "--const", f"input={bomb}"), 2,
+                   "as its header declares", "EDGEQ_MAX_INPUT_BYTES")
+
+
+def test_output_folder_inside_a_bundle_is_refused(models, tmp_path):
+    first = run_cli("package", models["mobilenet_cnn"], "--device", "host", "-o", tmp_path, "-q", "--runtime", "none")
+    assert first.code == 0, first.stderr
+    bundle = tmp_path / "mobilenet_cnn-host"
+    before = sorted(p.name for p in bundle.iterdir())
+    for target in (bundle, bundle / "more"):
+        assert_refused(package(models["mobilenet_cnn"], target, "--device", "host"), 2, "bundle", "outside any bundle")
+    assert sorted(p.name for p in bundle.iterdir()) == before
+    assert run_cli("verify", bundle).code == 0
+
+
+def test_inspect_refuses_a_manifest_that_is_not_a_regular_file(tmp_path):
+    import os
+
+    (tmp_path / "b").mkdir()
+    os.mkfifo(tmp_path / "b" / "manifest.json")  # reading a FIFO would wait forever
+    res = run_cli("inspect", tmp_path / "b")
+    assert_refused(res, 7, "not a regular file")
