@@ -143,7 +143,31 @@ def check_manifest(manifest) -> "contract.Manifest":
             raise BundleRefused(f"manifest {section}.file is not one of the bundle's files")
     if m.runtime is not None and not all(n in m.files for n in (m.runtime.loader, *m.runtime.libraries)):
         raise BundleRefused("manifest runtime.loader / runtime.libraries are not the bundle's files")
+    for section in ("weights", "golden"):
+        _check_table(section, getattr(m, section), m.sizes[getattr(m, section).file])
     return m
+
+
+# What a tensor table may hold (edgeq-run reads the same set): numpy's name -> bytes per element
+TABLE_DTYPES = {"float16": 2, "float32": 4, "float64": 8, "int8": 1, "int16": 2, "int32": 4, "int64": 8,
+                "uint8": 1, "uint16": 2, "uint32": 4, "uint64": 8, "bool": 1}
+
+
+def _check_table(section: str, record, file_size: int) -> None:
+    """Every entry of a weights/golden table: a dtype a bundle can hold, its byte count what its shape says,
+    and its range inside the file (as the manifest sizes it; the files are held to those sizes), so that no
+    reader allocates for data that is not there."""
+    for i, t in enumerate(record.tensors):
+        where = f"manifest {section}.tensors[{i}] ({t.name})"
+        if t.dtype not in TABLE_DTYPES:
+            raise BundleRefused(f"{where} has dtype {t.dtype!r}, not one a bundle holds ({', '.join(TABLE_DTYPES)})")
+        count = 1
+        for d in t.shape:
+            count *= d
+        if t.bytes != count * TABLE_DTYPES[t.dtype]:
+            raise BundleRefused(f"{where}: {t.bytes} bytes, but its shape and dtype make {count * TABLE_DTYPES[t.dtype]}")
+        if t.offset + t.bytes > file_size:
+            raise BundleRefused(f"{where} lies beyond the end of {record.file} ({file_size} bytes)")
 
 
 def _is_count(value) -> bool:

@@ -242,3 +242,28 @@ def test_every_reader_refuses_a_manifest_that_could_be_read_two_ways(bundles, tm
         proc = subprocess.run(cmd, cwd=bundle, capture_output=True, text=True, errors="replace", timeout=120)
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 7 and len(lines) == 1 and fragment in lines[0], (cmd[-2], proc.stderr)
+
+
+@pytest.mark.parametrize("damage,fragment", [
+    ("huge", "beyond the end"),  # 2^39 elements: no reader may allocate 2 TiB before it looks at the file
+    ("object", "dtype"),
+    ("past-the-end", "beyond the end"),
+])
+def test_weight_tables_are_checked_before_anything_is_allocated(bundles, tmp_path, damage, fragment):
+    bundle = tmp_path / "b"
+    shutil.copytree(bundles["unsigned"]["bundle_dir"], bundle)
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    entry = manifest["weights"]["tensors"][0]
+    if damage == "huge":
+        entry.update(dtype="float32", shape=[1 << 39], bytes=4 << 39)
+    elif damage == "object":
+        entry["dtype"] = "object"
+    else:
+        entry["offset"] = manifest["sizes"]["weights.bin"]
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    refused(run_cli("verify", bundle), 7, fragment if damage != "object" else "dtype")
+    for cmd in ([sys.executable, str(bundle / "run.py"), "--self-test"],
+                [str(bundle / "runtime" / "edgeq-run"), "--self-test"]):
+        proc = subprocess.run(cmd, cwd=bundle, capture_output=True, text=True, timeout=120)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 7 and len(lines) == 1 and "Traceback" not in proc.stderr, (cmd[-2], proc.stderr)

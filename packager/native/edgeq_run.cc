@@ -842,6 +842,18 @@ Bundle LoadManifest(const std::string& dir) {
   b.golden_file = golden.At("file", "golden.").Str("golden.file");
   b.weights = ParseSpecs(weights.At("tensors", "weights."), "weights.tensors", true);
   b.golden = ParseSpecs(golden.At("tensors", "golden."), "golden.tensors", true);
+  // every table entry inside its file as the manifest sizes it (CheckFiles holds the files to those sizes), so
+  // nothing is allocated for a range that is not there (the Python readers check the same in safebundle)
+  const Json& sizes = m.At("sizes", "");
+  for (auto* table : {&b.weights, &b.golden}) {
+    const std::string& file = table == &b.weights ? b.weights_file : b.golden_file;
+    const Json* size = sizes.Find(file);
+    if (!size || size->kind != Json::kNumber || !size->integral || size->i < 0)
+      refuse("manifest sizes." + file + " is missing or not a size");
+    for (const TensorSpec& t : *table)
+      if (t.offset > uint64_t(size->i) || t.bytes > uint64_t(size->i) - t.offset)
+        refuse("manifest table entry " + t.name + " lies beyond the end of " + file);
+  }
   b.rtol = golden.At("rtol", "golden.").Num("golden.rtol");
   b.atol = golden.At("atol", "golden.").Num("golden.atol");
   b.library_file = m.At("library", "").At("file", "library.").Str("library.file");
