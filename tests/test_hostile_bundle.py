@@ -267,3 +267,21 @@ def test_weight_tables_are_checked_before_anything_is_allocated(bundles, tmp_pat
         proc = subprocess.run(cmd, cwd=bundle, capture_output=True, text=True, timeout=120)
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 7 and len(lines) == 1 and "Traceback" not in proc.stderr, (cmd[-2], proc.stderr)
+
+
+def test_a_weight_table_of_another_length_is_refused_by_every_loader_and_bench(bundles, tmp_path):
+    """999 weight entries (each a valid range of weights.bin, hashes consistent, unsigned) for a library whose main
+    takes 9 arguments: refused with one line and exit 7 before a weight is read, not a TVM argument-count error."""
+    bundle = tmp_path / "b"
+    shutil.copytree(bundles["unsigned"]["bundle_dir"], bundle)
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    first = manifest["weights"]["tensors"][0]
+    manifest["weights"]["tensors"] = [dict(first, name=f"w{i}") for i in range(999)]
+    manifest["weights"]["count"] = 999
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    for cmd in ([sys.executable, str(bundle / "run.py"), "--self-test"],
+                [str(bundle / "runtime" / "edgeq-run"), "--self-test"]):
+        proc = subprocess.run(cmd, cwd=bundle, capture_output=True, text=True, timeout=120)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 7 and len(lines) == 1 and "manifest lists" in lines[0], (cmd[-2], proc.stderr)
+    refused(run_cli("bench", bundle, "--repeat", "2", "--warmup", "0"), 7, "manifest lists 1 inputs and 999 weights")

@@ -1130,6 +1130,17 @@ std::unique_ptr<Runtime> LoadRuntime(const Bundle& b) {
   Call(init.obj(), init_args, "initialising the VM");
   rt->main_fn = Call(get_function.obj(), {Obj(vm), Str("main"), Bool(false)}, "main");
   if (!rt->main_fn.obj()) refuse(b.library_file + " has no main function");
+  // the library's main takes the inputs and then the weights: a table of another length is refused before
+  // any weight is read (run.py and edgeq bench check the same)
+  Value arity_fn = Call(get_function.obj(), {Obj(vm), Str("get_function_arity"), Bool(false)}, "get_function_arity");
+  if (arity_fn.obj()) {
+    Value arity = Call(arity_fn.obj(), {Str("main")}, "reading main's arity");
+    size_t listed = b.inputs.size() + b.weights.size();
+    if (arity.any.type_index == kTVMFFIInt && arity.any.v_int64 != int64_t(listed))
+      refuse("the library's main takes " + std::to_string(arity.any.v_int64) + " arguments but the manifest lists " +
+             std::to_string(b.inputs.size()) + " inputs and " + std::to_string(b.weights.size()) +
+             " weights; the bundle is damaged or put together from two builds");
+  }
   rt->vm = std::move(vm);
   for (const TensorSpec& w : b.weights) {
     std::vector<uint8_t> data = ReadRange(b.dir + "/" + b.weights_file, w.offset, w.bytes, b.weights_file);
