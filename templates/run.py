@@ -96,7 +96,15 @@ def hand_over(argv, missing):
         raise LoaderError("this Python has no %s and the bundle carries no runtime (packaged with --runtime none); "
                           "pip install numpy and the apache-tvm version manifest.json names" % missing)
     sys.stdout.flush()
-    os.execv(NATIVE_LOADER, [NATIVE_LOADER, "--bundle", HERE] + list(argv))
+    try:
+        os.execv(NATIVE_LOADER, [NATIVE_LOADER, "--bundle", HERE] + list(argv))
+    except OSError as err:  # another machine's binary (ENOEXEC), or not executable here
+        import platform
+
+        arch = verified_manifest().device.arch
+        raise LoaderError("this Python has no %s, and the bundle's native loader cannot run here (%s): the bundle is "
+                          "for %s, this machine is %s" % (missing, err.strerror or err, arch, platform.machine()),
+                          Exit.DEVICE)
 
 
 def verified_manifest(verify=True):

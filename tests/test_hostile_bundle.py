@@ -285,3 +285,22 @@ def test_a_weight_table_of_another_length_is_refused_by_every_loader_and_bench(b
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 7 and len(lines) == 1 and "manifest lists" in lines[0], (cmd[-2], proc.stderr)
     refused(run_cli("bench", bundle, "--repeat", "2", "--warmup", "0"), 7, "manifest lists 1 inputs and 999 weights")
+
+
+@pytest.mark.skipif(Path("/proc/sys/fs/binfmt_misc/qemu-aarch64").exists(),
+                    reason="aarch64 binaries run here through binfmt_misc (qemu)")
+def test_hand_over_to_another_machines_native_loader_is_one_line(models, tmp_path):
+    """run.py in a Python without numpy (-S) hands over to runtime/edgeq-run; for an aarch64 bundle on this x86_64
+    machine that cannot execute: exit 4 with one line, as the README promises, not an OSError traceback."""
+    import platform
+
+    if platform.machine() == "aarch64":
+        pytest.skip("this machine is aarch64 itself")
+    res = run_cli("package", models["mobilenet_cnn"], "--device", "arm64-cpu", "-o", tmp_path, "-q", "--json")
+    assert res.code == 0, res.stderr
+    bundle = Path(json.loads(res.stdout)["bundle_dir"])
+    proc = subprocess.run([sys.executable, "-S", str(bundle / "run.py"), "--check"], cwd=bundle, capture_output=True,
+                          text=True, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 4 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "aarch64" in lines[0] and platform.machine() in lines[0], lines[0]
