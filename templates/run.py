@@ -267,7 +267,8 @@ def parse_args(argv):
     parser = argparse.ArgumentParser(description="Run the edgeq bundle in %s." % HERE)
     parser.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy",
                         help="an input array (.npy); repeat for each model input")
-    parser.add_argument("--output", metavar="FILE.npz", help="where to write the outputs (default: print a summary)")
+    parser.add_argument("--output", metavar="FILE.npz|DIR", help="where to write the outputs: a .npz, or a folder of NAME.npy "
+                        "(default: print a summary)")
     parser.add_argument("--self-test", action="store_true", help="run the golden input and compare with the manifest")
     parser.add_argument("--benchmark", type=int, metavar="N", help="time N inferences after warm-up")
     parser.add_argument("--warmup", type=int, default=10, metavar="N", help="warm-up runs before --benchmark (default 10)")
@@ -317,13 +318,48 @@ def report_self_test(ok, report, as_json):
     print("self-test %s" % ("passed" if ok else "FAILED"))
 
 
+def safe_file_name(name):
+    """An output's file name in an --output folder: what edgeq-run's SafeFileName makes of it."""
+    out = "".join(c if (c.isascii() and c.isalnum()) or c in "._-" else "_" for c in name)
+    return "_" + out if not out or out[0] == "." else out
+
+
+def write_file_atomic(path, write):
+    """``write(file)`` into a new file beside ``path`` (never through a link left under the temporary name),
+    renamed over ``path``: a link at ``path`` is replaced, not followed (as edgeq-run writes)."""
+    tmp = "%s.tmp%d" % (path, os.getpid())
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    except OSError as err:
+        if os.path.lexists(tmp) and not os.path.islink(tmp):
+            os.unlink(tmp)
+        raise LoaderError("cannot write %s: %s" % (path, err.strerror or err), Exit.USAGE)
+
+
+def write_outputs(np, output, outputs):
+    """FILE.npz: one archive; anything else: a folder (made if missing, never a symbolic link) of NAME.npy."""
+    if output.endswith(".npz"):
+        write_file_atomic(output, lambda f: np.savez(f, **outputs))
+        return
+    folder = output.rstrip("/") or "/"
+    if os.path.islink(folder):  # the loader often runs as root: no writes through links
+        raise LoaderError("--output %s is a symbolic link; give the folder it points to" % output, Exit.USAGE)
+    if not os.path.isdir(folder):
+        try:
+            os.mkdir(folder, 0o755)
+        except OSError as err:
+            raise LoaderError("cannot make the output folder %s: %s" % (output, err.strerror or err), Exit.USAGE)
+    for name, value in outputs.items():
+        write_file_atomic(os.path.join(folder, safe_file_name(name) + ".npy"), lambda f, v=value: np.save(f, v))
+
+
 def run_inputs(model, inputs, args):
     outputs = model.run(inputs)
     if args.output:
-        try:
-            model.np.savez(args.output, **outputs)
-        except OSError as err:
-            raise LoaderError("cannot write --output %s: %s" % (args.output, err.strerror or err), Exit.USAGE)
+        write_outputs(model.np, args.output, outputs)
     if args.json:
         print(json.dumps({k: {"shape": list(v.shape), "dtype": str(v.dtype)} for k, v in outputs.items()}))
     elif not args.output:

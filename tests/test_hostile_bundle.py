@@ -304,3 +304,37 @@ def test_hand_over_to_another_machines_native_loader_is_one_line(models, tmp_pat
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 4 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert "aarch64" in lines[0] and platform.machine() in lines[0], lines[0]
+
+
+def test_outputs_are_never_written_through_a_symbolic_link(bundles, tmp_path):
+    """--output FILE.npz that is a link: the link is replaced, its target untouched; --output DIR that is a link:
+    refused in one line (the loader often runs as root); the folder the link points to, named, is written. Both
+    loaders alike, and both write a folder as NAME.npy files."""
+    bundle = Path(bundles["unsigned"]["bundle_dir"])
+    x = tmp_path / "x.npy"
+    np.save(x, np.random.default_rng(0).standard_normal((1, 3, 32, 32)).astype(np.float32))
+    loaders = {"run.py": [sys.executable, str(bundle / "run.py")], "edgeq-run": [str(bundle / "runtime" / "edgeq-run")]}
+    for name, cmd in loaders.items():
+        work = tmp_path / name
+        work.mkdir()
+        victim = work / "victim.txt"
+        victim.write_text("keep me")
+        (work / "out.npz").symlink_to(victim)
+        proc = subprocess.run(cmd + ["--input", f"input={x}", "--output", str(work / "out.npz")], capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == 0, (name, proc.stderr)
+        assert victim.read_text() == "keep me" and not (work / "out.npz").is_symlink(), name
+        assert list(np.load(work / "out.npz").files) == ["logits"], name
+        target = work / "real"
+        target.mkdir()
+        (work / "linked").symlink_to(target)
+        proc = subprocess.run(cmd + ["--input", f"input={x}", "--output", str(work / "linked")], capture_output=True,
+                              text=True, timeout=120)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and "symbolic link" in lines[0], (name, proc.stderr)
+        assert list(target.iterdir()) == []
+        proc = subprocess.run(cmd + ["--input", f"input={x}", "--output", str(target)], capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 0 and [p.name for p in target.iterdir()] == ["logits.npy"], (name, proc.stderr)
+    first, second = (np.load(tmp_path / n / "real" / "logits.npy") for n in loaders)
+    assert np.array_equal(first, second)

@@ -16,6 +16,7 @@
 // error.
 #include <dlfcn.h>
 #include <sched.h>
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <sys/utsname.h>
 #include <unistd.h>
@@ -616,9 +617,15 @@ void Put16(std::string* s, uint32_t v) { *s += char(v & 0xFF); *s += char((v >> 
 void Put32(std::string* s, uint32_t v) { Put16(s, v & 0xFFFF); Put16(s, v >> 16); }
 
 void WriteFileAtomic(const std::string& path, const std::string& data) {
+  // a new file beside the target (never through a link someone left under the temporary name), renamed over
+  // the target: a link at the target itself is replaced, not followed
   std::string tmp = path + ".tmp" + std::to_string(getpid());
-  FILE* f = std::fopen(tmp.c_str(), "wb");
-  if (!f) refuse_usage("cannot write " + path + ": " + std::strerror(errno));
+  int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
+  FILE* f = fd >= 0 ? fdopen(fd, "wb") : nullptr;
+  if (!f) {
+    if (fd >= 0) close(fd);
+    refuse_usage("cannot write " + path + ": " + std::strerror(errno));
+  }
   bool ok = std::fwrite(data.data(), 1, data.size(), f) == data.size();
   ok = (std::fclose(f) == 0) && ok;
   if (!ok || std::rename(tmp.c_str(), path.c_str()) != 0) {
@@ -1400,6 +1407,11 @@ int Main(int argc, char** argv) {
       if (n > 4 && args.output.compare(n - 4, 4, ".npz") == 0) {
         WriteNpz(args.output, outputs);
       } else {
+        std::string dir = args.output;
+        while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
+        struct stat st;
+        if (lstat(dir.c_str(), &st) == 0 && S_ISLNK(st.st_mode))  // the loader often runs as root: no writes through links
+          refuse_usage("--output " + args.output + " is a symbolic link; give the folder it points to");
         if (!IsDir(args.output) && mkdir(args.output.c_str(), 0755) != 0)
           refuse_usage("cannot make the output folder " + args.output + ": " + std::strerror(errno));
         for (const HostTensor& t : outputs) WriteFileAtomic(args.output + "/" + SafeFileName(t.name) + ".npy", NpyBytes(t));
