@@ -469,23 +469,40 @@ def _check_state(state) -> None:
             raise BundleRefused(f"models.{name} is not {{release, bundle_id}}")
 
 
-def repair_state(root) -> dict:
-    """Rebuild ``state.json`` from the installed releases: each model's highest installed release becomes
-    its anti-rollback floor; current is what ``current`` points at."""
+def repair_state(root, public_key=None) -> dict:
+    """Rebuild ``state.json`` from the installed releases: each model's highest installed release becomes its
+    anti-rollback floor; current is what ``current`` points at. Only releases that are real folders inside the
+    root, named after their manifest's bundle id, whose every file verifies (and, with ``public_key``, whose
+    signature does) count; the others are listed in ``skipped`` with the reason, so that a planted manifest
+    cannot raise a floor and lock out the real releases."""
     root = Path(root)
     models: dict = {}
+    skipped = []
     releases = root / "releases"
+    if releases.is_symlink():
+        raise BundleRefused(f"{releases} is a symbolic link; the install root must hold its releases itself")
     for path in sorted(releases.iterdir()) if releases.is_dir() else []:
+        if path.name.startswith(".staging-"):
+            continue
         try:
-            manifest = parse_manifest((path / MANIFEST).read_bytes())
-        except (OSError, BundleRefused):
+            if path.is_symlink() or not path.is_dir():
+                raise BundleRefused("not a folder inside the root")
+            manifest = verify_dir(path, public_key)
+            if manifest.bundle_id != path.name:
+                raise BundleRefused(f"its manifest names {manifest.bundle_id}")
+        except (OSError, BundleRefused) as err:
+            skipped.append({"release": path.name, "reason": err.strerror if isinstance(err, OSError) else str(err)})
             continue
         known = models.get(manifest.name)
         if known is None or manifest.release > known["release"]:
             models[manifest.name] = {"release": manifest.release, "bundle_id": manifest.bundle_id}
-    state = {"current": current_id(root), "previous": None, "models": models}
+    current = current_id(root)
+    if current is not None and current not in {m["bundle_id"] for m in models.values()} \
+            and not (releases / current).is_dir():
+        current = None
+    state = {"current": current, "previous": None, "models": models}
     _write_json_atomic(root / "state.json", state)
-    return state
+    return {**state, "skipped": skipped}
 
 
 def _write_json_atomic(path: Path, data: dict) -> None:
@@ -620,6 +637,8 @@ def main(argv=None) -> int:
     for cmd in ("activate", "rollback", "prune", "status", "repair-state"):
         p = sub.add_parser(cmd)
         p.add_argument("--root", required=True)
+        if cmd == "repair-state":
+            p.add_argument("--pub", help="ed25519 public key (PEM): only releases signed by it count")
         if cmd == "activate":
             p.add_argument("bundle_id")
     args = parser.parse_args(argv)
@@ -634,8 +653,8 @@ def main(argv=None) -> int:
         elif args.cmd == "activate":
             result = activate(args.root, args.bundle_id)
         else:
-            result = {"rollback": rollback, "prune": prune, "status": status,
-                      "repair-state": repair_state}[args.cmd](args.root)
+            result = repair_state(args.root, key) if args.cmd == "repair-state" else \
+                {"rollback": rollback, "prune": prune, "status": status}[args.cmd](args.root)
     except BundleRefused as err:
         print(f"safebundle: refused: {err}", file=sys.stderr)
         return 3

@@ -338,3 +338,31 @@ def test_outputs_are_never_written_through_a_symbolic_link(bundles, tmp_path):
         assert proc.returncode == 0 and [p.name for p in target.iterdir()] == ["logits.npy"], (name, proc.stderr)
     first, second = (np.load(tmp_path / n / "real" / "logits.npy") for n in loaders)
     assert np.array_equal(first, second)
+
+
+def test_repair_state_counts_only_real_verified_releases(bundles, keys, tmp_path):
+    """A forged release 999 (a copy of a real release with its manifest edited, in a folder named after the forged
+    bundle id) and a release folder that is a link out of the root must not set the floor: afterwards the real
+    signed release still installs, and the repair says what it skipped."""
+    root = tmp_path / "root"
+    assert run_cli("install", bundles["signed"]["archive"], "--root", root, "--pub", keys[1]).code == 0
+    real = next((root / "releases").iterdir())
+    manifest = json.loads((real / "manifest.json").read_text())
+    forged_id = manifest["bundle_id"][:-12] + "0000000f0e9e"
+    forged = root / "releases" / forged_id
+    shutil.copytree(real, forged)
+    manifest.update(release=999, bundle_id=forged_id)
+    (forged / "manifest.json").write_text(json.dumps(manifest))  # the signature no longer covers it
+    outside = tmp_path / "outside"
+    shutil.copytree(real, outside)
+    (root / "releases" / "linked").symlink_to(outside)
+    (root / "state.json").unlink()
+    repaired = run_cli("install", "--repair-state", "--root", root, "--pub", keys[1], "--json")
+    assert repaired.code == 0, repaired.stderr
+    state = json.loads(repaired.stdout)
+    assert state["models"] == {"resnet_cnn": {"release": 5, "bundle_id": real.name}}, state
+    assert sorted(s["release"] for s in state["skipped"]) == sorted([forged_id, "linked"]), state["skipped"]
+    again = run_cli("install", bundles["signed"]["archive"], "--root", root, "--pub", keys[1], "--json")
+    assert again.code == 0 and json.loads(again.stdout)["bundle_id"] == real.name, again.stderr
+    text = run_cli("install", "--repair-state", "--root", root, "--pub", keys[1])
+    assert text.code == 0 and f"skipped {forged_id}" in text.stdout and "skipped linked" in text.stdout

@@ -17,7 +17,8 @@ def add_parser(sub) -> None:
     parser.add_argument("--pub", type=Path, metavar="KEY", help="public key the bundle must be signed with")
     parser.add_argument("--allow-downgrade", action="store_true", help="install an older release than the current one")
     parser.add_argument("--repair-state", action="store_true",
-                        help="rebuild ROOT/state.json (anti-rollback floors) from the installed releases, then stop")
+                        help="rebuild ROOT/state.json (anti-rollback floors) from the installed releases that verify "
+                             "(with --pub: that are signed by it), then stop; the others are listed as skipped")
     parser.add_argument("--json", action="store_true")
 
 
@@ -26,10 +27,16 @@ def run(args, env) -> int:
     from edgeq.signing import load_public_key
 
     if args.repair_state:
-        state = repair_state(args.root)
+        try:
+            state = repair_state(args.root, load_public_key(args.pub) if args.pub else None)
+        except BundleRefused as err:
+            raise BundleError(f"cannot repair {args.root}: {err}") from None
+        except OSError as err:
+            raise BundleError(f"cannot repair {args.root}: {err.strerror}") from None
+        skipped = "".join(f"; skipped {s['release']}: {s['reason']}" for s in state["skipped"])
         print(json.dumps(state) if args.json else f"rebuilt {args.root / 'state.json'}: "
-              + (", ".join(f"{n} release {m['release']}" for n, m in state["models"].items()) or "no releases"),
-              file=env.stdout)
+              + (", ".join(f"{n} release {m['release']}" for n, m in state["models"].items()) or "no releases")
+              + skipped, file=env.stdout)
         return 0
     if args.bundle is None:
         raise UsageError("give the bundle .tar.gz to install (or --repair-state)")
