@@ -312,7 +312,7 @@ def _fp16(b: _Build) -> None:
 def _tuning_records(b: _Build) -> None:
     from edgeq.rpc.tune import apply_records
 
-    b.mod = apply_records(b.mod, b.target, Path(b.args.records), b.profile)
+    b.mod = apply_records(b.mod, b.target, Path(b.args.records), b.profile, warn=b.progress.warn)
 
 
 def _compile(b: _Build) -> None:

@@ -56,7 +56,7 @@ def prepare(mod, target):
 class Records:
     """The records file: load the entries for one profile and TVM version into a meta_schedule database."""
 
-    def __init__(self, path: Path, profile: Profile):
+    def __init__(self, path: Path, profile: Profile, warn=None):
         tvm = import_tvm()
         from tvm.s_tir import meta_schedule as ms
 
@@ -81,10 +81,17 @@ class Records:
                 self._lines.append(line)
                 self._saved.add(key)
                 if entry.get("profile") == self.profile and entry.get("tvm_version") == self.tvm_version:
+                    try:  # TVM's parsers raise anything (FFI type errors) on a workload or record that is not one
+                        workload = ms.database.Workload.from_json(entry["workload"])
+                        record = ms.database.TuningRecord.from_json(entry["record"], workload)
+                    except Exception as err:  # noqa: BLE001 - a damaged line is skipped, saying which
+                        reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:160]
+                        (warn or _stderr_warning)(f"records file {self.path} line {n} is skipped: its workload or "
+                                                  f"record does not parse ({reason})")
+                        continue
                     self._mine[entry["workload_hash"]] += 1
-                    workload = ms.database.Workload.from_json(entry["workload"])
                     self.database.commit_workload(workload.mod)
-                    self.database.commit_tuning_record(ms.database.TuningRecord.from_json(entry["record"], workload))
+                    self.database.commit_tuning_record(record)
 
     def count(self, mod) -> int:
         """Records kept for this workload on this profile and TVM version."""
@@ -114,12 +121,19 @@ class Records:
         return added
 
 
-def apply_records(mod, target, records_path: Path, profile: Profile):
-    """``mod`` prepared and with every function that has a record replaced by its best schedule."""
+def _stderr_warning(text: str) -> None:
+    import sys
+
+    print(f"edgeq: warning: {text}", file=sys.stderr, flush=True)
+
+
+def apply_records(mod, target, records_path: Path, profile: Profile, warn=None):
+    """``mod`` prepared and with every function that has a record replaced by its best schedule; a record that
+    does not parse is skipped with a warning (``warn``) naming its line."""
     tvm = import_tvm()
     from tvm import relax
 
-    records = Records(records_path, profile)
+    records = Records(records_path, profile, warn)
     prepared = prepare(mod, target)
     with tvm.target.Target(target), records.database:
         return relax.transform.MetaScheduleApplyDatabase(enable_warning=False)(prepared)

@@ -329,3 +329,18 @@ def test_inspect_refuses_a_manifest_that_is_not_a_regular_file(tmp_path):
     os.mkfifo(tmp_path / "b" / "manifest.json")  # reading a FIFO would wait forever
     res = run_cli("inspect", tmp_path / "b")
     assert_refused(res, 7, "not a regular file")
+
+
+def test_records_whose_workload_does_not_parse_are_skipped_with_a_warning(models, tmp_path):
+    """A records line for this profile and TVM version whose workload is garbage: skipped with a warning naming
+    the line (not an internal error), and the bundle is built without it."""
+    import tvm
+
+    records = tmp_path / "records.json"
+    good_shape = {"format": "edgeq-tuning-records-1", "profile": "host", "tvm_version": tvm.__version__,
+                  "workload_hash": "123", "workload": ["not", "a", "workload"], "record": [[1], [2]]}
+    records.write_text(json.dumps(good_shape) + "\n")
+    res = run_cli("package", models["mobilenet_cnn"], "--device", "host", "-o", tmp_path / "out", "--records", records,
+                  "--runtime", "none", "-q")
+    assert res.code == 0, res.stderr
+    assert "Traceback" not in res.stderr and f"records file {records} line 1 is skipped" in res.stderr, res.stderr
