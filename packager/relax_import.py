@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import re
 
 from edgeq.errors import ModelError
 from edgeq.graph import Graph
@@ -118,11 +119,12 @@ def to_relax(loaded: LoadedModel) -> tuple[Graph, list[TensorSpec]]:
             )
         mod = _shape_outputs_as_tensors(mod)
     except onnx_ops.Refused as err:
-        raise ModelError(f"{name}: {err}") from None
+        raise ModelError(f"{name}: {_name_const_inputs(str(err), loaded.onnx_model)}") from None
     except onnx_ops.ConversionError as err:
         todo = ("if that operand is a graph input, bind it with --const NAME=FILE.npy (or make it an initializer)"
                 if err.runtime_operands else f"re-export the model without this use of {err.op}")
-        raise ModelError(f"TVM {_tvm_version()} could not import {name}: {err}; {todo}") from None
+        text = _name_const_inputs(f"TVM {_tvm_version()} could not import {name}: {err}; {todo}", loaded.onnx_model)
+        raise ModelError(text) from None
     except Exception as err:  # the frontend raises anything from ValueError to TVMError
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise ModelError(f"TVM could not import {name}: {first}") from None
@@ -135,6 +137,49 @@ def to_relax(loaded: LoadedModel) -> tuple[Graph, list[TensorSpec]]:
         raise ModelError(f"{loaded.path.name}: weight names are not unique after import; rename the initializers")
     _check_activations(func, loaded.path.name)
     return Graph(mod, {n: w.numpy() for n, w in zip(names, weights)}), outputs
+
+
+_CONST_ADVICE = re.compile(r"(bind the graph input with|if that operand is a graph input, bind it with) --const NAME=FILE\.npy")
+
+
+def _name_const_inputs(message: str, model) -> str:
+    """A refusal that says to bind a graph input with ``--const NAME=FILE.npy``, with NAME filled in: the graph
+    inputs the node's operands (after its data input) are computed from, with their dtype and shape."""
+    found = _CONST_ADVICE.search(message)
+    node_name = re.search(r"node '([^']*)'", message)
+    if not found or not node_name:
+        return message
+    graph = model.graph
+    node = next((n for n in graph.node if (n.name or n.op_type) == node_name.group(1)), None)
+    if node is None:
+        return message
+    initializers = {t.name for t in graph.initializer}
+    inputs = {i.name: i for i in graph.input if i.name not in initializers}
+    producers = {out: n for n in graph.node for out in n.output}
+    reached, stack, seen = [], list(node.input[1:]), set()
+    while stack:
+        name = stack.pop()
+        if not name or name in seen:
+            continue
+        seen.add(name)
+        if name in inputs:
+            reached.append(name)
+        elif name in producers:
+            stack.extend(producers[name].input)
+    if not reached:
+        return message
+    import onnx
+
+    def described(name: str) -> str:
+        ttype = inputs[name].type.tensor_type
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(ttype.elem_type).name if ttype.elem_type else "?"
+        dims = "x".join(str(d.dim_value) if d.HasField("dim_value") else (d.dim_param or "?") for d in ttype.shape.dim)
+        return f"--const {name}=FILE.npy ({dtype}, shape {dims or 'scalar'})"
+
+    names = sorted(reached)
+    advice = (f"bind the graph input{'s' if len(names) > 1 else ''} it is computed from: "
+              + ", ".join(described(n) for n in names))
+    return message[: found.start()] + advice + message[found.end():]
 
 
 def _nested_control_flow(graph, inside: bool = False) -> str | None:

@@ -344,3 +344,20 @@ def test_records_whose_workload_does_not_parse_are_skipped_with_a_warning(models
                   "--runtime", "none", "-q")
     assert res.code == 0, res.stderr
     assert "Traceback" not in res.stderr and f"records file {records} line 1 is skipped" in res.stderr, res.stderr
+
+
+def test_a_runtime_operand_refusal_names_the_graph_input_to_bind(tmp_path, out):
+    """CumSum's axis fed by a graph input: the refusal says which input to bind with --const, with its dtype and
+    shape, and binding it as told packages the model."""
+    import numpy as np
+
+    nodes = [helper.make_node("CumSum", ["x", "axis"], ["y"], name="cumsum")]
+    graph = helper.make_graph(nodes, "cumsum", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3]),
+                                                helper.make_tensor_value_info("axis", TensorProto.INT64, [])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])])
+    model = tmp_path / "cumsum.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), model)
+    assert_refused(package(model, out, "--device", "host"), 3, "--const axis=FILE.npy (int64, shape scalar)")
+    np.save(tmp_path / "axis.npy", np.array(1, np.int64))
+    res = package(model, tmp_path / "bound", "--device", "host", "--runtime", "none", "--const", f"axis={tmp_path / 'axis.npy'}")
+    assert res.code == 0, res.stderr
