@@ -74,6 +74,13 @@ class Context:
                           "constant: make it an initializer, or bind the graph input with --const NAME=FILE.npy")
         return value
 
+    def optional_const(self, inputs, index: int, what: str) -> np.ndarray | None:
+        """The value of an optional operand: None where it is absent; where it is given, it must be constant
+        (an operand that changes the result is never silently replaced by its default)."""
+        if len(inputs) <= index or inputs[index] is None:
+            return None
+        return self.need_const(inputs[index], what)
+
     def tvm(self, inputs, attr):
         if self.tvm_converter is None:
             raise Refused(f"{self.op} node '{self.node}': not supported in this form")
@@ -552,7 +559,7 @@ def pad(ctx, inputs, attr):
     x = inputs[0]
     shape = _shape(x)
     pads = [int(p) for p in ctx.need_const(inputs[1], "pads").reshape(-1)]
-    axes = ctx.const(inputs[3]) if len(inputs) > 3 and inputs[3] is not None else None
+    axes = ctx.optional_const(inputs, 3, "axes")
     axes = list(range(len(shape))) if axes is None else [_axis(int(a), len(shape)) for a in axes.reshape(-1)]
     before, after = [0] * len(shape), [0] * len(shape)
     for i, axis in enumerate(axes):
@@ -589,7 +596,7 @@ def dft(ctx, inputs, attr):
     shape = _shape(x)
     rank = len(shape)
     if ctx.opset >= 20:
-        axis_value = ctx.const(inputs[2]) if len(inputs) > 2 and inputs[2] is not None else None
+        axis_value = ctx.optional_const(inputs, 2, "axis")
         axis = -2 if axis_value is None else int(axis_value.reshape(-1)[0])
     else:
         axis = int(attr.get("axis", 1))
@@ -597,7 +604,7 @@ def dft(ctx, inputs, attr):
     if axis == rank - 1:
         ctx.refuse("the axis is the complex dimension", "fix the model")
     inverse, onesided = bool(attr.get("inverse", 0)), bool(attr.get("onesided", 0))
-    length = ctx.const(inputs[1]) if len(inputs) > 1 and inputs[1] is not None else None
+    length = ctx.optional_const(inputs, 1, "dft_length")
     if inverse and onesided:
         ctx.refuse("the inverse of a one-sided spectrum", "edgeq supports DFT and full inverse DFT")
     n = shape[axis]
