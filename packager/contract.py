@@ -308,7 +308,7 @@ class ReferenceCheck(Record):
     atol_scaled_by: str = _field(STR)
     max_abs_diff: float = _field(NUM)
     outputs: list = _field(_List(OBJECT))  # {output, max_abs_diff, atol, ok}
-    passed: bool = _field(BOOL)
+    result: str = _field(STR)  # "passed", or "not conclusive: <why>" (no reference could compute the golden input)
     note: str | None = _field(_Opt(STR), omit_if_none=True)  # why the first choice of reference was not used
 
 

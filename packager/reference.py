@@ -44,7 +44,7 @@ class ReferenceMismatch(EdgeqError):
 class Reference:
     """How reference outputs were obtained: ``run(inputs by name) -> outputs`` and what to record of it."""
 
-    name: str  # "onnxruntime 1.23.2", "tvm 0.27.0 (plain pipeline)"
+    name: str  # "onnxruntime 1.32.0", "tvm 0.27.0 (plain pipeline)"
     graph: str  # what the reference ran
     run: Callable[[dict[str, np.ndarray]], list[np.ndarray]]
     note: str | None = None  # why the first choice was not used
@@ -101,6 +101,7 @@ def choose(choice: str, onnx_model, graph, *, quantized_by_edgeq: bool) -> Refer
         return tvm_plain_reference(graph, "the quantized graph before lowering")
     label = "the loaded ONNX model"
     note = None
+    imported = "the graph as imported, before edgeq's rewrites"
     if choice in ("auto", "onnxruntime"):
         try:
             return onnxruntime_reference(onnx_model, label)
@@ -114,25 +115,37 @@ def choose(choice: str, onnx_model, graph, *, quantized_by_edgeq: bool) -> Refer
                 raise UsageError(f"--reference onnxruntime: onnxruntime cannot run this model ({first}); "
                                  "use --reference tvm") from None
             note = f"onnxruntime cannot run this model: {first}"
-    return tvm_plain_reference(graph, "the graph as imported, before edgeq's rewrites", note)
+    return tvm_plain_reference(graph, imported, note)
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
 
 
 def compare(reference: Reference, inputs: dict[str, np.ndarray], got: Sequence[np.ndarray],
             output_names: Sequence[str], rtol: float, atol: float, checked: str) -> ReferenceCheck:
     """Run the reference on ``inputs`` and compare with ``got`` (the build's outputs); raises
-    ReferenceMismatch naming the first output that differs, else returns the record for the manifest."""
+    ReferenceMismatch naming the first output that differs, else returns the record for the manifest.
+
+    Where the reference cannot compute the golden input (onnxruntime refuses an index the golden input puts out
+    of range), or its outputs are NaN or Inf where the build's are finite, nothing can be compared: the
+    record's ``result`` says it was not conclusive, and why (``edgeq package`` warns), and the build is not
+    refused for it. ``--golden-input`` gives an input the model is meant for."""
+    record = dict(checked=checked, rtol=rtol, atol=atol, atol_scaled_by="max(1, max |reference output|)")
     try:
-        want = reference.run(inputs)
+        want = [np.asarray(w) for w in reference.run(inputs)]
     except EdgeqError:
         raise
-    except Exception as err:  # noqa: BLE001 - the reference failing is reported, in one line, as what it is
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
-        raise ReferenceMismatch(f"the reference ({reference.name}) failed on the golden input: {first}; "
-                                "nothing was written (--reference tvm or onnxruntime picks the other one)") from None
-    rows, first_bad = [], None
+    except Exception as err:  # noqa: BLE001 - onnxruntime and TVM raise anything on an input they refuse
+        # the golden input is outside what the model accepts (an index out of range): no reference can judge it
+        # (TVM's plain build would read out of bounds: not a reference either)
+        return ReferenceCheck(reference=reference.name, graph=reference.graph, **record, max_abs_diff=0.0, outputs=[],
+                              result=f"not conclusive: the reference failed on the golden input: {_first_line(err)}",
+                              note=reference.note)
     if len(want) != len(got):
         raise ReferenceMismatch(f"the reference ({reference.name}) gives {len(want)} outputs, the build {len(got)}; "
                                 "nothing was written")
+    rows, first_bad, unusable = [], None, []
     for name, g, w in zip(output_names, got, want):
         g, w = np.asarray(g), np.asarray(w)
         if g.shape != w.shape:
@@ -140,18 +153,22 @@ def compare(reference: Reference, inputs: dict[str, np.ndarray], got: Sequence[n
             first_bad = first_bad or (name, f"shape {list(g.shape)}, the reference's {list(w.shape)}")
             continue
         g64, w64 = g.astype(np.float64), w.astype(np.float64)
-        largest_ref = float(np.max(np.abs(w64))) if w64.size and np.isfinite(w64).all() else 0.0
+        if not np.isfinite(w64).all() and np.isfinite(g64).all():
+            unusable.append(name)  # the golden outputs are finite by construction: this reference cannot judge them
+            rows.append({"output": name, "max_abs_diff": None, "atol": None, "ok": None})
+            continue
+        largest_ref = float(np.max(np.abs(w64[np.isfinite(w64)]))) if np.isfinite(w64).any() else 0.0
         scaled = atol * max(1.0, largest_ref)  # float error follows the magnitudes inside the model, ~1 at least
         with np.errstate(invalid="ignore"):
             diff = np.abs(g64 - w64)
-            ok = bool(np.all((diff <= scaled + rtol * np.abs(w64)) | (np.isnan(g64) & np.isnan(w64))))
-        largest = float(np.nanmax(diff)) if diff.size and not np.isnan(diff).all() else 0.0
-        if np.isnan(w64).any() and not np.isnan(g64).any():
-            largest = float("inf")
-        rows.append({"output": name, "max_abs_diff": float("%.4g" % largest) if np.isfinite(largest) else None,
-                     "atol": float("%.4g" % scaled), "ok": ok})
+            same = (g64 == w64) | (np.isnan(g64) & np.isnan(w64))  # equal infinities too
+            ok = bool(np.all(same | (diff <= scaled + rtol * np.abs(w64))))
+        finite = diff[np.isfinite(diff) & ~same]
+        largest = float(finite.max()) if finite.size else 0.0
+        rows.append({"output": name, "max_abs_diff": float("%.4g" % largest), "atol": float("%.4g" % scaled), "ok": ok})
         if not ok and first_bad is None:
-            where = int(np.nanargmax(np.where(np.isnan(diff), np.inf, diff))) if diff.size else 0
+            bad = ~(same | (diff <= scaled + rtol * np.abs(w64)))
+            where = int(np.flatnonzero(bad.ravel())[0])
             first_bad = (name, f"max |diff| {largest:.4g} over the tolerance {scaled:.3g} + {rtol:g} x |reference| "
                                f"(at flat index {where}: {g64.ravel()[where]:.6g}, reference {w64.ravel()[where]:.6g})")
     if first_bad is not None:
@@ -159,7 +176,8 @@ def compare(reference: Reference, inputs: dict[str, np.ndarray], got: Sequence[n
         raise ReferenceMismatch(
             f"the build disagrees with the reference ({reference.name} on {reference.graph}) on the golden input: "
             f"output '{name}': {what}; nothing was written. This is an edgeq fault: please report it with the model")
-    finite = [r["max_abs_diff"] for r in rows if r["max_abs_diff"] is not None]
-    return ReferenceCheck(reference=reference.name, graph=reference.graph, checked=checked, rtol=rtol, atol=atol,
-                          atol_scaled_by="max(1, max |reference output|)", max_abs_diff=max(finite, default=0.0),
-                          outputs=rows, passed=True, note=reference.note)
+    result = "passed" if not unusable else \
+        f"not conclusive: the reference gives NaN or Inf for output(s) {', '.join(unusable)} where the build is finite"
+    checked_rows = [r["max_abs_diff"] for r in rows if r["max_abs_diff"] is not None]
+    return ReferenceCheck(reference=reference.name, graph=reference.graph, **record,
+                          max_abs_diff=max(checked_rows, default=0.0), outputs=rows, result=result, note=reference.note)

@@ -150,7 +150,7 @@ def test_two_same_shape_constant_weights_match_onnxruntime(tmp_path):
     want, got = _ort(model, x), _bundle_output(Path(result["bundle_dir"]), "x", x, tmp_path)
     assert np.allclose(got, want, rtol=1e-3, atol=1e-4 * np.abs(want).max()), np.abs(got - want).max()
     check = manifest["reference_check"]
-    assert check["passed"] and check["reference"].startswith("onnxruntime "), check
+    assert check["result"] == "passed" and check["reference"].startswith("onnxruntime "), check
     assert check["checked"] == "the bundle's own library, on the build host"
     assert check["rtol"] == 1e-3 and check["atol"] == 1e-3 and check["max_abs_diff"] < 1e-4, check
     assert [row["output"] for row in check["outputs"]] == ["y"] and check["outputs"][0]["ok"]
@@ -185,7 +185,7 @@ def test_exporter_styles_host_fp32_and_int8(styles, style, tmp_path):
     want = _ort(model, x)
     got = _bundle_output(Path(fp32["bundle_dir"]), name, x, tmp_path)
     assert np.allclose(got, want, rtol=1e-3, atol=1e-4 * np.abs(want).max()), np.abs(got - want).max()
-    assert _manifest(fp32)["reference_check"]["passed"]
+    assert _manifest(fp32)["reference_check"]["result"] == "passed"
 
     np.savez(tmp_path / "calib.npz", **{name: rng.standard_normal((16, 3, 16, 16)).astype(np.float32)})
     int8 = _package(model, tmp_path / "int8", "--device", "host", "--precision", "int8", "--calibrate", tmp_path / "calib.npz")
@@ -209,7 +209,7 @@ def test_exporter_styles_orin_fp32_and_int8(styles, style, tmp_path):
         manifest = _manifest(result)
         assert manifest["library"]["machine"] == "aarch64" and "sm_87" in manifest["library"]["cuda_device_code"]
         check = manifest["reference_check"]
-        assert check["passed"] and check["checked"].startswith("a TVM LLVM build for the build host"), check
+        assert check["result"] == "passed" and check["checked"].startswith("a TVM LLVM build for the build host"), check
         weights = [t["name"] for t in manifest["weights"]["tensors"]]
         assert len(weights) == len(set(weights)), weights
         if precision == "int8":
@@ -275,3 +275,24 @@ def test_param_never_shares_different_arrays():
     assert (first.name, other.name) == ("w", "w_2")
     assert rw.param("w", a.astype(np.float16)).name == "w_3"  # same values, another dtype
     assert np.array_equal(rw.weights["w"], a) and np.array_equal(rw.weights["w_2"], b)
+
+
+def test_a_golden_input_the_reference_refuses_is_not_conclusive_and_said(tmp_path):
+    """A golden input with an index out of range: ONNX Runtime refuses to compute it, so nothing can be compared;
+    the bundle is written, a warning says so (even with -q), and the manifest records why."""
+    graph = helper.make_graph([helper.make_node("Gather", ["data", "idx"], ["y"])], "gather",
+                              [helper.make_tensor_value_info("data", TensorProto.FLOAT, [4, 3]),
+                               helper.make_tensor_value_info("idx", TensorProto.INT64, [2])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])])
+    model = tmp_path / "gather.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), model)
+    np.savez(tmp_path / "golden.npz", data=np.ones((4, 3), np.float32), idx=np.array([0, 9], np.int64))
+    res = run_cli("package", model, "--device", "host", "-o", tmp_path / "out", "--runtime", "none", "-q", "--json",
+                  "--golden-input", tmp_path / "golden.npz")
+    assert res.code == 0, res.stderr
+    assert "reference check not conclusive" in res.stderr and "--golden-input" in res.stderr, res.stderr
+    check = _manifest(json.loads(res.stdout))["reference_check"]
+    assert check["result"].startswith("not conclusive: the reference failed on the golden input"), check
+    # the generated golden input keeps its indices in range, and the check passes
+    res = run_cli("package", model, "--device", "host", "-o", tmp_path / "out2", "--runtime", "none", "-q", "--json")
+    assert res.code == 0 and _manifest(json.loads(res.stdout))["reference_check"]["result"] == "passed", res.stderr

@@ -58,7 +58,7 @@ def _runtime(record, compatibility) -> str:
 def _reference_check(check) -> str:
     if check is None:
         return "- (made by an edgeq without the reference check)"
-    text = (f"{'passed' if check.passed else 'FAILED'}: {check.checked} against {check.reference} on {check.graph}; "
+    text = (f"{check.result}: {check.checked} against {check.reference} on {check.graph}; "
             f"largest |diff| {check.max_abs_diff:.3g} (rtol {check.rtol:g}, atol {check.atol:g} x {check.atol_scaled_by})")
     return text + (f"; {check.note}" if check.note else "")
 

@@ -316,3 +316,28 @@ def load_data(path: str | Path, specs: list[TensorSpec], what: str = "calibratio
         (warn or _warn)(f"{what} data {data.source} has only {data.describe()}; ranges from fewer than {minimum} "
                         f"samples may not cover real inputs: give more for better scales")
     return data
+
+
+def load_golden(path: str | Path, specs: list[TensorSpec], preprocess: Preprocess | None = None) -> list[np.ndarray]:
+    """The arrays of ``--golden-input``, one per input in the model's order: an .npz/.npy whose arrays have the
+    inputs' exact shapes, else data in the calibration formats (samples first; an image with ``preprocess``)
+    of which the first model run is taken."""
+    path = Path(path)
+    what = "golden input"
+    if path.is_file() and path.suffix in (".npz", ".npy"):
+        arrays = _read_npz(path, [0])
+        if len(specs) == 1 and list(arrays) == ["arr_0"]:
+            arrays = {specs[0].name: arrays["arr_0"]}
+        if set(arrays) == {s.name for s in specs} and all(tuple(arrays[s.name].shape) == tuple(s.shape) for s in specs):
+            out = []
+            for spec in specs:
+                array, want = arrays[spec.name], np.dtype(spec.dtype)
+                if array.dtype != want and not (array.dtype.kind == "f" and want.kind == "f"):
+                    raise DataError(f"{what} array '{spec.name}' is {array.dtype} but input '{spec.name}' is {want}")
+                array = array.astype(want, copy=False)
+                if array.dtype.kind == "f" and not np.isfinite(array).all():
+                    raise DataError(f"{what} array '{spec.name}' has NaN or Inf; give finite values")
+                out.append(np.ascontiguousarray(array))
+            return out
+    data = load_data(path, specs, what, preprocess, limit=1)
+    return next(data.batches(specs))
