@@ -30,10 +30,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import numpy as np
-import onnx
 from common import show
-from onnx import TensorProto, helper, numpy_helper
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
@@ -52,17 +49,6 @@ def cli(*argv) -> tuple[int, str, str]:
     out, err = io.StringIO(), io.StringIO()
     code = edgeq_main([str(a) for a in argv], Environment(stdout=out, stderr=err))
     return code, out.getvalue(), err.getvalue()
-
-
-def big_model(path: Path) -> Path:
-    w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((2048, 6144)).astype(np.float32), "w")
-    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "big",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2048])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 6144])], [w])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    onnx.save(model, path)
-    return path
 
 
 def package(model: Path, out: Path, release: int) -> tuple[Path, str]:
@@ -122,7 +108,7 @@ def main() -> None:
         tmp = Path(tmp)
         models = {p.stem: p for p in make_models.write_all(tmp / "models")}
         v1, id1 = package(models["mobilenet_cnn"], tmp / "r1", 1)
-        v2, id2 = package(big_model(tmp / "big.onnx"), tmp / "r2", 2)
+        v2, id2 = package(make_models.big_matmul(tmp / "big.onnx"), tmp / "r2", 2)
         bundle_mb = round(v2.stat().st_size / 1e6, 1)
         hosts, key = sshd.make_hosts(tmp / "ssh", args.hosts - SILENT)
         silent = socket.socket()

@@ -174,6 +174,19 @@ EXAMPLES = {
 }
 
 
+def big_matmul(path: Path) -> Path:
+    """One 2048x6144 MatMul (48 MiB of weights): a bundle large enough that an upload takes a while (the fleet
+    test and benchmark kill an sshd in the middle of one)."""
+    w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((2048, 6144)).astype(np.float32), "w")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "big",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2048])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 6144])], [w])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, path)
+    return path
+
+
 def write_all(out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []

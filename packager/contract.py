@@ -438,6 +438,17 @@ class Manifest(Record):
         return dataclasses.replace(self, **changes)
 
 
+def argument_count_problem(takes: int, manifest: Manifest) -> str | None:
+    """Why a library whose ``main`` takes ``takes`` arguments cannot run with the manifest's inputs and weights
+    (passed in that order), or None. run.py and edgeq bench say this before any weight is read; edgeq-run
+    (C++) says the same."""
+    inputs, weights = len(manifest.inputs), len(manifest.weights.tensors)
+    if takes == inputs + weights:
+        return None
+    return ("the library's main takes %d arguments but the manifest lists %d inputs and %d weights; the bundle is "
+            "damaged or put together from two builds" % (takes, inputs, weights))
+
+
 # ---------------------------------------------------------------------------------------------------
 # latency statistics: run.py, edgeq bench and (in C++, held to this by a test) edgeq-run
 # ---------------------------------------------------------------------------------------------------

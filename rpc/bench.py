@@ -127,11 +127,10 @@ def bench(args: BenchArgs, note=lambda _: None) -> dict[str, Any]:
             stop = sampler.stop
             where = "this machine"
         vm = call("create the VM", VirtualMachine, lib, dev)
-        takes = call("read the model's signature", vm._get_function_arity, "main")
-        if takes != len(manifest.inputs) + len(manifest.weights.tensors):
-            raise BundleError(f"{args.bundle}: the library's main takes {takes} arguments but the manifest lists "
-                              f"{len(manifest.inputs)} inputs and {len(manifest.weights.tensors)} weights; the bundle is "
-                              "damaged or put together from two builds")
+        problem = contract.argument_count_problem(call("read the model's signature", vm._get_function_arity, "main"),
+                                                  manifest)
+        if problem:
+            raise BundleError(f"{args.bundle}: {problem}")
         arrays = call("copy inputs and weights to the device",
                       lambda: [tvm.runtime.tensor(a, dev) for a in _inputs(directory, manifest) + _weights(directory, manifest)])
         note(f"warming up ({args.warmup}) and timing ({args.repeat}) on {where}")

@@ -194,11 +194,9 @@ class Model:
         lib = tvm.runtime.load_module(os.path.join(HERE, self.manifest.library.file))
         self.vm = VirtualMachine(lib, self.dev)
         weights = self.manifest.weights
-        takes, listed = self.vm._get_function_arity("main"), len(self.manifest.inputs) + len(weights.tensors)
-        if takes != listed:  # checked before any weight is read (edgeq-run and edgeq bench check the same)
-            raise LoaderError("the library's main takes %d arguments but the manifest lists %d inputs and %d weights; "
-                              "the bundle is damaged or put together from two builds" % (
-                                  takes, len(self.manifest.inputs), len(weights.tensors)), Exit.BUNDLE)
+        problem = contract.argument_count_problem(self.vm._get_function_arity("main"), self.manifest)
+        if problem:
+            raise LoaderError(problem, Exit.BUNDLE)
         self.params = [tvm.runtime.tensor(read_tensor(np, weights.file, t), self.dev) for t in weights.tensors]
         # input name -> the device tensor its values are copied into, allocated once: a fresh one per call
         # cost a page-faulting allocation each time (40 us of MNASNet's 1.2 ms on a 2-core x86)

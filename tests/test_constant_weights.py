@@ -121,6 +121,10 @@ def _ort(path: Path, x: np.ndarray) -> np.ndarray:
     return session.run(None, {session.get_inputs()[0].name: x})[0]
 
 
+def _cosine(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.dot(a.ravel(), b.ravel()) / np.linalg.norm(a) / np.linalg.norm(b))
+
+
 def _bundle_output(bundle: Path, name: str, x: np.ndarray, tmp_path: Path) -> np.ndarray:
     np.save(tmp_path / "x.npy", x)
     proc = subprocess.run([sys.executable, str(bundle / "run.py"), "--input", f"{name}={tmp_path / 'x.npy'}",
@@ -169,7 +173,7 @@ def test_constant_node_weights_are_quantized(tmp_path):
     assert check["rtol"] == 2e-2 and check["atol"] == 5e-2, check
     x = rng.standard_normal((1, 96, 4, 4)).astype(np.float32)
     want, got = _ort(model, x), _bundle_output(Path(result["bundle_dir"]), "x", x, tmp_path)
-    cosine = float(np.dot(want.ravel(), got.ravel()) / np.linalg.norm(want) / np.linalg.norm(got))
+    cosine = _cosine(want, got)
     assert cosine > 0.99, cosine
 
 
@@ -192,7 +196,7 @@ def test_exporter_styles_host_fp32_and_int8(styles, style, tmp_path):
     counts = _manifest(int8)["quantization"]["precision_counts"]
     assert counts["int8"] == 4, counts  # three convolutions and the classifier
     got8 = _bundle_output(Path(int8["bundle_dir"]), name, x, tmp_path)
-    cosine = float(np.dot(want.ravel(), got8.ravel()) / np.linalg.norm(want) / np.linalg.norm(got8))
+    cosine = _cosine(want, got8)
     assert cosine > 0.98, cosine
 
 

@@ -10,10 +10,8 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
-import onnx
+import make_models
 import pytest
-from onnx import TensorProto, helper, numpy_helper
 
 from conftest import run_cli
 from sshd import SSHD, make_hosts
@@ -140,22 +138,11 @@ def test_failures_beyond_the_threshold_stop_new_hosts(fleet, bundles):
     assert current(hosts[0]) is None and not (hosts[0].root / ".edgeq").exists()
 
 
-def _big_model(path: Path) -> Path:
-    w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((2048, 6144)).astype(np.float32), "w")
-    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "big",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2048])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 6144])], [w])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    onnx.save(model, path)
-    return path
-
-
 def test_connection_dropped_mid_upload(fleet, bundles):
     hosts, key, tmp = fleet
     fleet_file = write_fleet(tmp / "fleet.toml", hosts, key)
     assert flash(bundles["v1"][0], fleet_file)[0].code == 0
-    res = run_cli("package", _big_model(tmp / "big.onnx"), "--device", "host", "-o", tmp / "big", "--name", "net",
+    res = run_cli("package", make_models.big_matmul(tmp / "big.onnx"), "--device", "host", "-o", tmp / "big", "--name", "net",
                   "--release", "5", "-q", "--json")
     assert res.code == 0, res.stderr
     big = Path(json.loads(res.stdout)["archive"])

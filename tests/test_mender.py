@@ -118,22 +118,30 @@ def test_device_types_come_from_the_profile(models, tmp_path):
     assert info["payloads"] == [{"type": "edgeq"}]
 
 
+def _ecdsa_key(folder: Path, name: str) -> tuple[Path, Path]:
+    """A P-256 key pair as PEM files folder/NAME.key and folder/NAME.pub: a key type Mender verifies."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    private, public = folder / f"{name}.key", folder / f"{name}.pub"
+    private.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                          serialization.NoEncryption()))
+    public.write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM,
+                                                     serialization.PublicFormat.SubjectPublicKeyInfo))
+    return private, public
+
+
 @needs_artifact_tool
 def test_signed_for_mender_with_an_ecdsa_key(bundles, tmp_path):
     from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric import ec, ed25519
+    from cryptography.hazmat.primitives.asymmetric import ed25519
 
-    key = ec.generate_private_key(ec.SECP256R1())
-    (tmp_path / "mender.key").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                                            serialization.NoEncryption()))
-    (tmp_path / "mender.pub").write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM,
-                                                                        serialization.PublicFormat.SubjectPublicKeyInfo))
-    other = ec.generate_private_key(ec.SECP256R1()).public_key()
-    (tmp_path / "other.pub").write_bytes(other.public_bytes(serialization.Encoding.PEM,
-                                                            serialization.PublicFormat.SubjectPublicKeyInfo))
-    artifact = _mender_file(bundles["v1"], "-k", tmp_path / "mender.key")
-    assert _tool("validate", "-k", tmp_path / "mender.pub", artifact).returncode == 0
-    assert _tool("validate", "-k", tmp_path / "other.pub", artifact).returncode != 0
+    key, pub = _ecdsa_key(tmp_path, "mender")
+    other = _ecdsa_key(tmp_path, "other")[1]
+    artifact = _mender_file(bundles["v1"], "-k", key)
+    assert _tool("validate", "-k", pub, artifact).returncode == 0
+    assert _tool("validate", "-k", other, artifact).returncode != 0
     # an ed25519 key (edgeq keygen's) is not one Mender verifies: one line says which kinds are
     (tmp_path / "ed.key").write_bytes(ed25519.Ed25519PrivateKey.generate().private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
@@ -273,20 +281,13 @@ def test_the_first_release_failing_leaves_no_current(bundles, tmp_path):
 
 @needs_client
 def test_the_mender_client_checks_the_artifact_signature(bundles, tmp_path):
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    (tmp_path / "mender.key").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                                            serialization.NoEncryption()))
-    (tmp_path / "mender.pub").write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM,
-                                                                        serialization.PublicFormat.SubjectPublicKeyInfo))
+    key, pub = _ecdsa_key(tmp_path, "mender")
     device = Device(tmp_path / "device")
-    device.verify_with(tmp_path / "mender.pub")
+    device.verify_with(pub)
     unsigned = _mender_file(bundles["v1"])
     res = device.mender("install", unsigned)
     assert res.returncode != 0 and not (device.root / "releases").exists(), res.stderr
-    signed = _mender_file(bundles["v1"], "-k", tmp_path / "mender.key")
+    signed = _mender_file(bundles["v1"], "-k", key)
     res = device.mender("install", signed)
     assert res.returncode == 0, res.stderr
     assert device.mender("commit").returncode == 0 and device.current() is not None

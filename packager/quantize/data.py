@@ -329,15 +329,8 @@ def load_golden(path: str | Path, specs: list[TensorSpec], preprocess: Preproces
         if len(specs) == 1 and list(arrays) == ["arr_0"]:
             arrays = {specs[0].name: arrays["arr_0"]}
         if set(arrays) == {s.name for s in specs} and all(tuple(arrays[s.name].shape) == tuple(s.shape) for s in specs):
-            out = []
-            for spec in specs:
-                array, want = arrays[spec.name], np.dtype(spec.dtype)
-                if array.dtype != want and not (array.dtype.kind == "f" and want.kind == "f"):
-                    raise DataError(f"{what} array '{spec.name}' is {array.dtype} but input '{spec.name}' is {want}")
-                array = array.astype(want, copy=False)
-                if array.dtype.kind == "f" and not np.isfinite(array).all():
-                    raise DataError(f"{what} array '{spec.name}' has NaN or Inf; give finite values")
-                out.append(np.ascontiguousarray(array))
-            return out
+            # one model run: checked (dtype, finite values) as a batch of one is
+            return [np.ascontiguousarray(_sample_view(s.name, arrays[s.name][None], s, what)[0].reshape(s.shape))
+                    for s in specs]
     data = load_data(path, specs, what, preprocess, limit=1)
     return next(data.batches(specs))
