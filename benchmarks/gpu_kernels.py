@@ -226,7 +226,7 @@ def tvm_default_launches(model: Path) -> int:
     from edgeq.load import load_model
     from edgeq.relax_import import to_relax
     from edgeq.targets import profiles
-    from edgeq.toolchain import import_tvm
+    from edgeq.tvm_env import import_tvm
 
     tvm = import_tvm()
     from tvm import relax

@@ -22,7 +22,7 @@ from quantize_with_ort import ort_quantize  # noqa: E402
 from edgeq.package import PackageArgs, package  # noqa: E402
 from edgeq.quantize import QuantizeArgs  # noqa: E402
 from edgeq.quantize.calibrators import CALIBRATORS  # noqa: E402
-from edgeq.toolchain import import_tvm  # noqa: E402
+from edgeq.tvm_env import import_tvm  # noqa: E402
 
 
 def median_ms(model, repeat: int) -> float:

@@ -17,7 +17,7 @@ from common import bundle_model, median_ms, ort_session, show
 import make_models  # noqa: E402
 
 from edgeq.package import PackageArgs, package  # noqa: E402
-from edgeq.toolchain import import_tvm  # noqa: E402
+from edgeq.tvm_env import import_tvm  # noqa: E402
 
 
 def main() -> None:

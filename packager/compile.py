@@ -1,7 +1,7 @@
 """Compile a Relax IRModule for a device profile and export it as a shared library.
 
-For Jetson profiles: CUDA kernels built by the toolkit that matches the device's CUDA, host code for
-aarch64 linked by the Debian cross compiler. For CPU profiles: LLVM for the profile's CPU.
+What a build does for a kind of target is its backend's (``edgeq.backends``): this module finds the tools,
+hands the graph and the module to the backend the profile or target picks, and exports and reads libraries.
 """
 
 from __future__ import annotations
@@ -10,88 +10,39 @@ import dataclasses
 import struct
 from pathlib import Path
 
-from edgeq.errors import ToolchainError
+from edgeq import backends
 from edgeq.runtime.elf import machine as elf_machine  # noqa: F401 - part of this module's API
 from edgeq.targets import Profile
-from edgeq.toolchain import CudaToolkit, cuda_driver, cuda_toolkit_for, cxx_for, import_tvm
+from edgeq.toolchain import Toolchain
+from edgeq.tvm_env import import_tvm
 
 EM_CUDA = 190
 
 
-@dataclasses.dataclass(frozen=True)
-class Toolchain:
-    """Everything outside Python that a build for one profile uses; recorded in the manifest."""
-
-    cxx: str
-    cuda: CudaToolkit | None
-
-    def to_dict(self) -> dict:
-        return {"cxx": self.cxx, "cuda_toolkit": self.cuda.to_dict() if self.cuda else None}
-
-
 def toolchain_for(profile: Profile) -> Toolchain:
     """Find the compilers for ``profile`` before any work starts, so a missing one fails fast."""
-    cxx = cxx_for(profile)
-    toolkit = cuda_toolkit_for(profile) if profile.cuda else None
-    if toolkit is not None:
-        tvm = import_tvm()
-        if not tvm.runtime.enabled("cuda"):
-            raise ToolchainError(
-                f"TVM's CUDA backend did not load (CUDA driver library: {cuda_driver()}); "
-                "install gcc so edgeq can build its driver stub, or run on a machine with the NVIDIA driver"
-            )
-    return Toolchain(cxx=cxx, cuda=toolkit)
+    return backends.for_profile(profile).find_tools(profile)
 
 
-def is_cpu(target) -> bool:
-    tvm = import_tvm()
-    tgt = tvm.target.Target(target)
-    return tgt.kind.name == "llvm" and (tgt.host is None or tgt.host.kind.name == "llvm")
+def _target(target):
+    return import_tvm().target.Target(target)
 
 
 def lower_graph(graph, target):
-    """The graph on edgeq's CPU kernels (convolutions and matrix products, NHWC between them; inference
-    BatchNorms folded, ``edgeq.graph_passes.fold_batch_norm``) when ``target`` is a CPU; for GPU targets the CUDA
-    path's graph clean-up (``edgeq.gpu.prepare_graph``: BatchNorm folded, weight reshapes precomputed).
+    """The graph as ``target``'s backend prepares it (``Backend.prepare``: CPU: convolutions and matrix
+    products on edgeq's kernels, NHWC between them; CUDA: BatchNorm folded, weight reshapes precomputed).
     Returns (graph, conv/matmul calls on CPU kernels)."""
-    if not is_cpu(target):
-        from edgeq.gpu import prepare_graph
-
-        return prepare_graph(graph), 0
-    tvm = import_tvm()
-    from edgeq.graph_passes import fold_batch_norm
-    from edgeq.kernels.conv import Isa
-    from edgeq.kernels.lower import lower_for_cpu
-
-    # a BatchNorm the exporter left (DenseNet's after each concatenation) as a per-channel multiply and add,
-    # which follows the NHWC layout; as batch_norm it was computed between two transposes to NCHW
-    return lower_for_cpu(fold_batch_norm(graph), Isa.of(tvm.target.Target(target)))
+    tgt = _target(target)
+    return backends.for_target(tgt).prepare(graph, tgt)
 
 
 def build(mod, target, toolchain: Toolchain | None = None, stats: dict | None = None):
-    """``relax.build`` for ``target``: for CPUs TVM's pipeline with edgeq's schedules after fusion
-    (``edgeq.kernels.schedule``; ``stats`` counts the functions by schedule), for GPUs TVM's CUDA pipeline
-    with edgeq's schedule step and CUDA graph capture (``edgeq.gpu``; ``stats`` gets its ``GpuKernels``
-    record: rule per kernel, fallbacks, kernels per inference) with CUDA kernels compiled by ``toolchain.cuda``."""
-    tvm = import_tvm()
-    from tvm import relax
-
-    with tvm.target.Target(target) as tgt:
-        if toolchain is not None and toolchain.cuda is not None:
-            from edgeq import gpu
-
-            report = gpu.GpuKernels()
-            with toolchain.cuda.active():
-                executable = gpu.build(mod, tgt, report)
-            if stats is not None:
-                stats.update(report.to_dict())
-            return executable
-        if is_cpu(tgt):
-            from edgeq.kernels.conv import Isa
-            from edgeq.kernels.schedule import cpu_pipeline
-
-            return relax.build(mod, target=tgt, relax_pipeline=cpu_pipeline(tgt, Isa.of(tgt), stats))
-        return relax.build(mod, target=tgt)
+    """``relax.build`` for ``target`` by its backend (``Backend.build``: CPU: TVM's pipeline with edgeq's
+    schedules after fusion, ``stats`` counting the functions by schedule; CUDA: TVM's CUDA pipeline with
+    edgeq's schedule step and CUDA graph capture, device code by the toolchain's CUDA toolkit, ``stats`` getting its
+    ``GpuKernels`` record)."""
+    with _target(target) as tgt:
+        return backends.for_target(tgt).build(mod, tgt, toolchain, stats)
 
 
 def export(executable, path: Path, toolchain: Toolchain) -> None:

@@ -16,10 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from edgeq.toolchain import import_tvm
-
-tvm = import_tvm()
-from tvm import relax  # noqa: E402
+from edgeq.tvm_env import relax, tvm
 
 
 # the integer types quantized tensors have, and their ranges

@@ -16,10 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from edgeq.graph import LAYOUT_OPS, Graph, Rewriter, apply_layout_op, call_op, const_value, rewrite
-from edgeq.toolchain import import_tvm
-
-tvm = import_tvm()
-from tvm import relax  # noqa: E402
+from edgeq.tvm_env import relax, tvm
 
 
 def static_weight(rw: Rewriter, expr, dequantize: bool = True) -> np.ndarray | None:

@@ -55,6 +55,16 @@ def parse_const(text: str) -> tuple[str, Path]:
     return name, Path(file)
 
 
+def npy_bytes(stream) -> int:
+    """The data size a .npy header declares (read from the header alone)."""
+    major, _ = np.lib.format.read_magic(stream)
+    read_header = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
+    shape, _, dtype = read_header(stream)
+    if dtype.hasobject:
+        raise ValueError("it holds Python objects (pickles); save plain numeric arrays")
+    return math.prod(shape) * dtype.itemsize
+
+
 def read_const(name: str, path: Path) -> np.ndarray:
     """The array of a ``--const`` file (.npy, no pickles), checked against the input size limit."""
     where = f"--const {name}={path}"
@@ -62,12 +72,10 @@ def read_const(name: str, path: Path) -> np.ndarray:
         raise UsageError(f"{where}: file not found; save the value with numpy.save")
     check("input_bytes", where, path.stat().st_size)
     try:
-        from edgeq.quantize.data import _npy_bytes
-
         with open(path, "rb") as f:  # what the header declares is checked before numpy allocates it
             if f.read(6) == b"\x93NUMPY":
                 f.seek(0)
-                check("input_bytes", f"{where} (as its header declares)", _npy_bytes(f))
+                check("input_bytes", f"{where} (as its header declares)", npy_bytes(f))
         array = np.load(path, allow_pickle=False)
     except (OSError, ValueError, EOFError) as err:
         raise UsageError(f"{where}: not a readable .npy file ({str(err).splitlines()[0] if str(err) else type(err).__name__}); "

@@ -26,11 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from edgeq.toolchain import import_tvm
-
-tvm = import_tvm()
-from tvm import relax, te, topi  # noqa: E402
-from tvm.relax.frontend.onnx import onnx_frontend  # noqa: E402
+from edgeq.tvm_env import onnx_frontend, relax, te, topi, tvm
 
 
 class Refused(Exception):

@@ -23,9 +23,10 @@ from typing import Any
 import numpy as np
 
 import edgeq
-from edgeq import bundle, contract
+from edgeq import backends, bundle, contract
+from edgeq.backends import GOLDEN_FP16_ATOL, GOLDEN_FP16_RTOL, GOLDEN_INT8_ATOL, GOLDEN_INT8_RTOL
 from edgeq.choices import DEFAULT_OUTPUT, PRECISIONS, QUANTIZED, RUNTIME_CHOICES
-from edgeq.compile import HostRunner, Toolchain, build, cuda_device_code, elf_machine, export, lower_graph, toolchain_for
+from edgeq.compile import HostRunner, build, cuda_device_code, elf_machine, export, lower_graph, toolchain_for
 from edgeq.errors import EdgeqError, ModelError, OutputError, ToolchainError, UsageError
 from edgeq.graph import Graph
 from edgeq.load import LoadedModel, TensorSpec, load_model
@@ -37,19 +38,11 @@ from edgeq.reference import compare as compare_reference
 from edgeq.relax_import import to_relax
 from edgeq.runtime.assemble import assemble, check_elves
 from edgeq.targets import Profile, profiles, resolve
-from edgeq.toolchain import import_tvm
+from edgeq.toolchain import Toolchain
+from edgeq.tvm_env import import_tvm
 
 GOLDEN_SEED = 0
-# Golden outputs are computed on the build host; the device may use other kernels (CUDA, fast math).
-GOLDEN_RTOL, GOLDEN_ATOL = 1e-3, 1e-4
-# fp16: the device's sums (tensor cores, another order) round to fp16 after each layer where the host's may not
-GOLDEN_FP16_RTOL, GOLDEN_FP16_ATOL = 2e-2, 5e-3
-# int8 built for another machine than the one computing the golden outputs: a float difference of an ulp
-# before a quantize (another summation order, FMA contraction) moves a value across a rounding boundary,
-# one quantization step, and the layers after carry it. Measured on an H200 against the host golden: ResNet-18
-# int8 max |diff| 0.067 on logits up to 10.8 (0.6%), the same with and without tensor cores; MobileNetV2 int8
-# 0.016 on logits up to 1.14 (1.4%). atol is 5% of the output range: a wrong kernel misses by far more.
-GOLDEN_INT8_RTOL, GOLDEN_INT8_ATOL = 2e-2, 5e-2
+# The self-test's tolerances are the backend's (edgeq.backends: GOLDEN_*, Backend.golden_tolerance).
 # The reference check of an fp32 build (edgeq.reference): ONNX Runtime computes some functions its own way (a
 # PP-OCRv4 recognizer's softmax output: 5.4e-5 from ONNX Runtime, 4e-6 from TVM's plain build); the faults it
 # is there for (a wrong weight, layout or padding) miss by the size of the output itself.
@@ -159,6 +152,7 @@ class _Build:
     progress: StageProgress
     name: str = ""
     profile: Profile | None = None
+    backend: backends.Backend | None = None  # the profile's (edgeq.backends.for_profile)
     device_note: str | None = None
     toolchain: Toolchain | None = None
     out_dir: Path | None = None
@@ -226,9 +220,10 @@ def _check(b: _Build) -> None:
     b.profile, b.device_note = resolve(args.device)
     if b.device_note:
         b.progress.note(b.device_note)
-    if args.precision == "fp16" and not b.profile.cuda:
-        raise UsageError(f"--precision fp16 is for CUDA profiles (jetson-*); {b.profile.name} is a CPU profile: "
-                         "use fp32, int8 or mixed")
+    b.backend = backends.for_profile(b.profile)
+    if args.precision not in b.backend.precisions:
+        raise UsageError(f"--precision {args.precision} is for CUDA profiles (jetson-*); {b.profile.name} is a "
+                         f"{b.backend.name.upper()} profile: use {', '.join(b.backend.precisions[:-1])} or {b.backend.precisions[-1]}")
     longest = len(f"{b.bundle_name}-") + 12  # bundle_id = NAME-DEVICE-<12 hex digits>, at most 128 characters
     if longest > 128:
         raise UsageError(f"bundle name '{b.name}' is {len(b.name)} characters; with the device and a hash the bundle id "
@@ -302,9 +297,7 @@ def _lower(b: _Build) -> None:
 
 
 def _fp16(b: _Build) -> None:
-    from edgeq.gpu import to_fp16
-
-    b.graph = to_fp16(b.graph)  # the golden outputs are computed on this graph too
+    b.graph = b.backend.to_fp16(b.graph)  # the golden outputs are computed on this graph too
     b.mod = b.graph.mod
 
 
@@ -321,11 +314,7 @@ def _compile(b: _Build) -> None:
     machine = elf_machine(library)
     if machine != b.profile.cpu.arch:
         raise ToolchainError(f"the exported library is {machine}, not {b.profile.cpu.arch}; check the cross compiler {b.toolchain.cxx}")
-    if b.profile.cuda and b.profile.cuda.arch not in cuda_device_code(library):
-        raise ToolchainError(
-            f"the exported library carries no {b.profile.cuda.arch} device code (CUDA source only), so no device "
-            f"could load it; check the CUDA toolkit ({b.toolchain.cuda.describe()})"
-        )
+    b.backend.check_library(library, b.profile, b.toolchain)
 
 
 def golden_inputs(specs: list[TensorSpec], seed: int = GOLDEN_SEED, floats: str = GOLDEN_DISTRIBUTIONS[0]
@@ -416,7 +405,7 @@ def _reference_check(b: _Build) -> None:
 
 
 def _runtime(b: _Build) -> None:
-    b.runtime = assemble(b.profile, b.toolchain.cxx, b.staging, contract.SCHEMA_VERSION, note=b.progress.note)
+    b.runtime = assemble(b.profile, b.toolchain.cxx, b.staging, note=b.progress.note)
 
 
 def _mentions(path, needle: bytes) -> bool:
@@ -448,11 +437,7 @@ def _precision(b: _Build) -> str:
 
 def _golden_tolerance(b: _Build) -> tuple[float, float]:
     """(rtol, atol) of the self-test: what the device's kernels may differ by from the build host's."""
-    if b.args.precision == "fp16":
-        return GOLDEN_FP16_RTOL, GOLDEN_FP16_ATOL
-    if b.quantization is not None and b.profile.name != "host":  # host: the golden come from the bundle's library
-        return GOLDEN_INT8_RTOL, GOLDEN_INT8_ATOL
-    return GOLDEN_RTOL, GOLDEN_ATOL
+    return b.backend.golden_tolerance(b.args.precision, b.quantization is not None, b.profile.name == "host")
 
 
 def _reference_tolerance(b: _Build) -> tuple[float, float]:
@@ -463,14 +448,6 @@ def _reference_tolerance(b: _Build) -> tuple[float, float]:
     if b.quantization is not None:
         return GOLDEN_INT8_RTOL, GOLDEN_INT8_ATOL
     return REFERENCE_FP32_RTOL, REFERENCE_FP32_ATOL
-
-
-def _device_record(profile: Profile) -> contract.DeviceRecord:
-    return contract.DeviceRecord(
-        profile=profile.name, description=profile.description, family=profile.family, kind=profile.kind,
-        arch=profile.cpu.arch, host_triple=profile.cpu.triple, mcpu=profile.cpu.mcpu, cores=profile.cpu.cores,
-        cuda_arch=profile.cuda.arch if profile.cuda else None, cuda_version=profile.cuda.version if profile.cuda else None,
-        jetpack=profile.software.get("jetpack"), l4t=profile.software.get("l4t"))
 
 
 def _bundle(b: _Build) -> None:
@@ -504,14 +481,12 @@ def _bundle(b: _Build) -> None:
             producer=f"{b.model.onnx_model.producer_name} {b.model.onnx_model.producer_version}".strip()),
         inputs=[contract.TensorSpec(name=t.name, shape=list(t.shape), dtype=t.dtype) for t in b.model.inputs],
         outputs=[contract.TensorSpec(name=t.name, shape=list(t.shape), dtype=t.dtype) for t in b.outputs],
-        device=_device_record(b.profile),
+        device=b.profile.device_record(),
         toolchain=contract.ToolchainRecord.from_json(b.toolchain.to_dict(), "toolchain"),
         library=contract.LibraryRecord(
             file=contract.LIBRARY, machine=elf_machine(library), cuda_device_code=cuda_device_code(library),
             bytes=library.stat().st_size,
-            cpu_kernels={"conv_matmul_calls": b.kernel_calls, "schedules": dict(sorted(b.schedules.items()))}
-            if b.schedules and not b.profile.cuda else None,
-            gpu_kernels=dict(b.schedules) if b.schedules and b.profile.cuda else None),  # edgeq.gpu.GpuKernels
+            **b.backend.kernel_record(b.schedules, b.kernel_calls)),
         weights=contract.WeightsRecord(
             file=contract.WEIGHTS, format=contract.TENSOR_FORMAT, count=len(weight_arrays),
             dtypes=sorted({str(w.dtype) for w in weight_arrays}), bytes=int(sum(w.nbytes for w in weight_arrays)),
@@ -559,22 +534,12 @@ def _is_prequantized(b: _Build) -> bool:
     return b.looks_prequantized if b.prequantized is None else b.prequantized
 
 
-# CPU and CUDA builds side by side: what lower and compile do for each.
 def _lower_description(b: _Build) -> str:
-    p = b.profile
-    if p.cuda:  # CUDA: graph clean-up only (edgeq.gpu.prepare_graph); scheduling is edgeq.gpu.pipeline, in compile
-        return f"{p.name}: BatchNorm folded into convs, weight reshapes precomputed for CUDA ({p.cuda.arch})"
-    # CPU: convolutions and matrix products onto edgeq's kernels, NHWC between them
-    return f"{p.name}: conv/matmul -> edgeq CPU kernels for {p.cpu.mcpu}"
+    return b.backend.describe_prepare(b.profile)
 
 
 def _compile_description(b: _Build) -> str:
-    p = b.profile
-    if p.cuda:  # edgeq.gpu.pipeline (TVM's CUDA passes, dlight rules per kernel with a build check and fallback);
-        # device code by the CUDA toolkit matching the device, host by the cross g++
-        return f"{p.name}: {p.cuda.arch} with {b.toolchain.cuda.describe()}, host {p.cpu.triple} ({p.cpu.mcpu})"
-    # TVM's pipeline with edgeq's schedules after fusion (edgeq.kernels.schedule.cpu_pipeline)
-    return f"{p.name}: LLVM {p.cpu.triple} ({p.cpu.mcpu})"
+    return b.backend.describe_build(b.profile, b.toolchain)
 
 
 def _device_label(device: str) -> str:
@@ -607,8 +572,8 @@ STAGES: tuple[Stage[_Build], ...] = (
     Stage("compile", _compile_description, _compile),  # build, export, check the library's machine and device code
     Stage("golden", lambda b: "golden input and outputs on the build host", _golden),
     Stage("reference", lambda b: "the golden outputs checked against an independent reference", _reference_check),
-    Stage("runtime", lambda b: f"runtime/ for {b.profile.cpu.arch}: TVM runtime, {'CUDA bridge, ' if b.profile.cuda else ''}"
-          "edgeq-run", _runtime, applies=lambda b: b.args.runtime != "none"),
+    Stage("runtime", lambda b: f"runtime/ for {b.profile.cpu.arch}: "
+          f"{', '.join(('TVM runtime', *b.backend.runtime_parts, 'edgeq-run'))}", _runtime, applies=lambda b: b.args.runtime != "none"),
     Stage("bundle", lambda b: f"write {b.out_dir / b.bundle_name} and .tar.gz", _bundle),
     Stage("mender", lambda b: f"Mender Artifact {b.out_dir / b.bundle_name}.mender (payload type edgeq)", _mender,
           applies=lambda b: b.args.mender),

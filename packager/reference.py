@@ -70,7 +70,7 @@ def tvm_plain_reference(graph, graph_label: str, note: str | None = None) -> Ref
     """``graph`` built by TVM's default Relax pipeline for the build host (LLVM), run by TVM's VM."""
     from edgeq.compile import HostRunner
     from edgeq.targets import profiles
-    from edgeq.toolchain import import_tvm
+    from edgeq.tvm_env import import_tvm
 
     tvm = import_tvm()
     from tvm import relax

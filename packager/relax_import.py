@@ -13,7 +13,7 @@ from edgeq.errors import ModelError
 from edgeq.graph import Graph
 from edgeq.limits import check
 from edgeq.load import LoadedModel, TensorSpec
-from edgeq.toolchain import import_tvm
+from edgeq.tvm_env import import_tvm
 
 
 QOPERATOR_OPS = {"QLinearConv", "QLinearMatMul", "ConvInteger", "QLinearAdd", "QLinearMul", "QLinearGlobalAveragePool",

@@ -25,16 +25,11 @@ import subprocess
 import tempfile
 from collections.abc import Iterator
 from functools import cache
-from importlib import resources
 from pathlib import Path
 
+from edgeq.cache import cache_dir
 from edgeq.errors import ToolchainError
 from edgeq.targets import Profile
-
-
-def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "edgeq"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -58,69 +53,6 @@ def cxx_for(profile: Profile) -> str:
             f"{what} '{name}' for {profile.name} not found on PATH; install it: sudo apt-get install {package}"
         )
     return path
-
-
-# ---------------------------------------------------------------------------------------------------
-# CUDA driver library: real, or a stub so that TVM's CUDA code generation runs on a GPU-less host
-# ---------------------------------------------------------------------------------------------------
-
-
-@cache
-def cuda_driver() -> str:
-    """Load ``libcuda.so.1`` (the real driver, else edgeq's stub) and say which. Call before importing TVM."""
-    import ctypes
-
-    try:
-        ctypes.CDLL("libcuda.so.1", mode=ctypes.RTLD_GLOBAL)
-        return "driver"
-    except OSError:
-        pass
-    try:
-        stub = _build_driver_stub()
-    except ToolchainError as err:
-        return f"none ({err})"
-    ctypes.CDLL(str(stub), mode=ctypes.RTLD_GLOBAL)
-    return "stub"
-
-
-def _build_driver_stub() -> Path:
-    source = resources.files("edgeq").joinpath("native/cuda_driver_stub.c").read_bytes()
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise ToolchainError("no C compiler (cc) to build the CUDA driver stub; install gcc")
-    return cached_build("the CUDA driver stub", "libcuda.so.1", "stub.c", source, compiler,
-                        ["-shared", "-fPIC", "-Wl,-soname,libcuda.so.1"])
-
-
-def cached_build(what: str, output: str, source_name: str, source: bytes, compiler: str, flags: list[str],
-                 libs: tuple[str, ...] = (), key: str = "") -> Path:
-    """Compile one source file into ``~/.cache/edgeq/<output>-<hash>/<output>`` once per (source, compiler,
-    flags, ``key``); built in a temporary folder beside it and renamed into place (never half a file)."""
-    digest = hashlib.sha256(source + "\0".join([compiler, *flags, *libs, key]).encode()).hexdigest()[:16]
-    target = cache_dir() / f"{output}-{digest}" / output
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        src, out = Path(tmp, source_name), Path(tmp, output)
-        src.write_bytes(source)
-        proc = subprocess.run([compiler, *flags, "-o", str(out), str(src), *libs], capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise ToolchainError(f"building {what} with {compiler} failed: {proc.stderr.strip()[:300]}")
-        os.replace(out, target)
-    return target
-
-
-def import_tvm():
-    """Import TVM the way edgeq needs it: with a CUDA driver library (real or stub) loaded first, and its
-    thread pool sized to the CPUs this process may use (TVM otherwise assumes two hardware threads per
-    core and uses half of them; TVM_NUM_THREADS still decides where set)."""
-    if hasattr(os, "sched_getaffinity"):
-        os.environ.setdefault("TVM_NUM_THREADS", str(len(os.sched_getaffinity(0))))
-    cuda_driver()
-    import tvm
-
-    return tvm
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -224,7 +156,7 @@ def _nvrtc_toolkit() -> CudaToolkit | None:
     # TVM's NVRTC mode reads headers from $CUDA_PATH/include, $CUDA_PATH/targets/<arch>-linux/include and its
     # cccl/: lay the wheels' header folders out that way. crt/ (mma.h: the wmma fragments of tensor-core
     # kernels, which the runtime wheel's mma.h includes) is in the nvcc wheel; without it tensor-core
-    # schedules fail the build check and edgeq.gpu falls back to kernels without tensor cores.
+    # schedules fail the build check and edgeq.backends.cuda.pipeline falls back to kernels without tensor cores.
     links = {"include": runtime_include, f"targets/{platform.machine()}-linux/include/cccl": cccl_include}
     crt = _crt_include()
     if crt is not None:
@@ -301,3 +233,14 @@ def cuda_toolkit_for(profile: Profile, found: tuple[CudaToolkit, ...] | None = N
         )
     # Older-or-equal minors first (closest first); a newer minor only when nothing older is there.
     return min(fits, key=lambda tk: (tk.version[1] > want_minor, abs(tk.version[1] - want_minor), tk.kind))
+
+
+@dataclasses.dataclass(frozen=True)
+class Toolchain:
+    """Everything outside Python that a build for one profile uses; recorded in the manifest."""
+
+    cxx: str
+    cuda: CudaToolkit | None
+
+    def to_dict(self) -> dict:
+        return {"cxx": self.cxx, "cuda_toolkit": self.cuda.to_dict() if self.cuda else None}

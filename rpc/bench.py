@@ -18,8 +18,7 @@ from edgeq.errors import BundleError, UsageError
 from edgeq.limits import LIMITS
 from edgeq.rpc.power import Sampler
 from edgeq.rpc.session import DAY_S, Remote, bounded, parse_addr
-from edgeq.targets import resolve
-from edgeq.toolchain import import_tvm
+from edgeq.tvm_env import import_tvm
 
 MAX_RUNS = LIMITS["benchmark_runs"].value  # --repeat and --warmup: beyond this a benchmark runs for days
 
@@ -41,18 +40,10 @@ def in_order_ms(times_s) -> list[float]:
     return [contract.significant(t * 1e3) for t in times_s]
 
 
-def profile_power_config(name: str) -> dict:
-    """A device profile's rails, as the device-side sampler needs them."""
-    profile = resolve(name)[0]
-    return {"tegrastats_rails": list(profile.power.tegrastats_rails), "hwmon_glob": profile.power.hwmon_glob,
-            "hwmon_rails": dict(profile.power.hwmon_rails)}
-
-
 def power_config(manifest: contract.Manifest) -> dict:
-    try:
-        return profile_power_config(manifest.device.profile)
-    except Exception:
-        return {}
+    """The bundle's device's rails (``device.power`` in the manifest; none for a device without rails)."""
+    power = manifest.device.power
+    return power.to_json() if power else {}
 
 
 def energy(power: dict, stats: dict) -> dict:

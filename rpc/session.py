@@ -167,12 +167,14 @@ def run_server(tracker: str, key: str, host: str, port: int, port_end: int | Non
     tracker must answer within ``timeout`` seconds."""
     from tvm.rpc.server import PopenRPCServerState
 
-    from edgeq.rpc.bench import profile_power_config
     from edgeq.rpc.device import register
+    from edgeq.targets import resolve
 
     port = check_server(tracker, key, host, port, port_end, timeout)
     wait_for_tracker(tracker, timeout)
-    register(profile_power_config(profile) if profile else None, sysfs_root)
+    # --device-profile: the rails this device has, preferred over what the client's bundle says
+    power = resolve(profile)[0].device_record().power if profile else None
+    register(power.to_json() if power else None, sysfs_root)
     failed: list[BaseException] = []
     hook, threading.excepthook = threading.excepthook, lambda exc: failed.append(exc.exc_value)
     try:

@@ -25,7 +25,7 @@ from edgeq.errors import OutputError, RemoteError, UsageError
 from edgeq.rpc.session import DAY_S, Remote, _no_retry_warnings, bounded, parse_addr, with_deadline
 from edgeq.safebundle import json_depth
 from edgeq.targets import Profile
-from edgeq.toolchain import import_tvm
+from edgeq.tvm_env import import_tvm
 
 FORMAT = 1
 RECORD_DEPTH = 256  # nesting of one records line (TVM's traces nest far less)

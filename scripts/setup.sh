@@ -93,7 +93,7 @@ else
     echo "$stamp" > "$VENV/.edgeq-setup"
 fi
 echo "setup: fetching the aarch64 TVM runtime and CUDA header wheels a Jetson bundle carries (cached)"
-"$PY" -m edgeq.runtime.wheels
+"$PY" -m edgeq.runtime.assemble
 if [ -n "$ZOO" ]; then
     # torch + torchvision in an environment of their own, used only to export the torchvision zoo
     # (examples/export_torchvision.py): tvm-ffi imports torch whenever it is importable, which would add

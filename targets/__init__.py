@@ -98,6 +98,21 @@ class Profile:
             return tvm.target.Target({"kind": "cuda", "arch": self.cuda.arch}, host=host)
         return tvm.target.Target(host)
 
+    def device_record(self):
+        """What a bundle's manifest says of its device (``contract.DeviceRecord``), power rails included, so
+        that readers of a bundle never look the profile up again."""
+        from edgeq import contract
+
+        cuda, power = self.cuda, self.power
+        rails = (contract.PowerRecord(tegrastats_rails=list(power.tegrastats_rails), hwmon_glob=power.hwmon_glob,
+                                      hwmon_rails=dict(power.hwmon_rails))
+                 if power.tegrastats_rails or power.hwmon_rails else None)
+        return contract.DeviceRecord(
+            profile=self.name, description=self.description, family=self.family, kind=self.kind,
+            arch=self.cpu.arch, host_triple=self.cpu.triple, mcpu=self.cpu.mcpu, cores=self.cpu.cores,
+            cuda_arch=cuda.arch if cuda else None, cuda_version=cuda.version if cuda else None,
+            jetpack=self.software.get("jetpack"), l4t=self.software.get("l4t"), power=rails)
+
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["kind"] = self.kind
@@ -177,7 +192,7 @@ def _host_cpu_name() -> str:
     key = _host_cpu_key()
     path = None
     if key:
-        from edgeq.toolchain import cache_dir
+        from edgeq.cache import cache_dir
 
         path = cache_dir() / "host-cpu" / key
         try:
@@ -186,7 +201,7 @@ def _host_cpu_name() -> str:
                 return name
         except (OSError, UnicodeDecodeError):
             pass
-    from edgeq.toolchain import import_tvm
+    from edgeq.tvm_env import import_tvm
 
     name = str(import_tvm().target.codegen.llvm_get_system_cpu())
     if path is not None and _CPU_NAME.fullmatch(name):

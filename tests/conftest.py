@@ -12,16 +12,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import make_models  # examples/ (pyproject: pythonpath)
+from quantize_with_ort import ort_quantize  # noqa: F401
+
+from edgeq.cli.main import Environment, main
+from edgeq.tvm_env import import_tvm
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "examples"))
-
-import make_models  # noqa: E402
-from quantize_with_ort import ort_quantize  # noqa: E402,F401
-
-from edgeq.cli.main import Environment, main  # noqa: E402
-from edgeq.toolchain import import_tvm  # noqa: E402
-
-import_tvm()  # before anything else imports TVM: the CUDA driver (or stub) must load first
+import_tvm()  # before a test module imports TVM itself: the CUDA driver (or stub) must load first
 
 
 @dataclasses.dataclass

@@ -270,7 +270,7 @@ def test_tvm_cuda_runtime_loads_through_the_bridge(built):
     nvidia_cuda_runtime = pytest.importorskip("nvidia.cuda_runtime")
     if HOST != "x86_64":
         pytest.skip("the installed TVM wheel is checked on x86_64 hosts")
-    from edgeq.toolchain import _build_driver_stub
+    from edgeq.tvm_env import _build_driver_stub
 
     b = built(HOST)
     cu12 = Path(list(nvidia_cuda_runtime.__path__)[0], "lib", "libcudart.so.12")

@@ -25,7 +25,7 @@ from sshd import free_port
 COMPILER = ("tvm", "tvm_ffi", "onnx")  # never loaded by a light verb
 # edgeq modules that pull the compiler or numpy-heavy code in
 HEAVY_EDGEQ = ("edgeq.compile", "edgeq.graph", "edgeq.load", "edgeq.package", "edgeq.quantize", "edgeq.relax_import",
-               "edgeq.onnx_ops", "edgeq.kernels", "edgeq.rpc.bench", "edgeq.rpc.tune", "edgeq.runtime.assemble")
+               "edgeq.onnx_ops", "edgeq.backends.cpu", "edgeq.rpc.bench", "edgeq.rpc.tune", "edgeq.runtime.assemble")
 
 CHILD = """
 import json, sys

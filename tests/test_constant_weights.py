@@ -261,7 +261,7 @@ def test_reference_onnxruntime_refused_for_int8(tmp_path):
 def test_param_never_shares_different_arrays():
     """Rewriter.param: one parameter per array, whatever names the passes derive."""
     from edgeq.graph import Graph, Rewriter
-    from edgeq.toolchain import import_tvm
+    from edgeq.tvm_env import import_tvm
 
     import_tvm()
     from tvm import relax

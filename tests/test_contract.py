@@ -110,7 +110,7 @@ def test_the_contract_module_is_standard_library_only():
     """safebundle.py and run.py carry it to devices that have no edgeq (and maybe only Python 3.8)."""
     import ast
 
-    tree = ast.parse((REPO / "packager" / "contract.py").read_text())
+    tree = ast.parse((REPO / "templates" / "contract.py").read_text())
     imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
     imported |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     assert imported <= {"__future__", "dataclasses", "enum", "math"}, imported

@@ -1,4 +1,4 @@
-"""The CUDA path (edgeq.gpu): BatchNorm folded and epilogues fused into the conv kernels, CUDA graph capture,
+"""The CUDA path (edgeq.backends.cuda.pipeline): BatchNorm folded and epilogues fused into the conv kernels, CUDA graph capture,
 a tensor-core schedule TVM cannot build falling back instead of ending the package, the per-kernel record,
 fp16, and the transformed graph checked against ONNX Runtime on this machine's CPU. The slow ResNet-18 and
 MobileNetV2 builds run through benchmarks/gpu_kernels.py (the same code as the README's table)."""
@@ -6,7 +6,6 @@ MobileNetV2 builds run through benchmarks/gpu_kernels.py (the same code as the R
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,21 +13,15 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from conftest import REPO, read_golden, run_cli
-from edgeq.toolchain import import_tvm
-
-tvm = import_tvm()
-from tvm import relax  # noqa: E402
-
-from edgeq import gpu  # noqa: E402
-from edgeq.compile import HostRunner, build, lower_graph, toolchain_for  # noqa: E402
-from edgeq.graph import call_op  # noqa: E402
-from edgeq.load import load_model  # noqa: E402
-from edgeq.relax_import import to_relax  # noqa: E402
-from edgeq.targets import profiles  # noqa: E402
-
-sys.path.insert(0, str(REPO / "benchmarks"))
-import gpu_kernels  # noqa: E402
+import gpu_kernels  # benchmarks/ (pyproject: pythonpath)
+from conftest import read_golden, run_cli
+from edgeq.backends.cuda import pipeline as gpu
+from edgeq.compile import HostRunner, build, lower_graph, toolchain_for
+from edgeq.graph import call_op
+from edgeq.load import load_model
+from edgeq.relax_import import to_relax
+from edgeq.targets import profiles
+from edgeq.tvm_env import relax, tvm
 
 ORIN = "jetson-orin-nano"
 
@@ -276,7 +269,6 @@ def test_a_schedule_no_check_caught_is_found_by_the_whole_module_retry(monkeypat
     """A rule whose schedule does not build (here: a wmma fragment no tensor-core intrinsic fills) and is not
     checked (not tensor cores) makes the first build fail; the retry builds every schedule alone first and
     takes the next rule."""
-    from tvm import s_tir
     from tvm.s_tir import dlight as dl
 
     class FragmentWithoutTensorCores(dl.gpu.Fallback):

@@ -1,4 +1,4 @@
-"""The kernel registry (``edgeq.kernels.rules``) without compiling anything: which kernel lowering picks
+"""The kernel registry (``edgeq.backends.cpu.rules``) without compiling anything: which kernel lowering picks
 for a convolution or matrix product and what it plans (pinned to the choices made before the registry
 existed), which schedule rule takes a kernel's TIR function and the name the manifest records for it, and
 the registry's own shape (every kernel module listed once, the generic rule last)."""
@@ -12,17 +12,17 @@ from pathlib import Path
 
 import pytest
 
-from edgeq.kernels.common import BmmSpec, ConvSpec, Isa, Kernel
-from edgeq.kernels.generic import GENERIC
-from edgeq.kernels.lower import choose
-from edgeq.kernels.rules import KERNELS, SCHEDULES
-from edgeq.kernels.rows import ROWS
-from edgeq.kernels.schedule import schedule_function
-from edgeq.toolchain import import_tvm
+from edgeq.backends.cpu.common import BmmSpec, ConvSpec, Isa, Kernel
+from edgeq.backends.cpu.generic import GENERIC
+from edgeq.backends.cpu.lower import choose
+from edgeq.backends.cpu.rules import KERNELS, SCHEDULES
+from edgeq.backends.cpu.rows import ROWS
+from edgeq.backends.cpu.schedule import schedule_function
+from edgeq.tvm_env import import_tvm
 
 tvm = import_tvm()
 
-KERNEL_DIR = Path(__file__).resolve().parent.parent / "packager" / "kernels"
+KERNEL_DIR = Path(__file__).resolve().parent.parent / "packager" / "backends" / "cpu"
 ISAS = {"avx512-vnni": Isa(16, "vnni", 32), "avx512": Isa(16, "", 32), "avx2": Isa(8, "", 16), "neon": Isa(4, "", 32),
         "neon-dotprod": Isa(4, "sdot", 32)}
 
@@ -160,7 +160,7 @@ def test_an_int8_quantize_is_vectorised_along_its_channels(channels, lanes):
 def test_every_kernel_module_is_listed_once_and_the_generic_rule_is_last():
     declared = []
     for path in sorted(KERNEL_DIR.glob("*.py")):
-        module = importlib.import_module(f"edgeq.kernels.{path.stem}")
+        module = importlib.import_module(f"edgeq.backends.cpu.{path.stem}")
         if isinstance(getattr(module, "KERNEL", None), Kernel):
             declared.append(module.KERNEL)
     assert sorted(k.name for k in declared) == sorted(k.name for k in KERNELS)

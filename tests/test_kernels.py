@@ -20,13 +20,13 @@ from onnx import TensorProto, helper, numpy_helper
 
 from conftest import read_golden
 from edgeq.compile import HostRunner, build, lower_graph
-from edgeq.kernels.common import Isa
-from edgeq.kernels.lower import describe
+from edgeq.backends.cpu.common import Isa
+from edgeq.backends.cpu.lower import describe
 from edgeq.load import load_model
 from edgeq.quantize import lower_prequantized
 from edgeq.relax_import import to_relax
 from edgeq.targets import profiles
-from edgeq.toolchain import import_tvm
+from edgeq.tvm_env import import_tvm
 
 tvm = import_tvm()
 
@@ -224,7 +224,7 @@ def test_int8_bias_is_where_the_accumulators_start(kind, group, bias, start, tmp
 
 
 def test_requantizing_epilogue_is_lrint_and_a_saturating_narrowing(tmp_path):
-    """The compile pipeline rewrites the int8 epilogue (``edgeq.kernels.rounding``): on an AVX-512 host the
+    """The compile pipeline rewrites the int8 epilogue (``edgeq.backends.cpu.rounding``): on an AVX-512 host the
     library rounds with ``vcvtps2dq`` and narrows with ``vpmovsdb``, not ``vrndscaleps`` and a clip."""
     target = profiles()["host"].tvm_target()
     if Isa.of(tvm.target.Target(target)).lanes != 16:
@@ -332,7 +332,7 @@ def test_layout_flows_through_pools_and_back_for_outputs(tmp_path):
 
 
 def test_gpu_targets_are_not_lowered_onto_cpu_kernels(tmp_path):
-    """A GPU target gets the CUDA path's graph clean-up (``edgeq.gpu``), never a call of a CPU kernel."""
+    """A GPU target gets the CUDA path's graph clean-up (``edgeq.backends.cuda.pipeline``), never a call of a CPU kernel."""
     graph, _ = to_relax(load_model(conv_model(Conv(16, 32, (12, 12)), tmp_path / "m.onnx", np.random.default_rng(9)), None))
     lowered, calls = lower_graph(graph, profiles()["jetson-orin-nano"].tvm_target())
     assert calls == 0 and not any(name.startswith("edgeq_") for name in describe(lowered)), describe(lowered)

@@ -5,14 +5,10 @@ optional outputs), 0-d inputs (Clip, QuantizeLinear, DequantizeLinear) and opera
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-import node_tests  # noqa: E402
+import node_tests  # benchmarks/ (pyproject: pythonpath)
 
 PASS = ["If", "Constant", "Clip", "QuantizeLinear", "DequantizeLinear", "LayerNormalization", "RMSNormalization",
         "Swish", "Celu", "LpNormalization", "CumProd", "HannWindow", "Det", "Col2Im", "Shape", "Reshape", "TopK",

@@ -17,7 +17,7 @@ from edgeq.quantize import lower_prequantized
 from edgeq.quantize.commute_qdq import commute_qdq
 from edgeq.quantize.lower_qdq import lower_qdq
 from edgeq.relax_import import to_relax
-from edgeq.toolchain import import_tvm
+from edgeq.tvm_env import import_tvm
 
 tvm = import_tvm()
 from tvm.script import ir as I  # noqa: E402

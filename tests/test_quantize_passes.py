@@ -6,7 +6,7 @@ from edgeq.graph import Graph
 from edgeq.quantize.fold_bias import fold_bias
 from edgeq.quantize.quantize_ops import LayerPlan, quantize_ops, quantize_weight
 from edgeq.quantize.requantize import requantize
-from edgeq.toolchain import import_tvm
+from edgeq.tvm_env import import_tvm
 
 tvm = import_tvm()
 from tvm.script import ir as I  # noqa: E402

@@ -1,4 +1,4 @@
-"""Requantizing epilogues in lrint form (``edgeq.kernels.rounding``): the rewritten TIR computes exactly what
+"""Requantizing epilogues in lrint form (``edgeq.backends.cpu.rounding``): the rewritten TIR computes exactly what
 ``cast(clip(round(float(acc) * m) + zp, lo, hi))`` computes, checked against numpy (round half to even, the
 float32 product) on ties, on both ends of the int32 range and on multipliers that push the product past it,
 where the conversion alone would wrap to INT_MIN."""
@@ -8,16 +8,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edgeq.kernels.common import Isa
-from edgeq.kernels.rounding import BOUND, fast_requantize
+from edgeq.backends.cpu.common import Isa
+from edgeq.backends.cpu.rounding import BOUND, fast_requantize
 from edgeq.targets import profiles
-from edgeq.toolchain import import_tvm
+from edgeq.tvm_env import import_tvm
 
 tvm = import_tvm()
 from tvm import te, tirx  # noqa: E402
 from tvm.s_tir import Schedule  # noqa: E402
 
-import edgeq.kernels.schedule  # noqa: E402,F401  (nearbyint vectorisable)
+import edgeq.backends.cpu.schedule  # noqa: E402,F401  (nearbyint vectorisable)
 
 N = 256
 

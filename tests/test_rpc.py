@@ -89,7 +89,7 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def wait_for_key(tracker: str, key: str, seconds: float = 60) -> None:
-    from edgeq.toolchain import import_tvm
+    from edgeq.tvm_env import import_tvm
 
     import_tvm()
     from tvm import rpc

@@ -289,7 +289,7 @@ def test_pip_tvm_reaches_cuda_12_through_a_bridge_built_here(tmp_path):
     bridge = build_native_bridge()
     script = (
         "import sys\n"
-        "from edgeq.toolchain import cuda_driver\n"
+        "from edgeq.tvm_env import cuda_driver\n"
         "cuda_driver()\n"
         "from edgeq.runtime.bridge import enable_tvm_cuda\n"
         "print(enable_tvm_cuda(sys.argv[1]))\n"

@@ -24,7 +24,7 @@ import numpy as np
 
 from edgeq.errors import UsageError
 from edgeq.limits import check
-from edgeq.load import TensorSpec
+from edgeq.load import TensorSpec, npy_bytes
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm"}
 LABEL_KEYS = ("labels", "label")
@@ -183,28 +183,18 @@ def _from_arrays(arrays: dict[str, np.ndarray], specs: list[TensorSpec], what: s
     return Dataset(views, labels, source, _batch(specs), all(batched for _, batched in checked.values()))
 
 
-def _npy_bytes(stream) -> int:
-    """The data size a .npy header declares (read from the header alone)."""
-    major, _ = np.lib.format.read_magic(stream)
-    read_header = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
-    shape, _, dtype = read_header(stream)
-    if dtype.hasobject:
-        raise ValueError("it holds Python objects (pickles); save plain numeric arrays")
-    return math.prod(shape) * dtype.itemsize
-
-
 def _read_npz(path: Path, spent: list[int]) -> dict[str, np.ndarray]:
     """Arrays of a .npy / .npz; their sizes, read from the headers, add to ``spent[0]`` (bytes of all the
     data so far), which must stay within the data limit."""
     try:
         if path.suffix == ".npy":
             with open(path, "rb") as f:
-                _spend(spent, _npy_bytes(f), path)
+                _spend(spent, npy_bytes(f), path)
             return {"arr_0": np.load(path, allow_pickle=False)}
         with np.load(path, allow_pickle=False) as archive:
             for name in archive.files:
                 with archive.zip.open(f"{name}.npy") as member:
-                    _spend(spent, _npy_bytes(member), path)
+                    _spend(spent, npy_bytes(member), path)
             return {k: archive[k] for k in archive.files}
     except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile) as err:
         reason = (str(err).strip().splitlines() or [type(err).__name__])[0]

@@ -7,7 +7,7 @@ loader ``edgeq-run``. With it a device needs nothing installed: no Python, numpy
   has the build host's architecture, else from the same wheels for the device's (``edgeq.runtime.wheels``).
 * The bridge (``libcudart.so.13``, ``edgeq.runtime.bridge``): TVM's CUDA backend links CUDA 13's runtime;
   JetPack 6 has CUDA 12. Built for the device from source, forwarding what TVM imports to ``libcudart.so.12``.
-* ``edgeq-run`` (``native/edgeq_run.cc``): built with the profile's C++ compiler against tvm-ffi's C API.
+* ``edgeq-run`` (``templates/native/edgeq_run.cc``): built with the profile's C++ compiler against tvm-ffi's C API.
 
 Every ELF is checked against the profile's OS (highest glibc / libstdc++ symbol versions it needs).
 """
@@ -19,15 +19,15 @@ import os
 import platform
 import shutil
 import tempfile
-from importlib import resources, util
+from importlib import resources
 from pathlib import Path
 
-from edgeq import safebundle
+from edgeq import contract, safebundle
 from edgeq.errors import ToolchainError
 from edgeq.runtime import elf
-from edgeq.runtime.wheels import Wheel, fetch, installed_version
+from edgeq.runtime.wheels import Wheel, fetch, installed_version, package_dir
 from edgeq.targets import Profile
-from edgeq.toolchain import cached_build
+from edgeq.cache import cached_build
 
 RUNTIME_DIR = safebundle.RUNTIME  # the one sub-folder a bundle may have
 LOADER = f"{RUNTIME_DIR}/edgeq-run"
@@ -50,23 +50,11 @@ class Runtime:
     record: dict
 
 
-def _package_dir(module: str) -> Path:
-    spec = util.find_spec(module)
-    if spec is None or not spec.submodule_search_locations:
-        raise ToolchainError(f"the Python package {module} is not installed")
-    return Path(list(spec.submodule_search_locations)[0])
-
-
-def installed_cuda_runtime() -> Path:
-    """The installed TVM wheel's ``libtvm_runtime_cuda.so`` (this machine's architecture)."""
-    return _package_dir("tvm") / CUDA_LIBRARY[1].split("/", 1)[1]
-
-
 def _library_bytes(machine: str, project: str, member: str, wheels: dict[str, Wheel], note) -> bytes:
     """A runtime library for ``machine``: the installed file on a same-architecture host, else from the wheel."""
     if machine == platform.machine():
         top, _, rest = member.partition("/")
-        return (_package_dir(top) / rest).read_bytes()
+        return (package_dir(top) / rest).read_bytes()
     if project not in wheels:
         wheels[project] = fetch(project, installed_version(project), machine, note)
     return wheels[project].read(member)
@@ -82,13 +70,45 @@ def _c_compiler(cxx: str) -> str:
     return path
 
 
-def build_loader(cxx: str, schema_version: int) -> Path:
-    """``edgeq-run`` for the compiler's target, built once per (source, compiler, schema) and cached."""
-    source = resources.files("edgeq").joinpath("native/edgeq_run.cc").read_bytes()
-    include = _package_dir("tvm_ffi") / "include"
-    flags = ["-std=c++17", "-O2", "-Wall", f"-DEDGEQ_SCHEMA_VERSION={schema_version}", f"-I{include}"]
+def contract_header() -> bytes:
+    """``contract.h`` of edgeq-run: the loader contract's schema version, exit statuses, bounds and JSON keys,
+    generated from ``contract.py`` and ``safebundle.py`` when the loader is built, so they are written once."""
+    exits = "\n".join(f"  k{''.join(w.capitalize() for w in e.name.split('_'))} = {int(e)},"
+                      for e in contract.LoaderExit)
+    keys = list(contract.latency_statistics([1.0]))
+    return f"""// contract.h: generated from templates/contract.py and templates/safebundle.py when edgeq-run is built
+// (edgeq.runtime.assemble.contract_header); do not edit.
+#pragma once
+
+#include <cstddef>
+
+namespace {{
+
+constexpr int kSchemaVersion = {contract.SCHEMA_VERSION};  // contract.SCHEMA_VERSION
+enum Exit {{  // contract.LoaderExit
+{exits}
+}};
+constexpr size_t kMaxManifestBytes = {safebundle.MAX_MANIFEST_BYTES};  // safebundle.MAX_MANIFEST_BYTES
+constexpr int kMaxJsonDepth = {safebundle.MAX_JSON_DEPTH};  // safebundle.MAX_JSON_DEPTH
+// the keys of contract.latency_statistics, in its order (edgeq-run --benchmark --json)
+constexpr const char* kLatencyKeys[] = {{{", ".join(f'"{k}"' for k in keys)}}};
+constexpr size_t kLatencyKeyCount = {len(keys)};
+
+}}  // namespace
+""".encode()
+
+
+def build_loader(cxx: str) -> Path:
+    """``edgeq-run`` for the compiler's target (``templates/native/``: ``edgeq_run.cc``, its headers and the
+    generated ``contract.h``), built once per (sources, compiler, tvm-ffi version) and cached."""
+    native = resources.files("edgeq.templates").joinpath("native")
+    source = native.joinpath("edgeq_run.cc").read_bytes()
+    headers = {item.name: item.read_bytes() for item in native.iterdir() if item.name.endswith(".h")}
+    headers["contract.h"] = contract_header()
+    include = package_dir("tvm_ffi") / "include"
+    flags = ["-std=c++17", "-O2", "-Wall", f"-I{include}"]
     return cached_build("edgeq-run", "edgeq-run", "edgeq_run.cc", source, cxx, flags, ("-ldl",),
-                        key=installed_version(FFI_PROJECT))
+                        key=installed_version(FFI_PROJECT), headers=headers)
 
 
 def _bridge(profile: Profile, cxx: str, cuda_runtime: Path, folder: Path) -> tuple[Path, dict]:
@@ -138,7 +158,7 @@ def check_elves(directory: Path, names: list[str], profile: Profile) -> dict:
     return {"files": files, "needs": top, "os": limits}
 
 
-def assemble(profile: Profile, cxx: str, staging: Path, schema_version: int, note=None) -> Runtime:
+def assemble(profile: Profile, cxx: str, staging: Path, note=None) -> Runtime:
     """Write ``staging/runtime/`` for ``profile``; returns its files and manifest record."""
     folder = staging / RUNTIME_DIR
     folder.mkdir()
@@ -158,7 +178,7 @@ def assemble(profile: Profile, cxx: str, staging: Path, schema_version: int, not
             shutil.copyfile(library, staging / BRIDGE)
         (staging / BRIDGE).chmod(0o755)
         load_order.insert(len(load_order) - 1, BRIDGE)  # before libtvm_runtime_cuda.so, which needs it
-    shutil.copyfile(build_loader(cxx, schema_version), staging / LOADER)
+    shutil.copyfile(build_loader(cxx), staging / LOADER)
     (staging / LOADER).chmod(0o755)
     for project in (TVM_PROJECT, FFI_PROJECT):
         wheel = wheels.get(project)
@@ -174,3 +194,20 @@ def assemble(profile: Profile, cxx: str, staging: Path, schema_version: int, not
         "bytes": sum((staging / name).stat().st_size for name in files),
     }
     return Runtime(files=files, record=record)
+
+
+def prefetch(machines=("aarch64",), note=print) -> list[Wheel]:
+    """Fetch, once, every wheel a bundle for ``machines`` needs (the TVM runtime for each machine, and the
+    CUDA headers the bridge is compiled against), so that later builds and the tests work offline."""
+    from edgeq.runtime import bridge
+
+    wanted = [(p, installed_version(p), m) for m in machines for p in ("apache-tvm", "apache-tvm-ffi")]
+    wanted += [(p, v, bridge.HEADER_WHEEL_MACHINE) for p, v in (*bridge.CUDA13_HEADERS, bridge.CUDA12_RUNTIME,
+                                                                 bridge.CUDA12_CRT)]
+    # the aarch64 CUDA 12 runtime stands in for JetPack's in the tests (under qemu)
+    wanted += [(bridge.CUDA12_RUNTIME[0], bridge.CUDA12_RUNTIME[1], m) for m in machines]
+    return [fetch(project, version, machine, note) for project, version, machine in wanted]
+
+
+if __name__ == "__main__":
+    prefetch()

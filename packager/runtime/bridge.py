@@ -1,7 +1,7 @@
 """The CUDA 12 bridge: a ``libcudart.so.13`` that lets the TVM wheel's CUDA runtime run on CUDA 12 devices.
 
 The TVM wheel's ``libtvm_runtime_cuda.so`` needs ``libcudart.so.13``; Jetson Orin devices (JetPack 6)
-have CUDA 12.6, whose runtime is ``libcudart.so.12``. edgeq builds ``native/cudart_bridge.c`` for the
+have CUDA 12.6, whose runtime is ``libcudart.so.12``. edgeq builds ``templates/native/cudart_bridge.c`` for the
 device into a library with SONAME ``libcudart.so.13`` that forwards each function the TVM library imports
 to ``libcudart.so.12`` (see that file for how it finds it). The build:
 
@@ -28,8 +28,8 @@ from importlib import resources
 from pathlib import Path
 
 from edgeq.errors import ToolchainError
-from edgeq.runtime.wheels import fetch
-from edgeq.toolchain import cache_dir
+from edgeq.runtime.wheels import fetch, installed_cuda_runtime
+from edgeq.cache import cache_dir
 
 SONAME = "libcudart.so.13"
 EXTRA_EXPORTS = ("edgeq_cudart_bridge_error", "edgeq_cudart_bridge_target")
@@ -69,7 +69,7 @@ def cudart_imports(library: Path) -> list[str]:
 
 
 def _source() -> bytes:
-    return resources.files("edgeq").joinpath("native/cudart_bridge.c").read_bytes()
+    return resources.files("edgeq.templates").joinpath("native/cudart_bridge.c").read_bytes()
 
 
 def forwarded_functions() -> list[str]:
@@ -220,7 +220,7 @@ def build_bridge(imports: list[str], cc: str, out_dir: Path, cuda12_include: Pat
     if unknown:
         raise ToolchainError(
             f"the TVM CUDA runtime imports {', '.join(unknown)}, which edgeq's CUDA 12 bridge does not forward; "
-            f"add {'it' if len(unknown) == 1 else 'them'} to EDGEQ_CUDART_FORWARD in packager/native/cudart_bridge.c"
+            f"add {'it' if len(unknown) == 1 else 'them'} to EDGEQ_CUDART_FORWARD in templates/native/cudart_bridge.c"
         )
     compiler = shutil.which(cc)
     if compiler is None:
@@ -266,7 +266,6 @@ def build_native_bridge(note=None) -> Path:
     """The bridge for this machine (its C compiler, the TVM wheel installed here), built once and cached."""
     import platform
 
-    from edgeq.runtime.assemble import installed_cuda_runtime
 
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
@@ -291,8 +290,7 @@ def enable_tvm_cuda(bridge: Path | None = None, note=None) -> str | None:
     one line when the bridge cannot help."""
     import ctypes
 
-    from edgeq.runtime.assemble import installed_cuda_runtime
-    from edgeq.toolchain import import_tvm
+    from edgeq.tvm_env import import_tvm
 
     if bridge is None:
         for soname in (SONAME, "libcudart.so.12"):

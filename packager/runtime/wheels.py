@@ -15,12 +15,12 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from importlib import metadata
+from importlib import metadata, util
 from pathlib import Path
 
 from edgeq.errors import ToolchainError
 from edgeq.safebundle import sha256_file
-from edgeq.toolchain import cache_dir
+from edgeq.cache import cache_dir
 
 # pip platform tags for each machine (``uname -m``); newest first, pip takes any of them
 PLATFORMS = {
@@ -118,18 +118,13 @@ def fetch(project: str, version: str, machine: str, note=None) -> Wheel:
     return Wheel(project, version, path, sha256_file(path))
 
 
-def prefetch(machines=("aarch64",), note=print) -> list[Wheel]:
-    """Fetch, once, every wheel a bundle for ``machines`` needs (the TVM runtime for each machine, and the
-    CUDA headers the bridge is compiled against), so that later builds and the tests work offline."""
-    from edgeq.runtime import bridge
-
-    wanted = [(p, installed_version(p), m) for m in machines for p in ("apache-tvm", "apache-tvm-ffi")]
-    wanted += [(p, v, bridge.HEADER_WHEEL_MACHINE) for p, v in (*bridge.CUDA13_HEADERS, bridge.CUDA12_RUNTIME,
-                                                                 bridge.CUDA12_CRT)]
-    # the aarch64 CUDA 12 runtime stands in for JetPack's in the tests (under qemu)
-    wanted += [(bridge.CUDA12_RUNTIME[0], bridge.CUDA12_RUNTIME[1], m) for m in machines]
-    return [fetch(project, version, machine, note) for project, version, machine in wanted]
+def package_dir(module: str) -> Path:
+    spec = util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise ToolchainError(f"the Python package {module} is not installed")
+    return Path(list(spec.submodule_search_locations)[0])
 
 
-if __name__ == "__main__":
-    prefetch()
+def installed_cuda_runtime() -> Path:
+    """The installed TVM wheel's ``libtvm_runtime_cuda.so`` (this machine's architecture)."""
+    return package_dir("tvm") / "lib/libtvm_runtime_cuda.so"

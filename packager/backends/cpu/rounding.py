@@ -22,10 +22,8 @@ from __future__ import annotations
 import numpy as np
 
 from edgeq.graph import INT_RANGES as RANGES
-from edgeq.toolchain import import_tvm
+from edgeq.tvm_env import relax, tirx, tvm
 
-tvm = import_tvm()
-from tvm import relax, tirx  # noqa: E402
 
 # |m| below which float(i32) * m stays under 2^31 - 256 (so that adding a zero point cannot overflow either)
 SAFE_MULTIPLIER = 0.99

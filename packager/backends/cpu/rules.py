@@ -1,7 +1,7 @@
 """edgeq's CPU kernels, in the order they are tried: the one registry lowering and scheduling read.
 
-To add a kernel, write one module, ``packager/kernels/<name>.py``, that declares ``KERNEL =
-Kernel(...)`` (``edgeq.kernels.common``) with its name (what the manifest's ``cpu_kernels`` counts), the
+To add a kernel, write one module, ``packager/backends/cpu/<name>.py``, that declares ``KERNEL =
+Kernel(...)`` (``edgeq.backends.cpu.common``) with its name (what the manifest's ``cpu_kernels`` counts), the
 problem it takes (``ConvSpec`` for convolutions and products by a weight, ``BmmSpec`` for products of two
 activations), its ``plan`` (its matcher: the spec with its choices for the CPU, or None to decline), its
 TIR builder and weight packer, its block name and its schedule; then put ``<name>.KERNEL`` in ``KERNELS``
@@ -13,9 +13,9 @@ generic rule to everything else.
 
 from __future__ import annotations
 
-from edgeq.kernels import conv, dwconv, matmul, winograd
-from edgeq.kernels.generic import GENERIC
-from edgeq.kernels.rows import ROWS
+from edgeq.backends.cpu import conv, dwconv, matmul, winograd
+from edgeq.backends.cpu.generic import GENERIC
+from edgeq.backends.cpu.rows import ROWS
 
 # winograd before conv: both take float 3x3 convolutions, winograd only those it pays for
 KERNELS = [winograd.KERNEL, dwconv.KERNEL, conv.KERNEL, matmul.KERNEL]

@@ -1,13 +1,13 @@
 """The CPU compilation pipeline: TVM's default Relax pipeline with edgeq's schedules applied to every
 TIR function after operator fusion, and exp/tanh as TVM's fast (vectorisable) approximations.
 
-Each function gets the first schedule rule of ``edgeq.kernels.rules.SCHEDULES`` that applies to it:
+Each function gets the first schedule rule of ``edgeq.backends.cpu.rules.SCHEDULES`` that applies to it:
 
 - a function that contains an edgeq kernel (its block, annotated with its spec) gets that kernel's
   register-tiled schedule, with the fused epilogue computed on the accumulator tile;
-- a row-wise function (softmax, LayerNorm; ``edgeq.kernels.rows``) is computed row by row;
+- a row-wise function (softmax, LayerNorm; ``edgeq.backends.cpu.rows``) is computed row by row;
 - every other function (pooling, element-wise chains, layout transposes, reductions) gets the generic
-  schedule (``edgeq.kernels.generic``), the last rule.
+  schedule (``edgeq.backends.cpu.generic``), the last rule.
 A rule that fails hands the function to the next; one that no rule schedules stays as TVM made it:
 slower, never wrong.
 """
@@ -17,14 +17,12 @@ from __future__ import annotations
 import os
 import sys
 
-from edgeq.kernels.common import Isa
-from edgeq.kernels.rounding import constant_magnitudes, fast_requantize
-from edgeq.kernels.rules import SCHEDULES
-from edgeq.toolchain import import_tvm
+from edgeq.backends.cpu.common import Isa, Kernel
+from edgeq.backends.cpu.generic import schedule_rest
+from edgeq.backends.cpu.rounding import constant_magnitudes, fast_requantize
+from edgeq.backends.cpu.rules import SCHEDULES
+from edgeq.tvm_env import Schedule, relax, tvm
 
-tvm = import_tvm()
-from tvm import relax  # noqa: E402
-from tvm.s_tir import Schedule  # noqa: E402
 
 # ``round`` (relax.round, every requantize) lowers to ``tirx.nearbyint`` (round half to even), which TVM 0.27
 # does not mark vectorisable: a loop holding it was left scalar, and LLVM re-vectorised the requantizing
@@ -46,6 +44,8 @@ def schedule_function(func, isa: Isa) -> tuple[object, str]:
         sch = Schedule(tvm.IRModule({"main": func}))
         try:
             kind = rule.apply(sch, isa)
+            if kind is not None and isinstance(rule, Kernel):
+                schedule_rest(sch, isa)  # the element-wise blocks fused around the kernel's
         except Exception as err:  # noqa: BLE001 - a schedule that does not apply must not fail the build
             if os.environ.get("EDGEQ_SCHEDULE_DEBUG"):
                 print(f"edgeq: schedule {getattr(rule, 'name', rule)} failed ({type(err).__name__}): "
@@ -59,7 +59,7 @@ def schedule_function(func, isa: Isa) -> tuple[object, str]:
 
 def schedule_pass(isa: Isa, stats: dict[str, int] | None = None):
     """A module pass scheduling every TIR function not scheduled yet, then putting its requantizing
-    epilogues in their fast form (``edgeq.kernels.rounding``); counts by schedule into ``stats``."""
+    epilogues in their fast form (``edgeq.backends.cpu.rounding``); counts by schedule into ``stats``."""
 
     @tvm.transform.module_pass(opt_level=0, name="edgeq.ScheduleCPU")
     def _pass(mod, _ctx):

@@ -19,13 +19,10 @@ import dataclasses
 
 import numpy as np
 
-from edgeq.kernels.common import (PAD, ConvSpec, Isa, Kernel, accumulate_from, epilogue, exact_in_float, largest_divisor,
-                                  pad_input, parallel)
-from edgeq.toolchain import import_tvm
+from edgeq.backends.cpu.common import (PAD, ConvSpec, Isa, Kernel, accumulate_from, epilogue, exact_in_float, largest_divisor,
+                                       pad_input, parallel)
+from edgeq.tvm_env import Schedule, te, tvm
 
-tvm = import_tvm()
-from tvm import te  # noqa: E402
-from tvm.s_tir import Schedule  # noqa: E402
 
 DWCONV = "edgeq_dwconv"  # the block the scheduler looks for after fusion
 

@@ -4,7 +4,7 @@ One pass over the bindings (``edgeq.graph.rewrite``):
 
 - every supported ``conv2d`` (float32, or int8/uint8 x int8 -> int32; any groups) and every
   ``matmul`` by a weight (a 1x1 convolution) is described as a ``ConvSpec``, a ``matmul`` of two float32
-  activations (attention) as a ``BmmSpec``; the first kernel of ``edgeq.kernels.rules.KERNELS`` that takes
+  activations (attention) as a ``BmmSpec``; the first kernel of ``edgeq.backends.cpu.rules.KERNELS`` that takes
   it replaces it with a ``call_tir`` of its TIR function, with the weight packed for that kernel now, at
   build time (the bundle ships the packed arrays); a bias the convolution's only reader adds is folded
   into the kernel's start values where the kernel has them (``Kernel.starts``), and that add disappears;
@@ -30,13 +30,11 @@ import numpy as np
 
 from edgeq.graph import Graph, Rewriter, call_op, rewrite, scalar_minmax_call
 from edgeq.graph_passes import dtype_of, shape_of
-from edgeq.kernels.common import BmmSpec, ConvSpec, Isa, Kernel
-from edgeq.kernels.matmul import masked_softmax_func
-from edgeq.kernels.rules import KERNELS
-from edgeq.toolchain import import_tvm
+from edgeq.backends.cpu.common import BmmSpec, ConvSpec, Isa, Kernel
+from edgeq.backends.cpu.matmul import masked_softmax_func
+from edgeq.backends.cpu.rules import KERNELS
+from edgeq.tvm_env import relax
 
-tvm = import_tvm()
-from tvm import relax  # noqa: E402
 
 TO_NHWC, TO_NCHW = [0, 2, 3, 1], [0, 3, 1, 2]
 UNARY = {"relax.nn.relu", "relax.clip", "relax.round", "relax.astype", "relax.sigmoid", "relax.tanh",

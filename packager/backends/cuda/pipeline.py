@@ -33,11 +33,8 @@ import numpy as np
 from edgeq.errors import ModelError
 from edgeq.graph import Graph, Rewriter, call_op, const_value, rewrite
 from edgeq.graph_passes import dtype_of, fold_batch_norm, fresh_name, precompute_weight_ops
-from edgeq.toolchain import import_tvm
+from edgeq.tvm_env import dlight as dl, relax, tvm
 
-tvm = import_tvm()
-from tvm import relax  # noqa: E402
-from tvm.s_tir import dlight as dl  # noqa: E402
 
 # PassContext key that makes RewriteCUDAGraph (in TVM's finalize phase) lift static call sequences into
 # functions captured once as a CUDA graph and replayed (vm.builtin.cuda_graph.run_or_capture).

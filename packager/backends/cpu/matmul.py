@@ -8,12 +8,9 @@ one element of the left operand per row and reduction step, and spreads the tile
 
 from __future__ import annotations
 
-from edgeq.kernels.common import BmmSpec, Isa, Kernel, epilogue, largest_divisor
-from edgeq.toolchain import import_tvm
+from edgeq.backends.cpu.common import BmmSpec, Isa, Kernel, epilogue, largest_divisor
+from edgeq.tvm_env import Schedule, te, tvm
 
-tvm = import_tvm()
-from tvm import te  # noqa: E402
-from tvm.s_tir import Schedule  # noqa: E402
 
 BMM = "edgeq_bmm"
 

@@ -11,11 +11,8 @@ from typing import Any, Callable, ClassVar
 
 import numpy as np
 
-from edgeq.toolchain import import_tvm
+from edgeq.tvm_env import Schedule, te, tvm
 
-tvm = import_tvm()
-from tvm import te  # noqa: E402
-from tvm.s_tir import Schedule  # noqa: E402
 
 PAD = "edgeq_pad"  # the padded input's block: the epilogue leaves it where it is
 
@@ -212,7 +209,7 @@ class BmmSpec:
 
 @dataclasses.dataclass(frozen=True)
 class Kernel:
-    """One CPU kernel, all that lowering and scheduling need of it (``edgeq.kernels.rules`` lists them).
+    """One CPU kernel, all that lowering and scheduling need of it (``edgeq.backends.cpu.rules`` lists them).
 
     Lowering offers each convolution or matrix product, as a ``spec`` instance, to the kernels in order;
     the first whose ``plan`` returns a spec gets it: ``build`` makes its TIR function (named ``symbol``,
@@ -235,15 +232,12 @@ class Kernel:
     finish: Callable[[Any], Any] | None = None
 
     def apply(self, sch: Schedule, isa: Isa) -> str | None:
-        """A schedule rule: schedule ``sch`` when it holds this kernel's block and return the schedule's
-        name; None, with ``sch`` untouched, for any other function."""
+        """A schedule rule: schedule ``sch``'s kernel block when it holds this kernel's and return the
+        schedule's name; None, with ``sch`` untouched, for any other function."""
         spec = self._find(sch)
         if spec is None:
             return None
-        self.schedule(sch, spec, isa)
-        from edgeq.kernels.generic import schedule_rest  # generic imports this module
-
-        schedule_rest(sch, isa)
+        self.schedule(sch, spec, isa)  # (the blocks fused around the kernel's: schedule.schedule_function)
         return self.label(spec, isa) if self.label else self.name
 
     def _find(self, sch: Schedule):

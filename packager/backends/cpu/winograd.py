@@ -13,12 +13,9 @@ import dataclasses
 
 import numpy as np
 
-from edgeq.kernels.common import PAD, ConvSpec, Isa, Kernel, epilogue, largest_divisor
-from edgeq.toolchain import import_tvm
+from edgeq.backends.cpu.common import PAD, ConvSpec, Isa, Kernel, epilogue, largest_divisor
+from edgeq.tvm_env import Schedule, te, tvm
 
-tvm = import_tvm()
-from tvm import te  # noqa: E402
-from tvm.s_tir import Schedule  # noqa: E402
 
 WINO = "edgeq_wino"
 WINO_V = "edgeq_wino_v"

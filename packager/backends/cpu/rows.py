@@ -17,12 +17,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from edgeq.kernels.common import Isa, blocks, is_spatial, parallel
-from edgeq.kernels.generic import vectorize_parts
-from edgeq.toolchain import import_tvm
+from edgeq.backends.cpu.common import Isa, blocks, is_spatial, parallel
+from edgeq.backends.cpu.generic import vectorize_parts
+from edgeq.tvm_env import Schedule, tvm
 
-tvm = import_tvm()
-from tvm.s_tir import Schedule  # noqa: E402
 
 SPATIAL, REDUCE = 0, 2
 

@@ -29,13 +29,10 @@ import math
 
 import numpy as np
 
-from edgeq.kernels.common import (DOT, DOT_KINDS, PAD, ConvSpec, Isa, Kernel, accumulate_from, epilogue, exact_in_float,
-                                  largest_divisor, pad_input, parallel)
-from edgeq.toolchain import import_tvm
+from edgeq.backends.cpu.common import (DOT, DOT_KINDS, PAD, ConvSpec, Isa, Kernel, accumulate_from, epilogue, exact_in_float,
+                                       largest_divisor, pad_input, parallel)
+from edgeq.tvm_env import Schedule, te, tvm
 
-tvm = import_tvm()
-from tvm import te  # noqa: E402
-from tvm.s_tir import Schedule  # noqa: E402
 
 CONV = "edgeq_conv"  # the block the scheduler looks for after fusion
 INTRINSICS = {"vnni": "edgeq_dot_16x4_vnni_local", "vnni8": "edgeq_dot_8x4_vnni_local",

@@ -8,11 +8,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from edgeq.kernels.common import Isa, blocks, is_scheduled, is_spatial, parallel
-from edgeq.toolchain import import_tvm
+from edgeq.backends.cpu.common import Isa, blocks, is_scheduled, is_spatial, parallel
+from edgeq.tvm_env import Schedule, ScheduleError, tvm
 
-tvm = import_tvm()
-from tvm.s_tir import Schedule, ScheduleError  # noqa: E402
 
 PARALLEL_MIN = 1 << 15  # elements below which a loop nest runs on one core (see common.PARALLEL_MACS)
 

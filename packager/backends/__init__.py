@@ -1,0 +1,105 @@
+"""Backends: what a kind of target does to a build, behind one small interface.
+
+A device profile picks its backend once (``for_profile``; a profile with a ``[cuda]`` table is a CUDA
+device, every other one a CPU). ``edgeq.package`` and ``edgeq.compile`` ask the backend and never branch on
+the target themselves. A backend says:
+
+- ``find_tools``: the compilers a build for the profile needs, found before any work starts;
+- ``prepare``: what the target does to the graph before TVM schedules it (CPU: convolutions and matrix
+  products onto edgeq's kernels; CUDA: BatchNorm folded, weight reshapes precomputed). The golden outputs
+  are computed on the prepared graph, so they check what the device runs;
+- ``build``: ``relax.build`` with the backend's pipeline, counting what its kernels did into ``stats``;
+- ``check_library``: what the exported library must carry (CUDA: device code for the profile's SM);
+- ``kernel_record``: how the manifest describes its kernels (``library.cpu_kernels`` / ``gpu_kernels``);
+- ``golden_tolerance``: what the device's results may differ by from the build host's;
+- ``to_fp16``: the graph in fp16 (backends whose ``precisions`` have it);
+- ``runtime_parts``: what its runtime needs on the device beyond TVM's runtime and the loader.
+
+Adding a target kind is one folder here with a ``backend.py`` and one entry in ``BACKENDS``.
+This module stays light (no TVM import): the CLI's quick verbs read it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+# The self-test's tolerances: golden outputs are computed on the build host; the device may use other
+# kernels (CUDA, fast math).
+GOLDEN_RTOL, GOLDEN_ATOL = 1e-3, 1e-4
+# fp16: the device's sums (tensor cores, another order) round to fp16 after each layer where the host's may not
+GOLDEN_FP16_RTOL, GOLDEN_FP16_ATOL = 2e-2, 5e-3
+# int8 built for another machine than the one computing the golden outputs: a float difference of an ulp
+# before a quantize (another summation order, FMA contraction) moves a value across a rounding boundary,
+# one quantization step, and the layers after carry it. Measured on an H200 against the host golden: ResNet-18
+# int8 max |diff| 0.067 on logits up to 10.8 (0.6%), the same with and without tensor cores; MobileNetV2 int8
+# 0.016 on logits up to 1.14 (1.4%). atol is 5% of the output range: a wrong kernel misses by far more.
+GOLDEN_INT8_RTOL, GOLDEN_INT8_ATOL = 2e-2, 5e-2
+
+
+class Backend(Protocol):
+    """What every backend provides (``edgeq.backends.cpu.backend.CpuBackend``,
+    ``edgeq.backends.cuda.backend.CudaBackend``)."""
+
+    name: str
+    precisions: tuple[str, ...]  # the --precision values its builds take
+    runtime_parts: tuple[str, ...]  # what its runtime/ holds beyond TVM's runtime and edgeq-run
+
+    def find_tools(self, profile) -> Any:
+        """The ``edgeq.compile.Toolchain`` for ``profile``; a missing tool raises ToolchainError."""
+
+    def prepare(self, graph, target) -> tuple[Any, int]:
+        """(the graph the device runs, conv/matmul calls on edgeq's own kernels)."""
+
+    def build(self, mod, target, toolchain=None, stats: dict | None = None) -> Any:
+        """The Relax executable of ``mod`` for ``target`` (a ``tvm.target.Target``)."""
+
+    def check_library(self, library: Path, profile, toolchain) -> None:
+        """Raise ToolchainError when the exported library lacks what the device needs."""
+
+    def kernel_record(self, stats: Mapping[str, Any], kernel_calls: int) -> dict[str, Any]:
+        """The manifest's kernel fields (``cpu_kernels``, ``gpu_kernels``) for ``contract.LibraryRecord``."""
+
+    def golden_tolerance(self, precision: str, quantized: bool, on_build_host: bool) -> tuple[float, float]:
+        """(rtol, atol) of the self-test."""
+
+    def to_fp16(self, graph) -> Any:
+        """fp16 weights and activations, fp32 accumulation (where "fp16" is in ``precisions``)."""
+
+    def describe_prepare(self, profile) -> str:
+        """The progress line of the lower stage."""
+
+    def describe_build(self, profile, toolchain) -> str:
+        """The progress line of the compile stage."""
+
+
+# backend name -> "module:class", imported on first use (the modules import TVM)
+BACKENDS: dict[str, str] = {
+    "cpu": "edgeq.backends.cpu.backend:CpuBackend",
+    "cuda": "edgeq.backends.cuda.backend:CudaBackend",
+}
+_loaded: dict[str, Backend] = {}
+
+
+def get(name: str) -> Backend:
+    if name not in _loaded:
+        module, cls = BACKENDS[name].split(":")
+        _loaded[name] = getattr(importlib.import_module(module), cls)()
+    return _loaded[name]
+
+
+def for_profile(profile) -> Backend:
+    """The backend of a device profile (``Profile.kind``: "cuda" with a [cuda] table, else "cpu")."""
+    return get(profile.kind)
+
+
+def for_target(target) -> Backend:
+    """The backend that builds for a TVM target: CUDA for a ``cuda`` target, else the CPU's."""
+    kind = target.kind.name if hasattr(target, "kind") else str(target).split()[0]
+    return get("cuda" if kind == "cuda" else "cpu")
+
+
+__all__ = ["Backend", "BACKENDS", "for_profile", "for_target", "get", "GOLDEN_RTOL", "GOLDEN_ATOL",
+           "GOLDEN_FP16_RTOL", "GOLDEN_FP16_ATOL", "GOLDEN_INT8_RTOL", "GOLDEN_INT8_ATOL"]

@@ -1,0 +1,66 @@
+"""The CPU backend: convolutions and matrix products on edgeq's own kernels (``lower``), TVM's pipeline with
+edgeq's schedules after fusion (``schedule.cpu_pipeline``), host code by LLVM for the profile's CPU."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from edgeq.backends import GOLDEN_ATOL, GOLDEN_INT8_ATOL, GOLDEN_INT8_RTOL, GOLDEN_RTOL
+
+
+class CpuBackend:
+    name = "cpu"
+    precisions = ("fp32", "int8", "mixed")
+    runtime_parts: tuple[str, ...] = ()
+
+    def find_tools(self, profile):
+        from edgeq.toolchain import Toolchain
+        from edgeq.toolchain import cxx_for
+
+        return Toolchain(cxx=cxx_for(profile), cuda=None)
+
+    def prepare(self, graph, target):
+        """The graph on edgeq's CPU kernels, NHWC between them; inference BatchNorms folded first (a
+        BatchNorm the exporter left, DenseNet's after each concatenation, becomes a per-channel multiply and
+        add, which follows the NHWC layout; as batch_norm it was computed between two transposes to NCHW)."""
+        from edgeq.backends.cpu.common import Isa
+        from edgeq.backends.cpu.lower import lower_for_cpu
+        from edgeq.graph_passes import fold_batch_norm
+
+        return lower_for_cpu(fold_batch_norm(graph), Isa.of(target))
+
+    def build(self, mod, target, toolchain=None, stats: dict | None = None):
+        """TVM's pipeline with edgeq's schedules after fusion; ``stats`` counts the functions by schedule."""
+        from tvm import relax
+
+        from edgeq.backends.cpu.common import Isa
+        from edgeq.backends.cpu.schedule import cpu_pipeline
+
+        return relax.build(mod, target=target, relax_pipeline=cpu_pipeline(target, Isa.of(target), stats))
+
+    def check_library(self, library: Path, profile, toolchain) -> None:
+        return None  # the library's machine is checked for every backend (edgeq.package)
+
+    def kernel_record(self, stats: Mapping[str, Any], kernel_calls: int) -> dict[str, Any]:
+        return {"cpu_kernels": {"conv_matmul_calls": kernel_calls, "schedules": dict(sorted(stats.items()))} if stats else None,
+                "gpu_kernels": None}
+
+    def golden_tolerance(self, precision: str, quantized: bool, on_build_host: bool) -> tuple[float, float]:
+        # on the build host the golden outputs come from the bundle's own library; another CPU's int8 build
+        # may cross a rounding boundary (see GOLDEN_INT8_*)
+        if quantized and not on_build_host:
+            return GOLDEN_INT8_RTOL, GOLDEN_INT8_ATOL
+        return GOLDEN_RTOL, GOLDEN_ATOL
+
+    def to_fp16(self, graph):
+        from edgeq.errors import UsageError
+
+        raise UsageError("--precision fp16 is for CUDA profiles (jetson-*); use fp32, int8 or mixed on a CPU")
+
+    def describe_prepare(self, profile) -> str:
+        return f"{profile.name}: conv/matmul -> edgeq CPU kernels for {profile.cpu.mcpu}"
+
+    def describe_build(self, profile, toolchain) -> str:
+        return f"{profile.name}: LLVM {profile.cpu.triple} ({profile.cpu.mcpu})"

@@ -1,0 +1,80 @@
+"""TVM start-up: import TVM the way edgeq needs it, with a CUDA driver library loaded first (the real one,
+else edgeq's stub, so that TVM's CUDA code generation runs on a GPU-less build host) and its thread pool
+sized to this process's CPUs. Every module that needs TVM gets it from ``import_tvm`` here."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from functools import cache
+from importlib import resources
+from pathlib import Path
+
+from edgeq.cache import cached_build
+from edgeq.errors import ToolchainError
+
+
+@cache
+def cuda_driver() -> str:
+    """Load ``libcuda.so.1`` (the real driver, else edgeq's stub) and say which. Call before importing TVM."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libcuda.so.1", mode=ctypes.RTLD_GLOBAL)
+        return "driver"
+    except OSError:
+        pass
+    try:
+        stub = _build_driver_stub()
+    except ToolchainError as err:
+        return f"none ({err})"
+    ctypes.CDLL(str(stub), mode=ctypes.RTLD_GLOBAL)
+    return "stub"
+
+
+def _build_driver_stub() -> Path:
+    source = resources.files("edgeq").joinpath("native/cuda_driver_stub.c").read_bytes()
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise ToolchainError("no C compiler (cc) to build the CUDA driver stub; install gcc")
+    return cached_build("the CUDA driver stub", "libcuda.so.1", "stub.c", source, compiler,
+                        ["-shared", "-fPIC", "-Wl,-soname,libcuda.so.1"])
+
+
+def import_tvm():
+    """Import TVM the way edgeq needs it: with a CUDA driver library (real or stub) loaded first, and its
+    thread pool sized to the CPUs this process may use (TVM otherwise assumes two hardware threads per
+    core and uses half of them; TVM_NUM_THREADS still decides where set)."""
+    if hasattr(os, "sched_getaffinity"):
+        os.environ.setdefault("TVM_NUM_THREADS", str(len(os.sched_getaffinity(0))))
+    cuda_driver()
+    import tvm
+
+    return tvm
+
+
+# What edgeq's modules take from TVM, imported on first use, after ``import_tvm``: a module writes
+# ``from edgeq.tvm_env import relax, Schedule`` and never imports ``tvm`` itself, so no import order can load
+# TVM before the CUDA driver (tests/test_architecture.py holds every module under packager/ to this).
+_EXPORTS = {
+    "tvm": ("tvm", None),
+    "relax": ("tvm.relax", None),
+    "te": ("tvm.te", None),
+    "topi": ("tvm.topi", None),
+    "tirx": ("tvm.tirx", None),
+    "dlight": ("tvm.s_tir.dlight", None),
+    "onnx_frontend": ("tvm.relax.frontend.onnx.onnx_frontend", None),
+    "Schedule": ("tvm.s_tir", "Schedule"),
+    "ScheduleError": ("tvm.s_tir", "ScheduleError"),
+}
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'edgeq.tvm_env' has no attribute '{name}'")
+    import importlib
+
+    import_tvm()
+    module, attr = _EXPORTS[name]
+    value = importlib.import_module(module)
+    return getattr(value, attr) if attr else value

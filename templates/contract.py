@@ -1,0 +1,500 @@
+"""The bundle contract: what an edgeq bundle holds and what its manifest says, in one place.
+
+Standard library only and Python 3.8 compatible, because three kinds of code share this one file: edgeq
+itself (``edgeq.contract``: the writer in ``edgeq.package``, the readers ``edgeq inspect``, ``bench``,
+``fleet``), ``safebundle.py`` (the verifier, which also runs on devices without edgeq) and the bundle's own
+loader ``run.py``; a bundle and ``edgeq flash`` carry this file beside them as ``contract.py``. The native
+loader (``runtime/edgeq-run``, C++) reads the same manifest; its schema version comes from here at build
+time and tests hold its statistics to ``latency_statistics``.
+
+Readers get a ``Manifest`` from ``Manifest.from_json`` (which refuses a manifest whose fields have the wrong
+types, naming the field) and use attributes; the writer builds a ``Manifest`` and writes ``to_json()``.
+Field order is JSON key order. A new field: add it to the record (with ``_field``), and to the writer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+
+SCHEMA_VERSION = 3  # 3: one quantization report shape (``kind``), latency statistics with p50 and mean throughput
+
+# The files of a bundle. RUNTIME is the one sub-folder a bundle may have.
+MANIFEST, SIGNATURE, SUMS = "manifest.json", "manifest.sig", "SHA256SUMS"
+LIBRARY, WEIGHTS, GOLDEN, QUANT_PARAMS = "model.so", "weights.bin", "golden.bin", "quant_params.npz"
+LOADER, CONTRACT, VERIFIER, README = "run.py", "contract.py", "safebundle.py", "README.md"
+RUNTIME = "runtime"
+NATIVE_LOADER = RUNTIME + "/edgeq-run"
+TENSOR_FORMAT = "edgeq-raw-1"  # little-endian C-order arrays, each at a 64-byte aligned offset; the manifest has the table
+
+FILE_ROLES = {
+    LIBRARY: "compiled model (TVM Relax executable, shared library)",
+    WEIGHTS: "weights, in the order the library takes them",
+    GOLDEN: "golden input and the outputs computed on the build host",
+    MANIFEST: "what the bundle is and needs: model, device, toolchain, inputs/outputs, file hashes",
+    LOADER: "Python loader: checks, runs, self-tests and benchmarks the model",
+    CONTRACT: "the manifest's schema and the latency statistics (run.py and safebundle.py use it)",
+    VERIFIER: "verifies the signature and every file; installs with anti-rollback (python3 safebundle.py --help)",
+    README: "this file",
+    SUMS: "SHA-256 of every other file (sha256sum -c SHA256SUMS)",
+    QUANT_PARAMS: "int8 scales: activation scale and per-channel weight scales of each int8 layer",
+    SIGNATURE: "ed25519 signature over manifest.json (edgeq verify BUNDLE --pub KEY)",
+    NATIVE_LOADER: "native loader: checks, runs, self-tests and benchmarks the model without Python",
+    RUNTIME + "/libtvm_ffi.so": "TVM FFI library (apache-tvm-ffi), the version the model was compiled with",
+    RUNTIME + "/libtvm_runtime.so": "TVM runtime (apache-tvm), the version the model was compiled with",
+    RUNTIME + "/libtvm_runtime_cuda.so": "TVM's CUDA backend (links CUDA 13's libcudart.so.13)",
+    RUNTIME + "/libcudart.so.13": "edgeq's CUDA 12 bridge: gives TVM's CUDA backend the device's libcudart.so.12",
+}
+
+
+class LoaderExit(enum.IntEnum):
+    """Exit statuses of the bundle's loaders (run.py, edgeq-run); the same numbers as edgeq's own."""
+
+    OK = 0
+    SELF_TEST_FAILED = 1
+    USAGE = 2
+    DEVICE = 4  # this machine cannot run the bundle (architecture, driver, GPU, TVM version)
+    BUNDLE = 7  # the bundle is damaged, changed, unsigned where a key is trusted, or unreadable
+
+
+class HostState(str, enum.Enum):
+    """What a rollout did on one host (``edgeq flash`` / ``fleet`` results)."""
+
+    UPDATED = "updated"
+    ALREADY = "already"  # the bundle was already current there
+    ROLLED_BACK = "rolled-back"  # the new release failed its health check; the previous one is current again
+    FAILED = "failed"
+    SKIPPED = "skipped"  # not tried: dry run, or the rollout stopped
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class ContractError(ValueError):
+    """A manifest (or report) that does not follow the contract; ``str()`` names the field."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# field kinds: each checks a JSON value and returns it (records: as their dataclass)
+# ---------------------------------------------------------------------------------------------------
+
+
+class _Kind:
+    def __init__(self, name, check):
+        self.name, self.check = name, check
+
+    def load(self, value, where):
+        if not self.check(value):
+            raise ContractError("manifest field '%s' is not %s" % (where, self.name))
+        return value
+
+
+def _is_int(v):
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+STR = _Kind("text", lambda v: isinstance(v, str))
+INT = _Kind("an integer", _is_int)
+COUNT = _Kind("a count (an integer >= 0)", lambda v: _is_int(v) and v >= 0)
+NUM = _Kind("a number", lambda v: (_is_int(v) or isinstance(v, float)) and math.isfinite(v))
+BOOL = _Kind("true or false", lambda v: isinstance(v, bool))
+JSON = _Kind("JSON", lambda v: True)  # free-form: shown, never interpreted
+OBJECT = _Kind("an object", lambda v: isinstance(v, dict))
+
+
+class _Opt(_Kind):
+    def __init__(self, kind):
+        super().__init__(kind.name + " or null", None)
+        self.kind = kind
+
+    def load(self, value, where):
+        if value is not None and type(self.kind) is _Kind and not self.kind.check(value):
+            raise ContractError("manifest field '%s' is not %s" % (where, self.name))
+        return None if value is None else self.kind.load(value, where)
+
+
+class _List(_Kind):
+    def __init__(self, kind):
+        super().__init__("a list", None)
+        self.kind = kind
+
+    def load(self, value, where):
+        if not isinstance(value, list):
+            raise ContractError("manifest field '%s' is not a list" % where)
+        return [self.kind.load(v, "%s[%d]" % (where, i)) for i, v in enumerate(value)]
+
+
+class _Dict(_Kind):
+    def __init__(self, kind):
+        super().__init__("an object", None)
+        self.kind = kind
+
+    def load(self, value, where):
+        if not isinstance(value, dict):
+            raise ContractError("manifest field '%s' is not an object" % where)
+        return {k: self.kind.load(v, "%s.%s" % (where, k)) for k, v in value.items()}
+
+
+class _Rec(_Kind):
+    def __init__(self, cls):
+        super().__init__("an object", None)
+        self.cls = cls
+
+    def load(self, value, where):
+        return self.cls.from_json(value, where)
+
+
+def _field(kind, omit_if_none=False):
+    """A record field of ``kind``; required unless the kind is optional (``_Opt``). ``omit_if_none``: left
+    out of the JSON when None (fields that only some bundles have)."""
+    return dataclasses.field(default=None, metadata={"kind": kind, "omit": omit_if_none})
+
+
+def _dump(value):
+    if isinstance(value, Record):
+        return value.to_json()
+    if isinstance(value, list):
+        return [_dump(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _dump(v) for k, v in value.items()}
+    return value
+
+
+class Record:
+    """A dataclass whose fields carry their JSON kind; ``from_json`` validates, ``to_json`` writes."""
+
+    @classmethod
+    def from_json(cls, data, where=""):
+        if not isinstance(data, dict):
+            raise ContractError("manifest field '%s' is not an object" % (where or "(top level)"))
+        values = {}
+        for f in dataclasses.fields(cls):
+            kind, name = f.metadata["kind"], (where + "." if where else "") + f.name
+            if f.name not in data and not isinstance(kind, _Opt):
+                raise ContractError("manifest field '%s' is missing" % name)
+            values[f.name] = kind.load(data.get(f.name), name)
+        return cls(**values)
+
+    def to_json(self):
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is None and f.metadata["omit"]:
+                continue
+            out[f.name] = _dump(value)
+        return out
+
+
+def _rec(cls):
+    return dataclasses.dataclass(frozen=True)(cls)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the manifest
+# ---------------------------------------------------------------------------------------------------
+
+
+@_rec
+class TensorSpec(Record):
+    """A model input or output."""
+
+    name: str = _field(STR)
+    shape: list = _field(_List(COUNT))
+    dtype: str = _field(STR)
+
+
+@_rec
+class StoredTensor(Record):
+    """One array of an ``edgeq-raw-1`` file: where it is and what it is."""
+
+    name: str = _field(STR)
+    dtype: str = _field(STR)
+    shape: list = _field(_List(COUNT))
+    offset: int = _field(COUNT)
+    bytes: int = _field(COUNT)
+
+
+@_rec
+class ModelRecord(Record):
+    file: str = _field(STR)
+    sha256: str = _field(STR)
+    opset: int = _field(COUNT)
+    producer: str = _field(STR)
+
+
+@_rec
+class PowerRecord(Record):
+    """The device's power rails, as ``edgeq bench`` samples them on the device (``edgeq.rpc.power``)."""
+
+    tegrastats_rails: list = _field(_List(STR))  # rail names in tegrastats' output
+    hwmon_glob: str = _field(STR)  # the INA3221 hwmon folder(s) in sysfs
+    hwmon_rails: dict = _field(_Dict(COUNT))  # rail name -> hwmon channel
+
+
+@_rec
+class DeviceRecord(Record):
+    profile: str = _field(STR)
+    description: str = _field(STR)
+    family: str = _field(STR)
+    kind: str = _field(STR)
+    arch: str = _field(STR)
+    host_triple: str = _field(STR)
+    mcpu: str = _field(STR)
+    cores: int = _field(COUNT)
+    cuda_arch: str | None = _field(_Opt(STR))
+    cuda_version: str | None = _field(_Opt(STR))
+    jetpack: str | None = _field(_Opt(STR))
+    l4t: str | None = _field(_Opt(STR))
+    power: PowerRecord | None = _field(_Opt(_Rec(PowerRecord)), omit_if_none=True)  # devices with power rails
+
+
+@_rec
+class CudaToolkitRecord(Record):
+    kind: str = _field(STR)
+    version: str = _field(STR)
+    source: str = _field(STR)
+    output_format: str = _field(STR)
+
+    @property
+    def major(self) -> int:
+        return int(self.version.split(".")[0])
+
+
+@_rec
+class ToolchainRecord(Record):
+    cxx: str = _field(STR)
+    cuda_toolkit: CudaToolkitRecord | None = _field(_Opt(_Rec(CudaToolkitRecord)))
+
+
+@_rec
+class LibraryRecord(Record):
+    file: str = _field(STR)
+    machine: str = _field(STR)
+    cuda_device_code: list = _field(_List(STR))
+    bytes: int = _field(COUNT)
+    cpu_kernels: dict | None = _field(_Opt(OBJECT), omit_if_none=True)  # CPU builds: {conv_matmul_calls, schedules}
+    gpu_kernels: dict | None = _field(_Opt(OBJECT), omit_if_none=True)  # CUDA builds: schedule rule per kernel
+
+
+@_rec
+class WeightsRecord(Record):
+    file: str = _field(STR)
+    format: str = _field(STR)
+    count: int = _field(COUNT)
+    dtypes: list = _field(_List(STR))
+    bytes: int = _field(COUNT)
+    file_bytes: int = _field(COUNT)
+    tensors: list = _field(_List(_Rec(StoredTensor)))  # in the order the library takes them
+
+
+@_rec
+class GoldenRecord(Record):
+    file: str = _field(STR)
+    format: str = _field(STR)
+    tensors: list = _field(_List(_Rec(StoredTensor)))  # "input:NAME" and "output:NAME"
+    seed: int = _field(INT)
+    float_inputs: str = _field(STR)
+    computed_with: str = _field(STR)
+    rtol: float = _field(NUM)
+    atol: float = _field(NUM)
+    atol_scaled_by: str = _field(STR)
+
+    def tolerance(self, expected_max_abs: float) -> float:
+        """The absolute tolerance for an output whose largest magnitude is ``expected_max_abs``."""
+        return self.atol * max(1.0, expected_max_abs)
+
+
+@_rec
+class ReferenceCheck(Record):
+    """The build's outputs on the golden input compared, before the bundle was written, with an independent
+    reference (``edgeq.reference``)."""
+
+    reference: str = _field(STR)  # "onnxruntime 1.23.2" or "tvm 0.27.0 (plain pipeline)"
+    graph: str = _field(STR)  # what the reference ran
+    checked: str = _field(STR)  # what was compared with it (the build that computed the golden outputs)
+    rtol: float = _field(NUM)
+    atol: float = _field(NUM)
+    atol_scaled_by: str = _field(STR)
+    max_abs_diff: float = _field(NUM)
+    outputs: list = _field(_List(OBJECT))  # {output, max_abs_diff, atol, ok}
+    result: str = _field(STR)  # "passed", or "not conclusive: <why>" (no reference could compute the golden input)
+    note: str | None = _field(_Opt(STR), omit_if_none=True)  # why the first choice of reference was not used
+
+
+@_rec
+class RuntimeRecord(Record):
+    loader: str = _field(STR)
+    libraries: list = _field(_List(STR))  # in load order
+    cuda_bridge: dict | None = _field(_Opt(OBJECT))
+    sources: list = _field(_List(JSON))
+    bytes: int = _field(COUNT)
+
+
+@_rec
+class LayerRow(Record):
+    """One conv/matmul layer of a quantized model."""
+
+    name: str = _field(STR)  # the ONNX node's name
+    op_type: str = _field(STR)  # Conv, Gemm, MatMul
+    kind: str = _field(STR)  # conv2d or matmul
+    weight: str = _field(STR)
+    channel_axis: int = _field(COUNT)
+    precision: str = _field(STR)  # int8, fp16 or fp32
+    reason: str = _field(STR)  # why it is not int8 ("" when it is)
+    sqnr_db: float | None = _field(_Opt(NUM))  # calibrated int8 layers: SQNR of the layer's output, dB
+    # calibrated int8 layers
+    calibration: dict | None = _field(_Opt(OBJECT), omit_if_none=True)  # the activation statistics
+    activation_scale: float | None = _field(_Opt(NUM), omit_if_none=True)
+    activation_threshold: float | None = _field(_Opt(NUM), omit_if_none=True)
+    weight_scale_min: float | None = _field(_Opt(NUM), omit_if_none=True)
+    weight_scale_max: float | None = _field(_Opt(NUM), omit_if_none=True)
+    # pre-quantized layers
+    activation_dtype: str | None = _field(_Opt(STR), omit_if_none=True)
+    activation_zero_point: int | None = _field(_Opt(INT), omit_if_none=True)
+
+
+@_rec
+class WeightBytes(Record):
+    float: int = _field(COUNT)  # the model's weights as given
+    bundle: int = _field(COUNT)  # as the bundle stores them
+    ratio: float = _field(NUM)
+
+
+QUANT_KINDS = ("calibrated", "pre-quantized")
+
+
+@_rec
+class QuantizationReport(Record):
+    """What ran in which precision. One shape for both kinds: ``calibrated`` (edgeq's post-training
+    quantization: calibration, evaluation and fallbacks are set) and ``pre-quantized`` (an ONNX QDQ model
+    lowered with its own scales: they are null)."""
+
+    kind: str = _field(STR)
+    source: str = _field(STR)
+    precision_counts: dict = _field(_Dict(COUNT))
+    layers: list = _field(_List(_Rec(LayerRow)))
+    weight_bytes: WeightBytes = _field(_Rec(WeightBytes))
+    float_ops: dict = _field(_Dict(COUNT))  # ops left computing in float, by op
+    float_biases: list = _field(_List(STR))  # biases too large for int32 at their scale, added in float
+    method: str | None = _field(_Opt(STR))
+    calibration: dict | None = _field(_Opt(OBJECT))  # {source, samples}
+    evaluation: dict | None = _field(_Opt(OBJECT))  # {source, cosine, top1..., sqnr...}
+    fallbacks: list = _field(_List(OBJECT))
+    scheme: dict = _field(_Dict(STR))  # activations / weights / accumulation, in words
+    scales_file: str | None = _field(_Opt(STR))
+    args: dict | None = _field(_Opt(OBJECT))
+
+    @classmethod
+    def from_json(cls, data, where="quantization"):
+        report = super().from_json(data, where)
+        if report.kind not in QUANT_KINDS:
+            raise ContractError("manifest field '%s.kind' is not one of %s" % (where, ", ".join(QUANT_KINDS)))
+        return report
+
+    def summary(self) -> str:
+        """One line: the layers per precision, the source, the weight size."""
+        counts = ", ".join("%d %s" % (n, p) for p, n in self.precision_counts.items() if n)
+        how = "%s calibration" % self.method if self.kind == "calibrated" else self.source
+        return "%s layers; %s; weights %.2fx of float" % (counts, how, self.weight_bytes.ratio)
+
+
+@_rec
+class Manifest(Record):
+    schema_version: int = _field(INT)
+    bundle_id: str = _field(STR)
+    name: str = _field(STR)
+    release: int = _field(COUNT)
+    signed: bool = _field(BOOL)
+    created: str = _field(STR)
+    edgeq_version: str = _field(STR)
+    tvm_version: str = _field(STR)
+    precision: str = _field(STR)
+    model: ModelRecord = _field(_Rec(ModelRecord))
+    inputs: list = _field(_List(_Rec(TensorSpec)))
+    outputs: list = _field(_List(_Rec(TensorSpec)))
+    device: DeviceRecord = _field(_Rec(DeviceRecord))
+    toolchain: ToolchainRecord = _field(_Rec(ToolchainRecord))
+    library: LibraryRecord = _field(_Rec(LibraryRecord))
+    weights: WeightsRecord = _field(_Rec(WeightsRecord))
+    golden: GoldenRecord = _field(_Rec(GoldenRecord))
+    reference_check: ReferenceCheck | None = _field(_Opt(_Rec(ReferenceCheck)), omit_if_none=True)
+    quantization: QuantizationReport | None = _field(_Opt(_Rec(QuantizationReport)))
+    runtime: RuntimeRecord | None = _field(_Opt(_Rec(RuntimeRecord)))
+    build: dict = _field(OBJECT)  # {args, stage_seconds}: how it was made, for people
+    compatibility: dict | None = _field(_Opt(OBJECT), omit_if_none=True)  # ELF needs of the library and runtime
+    files: dict = _field(_Dict(STR))  # every other file -> SHA-256
+    sizes: dict = _field(_Dict(COUNT))  # every other file -> bytes
+
+    @classmethod
+    def from_json(cls, data, where=""):
+        if isinstance(data, dict) and data.get("schema_version") != SCHEMA_VERSION:
+            raise ContractError("manifest schema_version %r is not %d: made by another edgeq version; use the "
+                                "loader inside the bundle or an edgeq of that version" % (data.get("schema_version"), SCHEMA_VERSION))
+        return super().from_json(data, where)
+
+    @property
+    def cuda_major(self) -> int | None:
+        toolkit = self.toolchain.cuda_toolkit
+        return toolkit.major if toolkit else None
+
+    @property
+    def batch(self) -> int:
+        """The leading dimension of the first input (1 for models without inputs or scalar inputs)."""
+        shape = self.inputs[0].shape if self.inputs else []
+        return shape[0] if shape else 1
+
+    def replace(self, **changes) -> "Manifest":
+        return dataclasses.replace(self, **changes)
+
+
+def argument_count_problem(takes: int, manifest: Manifest) -> str | None:
+    """Why a library whose ``main`` takes ``takes`` arguments cannot run with the manifest's inputs and weights
+    (passed in that order), or None. run.py and edgeq bench say this before any weight is read; edgeq-run
+    (C++) says the same."""
+    inputs, weights = len(manifest.inputs), len(manifest.weights.tensors)
+    if takes == inputs + weights:
+        return None
+    return ("the library's main takes %d arguments but the manifest lists %d inputs and %d weights; the bundle is "
+            "damaged or put together from two builds" % (takes, inputs, weights))
+
+
+# ---------------------------------------------------------------------------------------------------
+# latency statistics: run.py, edgeq bench and (in C++, held to this by a test) edgeq-run
+# ---------------------------------------------------------------------------------------------------
+
+
+def percentile(sorted_values, q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default, and edgeq-run's)."""
+    pos = q / 100.0 * (len(sorted_values) - 1)
+    lo, hi = int(math.floor(pos)), int(math.ceil(pos))
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+def significant(value: float, digits: int = 4) -> float:
+    """``value`` to ``digits`` significant digits: what a timer or a power sensor means, and JSON without
+    ``0.05498290000000001``."""
+    return float("%.*g" % (digits, value))
+
+
+def latency_statistics(times_ms, batch: int = 1) -> dict:
+    """Latency percentiles of timed runs (ms, any order; 4 significant digits) and the throughput they
+    sustain: ``batch`` inferences per mean latency (N runs took N x mean, so that is the rate they ran at),
+    computed from the rounded mean so the two printed numbers agree."""
+    ms = sorted(float(t) for t in times_ms)
+    if not ms:
+        raise ValueError("no timed runs")
+    mean = significant(math.fsum(ms) / len(ms))
+    return {
+        "runs": len(ms), "batch": batch, "min_ms": significant(ms[0]), "mean_ms": mean,
+        "p50_ms": significant(percentile(ms, 50)), "p90_ms": significant(percentile(ms, 90)),
+        "p99_ms": significant(percentile(ms, 99)), "max_ms": significant(ms[-1]),
+        "throughput_per_s": significant(batch * 1e3 / mean) if mean > 0 else None,
+    }
+
+
+def describe_latency(stats: dict) -> str:
+    """One line for people, from ``latency_statistics``."""
+    return "%d runs: min %.3f ms  p50 %.3f ms  p90 %.3f ms  p99 %.3f ms  mean %.3f ms  (%.1f inferences/s)" % (
+        stats["runs"], stats["min_ms"], stats["p50_ms"], stats["p90_ms"], stats["p99_ms"], stats["mean_ms"],
+        stats["throughput_per_s"] or 0.0)

@@ -1,0 +1,221 @@
+"""The shape of the code, held by tests: no import cycles, TVM started in one place, the device side on the
+standard library, and no target branches in the build's driver (edgeq.backends decides)."""
+
+from __future__ import annotations
+
+import ast
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+# the folders that make the edgeq package (pyproject's package-dir)
+PACKAGE_DIRS = {"packager": "edgeq", "rpc": "edgeq.rpc", "targets": "edgeq.targets", "templates": "edgeq.templates"}
+# what a bundle carries and runs on a device, outside edgeq
+DEVICE_SIDE = ("templates/run.py", "templates/contract.py", "templates/safebundle.py")
+# what the device side may use where the device has it, imported inside functions with a fallback
+DEVICE_OPTIONAL = {"numpy", "tvm", "cryptography"}
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for folder, package in PACKAGE_DIRS.items():
+        for path in (REPO / folder).rglob("*.py"):
+            parts = [p for p in path.relative_to(REPO / folder).with_suffix("").parts if p != "__init__"]
+            mods[".".join([package, *parts])] = path
+    return mods
+
+
+def _imports(tree: ast.AST, modules: dict[str, Path]) -> set[str]:
+    """The edgeq modules a module imports, anywhere in it (a function's import is a dependency too)."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name in modules}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("edgeq"):
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                found.add(full if full in modules else node.module)
+    return {m for m in found if m in modules}
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10_000))
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_no_import_cycles():
+    modules = _modules()
+    graph = {name: _imports(ast.parse(path.read_text()), modules) - {name} for name, path in modules.items()}
+    assert import_cycles(graph) == []
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert import_cycles({"a": {"b"}, "b": set()}) == []
+
+
+def _module_level_imports(tree: ast.Module) -> list[str]:
+    names = []
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names.append(node.module or "")
+        elif isinstance(node, ast.Try | ast.If):  # guarded imports at module level count too
+            names += _module_level_imports(ast.Module(body=[*node.body, *getattr(node, "orelse", [])], type_ignores=[]))
+    return names
+
+
+def test_tvm_is_imported_in_one_place():
+    """Only edgeq.tvm_env imports TVM at module level: everything else takes it from there, so no import
+    order can load TVM before the CUDA driver (or edgeq's stub) is loaded."""
+    offenders = []
+    for name, path in _modules().items():
+        if name == "edgeq.tvm_env":
+            continue
+        roots = {m.split(".")[0] for m in _module_level_imports(ast.parse(path.read_text()))}
+        if roots & {"tvm", "tvm_ffi"}:
+            offenders.append(name)
+    assert offenders == []
+
+
+def test_no_e402_under_the_package():
+    """No import after code in edgeq's own modules (run.py's guard of sys.path is the device side's one)."""
+    hits = [str(p.relative_to(REPO)) for folder in ("packager", "rpc", "targets") for p in (REPO / folder).rglob("*.py")
+            if "noqa: E402" in p.read_text()]
+    assert hits == []
+
+
+@pytest.mark.parametrize("relative", DEVICE_SIDE)
+def test_device_side_uses_the_standard_library(relative):
+    """What runs on a device needs nothing installed: module-level imports are the standard library (or the
+    bundle's own files); numpy, TVM and cryptography only inside functions, where the device has them."""
+    tree = ast.parse((REPO / relative).read_text())
+    stdlib = set(sys.stdlib_module_names) | {"__future__", "contract", "safebundle"}
+    top = {m.split(".")[0] for m in _module_level_imports(tree)}
+    assert top - stdlib - {"edgeq"} == set(), relative
+    inner = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            inner |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            inner.add((node.module or "").split(".")[0])
+    assert inner - stdlib - DEVICE_OPTIONAL - {"edgeq"} == set(), relative
+
+
+def test_edgeq_imports_on_the_device_side_are_only_each_other():
+    """contract.py and safebundle.py travel in a bundle beside run.py: their imports of edgeq are of each
+    other only (with a fallback to the file beside them)."""
+    for relative in DEVICE_SIDE:
+        tree = ast.parse((REPO / relative).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("edgeq"):
+                assert {a.name for a in node.names} <= {"contract", "safebundle"}, (relative, ast.dump(node))
+
+
+# a target branch: a test of whether the profile or target is CUDA or a CPU
+TARGET_BRANCH = re.compile(r"\bis_cpu\b|\.cuda\b(?!_)|profile\.kind\b")
+
+
+@pytest.mark.parametrize("relative", ["packager/package.py", "packager/compile.py"])
+def test_no_target_branches_in_the_driver(relative):
+    """package.py and compile.py ask the backend (edgeq.backends); only a backend knows its target."""
+    lines = [ln for ln in (REPO / relative).read_text().splitlines() if TARGET_BRANCH.search(ln)]
+    assert lines == []
+
+
+def test_every_profile_has_a_backend():
+    from edgeq import backends
+    from edgeq.targets import profiles
+
+    for profile in profiles().values():
+        assert profile.kind in backends.BACKENDS, profile.name
+        backend = backends.for_profile(profile)
+        assert backend.name == profile.kind
+        assert "fp32" in backend.precisions
+
+
+def test_the_device_side_lives_under_templates():
+    """Everything a bundle carries or a device runs is under templates/: the loaders, the contract, the
+    verifier, the native loader's sources and the CUDA bridge; edgeq.contract and edgeq.safebundle are the
+    same module objects as edgeq.templates.contract and edgeq.templates.safebundle."""
+    import edgeq.contract
+    import edgeq.safebundle
+    from edgeq import bundle
+    from edgeq.templates import contract, safebundle
+
+    assert edgeq.contract is contract and edgeq.safebundle is safebundle
+    for name, path in bundle.SHIPPED.items():
+        assert Path(path).resolve().parent == REPO / "templates", name
+    native = REPO / "templates" / "native"
+    assert {p.name for p in native.iterdir()} >= {"edgeq_run.cc", "cudart_bridge.c", "sha256.h", "json.h", "npy.h", "zip.h"}
+
+
+def test_loader_headers_stand_alone(tmp_path):
+    """Each of edgeq-run's headers compiles on its own (it includes what it uses); contract.h is the one
+    generated from contract.py."""
+    import shutil
+    import subprocess
+
+    from edgeq.runtime.assemble import contract_header
+
+    cxx = shutil.which("g++")
+    if cxx is None:
+        pytest.skip("no g++")
+    for header in (REPO / "templates" / "native").glob("*.h"):
+        shutil.copy(header, tmp_path / header.name)
+    (tmp_path / "contract.h").write_bytes(contract_header())
+    for header in sorted(tmp_path.glob("*.h")):
+        unit = tmp_path / "unit.cc"
+        unit.write_text(f'#include "{header.name}"\n')
+        proc = subprocess.run([cxx, "-std=c++17", "-fsyntax-only", "-Wall", "-Werror", "-Wno-unused-function", str(unit)],
+                              capture_output=True, text=True, check=False)
+        assert proc.returncode == 0, (header.name, proc.stderr[:2000])
+
+
+def test_the_loader_contract_is_generated_from_contract_py():
+    from edgeq import contract, safebundle
+    from edgeq.runtime.assemble import contract_header
+
+    text = contract_header().decode()
+    assert f"constexpr int kSchemaVersion = {contract.SCHEMA_VERSION};" in text
+    for status in contract.LoaderExit:
+        assert f" = {int(status)}," in text
+    assert f"kMaxManifestBytes = {safebundle.MAX_MANIFEST_BYTES};" in text
+    assert ", ".join(f'"{k}"' for k in contract.latency_statistics([2.0, 1.0])) in text
+    source = (REPO / "templates" / "native" / "edgeq_run.cc").read_text()
+    assert "EDGEQ_SCHEMA_VERSION" not in source and "kBundle = 7" not in source  # written once, in contract.py
