@@ -18,7 +18,7 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -40,6 +40,17 @@ from edgeq.runtime.assemble import assemble, check_elves
 from edgeq.targets import Profile, profiles, resolve
 from edgeq.toolchain import Toolchain
 from edgeq.tvm_env import import_tvm
+
+if TYPE_CHECKING:  # the types of what the stages make; importing them costs TVM, so only for type checkers
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+    from tvm import IRModule
+    from tvm.relax import VMExecutable
+    from tvm.target import Target
+
+    from edgeq.mender import MenderResult
+    from edgeq.quantize import QuantizeArgs, QuantizeResult
+    from edgeq.quantize.data import Preprocess
+    from edgeq.runtime.assemble import Runtime
 
 GOLDEN_SEED = 0
 # The self-test's tolerances are the backend's (edgeq.backends: GOLDEN_*, Backend.golden_tolerance).
@@ -63,7 +74,7 @@ class PackageArgs:
     input_shapes: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     name: str | None = None
     precision: str = "fp32"
-    quantize: Any = None  # edgeq.quantize.QuantizeArgs for int8 / mixed
+    quantize: QuantizeArgs | None = None  # int8 / mixed
     sign_key: Path | None = None  # ed25519 private key (edgeq keygen): writes manifest.sig
     release: int | None = None  # monotonically increasing per model name; default: build time YYYYMMDDHHMMSS
     records: Path | None = None  # tuning records (edgeq tune) to compile with
@@ -72,7 +83,7 @@ class PackageArgs:
     dump_ir: Path | None = None  # write the Relax module after each stage that changes it here (NN-<stage>.py)
     reference: str = "auto"  # the independent reference the build is checked against: auto, onnxruntime, tvm
     golden_input: Path | None = None  # the self-test's input: .npz/.npy (one array per input) or an image
-    preprocess: Any = None  # edgeq.quantize.data.Preprocess: how images (calibration, golden input) become tensors
+    preprocess: Preprocess | None = None  # how images (calibration, golden input) become tensors
     mender: bool = False  # also write OUTDIR/<name>-<device>.mender, a Mender Artifact of the archive (edgeq.mender)
 
     def to_dict(self) -> dict[str, Any]:
@@ -112,7 +123,7 @@ class PackageResult:
     total_seconds: float
     manifest: contract.Manifest
     replaced: bool = False  # a bundle of this name was in the output folder and is replaced
-    mender: Any = None  # edgeq.mender.MenderResult with --mender
+    mender: MenderResult | None = None  # with --mender
 
     def to_dict(self) -> dict[str, Any]:
         m = self.manifest
@@ -144,12 +155,43 @@ def _quantization_summary(report: contract.QuantizationReport | None) -> dict[st
             "weight_bytes": report.weight_bytes.to_json(), "fallbacks": report.fallbacks, "float_ops": report.float_ops}
 
 
+@dataclasses.dataclass(frozen=True)
+class Lowered:
+    """What lower makes (and fp16 and tuning-records remake): the module the build compiles."""
+
+    target: Target  # the profile's TVM target
+    mod: IRModule  # the graph's module, prepared by the backend, with records applied
+    kernel_calls: int  # conv/matmul calls on edgeq's CPU kernels
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+    """What compile makes: the executable (exported to staging/model.so) and what the backend's kernels did."""
+
+    executable: VMExecutable
+    schedules: dict[str, object]  # CPU: TIR functions by schedule; CUDA: the GpuKernels record
+
+
+@dataclasses.dataclass(frozen=True)
+class Golden:
+    """What golden makes: the self-test's input and its outputs on the build host (in staging/golden.bin)."""
+
+    inputs: dict[str, np.ndarray]
+    outputs: list[np.ndarray]
+    table: list[dict[str, object]]  # golden.bin's tensor table
+    float_inputs: str  # what the input's floats are (GOLDEN_DISTRIBUTIONS, or the given input)
+    computed_with: str
+
+
 @dataclasses.dataclass
 class _Build:
-    """State handed from stage to stage."""
+    """State handed from stage to stage: the arguments, then what each stage made (None until it has run)."""
 
     args: PackageArgs
     progress: StageProgress
+    ir_dump: IRDump | None = None
+    looks_prequantized: bool = False  # before import: the model file mentions DequantizeLinear
+    # check
     name: str = ""
     profile: Profile | None = None
     backend: backends.Backend | None = None  # the profile's (edgeq.backends.for_profile)
@@ -158,31 +200,25 @@ class _Build:
     out_dir: Path | None = None
     created_out_dir: bool = False
     staging: Path | None = None
+    signing_key: Ed25519PrivateKey | None = None
+    # load
     model: LoadedModel | None = None
-    graph: Graph | None = None
-    prequantized: bool | None = None  # decided by import (QuantizeLinear/DequantizeLinear in the graph)
-    looks_prequantized: bool = False  # before import: the model file mentions DequantizeLinear
-    ir_dump: IRDump | None = None
-    target: Any = None  # the profile's TVM target (set by lower)
-    mod: Any = None  # the IRModule the build compiles: the graph's, lowered for the target, with records applied
-    signing_key: Any = None
-    quantization: Any = None  # edgeq.quantize.QuantizeResult
-    outputs: list[TensorSpec] = dataclasses.field(default_factory=list)
-    executable: Any = None
-    kernel_calls: int = 0  # conv/matmul calls on edgeq CPU kernels
-    schedules: dict[str, int] = dataclasses.field(default_factory=dict)  # CPU builds: TIR functions by schedule
-    golden_from: str = ""
-    golden_floats: str = GOLDEN_DISTRIBUTIONS[0]  # what the golden input's floats were drawn from
-    golden: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # the golden file's tensor table
-    golden_inputs: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
     golden_given: tuple[dict[str, np.ndarray], str] | None = None  # --golden-input: (arrays, what they are)
-    golden_outputs: list[np.ndarray] = dataclasses.field(default_factory=list)
+    # import, quantize, lower-qdq: the graph as it goes
+    graph: Graph | None = None
+    outputs: list[TensorSpec] = dataclasses.field(default_factory=list)
+    prequantized: bool | None = None  # decided by import (QuantizeLinear/DequantizeLinear in the graph)
     reference_graph: Graph | None = None  # what TVM's plain pipeline builds for the reference check (edgeq.reference)
+    quantization: QuantizeResult | None = None
+    # lower, fp16, tuning-records; compile; golden; reference; runtime; bundle; mender
+    lowered: Lowered | None = None
+    compiled: Compiled | None = None
+    golden: Golden | None = None
     reference_check: contract.ReferenceCheck | None = None
-    runtime: Any = None  # edgeq.runtime.assemble.Runtime
+    runtime: Runtime | None = None
     manifest: contract.Manifest | None = None
     replaced: bool = False  # the output folder held a bundle of this name, now replaced
-    mender: Any = None  # edgeq.mender.MenderResult
+    mender: MenderResult | None = None
 
     @property
     def bundle_name(self) -> str:
@@ -291,26 +327,29 @@ def _quantize(b: _Build) -> None:
 
 
 def _lower(b: _Build) -> None:
-    b.target = b.profile.tvm_target()
-    b.graph, b.kernel_calls = lower_graph(b.graph, b.target)
-    b.mod = b.graph.mod
+    target = b.profile.tvm_target()
+    b.graph, calls = lower_graph(b.graph, target)
+    b.lowered = Lowered(target=target, mod=b.graph.mod, kernel_calls=calls)
 
 
 def _fp16(b: _Build) -> None:
     b.graph = b.backend.to_fp16(b.graph)  # the golden outputs are computed on this graph too
-    b.mod = b.graph.mod
+    b.lowered = dataclasses.replace(b.lowered, mod=b.graph.mod)
 
 
 def _tuning_records(b: _Build) -> None:
     from edgeq.rpc.tune import apply_records
 
-    b.mod = apply_records(b.mod, b.target, Path(b.args.records), b.profile, warn=b.progress.warn)
+    mod = apply_records(b.lowered.mod, b.lowered.target, Path(b.args.records), b.profile, warn=b.progress.warn)
+    b.lowered = dataclasses.replace(b.lowered, mod=mod)
 
 
 def _compile(b: _Build) -> None:
-    b.executable = build(b.mod, b.target, b.toolchain, b.schedules)
+    schedules: dict[str, object] = {}
+    executable = build(b.lowered.mod, b.lowered.target, b.toolchain, schedules)
     library = b.staging / contract.LIBRARY
-    export(b.executable, library, b.toolchain)
+    export(executable, library, b.toolchain)
+    b.compiled = Compiled(executable=executable, schedules=schedules)
     machine = elf_machine(library)
     if machine != b.profile.cpu.arch:
         raise ToolchainError(f"the exported library is {machine}, not {b.profile.cpu.arch}; check the cross compiler {b.toolchain.cxx}")
@@ -347,11 +386,11 @@ def _finite(outputs) -> bool:
 
 def _golden(b: _Build) -> None:
     if b.profile.name == "host":
-        executable, b.golden_from = b.executable, "the bundle's own library, on the build host"
+        executable, computed_with = b.compiled.executable, "the bundle's own library, on the build host"
     else:
         host = profiles()["host"]
         executable = build(b.graph.mod, host.tvm_target())
-        b.golden_from = f"a TVM LLVM build for the build host ({host.cpu.mcpu})"
+        computed_with = f"a TVM LLVM build for the build host ({host.cpu.mcpu})"
     runner = HostRunner(b.graph, executable)
     # the user's golden input; else an int8 build's first calibration sample (the data the user chose); else generated
     given = b.golden_given
@@ -359,14 +398,14 @@ def _golden(b: _Build) -> None:
         given = ({spec.name: a for spec, a in zip(b.model.inputs, b.quantization.first_sample)},
                  f"the first calibration sample ({Path(b.quantization.first_sample_source).name})")
     if given is not None:
-        inputs, b.golden_floats = given
+        inputs, floats = given
         outputs = runner(list(inputs.values()))
-        tried = f"the golden input ({b.golden_floats})"
+        tried = f"the golden input ({floats})"
     else:
         has_floats = any(np.dtype(spec.dtype).kind == "f" for spec in b.model.inputs)
         distributions = GOLDEN_DISTRIBUTIONS if has_floats else GOLDEN_DISTRIBUTIONS[:1]
-        for b.golden_floats in distributions:
-            inputs = golden_inputs(b.model.inputs, floats=b.golden_floats)
+        for floats in distributions:
+            inputs = golden_inputs(b.model.inputs, floats=floats)
             outputs = runner(list(inputs.values()))
             if _finite(outputs):
                 break
@@ -384,8 +423,8 @@ def _golden(b: _Build) -> None:
                              "a bundle whose self-test cannot pass is not written")
     arrays = [(f"input:{k}", v) for k, v in inputs.items()]
     arrays += [(f"output:{spec.name}", out) for spec, out in zip(b.outputs, outputs)]
-    b.golden = bundle.write_tensors(b.staging / contract.GOLDEN, arrays)
-    b.golden_inputs, b.golden_outputs = inputs, outputs
+    table = bundle.write_tensors(b.staging / contract.GOLDEN, arrays)
+    b.golden = Golden(inputs=inputs, outputs=outputs, table=table, float_inputs=floats, computed_with=computed_with)
 
 
 def _reference_check(b: _Build) -> None:
@@ -394,8 +433,8 @@ def _reference_check(b: _Build) -> None:
     if reference.note:
         b.progress.note(f"reference: {reference.name} ({reference.note})")
     rtol, atol = _reference_tolerance(b)
-    b.reference_check = compare_reference(reference, b.golden_inputs, b.golden_outputs, [s.name for s in b.outputs],
-                                          rtol, atol, checked=b.golden_from)
+    b.reference_check = compare_reference(reference, b.golden.inputs, b.golden.outputs, [s.name for s in b.outputs],
+                                          rtol, atol, checked=b.golden.computed_with)
     check = b.reference_check
     if check.result == "passed":
         b.progress.note(f"reference check passed: {check.reference}, largest |diff| {check.max_abs_diff:.3g}")
@@ -486,14 +525,14 @@ def _bundle(b: _Build) -> None:
         library=contract.LibraryRecord(
             file=contract.LIBRARY, machine=elf_machine(library), cuda_device_code=cuda_device_code(library),
             bytes=library.stat().st_size,
-            **b.backend.kernel_record(b.schedules, b.kernel_calls)),
+            **b.backend.kernel_record(b.compiled.schedules, b.lowered.kernel_calls)),
         weights=contract.WeightsRecord(
             file=contract.WEIGHTS, format=contract.TENSOR_FORMAT, count=len(weight_arrays),
             dtypes=sorted({str(w.dtype) for w in weight_arrays}), bytes=int(sum(w.nbytes for w in weight_arrays)),
             file_bytes=weights.stat().st_size, tensors=weight_table),
         golden=contract.GoldenRecord(
-            file=contract.GOLDEN, format=contract.TENSOR_FORMAT, tensors=b.golden, seed=GOLDEN_SEED,
-            float_inputs=b.golden_floats, computed_with=b.golden_from,
+            file=contract.GOLDEN, format=contract.TENSOR_FORMAT, tensors=b.golden.table, seed=GOLDEN_SEED,
+            float_inputs=b.golden.float_inputs, computed_with=b.golden.computed_with,
             rtol=rtol, atol=atol,
             atol_scaled_by="max(1, max |expected output|)"),
         reference_check=b.reference_check,
@@ -564,11 +603,11 @@ STAGES: tuple[Stage[_Build], ...] = (
           applies=lambda b: b.args.precision in QUANTIZED, ir=_graph_mod),
     Stage("lower-qdq", lambda b: "QDQ pattern -> integer conv/matmul kernels", _lower_qdq,
           applies=_is_prequantized, ir=_graph_mod),
-    Stage("lower", _lower_description, _lower, ir=lambda b: b.mod),
+    Stage("lower", _lower_description, _lower, ir=lambda b: b.lowered.mod),
     Stage("fp16", lambda b: "fp16 weights and activations, fp32 accumulation (TVM's ToMixedPrecision)", _fp16,
-          applies=lambda b: b.args.precision == "fp16", ir=lambda b: b.mod),
+          applies=lambda b: b.args.precision == "fp16", ir=lambda b: b.lowered.mod),
     Stage("tuning-records", lambda b: f"best schedules from {b.args.records} (legalized and fused first)",
-          _tuning_records, applies=lambda b: b.args.records is not None, ir=lambda b: b.mod),
+          _tuning_records, applies=lambda b: b.args.records is not None, ir=lambda b: b.lowered.mod),
     Stage("compile", _compile_description, _compile),  # build, export, check the library's machine and device code
     Stage("golden", lambda b: "golden input and outputs on the build host", _golden),
     Stage("reference", lambda b: "the golden outputs checked against an independent reference", _reference_check),
