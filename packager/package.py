@@ -28,7 +28,7 @@ from edgeq.backends import GOLDEN_FP16_ATOL, GOLDEN_FP16_RTOL, GOLDEN_INT8_ATOL,
 from edgeq.choices import DEFAULT_OUTPUT, PRECISIONS, QUANTIZED, RUNTIME_CHOICES
 from edgeq.compile import HostRunner, build, cuda_device_code, elf_machine, export, lower_graph, toolchain_for
 from edgeq.errors import EdgeqError, ModelError, OutputError, ToolchainError, UsageError
-from edgeq.graph import Graph
+from edgeq.graph import Graph, call_op
 from edgeq.load import LoadedModel, TensorSpec, load_model
 from edgeq.pipeline import IRDump, Stage, run_stages
 from edgeq.progress import StageProgress
@@ -208,6 +208,7 @@ class _Build:
     graph: Graph | None = None
     outputs: list[TensorSpec] = dataclasses.field(default_factory=list)
     prequantized: bool | None = None  # decided by import (QuantizeLinear/DequantizeLinear in the graph)
+    exact_division: bool = False  # the model quantizes itself (QuantizeLinear, DynamicQuantizeLinear): ONNX divides
     reference_graph: Graph | None = None  # what TVM's plain pipeline builds for the reference check (edgeq.reference)
     quantization: QuantizeResult | None = None
     # lower, fp16, tuning-records; compile; golden; reference; runtime; bundle; mender
@@ -301,6 +302,9 @@ def _import(b: _Build) -> None:
     from edgeq.quantize import is_qdq
 
     b.graph, b.outputs = to_relax(b.model)
+    # ONNX defines QuantizeLinear and DynamicQuantizeLinear as round(x / scale): built with a real division, a
+    # tie lands where ONNX Runtime's does (Profile.host_target_dict)
+    b.exact_division = any(call_op(binding.value) == "relax.quantize" for binding in b.graph.bindings())
     b.reference_graph = b.graph
     b.prequantized = is_qdq(b.graph)
     if b.prequantized and (b.args.quantize is not None or b.args.precision == "fp16"):
@@ -327,7 +331,7 @@ def _quantize(b: _Build) -> None:
 
 
 def _lower(b: _Build) -> None:
-    target = b.profile.tvm_target()
+    target = b.profile.tvm_target(reciprocal=not b.exact_division)
     b.graph, calls = lower_graph(b.graph, target)
     b.lowered = Lowered(target=target, mod=b.graph.mod, kernel_calls=calls)
 
@@ -389,7 +393,7 @@ def _golden(b: _Build) -> None:
         executable, computed_with = b.compiled.executable, "the bundle's own library, on the build host"
     else:
         host = profiles()["host"]
-        executable = build(b.graph.mod, host.tvm_target())
+        executable = build(b.graph.mod, host.tvm_target(reciprocal=not b.exact_division))
         computed_with = f"a TVM LLVM build for the build host ({host.cpu.mcpu})"
     runner = HostRunner(b.graph, executable)
     # the user's golden input; else an int8 build's first calibration sample (the data the user chose); else generated

@@ -81,19 +81,22 @@ class Profile:
     def kind(self) -> str:
         return "cuda" if self.cuda else "cpu"
 
-    def host_target_dict(self) -> dict[str, Any]:
-        """The LLVM target of the CPU. ``fast-math-arcp``: a division by a constant becomes a multiply by
-        its reciprocal (every quantize is ``round(x / scale)``: a ``vdivps`` per vector, the costliest
-        instruction of an int8 epilogue; the quotient may differ in its last bit, which moves a rounded
-        integer only when it lies within an ulp of a half)."""
-        return {"kind": "llvm", "mtriple": self.cpu.triple, "mcpu": self.cpu.mcpu, "num-cores": self.cpu.cores,
-                "fast-math-arcp": True}
+    def host_target_dict(self, reciprocal: bool = True) -> dict[str, Any]:
+        """The LLVM target of the CPU. ``reciprocal`` (LLVM's ``fast-math-arcp``): a division by a constant
+        becomes a multiply by its reciprocal (every quantize is ``round(x / scale)``: a ``vdivps`` per vector,
+        the costliest instruction of an int8 epilogue; the quotient may differ in its last bit, which moves a
+        rounded integer when the quotient is a tie). For edgeq's own quantization that is right: its scales
+        and the golden outputs come from the same code. A model's own QuantizeLinear / DynamicQuantizeLinear
+        is defined by ONNX as a division and is built without it (``edgeq.package``), as ONNX Runtime computes it."""
+        target = {"kind": "llvm", "mtriple": self.cpu.triple, "mcpu": self.cpu.mcpu, "num-cores": self.cpu.cores}
+        return {**target, "fast-math-arcp": True} if reciprocal else target
 
-    def tvm_target(self):
-        """The TVM target: CUDA with an LLVM host for Jetsons, plain LLVM for CPU profiles."""
+    def tvm_target(self, reciprocal: bool = True):
+        """The TVM target: CUDA with an LLVM host for Jetsons, plain LLVM for CPU profiles (``reciprocal``:
+        ``host_target_dict``)."""
         import tvm  # deferred: listing devices must not pay for importing TVM
 
-        host = self.host_target_dict()
+        host = self.host_target_dict(reciprocal)
         if self.cuda:
             return tvm.target.Target({"kind": "cuda", "arch": self.cuda.arch}, host=host)
         return tvm.target.Target(host)
