@@ -108,9 +108,15 @@ def _bind_consts(model: onnx.ModelProto, consts: dict[str, np.ndarray]) -> None:
         ttype = value.type.tensor_type
         want = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(ttype.elem_type))
         if array.dtype != want:
-            cast = array.astype(want)
-            if array.dtype.kind not in "biuf" or not np.array_equal(cast.astype(array.dtype), array):
-                raise UsageError(f"--const {name}: the file holds {array.dtype}, the input is {want}; save it as {want}")
+            hint = "float32 (numpy's .npy cannot hold it; edgeq converts exact values)" if want.kind == "V" or \
+                want.name in ("bfloat16",) or want.name.startswith("float8") else str(want)
+            try:
+                cast = array.astype(want) if array.dtype.kind in "biuf" else None
+                exact = cast is not None and np.array_equal(cast.astype(array.dtype), array)
+            except (TypeError, ValueError):  # no cast between them (a .npy of raw bytes, |V2)
+                exact = False
+            if not exact:
+                raise UsageError(f"--const {name}: the file holds {array.dtype}, the input is {want}; save it as {hint}")
             array = cast
         declared = [d.dim_value if d.HasField("dim_value") else None for d in ttype.shape.dim]
         if ttype.HasField("shape") and (len(declared) != array.ndim

@@ -530,6 +530,15 @@ def expand(ctx, inputs, attr):
     return relax.op.broadcast_to(inputs[0], list(out))
 
 
+def reduce_bool(ctx, inputs, attr):
+    """ReduceMax / ReduceMin of bool (opset 20: any / all): reduced as uint8 and cast back, since TVM has no
+    min or max value for bool; other types are TVM's."""
+    if _dtype(inputs[0]) != "bool":
+        return ctx.tvm(inputs, attr)
+    reduced = ctx.tvm([ctx.bb.emit(relax.op.astype(inputs[0], "uint8")), *inputs[1:]], attr)
+    return relax.op.astype(ctx.bb.normalize(reduced), "bool")
+
+
 def one_hot(ctx, inputs, attr):
     """OneHot with the on/off values computed at run time as well (TVM needs them constant)."""
     indices, depth, values = inputs[0], inputs[1], inputs[2]
@@ -1071,6 +1080,8 @@ CONVERTERS: dict[str, Callable] = {
     "Scatter": indices_in_range,
     "Expand": expand,
     "OneHot": one_hot,
+    "ReduceMax": reduce_bool,
+    "ReduceMin": reduce_bool,
     "Pad": pad,
     "Upsample": upsample,
 }
@@ -1091,6 +1102,8 @@ OVERRIDES = {
     "Scatter": "run-time indices clamped into the axis (as ScatterElements)",
     "Expand": "TVM leaves the shape symbolic when the target shape is an initializer",
     "OneHot": "TVM needs the on/off values constant",
+    "ReduceMax": "bool inputs (any): TVM has no min value for bool",
+    "ReduceMin": "bool inputs (all): TVM has no max value for bool",
     "Pad": "TVM needs the pad value constant",
     "Upsample": "TVM's converter fails when the scales are an input (opset 9)",
 }

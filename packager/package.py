@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 import edgeq
-from edgeq import backends, bundle, contract
+from edgeq import backends, bundle, contract, safebundle
 from edgeq.backends import GOLDEN_FP16_ATOL, GOLDEN_FP16_RTOL, GOLDEN_INT8_ATOL, GOLDEN_INT8_RTOL
 from edgeq.choices import DEFAULT_OUTPUT, PRECISIONS, QUANTIZED, RUNTIME_CHOICES
 from edgeq.compile import HostRunner, build, cuda_device_code, elf_machine, export, lower_graph, toolchain_for
@@ -302,6 +302,10 @@ def _import(b: _Build) -> None:
     from edgeq.quantize import is_qdq
 
     b.graph, b.outputs = to_relax(b.model)
+    for kind, spec in [*(("input", s) for s in b.model.inputs), *(("output", s) for s in b.outputs)]:
+        if spec.dtype not in safebundle.TABLE_DTYPES:  # what golden.bin, run.py and edgeq-run can hold
+            raise ModelError(f"{kind} '{spec.name}' is {spec.dtype}, which a bundle cannot carry (it holds "
+                             f"{', '.join(safebundle.TABLE_DTYPES)}); add a Cast to float32 at the model's {kind}")
     # ONNX defines QuantizeLinear and DynamicQuantizeLinear as round(x / scale): built with a real division, a
     # tie lands where ONNX Runtime's does (Profile.host_target_dict)
     b.exact_division = any(call_op(binding.value) == "relax.quantize" for binding in b.graph.bindings())

@@ -136,7 +136,26 @@ def to_relax(loaded: LoadedModel) -> tuple[Graph, list[TensorSpec]]:
     if len(set(names)) != len(names):
         raise ModelError(f"{loaded.path.name}: weight names are not unique after import; rename the initializers")
     _check_activations(func, loaded.path.name)
-    return Graph(mod, {n: w.numpy() for n, w in zip(names, weights)}), outputs
+    return _takes_clipped(Graph(mod, {n: w.numpy() for n, w in zip(names, weights)})), outputs
+
+
+def _takes_clipped(graph: Graph) -> Graph:
+    """``take`` (Gather) in TVM's "clip" mode instead of its importer's "fast": for indices in range the same
+    result (edgeq's converter already clamps run-time indices, ``onnx_ops.indices_in_range``), and no index can
+    read outside the tensor. Each "fast" take also made TVM print a warning that it "segfaults when there are
+    out-of-bounds indices", which cannot happen here."""
+    from tvm import relax
+
+    from edgeq.graph import call_op, rewrite
+
+    def visit(rw, var, value):
+        if call_op(value) == "relax.take" and value.attrs.mode == "fast":
+            return relax.op.take(rw.new(value.args[0]), rw.new(value.args[1]), axis=value.attrs.axis, mode="clip")
+        return None
+
+    if not any(call_op(b.value) == "relax.take" for b in graph.bindings()):
+        return graph
+    return rewrite(graph, visit)
 
 
 _CONST_ADVICE = re.compile(r"(bind the graph input with|if that operand is a graph input, bind it with) --const NAME=FILE\.npy")

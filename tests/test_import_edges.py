@@ -1,0 +1,85 @@
+"""Edges of the importer met by ONNX's node tests and real models: bool ReduceMax/ReduceMin (any/all), a
+bfloat16 model edge refused in one line, and Gather built without TVM's warning about out-of-bounds indices."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from conftest import read_golden, run_cli
+
+
+def _save(tmp_path, graph, opset):
+    path = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)]), path)
+    return path
+
+
+@pytest.mark.parametrize("op", ["ReduceMax", "ReduceMin"])
+def test_bool_reduce_max_min_as_onnxruntime(tmp_path, op):
+    x = np.array([[True, False, True], [False, False, False], [True, True, True], [False, True, False]])
+    graph = helper.make_graph(
+        [helper.make_node(op, ["x", "axes"], ["y"], keepdims=0)], "r",
+        [helper.make_tensor_value_info("x", TensorProto.BOOL, [4, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.BOOL, [4])],
+        [numpy_helper.from_array(np.array([1], np.int64), "axes")])
+    path = _save(tmp_path, graph, 20)
+    np.savez(tmp_path / "x.npz", x=x)
+    res = run_cli("package", path, "--device", "host", "-o", tmp_path / "out", "--golden-input", tmp_path / "x.npz", "-q")
+    assert res.code == 0, res.stderr
+    want = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_array_equal(read_golden(tmp_path / "out" / "m-host")["output:y"], want)
+
+
+def test_a_bfloat16_output_is_refused_in_one_line(tmp_path):
+    graph = helper.make_graph(
+        [helper.make_node("Cast", ["x"], ["y"], to=TensorProto.BFLOAT16)], "c",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+        [helper.make_tensor_value_info("y", TensorProto.BFLOAT16, [4])])
+    res = run_cli("package", _save(tmp_path, graph, 19), "--device", "host", "-o", tmp_path / "out")
+    assert res.code == 3, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert lines[-1].startswith("edgeq: error: output 'y' is bfloat16") and "Cast to float32" in lines[-1]
+    assert "Traceback" not in res.stderr and not (tmp_path / "out").exists()
+
+
+def test_a_bfloat16_const_from_a_npy_of_raw_bytes_is_refused(tmp_path):
+    graph = helper.make_graph(
+        [helper.make_node("Cast", ["s"], ["s32"], to=TensorProto.FLOAT), helper.make_node("Add", ["x", "s32"], ["y"])], "c",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4]), helper.make_tensor_value_info("s", TensorProto.BFLOAT16, [])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])])
+    path = _save(tmp_path, graph, 19)
+    np.save(tmp_path / "raw.npy", np.zeros((), "V2"))
+    res = run_cli("package", path, "--device", "host", "-o", tmp_path / "out", "--const", f"s={tmp_path / 'raw.npy'}")
+    assert res.code == 2 and "save it as float32" in res.stderr, res.stderr
+    np.save(tmp_path / "s.npy", np.array(1.5, np.float32))  # exact in bfloat16: converted
+    res = run_cli("package", path, "--device", "host", "-o", tmp_path / "out", "--const", f"s={tmp_path / 's.npy'}", "-q")
+    assert res.code == 0, res.stderr
+    golden = read_golden(tmp_path / "out" / "m-host")
+    np.testing.assert_array_equal(golden["output:y"], golden["input:x"] + np.float32(1.5))
+
+
+@pytest.mark.parametrize("device", ["host", "jetson-orin-nano"])
+def test_gather_builds_without_tvm_warnings(tmp_path, device, capfd):
+    """An embedding lookup (BERT's first op): TVM printed "Fast mode segfaults when there are out-of-bounds
+    indices" for each one, although edgeq clamps the indices; nothing of TVM's reaches a -q run."""
+    emb = numpy_helper.from_array(np.random.default_rng(0).standard_normal((50, 8)).astype(np.float32), "emb")
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["emb", "ids"], ["y"], axis=0)], "g",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, [1, 6])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 6, 8])], [emb])
+    path = _save(tmp_path, graph, 17)
+    capfd.readouterr()
+    res = run_cli("package", path, "--device", device, "-o", tmp_path / "out", "-q")
+    native = capfd.readouterr()
+    assert res.code == 0, res.stderr
+    assert "Warning" not in native.err + res.stderr and "segfault" not in native.err + res.stderr, native.err
+    ids = np.array([[0, 49, 3, 7, 7, 12]], np.int64)
+    if device == "host":
+        np.savez(tmp_path / "ids.npz", ids=ids)
+        res = run_cli("package", path, "--device", device, "-o", tmp_path / "out2", "-q", "--golden-input", tmp_path / "ids.npz")
+        assert res.code == 0, res.stderr
+        np.testing.assert_array_equal(read_golden(tmp_path / "out2" / "m-host")["output:y"], numpy_helper.to_array(emb)[ids])
