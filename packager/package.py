@@ -378,9 +378,9 @@ def golden_inputs(specs: list[TensorSpec], seed: int = GOLDEN_SEED, floats: str 
     for spec in specs:
         dtype = np.dtype(spec.dtype)
         if dtype.kind == "f" and floats in _UNIFORM:
-            out[spec.name] = rng.uniform(*_UNIFORM[floats], spec.shape).astype(dtype)
+            out[spec.name] = _drawn(lambda n: rng.uniform(*_UNIFORM[floats], n), spec.shape, dtype)
         elif dtype.kind == "f":
-            out[spec.name] = rng.standard_normal(spec.shape).astype(dtype)
+            out[spec.name] = _drawn(rng.standard_normal, spec.shape, dtype)
         elif dtype.kind == "b":
             out[spec.name] = rng.integers(0, 2, spec.shape).astype(dtype)
         else:
@@ -388,11 +388,42 @@ def golden_inputs(specs: list[TensorSpec], seed: int = GOLDEN_SEED, floats: str 
     return out
 
 
+_DRAW_CHUNK = 1 << 22  # float64 draws at a time: a 4 GB float32 input never needs 8 GB of float64 at once
+
+
+def _drawn(draw, shape, dtype: np.dtype) -> np.ndarray:
+    """``draw(n)`` (float64) into an array of ``dtype``, in chunks; the same values as one draw of the whole."""
+    out = np.empty(int(np.prod(shape, dtype=np.int64)), dtype)
+    for start in range(0, out.size, _DRAW_CHUNK):
+        stop = min(start + _DRAW_CHUNK, out.size)
+        out[start:stop] = draw(stop - start)
+    return out.reshape(shape)
+
+
+def _check_memory(b: _Build) -> None:
+    """Refuse in one line, before anything is drawn, a golden computation this machine cannot hold: the
+    inputs, the outputs, and the reference's outputs beside them."""
+    import psutil
+
+    def nbytes(specs) -> int:
+        return sum(int(np.prod(s.shape, dtype=np.int64)) * np.dtype(s.dtype).itemsize for s in specs)
+
+    need = nbytes(b.model.inputs) + 2 * nbytes(b.outputs)
+    free = psutil.virtual_memory().available
+    if need > free:
+        def size(n: int) -> str:
+            return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
+
+        raise ModelError(f"the golden input and outputs take {size(need)} and this machine has {size(free)} free; "
+                         "fix smaller input shapes with --input-shape, or package on a machine with more memory")
+
+
 def _finite(outputs) -> bool:
     return all(np.asarray(o).dtype.kind != "f" or np.isfinite(o).all() for o in outputs)
 
 
 def _golden(b: _Build) -> None:
+    _check_memory(b)
     if b.profile.name == "host":
         executable, computed_with = b.compiled.executable, "the bundle's own library, on the build host"
     else:

@@ -111,3 +111,35 @@ def test_int8_golden_input_is_the_first_calibration_sample(models, tmp_path):
     assert np.array_equal(read_golden(bundle)["input:input"], calib[:1])
     assert _manifest(bundle)["golden"]["float_inputs"] == "the first calibration sample (calib.npz)"
     assert run_py(bundle, "--self-test").returncode == 0
+
+
+def test_generated_inputs_are_drawn_in_chunks_with_the_values_of_one_draw(monkeypatch):
+    """A 4 GB float32 input must not need 8 GB of float64 at once: drawn in chunks, with the same values (the
+    golden input of every bundle stays what it was)."""
+    import edgeq.package as package
+    from edgeq.load import TensorSpec
+
+    monkeypatch.setattr(package, "_DRAW_CHUNK", 1000)
+    specs = [TensorSpec("a", (3, 1001), "float32"), TensorSpec("b", (2, 7), "float16"), TensorSpec("i", (5,), "int64")]
+    for floats in package.GOLDEN_DISTRIBUTIONS:
+        got = package.golden_inputs(specs, floats=floats)
+        rng = np.random.default_rng(package.GOLDEN_SEED)
+        draw = rng.standard_normal if floats == "standard normal" else (lambda shape: rng.uniform(*package._UNIFORM[floats], shape))
+        np.testing.assert_array_equal(got["a"], draw((3, 1001)).astype(np.float32))
+        np.testing.assert_array_equal(got["b"], draw((2, 7)).astype(np.float16))
+        assert got["i"].dtype == np.int64 and got["i"].min() >= 0 and got["i"].max() < 7
+
+
+def test_a_golden_computation_this_machine_cannot_hold_is_refused_in_one_line(models, tmp_path, monkeypatch):
+    import psutil
+
+    class Tiny:
+        available = 1000  # bytes: less than resnet_cnn's input and outputs
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: Tiny())
+    out = tmp_path / "out"
+    res = run_cli("package", models["resnet_cnn"], "--device", "host", "-o", out)
+    assert res.code == 3, res.stderr
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("edgeq: error: the golden input and outputs take") and " free; " in last and "--input-shape" in last
+    assert "Traceback" not in res.stderr and not out.exists()
