@@ -69,6 +69,8 @@ ATTRIBUTE_OPERANDS = {
 }
 LEFT_OUT_DOMAINS = ("ai.onnx.ml", "ai.onnx.preview.training")
 RUNNERS = ("edgeq", "onnxruntime")
+# edgeq run the way a user without --const runs it: shape operands that are graph inputs left unbound
+NO_CONST = "edgeq-no-const"
 
 
 @dataclasses.dataclass
@@ -173,8 +175,9 @@ def _first_line(err: BaseException) -> str:
 # ----------------------------------------------------------------------------------------------- runners
 
 
-def run_edgeq(test: NodeTest, workdir: Path) -> Result:
-    """Package for host (fp32), load the bundle with its run.py, run the test's inputs, compare."""
+def run_edgeq(test: NodeTest, workdir: Path, bind: bool = True) -> Result:
+    """Package for host (fp32), load the bundle with its run.py, run the test's inputs, compare. ``bind``:
+    shape operands fed as graph inputs are bound with --const (else left as a user without it leaves them)."""
     from common import bundle_model
 
     from edgeq.errors import EdgeqError
@@ -183,7 +186,7 @@ def run_edgeq(test: NodeTest, workdir: Path) -> Result:
     model_path = workdir / f"{test.name}.onnx"
     model_path.write_bytes(test.model.SerializeToString())
     args = PackageArgs(model=model_path, device="host", output=workdir / "out", runtime="none", name=test.name)
-    bound = bound_inputs(test)
+    bound = bound_inputs(test) if bind else {}
     for i, (name, value) in enumerate(bound.items()):
         args.consts[name] = workdir / f"const{i}.npy"
         np.save(args.consts[name], value)
@@ -225,7 +228,13 @@ def run_onnxruntime(test: NodeTest, workdir: Path) -> Result:
     return Result("wrong", problem) if problem else Result("pass")
 
 
-RUN = {"edgeq": run_edgeq, "onnxruntime": run_onnxruntime}
+RUN = {"edgeq": run_edgeq, "onnxruntime": run_onnxruntime, NO_CONST: lambda test, workdir: run_edgeq(test, workdir, bind=False)}
+
+
+def names_its_input(test: NodeTest, result: Result) -> bool:
+    """A refusal that says which graph input to bind: ``--const NAME=FILE.npy`` with one of the test's inputs."""
+    names = {i.name for i in test.model.graph.input}
+    return result.cls == "refused" and any(f"--const {n}=FILE.npy" in result.message for n in names)
 
 
 def _child(runner: str, test: NodeTest, workdir: Path) -> None:
@@ -319,6 +328,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=300, help="seconds per test and runner (default 300)")
     parser.add_argument("--ops", help="only these op types, comma-separated")
     parser.add_argument("--no-ort", action="store_true", help="edgeq only")
+    parser.add_argument("--no-const", action="store_true",
+                        help="also run edgeq without binding shape operands (as a user without --const): its refusals "
+                             "should name the input to bind")
     parser.add_argument("--every-case", action="store_true",
                         help="every (non-expanded) case of the chosen op types, not one per type")
     args = parser.parse_args(argv)
@@ -329,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     if ops and len({t.op for t in tests}) != len(ops):
         parser.error(f"no node test for: {', '.join(sorted(ops - {t.op for t in tests}))}")
     runners = ["edgeq"] if args.no_ort else list(RUNNERS)
+    if args.no_const:
+        runners.insert(1, NO_CONST)
 
     def progress(test, runner, result):
         done = results_so_far.setdefault(test.name, {})
@@ -340,19 +354,23 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     results = run_all(tests, runners, args.jobs, args.timeout, progress)
     table = {r: counts(tests, results, r) for r in runners}
+    named = sum(names_its_input(t, results[t.name][NO_CONST]) for t in tests) if args.no_const else None
     if args.json:
         print(json.dumps({
             "tests": len(tests),
             "counts": table,
+            "no_const_refusals_naming_their_input": named,
             "results": [{"op": t.op, "test": t.name, **{r: dataclasses.asdict(results[t.name][r]) for r in runners}}
                         for t in tests],
             "seconds": round(time.perf_counter() - start, 1),
         }, indent=1))
         return 0
     print(f"\nONNX backend node tests, one per op type: {len(tests)} tests in {time.perf_counter() - start:.0f} s")
-    print(f"{'':10}" + "".join(f"{r:>13}" for r in runners))
+    print(f"{'':10}" + "".join(f"{r:>{max(13, len(r) + 2)}}" for r in runners))
     for cls in CLASSES:
-        print(f"{cls:10}" + "".join(f"{table[r][cls]:>13}" for r in runners))
+        print(f"{cls:10}" + "".join(f"{table[r][cls]:>{max(13, len(r) + 2)}}" for r in runners))
+    if named is not None:
+        print(f"{NO_CONST}: {named} of its {table[NO_CONST]['refused']} refusals name the graph input to bind")
     return 0
 
 
