@@ -85,6 +85,7 @@ class PackageArgs:
     golden_input: Path | None = None  # the self-test's input: .npz/.npy (one array per input) or an image
     preprocess: Preprocess | None = None  # how images (calibration, golden input) become tensors
     mender: bool = False  # also write OUTDIR/<name>-<device>.mender, a Mender Artifact of the archive (edgeq.mender)
+    export_qdq: Path | None = None  # int8/mixed: also write the calibrated model as ONNX QDQ (edgeq.quantize.export_qdq)
 
     def to_dict(self) -> dict[str, Any]:
         """What the manifest records (``build.args``). ``dump_ir`` is left out: a debugging aid that
@@ -106,6 +107,7 @@ class PackageArgs:
             "golden_input": str(self.golden_input) if self.golden_input else None,
             "preprocess": self.preprocess.to_dict() if self.preprocess else None,
             "mender": self.mender,
+            "export_qdq": str(self.export_qdq) if self.export_qdq else None,
         }
 
     def display(self) -> str:
@@ -246,6 +248,8 @@ def _check(b: _Build) -> None:
     if args.release is not None and args.release < 0:
         raise UsageError("--release must be a non-negative integer")
     check_reference(args.reference, args.precision in QUANTIZED)
+    if args.export_qdq is not None:
+        _check_export_qdq(args)
     if args.runtime not in RUNTIME_CHOICES:
         raise UsageError(f"unknown --runtime '{args.runtime}'; choose one of: {', '.join(RUNTIME_CHOICES)}")
     if args.records is not None and not Path(args.records).is_file():
@@ -283,6 +287,30 @@ def _check(b: _Build) -> None:
     except OSError as err:
         b.created_out_dir = False
         raise OutputError(f"cannot write to output directory {b.out_dir}: {err.strerror}; choose another with -o") from None
+
+
+def _check_export_qdq(args: PackageArgs) -> None:
+    path = Path(args.export_qdq)
+    if args.precision not in QUANTIZED:
+        raise UsageError("--export-qdq writes edgeq's calibration as ONNX QDQ: it needs --precision int8 or mixed")
+    if path.suffix != ".onnx":
+        raise UsageError(f"--export-qdq {path}: give a file name ending in .onnx")
+    folder = path.parent if str(path.parent) else Path(".")
+    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK) or path.is_dir():
+        raise OutputError(f"cannot write --export-qdq {path}: its folder is missing or not writable")
+    if any((p / contract.MANIFEST).is_file() for p in (folder.resolve(), *folder.resolve().parents)):
+        raise UsageError(f"--export-qdq {path} is inside a bundle folder; choose a file outside any bundle")
+
+
+def _export_qdq(b: _Build) -> None:
+    from edgeq.quantize.export_qdq import qdq_model, write
+
+    scales = {layer.name: float(b.quantization.scales[f"{layer.name}/activation_scale"])
+              for layer in b.quantization.layers if layer.precision == "int8"}
+    write(qdq_model(b.model.onnx_model, b.quantization.layers, scales), Path(b.args.export_qdq))
+    counts = b.quantization.report.precision_counts
+    b.progress.note(f"QDQ model: {counts['int8']} layers quantized with edgeq's scales, "
+                    f"{counts['fp16'] + counts['fp32']} left in float")
 
 
 def _load(b: _Build) -> None:
@@ -655,6 +683,8 @@ STAGES: tuple[Stage[_Build], ...] = (
     Stage("bundle", lambda b: f"write {b.out_dir / b.bundle_name} and .tar.gz", _bundle),
     Stage("mender", lambda b: f"Mender Artifact {b.out_dir / b.bundle_name}.mender (payload type edgeq)", _mender,
           applies=lambda b: b.args.mender),
+    Stage("export-qdq", lambda b: f"edgeq's calibration as ONNX QDQ: {b.args.export_qdq}", _export_qdq,
+          applies=lambda b: b.args.export_qdq is not None),
 )
 
 

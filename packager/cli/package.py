@@ -52,6 +52,9 @@ def add_parser(sub) -> None:
     q.add_argument("--accuracy-budget", type=float, metavar="X",
                    help="allowed loss: top-1 points when --eval has labels, else relative output error (e.g. 0.02)")
     q.add_argument("--eval", type=Path, metavar="DATA", help="held-out data (same formats; 'labels' for top-1)")
+    q.add_argument("--export-qdq", type=Path, metavar="FILE.onnx",
+                   help="also write the model with edgeq's calibration as ONNX QDQ (int8 per-tensor activations, "
+                        "per-channel weights; float layers stay float), for TensorRT (trtexec --int8) or ONNX Runtime")
     parser.add_argument("--json", action="store_true", help="print the result as one JSON object")
     parser.add_argument("--report", type=Path, metavar="FILE",
                         help="also draw the quantization report: FILE.html (one self-contained page) or FILE.png; "
@@ -127,6 +130,7 @@ def run(args, env) -> int:
         golden_input=args.golden_input,
         preprocess=preprocess,
         mender=args.mender,
+        export_qdq=args.export_qdq,
     )
     progress = StageProgress(console=env.err(), quiet=args.quiet)
     result = package(package_args, progress)
