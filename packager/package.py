@@ -126,6 +126,7 @@ class PackageResult:
     manifest: contract.Manifest
     replaced: bool = False  # a bundle of this name was in the output folder and is replaced
     mender: MenderResult | None = None  # with --mender
+    records_applied: int | None = None  # with --records: functions a tuning record scheduled
 
     def to_dict(self) -> dict[str, Any]:
         m = self.manifest
@@ -145,6 +146,7 @@ class PackageResult:
             "total_seconds": self.total_seconds,
             "replaced": self.replaced,
             "mender": self.mender.to_dict() if self.mender else None,
+            "records_applied": self.records_applied,
         }
 
 
@@ -215,6 +217,7 @@ class _Build:
     quantization: QuantizeResult | None = None
     # lower, fp16, tuning-records; compile; golden; reference; runtime; bundle; mender
     lowered: Lowered | None = None
+    records_applied: int | None = None  # functions a tuning record scheduled (with --records)
     compiled: Compiled | None = None
     golden: Golden | None = None
     reference_check: contract.ReferenceCheck | None = None
@@ -229,6 +232,12 @@ class _Build:
 
 
 def _check(b: _Build) -> None:
+    _check_args(b)
+    _check_output(b)
+
+
+def _check_args(b: _Build) -> None:
+    """The arguments, the profile and its backend, the compilers: everything before the output folder."""
     args = b.args
     if args.precision not in PRECISIONS:
         raise UsageError(f"unknown precision '{args.precision}'; choose one of: {', '.join(PRECISIONS)}")
@@ -270,6 +279,11 @@ def _check(b: _Build) -> None:
         raise UsageError(f"bundle name '{b.name}' is {len(b.name)} characters; with the device and a hash the bundle id "
                          f"would be {longest}, over 128: choose a shorter --name")
     b.toolchain = toolchain_for(b.profile)
+
+
+def _check_output(b: _Build) -> None:
+    """The output folder (and the IR dump's): made, writable, outside any bundle; the hidden staging folder."""
+    args = b.args
     if b.ir_dump is not None:
         b.ir_dump.prepare()
     b.out_dir = Path(args.output)
@@ -374,10 +388,12 @@ def _fp16(b: _Build) -> None:
 
 
 def _tuning_records(b: _Build) -> None:
-    from edgeq.rpc.tune import apply_records
+    from edgeq.records import apply_records
 
-    mod = apply_records(b.lowered.mod, b.lowered.target, Path(b.args.records), b.profile, warn=b.progress.warn)
+    mod, b.records_applied = apply_records(b.lowered.mod, b.lowered.target, Path(b.args.records), b.profile,
+                                           warn=b.progress.warn, precision=_precision(b))
     b.lowered = dataclasses.replace(b.lowered, mod=mod)
+    b.progress.note(f"tuning records scheduled {b.records_applied} function(s) ({_precision(b)}, {b.profile.name})")
 
 
 def _compile(b: _Build) -> None:
@@ -605,7 +621,8 @@ def _bundle(b: _Build) -> None:
         reference_check=b.reference_check,
         quantization=b.quantization.report if b.quantization else None,
         runtime=contract.RuntimeRecord.from_json(b.runtime.record, "runtime") if b.runtime else None,
-        build={"args": b.args.to_dict(), "stage_seconds": dict(b.progress.seconds)},
+        build={"args": b.args.to_dict(), "stage_seconds": dict(b.progress.seconds),
+               **({"records_applied": b.records_applied} if b.records_applied is not None else {})},
         compatibility=check_elves(b.staging, [contract.LIBRARY, *b.runtime.files], b.profile) if b.runtime else None,
         files={}, sizes={},
     )
@@ -688,6 +705,33 @@ STAGES: tuple[Stage[_Build], ...] = (
 )
 
 
+# What `package` builds up to and including the module it compiles; `edgeq tune` tunes exactly that module.
+FRONT_END = ("load", "import", "quantize", "lower-qdq", "lower", "fp16")
+
+
+@dataclasses.dataclass(frozen=True)
+class FrontEnd:
+    """The module ``package`` compiles, and what it is for (``front_end``)."""
+
+    profile: Profile
+    toolchain: Toolchain
+    precision: str  # as the manifest says it: int8 for a pre-quantized model
+    lowered: Lowered
+
+
+def front_end(args: PackageArgs, progress: StageProgress | None = None) -> FrontEnd:
+    """Run ``package``'s stages up to the module it compiles (load with ``--const`` and shape folding, import,
+    quantization with calibration or a pre-quantized model's lowering, the backend's preparation, fp16),
+    checking the arguments as ``package`` does and writing nothing: one front end for ``package`` and
+    ``edgeq tune``."""
+    progress = progress or StageProgress(quiet=True)
+    b = _Build(args=args, progress=progress)
+    b.looks_prequantized = _mentions(args.model, b"DequantizeLinear")
+    _check_args(b)
+    run_stages([stage for stage in STAGES if stage.name in FRONT_END], b, progress)
+    return FrontEnd(profile=b.profile, toolchain=b.toolchain, precision=_precision(b), lowered=b.lowered)
+
+
 def package(args: PackageArgs, progress: StageProgress | None = None) -> PackageResult:
     """Package ``args.model`` for ``args.device``. Raises EdgeqError subclasses with one-line messages."""
     progress = progress or StageProgress(quiet=True)
@@ -713,6 +757,7 @@ def package(args: PackageArgs, progress: StageProgress | None = None) -> Package
         manifest=b.manifest,
         replaced=b.replaced,
         mender=b.mender,
+        records_applied=b.records_applied,
     )
 
 

@@ -7,136 +7,38 @@ rewritten after each, so an interrupted run loses at most one task's trials and 
 their share of trials already recorded are skipped. The runner holds one RPC session at a time
 (``max_workers=1``): the device never runs two measurements at once.
 
-Records file: JSON lines, each ``{"profile", "tvm_version", "target", "workload_hash", "workload",
-"record"}``; one file can hold many models and devices: lookups match profile, TVM version and workload.
+The module tuned is the one ``edgeq package`` compiles with the same options (``edgeq.package.front_end``:
+``--const``, quantization with calibration, fp16, the backend's kernels). Records file: ``edgeq.records``
+(JSON lines keyed by profile, TVM version, precision and workload).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import tempfile
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from edgeq.errors import OutputError, RemoteError, UsageError
+from edgeq.errors import RemoteError, UsageError
 from edgeq.rpc.session import DAY_S, Remote, _no_retry_warnings, bounded, parse_addr, with_deadline
-from edgeq.safebundle import json_depth
-from edgeq.targets import Profile
+from edgeq.records import Records, prepare
 from edgeq.tvm_env import import_tvm
 
-FORMAT = 1
-RECORD_DEPTH = 256  # nesting of one records line (TVM's traces nest far less)
 MAX_TRIALS = 100_000
 BUILD_TIMEOUT_S = 300  # one candidate, built here (meta_schedule's 30 s fails every build on a busy 2-core host)
 
 
-def _shash(mod) -> int:
-    import_tvm()
-    import tvm_ffi
+def _unnamed_handlers_removed() -> None:
+    """meta_schedule configures its loggers by handler name and fails ("'NoneType' object has no attribute
+    'format'") on a handler without one on its logger, as a host application's (pytest's log capture) can
+    leave there; such a handler is taken off that logger (messages still reach the root's)."""
+    import logging
 
-    return tvm_ffi.structural_hash(mod)
-
-
-def prepare(mod, target):
-    """The module as tuning and compiling with records see it: legalized and fused (TVM's zero pipeline)."""
-    tvm = import_tvm()
-    from tvm import relax
-
-    with tvm.target.Target(target):
-        return tvm.ir.transform.Sequential([
-            relax.transform.DecomposeOpsForInference(),
-            relax.transform.CanonicalizeBindings(),
-            relax.get_pipeline("zero"),
-        ])(mod)
-
-
-class Records:
-    """The records file: load the entries for one profile and TVM version into a meta_schedule database."""
-
-    def __init__(self, path: Path, profile: Profile, warn=None):
-        tvm = import_tvm()
-        from tvm.s_tir import meta_schedule as ms
-
-        self.path, self.profile, self.tvm_version = Path(path), profile.name, tvm.__version__
-        self.database = ms.database.MemoryDatabase()
-        self._lines: list[str] = []
-        self._saved: set[tuple[str, str]] = set()
-        self._mine: Counter[str] = Counter()  # workload hash -> records for this profile and TVM version
-        if self.path.exists():
-            try:
-                text = self.path.read_text(encoding="utf-8")
-            except (OSError, UnicodeDecodeError) as err:
-                raise UsageError(f"cannot read records file {self.path}: {getattr(err, 'strerror', None) or err}") from None
-            for n, line in enumerate(text.splitlines(), 1):
-                try:
-                    if json_depth(line) > RECORD_DEPTH:  # json.loads would recurse until RecursionError
-                        raise ValueError
-                    entry = json.loads(line)
-                    key = (entry["workload_hash"], json.dumps(entry["record"]))
-                except (ValueError, KeyError, TypeError, RecursionError):
-                    raise UsageError(f"records file {self.path} line {n} is not an edgeq tuning record") from None
-                self._lines.append(line)
-                self._saved.add(key)
-                if entry.get("profile") == self.profile and entry.get("tvm_version") == self.tvm_version:
-                    try:  # TVM's parsers raise anything (FFI type errors) on a workload or record that is not one
-                        workload = ms.database.Workload.from_json(entry["workload"])
-                        record = ms.database.TuningRecord.from_json(entry["record"], workload)
-                    except Exception as err:  # noqa: BLE001 - a damaged line is skipped, saying which
-                        reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:160]
-                        (warn or _stderr_warning)(f"records file {self.path} line {n} is skipped: its workload or "
-                                                  f"record does not parse ({reason})")
-                        continue
-                    self._mine[entry["workload_hash"]] += 1
-                    self.database.commit_workload(workload.mod)
-                    self.database.commit_tuning_record(record)
-
-    def count(self, mod) -> int:
-        """Records kept for this workload on this profile and TVM version."""
-        return self._mine[str(_shash(mod))]
-
-    def save(self) -> int:
-        """Append the database's new records; write to a temporary file and rename (never half a file)."""
-        added = 0
-        for record in self.database.get_all_tuning_records():
-            h, record_json = str(_shash(record.workload.mod)), record.as_json()
-            key = (h, json.dumps(record_json))
-            if key in self._saved:
-                continue
-            self._saved.add(key)
-            self._mine[h] += 1
-            self._lines.append(json.dumps({
-                "format": FORMAT, "profile": self.profile, "tvm_version": self.tvm_version,
-                "workload_hash": h, "workload": record.workload.as_json(), "record": record_json,
-            }))
-            added += 1
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        try:
-            tmp.write_text("".join(line + "\n" for line in self._lines), encoding="utf-8")
-            os.replace(tmp, self.path)
-        except OSError as err:
-            raise OutputError(f"cannot write records file {self.path}: {err.strerror}") from None
-        return added
-
-
-def _stderr_warning(text: str) -> None:
-    import sys
-
-    print(f"edgeq: warning: {text}", file=sys.stderr, flush=True)
-
-
-def apply_records(mod, target, records_path: Path, profile: Profile, warn=None):
-    """``mod`` prepared and with every function that has a record replaced by its best schedule; a record that
-    does not parse is skipped with a warning (``warn``) naming its line."""
-    tvm = import_tvm()
-    from tvm import relax
-
-    records = Records(records_path, profile, warn)
-    prepared = prepare(mod, target)
-    with tvm.target.Target(target), records.database:
-        return relax.transform.MetaScheduleApplyDatabase(enable_warning=False)(prepared)
+    logger = logging.getLogger("tvm.s_tir.meta_schedule")
+    for handler in list(logger.handlers):
+        if handler.get_name() is None:
+            logger.removeHandler(handler)
 
 
 class DeviceUnreachable(RemoteError):
@@ -272,12 +174,15 @@ class TuneArgs:
     records: Path = Path("tuning.json")
     input_shapes: dict = dataclasses.field(default_factory=dict)
     timeout: float = 120.0
+    # the module edgeq package builds with the same options (edgeq.package.front_end)
+    consts: dict = dataclasses.field(default_factory=dict)
+    precision: str = "fp32"
+    quantize: Any = None  # edgeq.quantize.QuantizeArgs
+    preprocess: Any = None  # edgeq.quantize.data.Preprocess
 
 
-def tune(args: TuneArgs, note=lambda _: None, tick=lambda *_: None) -> dict[str, Any]:
-    from edgeq.compile import lower_graph, toolchain_for
-    from edgeq.load import load_model
-    from edgeq.relax_import import to_relax
+def tune(args: TuneArgs, note=lambda _: None, tick=lambda *_: None, progress=None) -> dict[str, Any]:
+    from edgeq.package import PackageArgs, front_end
     from edgeq.targets import resolve
 
     bounded("--trials", args.trials, 1, MAX_TRIALS)
@@ -288,21 +193,21 @@ def tune(args: TuneArgs, note=lambda _: None, tick=lambda *_: None) -> dict[str,
     if not records_path.parent.is_dir():
         raise UsageError(f"--records {records_path}: folder {records_path.parent} does not exist; create it first")
     host, port = parse_addr(args.rpc)
-    profile, alias_note = resolve(args.device)
-    if alias_note:
-        note(alias_note)
-    toolchain = toolchain_for(profile)
+    resolve(args.device)  # an unknown device: one line before the tracker is asked
     Remote.open(args.rpc, args.key, args.timeout)  # a dead tracker or an absent device: one line, within --timeout
     tvm = import_tvm()
     from tvm.s_tir import meta_schedule as ms
     from tvm.support import cc
 
-    graph, _ = to_relax(load_model(args.model, args.input_shapes))
-    target = profile.tvm_target()
-    graph, _ = lower_graph(graph, target)  # tune the functions `edgeq package` builds (CPU: edgeq's kernels)
-    mod = prepare(graph.mod, target)
+    # the functions `edgeq package` compiles with the same options: its front end (quantization, fp16, the
+    # backend's kernels), not a graph of tune's own
+    built = front_end(PackageArgs(model=args.model, device=args.device, input_shapes=args.input_shapes,
+                                  consts=args.consts, precision=args.precision, quantize=args.quantize,
+                                  preprocess=args.preprocess), progress)
+    profile, toolchain, target = built.profile, built.toolchain, built.lowered.target
+    mod = prepare(built.lowered.mod, target)
     extracted = ms.relax_integration.extract_tasks(mod, target)
-    records = Records(args.records, profile)
+    records = Records(args.records, profile, precision=built.precision)
     per_task = max(1, args.trials // max(1, len(extracted)))
     runner, unreachable = _runner(host, port, args.key, args.timeout)
 
@@ -315,6 +220,7 @@ def tune(args: TuneArgs, note=lambda _: None, tick=lambda *_: None) -> dict[str,
             return path
 
         builder = ms.builder.LocalBuilder(f_export=export, max_workers=1, timeout_sec=BUILD_TIMEOUT_S)
+        _unnamed_handlers_removed()
         contexts, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(extracted, work)
         for i, (task, ctx, weight) in enumerate(zip(extracted, contexts, weights), 1):
             done = records.count(task.dispatched[0])
@@ -341,5 +247,5 @@ def tune(args: TuneArgs, note=lambda _: None, tick=lambda *_: None) -> dict[str,
             tick("tasks", i, len(extracted))
             note(f"task {i}/{len(extracted)} {task.task_name}: best {best_ms:.4f} ms" if best_ms else
                  f"task {i}/{len(extracted)} {task.task_name}: no successful measurement")
-    return {"model": str(args.model), "device": profile.name, "records": str(args.records), "tasks": rows,
-            "tvm_version": tvm.__version__}
+    return {"model": str(args.model), "device": profile.name, "precision": built.precision,
+            "records": str(args.records), "tasks": rows, "tvm_version": tvm.__version__}

@@ -95,6 +95,8 @@ def _module_level_imports(tree: ast.Module) -> list[str]:
             names += [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0:
             names.append(node.module or "")
+        elif isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            continue  # for type checkers only: never runs
         elif isinstance(node, ast.Try | ast.If):  # guarded imports at module level count too
             names += _module_level_imports(ast.Module(body=[*node.body, *getattr(node, "orelse", [])], type_ignores=[]))
     return names

@@ -245,3 +245,35 @@ def test_tune_writes_records_resumes_and_package_uses_them(tracker, tmp_path):
         sys.modules.pop("run", None)
     want = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_tune_tunes_what_package_builds_at_its_precision(tracker, tmp_path):
+    """tune and package share one front end: an int8 tune (with calibration) records int8 workloads under
+    precision int8; package --records applies them to an int8 build and says how many functions they
+    scheduled; an fp32 build ignores them with a warning, never an error."""
+    model = _conv_model(tmp_path / "conv.onnx")
+    calib = tmp_path / "calib.npz"
+    np.savez(calib, x=np.random.default_rng(0).standard_normal((4, 4, 16, 16)).astype(np.float32))
+    records = tmp_path / "tuning.json"
+    int8 = ("--precision", "int8", "--calibrate", calib)
+    res = run_cli("tune", model, "--device", "host", "--rpc", tracker, "--key", "cpu-test", "--trials", "2",
+                  "--records", records, "--json", *int8)
+    assert res.code == 0, res.stderr
+    assert json.loads(res.stdout)["precision"] == "int8"
+    lines = [json.loads(line) for line in records.read_text().splitlines()]
+    assert lines and {e["precision"] for e in lines} == {"int8"}
+    from tvm.s_tir import meta_schedule as ms
+
+    scripts = [ms.database.Workload.from_json(e["workload"]).mod.script() for e in lines]
+    assert any('"int8"' in text for text in scripts)  # the quantized graph's functions, not fp32's
+    res = run_cli("package", model, "--device", "host", "-o", tmp_path / "q", "--records", records, "-q", "--json", *int8)
+    assert res.code == 0, res.stderr
+    result = json.loads(res.stdout)
+    assert result["records_applied"] >= 1
+    manifest = json.loads((Path(result["bundle_dir"]) / "manifest.json").read_text())
+    assert manifest["build"]["records_applied"] == result["records_applied"]
+    res = run_cli("package", model, "--device", "host", "-o", tmp_path / "f", "--records", records, "--json")
+    assert res.code == 0, res.stderr
+    assert json.loads(res.stdout)["records_applied"] == 0
+    assert f"{len(lines)} record(s) in {records} are for another profile, TVM version or precision" in res.stderr

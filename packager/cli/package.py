@@ -23,35 +23,9 @@ def add_parser(sub) -> None:
     parser.add_argument("--device", required=True, help="device profile or alias (see 'edgeq devices')")
     parser.add_argument("-o", "--output", type=Path, default=Path(DEFAULT_OUTPUT),
                         help=f"output folder (default: {DEFAULT_OUTPUT})")
-    parser.add_argument("--input-shape", action="append", default=[], metavar="NAME=1x3x224x224",
-                        help="fix the shape of an input with dynamic dims; repeat per input")
-    parser.add_argument("--const", action="append", default=[], metavar="NAME=FILE.npy",
-                        help="bind a graph input to this value before import (a shape operand such as Reshape's "
-                             "shape or Slice's starts), so its shape arithmetic folds to constants; repeatable")
+    add_graph_options(parser)
     parser.add_argument("--name", help="bundle name (default: the model file's name)")
-    parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
-                        help="fp32; int8 (post-training quantization, needs --calibrate); mixed (int8, with the most "
-                             "sensitive layers returned to float until --accuracy-budget holds); fp16 (CUDA profiles: fp16 "
-                             "weights and activations, fp32 accumulation, tensor cores where shapes allow)")
-    q = parser.add_argument_group("quantization (--precision int8 / mixed)")
-    q.add_argument("--calibrate", type=Path, metavar="DATA",
-                   help=".npz (one array per input, samples first), a folder of .npy/.npz, or a folder of images")
-    q.add_argument("--calibration", choices=list(CALIBRATION_METHODS), default=DEFAULT_METHOD,
-                   help=f"activation range method (default: {DEFAULT_METHOD})")
-    q.add_argument("--percentile", type=float, default=DEFAULT_PERCENTILE,
-                   help=f"for --calibration percentile (default {DEFAULT_PERCENTILE})")
-    q.add_argument("--calib-samples", type=int, default=DEFAULT_CALIB_SAMPLES, metavar="N",
-                   help=f"calibration samples to use at most (default {DEFAULT_CALIB_SAMPLES}), counted one per input row: a batch of B "
-                        "counts B; used in whole batches, at least one; fewer than 10 only warn")
-    q.add_argument("--preprocess", nargs="?", const="", metavar="SPEC",
-                   help="how to turn images (calibration data, --golden-input) into inputs: "
-                        "resize=HxW,mean=a/b/c,std=a/b/c,scale=255,layout=NCHW,order=RGB")
-    q.add_argument("--skip", action="append", default=[], metavar="NODE_OR_OP",
-                   help="keep this ONNX node (by name) or op type (Conv, Gemm, MatMul) in fp32; repeatable")
-    q.add_argument("--fp16", action="store_true", help="layers leaving int8 for the accuracy budget run fp16, not fp32")
-    q.add_argument("--accuracy-budget", type=float, metavar="X",
-                   help="allowed loss: top-1 points when --eval has labels, else relative output error (e.g. 0.02)")
-    q.add_argument("--eval", type=Path, metavar="DATA", help="held-out data (same formats; 'labels' for top-1)")
+    q = parser.add_argument_group("export")
     q.add_argument("--export-qdq", type=Path, metavar="FILE.onnx",
                    help="also write the model with edgeq's calibration as ONNX QDQ (int8 per-tensor activations, "
                         "per-channel weights; float layers stay float), for TensorRT (trtexec --int8) or ONNX Runtime")
@@ -85,21 +59,48 @@ def add_parser(sub) -> None:
                              "stages before a failure stay. Nothing of it enters the bundle")
 
 
-def run(args, env) -> int:
+def add_graph_options(parser) -> None:
+    """The options that decide the module a build compiles: shared by ``package`` and ``tune`` (``tune`` tunes
+    exactly what ``package`` builds)."""
+    parser.add_argument("--input-shape", action="append", default=[], metavar="NAME=1x3x224x224",
+                        help="fix the shape of an input with dynamic dims; repeat per input")
+    parser.add_argument("--const", action="append", default=[], metavar="NAME=FILE.npy",
+                        help="bind a graph input to this value before import (a shape operand such as Reshape's "
+                             "shape or Slice's starts), so its shape arithmetic folds to constants; repeatable")
+    parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                        help="fp32; int8 (post-training quantization, needs --calibrate); mixed (int8, with the most "
+                             "sensitive layers returned to float until --accuracy-budget holds); fp16 (CUDA profiles: fp16 "
+                             "weights and activations, fp32 accumulation, tensor cores where shapes allow)")
+    q = parser.add_argument_group("quantization (--precision int8 / mixed)")
+    q.add_argument("--calibrate", type=Path, metavar="DATA",
+                   help=".npz (one array per input, samples first), a folder of .npy/.npz, or a folder of images")
+    q.add_argument("--calibration", choices=list(CALIBRATION_METHODS), default=DEFAULT_METHOD,
+                   help=f"activation range method (default: {DEFAULT_METHOD})")
+    q.add_argument("--percentile", type=float, default=DEFAULT_PERCENTILE,
+                   help=f"for --calibration percentile (default {DEFAULT_PERCENTILE})")
+    q.add_argument("--calib-samples", type=int, default=DEFAULT_CALIB_SAMPLES, metavar="N",
+                   help=f"calibration samples to use at most (default {DEFAULT_CALIB_SAMPLES}), counted one per input row: a batch of B "
+                        "counts B; used in whole batches, at least one; fewer than 10 only warn")
+    q.add_argument("--preprocess", nargs="?", const="", metavar="SPEC",
+                   help="how to turn images (calibration data, --golden-input) into inputs: "
+                        "resize=HxW,mean=a/b/c,std=a/b/c,scale=255,layout=NCHW,order=RGB")
+    q.add_argument("--skip", action="append", default=[], metavar="NODE_OR_OP",
+                   help="keep this ONNX node (by name) or op type (Conv, Gemm, MatMul) in fp32; repeatable")
+    q.add_argument("--fp16", action="store_true", help="layers leaving int8 for the accuracy budget run fp16, not fp32")
+    q.add_argument("--accuracy-budget", type=float, metavar="X",
+                   help="allowed loss: top-1 points when --eval has labels, else relative output error (e.g. 0.02)")
+    q.add_argument("--eval", type=Path, metavar="DATA", help="held-out data (same formats; 'labels' for top-1)")
+
+
+def graph_options(args) -> dict:
+    """``add_graph_options``'s values as ``PackageArgs`` fields (input_shapes, consts, precision, quantize,
+    preprocess)."""
     from edgeq.load import parse_const, parse_shape
-    from edgeq.package import PackageArgs, package
-    from edgeq.progress import StageProgress
     from edgeq.quantize import QuantizeArgs
     from edgeq.quantize.data import Preprocess
 
-    if args.report:
-        from edgeq.report import check_output
-
-        check_output(args.report)  # a wrong suffix or folder is known before the build
-    shapes = dict(parse_shape(text) for text in args.input_shape)
-    consts = dict(parse_const(text) for text in args.const)
-    quantize_args = None
     preprocess = Preprocess.parse(args.preprocess) if args.preprocess is not None else None
+    quantize_args = None
     if args.calibrate is not None:
         quantize_args = QuantizeArgs(
             calibrate=args.calibrate,
@@ -112,25 +113,34 @@ def run(args, env) -> int:
             eval=args.eval,
             preprocess=preprocess,
         )
+    return {"input_shapes": dict(parse_shape(text) for text in args.input_shape),
+            "consts": dict(parse_const(text) for text in args.const),
+            "precision": args.precision, "quantize": quantize_args, "preprocess": preprocess}
+
+
+def run(args, env) -> int:
+    from edgeq.package import PackageArgs, package
+    from edgeq.progress import StageProgress
+
+    if args.report:
+        from edgeq.report import check_output
+
+        check_output(args.report)  # a wrong suffix or folder is known before the build
     package_args = PackageArgs(
         model=args.model,
         device=args.device,
         output=args.output,
-        input_shapes=shapes,
         name=args.name,
-        precision=args.precision,
-        quantize=quantize_args,
         sign_key=args.sign_key,
         release=args.release,
         records=args.records,
         runtime=args.runtime,
-        consts=consts,
         dump_ir=args.dump_ir,
         reference=args.reference,
         golden_input=args.golden_input,
-        preprocess=preprocess,
         mender=args.mender,
         export_qdq=args.export_qdq,
+        **graph_options(args),
     )
     progress = StageProgress(console=env.err(), quiet=args.quiet)
     result = package(package_args, progress)

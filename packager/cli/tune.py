@@ -8,6 +8,8 @@ from pathlib import Path
 from rich.table import Table
 from rich.text import Text
 
+from edgeq.cli.package import add_graph_options, graph_options
+
 
 def add_parser(sub) -> None:
     parser = sub.add_parser("tune", help="tune schedules on a device over TVM RPC",
@@ -20,7 +22,7 @@ def add_parser(sub) -> None:
     parser.add_argument("--key", required=True, help="device key registered with the tracker")
     parser.add_argument("--trials", type=int, default=64, help="measurements in all, shared by the tasks, 1 to 100000 (default 64)")
     parser.add_argument("--records", type=Path, default=Path("tuning.json"), help="records file (default tuning.json)")
-    parser.add_argument("--input-shape", action="append", default=[], metavar="NAME=1x3x224x224")
+    add_graph_options(parser)  # the same module as `edgeq package` with these options builds
     parser.add_argument("--timeout", type=float, default=120,
                         help="deadline in seconds for each remote step: reaching the tracker, getting the device, and "
                              "each step of a measurement (upload, load, run); a device that stays unreachable ends "
@@ -29,14 +31,13 @@ def add_parser(sub) -> None:
 
 
 def run(args, env) -> int:
-    from edgeq.load import parse_shape
     from edgeq.progress import StageProgress
     from edgeq.rpc.tune import TuneArgs, tune
 
     progress = StageProgress(console=env.err())
     result = tune(TuneArgs(model=args.model, device=args.device, rpc=args.rpc, key=args.key, trials=args.trials,
-                           records=args.records, input_shapes=dict(parse_shape(t) for t in args.input_shape),
-                           timeout=args.timeout), note=progress.note, tick=progress.tick)
+                           records=args.records, timeout=args.timeout, **graph_options(args)),
+                  note=progress.note, tick=progress.tick, progress=progress)
     if args.json:
         print(json.dumps(result, indent=2), file=env.stdout)
         return 0
