@@ -1027,6 +1027,9 @@ def data_dependent(ctx, inputs, attr):
         axis = 0 if axis is None else _axis(int(axis), len(_shape(inputs[0])))
         kept = np.nonzero(condition[: _shape(x)[axis]])[0].astype("int64")
         return relax.op.take(x, _c(kept), axis=axis)
+    if ctx.op == "Compress" and _runtime_operands(inputs, ctx.params):
+        ctx.refuse("its condition is computed at run time, and the size of its output depends on it (an edgeq bundle "
+                   "has static output shapes)", "bind the graph input with --const NAME=FILE.npy (or make it an initializer)")
     ctx.refuse("the size of its output depends on the input values, and an edgeq bundle has static output shapes",
                f"end the model before {ctx.op} and run that step in the application")
 
@@ -1144,16 +1147,21 @@ class _Converter:
                 raise
             except Exception as err:  # noqa: BLE001 - TVM's converters raise anything
                 _FAILED_BUILDERS.append(bb)
-                raise ConversionError(self.op, node, err, _runtime_operands(inputs, params)) from err
+                raise ConversionError(self.op, node, err, _runtime_operands(inputs, params, self.op)) from err
             _check_static(self.op, node, inputs, result, params)
             return result
 
         return convert
 
 
-def _runtime_operands(inputs, params) -> bool:
-    """Whether an operand after the first is a small tensor computed at run time (a shape-like operand)."""
-    for expr in list(inputs)[1:]:
+def _runtime_operands(inputs, params, op: str = "") -> bool:
+    """Whether a shape-like operand (``edgeq.load.SHAPE_OPERANDS``' positions for ``op``, else every operand
+    after the first) is a small tensor computed at run time."""
+    from edgeq.load import SHAPE_OPERANDS
+
+    positions = SHAPE_OPERANDS.get(op)
+    operands = [inputs[i] for i in positions if i < len(inputs)] if positions else list(inputs)[1:]
+    for expr in operands:
         if isinstance(expr, relax.Expr) and not isinstance(expr, tvm.ir.expr.Constant) \
                 and not (isinstance(expr, relax.Var) and expr.name in params[1]) \
                 and isinstance(expr.ty, relax.TensorType) and 0 <= expr.ty.ndim <= 1:
@@ -1176,7 +1184,7 @@ def _check_static(op: str, node: str, inputs, result, params) -> None:
     exprs = [e for e in inputs if isinstance(e, relax.Expr)]
     if not isinstance(result, relax.Expr) or not all(_static(e.ty) for e in exprs) or _static(result.ty):
         return
-    if _runtime_operands(inputs, params):
+    if _runtime_operands(inputs, params, op):
         todo = ("its shape operand is computed at run time: make it an initializer, or bind the graph input "
                 "with --const NAME=FILE.npy")
     else:

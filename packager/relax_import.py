@@ -175,7 +175,7 @@ def _name_const_inputs(message: str, model) -> str:
     initializers = {t.name for t in graph.initializer}
     inputs = {i.name: i for i in graph.input if i.name not in initializers}
     producers = {out: n for n in graph.node for out in n.output}
-    reached, stack, seen = [], list(node.input[1:]), set()
+    reached, stack, seen = [], list(node.input[1:] or node.input[:1]), set()  # (windows, ConstantOfShape: input 0)
     while stack:
         name = stack.pop()
         if not name or name in seen:
