@@ -56,6 +56,7 @@ def _inputs() -> dict[str, np.ndarray]:
     out["logits"] = rng.standard_normal((4, 8, 3)).astype(np.float32)  # 8 classes: the golden labels are 0..7
     out["labels"] = rng.integers(0, 8, (4, 3)).astype(np.int64)
     out["lens"] = np.array([3, 1, 4], np.int64)
+    out["flags"] = np.array([[True, False, True], [False, False, False], [True, True, True], [False, True, False]])
     return out
 
 
@@ -78,6 +79,7 @@ def _model() -> onnx.ModelProto:
         nh.from_array(np.array([3, 1, 1, 1, 5], np.int64), "expand_shape"),
         nh.from_array(np.array([0, 0, 1, 2, 0, 0, 2, 1], np.int64), "pads"),
         nh.from_array(np.array(5, np.int64), "depth"),
+        nh.from_array(np.array([1], np.int64), "flag_axes"),
         nh.from_array(rng.integers(-100, 100, (4, 3, 3, 3)).astype(np.int8), "qw"),
         nh.from_array(np.array(0.02, np.float32), "qx_s"), nh.from_array(np.array(128, np.uint8), "qx_zp"),
         nh.from_array(rng.uniform(0.001, 0.01, 4).astype(np.float32), "qw_s"),
@@ -132,6 +134,8 @@ def _model() -> onnx.ModelProto:
         n("ScatterElements", ["seq", "se_idx", "se_upd"], ["scattered_el"], axis=0, reduction="add"),
         n("OneHot", ["hot_idx", "depth", "hot_values"], ["onehot"], axis=1),
         n("Pad", ["x", "pads", "pad_value"], ["padded"]),
+        n("ReduceMax", ["flags", "flag_axes"], ["any_flag"], keepdims=0),  # bool: any
+        n("ReduceMin", ["flags", "flag_axes"], ["all_flags"], keepdims=1),  # bool: all
         n("QLinearConv", ["qx", "qx_s", "qx_zp", "qw", "qw_s", "qw_zp", "qy_s", "qy_zp", "qb"], ["qconv"],
           pads=[1, 1, 1, 1], strides=[2, 2]),
         n("ConvInteger", ["qx", "qw", "qx_zp"], ["convint"], pads=[0, 1, 0, 1]),
