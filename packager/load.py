@@ -108,8 +108,8 @@ def _bind_consts(model: onnx.ModelProto, consts: dict[str, np.ndarray]) -> None:
         ttype = value.type.tensor_type
         want = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(ttype.elem_type))
         if array.dtype != want:
-            hint = "float32 (numpy's .npy cannot hold it; edgeq converts exact values)" if want.kind == "V" or \
-                want.name in ("bfloat16",) or want.name.startswith("float8") else str(want)
+            # bfloat16, float8: ml_dtypes types (kind "V"), which a .npy file cannot hold
+            hint = "float32 (numpy's .npy cannot hold it; edgeq converts exact values)" if want.kind == "V" else str(want)
             try:
                 cast = array.astype(want) if array.dtype.kind in "biuf" else None
                 exact = cast is not None and np.array_equal(cast.astype(array.dtype), array)

@@ -194,7 +194,7 @@ class _Build:
     args: PackageArgs
     progress: StageProgress
     ir_dump: IRDump | None = None
-    looks_prequantized: bool = False  # before import: the model file mentions DequantizeLinear
+    looks_prequantized: bool = dataclasses.field(init=False)  # before import: the model file mentions DequantizeLinear
     # check
     name: str = ""
     profile: Profile | None = None
@@ -225,6 +225,9 @@ class _Build:
     manifest: contract.Manifest | None = None
     replaced: bool = False  # the output folder held a bundle of this name, now replaced
     mender: MenderResult | None = None
+
+    def __post_init__(self) -> None:
+        self.looks_prequantized = _mentions(self.args.model, b"DequantizeLinear")  # until import decides (_is_prequantized)
 
     @property
     def bundle_name(self) -> str:
@@ -726,7 +729,6 @@ def front_end(args: PackageArgs, progress: StageProgress | None = None) -> Front
     ``edgeq tune``."""
     progress = progress or StageProgress(quiet=True)
     b = _Build(args=args, progress=progress)
-    b.looks_prequantized = _mentions(args.model, b"DequantizeLinear")
     _check_args(b)
     run_stages([stage for stage in STAGES if stage.name in FRONT_END], b, progress)
     return FrontEnd(profile=b.profile, toolchain=b.toolchain, precision=_precision(b), lowered=b.lowered)
@@ -736,7 +738,6 @@ def package(args: PackageArgs, progress: StageProgress | None = None) -> Package
     """Package ``args.model`` for ``args.device``. Raises EdgeqError subclasses with one-line messages."""
     progress = progress or StageProgress(quiet=True)
     b = _Build(args=args, progress=progress, ir_dump=IRDump(args.dump_ir) if args.dump_ir is not None else None)
-    b.looks_prequantized = _mentions(args.model, b"DequantizeLinear")  # until import decides (_is_prequantized)
     try:
         run_stages(STAGES, b, progress, b.ir_dump)
     except BaseException:

@@ -96,9 +96,8 @@ def for_profile(profile) -> Backend:
 
 
 def for_target(target) -> Backend:
-    """The backend that builds for a TVM target: CUDA for a ``cuda`` target, else the CPU's."""
-    kind = target.kind.name if hasattr(target, "kind") else str(target).split()[0]
-    return get("cuda" if kind == "cuda" else "cpu")
+    """The backend that builds for a ``tvm.target.Target``: CUDA for a ``cuda`` target, else the CPU's."""
+    return get("cuda" if target.kind.name == "cuda" else "cpu")
 
 
 __all__ = ["Backend", "BACKENDS", "for_profile", "for_target", "get", "GOLDEN_RTOL", "GOLDEN_ATOL",
