@@ -21,9 +21,13 @@ class TensorSpec:
     name: str
     shape: tuple[int, ...]
     dtype: str
+    rows: dict | None = None  # padded rows (edgeq.nms): {axis, bound, count, source}
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
+        out = {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
+        if self.rows:
+            out["rows"] = dict(self.rows)
+        return out
 
 
 @dataclasses.dataclass

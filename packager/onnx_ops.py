@@ -52,6 +52,7 @@ class Context:
     num_outputs: int
     params: Any  # TVM's [graph nodes, params] pair
     tvm_converter: Any  # TVM's converter class for this op, or None
+    max_detections: int | None = None  # --max-detections (edgeq.nms)
 
     def const(self, expr) -> np.ndarray | None:
         """The value of an operand known at import time (a constant or an initializer), else None."""
@@ -1034,6 +1035,54 @@ def data_dependent(ctx, inputs, attr):
                f"end the model before {ctx.op} and run that step in the application")
 
 
+def non_max_suppression(ctx, inputs, attr):
+    """NonMaxSuppression padded to a static bound, with the count of real rows as a second output where
+    the importer asked for one (``edgeq.nms``)."""
+    from edgeq import nms
+
+    boxes, scores = inputs[0], inputs[1]
+    if _dtype(boxes) != "float32" or _dtype(scores) != "float32":
+        ctx.refuse(f"boxes and scores are {_dtype(boxes)} and {_dtype(scores)}", "give it float32 boxes and scores")
+    (batches, boxes_n, four), (batches2, classes, boxes_n2) = _shape(boxes), _shape(scores)
+    if four != 4 or batches != batches2 or boxes_n != boxes_n2:
+        ctx.refuse(f"boxes {_shape(boxes)} and scores {_shape(scores)} do not fit (ONNX: [B, N, 4] and [B, C, N])",
+                   "fix the model")
+    center = int(attr.get("center_point_box", 0))
+    if center not in (0, 1):
+        ctx.refuse(f"center_point_box is {center}", "ONNX allows 0 or 1")
+    present = [i < len(inputs) and inputs[i] is not None for i in range(5)]
+    limit_value = ctx.const(inputs[2]) if present[2] else np.zeros(1, "int64")
+    per_class, rows = nms.bound(batches, classes, boxes_n,
+                                None if limit_value is None else int(np.asarray(limit_value).reshape(-1)[0]),
+                                ctx.max_detections)
+    if rows == 0:
+        ctx.refuse("max_output_boxes_per_class is 0 or absent, so it selects nothing (a bundle output cannot be empty)",
+                   "give the model a positive max_output_boxes_per_class")
+    iou_value = ctx.const(inputs[3]) if present[3] else np.zeros(1, "float32")
+    if iou_value is not None:
+        nms.check_iou_threshold(float(np.asarray(iou_value).reshape(-1)[0]), ctx.node)
+
+    def scalar(index: int, dtype: str, default):
+        if not present[index]:
+            return _c(np.full(1, default, dtype))
+        return relax.op.astype(relax.op.reshape(inputs[index], [1]), dtype)
+
+    select = nms.select_func(batches, classes, boxes_n, per_class, center, present[4])
+    collect = nms.collect_func(batches, classes, per_class, rows)
+    bb, pairs = ctx.bb, batches * classes
+    chosen = bb.emit(relax.call_tir(
+        bb.add_func(select, "edgeq_nms_select"),
+        relax.Tuple([boxes, scores, scalar(2, "int64", 0), scalar(3, "float32", 0.0), scalar(4, "float32", 0.0)]),
+        [relax.TensorType([pairs, max(per_class, 1)], "int32"), relax.TensorType([pairs], "int32"),
+         relax.TensorType([2, pairs, boxes_n], "int32")]))
+    out = bb.emit(relax.call_tir(
+        bb.add_func(collect, "edgeq_nms_collect"),
+        relax.Tuple([bb.emit(relax.TupleGetItem(chosen, 0)), bb.emit(relax.TupleGetItem(chosen, 1))]),
+        [relax.TensorType([rows, 3], "int64"), relax.TensorType([1], "int64")]))
+    selected, count = relax.TupleGetItem(out, 0), relax.TupleGetItem(out, 1)
+    return relax.Tuple([bb.normalize(selected), bb.normalize(count)]) if ctx.num_outputs == 2 else selected
+
+
 def sequence_output(ctx, inputs, attr):
     ctx.refuse("it makes a sequence of tensors, and an edgeq bundle takes and returns tensors",
                "use Split, which returns the parts as separate tensors")
@@ -1072,7 +1121,7 @@ CONVERTERS: dict[str, Callable] = {
     "Mish": mish,
     "LayerNormalization": layer_normalization,
     "RMSNormalization": rms_normalization,
-    "NonMaxSuppression": data_dependent,
+    "NonMaxSuppression": non_max_suppression,
     "NonZero": data_dependent,
     "Unique": data_dependent,
     "Compress": data_dependent,
@@ -1094,7 +1143,7 @@ OVERRIDES = {
     "Mish": "TVM's log(1 + e^x) loses small values for negative x (off by ~1e-6)",
     "LayerNormalization": "TVM returns 0-d placeholders for the optional Mean and InvStdDev outputs",
     "RMSNormalization": "TVM's rms_norm fails to build when the scale has the input's rank (axis 0)",
-    "NonMaxSuppression": "the number of selected boxes is data-dependent; TVM's static result has the wrong shape",
+    "NonMaxSuppression": "TVM's result is trimmed at run time; edgeq's is padded to a static bound with a count (edgeq.nms)",
     "NonZero": "data-dependent output size: refused in one line instead of failing in the build",
     "Unique": "data-dependent output size: refused in one line instead of failing in the build",
     "Compress": "a constant condition becomes a take of fixed indices; a computed one is refused",
@@ -1127,8 +1176,8 @@ _FAILED_BUILDERS: list = []
 class _Converter:
     """What TVM's importer expects of a converter class: ``get_converter(opset)`` -> fn(bb, inputs, attr, params)."""
 
-    def __init__(self, op: str, fn: Callable | None, tvm_class):
-        self.op, self.fn, self.tvm_class = op, fn, tvm_class
+    def __init__(self, op: str, fn: Callable | None, tvm_class, max_detections: int | None = None):
+        self.op, self.fn, self.tvm_class, self.max_detections = op, fn, tvm_class, max_detections
 
     def get_converter(self, opset: int):
         def convert(bb, inputs, attr, params):
@@ -1136,7 +1185,8 @@ class _Converter:
             node = str(custom.get("name") or self.op)
             try:
                 if self.fn is not None:
-                    ctx = Context(bb, opset, self.op, node, int(custom.get("num_outputs", 1)), params, self.tvm_class)
+                    ctx = Context(bb, opset, self.op, node, int(custom.get("num_outputs", 1)), params, self.tvm_class,
+                                  self.max_detections)
                     result = self.fn(ctx, inputs, attr)
                 else:
                     result = self.tvm_class.get_converter(opset)(bb, inputs, attr, params)
@@ -1193,11 +1243,11 @@ def _check_static(op: str, node: str, inputs, result, params) -> None:
 
 
 @contextlib.contextmanager
-def installed():
+def installed(max_detections: int | None = None):
     """TVM's ONNX importer with edgeq's converters added (for the duration of the ``with`` block)."""
     table = _TVM_CONVERT_MAP()
     merged = {op: _Converter(op, None, cls) for op, cls in table.items()}
-    merged.update({op: _Converter(op, fn, table.get(op)) for op, fn in CONVERTERS.items()})
+    merged.update({op: _Converter(op, fn, table.get(op), max_detections) for op, fn in CONVERTERS.items()})
     previous = onnx_frontend._get_convert_map
     onnx_frontend._get_convert_map = lambda: merged
     try:

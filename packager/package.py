@@ -86,6 +86,7 @@ class PackageArgs:
     preprocess: Preprocess | None = None  # how images (calibration, golden input) become tensors
     mender: bool = False  # also write OUTDIR/<name>-<device>.mender, a Mender Artifact of the archive (edgeq.mender)
     export_qdq: Path | None = None  # int8/mixed: also write the calibrated model as ONNX QDQ (edgeq.quantize.export_qdq)
+    max_detections: int | None = None  # NonMaxSuppression: its selected rows padded to at most this (edgeq.nms)
 
     def to_dict(self) -> dict[str, Any]:
         """What the manifest records (``build.args``). ``dump_ir`` is left out: a debugging aid that
@@ -108,6 +109,7 @@ class PackageArgs:
             "preprocess": self.preprocess.to_dict() if self.preprocess else None,
             "mender": self.mender,
             "export_qdq": str(self.export_qdq) if self.export_qdq else None,
+            "max_detections": self.max_detections,
         }
 
     def display(self) -> str:
@@ -259,6 +261,8 @@ def _check_args(b: _Build) -> None:
         raise UsageError(f"bundle name '{b.name}' may use letters, digits, '.', '_' and '-' only; set it with --name")
     if args.release is not None and args.release < 0:
         raise UsageError("--release must be a non-negative integer")
+    if args.max_detections is not None and not 1 <= args.max_detections <= 1 << 24:
+        raise UsageError("--max-detections must be an integer from 1 to 16777216")
     check_reference(args.reference, args.precision in QUANTIZED)
     if args.export_qdq is not None:
         _check_export_qdq(args)
@@ -346,7 +350,7 @@ def _load(b: _Build) -> None:
 def _import(b: _Build) -> None:
     from edgeq.quantize import is_qdq
 
-    b.graph, b.outputs = to_relax(b.model)
+    b.graph, b.outputs = to_relax(b.model, max_detections=b.args.max_detections)
     for kind, spec in [*(("input", s) for s in b.model.inputs), *(("output", s) for s in b.outputs)]:
         if spec.dtype not in safebundle.TABLE_DTYPES:  # what golden.bin, run.py and edgeq-run can hold
             raise ModelError(f"{kind} '{spec.name}' is {spec.dtype}, which a bundle cannot carry (it holds "
@@ -519,7 +523,7 @@ def _reference_check(b: _Build) -> None:
     if reference.note:
         b.progress.note(f"reference: {reference.name} ({reference.note})")
     rtol, atol = _reference_tolerance(b)
-    b.reference_check = compare_reference(reference, b.golden.inputs, b.golden.outputs, [s.name for s in b.outputs],
+    b.reference_check = compare_reference(reference, b.golden.inputs, b.golden.outputs, b.outputs,
                                           rtol, atol, checked=b.golden.computed_with)
     check = b.reference_check
     if check.result == "passed":
@@ -605,7 +609,7 @@ def _bundle(b: _Build) -> None:
             file=Path(b.args.model).name, sha256=b.model.sha256, opset=b.model.opset,
             producer=f"{b.model.onnx_model.producer_name} {b.model.onnx_model.producer_version}".strip()),
         inputs=[contract.TensorSpec(name=t.name, shape=list(t.shape), dtype=t.dtype) for t in b.model.inputs],
-        outputs=[contract.TensorSpec(name=t.name, shape=list(t.shape), dtype=t.dtype) for t in b.outputs],
+        outputs=[contract.TensorSpec.from_json(t.to_dict(), "outputs") for t in b.outputs],
         device=b.profile.device_record(),
         toolchain=contract.ToolchainRecord.from_json(b.toolchain.to_dict(), "toolchain"),
         library=contract.LibraryRecord(

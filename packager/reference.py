@@ -48,6 +48,7 @@ class Reference:
     graph: str  # what the reference ran
     run: Callable[[dict[str, np.ndarray]], list[np.ndarray]]
     note: str | None = None  # why the first choice was not used
+    names: tuple[str, ...] | None = None  # its outputs' names, where they are not the build's (ONNX Runtime)
 
 
 def onnxruntime_reference(onnx_model, graph_label: str) -> Reference:
@@ -63,7 +64,7 @@ def onnxruntime_reference(onnx_model, graph_label: str) -> Reference:
     def run(inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
         return [np.asarray(o) for o in session.run(names, inputs)]
 
-    return Reference(f"onnxruntime {ort.__version__}", graph_label, run)
+    return Reference(f"onnxruntime {ort.__version__}", graph_label, run, names=tuple(names))
 
 
 def tvm_plain_reference(graph, graph_label: str, note: str | None = None) -> Reference:
@@ -122,8 +123,24 @@ def _first_line(err: BaseException) -> str:
     return (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
 
 
+def _trimmed(spec, got: dict[str, np.ndarray], want: np.ndarray, g: np.ndarray) -> tuple[np.ndarray, np.ndarray, str | None]:
+    """A padded output (``edgeq.nms``) and the reference's unpadded one, both cut to the real rows; with
+    what is wrong with the count, if anything. A bound below the reference's rows (``--max-detections``)
+    keeps the reference's first rows."""
+    rows = spec.rows
+    counted = got[rows["count"]].reshape(-1)
+    real = int(counted[0]) if counted.size else -1
+    axis = rows["axis"]
+    expected = min(want.shape[axis], rows["bound"]) if want.ndim > axis else None
+    if expected is None or real != expected:
+        return g, want, f"{real} real rows (output '{rows['count']}'), the reference {want.shape[axis] if want.ndim > axis else '?'}"
+    cut = [slice(None)] * g.ndim
+    cut[axis] = slice(0, real)
+    return g[tuple(cut)], want[tuple(cut)], None
+
+
 def compare(reference: Reference, inputs: dict[str, np.ndarray], got: Sequence[np.ndarray],
-            output_names: Sequence[str], rtol: float, atol: float, checked: str) -> ReferenceCheck:
+            output_specs: Sequence, rtol: float, atol: float, checked: str) -> ReferenceCheck:
     """Run the reference on ``inputs`` and compare with ``got`` (the build's outputs); raises
     ReferenceMismatch naming the first output that differs, else returns the record for the manifest.
 
@@ -142,12 +159,31 @@ def compare(reference: Reference, inputs: dict[str, np.ndarray], got: Sequence[n
         return ReferenceCheck(reference=reference.name, graph=reference.graph, **record, max_abs_diff=0.0, outputs=[],
                               result=f"not conclusive: the reference failed on the golden input: {_first_line(err)}",
                               note=reference.note)
-    if len(want) != len(got):
+    output_names = [s.name for s in output_specs]
+    by_name = {name: np.asarray(g) for name, g in zip(output_names, got)}
+    counts = {s.rows["count"] for s in output_specs if s.rows}
+    if reference.names is not None:  # ONNX Runtime ran the model as given: no count outputs, unpadded rows
+        wanted = dict(zip(reference.names, want))
+        if set(wanted) != set(output_names) - counts:
+            raise ReferenceMismatch(f"the reference ({reference.name}) gives outputs {', '.join(wanted)}, the build "
+                                    f"{', '.join(output_names)}; nothing was written")
+    elif len(want) != len(got):
         raise ReferenceMismatch(f"the reference ({reference.name}) gives {len(want)} outputs, the build {len(got)}; "
                                 "nothing was written")
+    else:
+        wanted = dict(zip(output_names, want))
     rows, first_bad, unusable = [], None, []
-    for name, g, w in zip(output_names, got, want):
-        g, w = np.asarray(g), np.asarray(w)
+    for spec in output_specs:
+        name = spec.name
+        if name not in wanted:  # a count output: judged through the rows it counts
+            continue
+        g, w = by_name[name], np.asarray(wanted[name])
+        if spec.rows and reference.names is not None:
+            g, w, wrong = _trimmed(spec, by_name, w, g)
+            if wrong:
+                rows.append({"output": name, "max_abs_diff": None, "atol": None, "ok": False})
+                first_bad = first_bad or (name, wrong)
+                continue
         if g.shape != w.shape:
             rows.append({"output": name, "max_abs_diff": None, "atol": None, "ok": False})
             first_bad = first_bad or (name, f"shape {list(g.shape)}, the reference's {list(w.shape)}")

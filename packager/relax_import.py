@@ -6,6 +6,7 @@ TVM's ONNX frontend does the import, with the converters of ``edgeq.onnx_ops`` a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import re
 
@@ -79,8 +80,10 @@ def _shape_outputs_as_tensors(mod):
     return relax.transform.Normalize()(mod)
 
 
-def to_relax(loaded: LoadedModel) -> tuple[Graph, list[TensorSpec]]:
-    """Import the model. Returns the graph (Relax module + named weights) and the output specs."""
+def to_relax(loaded: LoadedModel, max_detections: int | None = None) -> tuple[Graph, list[TensorSpec]]:
+    """Import the model. Returns the graph (Relax module + named weights) and the output specs (with a
+    ``<output>_count`` output per NonMaxSuppression, whose rows are padded to ``max_detections`` at most:
+    ``edgeq.nms``)."""
     import_tvm()
     from tvm import relax
     from tvm.relax.frontend.onnx import from_onnx
@@ -106,14 +109,16 @@ def to_relax(loaded: LoadedModel) -> tuple[Graph, list[TensorSpec]]:
             f"{loaded.path.name}: node '{nested}' puts an If/Loop inside another one's branch, which TVM "
             f"{_tvm_version()}'s importer cannot compile; fold the condition (onnxsim, or export with fixed inputs)"
         )
-    from edgeq import onnx_ops
+    from edgeq import nms, onnx_ops
 
     name = loaded.path.name
+    onnx_model, counts = nms.with_counts(loaded.onnx_model)
+    padded = nms.padded_outputs(onnx_model, counts)  # refuses an op that would mix padded rows with real ones
     try:
         # TVM prints "Error converting operator ..." before re-raising; the one-line error says it instead
-        with onnx_ops.installed(), contextlib.redirect_stdout(io.StringIO()):
+        with onnx_ops.installed(max_detections), contextlib.redirect_stdout(io.StringIO()):
             mod = from_onnx(
-                loaded.onnx_model,
+                onnx_model,
                 shape_dict={spec.name: list(spec.shape) for spec in loaded.inputs},
                 keep_params_in_input=True,
             )
@@ -132,7 +137,9 @@ def to_relax(loaded: LoadedModel) -> tuple[Graph, list[TensorSpec]]:
     func = mod["main"]
     weights = list(params.get("main", []))
     names = [p.name for p in func.params[len(loaded.inputs) :]]
-    outputs = _tensor_specs(func.ret_ty, loaded.onnx_model)
+    outputs = [dataclasses.replace(spec, rows={"axis": padded[spec.name][0], "bound": spec.shape[padded[spec.name][0]],
+                                               "count": padded[spec.name][1], "source": padded[spec.name][2]})
+               if spec.name in padded else spec for spec in _tensor_specs(func.ret_ty, onnx_model)]
     if len(set(names)) != len(names):
         raise ModelError(f"{loaded.path.name}: weight names are not unique after import; rename the initializers")
     _check_activations(func, loaded.path.name)

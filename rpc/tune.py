@@ -179,6 +179,7 @@ class TuneArgs:
     precision: str = "fp32"
     quantize: Any = None  # edgeq.quantize.QuantizeArgs
     preprocess: Any = None  # edgeq.quantize.data.Preprocess
+    max_detections: int | None = None  # NonMaxSuppression's bound (edgeq.nms)
 
 
 def tune(args: TuneArgs, note=lambda _: None, tick=lambda *_: None, progress=None) -> dict[str, Any]:
@@ -203,7 +204,7 @@ def tune(args: TuneArgs, note=lambda _: None, tick=lambda *_: None, progress=Non
     # backend's kernels), not a graph of tune's own
     built = front_end(PackageArgs(model=args.model, device=args.device, input_shapes=args.input_shapes,
                                   consts=args.consts, precision=args.precision, quantize=args.quantize,
-                                  preprocess=args.preprocess), progress)
+                                  preprocess=args.preprocess, max_detections=args.max_detections), progress)
     profile, toolchain, target = built.profile, built.toolchain, built.lowered.target
     mod = prepare(built.lowered.mod, target)
     extracted = ms.relax_integration.extract_tasks(mod, target)

@@ -196,12 +196,33 @@ def _rec(cls):
 
 
 @_rec
+class RowsRecord(Record):
+    """An output padded along ``axis`` to ``bound`` rows (NonMaxSuppression's selected boxes and what is
+    gathered by them): the output named ``count`` (int64, one value) says how many rows are real; the rest
+    are padding (-1 in the selected indices)."""
+
+    axis: int = _field(COUNT)
+    bound: int = _field(COUNT)
+    count: str = _field(STR)
+    source: str = _field(STR)  # the node that selected them
+
+
+@_rec
 class TensorSpec(Record):
     """A model input or output."""
 
     name: str = _field(STR)
     shape: list = _field(_List(COUNT))
     dtype: str = _field(STR)
+    rows: RowsRecord | None = _field(_Opt(_Rec(RowsRecord)), omit_if_none=True)
+
+    def real_rows(self, outputs: dict) -> int | None:
+        """How many rows of this output are real, read from its count output in ``outputs`` (name -> array),
+        or None for an output that is not padded."""
+        if self.rows is None or self.rows.count not in outputs:
+            return None
+        counted = outputs[self.rows.count].reshape(-1)
+        return max(0, min(int(counted[0]), self.rows.bound)) if counted.size else 0
 
 
 @_rec
@@ -431,7 +452,11 @@ class Manifest(Record):
         if isinstance(data, dict) and data.get("schema_version") != SCHEMA_VERSION:
             raise ContractError("manifest schema_version %r is not %d: made by another edgeq version; use the "
                                 "loader inside the bundle or an edgeq of that version" % (data.get("schema_version"), SCHEMA_VERSION))
-        return super().from_json(data, where)
+        manifest = super().from_json(data, where)
+        problem = rows_problem(manifest.outputs)
+        if problem:
+            raise ContractError(problem)
+        return manifest
 
     @property
     def cuda_major(self) -> int | None:
@@ -446,6 +471,24 @@ class Manifest(Record):
 
     def replace(self, **changes) -> "Manifest":
         return dataclasses.replace(self, **changes)
+
+
+def rows_problem(outputs) -> str | None:
+    """What is wrong with the outputs' padded rows (``rows``), or None: the axis must be one of the output's,
+    the bound its length there, and the count another output, int64 with one value. (edgeq-run checks the
+    same, in the same order.)"""
+    by_name = {o.name: o for o in outputs}
+    for k, spec in enumerate(outputs):
+        rows = spec.rows
+        if rows is None:
+            continue
+        where = "manifest field 'outputs[%d].rows" % k
+        if rows.axis >= len(spec.shape) or spec.shape[rows.axis] != rows.bound:
+            return "%s' does not fit the output's shape" % where
+        count = by_name.get(rows.count)
+        if count is None or count is spec or count.dtype != "int64" or count.shape != [1]:
+            return "%s.count' does not name an int64 output of shape [1]" % where
+    return None
 
 
 def argument_count_problem(takes: int, manifest: Manifest) -> str | None:

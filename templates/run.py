@@ -358,11 +358,18 @@ def run_inputs(model, inputs, args):
     outputs = model.run(inputs)
     if args.output:
         write_outputs(model.np, args.output, outputs)
+    real = {spec.name: spec.real_rows(outputs) for spec in model.manifest.outputs}  # padded outputs: rows counted
     if args.json:
-        print(json.dumps({k: {"shape": list(v.shape), "dtype": str(v.dtype)} for k, v in outputs.items()}))
+        summary = {}
+        for k, v in outputs.items():
+            summary[k] = {"shape": list(v.shape), "dtype": str(v.dtype)}
+            if real.get(k) is not None:
+                summary[k]["rows"] = real[k]
+        print(json.dumps(summary))
     elif not args.output:
         for name, value in outputs.items():
-            print("%s: %s %s" % (name, value.dtype, "x".join(map(str, value.shape))))
+            print("%s: %s %s%s" % (name, value.dtype, "x".join(map(str, value.shape)),
+                                   "" if real.get(name) is None else " (%d real rows)" % real[name]))
 
 
 def main(argv=None):

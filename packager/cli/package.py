@@ -67,6 +67,9 @@ def add_graph_options(parser) -> None:
     parser.add_argument("--const", action="append", default=[], metavar="NAME=FILE.npy",
                         help="bind a graph input to this value before import (a shape operand such as Reshape's "
                              "shape or Slice's starts), so its shape arithmetic folds to constants; repeatable")
+    parser.add_argument("--max-detections", type=int, metavar="N",
+                        help="NonMaxSuppression: pad its selected rows to at most N (default: batches x classes x "
+                             "max_output_boxes_per_class); an output <name>_count says how many are real")
     parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
                         help="fp32; int8 (post-training quantization, needs --calibrate); mixed (int8, with the most "
                              "sensitive layers returned to float until --accuracy-budget holds); fp16 (CUDA profiles: fp16 "
@@ -115,7 +118,8 @@ def graph_options(args) -> dict:
         )
     return {"input_shapes": dict(parse_shape(text) for text in args.input_shape),
             "consts": dict(parse_const(text) for text in args.const),
-            "precision": args.precision, "quantize": quantize_args, "preprocess": preprocess}
+            "precision": args.precision, "quantize": quantize_args, "preprocess": preprocess,
+            "max_detections": args.max_detections}
 
 
 def run(args, env) -> int:

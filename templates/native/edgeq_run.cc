@@ -132,6 +132,9 @@ struct TensorSpec {
   DType dtype;
   std::vector<int64_t> shape;
   uint64_t offset = 0, bytes = 0;  // inside a raw tensor file
+  // padded rows (NonMaxSuppression's selection): the output named rows_count says how many rows are real
+  int64_t rows_axis = -1, rows_bound = 0;
+  std::string rows_count;
 };
 
 std::vector<int64_t> ParseShape(const Json& j, const std::string& where) {
@@ -154,6 +157,15 @@ std::vector<TensorSpec> ParseSpecs(const Json& list, const std::string& where, b
     s.name = item.At("name", where + ".").Str(where + ".name");
     s.dtype = ParseDType(item.At("dtype", where + ".").Str(where + ".dtype"));
     s.shape = ParseShape(item.At("shape", where + "."), where + ".shape");
+    const Json* rows = item.Find("rows");
+    if (rows && rows->kind != Json::kNull) {
+      if (rows->kind != Json::kObject) refuse("manifest field '" + where + ".rows' is not an object");
+      s.rows_axis = rows->At("axis", where + ".rows.").Int(where + ".rows.axis");
+      s.rows_bound = rows->At("bound", where + ".rows.").Int(where + ".rows.bound");
+      s.rows_count = rows->At("count", where + ".rows.").Str(where + ".rows.count");
+      rows->At("source", where + ".rows.").Str(where + ".rows.source");
+      if (s.rows_axis < 0 || s.rows_bound < 0) refuse("manifest field '" + where + ".rows' has a negative axis or bound");
+    }
     if (raw) {
       int64_t off = item.At("offset", where + ".").Int(where + ".offset");
       int64_t n = item.At("bytes", where + ".").Int(where + ".bytes");
@@ -206,6 +218,18 @@ Bundle LoadManifest(const std::string& dir) {
   }
   b.inputs = ParseSpecs(m.At("inputs", ""), "inputs", false);
   b.outputs = ParseSpecs(m.At("outputs", ""), "outputs", false);
+  for (size_t k = 0; k < b.outputs.size(); ++k) {  // contract.rows_problem, in the same order
+    const TensorSpec& spec = b.outputs[k];
+    if (spec.rows_axis < 0) continue;
+    std::string where = "manifest field 'outputs[" + std::to_string(k) + "].rows";
+    if (size_t(spec.rows_axis) >= spec.shape.size() || spec.shape[size_t(spec.rows_axis)] != spec.rows_bound)
+      refuse(where + "' does not fit the output's shape");
+    const TensorSpec* count = nullptr;
+    for (const TensorSpec& other : b.outputs)
+      if (other.name == spec.rows_count) { count = &other; break; }
+    if (!count || count == &spec || count->dtype.name != "int64" || count->shape != std::vector<int64_t>{1})
+      refuse(where + ".count' does not name an int64 output of shape [1]");
+  }
   const Json& weights = m.At("weights", "");
   const Json& golden = m.At("golden", "");
   for (const Json* section : {&weights, &golden}) {
@@ -788,18 +812,34 @@ int Main(int argc, char** argv) {
         for (const HostTensor& t : outputs) WriteFileAtomic(args.output + "/" + SafeFileName(t.name) + ".npy", NpyBytes(t));
       }
     }
+    std::vector<int64_t> real(outputs.size(), -1);  // padded outputs: their real rows, from the count output
+    for (size_t k = 0; k < outputs.size() && k < b.outputs.size(); ++k) {
+      const TensorSpec& spec = b.outputs[k];
+      if (spec.rows_axis < 0) continue;
+      for (const HostTensor& t : outputs)
+        if (t.name == spec.rows_count && t.data.size() >= sizeof(int64_t)) {
+          int64_t n;
+          std::memcpy(&n, t.data.data(), sizeof n);
+          real[k] = std::max<int64_t>(0, std::min<int64_t>(n, spec.rows_bound));
+        }
+    }
     if (args.json) {
       std::string rows;
-      for (const HostTensor& t : outputs) {
+      for (size_t i = 0; i < outputs.size(); ++i) {
+        const HostTensor& t = outputs[i];
         std::string dims;
         for (size_t k = 0; k < t.shape.size(); ++k) dims += (k ? ", " : "") + std::to_string(t.shape[k]);
         rows += std::string(rows.empty() ? "" : ", ") + JsonQuote(t.name) + ": {\"shape\": [" + dims +
-                "], \"dtype\": " + JsonQuote(t.dtype.name) + "}";
+                "], \"dtype\": " + JsonQuote(t.dtype.name) +
+                (real[i] >= 0 ? ", \"rows\": " + std::to_string(real[i]) : std::string()) + "}";
       }
       std::printf("{%s}\n", rows.c_str());
     } else if (args.output.empty()) {
-      for (const HostTensor& t : outputs)
-        std::printf("%s: %s %s\n", t.name.c_str(), t.dtype.name.c_str(), ShapeText(t.shape).c_str());
+      for (size_t i = 0; i < outputs.size(); ++i) {
+        const HostTensor& t = outputs[i];
+        std::printf("%s: %s %s%s\n", t.name.c_str(), t.dtype.name.c_str(), ShapeText(t.shape).c_str(),
+                    real[i] >= 0 ? (" (" + std::to_string(real[i]) + " real rows)").c_str() : "");
+      }
     }
   }
   return 0;
