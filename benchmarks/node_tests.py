@@ -156,6 +156,18 @@ def compare(expected: list, got: list, rtol: float, atol: float) -> str | None:
     return None
 
 
+def real_rows(spec, outputs: dict[str, np.ndarray]) -> np.ndarray:
+    """An output as ONNX defines it: a padded one (NonMaxSuppression's rows, ``edgeq.nms``) cut to the rows
+    its count output says are real."""
+    value = outputs[spec.name]
+    real = spec.real_rows(outputs)
+    if real is None:
+        return value
+    cut = [slice(None)] * value.ndim
+    cut[spec.rows.axis] = slice(0, real)
+    return value[tuple(cut)]
+
+
 def bound_inputs(test: NodeTest) -> dict[str, np.ndarray]:
     """The graph inputs bound as constants: those feeding a shape or attribute-like operand."""
     from edgeq.load import SHAPE_OPERANDS
@@ -204,7 +216,8 @@ def run_edgeq(test: NodeTest, workdir: Path, bind: bool = True) -> Result:
         names = [i.name for i in test.model.graph.input]
         feeds = {n: v for n, v in zip(names, test.inputs) if n not in bound}
         outputs = model.run(feeds)
-        got = [outputs.get(o.name) for o in test.model.graph.output]
+        specs = {spec.name: spec for spec in model.manifest.outputs}
+        got = [real_rows(specs[o.name], outputs) if o.name in specs else None for o in test.model.graph.output]
     except Exception as err:  # noqa: BLE001
         return Result("crash", f"run: {_first_line(err)}")
     if any(g is None for g in got):

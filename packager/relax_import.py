@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import io
 import re
+import warnings
 
 from edgeq.errors import ModelError
 from edgeq.graph import Graph
@@ -116,7 +117,9 @@ def to_relax(loaded: LoadedModel, max_detections: int | None = None) -> tuple[Gr
     padded = nms.padded_outputs(onnx_model, counts)  # refuses an op that would mix padded rows with real ones
     try:
         # TVM prints "Error converting operator ..." before re-raising; the one-line error says it instead
-        with onnx_ops.installed(max_detections), contextlib.redirect_stdout(io.StringIO()):
+        with onnx_ops.installed(max_detections), contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+            # TVM's frontend runs ONNX's checker, which notes the count output edgeq added to NonMaxSuppression
+            warnings.filterwarnings("ignore", message=r"Node.* with schema\(::NonMaxSuppression")
             mod = from_onnx(
                 onnx_model,
                 shape_dict={spec.name: list(spec.shape) for spec in loaded.inputs},

@@ -12,9 +12,9 @@ import node_tests  # benchmarks/ (pyproject: pythonpath)
 
 PASS = ["If", "Constant", "Clip", "QuantizeLinear", "DequantizeLinear", "LayerNormalization", "RMSNormalization",
         "Swish", "Celu", "LpNormalization", "CumProd", "HannWindow", "Det", "Col2Im", "Shape", "Reshape", "TopK",
-        "Upsample", "SwiGLU", "Attention", "LSTM", "RotaryEmbedding", "QLinearConv", "Mish"]
+        "Upsample", "SwiGLU", "Attention", "LSTM", "RotaryEmbedding", "QLinearConv", "Mish", "NonMaxSuppression"]
 # refused in one line (an edgeq error), never an internal error
-REFUSED = ["NonMaxSuppression", "Loop"]
+REFUSED = ["Loop"]
 
 
 @pytest.fixture(scope="module")
