@@ -378,6 +378,27 @@ def padded_outputs(model, counts: dict[str, tuple[str, str]]) -> dict[str, tuple
             {c for c, _ in counts.values()}}
 
 
+def selection_inputs(graph):
+    """For a graph with NonMaxSuppression: the same graph returning, instead of its outputs, the boxes and
+    scores its first NonMaxSuppression selects from; else None. Quantization is judged on these (the selected
+    rows of a float and an int8 build differ in which boxes, not by how much)."""
+    from edgeq.graph import Graph, call_op
+
+    mod = relax.transform.ToNonDataflow()(graph.mod)  # dataflow vars cannot be returned
+    func = mod["main"]
+    for block in func.body.blocks:
+        for binding in block.bindings:
+            value = binding.value
+            if call_op(value) == "relax.call_tir" and value.args[0].name_hint.startswith("edgeq_nms_select"):
+                boxes, scores = value.args[1].fields[0], value.args[1].fields[1]
+                body = relax.SeqExpr(list(func.body.blocks), relax.Tuple([boxes, scores]))
+                ret = relax.TupleType([boxes.ty, scores.ty])
+                mod = mod.with_attr("edgeq", "selection inputs")  # a copy
+                mod["main"] = relax.Function(func.params, body, ret, func.is_pure, func.attrs)
+                return Graph(relax.transform.Normalize()(mod), graph.weights)
+    return None
+
+
 def check_iou_threshold(value: float, node: str) -> None:
     if not 0.0 <= value <= 1.0:
         raise ModelError(f"NonMaxSuppression node '{node}': iou_threshold {value:g} is not in [0, 1] (ONNX Runtime "

@@ -214,6 +214,24 @@ def test_orin_builds(detectors, tmp_path):
         assert manifest["device"]["cuda_arch"] == "sm_87"
         assert manifest["reference_check"]["result"] == "passed"
         assert any(o.get("rows") for o in manifest["outputs"])
+    calibration = tmp_path / "calib.npz"
+    np.savez(calibration, image=np.concatenate(_images(16)))
+    bundle = _package(detectors["torch"], tmp_path / "orin-int8", "jetson-orin-nano", "--precision", "int8",
+                      "--calibrate", str(calibration))
+    assert json.loads((bundle / "manifest.json").read_text())["precision"] == "int8"
+
+
+def test_int8_is_judged_on_what_nms_selects_from(detectors, tmp_path):
+    """An int8 detector's quantization is measured on the boxes and scores NonMaxSuppression selects from (the
+    selected rows of a float and an int8 build differ in which boxes, not by how much), and its build is
+    checked against its own quantized graph on the real rows."""
+    calibration = tmp_path / "calib.npz"
+    np.savez(calibration, image=np.concatenate(_images(16)))
+    bundle = _package(detectors["torch"], tmp_path / "out", "host", "--precision", "int8", "--calibrate", str(calibration))
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    assert manifest["quantization"]["evaluation"]["cosine"] > 0.999
+    assert manifest["reference_check"]["result"] == "passed" and "quantized graph" in manifest["reference_check"]["graph"]
+    assert run_py(bundle, "--self-test").returncode == 0
 
 
 def _mixing_model(path: Path, op: str) -> Path:

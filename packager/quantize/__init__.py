@@ -146,12 +146,23 @@ class Evaluator:
 
     def __init__(self, graph: Graph, data: Dataset, specs):
         self.data, self.specs = data, specs
-        runner = HostRunner(graph)
-        self.reference = [runner(batch)[0] for batch in data.batches(specs)]
+        self.reference = self._outputs(graph)
+
+    def _outputs(self, graph: Graph) -> list[np.ndarray]:
+        """The output judged, per batch: the first output; for a detector ending in NonMaxSuppression, the
+        boxes and scores it selects from, side by side (``edgeq.nms.selection_inputs``)."""
+        from edgeq.nms import selection_inputs
+
+        view = selection_inputs(graph)
+        runner = HostRunner(view or graph)
+        if view is None:
+            return [runner(batch)[0] for batch in self.data.batches(self.specs)]
+        rows = len(self.specs[0].shape) and self.specs[0].shape[0] or 1
+        return [np.concatenate([o.reshape(rows, -1) for o in runner(batch)], axis=1)[:, None, :]
+                for batch in self.data.batches(self.specs)]
 
     def metrics(self, candidate: Graph) -> dict[str, Any]:
-        runner = HostRunner(candidate)
-        got = [runner(batch)[0] for batch in self.data.batches(self.specs)]
+        got = self._outputs(candidate)
         f = np.concatenate([r.reshape(len(r), -1) if r.ndim > 1 else r[None] for r in self.reference])
         q = np.concatenate([r.reshape(len(r), -1) if r.ndim > 1 else r[None] for r in got])
         out = {"samples": int(len(f)), **_agreement(q, f)}
