@@ -25,6 +25,8 @@ import numpy as np
 import edgeq
 from edgeq import backends, bundle, contract, safebundle
 from edgeq.backends import GOLDEN_FP16_ATOL, GOLDEN_FP16_RTOL, GOLDEN_INT8_ATOL, GOLDEN_INT8_RTOL
+from edgeq.answers import check_args as check_answers
+from edgeq.answers import postprocess_record, preprocess_record
 from edgeq.choices import DEFAULT_OUTPUT, PRECISIONS, QUANTIZED, RUNTIME_CHOICES
 from edgeq.compile import HostRunner, build, cuda_device_code, elf_machine, export, lower_graph, toolchain_for
 from edgeq.errors import EdgeqError, ModelError, OutputError, ToolchainError, UsageError
@@ -87,6 +89,9 @@ class PackageArgs:
     mender: bool = False  # also write OUTDIR/<name>-<device>.mender, a Mender Artifact of the archive (edgeq.mender)
     export_qdq: Path | None = None  # int8/mixed: also write the calibrated model as ONNX QDQ (edgeq.quantize.export_qdq)
     max_detections: int | None = None  # NonMaxSuppression: its selected rows padded to at most this (edgeq.nms)
+    postprocess: str | None = None  # "classify": the loaders print the top classes (edgeq.answers)
+    labels: Path | None = None  # one class label per line, for --postprocess classify
+    top_k: int = 5
 
     def to_dict(self) -> dict[str, Any]:
         """What the manifest records (``build.args``). ``dump_ir`` is left out: a debugging aid that
@@ -110,6 +115,9 @@ class PackageArgs:
             "mender": self.mender,
             "export_qdq": str(self.export_qdq) if self.export_qdq else None,
             "max_detections": self.max_detections,
+            "postprocess": self.postprocess,
+            "labels": str(self.labels) if self.labels else None,
+            "top_k": self.top_k,
         }
 
     def display(self) -> str:
@@ -210,6 +218,9 @@ class _Build:
     # load
     model: LoadedModel | None = None
     golden_given: tuple[dict[str, np.ndarray], str] | None = None  # --golden-input: (arrays, what they are)
+    labels: list[str] = dataclasses.field(default_factory=list)  # --labels
+    preprocess: contract.PreprocessRecord | None = None  # what --input IMAGE applies on the device
+    postprocess: contract.PostprocessRecord | None = None  # what the loaders make of the output
     # import, quantize, lower-qdq: the graph as it goes
     graph: Graph | None = None
     outputs: list[TensorSpec] = dataclasses.field(default_factory=list)
@@ -261,6 +272,7 @@ def _check_args(b: _Build) -> None:
         raise UsageError(f"bundle name '{b.name}' may use letters, digits, '.', '_' and '-' only; set it with --name")
     if args.release is not None and args.release < 0:
         raise UsageError("--release must be a non-negative integer")
+    b.labels = check_answers(args.postprocess, args.labels, args.top_k)
     if args.max_detections is not None and not 1 <= args.max_detections <= 1 << 24:
         raise UsageError("--max-detections must be an integer from 1 to 16777216")
     check_reference(args.reference, args.precision in QUANTIZED)
@@ -339,6 +351,7 @@ def _load(b: _Build) -> None:
 
     consts = {name: read_const(name, Path(path)) for name, path in b.args.consts.items()}
     b.model = load_model(b.args.model, b.args.input_shapes, consts)
+    b.preprocess = preprocess_record(b.args.preprocess, b.model.inputs)
     if b.args.golden_input is not None:  # read and checked against the inputs before anything is compiled
         from edgeq.quantize.data import load_golden
 
@@ -351,6 +364,7 @@ def _import(b: _Build) -> None:
     from edgeq.quantize import is_qdq
 
     b.graph, b.outputs = to_relax(b.model, max_detections=b.args.max_detections)
+    b.postprocess = postprocess_record(b.args.postprocess, b.labels, b.args.top_k, b.outputs, b.model.onnx_model)
     for kind, spec in [*(("input", s) for s in b.model.inputs), *(("output", s) for s in b.outputs)]:
         if spec.dtype not in safebundle.TABLE_DTYPES:  # what golden.bin, run.py and edgeq-run can hold
             raise ModelError(f"{kind} '{spec.name}' is {spec.dtype}, which a bundle cannot carry (it holds "
@@ -631,6 +645,8 @@ def _bundle(b: _Build) -> None:
         build={"args": b.args.to_dict(), "stage_seconds": dict(b.progress.seconds),
                **({"records_applied": b.records_applied} if b.records_applied is not None else {})},
         compatibility=check_elves(b.staging, [contract.LIBRARY, *b.runtime.files], b.profile) if b.runtime else None,
+        preprocess=b.preprocess,
+        postprocess=b.postprocess,
         files={}, sizes={},
     )
     b.manifest = bundle.write_bundle(b.staging, manifest, extra_files, b.signing_key)

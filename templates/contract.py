@@ -421,6 +421,33 @@ class QuantizationReport(Record):
 
 
 @_rec
+class PreprocessRecord(Record):
+    """How an image becomes the tensor of input ``input`` (``--preprocess`` at package time; run.py and edgeq-run
+    ``--input IMAGE`` apply it, ``image_tensor`` below says how, exactly)."""
+
+    input: str = _field(STR)
+    height: int = _field(COUNT)
+    width: int = _field(COUNT)
+    resize: str = _field(STR)  # "stretch" (to height x width) or "letterbox" (aspect kept, padded with 114)
+    order: str = _field(STR)  # RGB, BGR or GRAY
+    layout: str = _field(STR)  # NCHW or NHWC
+    scale: float = _field(NUM)
+    mean: list = _field(_List(NUM))  # one value, or one per channel
+    std: list = _field(_List(NUM))
+
+
+@_rec
+class PostprocessRecord(Record):
+    """What the loaders make of an output (``--postprocess`` at package time): ``classify``, top-k classes."""
+
+    kind: str = _field(STR)
+    output: str = _field(STR)
+    top_k: int = _field(COUNT)
+    softmax: bool = _field(BOOL)  # the output is logits (the model does not end in Softmax)
+    labels: list = _field(_List(STR))  # empty: indices only
+
+
+@_rec
 class Manifest(Record):
     schema_version: int = _field(INT)
     bundle_id: str = _field(STR)
@@ -444,6 +471,8 @@ class Manifest(Record):
     runtime: RuntimeRecord | None = _field(_Opt(_Rec(RuntimeRecord)))
     build: dict = _field(OBJECT)  # {args, stage_seconds}: how it was made, for people
     compatibility: dict | None = _field(_Opt(OBJECT), omit_if_none=True)  # ELF needs of the library and runtime
+    preprocess: PreprocessRecord | None = _field(_Opt(_Rec(PreprocessRecord)), omit_if_none=True)
+    postprocess: PostprocessRecord | None = _field(_Opt(_Rec(PostprocessRecord)), omit_if_none=True)
     files: dict = _field(_Dict(STR))  # every other file -> SHA-256
     sizes: dict = _field(_Dict(COUNT))  # every other file -> bytes
 
@@ -453,7 +482,7 @@ class Manifest(Record):
             raise ContractError("manifest schema_version %r is not %d: made by another edgeq version; use the "
                                 "loader inside the bundle or an edgeq of that version" % (data.get("schema_version"), SCHEMA_VERSION))
         manifest = super().from_json(data, where)
-        problem = rows_problem(manifest.outputs)
+        problem = rows_problem(manifest.outputs) or process_problem(manifest)
         if problem:
             raise ContractError(problem)
         return manifest
@@ -489,6 +518,158 @@ def rows_problem(outputs) -> str | None:
         if count is None or count is spec or count.dtype != "int64" or count.shape != [1]:
             return "%s.count' does not name an int64 output of shape [1]" % where
     return None
+
+
+MAX_IMAGE_PIXELS = 50_000_000  # one image given to run.py / edgeq-run --input (a decompression bomb is refused)
+MAX_LABELS = 100_000
+PAD_VALUE = 114  # letterbox padding, as ultralytics pads
+
+
+def process_problem(manifest) -> str | None:
+    """What is wrong with the manifest's ``preprocess``/``postprocess`` records, or None (edgeq-run checks the
+    same, in the same order)."""
+    pre, post = manifest.preprocess, manifest.postprocess
+    if pre is not None:
+        spec = next((i for i in manifest.inputs if i.name == pre.input), None)
+        channels = 1 if pre.order == "GRAY" else 3
+        want = [1, channels, pre.height, pre.width] if pre.layout == "NCHW" else [1, pre.height, pre.width, channels]
+        if spec is None or spec.shape != want or spec.dtype != "float32":
+            return "manifest field 'preprocess' does not fit input '%s'" % pre.input
+        if pre.resize not in ("stretch", "letterbox") or pre.order not in ("RGB", "BGR", "GRAY") \
+                or pre.layout not in ("NCHW", "NHWC") or pre.scale == 0 or len(pre.mean) not in (1, channels) \
+                or len(pre.std) not in (1, channels) or 0 in pre.std:
+            return "manifest field 'preprocess' has a value out of range"
+    if post is not None:
+        spec = next((o for o in manifest.outputs if o.name == post.output), None)
+        if post.kind != "classify" or spec is None or not spec.shape or spec.shape[0] != 1 \
+                or not 1 <= post.top_k <= 1000 or len(post.labels) > MAX_LABELS:
+            return "manifest field 'postprocess' does not fit output '%s'" % post.output
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------
+# images in, answers out: what run.py and edgeq-run (in C++, held to this by a test) compute, the packager too
+# ---------------------------------------------------------------------------------------------------
+
+
+class ImageError(ValueError):
+    """An image that cannot be read or used: the one-line reason."""
+
+
+def decode_image(np, path: str, any_format: bool = False, max_pixels: int = MAX_IMAGE_PIXELS):
+    """``path`` (PNG or JPEG; ``any_format``: whatever Pillow reads, for calibration) as uint8 pixels
+    ``[H, W, C]``, C 1 (gray files) or 3 (everything else; alpha dropped, palettes expanded), with Pillow,
+    else OpenCV. 16-bit PNGs are refused (edgeq-run's libpng would gamma-convert them)."""
+    with open(path, "rb") as f:
+        head = f.read(32)
+    png = head.startswith(b"\x89PNG\r\n\x1a\n")
+    if not any_format and not (png or head.startswith(b"\xff\xd8\xff")):
+        raise ImageError("%s is not a PNG or JPEG image" % path)
+    if png and len(head) > 24 and head[24] == 16:
+        raise ImageError("%s is a 16-bit PNG; give an 8-bit one" % path)
+    try:
+        from PIL import Image
+    except ImportError:
+        Image = None
+    if Image is not None:
+        Image.MAX_IMAGE_PIXELS = None  # the limit below applies, before any pixel is decoded
+        try:
+            with Image.open(path) as image:
+                if image.width * image.height > max_pixels:
+                    raise ImageError("%s has %d x %d pixels, more than %d" % (path, image.width, image.height, max_pixels))
+                if image.mode in ("I", "I;16", "I;16B", "F", "CMYK", "1"):
+                    raise ImageError("%s is a %s image; give an 8-bit gray, RGB or RGBA PNG or JPEG" % (path, image.mode))
+                gray = image.mode in ("L", "LA")
+                image = image.convert("L" if gray else "RGB")
+                pixels = np.asarray(image, dtype=np.uint8)
+        except (OSError, ValueError, SyntaxError) as err:
+            if isinstance(err, ImageError):
+                raise
+            raise ImageError("cannot decode %s: %s" % (path, (str(err).splitlines() or [type(err).__name__])[0]))
+        return pixels[:, :, None] if pixels.ndim == 2 else pixels
+    try:
+        import cv2
+    except ImportError:
+        raise ImageError("reading images needs Pillow or OpenCV: pip install pillow (or give NAME=FILE.npy)")
+    pixels = cv2.imread(path, cv2.IMREAD_UNCHANGED)
+    if pixels is None or pixels.dtype != np.uint8:
+        raise ImageError("cannot decode %s as an 8-bit image" % path)
+    if pixels.ndim == 2:
+        return pixels[:, :, None]
+    return np.ascontiguousarray(pixels[:, :, 2::-1] if pixels.shape[2] >= 3 else pixels[:, :, :1])
+
+
+def _bilinear(np, pixels, height: int, width: int):
+    """Bilinear resize with half-pixel centres (OpenCV's INTER_LINEAR; no antialiasing), in float32 in this
+    order of operations (edgeq-run computes the same, operation by operation)."""
+    def taps(size_in, size_out):
+        pos = (np.arange(size_out, dtype=np.float64) + 0.5) * (size_in / size_out) - 0.5
+        pos = np.clip(pos, 0.0, size_in - 1)
+        low = np.floor(pos)
+        weight = (pos - low).astype(np.float32)
+        low = low.astype(np.int64)
+        return low, np.minimum(low + 1, size_in - 1), weight
+
+    y0, y1, wy = taps(pixels.shape[0], height)
+    x0, x1, wx = taps(pixels.shape[1], width)
+    p = pixels.astype(np.float32)
+    wx, wy = wx[None, :, None], wy[:, None, None]
+    one = np.float32(1.0)
+    top = p[y0][:, x0] * (one - wx) + p[y0][:, x1] * wx
+    bottom = p[y1][:, x0] * (one - wx) + p[y1][:, x1] * wx
+    return top * (one - wy) + bottom * wy
+
+
+def letterbox_geometry(height: int, width: int, image_h: int, image_w: int):
+    """(scale, new_h, new_w, top, left) of ultralytics' letterbox: the image scaled to fit, centred."""
+    scale = min(height / image_h, width / image_w)
+    new_h, new_w = int(round(image_h * scale)), int(round(image_w * scale))
+    top, left = int(round((height - new_h) / 2 - 0.1)), int(round((width - new_w) / 2 - 0.1))
+    return scale, max(1, new_h), max(1, new_w), top, left
+
+
+def image_tensor(np, pixels, pre):
+    """The input tensor ``pre`` (a PreprocessRecord) makes of decoded ``pixels`` (uint8 [H, W, C]): channel
+    order, resize, ``(p / scale - mean) / std`` in float32, layout, a batch of one."""
+    if pre.order == "GRAY" and pixels.shape[2] == 3:  # ITU-R 601 luma, in Pillow's integer arithmetic
+        p = pixels.astype(np.uint32)
+        pixels = ((p[:, :, 0] * 19595 + p[:, :, 1] * 38470 + p[:, :, 2] * 7471 + 0x8000) >> 16).astype(np.uint8)[:, :, None]
+    elif pre.order != "GRAY" and pixels.shape[2] == 1:
+        pixels = np.repeat(pixels, 3, axis=2)
+    if pre.order == "BGR":
+        pixels = pixels[:, :, ::-1]
+    if pre.resize == "letterbox":
+        _, new_h, new_w, top, left = letterbox_geometry(pre.height, pre.width, pixels.shape[0], pixels.shape[1])
+        out = np.full((pre.height, pre.width, pixels.shape[2]), PAD_VALUE, np.float32)
+        out[top:top + new_h, left:left + new_w] = _bilinear(np, pixels, new_h, new_w)[: pre.height - top, : pre.width - left]
+    else:
+        out = _bilinear(np, pixels, pre.height, pre.width)
+    out = (out / np.float32(pre.scale) - np.asarray(pre.mean, np.float32)) / np.asarray(pre.std, np.float32)
+    out = out.transpose(2, 0, 1) if pre.layout == "NCHW" else out
+    return np.ascontiguousarray(out[None], dtype=np.float32)
+
+
+def classify(np, output, post) -> list:
+    """Top-k of a classifier's output (``post``: a PostprocessRecord): [{index, score, label?}], scores by a
+    softmax in float64 where the output is logits, rounded to 4 decimals (both loaders print the same)."""
+    values = np.asarray(output, dtype=np.float64).reshape(-1)
+    if post.softmax:
+        e = np.exp(values - values.max())
+        values = e / e.sum()
+    order = sorted(range(len(values)), key=lambda i: (-values[i], i))[: post.top_k]
+    top = []
+    for i in order:
+        row = {"index": int(i), "score": round(float(values[i]), 4)}
+        if i < len(post.labels):
+            row["label"] = post.labels[i]
+        top.append(row)
+    return top
+
+
+def describe_top(top: list) -> str:
+    """classify's rows as text: rank, score, label (index)."""
+    return "\n".join("%2d. %.4f  %s" % (rank, row["score"], "%s (%d)" % (row["label"], row["index"]) if "label" in row
+                                          else "class %d" % row["index"]) for rank, row in enumerate(top, 1))
 
 
 def argument_count_problem(takes: int, manifest: Manifest) -> str | None:

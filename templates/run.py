@@ -263,8 +263,9 @@ def self_test(model):
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(description="Run the edgeq bundle in %s." % HERE)
-    parser.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy",
-                        help="an input array (.npy); repeat for each model input")
+    parser.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy|IMAGE",
+                        help="an input array (.npy); repeat for each model input; or a PNG/JPEG image, prepared as the "
+                             "bundle was packaged (--preprocess)")
     parser.add_argument("--output", metavar="FILE.npz|DIR", help="where to write the outputs: a .npz, or a folder of NAME.npy "
                         "(default: print a summary)")
     parser.add_argument("--self-test", action="store_true", help="run the golden input and compare with the manifest")
@@ -282,14 +283,39 @@ def parse_args(argv):
     return args
 
 
-def read_inputs(specs):
+def is_image(path):
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+    except OSError:
+        return False
+    return head.startswith(b"\x89PNG\r\n\x1a\n") or head.startswith(b"\xff\xd8\xff")
+
+
+def read_image(np, name, path, manifest):
+    """An image made into the input tensor exactly as the bundle was calibrated (contract.image_tensor)."""
+    pre = manifest.preprocess
+    if pre is None:
+        raise LoaderError("--input %s is an image, and this bundle was packaged without --preprocess: give "
+                          "NAME=FILE.npy, or package it with --preprocess" % path, Exit.USAGE)
+    if name is not None and name != pre.input:
+        raise LoaderError("--input %s=%s: images go to input '%s' (--preprocess)" % (name, path, pre.input), Exit.USAGE)
+    try:
+        return pre.input, contract.image_tensor(np, contract.decode_image(np, path), pre)
+    except (contract.ImageError, OSError) as err:
+        raise LoaderError(str(err).splitlines()[0] if str(err) else type(err).__name__, Exit.USAGE)
+
+
+def read_inputs(specs, manifest=None):
     import numpy as np
 
     inputs = {}
     for spec in specs:
         name, sep, path = spec.partition("=")
-        if not sep:
-            raise LoaderError("--input '%s' is not NAME=FILE.npy" % spec, Exit.USAGE)
+        if not sep or is_image(path):
+            key, value = read_image(np, name if sep else None, path if sep else spec, manifest)
+            inputs[key] = value
+            continue
         try:
             with open(path, "rb") as f:  # the header alone first: the size is bounded before anything is read
                 major, _ = np.lib.format.read_magic(f)
@@ -359,13 +385,17 @@ def run_inputs(model, inputs, args):
     if args.output:
         write_outputs(model.np, args.output, outputs)
     real = {spec.name: spec.real_rows(outputs) for spec in model.manifest.outputs}  # padded outputs: rows counted
+    post = model.manifest.postprocess
+    top = contract.classify(model.np, outputs[post.output], post) if post is not None else None
     if args.json:
         summary = {}
         for k, v in outputs.items():
             summary[k] = {"shape": list(v.shape), "dtype": str(v.dtype)}
             if real.get(k) is not None:
                 summary[k]["rows"] = real[k]
-        print(json.dumps(summary))
+        print(json.dumps(summary if top is None else {"top": top, "outputs": summary}))
+    elif top is not None:
+        print(contract.describe_top(top))
     elif not args.output:
         for name, value in outputs.items():
             print("%s: %s %s%s" % (name, value.dtype, "x".join(map(str, value.shape)),
@@ -391,7 +421,7 @@ def main(argv=None):
             check_machine(manifest, tvm)
             print(json.dumps({"ok": True}) if args.json else "ok: this machine can run %s" % manifest.bundle_id)
             return Exit.OK
-        inputs = read_inputs(args.input)
+        inputs = read_inputs(args.input, manifest)
         model = Model(manifest)
         if args.self_test:
             ok, report = self_test(model)

@@ -49,6 +49,11 @@ def add_parser(sub) -> None:
                         help="the input the bundle's self-test runs: .npz (one array per input) or .npy, or an image "
                              "with --preprocess (default: the first calibration sample for int8/mixed, else a generated "
                              "input, tried within the domains of Log/Acos/Acosh-like ops before refusing)")
+    parser.add_argument("--postprocess", choices=["classify"],
+                        help="classify: the loaders print the top classes of the first output (with --labels), "
+                             "softmax applied unless the model ends in Softmax")
+    parser.add_argument("--labels", type=Path, metavar="FILE", help="class labels, one per line (--postprocess classify)")
+    parser.add_argument("--top-k", type=int, default=5, metavar="K", help="classes to print (default 5)")
     parser.add_argument("--reference", choices=REFERENCE_CHOICES, default=REFERENCE_CHOICES[0],
                         help="what the build is checked against on the golden input before anything is written: "
                              "auto (default): ONNX Runtime where installed, else TVM's plain pipeline on the imported "
@@ -144,6 +149,9 @@ def run(args, env) -> int:
         golden_input=args.golden_input,
         mender=args.mender,
         export_qdq=args.export_qdq,
+        postprocess=args.postprocess,
+        labels=args.labels,
+        top_k=args.top_k,
         **graph_options(args),
     )
     progress = StageProgress(console=env.err(), quiet=args.quiet)

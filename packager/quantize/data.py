@@ -44,6 +44,7 @@ class Preprocess:
     scale: float = 255.0
     layout: str = "NCHW"
     order: str = ""  # RGB, BGR or GRAY; default from the input's channel count
+    fit: str = "stretch"  # stretch to the size, or letterbox (aspect kept, padded with 114, as ultralytics)
 
     @classmethod
     def parse(cls, text: str) -> "Preprocess":
@@ -65,12 +66,14 @@ class Preprocess:
                     pre.layout = value.upper()
                 elif key == "order" and value.upper() in ("RGB", "BGR", "GRAY"):
                     pre.order = value.upper()
+                elif key == "fit" and value.lower() in ("stretch", "letterbox"):
+                    pre.fit = value.lower()
                 else:
                     raise ValueError
             except ValueError:
                 raise DataError(
                     f"--preprocess item '{item}' is not understood; use resize=HxW, mean=a/b/c, std=a/b/c, "
-                    "scale=255, layout=NCHW|NHWC, order=RGB|BGR|GRAY"
+                    "scale=255, layout=NCHW|NHWC, order=RGB|BGR|GRAY, fit=stretch|letterbox"
                 ) from None
         if any(s == 0 for s in pre.std):
             raise DataError("--preprocess std must not be 0")
@@ -82,6 +85,33 @@ class Preprocess:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    def record(self, spec: TensorSpec):
+        """The manifest's ``preprocess`` for input ``spec`` (what ``contract.image_tensor`` applies): checked
+        against the input's channels; the size is the input's (``resize`` must agree where given)."""
+        from edgeq import contract
+
+        if len(spec.shape) != 4 or self.layout == "NCHW" and spec.shape[1] not in (1, 3) \
+                or self.layout == "NHWC" and spec.shape[3] not in (1, 3):
+            raise DataError(f"--preprocess: input '{spec.name}' ({'x'.join(map(str, spec.shape))}) is not an image input "
+                            f"in {self.layout} with 1 or 3 channels")
+        shape = spec.shape
+        channels = shape[1] if self.layout == "NCHW" else shape[-1]
+        size = (shape[2], shape[3]) if self.layout == "NCHW" else (shape[1], shape[2])
+        if self.resize and tuple(self.resize) != size:
+            raise DataError(f"--preprocess resize={self.resize[0]}x{self.resize[1]} is not input '{spec.name}''s "
+                            f"{size[0]}x{size[1]}; leave resize out (the input's size is used)")
+        order = self.order or ("GRAY" if channels == 1 else "RGB")
+        if (order == "GRAY") != (channels == 1):
+            raise DataError(f"--preprocess order={order} gives {1 if order == 'GRAY' else 3} channels; input '{spec.name}' "
+                            f"has {channels}")
+        for key in ("mean", "std"):
+            if len(getattr(self, key)) not in (1, channels):
+                raise DataError(f"--preprocess {key} has {len(getattr(self, key))} values; input '{spec.name}' has "
+                                f"{channels} channels: give 1 or {channels}")
+        return contract.PreprocessRecord(input=spec.name, height=size[0], width=size[1], resize=self.fit, order=order,
+                                         layout=self.layout, scale=float(self.scale), mean=[float(v) for v in self.mean],
+                                         std=[float(v) for v in self.std])
 
 
 @dataclasses.dataclass
@@ -207,35 +237,26 @@ def _spend(spent: list[int], size: int, path: Path) -> None:
 
 
 def _images(paths: list[Path], root: Path, spec: TensorSpec, pre: Preprocess, what: str) -> Dataset:
+    """Images as samples of input ``spec``, prepared exactly as run.py and edgeq-run prepare ``--input IMAGE``
+    (``contract.image_tensor``), so that a bundle sees on the device the tensors it was calibrated on."""
     from PIL import Image, UnidentifiedImageError
 
-    layout = pre.layout
-    shape = spec.shape
-    channels = shape[1] if layout == "NCHW" else shape[-1]
-    size = pre.resize or ((shape[2], shape[3]) if layout == "NCHW" else (shape[1], shape[2]))
-    order = pre.order or ("GRAY" if channels == 1 else "RGB")
-    if (order == "GRAY") != (channels == 1):
-        raise DataError(f"--preprocess order={order} gives {1 if order == 'GRAY' else 3} channels; input '{spec.name}' has {channels}")
-    for key in ("mean", "std"):
-        if len(getattr(pre, key)) not in (1, channels):
-            raise DataError(f"--preprocess {key} has {len(getattr(pre, key))} values; input '{spec.name}' has {channels} "
-                            f"channels: give 1 or {channels}")
+    from edgeq import contract
+
+    record = pre.record(spec)
     classes = sorted({p.parent.relative_to(root).as_posix() for p in paths} - {"."})
     samples, labels = [], []
     for path in paths:
         try:
             with Image.open(path) as image:  # the size is checked before any pixel is decoded
                 check("image_pixels", f"image {path}", image.width * image.height, DataError, unit="pixels")
-                image = image.convert("L" if order == "GRAY" else "RGB").resize((size[1], size[0]), Image.BILINEAR)
-                pixels = np.asarray(image, dtype=np.float32)
         except (OSError, UnidentifiedImageError, ValueError, Image.DecompressionBombError) as err:
             raise DataError(f"cannot read image {path}: {err}") from None
-        if order == "GRAY":
-            pixels = pixels[:, :, None]
-        elif order == "BGR":
-            pixels = pixels[:, :, ::-1]
-        pixels = (pixels / pre.scale - np.asarray(pre.mean, np.float32)) / np.asarray(pre.std, np.float32)
-        samples.append(pixels.transpose(2, 0, 1) if layout == "NCHW" else pixels)
+        try:
+            pixels = contract.decode_image(np, str(path), any_format=True, max_pixels=1 << 62)  # checked above
+        except (contract.ImageError, OSError) as err:
+            raise DataError(f"cannot read image {path}: {err}") from None
+        samples.append(contract.image_tensor(np, pixels, record)[0])
         if classes:
             labels.append(classes.index(path.parent.relative_to(root).as_posix()))
     arrays = {spec.name: np.stack(samples).astype(spec.dtype)}
