@@ -55,6 +55,11 @@ command -v git >/dev/null || need+=(git)                  # tests/test_install.p
 command -v mender-artifact >/dev/null || need+=(mender-artifact)  # tests/test_mender.py: Mender's own artifact tool
 command -v mender >/dev/null || need+=(mender-client)      # ... and its client, installing edgeq's artifacts
 command -v unshare >/dev/null || need+=(util-linux)        # the client runs in a private mount namespace
+# edgeq-run --input IMAGE dlopens the system's decoders, as a device's: libpng 1.6 and libjpeg-turbo's TurboJPEG
+ldconfig -p 2>/dev/null | grep -q 'libpng16.so.16 ' || need+=(libpng16-16)
+if ! ldconfig -p 2>/dev/null | grep -q 'libturbojpeg.so.0 '; then
+    if grep -qi '^ID=ubuntu' /etc/os-release 2>/dev/null; then need+=(libturbojpeg); else need+=(libturbojpeg0); fi
+fi
 # Debian and Ubuntu ship venv's pip bootstrap (ensurepip) in a package of its own: python3-venv, python3.X-venv
 if [ -n "$make_venv$ZOO" ] && ! "$PYTHON" -c 'import ensurepip, venv' 2>/dev/null; then
     need+=("$(basename "$(command -v "$PYTHON")")-venv")
@@ -76,6 +81,14 @@ fi
 if [ ${#need[@]} -gt 0 ]; then
     echo "setup: installing Debian packages: ${need[*]}"
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}" >/dev/null
+fi
+# the aarch64 libpng and libturbojpeg for the qemu test of edgeq-run --input IMAGE, from Debian's arm64 multiarch
+# packages (Debian only: Ubuntu serves arm64 from another mirror); where that fails the test says why it skips
+if [ ! -e /usr/lib/aarch64-linux-gnu/libturbojpeg.so.0 ] && grep -qi '^ID=debian' /etc/os-release 2>/dev/null; then
+    echo "setup: installing Debian's arm64 libpng16-16 and libturbojpeg0 (multiarch) for the aarch64 image test"
+    { $SUDO dpkg --add-architecture arm64 && $SUDO apt-get update -qq &&
+      DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libpng16-16:arm64 libturbojpeg0:arm64 >/dev/null; } ||
+        echo "setup: could not install the arm64 decoders; tests/test_images.py skips its aarch64 test"
 fi
 
 if [ -n "$make_venv" ]; then

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import os
 
 SCHEMA_VERSION = 3  # 3: one quantization report shape (``kind``), latency statistics with p50 and mean throughput
 
@@ -521,6 +522,7 @@ def rows_problem(outputs) -> str | None:
 
 
 MAX_IMAGE_PIXELS = 50_000_000  # one image given to run.py / edgeq-run --input (a decompression bomb is refused)
+MAX_IMAGE_FILE_BYTES = 256 << 20  # one image file
 MAX_LABELS = 100_000
 PAD_VALUE = 114  # letterbox padding, as ultralytics pads
 
@@ -561,6 +563,8 @@ def decode_image(np, path: str, any_format: bool = False, max_pixels: int = MAX_
     ``[H, W, C]``, C 1 (gray files) or 3 (everything else; alpha dropped, palettes expanded), with Pillow,
     else OpenCV. 16-bit PNGs are refused (edgeq-run's libpng would gamma-convert them)."""
     with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size > MAX_IMAGE_FILE_BYTES:
+            raise ImageError("%s is larger than %d bytes" % (path, MAX_IMAGE_FILE_BYTES))
         head = f.read(32)
     png = head.startswith(b"\x89PNG\r\n\x1a\n")
     if not any_format and not (png or head.startswith(b"\xff\xd8\xff")):

@@ -90,6 +90,10 @@ enum Exit {{  // contract.LoaderExit
 }};
 constexpr size_t kMaxManifestBytes = {safebundle.MAX_MANIFEST_BYTES};  // safebundle.MAX_MANIFEST_BYTES
 constexpr int kMaxJsonDepth = {safebundle.MAX_JSON_DEPTH};  // safebundle.MAX_JSON_DEPTH
+constexpr unsigned long long kMaxImagePixels = {contract.MAX_IMAGE_PIXELS};  // contract.MAX_IMAGE_PIXELS
+constexpr size_t kMaxImageFileBytes = {contract.MAX_IMAGE_FILE_BYTES};  // contract.MAX_IMAGE_FILE_BYTES
+constexpr int kPadValue = {contract.PAD_VALUE};  // contract.PAD_VALUE
+constexpr long kMaxLabels = {contract.MAX_LABELS};  // contract.MAX_LABELS
 // the keys of contract.latency_statistics, in its order (edgeq-run --benchmark --json)
 constexpr const char* kLatencyKeys[] = {{{", ".join(f'"{k}"' for k in keys)}}};
 constexpr size_t kLatencyKeyCount = {len(keys)};
@@ -106,7 +110,7 @@ def build_loader(cxx: str) -> Path:
     headers = {item.name: item.read_bytes() for item in native.iterdir() if item.name.endswith(".h")}
     headers["contract.h"] = contract_header()
     include = package_dir("tvm_ffi") / "include"
-    flags = ["-std=c++17", "-O2", "-Wall", f"-I{include}"]
+    flags = ["-std=c++17", "-O2", "-Wall", "-ffp-contract=off", f"-I{include}"]  # float32 as numpy rounds it
     return cached_build("edgeq-run", "edgeq-run", "edgeq_run.cc", source, cxx, flags, ("-ldl",),
                         key=installed_version(FFI_PROJECT), headers=headers)
 

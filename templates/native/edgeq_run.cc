@@ -42,6 +42,7 @@
 #include "base64.h"
 #include "contract.h"  // generated from contract.py at build time (edgeq.runtime.assemble.contract_header)
 #include "files.h"
+#include "image.h"
 #include "json.h"
 #include "npy.h"
 #include "refuse.h"
@@ -192,6 +193,8 @@ struct Bundle {
   std::string weights_file, golden_file, library_file;
   std::vector<std::string> libraries;  // runtime libraries in load order, relative to dir
   std::string bridge;                  // runtime/libcudart.so.13 when the bundle carries the CUDA 12 bridge
+  Preprocess preprocess;               // --input IMAGE (image.h)
+  Postprocess postprocess;             // --postprocess classify (image.h)
 };
 
 Bundle LoadManifest(const std::string& dir) {
@@ -230,6 +233,10 @@ Bundle LoadManifest(const std::string& dir) {
     if (!count || count == &spec || count->dtype.name != "int64" || count->shape != std::vector<int64_t>{1})
       refuse(where + ".count' does not name an int64 output of shape [1]");
   }
+  b.preprocess = ParsePreprocess(m);
+  b.postprocess = ParsePostprocess(m);
+  std::string problem = ProcessProblem(b.preprocess, b.postprocess, b.inputs, b.outputs);  // contract.process_problem
+  if (!problem.empty()) refuse(problem);
   const Json& weights = m.At("weights", "");
   const Json& golden = m.At("golden", "");
   for (const Json* section : {&weights, &golden}) {
@@ -777,7 +784,18 @@ int Main(int argc, char** argv) {
   std::map<std::string, HostTensor> inputs;
   for (const std::string& spec : args.inputs) {
     size_t eq = spec.find('=');
-    if (eq == std::string::npos || eq == 0) refuse_usage("--input '" + spec + "' is not NAME=FILE.npy");
+    if (eq == std::string::npos || LooksLikeImage(spec.substr(eq + 1))) {  // an image (run.py's read_image)
+      std::string path = eq == std::string::npos ? spec : spec.substr(eq + 1);
+      if (!b.preprocess.given)
+        refuse_usage("--input " + path + " is an image, and this bundle was packaged without --preprocess: give "
+                     "NAME=FILE.npy, or package it with --preprocess");
+      if (eq != std::string::npos && spec.substr(0, eq) != b.preprocess.input)
+        refuse_usage("--input " + spec + ": images go to input '" + b.preprocess.input + "' (--preprocess)");
+      HostTensor t = ImageTensor(DecodeImage(path), b.preprocess);
+      inputs[t.name] = std::move(t);
+      continue;
+    }
+    if (eq == 0) refuse_usage("--input '" + spec + "' is not NAME=FILE.npy");
     HostTensor t = ReadNpy(spec.substr(eq + 1), "--input " + spec);
     t.name = spec.substr(0, eq);
     inputs[t.name] = std::move(t);
@@ -823,6 +841,10 @@ int Main(int argc, char** argv) {
           real[k] = std::max<int64_t>(0, std::min<int64_t>(n, spec.rows_bound));
         }
     }
+    std::string top_json, top_text;
+    if (b.postprocess.given)
+      for (size_t i = 0; i < outputs.size(); ++i)
+        if (outputs[i].name == b.postprocess.output) top_json = ClassifyJson(outputs[i], b.postprocess, &top_text);
     if (args.json) {
       std::string rows;
       for (size_t i = 0; i < outputs.size(); ++i) {
@@ -833,7 +855,10 @@ int Main(int argc, char** argv) {
                 "], \"dtype\": " + JsonQuote(t.dtype.name) +
                 (real[i] >= 0 ? ", \"rows\": " + std::to_string(real[i]) : std::string()) + "}";
       }
-      std::printf("{%s}\n", rows.c_str());
+      if (b.postprocess.given) std::printf("{\"top\": %s, \"outputs\": {%s}}\n", top_json.c_str(), rows.c_str());
+      else std::printf("{%s}\n", rows.c_str());
+    } else if (b.postprocess.given) {
+      std::printf("%s\n", top_text.c_str());
     } else if (args.output.empty()) {
       for (size_t i = 0; i < outputs.size(); ++i) {
         const HostTensor& t = outputs[i];

@@ -1,0 +1,373 @@
+// image.h: edgeq-run --input IMAGE and --postprocess classify, as templates/contract.py defines them
+// (decode_image, image_tensor, classify), operation by operation: PNG through the system's libpng 1.6
+// (simplified API), JPEG through the system's libturbojpeg, both dlopen'ed as libcrypto is; no decoder is
+// linked or copied in. edgeq-run is built with -ffp-contract=off, so the float32 arithmetic below rounds as
+// numpy's does and the tensor is bit-identical to run.py's and to the one the packager calibrated with.
+#pragma once
+
+#include <dlfcn.h>
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "contract.h"
+#include "files.h"
+#include "json.h"
+#include "npy.h"
+#include "refuse.h"
+
+namespace {
+
+struct Pixels {
+  int64_t h = 0, w = 0, c = 0;
+  std::vector<uint8_t> data;  // [h, w, c]
+};
+
+struct Preprocess {  // contract.PreprocessRecord
+  bool given = false;
+  std::string input, resize, order, layout;
+  int64_t height = 0, width = 0;
+  double scale = 1;
+  std::vector<double> mean, std;
+};
+
+struct Postprocess {  // contract.PostprocessRecord
+  bool given = false;
+  std::string kind, output;
+  int64_t top_k = 0;
+  bool softmax = false;
+  std::vector<std::string> labels;
+};
+
+void* OpenLibrary(const std::vector<const char*>& names, const std::string& what) {
+  for (const char* name : names)
+    if (void* lib = dlopen(name, RTLD_NOW | RTLD_LOCAL)) return lib;
+  refuse_usage(what);
+}
+
+// libpng 1.6's png_image (png.h, PNG_IMAGE_VERSION 1): a public, fixed structure
+struct PngImage {
+  void* opaque;
+  uint32_t version, width, height, format, flags, colormap_entries, warning_or_error;
+  char message[64];
+};
+constexpr uint32_t kPngAlpha = 0x01, kPngColor = 0x02, kPngLinear = 0x04;
+
+void CheckPixels(int64_t w, int64_t h, const std::string& path) {
+  if (w <= 0 || h <= 0 || uint64_t(w) * uint64_t(h) > kMaxImagePixels)
+    refuse_usage(path + " has " + std::to_string(w) + " x " + std::to_string(h) + " pixels, more than " +
+                 std::to_string(kMaxImagePixels));
+}
+
+Pixels DecodePng(const std::string& bytes, const std::string& path) {
+  void* lib = OpenLibrary({"libpng16.so.16", "libpng16.so"},
+                          "reading PNG images needs libpng 1.6 (libpng16.so.16): apt install libpng16-16");
+  using Begin = int (*)(PngImage*, const void*, size_t);
+  using Finish = int (*)(PngImage*, const void*, void*, int32_t, void*);
+  using Free = void (*)(PngImage*);
+  auto begin = reinterpret_cast<Begin>(dlsym(lib, "png_image_begin_read_from_memory"));
+  auto finish = reinterpret_cast<Finish>(dlsym(lib, "png_image_finish_read"));
+  auto release = reinterpret_cast<Free>(dlsym(lib, "png_image_free"));
+  if (!begin || !finish || !release) refuse_usage("this libpng16 lacks the simplified API (libpng >= 1.6 is needed)");
+  PngImage image{};
+  image.version = 1;
+  if (!begin(&image, bytes.data(), bytes.size()))
+    refuse_usage("cannot decode " + path + ": " + std::string(image.message, strnlen(image.message, 64)));
+  if (image.format & kPngLinear) {
+    release(&image);
+    refuse_usage(path + " is a 16-bit PNG; give an 8-bit one");
+  }
+  if (uint64_t(image.width) * uint64_t(image.height) > kMaxImagePixels || !image.width || !image.height) {
+    release(&image);
+    CheckPixels(image.width, image.height, path);
+  }
+  bool color = image.format & kPngColor;
+  image.format = (color ? kPngColor : 0) | kPngAlpha;  // alpha kept, so nothing is composited; dropped below
+  size_t in_c = color ? 4 : 2;
+  std::vector<uint8_t> buffer(size_t(image.width) * image.height * in_c);
+  if (!finish(&image, nullptr, buffer.data(), 0, nullptr))
+    refuse_usage("cannot decode " + path + ": " + std::string(image.message, strnlen(image.message, 64)));
+  Pixels p;
+  p.h = image.height, p.w = image.width, p.c = color ? 3 : 1;
+  p.data.resize(size_t(p.h * p.w * p.c));
+  for (size_t i = 0, n = size_t(p.h * p.w); i < n; ++i)
+    for (size_t k = 0; k < size_t(p.c); ++k) p.data[i * p.c + k] = buffer[i * in_c + k];
+  return p;
+}
+
+Pixels DecodeJpeg(const std::string& bytes, const std::string& path) {
+  void* lib = OpenLibrary({"libturbojpeg.so.0", "libturbojpeg.so"},
+                          "reading JPEG images needs libjpeg-turbo's TurboJPEG library (libturbojpeg.so.0): apt install "
+                          "libturbojpeg0 (Debian) or libturbojpeg (Ubuntu, JetPack)");
+  using Init = void* (*)();
+  using Header = int (*)(void*, const unsigned char*, unsigned long, int*, int*, int*, int*);
+  using Decompress = int (*)(void*, const unsigned char*, unsigned long, unsigned char*, int, int, int, int, int);
+  using Error = char* (*)(void*);
+  using Destroy = int (*)(void*);
+  auto init = reinterpret_cast<Init>(dlsym(lib, "tjInitDecompress"));
+  auto header = reinterpret_cast<Header>(dlsym(lib, "tjDecompressHeader3"));
+  auto decompress = reinterpret_cast<Decompress>(dlsym(lib, "tjDecompress2"));
+  auto error = reinterpret_cast<Error>(dlsym(lib, "tjGetErrorStr2"));
+  auto destroy = reinterpret_cast<Destroy>(dlsym(lib, "tjDestroy"));
+  if (!init || !header || !decompress || !error || !destroy) refuse_usage("this libturbojpeg is too old (>= 1.5 is needed)");
+  void* tj = init();
+  if (!tj) refuse_usage("libturbojpeg could not start");
+  const auto* data = reinterpret_cast<const unsigned char*>(bytes.data());
+  int w = 0, h = 0, subsampling = 0, colorspace = 0;
+  if (header(tj, data, bytes.size(), &w, &h, &subsampling, &colorspace) != 0) {
+    std::string why = error(tj);
+    destroy(tj);
+    refuse_usage("cannot decode " + path + ": " + why);
+  }
+  if (colorspace == 3 || colorspace == 4) {  // TJCS_CMYK, TJCS_YCCK
+    destroy(tj);
+    refuse_usage(path + " is a CMYK JPEG; give an 8-bit gray, RGB or RGBA PNG or JPEG");
+  }
+  if (uint64_t(w) * uint64_t(h) > kMaxImagePixels || w <= 0 || h <= 0) {
+    destroy(tj);
+    CheckPixels(w, h, path);
+  }
+  Pixels p;
+  p.h = h, p.w = w, p.c = colorspace == 2 ? 1 : 3;  // TJCS_GRAY: gray, as Pillow opens it
+  p.data.resize(size_t(p.h * p.w * p.c));
+  // TJPF_GRAY 6, TJPF_RGB 0; flags 0: the accurate IDCT and fancy upsampling, libjpeg's defaults (Pillow's)
+  if (decompress(tj, data, bytes.size(), p.data.data(), w, 0, h, p.c == 1 ? 6 : 0, 0) != 0) {
+    std::string why = error(tj);
+    destroy(tj);
+    refuse_usage("cannot decode " + path + ": " + why);
+  }
+  destroy(tj);
+  return p;
+}
+
+Pixels DecodeImage(const std::string& path) {
+  struct stat st;
+  if (stat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) refuse_usage("cannot read --input " + path);
+  if (uint64_t(st.st_size) > kMaxImageFileBytes)
+    refuse_usage(path + " is larger than " + std::to_string(kMaxImageFileBytes) + " bytes");
+  std::string bytes = ReadFile(path, kMaxImageFileBytes, "--input " + path);
+  if (bytes.size() >= 8 && bytes.compare(0, 8, "\x89PNG\r\n\x1a\n", 8) == 0) {
+    if (bytes.size() > 24 && uint8_t(bytes[24]) == 16) refuse_usage(path + " is a 16-bit PNG; give an 8-bit one");
+    return DecodePng(bytes, path);
+  }
+  if (bytes.size() >= 3 && bytes.compare(0, 3, "\xff\xd8\xff", 3) == 0) return DecodeJpeg(bytes, path);
+  refuse_usage(path + " is not a PNG or JPEG image");
+}
+
+bool LooksLikeImage(const std::string& path) {
+  FILE* f = std::fopen(path.c_str(), "rb");
+  if (!f) return false;
+  unsigned char head[8] = {0};
+  size_t n = std::fread(head, 1, 8, f);
+  std::fclose(f);
+  return (n == 8 && std::memcmp(head, "\x89PNG\r\n\x1a\n", 8) == 0) || (n >= 3 && std::memcmp(head, "\xff\xd8\xff", 3) == 0);
+}
+
+// contract._bilinear: half-pixel centres, positions in double, weights and arithmetic in float32
+void Taps(int64_t in, int64_t out, std::vector<int64_t>& low, std::vector<int64_t>& high, std::vector<float>& weight) {
+  low.resize(size_t(out)), high.resize(size_t(out)), weight.resize(size_t(out));
+  for (int64_t o = 0; o < out; ++o) {
+    double pos = (double(o) + 0.5) * (double(in) / double(out)) - 0.5;
+    pos = std::min(std::max(pos, 0.0), double(in - 1));
+    double floor = std::floor(pos);
+    weight[size_t(o)] = float(pos - floor);
+    low[size_t(o)] = int64_t(floor);
+    high[size_t(o)] = std::min(low[size_t(o)] + 1, in - 1);
+  }
+}
+
+std::vector<float> Bilinear(const Pixels& p, int64_t height, int64_t width) {
+  std::vector<int64_t> y0, y1, x0, x1;
+  std::vector<float> wy, wx;
+  Taps(p.h, height, y0, y1, wy);
+  Taps(p.w, width, x0, x1, wx);
+  std::vector<float> out(size_t(height * width * p.c));
+  auto at = [&](int64_t y, int64_t x, int64_t k) { return float(p.data[size_t((y * p.w + x) * p.c + k)]); };
+  for (int64_t y = 0; y < height; ++y)
+    for (int64_t x = 0; x < width; ++x)
+      for (int64_t k = 0; k < p.c; ++k) {
+        float ax = 1.0f - wx[size_t(x)], ay = 1.0f - wy[size_t(y)];
+        float a = at(y0[size_t(y)], x0[size_t(x)], k) * ax;
+        float b = at(y0[size_t(y)], x1[size_t(x)], k) * wx[size_t(x)];
+        float top = a + b;
+        float c = at(y1[size_t(y)], x0[size_t(x)], k) * ax;
+        float d = at(y1[size_t(y)], x1[size_t(x)], k) * wx[size_t(x)];
+        float bottom = c + d;
+        float e = top * ay;
+        float f = bottom * wy[size_t(y)];
+        out[size_t((y * width + x) * p.c + k)] = e + f;
+      }
+  return out;
+}
+
+// contract.image_tensor
+HostTensor ImageTensor(Pixels p, const Preprocess& pre) {
+  if (pre.order == "GRAY" && p.c == 3) {  // ITU-R 601 luma in Pillow's integer arithmetic
+    std::vector<uint8_t> gray(size_t(p.h * p.w));
+    for (size_t i = 0; i < gray.size(); ++i) {
+      uint32_t r = p.data[i * 3], g = p.data[i * 3 + 1], b = p.data[i * 3 + 2];
+      gray[i] = uint8_t((r * 19595 + g * 38470 + b * 7471 + 0x8000) >> 16);
+    }
+    p.data.swap(gray);
+    p.c = 1;
+  } else if (pre.order != "GRAY" && p.c == 1) {
+    std::vector<uint8_t> rgb(size_t(p.h * p.w * 3));
+    for (size_t i = 0; i < size_t(p.h * p.w); ++i) rgb[i * 3] = rgb[i * 3 + 1] = rgb[i * 3 + 2] = p.data[i];
+    p.data.swap(rgb);
+    p.c = 3;
+  }
+  if (pre.order == "BGR")
+    for (size_t i = 0; i < size_t(p.h * p.w); ++i) std::swap(p.data[i * 3], p.data[i * 3 + 2]);
+  std::vector<float> hwc;
+  if (pre.resize == "letterbox") {  // contract.letterbox_geometry
+    double s = std::min(double(pre.height) / double(p.h), double(pre.width) / double(p.w));
+    int64_t new_h = std::max<int64_t>(1, int64_t(std::nearbyint(double(p.h) * s)));
+    int64_t new_w = std::max<int64_t>(1, int64_t(std::nearbyint(double(p.w) * s)));
+    int64_t top = int64_t(std::nearbyint(double(pre.height - new_h) / 2 - 0.1));
+    int64_t left = int64_t(std::nearbyint(double(pre.width - new_w) / 2 - 0.1));
+    std::vector<float> inner = Bilinear(p, new_h, new_w);
+    hwc.assign(size_t(pre.height * pre.width * p.c), float(kPadValue));
+    for (int64_t y = 0; y < new_h && top + y < pre.height; ++y)
+      for (int64_t x = 0; x < new_w && left + x < pre.width; ++x)
+        for (int64_t k = 0; k < p.c; ++k)
+          hwc[size_t(((top + y) * pre.width + left + x) * p.c + k)] = inner[size_t((y * new_w + x) * p.c + k)];
+  } else {
+    hwc = Bilinear(p, pre.height, pre.width);
+  }
+  float scale = float(pre.scale);
+  for (size_t i = 0; i < hwc.size(); ++i) {
+    size_t k = i % size_t(p.c);
+    float mean = float(pre.mean.size() == 1 ? pre.mean[0] : pre.mean[k]);
+    float std = float(pre.std.size() == 1 ? pre.std[0] : pre.std[k]);
+    float v = hwc[i] / scale;
+    v = v - mean;
+    hwc[i] = v / std;
+  }
+  HostTensor t;
+  t.name = pre.input;
+  t.dtype = ParseDType("float32");
+  std::vector<float> out(hwc.size());
+  if (pre.layout == "NCHW") {
+    t.shape = {1, p.c, pre.height, pre.width};
+    for (int64_t y = 0; y < pre.height; ++y)
+      for (int64_t x = 0; x < pre.width; ++x)
+        for (int64_t k = 0; k < p.c; ++k)
+          out[size_t((k * pre.height + y) * pre.width + x)] = hwc[size_t((y * pre.width + x) * p.c + k)];
+  } else {
+    t.shape = {1, pre.height, pre.width, p.c};
+    out = hwc;
+  }
+  t.data.resize(out.size() * sizeof(float));
+  std::memcpy(t.data.data(), out.data(), t.data.size());
+  return t;
+}
+
+double Number(const Json& j, const std::string& where) {
+  if (j.kind != Json::kNumber || !std::isfinite(j.num)) refuse("manifest field '" + where + "' is not a number");
+  return j.num;
+}
+
+// contract.PreprocessRecord and PostprocessRecord, checked as contract.process_problem checks them
+Preprocess ParsePreprocess(const Json& m) {
+  Preprocess pre;
+  const Json* j = m.Find("preprocess");
+  if (!j || j->kind == Json::kNull) return pre;
+  if (j->kind != Json::kObject) refuse("manifest field 'preprocess' is not an object");
+  pre.given = true;
+  pre.input = j->At("input", "preprocess.").Str("preprocess.input");
+  pre.height = j->At("height", "preprocess.").Int("preprocess.height");
+  pre.width = j->At("width", "preprocess.").Int("preprocess.width");
+  pre.resize = j->At("resize", "preprocess.").Str("preprocess.resize");
+  pre.order = j->At("order", "preprocess.").Str("preprocess.order");
+  pre.layout = j->At("layout", "preprocess.").Str("preprocess.layout");
+  pre.scale = Number(j->At("scale", "preprocess."), "preprocess.scale");
+  for (const char* key : {"mean", "std"}) {
+    std::string where = std::string("preprocess.") + key;
+    for (const Json& v : j->At(key, "preprocess.").Arr(where)) (key[0] == 'm' ? pre.mean : pre.std).push_back(Number(v, where));
+  }
+  if (pre.height < 0 || pre.width < 0) refuse("manifest field 'preprocess.height' is not a count");
+  return pre;
+}
+
+Postprocess ParsePostprocess(const Json& m) {
+  Postprocess post;
+  const Json* j = m.Find("postprocess");
+  if (!j || j->kind == Json::kNull) return post;
+  if (j->kind != Json::kObject) refuse("manifest field 'postprocess' is not an object");
+  post.given = true;
+  post.kind = j->At("kind", "postprocess.").Str("postprocess.kind");
+  post.output = j->At("output", "postprocess.").Str("postprocess.output");
+  post.top_k = j->At("top_k", "postprocess.").Int("postprocess.top_k");
+  const Json& softmax = j->At("softmax", "postprocess.");
+  if (softmax.kind != Json::kBool) refuse("manifest field 'postprocess.softmax' is not true or false");
+  post.softmax = softmax.b;
+  for (const Json& v : j->At("labels", "postprocess.").Arr("postprocess.labels")) post.labels.push_back(v.Str("postprocess.labels"));
+  return post;
+}
+
+template <typename Spec>
+std::string ProcessProblem(const Preprocess& pre, const Postprocess& post, const std::vector<Spec>& inputs,
+                           const std::vector<Spec>& outputs) {
+  if (pre.given) {
+    const Spec* spec = nullptr;
+    for (const Spec& s : inputs)
+      if (s.name == pre.input) { spec = &s; break; }
+    int64_t channels = pre.order == "GRAY" ? 1 : 3;
+    std::vector<int64_t> want = pre.layout == "NCHW" ? std::vector<int64_t>{1, channels, pre.height, pre.width}
+                                                     : std::vector<int64_t>{1, pre.height, pre.width, channels};
+    if (!spec || spec->shape != want || spec->dtype.name != "float32")
+      return "manifest field 'preprocess' does not fit input '" + pre.input + "'";
+    bool zero_std = std::find(pre.std.begin(), pre.std.end(), 0.0) != pre.std.end();
+    if ((pre.resize != "stretch" && pre.resize != "letterbox") ||
+        (pre.order != "RGB" && pre.order != "BGR" && pre.order != "GRAY") ||
+        (pre.layout != "NCHW" && pre.layout != "NHWC") || pre.scale == 0 ||
+        (pre.mean.size() != 1 && int64_t(pre.mean.size()) != channels) ||
+        (pre.std.size() != 1 && int64_t(pre.std.size()) != channels) || zero_std)
+      return "manifest field 'preprocess' has a value out of range";
+  }
+  if (post.given) {
+    const Spec* spec = nullptr;
+    for (const Spec& s : outputs)
+      if (s.name == post.output) { spec = &s; break; }
+    if (post.kind != "classify" || !spec || spec->shape.empty() || spec->shape[0] != 1 || post.top_k < 1 ||
+        post.top_k > 1000 || post.labels.size() > size_t(kMaxLabels))
+      return "manifest field 'postprocess' does not fit output '" + post.output + "'";
+  }
+  return "";
+}
+
+// contract.classify, printed as run.py prints it
+std::string ClassifyJson(const HostTensor& t, const Postprocess& post, std::string* text) {
+  std::vector<double> v(t.Count());
+  for (size_t i = 0; i < v.size(); ++i) v[i] = ElementAsDouble(t.dtype, &t.data[i * size_t(t.dtype.bytes)]);
+  if (post.softmax && !v.empty()) {
+    double top = *std::max_element(v.begin(), v.end()), sum = 0;
+    for (double& x : v) sum += (x = std::exp(x - top));
+    for (double& x : v) x = x / sum;
+  }
+  std::vector<size_t> order(v.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return v[a] > v[b]; });
+  order.resize(std::min(order.size(), size_t(post.top_k)));
+  std::string json;
+  for (size_t r = 0; r < order.size(); ++r) {
+    size_t i = order[r];
+    char score[64];
+    std::snprintf(score, sizeof score, "%.4f", v[i]);
+    json += std::string(r ? ", " : "") + "{\"index\": " + std::to_string(i) + ", \"score\": " + score +
+            (i < post.labels.size() ? ", \"label\": " + JsonQuote(post.labels[i]) : std::string()) + "}";
+    char line[64];
+    std::snprintf(line, sizeof line, "%2zu. %.4f  ", r + 1, v[i]);
+    *text += std::string(r ? "\n" : "") + line +
+             (i < post.labels.size() ? post.labels[i] + " (" + std::to_string(i) + ")" : "class " + std::to_string(i));
+  }
+  return "[" + json + "]";
+}
+
+}  // namespace

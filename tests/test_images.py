@@ -1,0 +1,236 @@
+"""From an image to an answer (#31): ``--preprocess`` recorded in the bundle, ``run.py --input IMAGE`` and
+``edgeq-run --input IMAGE`` (the system's libpng and libturbojpeg, dlopen'ed) making the very tensor the
+packager made of the same image (bit for bit), ``--postprocess classify`` printed alike by both loaders, and
+bad images refused in one line with nothing written."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+from PIL import Image
+
+from conftest import read_golden, run_cli, run_py
+
+QEMU = shutil.which("qemu-aarch64")
+SYSROOT = "/usr/aarch64-linux-gnu"
+ARM64_LIBS = [Path("/usr/lib/aarch64-linux-gnu/libpng16.so.16"), Path("/usr/lib/aarch64-linux-gnu/libturbojpeg.so.0")]
+
+
+def echo_model(path: Path, shape: list[int]) -> Path:
+    """y = -(-x): the output is the input tensor, bit for bit (what the loaders made of the image)."""
+    graph = helper.make_graph([helper.make_node("Neg", ["x"], ["n"]), helper.make_node("Neg", ["n"], ["y"])], "echo",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory) -> dict[str, Path]:
+    """PNG and JPEG, RGB, gray, RGBA and palette, 45x60 (every model here needs a resize)."""
+    out = tmp_path_factory.mktemp("images")
+    rng = np.random.default_rng(0)
+    yy, xx = np.mgrid[0:45, 0:60]
+    smooth = np.stack([xx * 4, yy * 5, (xx + yy) * 2], axis=-1) % 256
+    rgb = np.clip(smooth + rng.integers(-20, 20, smooth.shape), 0, 255).astype(np.uint8)
+    made = {"rgb.png": Image.fromarray(rgb), "gray.png": Image.fromarray(rgb[:, :, 1]),
+            "rgba.png": Image.fromarray(np.dstack([rgb, rgb[:, :, :1]])), "palette.png": Image.fromarray(rgb).convert("P")}
+    for name, image in made.items():
+        image.save(out / name)
+    Image.fromarray(rgb).save(out / "rgb.jpg", quality=90)
+    Image.fromarray(rgb[:, :, 1]).save(out / "gray.jpg", quality=90)
+    return {p.name: p for p in out.iterdir()}
+
+
+def _native(bundle: Path, *args, qemu: bool = False, env: dict | None = None) -> subprocess.CompletedProcess:
+    cmd = [str(bundle / "runtime" / "edgeq-run"), *map(str, args)]
+    if qemu:
+        cmd = [QEMU, "-L", SYSROOT, *cmd]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=bundle,
+                          env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), **(env or {})})
+
+
+def _package(model: Path, out: Path, *options: str, device: str = "host") -> Path:
+    result = run_cli("package", model, "--device", device, "-o", out, "-q", "--json", *options)
+    assert result.code == 0, result.stderr
+    return Path(json.loads(result.stdout)["bundle_dir"])
+
+
+def _both_loaders(bundle: Path, image: Path, tmp_path: Path) -> tuple[np.ndarray, np.ndarray]:
+    py = run_py(bundle, "--input", image, "--output", tmp_path / "py.npz")
+    assert py.returncode == 0, py.stderr
+    native = _native(bundle, "--input", image, "--output", tmp_path / "native.npz")
+    assert native.returncode == 0, native.stderr
+    with np.load(tmp_path / "py.npz") as a, np.load(tmp_path / "native.npz") as b:
+        return a["y"], b["y"]
+
+
+SPECS = {  # (input shape, --preprocess, the image)
+    "stretch-rgb-nchw": ([1, 3, 24, 20], "mean=0.485/0.456/0.406,std=0.229/0.224/0.225", "rgb.jpg"),
+    "letterbox-rgb-nchw": ([1, 3, 32, 32], "fit=letterbox,scale=255", "rgb.png"),
+    "bgr-nhwc": ([1, 24, 20, 3], "layout=NHWC,order=BGR,mean=0.5,std=0.25", "palette.png"),
+    "gray-from-rgb": ([1, 1, 16, 40], "mean=0.5,std=0.5", "rgb.jpg"),
+}
+
+
+@pytest.mark.parametrize("spec", list(SPECS))
+def test_both_loaders_make_the_packagers_tensor(spec, images, tmp_path):
+    shape, preprocess, image = SPECS[spec]
+    model = echo_model(tmp_path / "echo.onnx", shape)
+    # the packager's tensor of this image: the golden input it prepared with --preprocess
+    bundle = _package(model, tmp_path / "out", "--preprocess", preprocess, "--golden-input", images[image],
+                      "--runtime", "bundled")
+    packager = read_golden(bundle)["input:x"]
+    assert packager.shape == tuple(shape)
+    py, native = _both_loaders(bundle, images[image], tmp_path)
+    assert py.tobytes() == packager.tobytes(), "run.py"
+    assert native.tobytes() == packager.tobytes(), "edgeq-run"
+    assert json.loads((bundle / "manifest.json").read_text())["preprocess"]["input"] == "x"
+
+
+def test_every_image_format(images, tmp_path):
+    model = echo_model(tmp_path / "echo.onnx", [1, 3, 24, 20])
+    bundle = _package(model, tmp_path / "out", "--preprocess", "mean=0.485/0.456/0.406,std=0.229/0.224/0.225")
+    from edgeq import contract
+
+    pre = contract.PreprocessRecord.from_json(json.loads((bundle / "manifest.json").read_text())["preprocess"])
+    for name, path in sorted(images.items()):
+        py, native = _both_loaders(bundle, path, tmp_path)
+        want = contract.image_tensor(np, contract.decode_image(np, str(path)), pre)
+        assert py.tobytes() == want.tobytes() and native.tobytes() == want.tobytes(), name
+    # the RGBA image is its RGB image (alpha dropped, nothing composited)
+    rgba, _ = _both_loaders(bundle, images["rgba.png"], tmp_path)
+    rgb, _ = _both_loaders(bundle, images["rgb.png"], tmp_path)
+    assert rgba.tobytes() == rgb.tobytes()
+
+
+def test_calibration_images_are_the_loaders_tensors(images, tmp_path):
+    """Calibration from an image folder prepares the images as the loaders do."""
+    from edgeq import contract
+    from edgeq.load import TensorSpec
+    from edgeq.quantize.data import Preprocess, load_data
+
+    pre = Preprocess.parse("fit=letterbox,mean=0.5,std=0.25")
+    folder = tmp_path / "calib"
+    folder.mkdir()
+    for name in ("rgb.png", "gray.jpg"):
+        shutil.copy(images[name], folder / name)
+    spec = TensorSpec("x", (1, 3, 32, 32), "float32")
+    data = load_data(folder, [spec], "calibration", pre)
+    record = pre.record(spec)
+    for i, name in enumerate(sorted(["gray.jpg", "rgb.png"])):
+        want = contract.image_tensor(np, contract.decode_image(np, str(folder / name)), record)[0]
+        assert data.arrays["x"][i].tobytes() == want.tobytes()
+
+
+def test_classify_both_loaders_print_the_same(models, images, tmp_path):
+    labels = tmp_path / "labels.txt"
+    labels.write_text("".join(f"class {i}\n" for i in range(10)))
+    bundle = _package(models["resnet_cnn"], tmp_path / "out", "--preprocess", "mean=0.485/0.456/0.406,std=0.229/0.224/0.225",
+                      "--postprocess", "classify", "--labels", labels, "--top-k", "3", "--runtime", "bundled")
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    assert manifest["postprocess"] == {"kind": "classify", "output": "logits", "top_k": 3, "softmax": True,
+                                       "labels": [f"class {i}" for i in range(10)]}
+    for name in ("rgb.png", "gray.jpg"):
+        py = run_py(bundle, "--input", images[name], "--json")
+        native = _native(bundle, "--input", images[name], "--json")
+        assert py.returncode == native.returncode == 0, (py.stderr, native.stderr)
+        a, b = json.loads(py.stdout), json.loads(native.stdout)
+        assert a == b
+        top = a["top"]
+        assert len(top) == 3 and [r["label"] for r in top] == [f"class {r['index']}" for r in top]
+        assert top[0]["score"] >= top[1]["score"] >= top[2]["score"] and 0 < sum(r["score"] for r in top) <= 1.0001
+        # the scores are the softmax of the logits the bundle computes for that image
+        run_py(bundle, "--input", images[name], "--output", tmp_path / "o.npz")
+        with np.load(tmp_path / "o.npz") as out:
+            logits = out["logits"].astype(np.float64).ravel()
+        p = np.exp(logits - logits.max())
+        p /= p.sum()
+        assert [r["index"] for r in top] == list(np.argsort(-p, kind="stable")[:3])
+        assert all(abs(r["score"] - p[r["index"]]) <= 5e-5 for r in top)
+        text_py = run_py(bundle, "--input", images[name]).stdout
+        assert text_py == _native(bundle, "--input", images[name]).stdout and "class" in text_py
+
+
+def _bomb(path: Path) -> Path:
+    Image.new("L", (8000, 8000)).save(path, optimize=True)  # 64 Mpixel, a few hundred KB
+    return path
+
+
+def test_bad_images_one_line_nothing_written(images, tmp_path):
+    model = echo_model(tmp_path / "echo.onnx", [1, 3, 24, 20])
+    bundle = _package(model, tmp_path / "out", "--preprocess", "", "--runtime", "bundled")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "text.png").write_text("not an image at all")
+    (bad / "truncated.png").write_bytes(images["rgb.png"].read_bytes()[:200])
+    (bad / "truncated.jpg").write_bytes(images["rgb.jpg"].read_bytes()[:300])
+    _bomb(bad / "bomb.png")
+    Image.fromarray(np.zeros((8, 8), np.uint16)).save(bad / "deep.png")  # 16-bit
+    for path in sorted(bad.iterdir()):
+        out = tmp_path / f"{path.stem}-out.npz"
+        for proc in (run_py(bundle, "--input", path, "--output", out), _native(bundle, "--input", path, "--output", out)):
+            assert proc.returncode == 2, (path.name, proc.stderr)
+            line = proc.stderr.strip()
+            assert len(line.splitlines()) == 1 and str(path) in line, (path.name, line)
+            assert not out.exists()
+    # an image for a bundle packaged without --preprocess
+    plain = _package(model, tmp_path / "plain", "--runtime", "bundled")
+    for proc in (run_py(plain, "--input", images["rgb.png"]), _native(plain, "--input", images["rgb.png"])):
+        assert proc.returncode == 2 and "--preprocess" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_postprocess_classify_refuses_what_is_not_a_classifier(tmp_path):
+    model = echo_model(tmp_path / "echo.onnx", [1, 3, 24, 20])
+    result = run_cli("package", model, "--device", "host", "-o", tmp_path / "out", "-q", "--postprocess", "classify")
+    assert result.code == 3 and "not one row of class scores" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+    labels = tmp_path / "labels.txt"
+    labels.write_text("a\nb\n")
+    result = run_cli("package", model, "--device", "host", "-o", tmp_path / "out", "-q", "--labels", labels)
+    assert result.code == 2 and "--postprocess classify" in result.stderr
+
+
+def test_a_manifest_whose_preprocess_does_not_fit_is_refused_by_both(images, tmp_path):
+    model = echo_model(tmp_path / "echo.onnx", [1, 3, 24, 20])
+    bundle = _package(model, tmp_path / "out", "--preprocess", "", "--runtime", "bundled")
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    manifest["preprocess"]["height"] = 25
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    py, native = run_py(bundle, "--self-test"), _native(bundle, "--self-test")
+    assert py.returncode == native.returncode == 7
+    for err in (py.stderr, native.stderr):
+        assert "manifest field 'preprocess' does not fit input 'x'" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.skipif(QEMU is None or not Path(SYSROOT).is_dir(), reason="qemu-user and the aarch64 cross toolchain are needed")
+def test_aarch64_loader_under_qemu(images, tmp_path):
+    missing = [str(p) for p in ARM64_LIBS if not p.exists()]
+    if missing:
+        pytest.skip(f"the aarch64 libpng/libturbojpeg are not installed ({', '.join(missing)}): scripts/setup.sh "
+                    "installs them from Debian's arm64 multiarch packages where apt can")
+    model = echo_model(tmp_path / "echo.onnx", [1, 3, 24, 20])
+    bundle = _package(model, tmp_path / "out", "--preprocess", "mean=0.485/0.456/0.406,std=0.229/0.224/0.225",
+                      "--golden-input", images["rgb.jpg"], device="arm64-cpu")
+    packager = read_golden(bundle)["input:x"]
+    env = {"LD_LIBRARY_PATH": "/usr/lib/aarch64-linux-gnu"}
+    for name in ("rgb.jpg", "palette.png"):
+        proc = _native(bundle, "--input", images[name], "--output", tmp_path / "a.npz", qemu=True, env=env)
+        assert proc.returncode == 0, proc.stderr
+        with np.load(tmp_path / "a.npz") as out:
+            got = out["y"]
+        if name == "rgb.jpg":
+            assert got.tobytes() == packager.tobytes()
+        else:
+            from edgeq import contract
+
+            pre = contract.PreprocessRecord.from_json(json.loads((bundle / "manifest.json").read_text())["preprocess"])
+            assert got.tobytes() == contract.image_tensor(np, contract.decode_image(np, str(images[name])), pre).tobytes()
