@@ -167,6 +167,68 @@ def resnet18(size: int = 224, classes: int = 1000, batch=1) -> onnx.ModelProto:
     return g.model("resnet18", [_io("input", (batch, 3, size, size))], [_io("logits", (batch, classes))])
 
 
+def yolo_cnn(size: int = 128, classes: int = 4, batch=1) -> onnx.ModelProto:
+    """A YOLOv8-shaped detector: a strided CNN, heads at strides 8 and 16, boxes decoded from distances to
+    the anchor points (as ultralytics' dist2bbox) into xywh input pixels, sigmoid class scores; the output is
+    ultralytics' [1, 4 + classes, anchors] ("output0"), without NMS. Random weights: its boxes are not of
+    anything, but it has the head's shape and arithmetic."""
+    g = GraphBuilder(seed=5)
+    c1 = g.relu(g.conv("images", 3, 16, 3, 2))
+    c2 = g.relu(g.conv(c1, 16, 32, 3, 2))
+    c3 = g.relu(g.conv(c2, 32, 32, 3, 2))
+    c4 = g.relu(g.conv(c3, 32, 64, 3, 2))
+    heads = []
+    for feature, channels, stride in ((c3, 32, 8), (c4, 64, 16)):
+        cells = size // stride
+        box = g.conv(feature, channels, 4, 1)
+        distance = g.op("Mul", [g.op("Softplus", [box]), g.const("two", np.array(2.0, np.float32))])
+        distance = g.op("Reshape", [distance, g.const("shape", np.array([batch, 4, cells * cells], np.int64))])
+        ys, xs = np.mgrid[0:cells, 0:cells].astype(np.float32) + 0.5
+        anchors = g.const("anchors", np.stack([xs.ravel(), ys.ravel()])[None])  # [1, 2, cells^2]
+        lt = g.op("Slice", [distance, g.const("s", np.array([0], np.int64)), g.const("e", np.array([2], np.int64)),
+                            g.const("a", np.array([1], np.int64))])
+        rb = g.op("Slice", [distance, g.const("s", np.array([2], np.int64)), g.const("e", np.array([4], np.int64)),
+                            g.const("a", np.array([1], np.int64))])
+        x1y1, x2y2 = g.op("Sub", [anchors, lt]), g.op("Add", [anchors, rb])
+        centre = g.op("Div", [g.op("Add", [x1y1, x2y2]), g.const("two", np.array(2.0, np.float32))])
+        wh = g.op("Sub", [x2y2, x1y1])
+        xywh = g.op("Mul", [g.op("Concat", [centre, wh], axis=1), g.const("stride", np.array(float(stride), np.float32))])
+        logits = g.conv(feature, channels, classes, 1)
+        g.inits[-1].CopyFrom(numpy_helper.from_array(np.full(classes, -2.5, np.float32), g.inits[-1].name))  # few boxes
+        scores = g.op("Sigmoid", [g.op("Reshape", [logits, g.const("shape", np.array([batch, classes, cells * cells], np.int64))])])
+        heads.append(g.op("Concat", [xywh, scores], axis=1))
+    g.op("Concat", heads, axis=2)
+    g.nodes[-1].output[0] = "output0"
+    anchors_total = (size // 8) ** 2 + (size // 16) ** 2
+    return g.model("yolo_cnn", [_io("images", (batch, 3, size, size))], [_io("output0", (batch, 4 + classes, anchors_total))])
+
+
+YOLO_LABELS = ["car", "person", "bicycle", "traffic light"]
+
+
+def street_image(path: Path, width: int = 320, height: int = 240) -> Path:
+    """A drawn street scene (sky, road, cars, people, a traffic light): an image the project makes itself."""
+    from PIL import Image, ImageDraw
+
+    image = Image.new("RGB", (width, height), (135, 180, 230))
+    draw = ImageDraw.Draw(image)
+    draw.rectangle([0, height * 0.55, width, height], fill=(70, 70, 75))
+    for x in range(10, width, 40):
+        draw.rectangle([x, height * 0.76, x + 20, height * 0.78], fill=(230, 230, 230))
+    for x, colour in ((30, (200, 30, 30)), (150, (30, 60, 200)), (235, (240, 200, 40))):
+        draw.rectangle([x, height * 0.6, x + 70, height * 0.72], fill=colour)
+        draw.ellipse([x + 8, height * 0.69, x + 24, height * 0.75], fill=(20, 20, 20))
+        draw.ellipse([x + 46, height * 0.69, x + 62, height * 0.75], fill=(20, 20, 20))
+    for x in (110, 205):
+        draw.ellipse([x, height * 0.38, x + 12, height * 0.43], fill=(240, 200, 170))
+        draw.rectangle([x + 1, height * 0.43, x + 11, height * 0.58], fill=(60, 120, 60))
+    draw.rectangle([290, height * 0.2, 300, height * 0.55], fill=(40, 40, 40))
+    draw.rectangle([284, height * 0.2, 306, height * 0.32], fill=(30, 30, 30))
+    draw.ellipse([289, height * 0.21, 301, height * 0.25], fill=(220, 30, 30))
+    image.save(path)
+    return path
+
+
 EXAMPLES = {
     "resnet_cnn": resnet_cnn,
     "mobilenet_cnn": mobilenet_cnn,
@@ -197,10 +259,19 @@ def write_all(out_dir: Path) -> list[Path]:
     return paths
 
 
+def write_detector(out_dir: Path) -> list[Path]:
+    """The YOLO-shaped detector, its labels and the street image of the README's detector example."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    onnx.save_model(yolo_cnn(), out_dir / "yolo_cnn.onnx")
+    (out_dir / "yolo_labels.txt").write_text("".join(f"{label}\n" for label in YOLO_LABELS))
+    return [out_dir / "yolo_cnn.onnx", out_dir / "yolo_labels.txt", street_image(out_dir / "street.png")]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("-o", "--out", type=Path, default=Path(__file__).parent / "models")
-    for path in write_all(parser.parse_args().out):
+    out = parser.parse_args().out
+    for path in write_all(out) + write_detector(out):
         print(path)
 
 

@@ -26,7 +26,7 @@ import edgeq
 from edgeq import backends, bundle, contract, safebundle
 from edgeq.backends import GOLDEN_FP16_ATOL, GOLDEN_FP16_RTOL, GOLDEN_INT8_ATOL, GOLDEN_INT8_RTOL
 from edgeq.answers import check_args as check_answers
-from edgeq.answers import postprocess_record, preprocess_record
+from edgeq.answers import postprocess_record, preprocess_record, with_yolo_nms
 from edgeq.choices import DEFAULT_OUTPUT, PRECISIONS, QUANTIZED, RUNTIME_CHOICES
 from edgeq.compile import HostRunner, build, cuda_device_code, elf_machine, export, lower_graph, toolchain_for
 from edgeq.errors import EdgeqError, ModelError, OutputError, ToolchainError, UsageError
@@ -89,9 +89,12 @@ class PackageArgs:
     mender: bool = False  # also write OUTDIR/<name>-<device>.mender, a Mender Artifact of the archive (edgeq.mender)
     export_qdq: Path | None = None  # int8/mixed: also write the calibrated model as ONNX QDQ (edgeq.quantize.export_qdq)
     max_detections: int | None = None  # NonMaxSuppression: its selected rows padded to at most this (edgeq.nms)
-    postprocess: str | None = None  # "classify": the loaders print the top classes (edgeq.answers)
-    labels: Path | None = None  # one class label per line, for --postprocess classify
-    top_k: int = 5
+    postprocess: str | None = None  # "classify" / "yolo": the loaders print classes / boxes (edgeq.answers)
+    labels: Path | None = None  # one class label per line
+    top_k: int = 5  # classify
+    conf: float = 0.25  # yolo: score threshold
+    iou: float = 0.45  # yolo: IoU above which a box is suppressed
+    max_det: int = 300  # yolo: detections at most
 
     def to_dict(self) -> dict[str, Any]:
         """What the manifest records (``build.args``). ``dump_ir`` is left out: a debugging aid that
@@ -118,6 +121,9 @@ class PackageArgs:
             "postprocess": self.postprocess,
             "labels": str(self.labels) if self.labels else None,
             "top_k": self.top_k,
+            "conf": self.conf,
+            "iou": self.iou,
+            "max_det": self.max_det,
         }
 
     def display(self) -> str:
@@ -272,7 +278,7 @@ def _check_args(b: _Build) -> None:
         raise UsageError(f"bundle name '{b.name}' may use letters, digits, '.', '_' and '-' only; set it with --name")
     if args.release is not None and args.release < 0:
         raise UsageError("--release must be a non-negative integer")
-    b.labels = check_answers(args.postprocess, args.labels, args.top_k)
+    b.labels = check_answers(args.postprocess, args.labels, args.top_k, args.conf, args.iou, args.max_det)
     if args.max_detections is not None and not 1 <= args.max_detections <= 1 << 24:
         raise UsageError("--max-detections must be an integer from 1 to 16777216")
     check_reference(args.reference, args.precision in QUANTIZED)
@@ -352,6 +358,9 @@ def _load(b: _Build) -> None:
     consts = {name: read_const(name, Path(path)) for name, path in b.args.consts.items()}
     b.model = load_model(b.args.model, b.args.input_shapes, consts)
     b.preprocess = preprocess_record(b.args.preprocess, b.model.inputs)
+    if b.args.postprocess == "yolo":  # NonMaxSuppression in the graph: on the device's GPU where it has one
+        model, _ = with_yolo_nms(b.model.onnx_model, b.labels, b.args.conf, b.args.iou, b.args.max_det)
+        b.model = dataclasses.replace(b.model, onnx_model=model)
     if b.args.golden_input is not None:  # read and checked against the inputs before anything is compiled
         from edgeq.quantize.data import load_golden
 
@@ -364,7 +373,8 @@ def _import(b: _Build) -> None:
     from edgeq.quantize import is_qdq
 
     b.graph, b.outputs = to_relax(b.model, max_detections=b.args.max_detections)
-    b.postprocess = postprocess_record(b.args.postprocess, b.labels, b.args.top_k, b.outputs, b.model.onnx_model)
+    b.postprocess = postprocess_record(b.args.postprocess, b.labels, b.args.top_k, b.outputs, b.model.onnx_model,
+                                       b.args.conf, b.args.iou, b.args.max_det)
     for kind, spec in [*(("input", s) for s in b.model.inputs), *(("output", s) for s in b.outputs)]:
         if spec.dtype not in safebundle.TABLE_DTYPES:  # what golden.bin, run.py and edgeq-run can hold
             raise ModelError(f"{kind} '{spec.name}' is {spec.dtype}, which a bundle cannot carry (it holds "

@@ -439,13 +439,21 @@ class PreprocessRecord(Record):
 
 @_rec
 class PostprocessRecord(Record):
-    """What the loaders make of an output (``--postprocess`` at package time): ``classify``, top-k classes."""
+    """What the loaders make of an output (``--postprocess`` at package time): ``classify``, the top-k classes
+    of ``output``; ``yolo``, the boxes of an ultralytics v8/11 head ``output`` ([1, 4 + classes (+ masks),
+    anchors]: xywh in input pixels, class scores) that the graph's NonMaxSuppression kept (``selected``,
+    padded rows), best first, at most ``max_det``, in the pixels of the image given."""
 
     kind: str = _field(STR)
     output: str = _field(STR)
-    top_k: int = _field(COUNT)
-    softmax: bool = _field(BOOL)  # the output is logits (the model does not end in Softmax)
+    top_k: int = _field(COUNT)  # classify
+    softmax: bool = _field(BOOL)  # classify: the output is logits (the model does not end in Softmax)
     labels: list = _field(_List(STR))  # empty: indices only
+    selected: str | None = _field(_Opt(STR), omit_if_none=True)  # yolo: NonMaxSuppression's rows
+    classes: int | None = _field(_Opt(COUNT), omit_if_none=True)  # yolo: class scores after the 4 box rows
+    max_det: int | None = _field(_Opt(COUNT), omit_if_none=True)
+    conf: float | None = _field(_Opt(NUM), omit_if_none=True)
+    iou: float | None = _field(_Opt(NUM), omit_if_none=True)
 
 
 @_rec
@@ -543,9 +551,15 @@ def process_problem(manifest) -> str | None:
             return "manifest field 'preprocess' has a value out of range"
     if post is not None:
         spec = next((o for o in manifest.outputs if o.name == post.output), None)
-        if post.kind != "classify" or spec is None or not spec.shape or spec.shape[0] != 1 \
+        if post.kind not in ("classify", "yolo") or spec is None or not spec.shape or spec.shape[0] != 1 \
                 or not 1 <= post.top_k <= 1000 or len(post.labels) > MAX_LABELS:
             return "manifest field 'postprocess' does not fit output '%s'" % post.output
+        if post.kind == "yolo":
+            rows = next((o for o in manifest.outputs if o.name == post.selected), None)
+            if rows is None or rows.rows is None or rows.dtype != "int64" or len(rows.shape) != 2 or rows.shape[1] != 3 \
+                    or len(spec.shape) != 3 or post.classes is None or not 1 <= post.classes <= spec.shape[1] - 4 \
+                    or post.max_det is None or not 1 <= post.max_det <= 100000 or len(post.labels) > post.classes:
+                return "manifest field 'postprocess' does not fit output '%s'" % post.output
     return None
 
 
@@ -668,6 +682,52 @@ def classify(np, output, post) -> list:
             row["label"] = post.labels[i]
         top.append(row)
     return top
+
+
+def _unletterbox(pre, image_hw):
+    """(scale_x, scale_y, left, top) taking input pixels back to the image's (ultralytics' scale_boxes)."""
+    if pre is None or image_hw is None:
+        return 1.0, 1.0, 0, 0
+    if pre.resize == "letterbox":
+        scale, _, _, top, left = letterbox_geometry(pre.height, pre.width, image_hw[0], image_hw[1])
+        return scale, scale, left, top
+    return pre.width / image_hw[1], pre.height / image_hw[0], 0, 0
+
+
+def yolo(np, outputs: dict, post, real: int, pre=None, image_hw=None) -> list:
+    """The detections of a YOLO head whose NonMaxSuppression ran in the graph: [{box: [x1, y1, x2, y2],
+    score, class, label?}], best first (equal scores: the earlier row), at most ``max_det``; boxes in the
+    image's pixels (``image_hw``: (height, width) of the image the input was made from, undoing the letterbox
+    or stretch of ``pre``), clipped to it, rounded to 0.01 px, scores to 4 decimals. ``real``: the selected
+    rows that are real (TensorSpec.real_rows of ``post.selected``)."""
+    head = np.asarray(outputs[post.output])
+    head = head.reshape(head.shape[-2], head.shape[-1])  # [4 + classes (+ masks), anchors]
+    rows = np.asarray(outputs[post.selected])
+    found = []
+    for r in range(real):
+        c, b = int(rows[r, 1]), int(rows[r, 2])
+        found.append((float(head[4 + c, b]), r, c, b))
+    found.sort(key=lambda t: (-t[0], t[1]))
+    sx, sy, left, top = _unletterbox(pre, image_hw)
+    detections = []
+    for score, _, c, b in found[: post.max_det]:
+        cx, cy, w, h = (float(head[k, b]) for k in range(4))
+        box = [(cx - w / 2 - left) / sx, (cy - h / 2 - top) / sy, (cx + w / 2 - left) / sx, (cy + h / 2 - top) / sy]
+        if image_hw is not None:
+            box = [min(max(v, 0.0), float(image_hw[1 - k % 2])) for k, v in enumerate(box)]
+        row = {"box": [round(v, 2) for v in box], "score": round(score, 4), "class": c}
+        if c < len(post.labels):
+            row["label"] = post.labels[c]
+        detections.append(row)
+    return detections
+
+
+def describe_detections(detections: list) -> str:
+    """yolo's rows as text: label (class), score, box."""
+    if not detections:
+        return "no detections"
+    return "\n".join("%-16s %.4f  [%s]" % (row.get("label", "class %d" % row["class"]), row["score"],
+                                           ", ".join("%.2f" % v for v in row["box"])) for row in detections)
 
 
 def describe_top(top: list) -> str:

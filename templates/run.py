@@ -301,19 +301,21 @@ def read_image(np, name, path, manifest):
     if name is not None and name != pre.input:
         raise LoaderError("--input %s=%s: images go to input '%s' (--preprocess)" % (name, path, pre.input), Exit.USAGE)
     try:
-        return pre.input, contract.image_tensor(np, contract.decode_image(np, path), pre)
+        pixels = contract.decode_image(np, path)
+        return pre.input, contract.image_tensor(np, pixels, pre), pixels.shape[:2]
     except (contract.ImageError, OSError) as err:
         raise LoaderError(str(err).splitlines()[0] if str(err) else type(err).__name__, Exit.USAGE)
 
 
 def read_inputs(specs, manifest=None):
+    """{input name: array}, and the (height, width) of the image given, if one was."""
     import numpy as np
 
-    inputs = {}
+    inputs, image_hw = {}, None
     for spec in specs:
         name, sep, path = spec.partition("=")
         if not sep or is_image(path):
-            key, value = read_image(np, name if sep else None, path if sep else spec, manifest)
+            key, value, image_hw = read_image(np, name if sep else None, path if sep else spec, manifest)
             inputs[key] = value
             continue
         try:
@@ -329,7 +331,7 @@ def read_inputs(specs, manifest=None):
         except (OSError, ValueError, EOFError) as err:
             reason = str(err).splitlines()[0] if str(err) else type(err).__name__
             raise LoaderError("cannot read --input %s: %s" % (spec, reason), Exit.USAGE)
-    return inputs
+    return inputs, image_hw
 
 
 def report_self_test(ok, report, as_json):
@@ -380,22 +382,33 @@ def write_outputs(np, output, outputs):
         write_file_atomic(os.path.join(folder, safe_file_name(name) + ".npy"), lambda f, v=value: np.save(f, v))
 
 
-def run_inputs(model, inputs, args):
+def answer(model, outputs, image_hw):
+    """("top" | "detections", rows) of the bundle's --postprocess, or None."""
+    post = model.manifest.postprocess
+    if post is None:
+        return None
+    if post.kind == "classify":
+        return "top", contract.classify(model.np, outputs[post.output], post)
+    selected = next(s for s in model.manifest.outputs if s.name == post.selected)
+    return "detections", contract.yolo(model.np, outputs, post, selected.real_rows(outputs), model.manifest.preprocess,
+                                       image_hw)
+
+
+def run_inputs(model, inputs, args, image_hw=None):
     outputs = model.run(inputs)
     if args.output:
         write_outputs(model.np, args.output, outputs)
     real = {spec.name: spec.real_rows(outputs) for spec in model.manifest.outputs}  # padded outputs: rows counted
-    post = model.manifest.postprocess
-    top = contract.classify(model.np, outputs[post.output], post) if post is not None else None
+    found = answer(model, outputs, image_hw)
     if args.json:
         summary = {}
         for k, v in outputs.items():
             summary[k] = {"shape": list(v.shape), "dtype": str(v.dtype)}
             if real.get(k) is not None:
                 summary[k]["rows"] = real[k]
-        print(json.dumps(summary if top is None else {"top": top, "outputs": summary}))
-    elif top is not None:
-        print(contract.describe_top(top))
+        print(json.dumps(summary if found is None else {found[0]: found[1], "outputs": summary}))
+    elif found is not None:
+        print(contract.describe_top(found[1]) if found[0] == "top" else contract.describe_detections(found[1]))
     elif not args.output:
         for name, value in outputs.items():
             print("%s: %s %s%s" % (name, value.dtype, "x".join(map(str, value.shape)),
@@ -421,7 +434,7 @@ def main(argv=None):
             check_machine(manifest, tvm)
             print(json.dumps({"ok": True}) if args.json else "ok: this machine can run %s" % manifest.bundle_id)
             return Exit.OK
-        inputs = read_inputs(args.input, manifest)
+        inputs, image_hw = read_inputs(args.input, manifest)
         model = Model(manifest)
         if args.self_test:
             ok, report = self_test(model)
@@ -434,7 +447,7 @@ def main(argv=None):
             stats = model.benchmark(inputs, args.benchmark, args.warmup)
             print(json.dumps(stats) if args.json else contract.describe_latency(stats))
         elif inputs:
-            run_inputs(model, inputs, args)
+            run_inputs(model, inputs, args, image_hw)
         return Exit.OK
     except LoaderError as err:
         print("run.py: error: %s" % err, file=sys.stderr)

@@ -234,3 +234,102 @@ def test_aarch64_loader_under_qemu(images, tmp_path):
 
             pre = contract.PreprocessRecord.from_json(json.loads((bundle / "manifest.json").read_text())["preprocess"])
             assert got.tobytes() == contract.image_tensor(np, contract.decode_image(np, str(images[name])), pre).tobytes()
+
+
+# ---- --postprocess yolo ----------------------------------------------------------------------------------
+
+
+def _reference_detections(head: np.ndarray, conf: float, iou: float, max_det: int, image_hw, size: int, labels):
+    """Ultralytics' post-processing written out in numpy, from ONNX Runtime's raw head: each anchor's best
+    class above ``conf``, xywh -> xyxy, class-aware greedy NMS (IoU above ``iou`` suppressed), best first, at
+    most ``max_det``, boxes scaled back as ultralytics' scale_boxes does and clipped."""
+    pred = head[0].astype(np.float64)  # [4 + classes, anchors]
+    scores = pred[4:4 + len(labels)]
+    best, cls = scores.max(0), scores.argmax(0)
+    keep = np.flatnonzero(best > conf)
+    keep = keep[np.argsort(-best[keep], kind="stable")]
+    cx, cy, w, h = pred[:4, keep]
+    boxes = np.stack([cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2], 1)
+    chosen = []
+    for i in range(len(keep)):
+        ok = True
+        for j in chosen:
+            if cls[keep[i]] != cls[keep[j]]:
+                continue
+            lt, rb = np.maximum(boxes[i, :2], boxes[j, :2]), np.minimum(boxes[i, 2:], boxes[j, 2:])
+            inter = np.prod(np.clip(rb - lt, 0, None))
+            union = np.prod(boxes[i, 2:] - boxes[i, :2]) + np.prod(boxes[j, 2:] - boxes[j, :2]) - inter
+            if union > 0 and inter / union > iou:
+                ok = False
+                break
+        if ok:
+            chosen.append(i)
+    chosen = chosen[:max_det]
+    h0, w0 = image_hw
+    gain = min(size / h0, size / w0)
+    pad_x, pad_y = round((size - w0 * gain) / 2 - 0.1), round((size - h0 * gain) / 2 - 0.1)
+    out = []
+    for i in chosen:
+        x1, y1, x2, y2 = boxes[i]
+        box = [(x1 - pad_x) / gain, (y1 - pad_y) / gain, (x2 - pad_x) / gain, (y2 - pad_y) / gain]
+        box = [min(max(v, 0.0), w0 if k % 2 == 0 else h0) for k, v in enumerate(box)]
+        out.append({"box": box, "score": best[keep[i]], "class": int(cls[keep[i]]), "label": labels[cls[keep[i]]]})
+    return out
+
+
+@pytest.fixture(scope="module")
+def detector(tmp_path_factory) -> dict[str, Path]:
+    import make_models
+
+    out = tmp_path_factory.mktemp("detector")
+    return {p.name: p for p in make_models.write_detector(out)}
+
+
+def test_yolo_boxes_match_a_numpy_reference_and_both_loaders_agree(detector, images, tmp_path):
+    import onnxruntime as ort
+
+    from edgeq import contract
+
+    labels = detector["yolo_labels.txt"].read_text().split("\n")[:-1]
+    conf, iou = 0.2, 0.45
+    bundle = _package(detector["yolo_cnn.onnx"], tmp_path / "out", "--preprocess", "fit=letterbox", "--postprocess", "yolo",
+                      "--labels", detector["yolo_labels.txt"], "--conf", str(conf), "--iou", str(iou),
+                      "--golden-input", detector["street.png"], "--runtime", "bundled")
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    assert manifest["postprocess"]["kind"] == "yolo" and manifest["postprocess"]["classes"] == len(labels)
+    assert manifest["reference_check"]["result"] == "passed"
+    pre = contract.PreprocessRecord.from_json(manifest["preprocess"])
+    session = ort.InferenceSession(str(detector["yolo_cnn.onnx"]), providers=["CPUExecutionProvider"])
+    seen = 0
+    for image in (detector["street.png"], images["rgb.jpg"], images["gray.png"]):
+        py = run_py(bundle, "--input", image, "--json")
+        native = _native(bundle, "--input", image, "--json")
+        assert py.returncode == native.returncode == 0, (py.stderr, native.stderr)
+        got = json.loads(py.stdout)
+        assert got == json.loads(native.stdout)
+        assert run_py(bundle, "--input", image).stdout == _native(bundle, "--input", image).stdout
+        pixels = contract.decode_image(np, str(image))
+        head = session.run(None, {"images": contract.image_tensor(np, pixels, pre)})[0]
+        want = _reference_detections(head, conf, iou, 300, pixels.shape[:2], 128, labels)
+        found = got["detections"]
+        assert [d["class"] for d in found] == [d["class"] for d in want]
+        for g, w in zip(found, want):
+            assert max(abs(a - b) for a, b in zip(g["box"], w["box"])) <= 1.0, (g, w)
+            assert abs(g["score"] - w["score"]) <= 1e-3 and g["label"] == w["label"]
+        seen += len(found)
+    assert seen > 0  # the images select something
+
+
+def test_yolo_on_the_orin(detector, tmp_path):
+    """NonMaxSuppression is in the graph: the CUDA build carries it (built here for sm_87)."""
+    bundle = _package(detector["yolo_cnn.onnx"], tmp_path / "out", "--preprocess", "fit=letterbox", "--postprocess", "yolo",
+                      device="jetson-orin-nano")
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    assert manifest["device"]["cuda_arch"] == "sm_87" and manifest["postprocess"]["selected"] == "edgeq_yolo_selected"
+
+
+def test_yolo_refuses_what_is_not_a_yolo_head(models, tmp_path):
+    result = run_cli("package", models["resnet_cnn"], "--device", "host", "-o", tmp_path / "out", "-q",
+                     "--postprocess", "yolo")
+    assert result.code == 3 and "is not a YOLO head" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()

@@ -49,11 +49,16 @@ def add_parser(sub) -> None:
                         help="the input the bundle's self-test runs: .npz (one array per input) or .npy, or an image "
                              "with --preprocess (default: the first calibration sample for int8/mixed, else a generated "
                              "input, tried within the domains of Log/Acos/Acosh-like ops before refusing)")
-    parser.add_argument("--postprocess", choices=["classify"],
-                        help="classify: the loaders print the top classes of the first output (with --labels), "
-                             "softmax applied unless the model ends in Softmax")
-    parser.add_argument("--labels", type=Path, metavar="FILE", help="class labels, one per line (--postprocess classify)")
-    parser.add_argument("--top-k", type=int, default=5, metavar="K", help="classes to print (default 5)")
+    parser.add_argument("--postprocess", choices=["classify", "yolo"],
+                        help="classify: the loaders print the top classes of the first output, softmax applied unless "
+                             "the model ends in Softmax; yolo: the first output is an ultralytics v8/11 head (exported "
+                             "without nms): NonMaxSuppression is added to the graph and the loaders print the boxes, in "
+                             "the input image's pixels")
+    parser.add_argument("--labels", type=Path, metavar="FILE", help="class labels, one per line (--postprocess)")
+    parser.add_argument("--top-k", type=int, default=5, metavar="K", help="classify: classes to print (default 5)")
+    parser.add_argument("--conf", type=float, default=0.25, help="yolo: score threshold (default 0.25)")
+    parser.add_argument("--iou", type=float, default=0.45, help="yolo: IoU above which a box is suppressed (default 0.45)")
+    parser.add_argument("--max-det", type=int, default=300, metavar="N", help="yolo: detections at most (default 300)")
     parser.add_argument("--reference", choices=REFERENCE_CHOICES, default=REFERENCE_CHOICES[0],
                         help="what the build is checked against on the golden input before anything is written: "
                              "auto (default): ONNX Runtime where installed, else TVM's plain pipeline on the imported "
@@ -152,6 +157,9 @@ def run(args, env) -> int:
         postprocess=args.postprocess,
         labels=args.labels,
         top_k=args.top_k,
+        conf=args.conf,
+        iou=args.iou,
+        max_det=args.max_det,
         **graph_options(args),
     )
     progress = StageProgress(console=env.err(), quiet=args.quiet)

@@ -782,6 +782,7 @@ int Main(int argc, char** argv) {
   CheckFiles(b);
   if (!b.cuda_arch.empty()) CheckDriver(b);
   std::map<std::string, HostTensor> inputs;
+  int64_t image_h = 0, image_w = 0;  // the image given, if one was (--postprocess yolo puts boxes in its pixels)
   for (const std::string& spec : args.inputs) {
     size_t eq = spec.find('=');
     if (eq == std::string::npos || LooksLikeImage(spec.substr(eq + 1))) {  // an image (run.py's read_image)
@@ -791,7 +792,9 @@ int Main(int argc, char** argv) {
                      "NAME=FILE.npy, or package it with --preprocess");
       if (eq != std::string::npos && spec.substr(0, eq) != b.preprocess.input)
         refuse_usage("--input " + spec + ": images go to input '" + b.preprocess.input + "' (--preprocess)");
-      HostTensor t = ImageTensor(DecodeImage(path), b.preprocess);
+      Pixels pixels = DecodeImage(path);
+      image_h = pixels.h, image_w = pixels.w;
+      HostTensor t = ImageTensor(std::move(pixels), b.preprocess);
       inputs[t.name] = std::move(t);
       continue;
     }
@@ -841,10 +844,21 @@ int Main(int argc, char** argv) {
           real[k] = std::max<int64_t>(0, std::min<int64_t>(n, spec.rows_bound));
         }
     }
-    std::string top_json, top_text;
-    if (b.postprocess.given)
+    std::string top_json, top_text;  // run.py's answer(): classify's top or yolo's detections
+    const char* answer_key = b.postprocess.kind == "yolo" ? "detections" : "top";
+    if (b.postprocess.given && b.postprocess.kind == "classify") {
       for (size_t i = 0; i < outputs.size(); ++i)
         if (outputs[i].name == b.postprocess.output) top_json = ClassifyJson(outputs[i], b.postprocess, &top_text);
+    } else if (b.postprocess.given) {
+      const HostTensor *head = nullptr, *rows = nullptr;
+      int64_t rows_real = 0;
+      for (size_t i = 0; i < outputs.size(); ++i) {
+        if (outputs[i].name == b.postprocess.output) head = &outputs[i];
+        if (outputs[i].name == b.postprocess.selected) rows = &outputs[i], rows_real = std::max<int64_t>(0, real[i]);
+      }
+      if (head && rows)
+        top_json = YoloJson(*head, *rows, rows_real, b.postprocess, b.preprocess, image_h, image_w, &top_text);
+    }
     if (args.json) {
       std::string rows;
       for (size_t i = 0; i < outputs.size(); ++i) {
@@ -855,7 +869,8 @@ int Main(int argc, char** argv) {
                 "], \"dtype\": " + JsonQuote(t.dtype.name) +
                 (real[i] >= 0 ? ", \"rows\": " + std::to_string(real[i]) : std::string()) + "}";
       }
-      if (b.postprocess.given) std::printf("{\"top\": %s, \"outputs\": {%s}}\n", top_json.c_str(), rows.c_str());
+      if (b.postprocess.given)
+        std::printf("{\"%s\": %s, \"outputs\": {%s}}\n", answer_key, top_json.c_str(), rows.c_str());
       else std::printf("{%s}\n", rows.c_str());
     } else if (b.postprocess.given) {
       std::printf("%s\n", top_text.c_str());

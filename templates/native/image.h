@@ -43,6 +43,9 @@ struct Postprocess {  // contract.PostprocessRecord
   int64_t top_k = 0;
   bool softmax = false;
   std::vector<std::string> labels;
+  std::string selected;  // yolo
+  int64_t classes = -1, max_det = -1;
+  double conf = 0, iou = 0;
 };
 
 void* OpenLibrary(const std::vector<const char*>& names, const std::string& what) {
@@ -308,6 +311,18 @@ Postprocess ParsePostprocess(const Json& m) {
   if (softmax.kind != Json::kBool) refuse("manifest field 'postprocess.softmax' is not true or false");
   post.softmax = softmax.b;
   for (const Json& v : j->At("labels", "postprocess.").Arr("postprocess.labels")) post.labels.push_back(v.Str("postprocess.labels"));
+  auto optional = [&](const char* key) -> const Json* {
+    const Json* v = j->Find(key);
+    return v && v->kind != Json::kNull ? v : nullptr;
+  };
+  if (const Json* v = optional("selected")) post.selected = v->Str("postprocess.selected");
+  if (const Json* v = optional("classes")) post.classes = v->Int("postprocess.classes");
+  if (const Json* v = optional("max_det")) post.max_det = v->Int("postprocess.max_det");
+  if (const Json* v = optional("conf")) post.conf = Number(*v, "postprocess.conf");
+  if (const Json* v = optional("iou")) post.iou = Number(*v, "postprocess.iou");
+  if (post.top_k < 0 || j->Find("classes") && post.classes < 0 && optional("classes") ||
+      j->Find("max_det") && post.max_det < 0 && optional("max_det"))
+    refuse("manifest field 'postprocess' has a negative count");
   return post;
 }
 
@@ -335,11 +350,77 @@ std::string ProcessProblem(const Preprocess& pre, const Postprocess& post, const
     const Spec* spec = nullptr;
     for (const Spec& s : outputs)
       if (s.name == post.output) { spec = &s; break; }
-    if (post.kind != "classify" || !spec || spec->shape.empty() || spec->shape[0] != 1 || post.top_k < 1 ||
-        post.top_k > 1000 || post.labels.size() > size_t(kMaxLabels))
-      return "manifest field 'postprocess' does not fit output '" + post.output + "'";
+    std::string bad = "manifest field 'postprocess' does not fit output '" + post.output + "'";
+    if ((post.kind != "classify" && post.kind != "yolo") || !spec || spec->shape.empty() || spec->shape[0] != 1 ||
+        post.top_k < 1 || post.top_k > 1000 || post.labels.size() > size_t(kMaxLabels))
+      return bad;
+    if (post.kind == "yolo") {
+      const Spec* rows = nullptr;
+      for (const Spec& s : outputs)
+        if (s.name == post.selected && !post.selected.empty()) { rows = &s; break; }
+      if (!rows || rows->rows_axis < 0 || rows->dtype.name != "int64" || rows->shape.size() != 2 || rows->shape[1] != 3 ||
+          spec->shape.size() != 3 || post.classes < 1 || post.classes > spec->shape[1] - 4 || post.max_det < 1 ||
+          post.max_det > 100000 || int64_t(post.labels.size()) > post.classes)
+        return bad;
+    }
   }
   return "";
+}
+
+// contract.yolo, printed as run.py prints it. ``real``: the selected rows that are real; ``image_h/w``: the image
+// the input was made from (0: none, boxes stay in input pixels)
+std::string YoloJson(const HostTensor& head, const HostTensor& rows, int64_t real, const Postprocess& post,
+                     const Preprocess& pre, int64_t image_h, int64_t image_w, std::string* text) {
+  int64_t channels = head.shape[head.shape.size() - 2], anchors = head.shape.back();
+  auto at = [&](int64_t k, int64_t b) -> double {
+    if (k < 0 || k >= channels || b < 0 || b >= anchors) return 0.0;
+    return ElementAsDouble(head.dtype, &head.data[size_t(k * anchors + b) * size_t(head.dtype.bytes)]);
+  };
+  auto row = [&](int64_t r, int64_t k) {
+    int64_t v;
+    std::memcpy(&v, &rows.data[size_t(r * 3 + k) * sizeof(int64_t)], sizeof v);
+    return v;
+  };
+  struct Found { double score; int64_t r, c, b; };
+  std::vector<Found> found;
+  for (int64_t r = 0; r < real; ++r) {
+    int64_t c = row(r, 1), b = row(r, 2);
+    found.push_back({at(4 + c, b), r, c, b});
+  }
+  std::stable_sort(found.begin(), found.end(), [](const Found& x, const Found& y) { return x.score > y.score; });
+  double sx = 1, sy = 1, left = 0, top = 0;  // contract._unletterbox
+  bool image = image_h > 0 && image_w > 0 && pre.given;
+  if (image && pre.resize == "letterbox") {
+    double s = std::min(double(pre.height) / double(image_h), double(pre.width) / double(image_w));
+    int64_t new_h = std::max<int64_t>(1, int64_t(std::nearbyint(double(image_h) * s)));
+    int64_t new_w = std::max<int64_t>(1, int64_t(std::nearbyint(double(image_w) * s)));
+    top = double(int64_t(std::nearbyint(double(pre.height - new_h) / 2 - 0.1)));
+    left = double(int64_t(std::nearbyint(double(pre.width - new_w) / 2 - 0.1)));
+    sx = sy = s;
+  } else if (image) {
+    sx = double(pre.width) / double(image_w), sy = double(pre.height) / double(image_h);
+  }
+  std::string json;
+  size_t n = std::min(found.size(), size_t(post.max_det));
+  if (n == 0) *text = "no detections";
+  for (size_t i = 0; i < n; ++i) {
+    const Found& f = found[i];
+    double cx = at(0, f.b), cy = at(1, f.b), w = at(2, f.b), h = at(3, f.b);
+    double box[4] = {(cx - w / 2 - left) / sx, (cy - h / 2 - top) / sy, (cx + w / 2 - left) / sx, (cy + h / 2 - top) / sy};
+    if (image)
+      for (int k = 0; k < 4; ++k) box[k] = std::min(std::max(box[k], 0.0), double(k % 2 ? image_h : image_w));
+    char coords[160], score[32];
+    std::snprintf(coords, sizeof coords, "%.2f, %.2f, %.2f, %.2f", box[0], box[1], box[2], box[3]);
+    std::snprintf(score, sizeof score, "%.4f", f.score);
+    bool labelled = f.c >= 0 && f.c < int64_t(post.labels.size());
+    std::string name = labelled ? post.labels[size_t(f.c)] : "class " + std::to_string(f.c);
+    json += std::string(i ? ", " : "") + "{\"box\": [" + coords + "], \"score\": " + score + ", \"class\": " +
+            std::to_string(f.c) + (labelled ? ", \"label\": " + JsonQuote(name) : std::string()) + "}";
+    char line[256];
+    std::snprintf(line, sizeof line, "%-16s %s  [%s]", name.c_str(), score, coords);
+    *text += std::string(i ? "\n" : "") + line;
+  }
+  return "[" + json + "]";
 }
 
 // contract.classify, printed as run.py prints it
