@@ -1,5 +1,5 @@
 """From an image to an answer: what a bundle records of its pre- and post-processing (``--preprocess``,
-``--postprocess``), for its loaders to apply (``contract.image_tensor``, ``contract.classify``)."""
+``--postprocess``), for its loaders to apply (``imaging.image_tensor``, ``imaging.classify``)."""
 
 from __future__ import annotations
 

@@ -14,17 +14,17 @@ import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from edgeq import contract, safebundle, templates
-from edgeq.contract import (CONTRACT, FILE_ROLES, GOLDEN, LIBRARY, LOADER, MANIFEST, README, SIGNATURE, SUMS, VERIFIER,
-                            WEIGHTS, Manifest)
+from edgeq import contract, imaging, safebundle, templates
+from edgeq.contract import (CONTRACT, FILE_ROLES, GOLDEN, IMAGING, LIBRARY, LOADER, MANIFEST, README, SIGNATURE, SUMS,
+                            VERIFIER, WEIGHTS, Manifest)
 from edgeq.errors import BundleError
 
 if TYPE_CHECKING:
     import numpy as np
 
-# Shipped as they are: the Python loader and the two standard-library modules it shares with edgeq.
+# Shipped as they are: the Python loader and the three modules it shares with edgeq (standard library at import).
 SHIPPED = {LOADER: Path(templates.__file__).with_name("run.py"), CONTRACT: Path(contract.__file__),
-           VERIFIER: Path(safebundle.__file__)}
+           VERIFIER: Path(safebundle.__file__), IMAGING: Path(imaging.__file__)}
 
 
 def write_tensors(path: Path, tensors: list[tuple[str, np.ndarray]]) -> list[contract.StoredTensor]:

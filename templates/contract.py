@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-import os
 
 SCHEMA_VERSION = 3  # 3: one quantization report shape (``kind``), latency statistics with p50 and mean throughput
 
@@ -25,6 +24,7 @@ SCHEMA_VERSION = 3  # 3: one quantization report shape (``kind``), latency stati
 MANIFEST, SIGNATURE, SUMS = "manifest.json", "manifest.sig", "SHA256SUMS"
 LIBRARY, WEIGHTS, GOLDEN, QUANT_PARAMS = "model.so", "weights.bin", "golden.bin", "quant_params.npz"
 LOADER, CONTRACT, VERIFIER, README = "run.py", "contract.py", "safebundle.py", "README.md"
+IMAGING = "imaging.py"
 RUNTIME = "runtime"
 NATIVE_LOADER = RUNTIME + "/edgeq-run"
 TENSOR_FORMAT = "edgeq-raw-1"  # little-endian C-order arrays, each at a 64-byte aligned offset; the manifest has the table
@@ -37,6 +37,7 @@ FILE_ROLES = {
     LOADER: "Python loader: checks, runs, self-tests and benchmarks the model",
     CONTRACT: "the manifest's schema and the latency statistics (run.py and safebundle.py use it)",
     VERIFIER: "verifies the signature and every file; installs with anti-rollback (python3 safebundle.py --help)",
+    IMAGING: "images in, answers out: run.py --input IMAGE and --postprocess (edgeq-run repeats it in C++)",
     README: "this file",
     SUMS: "SHA-256 of every other file (sha256sum -c SHA256SUMS)",
     QUANT_PARAMS: "int8 scales: activation scale and per-channel weight scales of each int8 layer",
@@ -529,10 +530,7 @@ def rows_problem(outputs) -> str | None:
     return None
 
 
-MAX_IMAGE_PIXELS = 50_000_000  # one image given to run.py / edgeq-run --input (a decompression bomb is refused)
-MAX_IMAGE_FILE_BYTES = 256 << 20  # one image file
-MAX_LABELS = 100_000
-PAD_VALUE = 114  # letterbox padding, as ultralytics pads
+MAX_LABELS = 100_000  # --postprocess labels
 
 
 def process_problem(manifest) -> str | None:
@@ -561,179 +559,6 @@ def process_problem(manifest) -> str | None:
                     or post.max_det is None or not 1 <= post.max_det <= 100000 or len(post.labels) > post.classes:
                 return "manifest field 'postprocess' does not fit output '%s'" % post.output
     return None
-
-
-# ---------------------------------------------------------------------------------------------------
-# images in, answers out: what run.py and edgeq-run (in C++, held to this by a test) compute, the packager too
-# ---------------------------------------------------------------------------------------------------
-
-
-class ImageError(ValueError):
-    """An image that cannot be read or used: the one-line reason."""
-
-
-def decode_image(np, path: str, any_format: bool = False, max_pixels: int = MAX_IMAGE_PIXELS):
-    """``path`` (PNG or JPEG; ``any_format``: whatever Pillow reads, for calibration) as uint8 pixels
-    ``[H, W, C]``, C 1 (gray files) or 3 (everything else; alpha dropped, palettes expanded), with Pillow,
-    else OpenCV. 16-bit PNGs are refused (edgeq-run's libpng would gamma-convert them)."""
-    with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size > MAX_IMAGE_FILE_BYTES:
-            raise ImageError("%s is larger than %d bytes" % (path, MAX_IMAGE_FILE_BYTES))
-        head = f.read(32)
-    png = head.startswith(b"\x89PNG\r\n\x1a\n")
-    if not any_format and not (png or head.startswith(b"\xff\xd8\xff")):
-        raise ImageError("%s is not a PNG or JPEG image" % path)
-    if png and len(head) > 24 and head[24] == 16:
-        raise ImageError("%s is a 16-bit PNG; give an 8-bit one" % path)
-    try:
-        from PIL import Image
-    except ImportError:
-        Image = None
-    if Image is not None:
-        Image.MAX_IMAGE_PIXELS = None  # the limit below applies, before any pixel is decoded
-        try:
-            with Image.open(path) as image:
-                if image.width * image.height > max_pixels:
-                    raise ImageError("%s has %d x %d pixels, more than %d" % (path, image.width, image.height, max_pixels))
-                if image.mode in ("I", "I;16", "I;16B", "F", "CMYK", "1"):
-                    raise ImageError("%s is a %s image; give an 8-bit gray, RGB or RGBA PNG or JPEG" % (path, image.mode))
-                gray = image.mode in ("L", "LA")
-                image = image.convert("L" if gray else "RGB")
-                pixels = np.asarray(image, dtype=np.uint8)
-        except (OSError, ValueError, SyntaxError) as err:
-            if isinstance(err, ImageError):
-                raise
-            raise ImageError("cannot decode %s: %s" % (path, (str(err).splitlines() or [type(err).__name__])[0]))
-        return pixels[:, :, None] if pixels.ndim == 2 else pixels
-    try:
-        import cv2
-    except ImportError:
-        raise ImageError("reading images needs Pillow or OpenCV: pip install pillow (or give NAME=FILE.npy)")
-    pixels = cv2.imread(path, cv2.IMREAD_UNCHANGED)
-    if pixels is None or pixels.dtype != np.uint8:
-        raise ImageError("cannot decode %s as an 8-bit image" % path)
-    if pixels.ndim == 2:
-        return pixels[:, :, None]
-    return np.ascontiguousarray(pixels[:, :, 2::-1] if pixels.shape[2] >= 3 else pixels[:, :, :1])
-
-
-def _bilinear(np, pixels, height: int, width: int):
-    """Bilinear resize with half-pixel centres (OpenCV's INTER_LINEAR; no antialiasing), in float32 in this
-    order of operations (edgeq-run computes the same, operation by operation)."""
-    def taps(size_in, size_out):
-        pos = (np.arange(size_out, dtype=np.float64) + 0.5) * (size_in / size_out) - 0.5
-        pos = np.clip(pos, 0.0, size_in - 1)
-        low = np.floor(pos)
-        weight = (pos - low).astype(np.float32)
-        low = low.astype(np.int64)
-        return low, np.minimum(low + 1, size_in - 1), weight
-
-    y0, y1, wy = taps(pixels.shape[0], height)
-    x0, x1, wx = taps(pixels.shape[1], width)
-    p = pixels.astype(np.float32)
-    wx, wy = wx[None, :, None], wy[:, None, None]
-    one = np.float32(1.0)
-    top = p[y0][:, x0] * (one - wx) + p[y0][:, x1] * wx
-    bottom = p[y1][:, x0] * (one - wx) + p[y1][:, x1] * wx
-    return top * (one - wy) + bottom * wy
-
-
-def letterbox_geometry(height: int, width: int, image_h: int, image_w: int):
-    """(scale, new_h, new_w, top, left) of ultralytics' letterbox: the image scaled to fit, centred."""
-    scale = min(height / image_h, width / image_w)
-    new_h, new_w = int(round(image_h * scale)), int(round(image_w * scale))
-    top, left = int(round((height - new_h) / 2 - 0.1)), int(round((width - new_w) / 2 - 0.1))
-    return scale, max(1, new_h), max(1, new_w), top, left
-
-
-def image_tensor(np, pixels, pre):
-    """The input tensor ``pre`` (a PreprocessRecord) makes of decoded ``pixels`` (uint8 [H, W, C]): channel
-    order, resize, ``(p / scale - mean) / std`` in float32, layout, a batch of one."""
-    if pre.order == "GRAY" and pixels.shape[2] == 3:  # ITU-R 601 luma, in Pillow's integer arithmetic
-        p = pixels.astype(np.uint32)
-        pixels = ((p[:, :, 0] * 19595 + p[:, :, 1] * 38470 + p[:, :, 2] * 7471 + 0x8000) >> 16).astype(np.uint8)[:, :, None]
-    elif pre.order != "GRAY" and pixels.shape[2] == 1:
-        pixels = np.repeat(pixels, 3, axis=2)
-    if pre.order == "BGR":
-        pixels = pixels[:, :, ::-1]
-    if pre.resize == "letterbox":
-        _, new_h, new_w, top, left = letterbox_geometry(pre.height, pre.width, pixels.shape[0], pixels.shape[1])
-        out = np.full((pre.height, pre.width, pixels.shape[2]), PAD_VALUE, np.float32)
-        out[top:top + new_h, left:left + new_w] = _bilinear(np, pixels, new_h, new_w)[: pre.height - top, : pre.width - left]
-    else:
-        out = _bilinear(np, pixels, pre.height, pre.width)
-    out = (out / np.float32(pre.scale) - np.asarray(pre.mean, np.float32)) / np.asarray(pre.std, np.float32)
-    out = out.transpose(2, 0, 1) if pre.layout == "NCHW" else out
-    return np.ascontiguousarray(out[None], dtype=np.float32)
-
-
-def classify(np, output, post) -> list:
-    """Top-k of a classifier's output (``post``: a PostprocessRecord): [{index, score, label?}], scores by a
-    softmax in float64 where the output is logits, rounded to 4 decimals (both loaders print the same)."""
-    values = np.asarray(output, dtype=np.float64).reshape(-1)
-    if post.softmax:
-        e = np.exp(values - values.max())
-        values = e / e.sum()
-    order = sorted(range(len(values)), key=lambda i: (-values[i], i))[: post.top_k]
-    top = []
-    for i in order:
-        row = {"index": int(i), "score": round(float(values[i]), 4)}
-        if i < len(post.labels):
-            row["label"] = post.labels[i]
-        top.append(row)
-    return top
-
-
-def _unletterbox(pre, image_hw):
-    """(scale_x, scale_y, left, top) taking input pixels back to the image's (ultralytics' scale_boxes)."""
-    if pre is None or image_hw is None:
-        return 1.0, 1.0, 0, 0
-    if pre.resize == "letterbox":
-        scale, _, _, top, left = letterbox_geometry(pre.height, pre.width, image_hw[0], image_hw[1])
-        return scale, scale, left, top
-    return pre.width / image_hw[1], pre.height / image_hw[0], 0, 0
-
-
-def yolo(np, outputs: dict, post, real: int, pre=None, image_hw=None) -> list:
-    """The detections of a YOLO head whose NonMaxSuppression ran in the graph: [{box: [x1, y1, x2, y2],
-    score, class, label?}], best first (equal scores: the earlier row), at most ``max_det``; boxes in the
-    image's pixels (``image_hw``: (height, width) of the image the input was made from, undoing the letterbox
-    or stretch of ``pre``), clipped to it, rounded to 0.01 px, scores to 4 decimals. ``real``: the selected
-    rows that are real (TensorSpec.real_rows of ``post.selected``)."""
-    head = np.asarray(outputs[post.output])
-    head = head.reshape(head.shape[-2], head.shape[-1])  # [4 + classes (+ masks), anchors]
-    rows = np.asarray(outputs[post.selected])
-    found = []
-    for r in range(real):
-        c, b = int(rows[r, 1]), int(rows[r, 2])
-        found.append((float(head[4 + c, b]), r, c, b))
-    found.sort(key=lambda t: (-t[0], t[1]))
-    sx, sy, left, top = _unletterbox(pre, image_hw)
-    detections = []
-    for score, _, c, b in found[: post.max_det]:
-        cx, cy, w, h = (float(head[k, b]) for k in range(4))
-        box = [(cx - w / 2 - left) / sx, (cy - h / 2 - top) / sy, (cx + w / 2 - left) / sx, (cy + h / 2 - top) / sy]
-        if image_hw is not None:
-            box = [min(max(v, 0.0), float(image_hw[1 - k % 2])) for k, v in enumerate(box)]
-        row = {"box": [round(v, 2) for v in box], "score": round(score, 4), "class": c}
-        if c < len(post.labels):
-            row["label"] = post.labels[c]
-        detections.append(row)
-    return detections
-
-
-def describe_detections(detections: list) -> str:
-    """yolo's rows as text: label (class), score, box."""
-    if not detections:
-        return "no detections"
-    return "\n".join("%-16s %.4f  [%s]" % (row.get("label", "class %d" % row["class"]), row["score"],
-                                           ", ".join("%.2f" % v for v in row["box"])) for row in detections)
-
-
-def describe_top(top: list) -> str:
-    """classify's rows as text: rank, score, label (index)."""
-    return "\n".join("%2d. %.4f  %s" % (rank, row["score"], "%s (%d)" % (row["label"], row["index"]) if "label" in row
-                                          else "class %d" % row["index"]) for rank, row in enumerate(top, 1))
 
 
 def argument_count_problem(takes: int, manifest: Manifest) -> str | None:

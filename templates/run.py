@@ -53,6 +53,7 @@ def _sibling(name, module_name):
 sys.dont_write_bytecode = True  # importing the two modules below must not add __pycache__ to the bundle
 safebundle = _sibling("safebundle.py", "edgeq_bundle_safebundle")
 contract = safebundle.contract
+imaging = _sibling("imaging.py", "edgeq_bundle_imaging")
 Exit = contract.LoaderExit
 
 
@@ -293,7 +294,7 @@ def is_image(path):
 
 
 def read_image(np, name, path, manifest):
-    """An image made into the input tensor exactly as the bundle was calibrated (contract.image_tensor)."""
+    """An image made into the input tensor exactly as the bundle was calibrated (imaging.image_tensor)."""
     pre = manifest.preprocess
     if pre is None:
         raise LoaderError("--input %s is an image, and this bundle was packaged without --preprocess: give "
@@ -301,9 +302,9 @@ def read_image(np, name, path, manifest):
     if name is not None and name != pre.input:
         raise LoaderError("--input %s=%s: images go to input '%s' (--preprocess)" % (name, path, pre.input), Exit.USAGE)
     try:
-        pixels = contract.decode_image(np, path)
-        return pre.input, contract.image_tensor(np, pixels, pre), pixels.shape[:2]
-    except (contract.ImageError, OSError) as err:
+        pixels = imaging.decode_image(np, path)
+        return pre.input, imaging.image_tensor(np, pixels, pre), pixels.shape[:2]
+    except (imaging.ImageError, OSError) as err:
         raise LoaderError(str(err).splitlines()[0] if str(err) else type(err).__name__, Exit.USAGE)
 
 
@@ -388,9 +389,9 @@ def answer(model, outputs, image_hw):
     if post is None:
         return None
     if post.kind == "classify":
-        return "top", contract.classify(model.np, outputs[post.output], post)
+        return "top", imaging.classify(model.np, outputs[post.output], post)
     selected = next(s for s in model.manifest.outputs if s.name == post.selected)
-    return "detections", contract.yolo(model.np, outputs, post, selected.real_rows(outputs), model.manifest.preprocess,
+    return "detections", imaging.yolo(model.np, outputs, post, selected.real_rows(outputs), model.manifest.preprocess,
                                        image_hw)
 
 
@@ -408,7 +409,7 @@ def run_inputs(model, inputs, args, image_hw=None):
                 summary[k]["rows"] = real[k]
         print(json.dumps(summary if found is None else {found[0]: found[1], "outputs": summary}))
     elif found is not None:
-        print(contract.describe_top(found[1]) if found[0] == "top" else contract.describe_detections(found[1]))
+        print(imaging.describe_top(found[1]) if found[0] == "top" else imaging.describe_detections(found[1]))
     elif not args.output:
         for name, value in outputs.items():
             print("%s: %s %s%s" % (name, value.dtype, "x".join(map(str, value.shape)),

@@ -99,12 +99,12 @@ def test_both_loaders_make_the_packagers_tensor(spec, images, tmp_path):
 def test_every_image_format(images, tmp_path):
     model = echo_model(tmp_path / "echo.onnx", [1, 3, 24, 20])
     bundle = _package(model, tmp_path / "out", "--preprocess", "mean=0.485/0.456/0.406,std=0.229/0.224/0.225")
-    from edgeq import contract
+    from edgeq import contract, imaging
 
     pre = contract.PreprocessRecord.from_json(json.loads((bundle / "manifest.json").read_text())["preprocess"])
     for name, path in sorted(images.items()):
         py, native = _both_loaders(bundle, path, tmp_path)
-        want = contract.image_tensor(np, contract.decode_image(np, str(path)), pre)
+        want = imaging.image_tensor(np, imaging.decode_image(np, str(path)), pre)
         assert py.tobytes() == want.tobytes() and native.tobytes() == want.tobytes(), name
     # the RGBA image is its RGB image (alpha dropped, nothing composited)
     rgba, _ = _both_loaders(bundle, images["rgba.png"], tmp_path)
@@ -114,7 +114,7 @@ def test_every_image_format(images, tmp_path):
 
 def test_calibration_images_are_the_loaders_tensors(images, tmp_path):
     """Calibration from an image folder prepares the images as the loaders do."""
-    from edgeq import contract
+    from edgeq import contract, imaging
     from edgeq.load import TensorSpec
     from edgeq.quantize.data import Preprocess, load_data
 
@@ -127,7 +127,7 @@ def test_calibration_images_are_the_loaders_tensors(images, tmp_path):
     data = load_data(folder, [spec], "calibration", pre)
     record = pre.record(spec)
     for i, name in enumerate(sorted(["gray.jpg", "rgb.png"])):
-        want = contract.image_tensor(np, contract.decode_image(np, str(folder / name)), record)[0]
+        want = imaging.image_tensor(np, imaging.decode_image(np, str(folder / name)), record)[0]
         assert data.arrays["x"][i].tobytes() == want.tobytes()
 
 
@@ -230,10 +230,10 @@ def test_aarch64_loader_under_qemu(images, tmp_path):
         if name == "rgb.jpg":
             assert got.tobytes() == packager.tobytes()
         else:
-            from edgeq import contract
+            from edgeq import contract, imaging
 
             pre = contract.PreprocessRecord.from_json(json.loads((bundle / "manifest.json").read_text())["preprocess"])
-            assert got.tobytes() == contract.image_tensor(np, contract.decode_image(np, str(images[name])), pre).tobytes()
+            assert got.tobytes() == imaging.image_tensor(np, imaging.decode_image(np, str(images[name])), pre).tobytes()
 
 
 # ---- --postprocess yolo ----------------------------------------------------------------------------------
@@ -288,7 +288,7 @@ def detector(tmp_path_factory) -> dict[str, Path]:
 def test_yolo_boxes_match_a_numpy_reference_and_both_loaders_agree(detector, images, tmp_path):
     import onnxruntime as ort
 
-    from edgeq import contract
+    from edgeq import contract, imaging
 
     labels = detector["yolo_labels.txt"].read_text().split("\n")[:-1]
     conf, iou = 0.2, 0.45
@@ -308,8 +308,8 @@ def test_yolo_boxes_match_a_numpy_reference_and_both_loaders_agree(detector, ima
         got = json.loads(py.stdout)
         assert got == json.loads(native.stdout)
         assert run_py(bundle, "--input", image).stdout == _native(bundle, "--input", image).stdout
-        pixels = contract.decode_image(np, str(image))
-        head = session.run(None, {"images": contract.image_tensor(np, pixels, pre)})[0]
+        pixels = imaging.decode_image(np, str(image))
+        head = session.run(None, {"images": imaging.image_tensor(np, pixels, pre)})[0]
         want = _reference_detections(head, conf, iou, 300, pixels.shape[:2], 128, labels)
         found = got["detections"]
         assert [d["class"] for d in found] == [d["class"] for d in want]

@@ -87,7 +87,7 @@ class Preprocess:
         return dataclasses.asdict(self)
 
     def record(self, spec: TensorSpec):
-        """The manifest's ``preprocess`` for input ``spec`` (what ``contract.image_tensor`` applies): checked
+        """The manifest's ``preprocess`` for input ``spec`` (what ``imaging.image_tensor`` applies): checked
         against the input's channels; the size is the input's (``resize`` must agree where given)."""
         from edgeq import contract
 
@@ -238,10 +238,10 @@ def _spend(spent: list[int], size: int, path: Path) -> None:
 
 def _images(paths: list[Path], root: Path, spec: TensorSpec, pre: Preprocess, what: str) -> Dataset:
     """Images as samples of input ``spec``, prepared exactly as run.py and edgeq-run prepare ``--input IMAGE``
-    (``contract.image_tensor``), so that a bundle sees on the device the tensors it was calibrated on."""
+    (``imaging.image_tensor``), so that a bundle sees on the device the tensors it was calibrated on."""
     from PIL import Image, UnidentifiedImageError
 
-    from edgeq import contract
+    from edgeq import imaging
 
     record = pre.record(spec)
     classes = sorted({p.parent.relative_to(root).as_posix() for p in paths} - {"."})
@@ -253,10 +253,10 @@ def _images(paths: list[Path], root: Path, spec: TensorSpec, pre: Preprocess, wh
         except (OSError, UnidentifiedImageError, ValueError, Image.DecompressionBombError) as err:
             raise DataError(f"cannot read image {path}: {err}") from None
         try:
-            pixels = contract.decode_image(np, str(path), any_format=True, max_pixels=1 << 62)  # checked above
-        except (contract.ImageError, OSError) as err:
+            pixels = imaging.decode_image(np, str(path), any_format=True, max_pixels=1 << 62)  # checked above
+        except (imaging.ImageError, OSError) as err:
             raise DataError(f"cannot read image {path}: {err}") from None
-        samples.append(contract.image_tensor(np, pixels, record)[0])
+        samples.append(imaging.image_tensor(np, pixels, record)[0])
         if classes:
             labels.append(classes.index(path.parent.relative_to(root).as_posix()))
     arrays = {spec.name: np.stack(samples).astype(spec.dtype)}

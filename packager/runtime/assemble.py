@@ -22,7 +22,7 @@ import tempfile
 from importlib import resources
 from pathlib import Path
 
-from edgeq import contract, safebundle
+from edgeq import contract, imaging, safebundle
 from edgeq.errors import ToolchainError
 from edgeq.runtime import elf
 from edgeq.runtime.wheels import Wheel, fetch, installed_version, package_dir
@@ -90,9 +90,9 @@ enum Exit {{  // contract.LoaderExit
 }};
 constexpr size_t kMaxManifestBytes = {safebundle.MAX_MANIFEST_BYTES};  // safebundle.MAX_MANIFEST_BYTES
 constexpr int kMaxJsonDepth = {safebundle.MAX_JSON_DEPTH};  // safebundle.MAX_JSON_DEPTH
-constexpr unsigned long long kMaxImagePixels = {contract.MAX_IMAGE_PIXELS};  // contract.MAX_IMAGE_PIXELS
-constexpr size_t kMaxImageFileBytes = {contract.MAX_IMAGE_FILE_BYTES};  // contract.MAX_IMAGE_FILE_BYTES
-constexpr int kPadValue = {contract.PAD_VALUE};  // contract.PAD_VALUE
+constexpr unsigned long long kMaxImagePixels = {imaging.MAX_IMAGE_PIXELS};  // imaging.MAX_IMAGE_PIXELS
+constexpr size_t kMaxImageFileBytes = {imaging.MAX_IMAGE_FILE_BYTES};  // imaging.MAX_IMAGE_FILE_BYTES
+constexpr int kPadValue = {imaging.PAD_VALUE};  // imaging.PAD_VALUE
 constexpr long kMaxLabels = {contract.MAX_LABELS};  // contract.MAX_LABELS
 // the keys of contract.latency_statistics, in its order (edgeq-run --benchmark --json)
 constexpr const char* kLatencyKeys[] = {{{", ".join(f'"{k}"' for k in keys)}}};

@@ -1,4 +1,4 @@
-// image.h: edgeq-run --input IMAGE and --postprocess classify, as templates/contract.py defines them
+// image.h: edgeq-run --input IMAGE and --postprocess, as templates/imaging.py defines them
 // (decode_image, image_tensor, classify), operation by operation: PNG through the system's libpng 1.6
 // (simplified API), JPEG through the system's libturbojpeg, both dlopen'ed as libcrypto is; no decoder is
 // linked or copied in. edgeq-run is built with -ffp-contract=off, so the float32 arithmetic below rounds as
@@ -172,7 +172,7 @@ bool LooksLikeImage(const std::string& path) {
   return (n == 8 && std::memcmp(head, "\x89PNG\r\n\x1a\n", 8) == 0) || (n >= 3 && std::memcmp(head, "\xff\xd8\xff", 3) == 0);
 }
 
-// contract._bilinear: half-pixel centres, positions in double, weights and arithmetic in float32
+// imaging._bilinear: half-pixel centres, positions in double, weights and arithmetic in float32
 void Taps(int64_t in, int64_t out, std::vector<int64_t>& low, std::vector<int64_t>& high, std::vector<float>& weight) {
   low.resize(size_t(out)), high.resize(size_t(out)), weight.resize(size_t(out));
   for (int64_t o = 0; o < out; ++o) {
@@ -209,7 +209,7 @@ std::vector<float> Bilinear(const Pixels& p, int64_t height, int64_t width) {
   return out;
 }
 
-// contract.image_tensor
+// imaging.image_tensor
 HostTensor ImageTensor(Pixels p, const Preprocess& pre) {
   if (pre.order == "GRAY" && p.c == 3) {  // ITU-R 601 luma in Pillow's integer arithmetic
     std::vector<uint8_t> gray(size_t(p.h * p.w));
@@ -228,7 +228,7 @@ HostTensor ImageTensor(Pixels p, const Preprocess& pre) {
   if (pre.order == "BGR")
     for (size_t i = 0; i < size_t(p.h * p.w); ++i) std::swap(p.data[i * 3], p.data[i * 3 + 2]);
   std::vector<float> hwc;
-  if (pre.resize == "letterbox") {  // contract.letterbox_geometry
+  if (pre.resize == "letterbox") {  // imaging.letterbox_geometry
     double s = std::min(double(pre.height) / double(p.h), double(pre.width) / double(p.w));
     int64_t new_h = std::max<int64_t>(1, int64_t(std::nearbyint(double(p.h) * s)));
     int64_t new_w = std::max<int64_t>(1, int64_t(std::nearbyint(double(p.w) * s)));
@@ -315,14 +315,19 @@ Postprocess ParsePostprocess(const Json& m) {
     const Json* v = j->Find(key);
     return v && v->kind != Json::kNull ? v : nullptr;
   };
+  bool negative = post.top_k < 0;
   if (const Json* v = optional("selected")) post.selected = v->Str("postprocess.selected");
-  if (const Json* v = optional("classes")) post.classes = v->Int("postprocess.classes");
-  if (const Json* v = optional("max_det")) post.max_det = v->Int("postprocess.max_det");
+  if (const Json* v = optional("classes")) {
+    post.classes = v->Int("postprocess.classes");
+    negative = negative || post.classes < 0;
+  }
+  if (const Json* v = optional("max_det")) {
+    post.max_det = v->Int("postprocess.max_det");
+    negative = negative || post.max_det < 0;
+  }
   if (const Json* v = optional("conf")) post.conf = Number(*v, "postprocess.conf");
   if (const Json* v = optional("iou")) post.iou = Number(*v, "postprocess.iou");
-  if (post.top_k < 0 || j->Find("classes") && post.classes < 0 && optional("classes") ||
-      j->Find("max_det") && post.max_det < 0 && optional("max_det"))
-    refuse("manifest field 'postprocess' has a negative count");
+  if (negative) refuse("manifest field 'postprocess' has a negative count");
   return post;
 }
 
@@ -367,7 +372,7 @@ std::string ProcessProblem(const Preprocess& pre, const Postprocess& post, const
   return "";
 }
 
-// contract.yolo, printed as run.py prints it. ``real``: the selected rows that are real; ``image_h/w``: the image
+// imaging.yolo, printed as run.py prints it. ``real``: the selected rows that are real; ``image_h/w``: the image
 // the input was made from (0: none, boxes stay in input pixels)
 std::string YoloJson(const HostTensor& head, const HostTensor& rows, int64_t real, const Postprocess& post,
                      const Preprocess& pre, int64_t image_h, int64_t image_w, std::string* text) {
@@ -388,7 +393,7 @@ std::string YoloJson(const HostTensor& head, const HostTensor& rows, int64_t rea
     found.push_back({at(4 + c, b), r, c, b});
   }
   std::stable_sort(found.begin(), found.end(), [](const Found& x, const Found& y) { return x.score > y.score; });
-  double sx = 1, sy = 1, left = 0, top = 0;  // contract._unletterbox
+  double sx = 1, sy = 1, left = 0, top = 0;  // imaging._unletterbox
   bool image = image_h > 0 && image_w > 0 && pre.given;
   if (image && pre.resize == "letterbox") {
     double s = std::min(double(pre.height) / double(image_h), double(pre.width) / double(image_w));
@@ -423,7 +428,7 @@ std::string YoloJson(const HostTensor& head, const HostTensor& rows, int64_t rea
   return "[" + json + "]";
 }
 
-// contract.classify, printed as run.py prints it
+// imaging.classify, printed as run.py prints it
 std::string ClassifyJson(const HostTensor& t, const Postprocess& post, std::string* text) {
   std::vector<double> v(t.Count());
   for (size_t i = 0; i < v.size(); ++i) v[i] = ElementAsDouble(t.dtype, &t.data[i * size_t(t.dtype.bytes)]);
