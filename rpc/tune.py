@@ -4,8 +4,14 @@ records file that ``edgeq package --records`` applies.
 meta_schedule works in this TVM wheel once apache-tvm-ffi is 0.1.14 (see pyproject.toml: with 0.1.15 its
 TuneContext crashes in tvm::ffi::ToJSONGraph). Tasks are tuned one at a time and the records file is
 rewritten after each, so an interrupted run loses at most one task's trials and a rerun resumes: tasks with
-their share of trials already recorded are skipped. The runner holds one RPC session at a time
-(``max_workers=1``): the device never runs two measurements at once.
+their share of trials already recorded are skipped.
+
+A pool of devices is TVM's own: every device registered with the tracker under ``--key`` takes
+measurements, one at a time each (the runner keeps as many in flight as there are devices; the tracker hands
+each request to a free one), and candidates are built on ``--jobs`` host cores at once. A device that drops
+out mid-search loses the measurement it had (recorded as failed, said in one line); the tracker stops handing
+it out and the others go on. The summary counts the measurements each device made. The search is guided by
+meta_schedule's XGBoost cost model (``--cost-model random``: blind guesses, as before).
 
 The module tuned is the one ``edgeq package`` compiles with the same options (``edgeq.package.front_end``:
 ``--const``, quantization with calibration, fp16, the backend's kernels). Records file: ``edgeq.records``
@@ -14,7 +20,9 @@ The module tuned is the one ``edgeq package`` compiles with the same options (``
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import os
 import tempfile
 from pathlib import Path
@@ -41,17 +49,43 @@ def _unnamed_handlers_removed() -> None:
             logger.removeHandler(handler)
 
 
+def _console_off() -> None:
+    """meta_schedule gives its logger a handler that prints every INFO line to stdout (where ``--json`` goes);
+    edgeq says per task what happens, so that handler is taken off (its log files stay in the work folder)."""
+    import logging
+
+    logger = logging.getLogger("tvm.s_tir.meta_schedule")
+    for handler in list(logger.handlers):
+        if handler.get_name() == "tvm.s_tir.meta_schedule.console":
+            logger.removeHandler(handler)
+
+
 class DeviceUnreachable(RemoteError):
     """No session could be had (tracker or device gone, or hung): raised in the runner's worker process,
     where it ends the search instead of failing every remaining measurement one deadline at a time."""
 
 
+_MEASURED_ON: list[str] = []  # in a runner worker process: the device its last session went to
+
+
 def _create_session(config):
     """meta_schedule's session for one measurement, every step with the deadline (its own waits for a device
-    forever); runs in the runner's worker process."""
+    forever); runs in the runner's worker process, and notes which device the tracker handed out."""
     import logging
 
     from tvm import rpc
+    from tvm.rpc import client
+
+    if not getattr(client.connect, "edgeq_notes_device", False):  # the tracker's answer names the device; keep it
+        connect = client.connect
+
+        def noting(url, port, *args, **kwargs):
+            _MEASURED_ON[:] = [f"{url}:{port}"]
+            return connect(url, port, *args, **kwargs)
+
+        noting.edgeq_notes_device = True
+        client.connect = noting
+    _MEASURED_ON.clear()
 
     logging.getLogger("RPCServer").addFilter(_no_retry_warnings)  # the deadline says it in one line
     seconds = config.session_timeout_sec
@@ -60,8 +94,8 @@ def _create_session(config):
                                 rpc.connect_tracker, config.tracker_host, config.tracker_port)
         return with_deadline(f"request a '{config.tracker_key}' device from the tracker", seconds, tracker.request,
                              config.tracker_key, priority=config.session_priority, session_timeout=seconds)
-    except RemoteError as err:
-        raise DeviceUnreachable(str(err)) from None
+    except RemoteError as err:  # named with the device the tracker handed out, where it got that far
+        raise DeviceUnreachable(f"[{_MEASURED_ON[0]}] {err}" if _MEASURED_ON else str(err)) from None
 
 
 # The measurement's other remote steps (meta_schedule's defaults have no deadline: a device that stops
@@ -109,17 +143,43 @@ def _unreachable(error: BaseException | None) -> str | None:
 MEASUREMENT_STEPS = 8  # connect, request, upload, load, allocate, run, clean up, and one for the worker itself
 
 
-def _runner(host: str, port: int, key: str, seconds: float):
-    """meta_schedule's RPC measurement (its worker function, one measurement at a time in a worker process) with a
-    deadline on each remote step, the whole measurement bounded too (the worker is killed past
-    ``MEASUREMENT_STEPS`` deadlines), and the first measurement that cannot get a session at all ending the
-    search: ``failure`` then says why. Returns (runner, failure)."""
+def _measure(*args):
+    """meta_schedule's RPC measurement in a worker process: (costs, the device that measured), or the error with
+    the device named where one was reached."""
+    from tvm.s_tir.meta_schedule.runner.rpc_runner import _worker_func
+
+    try:
+        return _worker_func(*args), (_MEASURED_ON[0] if _MEASURED_ON else "")
+    except DeviceUnreachable:
+        raise
+    except TimeoutError:
+        raise
+    except Exception as err:  # noqa: BLE001 - what the measurement raised, with where
+        where = _MEASURED_ON[0] if _MEASURED_ON else ""
+        raise RuntimeError(f"[{where}] {(str(err).strip().splitlines() or [type(err).__name__])[-1]}") from None
+
+
+def pool_size(host: str, port: int, key: str, seconds: float) -> int:
+    """How many devices are registered with the tracker under ``key`` (free or busy)."""
+    from tvm import rpc
+
+    tracker = with_deadline(f"connect to tracker {host}:{port}", seconds, rpc.connect_tracker, host, port)
+    summary = with_deadline("ask the tracker for its devices", seconds, tracker.summary)
+    servers = [s for s in summary.get("server_info", []) if str(s.get("key", "")).split(":")[-1] == key]
+    queue = summary.get("queue_info", {}).get(key, {})
+    return max(len(servers), int(queue.get("free", 0)), 1)
+
+
+def _runner(host: str, port: int, key: str, seconds: float, devices: int = 1, note=lambda _: None):
+    """meta_schedule's RPC measurement (its worker function in ``devices`` worker processes, one measurement in
+    flight per device) with a deadline on each remote step, the whole measurement bounded too (the worker is
+    killed past ``MEASUREMENT_STEPS`` deadlines), and a search that cannot get a session at all ending: ``failure``
+    then says why. Returns (runner, failure, measured: {device: measurements})."""
     import functools
 
     from tvm.ir.utils import derived_object
     from tvm.s_tir import meta_schedule as ms
     from tvm.s_tir.meta_schedule.runner import PyRunner, PyRunnerFuture, RunnerResult
-    from tvm.s_tir.meta_schedule.runner.rpc_runner import _worker_func
     from tvm.support.popen_pool import PopenPoolExecutor
 
     rpc_config = ms.runner.RPCConfig(tracker_host=host, tracker_port=port, tracker_key=key,
@@ -127,8 +187,10 @@ def _runner(host: str, port: int, key: str, seconds: float):
     evaluator_config = ms.runner.EvaluatorConfig(number=3, repeat=1, min_repeat_ms=0, enable_cpu_cache_flush=False)
     steps = (_create_session, functools.partial(_upload_module, seconds), functools.partial(_alloc_argument, seconds),
              functools.partial(_run_evaluator, seconds), functools.partial(_cleanup, seconds))
-    pool = PopenPoolExecutor(max_workers=1, timeout=MEASUREMENT_STEPS * seconds)
+    pool = PopenPoolExecutor(max_workers=max(1, devices), timeout=MEASUREMENT_STEPS * seconds)
     failure: list[str] = []
+    measured: dict[str, int] = {}
+    dropped: set[str] = set()
 
     @derived_object
     class Future(PyRunnerFuture):
@@ -141,27 +203,48 @@ def _runner(host: str, port: int, key: str, seconds: float):
 
         def result(self):
             try:
-                return RunnerResult(self.future.result(), None)
+                costs, device = self.future.result()
+                measured[device] = measured.get(device, 0) + 1
+                return RunnerResult(costs, None)
             except TimeoutError:
                 return RunnerResult(None, f"measurement killed after {MEASUREMENT_STEPS * seconds:g} s")
             except Exception as err:  # noqa: BLE001 - a failed measurement is a result, unless no device answered
                 why = _unreachable(err)
                 if why is not None:
-                    failure.append(why)
-                    raise RemoteError(why) from None  # ends tune_tasks; tune() reports ``failure``
-                return RunnerResult(None, f"measurement failed: {err}")
+                    device = why[why.find("[") + 1:why.find("]")] if why.startswith("[") else ""
+                    if device and device not in dropped:
+                        dropped.add(device)
+                        note(f"device {device} dropped out ({why[why.find(']') + 1:].strip()[:120]}); "
+                             "the others go on" if len(dropped) < devices else f"device {device} dropped out")
+                    if not device or len(dropped) >= devices:
+                        failure.append(why)
+                        raise RemoteError(why) from None  # ends tune_tasks; tune() reports ``failure``
+                    return RunnerResult(None, f"measurement failed: {why}")
+                text = (str(err).strip().splitlines() or [type(err).__name__])[-1]
+                device = text[text.find("[") + 1:text.find("]")] if "[" in text and "]" in text else ""
+                if device and device not in dropped and _lost(text):
+                    dropped.add(device)
+                    note(f"device {device} dropped out ({text[text.find(']') + 1:].strip()[:120]}); "
+                         "the others go on")
+                return RunnerResult(None, f"measurement failed: {text}")
 
     @derived_object
     class Runner(PyRunner):
         def run(self, runner_inputs):
             if failure:
                 raise RemoteError(failure[0])
-            return [Future(pool.submit(_worker_func, *steps, rpc_config, evaluator_config, 1,
+            return [Future(pool.submit(_measure, *steps, rpc_config, evaluator_config, 1,
                                        str(inp.artifact_path), str(inp.device_type),
                                        tuple(arg.as_json() for arg in inp.args_info)))
                     for inp in runner_inputs]
 
-    return Runner(), failure
+    return Runner(), failure, measured
+
+
+def _lost(text: str) -> bool:
+    """A measurement error that says the device went away (not that the candidate was bad)."""
+    return any(s in text.lower() for s in ("connection", "broken pipe", "socket", "eof", "reset by peer", "timed out",
+                                            "deadline", "unreachable"))
 
 
 @dataclasses.dataclass
@@ -180,6 +263,11 @@ class TuneArgs:
     quantize: Any = None  # edgeq.quantize.QuantizeArgs
     preprocess: Any = None  # edgeq.quantize.data.Preprocess
     max_detections: int | None = None  # NonMaxSuppression's bound (edgeq.nms)
+    jobs: int | None = None  # candidates built at once (default: the host's cores)
+    cost_model: str = "xgb"  # meta_schedule's XGBoost model, or "random"
+
+
+COST_MODELS = ("xgb", "random")
 
 
 def tune(args: TuneArgs, note=lambda _: None, tick=lambda *_: None, progress=None) -> dict[str, Any]:
@@ -188,6 +276,16 @@ def tune(args: TuneArgs, note=lambda _: None, tick=lambda *_: None, progress=Non
 
     bounded("--trials", args.trials, 1, MAX_TRIALS)
     bounded("--timeout", args.timeout, 1, DAY_S)
+    jobs = args.jobs if args.jobs is not None else (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                                                     else os.cpu_count() or 1)
+    bounded("--jobs", jobs, 1, 1024)
+    if args.cost_model not in COST_MODELS:
+        raise UsageError(f"unknown --cost-model '{args.cost_model}'; choose one of: {', '.join(COST_MODELS)}")
+    if args.cost_model == "xgb":
+        try:
+            import xgboost  # noqa: F401 - meta_schedule's model imports it when the search starts
+        except ImportError:
+            raise UsageError("--cost-model xgb needs xgboost (pip install xgboost-cpu), or give --cost-model random") from None
     records_path = Path(args.records)
     if records_path.is_dir() or (records_path.exists() and not records_path.is_file()):
         raise UsageError(f"--records {records_path} is not a file; give a file such as {records_path / 'tuning.json'}")
@@ -210,7 +308,10 @@ def tune(args: TuneArgs, note=lambda _: None, tick=lambda *_: None, progress=Non
     extracted = ms.relax_integration.extract_tasks(mod, target)
     records = Records(args.records, profile, precision=built.precision)
     per_task = max(1, args.trials // max(1, len(extracted)))
-    runner, unreachable = _runner(host, port, args.key, args.timeout)
+    devices = pool_size(host, port, args.key, args.timeout)
+    note(f"{devices} device(s) under '{args.key}': {devices} measurement(s) in flight; candidates built {jobs} at a time; "
+         f"cost model {args.cost_model}")
+    runner, unreachable, measured = _runner(host, port, args.key, args.timeout, devices, note)
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="edgeq-tune-") as work:
@@ -220,9 +321,11 @@ def tune(args: TuneArgs, note=lambda _: None, tick=lambda *_: None, progress=Non
             rt_mod.export_library(path, fcompile=cc.cross_compiler(toolchain.cxx))
             return path
 
-        builder = ms.builder.LocalBuilder(f_export=export, max_workers=1, timeout_sec=BUILD_TIMEOUT_S)
+        builder = ms.builder.LocalBuilder(f_export=export, max_workers=jobs, timeout_sec=BUILD_TIMEOUT_S)
         _unnamed_handlers_removed()
-        contexts, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(extracted, work)
+        with contextlib.redirect_stdout(io.StringIO()):  # its console handler binds to the stdout of this moment
+            contexts, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(extracted, work)
+        _console_off()
         for i, (task, ctx, weight) in enumerate(zip(extracted, contexts, weights), 1):
             done = records.count(task.dispatched[0])
             if done >= per_task:
@@ -232,8 +335,8 @@ def tune(args: TuneArgs, note=lambda _: None, tick=lambda *_: None, progress=Non
                 Remote.open(args.rpc, args.key, args.timeout)  # still there? (each measurement has the deadline too)
                 try:
                     ms.tune_tasks(tasks=[ctx], task_weights=[weight], work_dir=work, max_trials_global=per_task - done,
-                                  num_trials_per_iter=min(8, per_task - done), builder=builder, runner=runner,
-                                  database=records.database, cost_model="random")
+                                  num_trials_per_iter=min(max(8, 2 * devices), per_task - done), builder=builder,
+                                  runner=runner, database=records.database, cost_model=args.cost_model)
                 except Exception as err:  # meta_schedule reports failed measurements itself; this is the search
                     if unreachable:  # what was measured before the device went away is kept
                         records.save()
@@ -249,4 +352,5 @@ def tune(args: TuneArgs, note=lambda _: None, tick=lambda *_: None, progress=Non
             note(f"task {i}/{len(extracted)} {task.task_name}: best {best_ms:.4f} ms" if best_ms else
                  f"task {i}/{len(extracted)} {task.task_name}: no successful measurement")
     return {"model": str(args.model), "device": profile.name, "precision": built.precision,
-            "records": str(args.records), "tasks": rows, "tvm_version": tvm.__version__}
+            "records": str(args.records), "tasks": rows, "tvm_version": tvm.__version__, "cost_model": args.cost_model,
+            "jobs": jobs, "devices": {"registered": devices, "measurements": dict(sorted(measured.items()))}}

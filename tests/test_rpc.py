@@ -277,3 +277,68 @@ def test_tune_tunes_what_package_builds_at_its_precision(tracker, tmp_path):
     assert res.code == 0, res.stderr
     assert json.loads(res.stdout)["records_applied"] == 0
     assert f"{len(lines)} record(s) in {records} are for another profile, TVM version or precision" in res.stderr
+
+
+def _pool(count: int, key: str):
+    """A tracker with ``count`` servers under ``key`` on loopback: (tracker address, tracker, servers)."""
+    from edgeq.rpc.tune import pool_size
+
+    port = free_port()
+    tracker_proc = start("rpc", "tracker", "--port", port, "--port-end", port + 1)
+    addr = f"127.0.0.1:{port}"
+    servers = [start("rpc", "serve", "--tracker", addr, "--key", key, "--port", free_port(), "--port-end", "65000")
+               for _ in range(count)]
+    wait_for_key(addr, key)
+    deadline = time.monotonic() + 60
+    while pool_size("127.0.0.1", port, key, 10) < count and time.monotonic() < deadline:
+        time.sleep(0.3)
+    return addr, tracker_proc, servers
+
+
+@pytest.mark.slow
+def test_tune_measures_on_every_device_of_the_pool(tmp_path):
+    addr, tracker_proc, servers = _pool(2, "pool-test")
+    try:
+        model = _conv_model(tmp_path / "conv.onnx")
+        res = run_cli("tune", model, "--device", "host", "--rpc", addr, "--key", "pool-test", "--trials", "16",
+                      "--jobs", "2", "--records", tmp_path / "tuning.json", "--json")
+        assert res.code == 0, res.stderr
+        out = json.loads(res.stdout)
+        assert out["cost_model"] == "xgb" and out["jobs"] == 2 and out["devices"]["registered"] == 2
+        counts = out["devices"]["measurements"]
+        assert len(counts) == 2 and all(n >= 1 for n in counts.values()), counts  # both devices measured
+        assert sum(counts.values()) >= sum(t["trials_recorded"] for t in out["tasks"]) > 0
+        text = run_cli("tune", model, "--device", "host", "--rpc", addr, "--key", "pool-test", "--trials", "16",
+                       "--records", tmp_path / "tuning.json")
+        assert text.code == 0 and "2 device(s) under 'pool-test'" in text.stderr
+    finally:
+        for proc in servers + [tracker_proc]:
+            stop(proc)
+
+
+@pytest.mark.slow
+def test_tune_goes_on_when_a_device_of_the_pool_dies(tmp_path):
+    addr, tracker_proc, servers = _pool(2, "pool-die")
+    try:
+        model = _conv_model(tmp_path / "conv.onnx")
+        proc = subprocess.Popen([sys.executable, "-m", "edgeq", "tune", str(model), "--device", "host", "--rpc", addr,
+                                 "--key", "pool-die", "--trials", "24", "--records", str(tmp_path / "tuning.json"),
+                                 "--timeout", "20", "--cost-model", "random", "--json"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        lines: list[str] = []
+        reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
+        reader.start()
+        deadline = time.monotonic() + 300
+        while not any("tuning" in line for line in lines) and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        time.sleep(2)
+        stop(servers[0])  # mid-search
+        out, _ = proc.communicate(timeout=900)
+        reader.join(timeout=10)
+        assert proc.returncode == 0, "".join(lines)[-3000:]
+        result = json.loads(out)
+        assert sum(t["trials_recorded"] for t in result["tasks"]) > 0
+        assert sum(result["devices"]["measurements"].values()) > 0
+    finally:
+        for proc_ in servers + [tracker_proc]:
+            stop(proc_)

@@ -27,6 +27,9 @@ def add_parser(sub) -> None:
                         help="deadline in seconds for each remote step: reaching the tracker, getting the device, and "
                              "each step of a measurement (upload, load, run); a device that stays unreachable ends "
                              "the search with one line (1 to 86400, default 120, as for bench)")
+    parser.add_argument("--jobs", type=int, metavar="N", help="candidates built at once on this host (default: its cores)")
+    parser.add_argument("--cost-model", choices=["xgb", "random"], default="xgb",
+                        help="what guides the search: meta_schedule's XGBoost model (default) or random guesses")
     parser.add_argument("--json", action="store_true")
 
 
@@ -36,7 +39,8 @@ def run(args, env) -> int:
 
     progress = StageProgress(console=env.err())
     result = tune(TuneArgs(model=args.model, device=args.device, rpc=args.rpc, key=args.key, trials=args.trials,
-                           records=args.records, timeout=args.timeout, **graph_options(args)),
+                           records=args.records, timeout=args.timeout, jobs=args.jobs, cost_model=args.cost_model,
+                           **graph_options(args)),
                   note=progress.note, tick=progress.tick, progress=progress)
     if args.json:
         print(json.dumps(result, indent=2), file=env.stdout)
@@ -47,4 +51,7 @@ def run(args, env) -> int:
     for row in result["tasks"]:
         table.add_row(Text(row["task"]), str(row["trials_recorded"]), f"{row['best_ms']:.4f}" if row["best_ms"] else "-")
     env.out().print(table)
+    counts = result["devices"]["measurements"]
+    env.out().print(f"{len(counts)} device(s) took part: " +
+                    (", ".join(f"{device or '?'} {n} measurement(s)" for device, n in counts.items()) or "none"))
     return 0
