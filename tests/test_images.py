@@ -114,7 +114,7 @@ def test_every_image_format(images, tmp_path):
 
 def test_calibration_images_are_the_loaders_tensors(images, tmp_path):
     """Calibration from an image folder prepares the images as the loaders do."""
-    from edgeq import contract, imaging
+    from edgeq import imaging
     from edgeq.load import TensorSpec
     from edgeq.quantize.data import Preprocess, load_data
 
