@@ -82,13 +82,22 @@ if [ ${#need[@]} -gt 0 ]; then
     echo "setup: installing Debian packages: ${need[*]}"
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}" >/dev/null
 fi
-# the aarch64 libpng and libturbojpeg for the qemu test of edgeq-run --input IMAGE, from Debian's arm64 multiarch
-# packages (Debian only: Ubuntu serves arm64 from another mirror); where that fails the test says why it skips
-if [ ! -e /usr/lib/aarch64-linux-gnu/libturbojpeg.so.0 ] && grep -qi '^ID=debian' /etc/os-release 2>/dev/null; then
-    echo "setup: installing Debian's arm64 libpng16-16 and libturbojpeg0 (multiarch) for the aarch64 image test"
-    { $SUDO dpkg --add-architecture arm64 && $SUDO apt-get update -qq &&
-      DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libpng16-16:arm64 libturbojpeg0:arm64 >/dev/null; } ||
-        echo "setup: could not install the arm64 decoders; tests/test_images.py skips its aarch64 test"
+# the aarch64 libpng, zlib and libturbojpeg for the qemu test of edgeq-run --input IMAGE: Debian's arm64 packages,
+# downloaded and unpacked into build/arm64-decoders, not installed (an installed arm64 libc6 in /lib/aarch64-linux-gnu
+# would be preferred by qemu's loader over the cross toolchain's, and slows every aarch64 test 100-fold). Debian only
+# (Ubuntu serves arm64 from another mirror); where it fails, the test says why it skips.
+decoders="$PWD/build/arm64-decoders"  # (the checkout: cd above)
+if [ ! -e "$decoders/libturbojpeg.so.0" ] && grep -qi '^ID=debian' /etc/os-release 2>/dev/null; then
+    echo "setup: fetching Debian's arm64 libpng16-16, zlib1g and libturbojpeg0 into build/arm64-decoders (not installed)"
+    debs="$(mktemp -d)"
+    { { dpkg --print-foreign-architectures | grep -qx arm64 || $SUDO dpkg --add-architecture arm64; } &&
+      $SUDO apt-get update -qq &&
+      (cd "$debs" && apt-get download -qq libpng16-16:arm64 zlib1g:arm64 libturbojpeg0:arm64 2>/dev/null) &&
+      for deb in "$debs"/*.deb; do dpkg-deb -x "$deb" "$debs/tree"; done &&
+      mkdir -p "$decoders" && cp -a "$debs"/tree/usr/lib/aarch64-linux-gnu/*.so* "$debs"/tree/lib/aarch64-linux-gnu/*.so* "$decoders"/ 2>/dev/null;
+      [ -e "$decoders/libturbojpeg.so.0" ]; } ||
+        echo "setup: could not fetch the arm64 decoders; tests/test_images.py skips its aarch64 test"
+    rm -rf "$debs"
 fi
 
 if [ -n "$make_venv" ]; then

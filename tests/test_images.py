@@ -21,7 +21,9 @@ from conftest import read_golden, run_cli, run_py
 
 QEMU = shutil.which("qemu-aarch64")
 SYSROOT = "/usr/aarch64-linux-gnu"
-ARM64_LIBS = [Path("/usr/lib/aarch64-linux-gnu/libpng16.so.16"), Path("/usr/lib/aarch64-linux-gnu/libturbojpeg.so.0")]
+# Debian's arm64 decoders, unpacked (not installed) by scripts/setup.sh
+ARM64_DECODERS = Path(__file__).resolve().parent.parent / "build" / "arm64-decoders"
+ARM64_LIBS = [ARM64_DECODERS / "libpng16.so.16", ARM64_DECODERS / "libturbojpeg.so.0", ARM64_DECODERS / "libz.so.1"]
 
 
 def echo_model(path: Path, shape: list[int]) -> Path:
@@ -215,13 +217,13 @@ def test_a_manifest_whose_preprocess_does_not_fit_is_refused_by_both(images, tmp
 def test_aarch64_loader_under_qemu(images, tmp_path):
     missing = [str(p) for p in ARM64_LIBS if not p.exists()]
     if missing:
-        pytest.skip(f"the aarch64 libpng/libturbojpeg are not installed ({', '.join(missing)}): scripts/setup.sh "
-                    "installs them from Debian's arm64 multiarch packages where apt can")
+        pytest.skip(f"the aarch64 libpng/zlib/libturbojpeg are missing ({', '.join(missing)}): scripts/setup.sh "
+                    "unpacks them from Debian's arm64 packages where apt can fetch them")
     model = echo_model(tmp_path / "echo.onnx", [1, 3, 24, 20])
     bundle = _package(model, tmp_path / "out", "--preprocess", "mean=0.485/0.456/0.406,std=0.229/0.224/0.225",
                       "--golden-input", images["rgb.jpg"], device="arm64-cpu")
     packager = read_golden(bundle)["input:x"]
-    env = {"LD_LIBRARY_PATH": "/usr/lib/aarch64-linux-gnu"}
+    env = {"LD_LIBRARY_PATH": str(ARM64_DECODERS)}
     for name in ("rgb.jpg", "palette.png"):
         proc = _native(bundle, "--input", images[name], "--output", tmp_path / "a.npz", qemu=True, env=env)
         assert proc.returncode == 0, proc.stderr
