@@ -25,26 +25,10 @@ refused in one line naming it.
 
 from __future__ import annotations
 
-import dataclasses
-
 from edgeq.errors import ModelError
 from edgeq.tvm_env import relax, tvm
 
 COUNT_SUFFIX = "_count"
-
-
-@dataclasses.dataclass(frozen=True)
-class Rows:
-    """A graph output whose ``axis`` is padded to ``bound`` rows; ``count`` names the output holding how many
-    are real, ``source`` the NonMaxSuppression node that selected them."""
-
-    axis: int
-    bound: int
-    count: str
-    source: str
-
-    def to_json(self) -> dict:
-        return {"axis": self.axis, "bound": self.bound, "count": self.count, "source": self.source}
 
 
 def bound(num_batches: int, num_classes: int, num_boxes: int, max_per_class: int | None,
@@ -404,5 +388,3 @@ def check_iou_threshold(value: float, node: str) -> None:
         raise ModelError(f"NonMaxSuppression node '{node}': iou_threshold {value:g} is not in [0, 1] (ONNX Runtime "
                          "refuses it too); fix the model's threshold")
 
-
-__all__ = ["Rows", "bound", "select_func", "collect_func", "relax"]
