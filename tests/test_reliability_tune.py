@@ -119,7 +119,7 @@ def test_a_device_gone_mid_search_ends_it(hung):
 
     tracker_addr, server = hung
     host, port = tracker_addr.rsplit(":", 1)
-    runner, failure = _runner(host, int(port), "hung", 2)
+    runner, failure, _ = _runner(host, int(port), "hung", 2)
     os.killpg(server.pid, signal.SIGSTOP)
     start_t = time.monotonic()
     futures = runner.run([ms.runner.RunnerInput("/nonexistent/candidate.so", "llvm", [])])
@@ -141,7 +141,7 @@ def test_a_failed_measurement_is_a_result_not_the_end(tracker, tmp_path):
     from edgeq.rpc.tune import _runner
 
     host, port = tracker.rsplit(":", 1)
-    runner, failure = _runner(host, int(port), "cpu-test", 20)
+    runner, failure, _ = _runner(host, int(port), "cpu-test", 20)
     bogus = tmp_path / "bogus.so"
     bogus.write_bytes(b"not a shared library")
     futures = runner.run([ms.runner.RunnerInput(str(bogus), "llvm", [])])
@@ -161,7 +161,7 @@ def test_a_tracker_gone_mid_search_ends_it_quietly(capfd):
     from edgeq.rpc.tune import _runner
 
     port = closed_port()
-    runner, failure = _runner("127.0.0.1", port, "k", 2)
+    runner, failure, _ = _runner("127.0.0.1", port, "k", 2)
     start_t = time.monotonic()
     futures = runner.run([ms.runner.RunnerInput("/nonexistent/candidate.so", "llvm", [])])
     while not futures[0].done():
