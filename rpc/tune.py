@@ -210,22 +210,15 @@ def _runner(host: str, port: int, key: str, seconds: float, devices: int = 1, no
                 return RunnerResult(None, f"measurement killed after {MEASUREMENT_STEPS * seconds:g} s")
             except Exception as err:  # noqa: BLE001 - a failed measurement is a result, unless no device answered
                 why = _unreachable(err)
-                if why is not None:
-                    device = why[why.find("[") + 1:why.find("]")] if why.startswith("[") else ""
-                    if device and device not in dropped:
-                        dropped.add(device)
-                        note(f"device {device} dropped out ({why[why.find(']') + 1:].strip()[:120]}); "
-                             "the others go on" if len(dropped) < devices else f"device {device} dropped out")
-                    if not device or len(dropped) >= devices:
-                        failure.append(why)
-                        raise RemoteError(why) from None  # ends tune_tasks; tune() reports ``failure``
-                    return RunnerResult(None, f"measurement failed: {why}")
-                text = (str(err).strip().splitlines() or [type(err).__name__])[-1]
-                device = text[text.find("[") + 1:text.find("]")] if "[" in text and "]" in text else ""
-                if device and device not in dropped and _lost(text):
+                text = why if why is not None else (str(err).strip().splitlines() or [type(err).__name__])[-1]
+                device, reason = _tagged(text)
+                if device and device not in dropped and (why is not None or _lost(reason)):
                     dropped.add(device)
-                    note(f"device {device} dropped out ({text[text.find(']') + 1:].strip()[:120]}); "
-                         "the others go on")
+                    note(f"device {device} dropped out ({reason[:120]})" +
+                         ("; the others go on" if len(dropped) < devices else ""))
+                if why is not None and (not device or len(dropped) >= devices):
+                    failure.append(why)
+                    raise RemoteError(why) from None  # ends tune_tasks; tune() reports ``failure``
                 return RunnerResult(None, f"measurement failed: {text}")
 
     @derived_object
@@ -239,6 +232,16 @@ def _runner(host: str, port: int, key: str, seconds: float, devices: int = 1, no
                     for inp in runner_inputs]
 
     return Runner(), failure, measured
+
+
+def _tagged(text: str) -> tuple[str, str]:
+    """("host:port", what follows) of a worker's message that ``_measure``/``_create_session`` tagged with the
+    device ("... [host:port] ..."; the worker's exception type may come first), else ("", text)."""
+    start = text.find("[")
+    end = text.find("]", start + 1)
+    if start < 0 or end < 0:
+        return "", text
+    return text[start + 1:end], text[end + 1:].strip()
 
 
 def _lost(text: str) -> bool:
