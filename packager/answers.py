@@ -64,9 +64,9 @@ def preprocess_record(preprocess, inputs: list[TensorSpec]) -> contract.Preproce
     return record
 
 
-def _yolo_head(onnx_model, labels: list[str]) -> tuple[str, int, int, int]:
-    """(output name, channels, anchors, classes) of the model's YOLO head: its first output, [1, 4 + classes
-    (+ 32 mask coefficients where a second output holds the mask prototypes), anchors]."""
+def _yolo_head(onnx_model, labels: list[str]) -> tuple[str, int]:
+    """(output name, classes) of the model's YOLO head: its first output, [1, 4 + classes (+ 32 mask
+    coefficients where a second output holds the mask prototypes), anchors]."""
     import onnx
 
     inferred = onnx.shape_inference.infer_shapes(onnx_model)
@@ -82,19 +82,19 @@ def _yolo_head(onnx_model, labels: list[str]) -> tuple[str, int, int, int]:
     classes = len(labels) if labels else dims[1] - 4 - masks
     if not 1 <= classes <= dims[1] - 4:
         raise UsageError(f"--labels has {len(labels)} labels; output '{name}' has room for {dims[1] - 4} class scores")
-    return name, dims[1], dims[2], classes
+    return name, classes
 
 
 def with_yolo_nms(onnx_model, labels: list[str], conf: float, iou: float, max_det: int):
     """The model with NonMaxSuppression after its YOLO head (``edgeq.nms`` pads and counts its rows): boxes
     [1, anchors, 4] as ultralytics' xywh, each anchor's best class only (ultralytics' single-label NMS),
     class-aware, above ``conf``, IoU above ``iou`` suppressed, ``max_det`` per class. Returns (model, the
-    selected rows' output name)."""
+    manifest's ``postprocess`` record for it)."""
     import numpy as np
     import onnx
     from onnx import helper, numpy_helper
 
-    name, channels, _, classes = _yolo_head(onnx_model, labels)
+    name, classes = _yolo_head(onnx_model, labels)
     opset = next((o.version for o in onnx_model.opset_import if o.domain in ("", "ai.onnx")), 0)
     if opset < 11:
         raise ModelError(f"--postprocess yolo needs opset 11 or later (the model has {opset}); re-export it")
@@ -118,22 +118,14 @@ def with_yolo_nms(onnx_model, labels: list[str], conf: float, iou: float, max_de
                          [p + "selected"], center_point_box=1, name=p + "nms"),
     ])
     model.graph.output.append(helper.make_tensor_value_info(p + "selected", onnx.TensorProto.INT64, ["rows", 3]))
-    del channels
-    return model, p + "selected"
+    record = contract.PostprocessRecord(kind="yolo", output=name, top_k=1, softmax=False, labels=list(labels),
+                                        selected=p + "selected", classes=classes, max_det=max_det, conf=conf, iou=iou)
+    return model, record
 
 
-def postprocess_record(kind: str | None, labels: list[str], top_k: int, outputs: list[TensorSpec],
-                       onnx_model, conf: float = 0.25, iou: float = 0.45,
-                       max_det: int = 300) -> contract.PostprocessRecord | None:
+def classify_record(labels: list[str], top_k: int, outputs: list[TensorSpec], onnx_model) -> contract.PostprocessRecord:
     """``classify``: the top-k classes of the first output, [1, classes] (or [1, classes, 1, 1]); softmax
     applied unless the model ends in Softmax."""
-    if kind is None:
-        return None
-    if kind == "yolo":
-        name, _, _, classes = _yolo_head(onnx_model, labels)
-        return contract.PostprocessRecord(kind=kind, output=name, top_k=1, softmax=False, labels=list(labels),
-                                          selected=YOLO_PREFIX + "selected", classes=classes, max_det=max_det,
-                                          conf=conf, iou=iou)
     spec = outputs[0]
     classes = 1
     for d in spec.shape[1:]:
@@ -146,5 +138,5 @@ def postprocess_record(kind: str | None, labels: list[str], top_k: int, outputs:
         raise UsageError(f"--labels has {len(labels)} labels; output '{spec.name}' has {classes} classes")
     producer = next((n for n in onnx_model.graph.node if spec.name in n.output), None)
     softmax = producer is None or producer.op_type != "Softmax"
-    return contract.PostprocessRecord(kind=kind, output=spec.name, top_k=min(top_k, classes), softmax=softmax,
+    return contract.PostprocessRecord(kind="classify", output=spec.name, top_k=min(top_k, classes), softmax=softmax,
                                       labels=list(labels))

@@ -26,7 +26,7 @@ import edgeq
 from edgeq import backends, bundle, contract, safebundle
 from edgeq.backends import GOLDEN_FP16_ATOL, GOLDEN_FP16_RTOL, GOLDEN_INT8_ATOL, GOLDEN_INT8_RTOL
 from edgeq.answers import check_args as check_answers
-from edgeq.answers import postprocess_record, preprocess_record, with_yolo_nms
+from edgeq.answers import classify_record, preprocess_record, with_yolo_nms
 from edgeq.choices import DEFAULT_OUTPUT, PRECISIONS, QUANTIZED, RUNTIME_CHOICES
 from edgeq.compile import HostRunner, build, cuda_device_code, elf_machine, export, lower_graph, toolchain_for
 from edgeq.errors import EdgeqError, ModelError, OutputError, ToolchainError, UsageError
@@ -359,7 +359,7 @@ def _load(b: _Build) -> None:
     b.model = load_model(b.args.model, b.args.input_shapes, consts)
     b.preprocess = preprocess_record(b.args.preprocess, b.model.inputs)
     if b.args.postprocess == "yolo":  # NonMaxSuppression in the graph: on the device's GPU where it has one
-        model, _ = with_yolo_nms(b.model.onnx_model, b.labels, b.args.conf, b.args.iou, b.args.max_det)
+        model, b.postprocess = with_yolo_nms(b.model.onnx_model, b.labels, b.args.conf, b.args.iou, b.args.max_det)
         b.model = dataclasses.replace(b.model, onnx_model=model)
     if b.args.golden_input is not None:  # read and checked against the inputs before anything is compiled
         from edgeq.quantize.data import load_golden
@@ -373,8 +373,8 @@ def _import(b: _Build) -> None:
     from edgeq.quantize import is_qdq
 
     b.graph, b.outputs = to_relax(b.model, max_detections=b.args.max_detections)
-    b.postprocess = postprocess_record(b.args.postprocess, b.labels, b.args.top_k, b.outputs, b.model.onnx_model,
-                                       b.args.conf, b.args.iou, b.args.max_det)
+    if b.args.postprocess == "classify":  # (yolo's record is made with its NMS, at load)
+        b.postprocess = classify_record(b.labels, b.args.top_k, b.outputs, b.model.onnx_model)
     for kind, spec in [*(("input", s) for s in b.model.inputs), *(("output", s) for s in b.outputs)]:
         if spec.dtype not in safebundle.TABLE_DTYPES:  # what golden.bin, run.py and edgeq-run can hold
             raise ModelError(f"{kind} '{spec.name}' is {spec.dtype}, which a bundle cannot carry (it holds "
