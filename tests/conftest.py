@@ -35,6 +35,18 @@ def run_cli(*argv: str) -> CliResult:
     return CliResult(code, out.getvalue(), err.getvalue())
 
 
+EXPORT_PYTHON = REPO / ".venv-export" / "bin" / "python"
+
+
+def torch_export(script: str, path: Path) -> Path:
+    """Run ``script`` (torch code writing an ONNX model to ``sys.argv[1]``) in the torch export environment."""
+    if not EXPORT_PYTHON.exists():
+        pytest.fail(f"{EXPORT_PYTHON} is missing: run 'bash scripts/setup.sh --zoo' (makes the torch export environment)")
+    proc = subprocess.run([str(EXPORT_PYTHON), "-c", script, str(path)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return path
+
+
 @pytest.fixture(scope="session")
 def models(tmp_path_factory) -> dict[str, Path]:
     """The three example model families, written once per test session."""

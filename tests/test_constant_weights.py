@@ -19,9 +19,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from conftest import REPO, run_cli
-
-EXPORT_PYTHON = REPO / ".venv-export" / "bin" / "python"
+from conftest import run_cli, torch_export
 
 
 def _constant(name: str, array: np.ndarray) -> onnx.NodeProto:
@@ -100,13 +98,8 @@ torch.onnx.export(TensorAttributes().eval(), torch.randn(1, 3, 16, 16), sys.argv
 
 @pytest.fixture(scope="module")
 def styles(tmp_path_factory) -> dict[str, Path]:
-    if not EXPORT_PYTHON.exists():
-        pytest.fail(f"{EXPORT_PYTHON} is missing: run 'bash scripts/setup.sh --zoo' (makes the torch export environment)")
     out = tmp_path_factory.mktemp("constant-weights")
-    torch_path = out / "torch_constants.onnx"
-    proc = subprocess.run([str(EXPORT_PYTHON), "-c", TORCH_EXPORT, str(torch_path)], capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    torch_path = torch_export(TORCH_EXPORT, out / "torch_constants.onnx")
     return {"torch": torch_path, "paddle": paddle_style_model(out / "paddle_style.onnx")}
 
 

@@ -17,9 +17,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import node_tests  # benchmarks/ (pyproject: pythonpath)
-from conftest import REPO, run_cli, run_py
-
-EXPORT_PYTHON = REPO / ".venv-export" / "bin" / "python"
+from conftest import run_cli, run_py, torch_export
 
 # a YOLO-style detector ending in NonMaxSuppression, exported by torch's (TorchScript) exporter the way
 # torchvision.ops.nms and ultralytics' nms=True exports write it: NMS over [1, N, 4] xywh boxes and [1, C, N]
@@ -96,13 +94,8 @@ def helper_detector(path: Path, max_out: int = 20) -> Path:
 
 @pytest.fixture(scope="module")
 def detectors(tmp_path_factory) -> dict[str, Path]:
-    if not EXPORT_PYTHON.exists():
-        pytest.fail(f"{EXPORT_PYTHON} is missing: run 'bash scripts/setup.sh --zoo' (makes the torch export environment)")
     out = tmp_path_factory.mktemp("nms")
-    torch_path = out / "torch_detector.onnx"
-    proc = subprocess.run([str(EXPORT_PYTHON), "-c", TORCH_DETECTOR, str(torch_path)], capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    torch_path = torch_export(TORCH_DETECTOR, out / "torch_detector.onnx")
     assert [n.op_type for n in onnx.load(torch_path).graph.node].count("NonMaxSuppression") == 1
     return {"torch": torch_path, "helper": helper_detector(out / "helper_detector.onnx")}
 
