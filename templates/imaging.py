@@ -12,6 +12,14 @@ MAX_IMAGE_FILE_BYTES = 256 << 20  # one image file
 PAD_VALUE = 114  # letterbox padding, as ultralytics pads
 
 
+PNG_MAGIC, JPEG_MAGIC = b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff"
+
+
+def is_image(head: bytes) -> bool:
+    """Whether a file's first bytes are a PNG's or a JPEG's (the formats both loaders read)."""
+    return head.startswith(PNG_MAGIC) or head.startswith(JPEG_MAGIC)
+
+
 class ImageError(ValueError):
     """An image that cannot be read or used: the one-line reason."""
 
@@ -24,8 +32,8 @@ def decode_image(np, path: str, any_format: bool = False, max_pixels: int = MAX_
         if os.fstat(f.fileno()).st_size > MAX_IMAGE_FILE_BYTES:
             raise ImageError("%s is larger than %d bytes" % (path, MAX_IMAGE_FILE_BYTES))
         head = f.read(32)
-    png = head.startswith(b"\x89PNG\r\n\x1a\n")
-    if not any_format and not (png or head.startswith(b"\xff\xd8\xff")):
+    png = head.startswith(PNG_MAGIC)
+    if not any_format and not is_image(head):
         raise ImageError("%s is not a PNG or JPEG image" % path)
     if png and len(head) > 24 and head[24] == 16:
         raise ImageError("%s is a 16-bit PNG; give an 8-bit one" % path)

@@ -290,7 +290,7 @@ def is_image(path):
             head = f.read(8)
     except OSError:
         return False
-    return head.startswith(b"\x89PNG\r\n\x1a\n") or head.startswith(b"\xff\xd8\xff")
+    return imaging.is_image(head)
 
 
 def read_image(np, name, path, manifest):
