@@ -1,4 +1,4 @@
-"""The torchvision classification zoo through edgeq, against ONNX Runtime, in one run.
+"""The torchvision zoo (classification and segmentation) through edgeq, against ONNX Runtime, in one run.
 
 Each model is exported by ``examples/export_torchvision.py`` (opset 17, random weights, eval, batch 1) in
 the export environment (``.venv-export``, made by ``scripts/setup.sh``), then, in a child process of its
@@ -80,6 +80,7 @@ def one(path: Path, work: Path, int8: bool, jetson: bool, speed: bool, repeat: i
     threads = len(os.sched_getaffinity(0))
     ort = ort_session(path, threads)
     spec = ort.get_inputs()[0]
+    out_name = ort.get_outputs()[0].name
     shape = [int(d) for d in spec.shape]
     rng = np.random.default_rng(0)
     x = rng.standard_normal(shape).astype(np.float32)
@@ -107,7 +108,7 @@ def one(path: Path, work: Path, int8: bool, jetson: bool, speed: bool, repeat: i
     fp32_model = None
     if fp32 is not None:
         fp32_model = bundle_model(fp32.bundle_dir)
-        ok, err = matches(fp32_model.run({spec.name: x})["logits"], ref)
+        ok, err = matches(fp32_model.run({spec.name: x})[out_name], ref)
         row["fp32"] = "match" if ok else "WRONG"
         row["fp32_err"] = float(f"{err:.2g}")
     if int8:
@@ -117,7 +118,7 @@ def one(path: Path, work: Path, int8: bool, jetson: bool, speed: bool, repeat: i
         if q is not None:
             model = bundle_model(q.bundle_dir)
             refs = [ort.run(None, {spec.name: held[i:i + 1]})[0] for i in range(EVAL_SAMPLES)]
-            outs = [model.run({spec.name: held[i:i + 1]})["logits"] for i in range(EVAL_SAMPLES)]
+            outs = [model.run({spec.name: held[i:i + 1]})[out_name] for i in range(EVAL_SAMPLES)]
             row["int8_cosine"] = round(min(cosine(o, r) for o, r in zip(outs, refs)), 4)
             row["int8"] = "ok" if row["int8_cosine"] >= 0.99 else "LOW"
             row["int8_float_layers"] = q.manifest.quantization.precision_counts.get("fp32")
@@ -181,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("models", nargs="*", help="torchvision builder names")
     parser.add_argument("--families", action="store_true", help="one builder per architecture family")
+    parser.add_argument("--segmentation", action="store_true",
+                        help="also the segmentation heads (DeepLabV3 and LR-ASPP on MobileNetV3-Large)")
     parser.add_argument("--all", action="store_true", help="every classification builder (hours on 2 cores)")
     parser.add_argument("--size", type=int, default=224, help="input height/width (ViT and MaxViT stay 224)")
     parser.add_argument("--int8", action="store_true", help="also int8 with 32 calibration samples")
@@ -200,13 +203,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     sys.path.insert(0, str(ROOT / "examples"))
-    from export_torchvision import FAMILIES
+    from export_torchvision import FAMILIES, SEGMENTATION
 
-    names = list(args.models) + (FAMILIES if args.families else [])
+    names = list(args.models) + (FAMILIES if args.families else []) + (SEGMENTATION if args.segmentation else [])
     if args.all:
         names.append("--list")
     if not names:
-        parser.error("name models, or give --families / --all")
+        parser.error("name models, or give --families / --segmentation / --all")
     with tempfile.TemporaryDirectory() as tmp:
         models_dir = args.models_dir or Path(tmp) / "models"
         paths = export(names, models_dir, args.size)

@@ -1,8 +1,9 @@
-"""Export torchvision's classification models to ONNX, the way users export them.
+"""Export torchvision's classification and segmentation models to ONNX, the way users export them.
 
 ``torch.onnx.export`` (the TorchScript exporter, ``dynamo=False``), opset 17, random weights
 (``weights=None``, torchvision's own init, fixed seed; a weight matrix torchvision initialises to all zeros,
-ViT's head, gets N(0, 0.02) so outputs are not identically 0), eval mode, batch 1. Nothing is downloaded. Runs in the export
+ViT's head, gets N(0, 0.02) so outputs are not identically 0), eval mode, batch 1. Segmentation builders (DeepLabV3, LR-ASPP, FCN) are exported without their auxiliary head
+and without a pretrained backbone, their ``out`` map as the output ``out``. Nothing is downloaded. Runs in the export
 environment that ``scripts/setup.sh`` makes (``.venv-export``, torch + torchvision only: tvm-ffi imports
 torch whenever it is installed beside it, which would slow every edgeq command):
 
@@ -34,6 +35,8 @@ FAMILIES = [
 # Builders whose input size is fixed by the architecture (ViT's position embedding, MaxViT's windows).
 FIXED_SIZE = {"vit_b_16": 224, "vit_b_32": 224, "vit_l_16": 224, "vit_l_32": 224, "vit_h_14": 224, "maxvit_t": 224}
 MIN_SIZE = {"inception_v3": 75, "googlenet": 32}
+# Segmentation builders: the smallest of each head (ASPP, LR-ASPP), what `--segmentation` exports.
+SEGMENTATION = ["deeplabv3_mobilenet_v3_large", "lraspp_mobilenet_v3_large"]
 
 
 def input_size(name: str, size: int) -> int:
@@ -66,6 +69,21 @@ def import_torchvision():
 _DECLARED = None
 
 
+def _OutMap(model):
+    """A segmentation model returns a dict ({"out": map}); users export its map."""
+    import torch
+
+    class OutMap(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner(x)["out"]
+
+    return OutMap(model).eval()
+
+
 def export(name: str, out_dir: Path, size: int) -> dict:
     import torch
 
@@ -76,8 +94,14 @@ def export(name: str, out_dir: Path, size: int) -> dict:
     if path.is_file():
         return {"name": name, "path": str(path), "size": size, "seconds": 0.0}
     torch.manual_seed(0)
+    segmentation = name in torchvision.models.list_models(module=torchvision.models.segmentation)
     kwargs = {"aux_logits": False, "init_weights": True} if name in ("googlenet", "inception_v3") else {}
+    if segmentation:
+        kwargs = {"weights_backbone": None, "aux_loss": False} if name != "lraspp_mobilenet_v3_large" else \
+            {"weights_backbone": None}
     model = torchvision.models.get_model(name, weights=None, **kwargs).eval()
+    if segmentation:
+        model = _OutMap(model)
     with torch.no_grad():  # a zero-initialised layer (ViT's head) would make every output 0: nothing to compare
         for param in model.parameters():
             if param.ndim >= 2 and not param.any():
@@ -88,7 +112,7 @@ def export(name: str, out_dir: Path, size: int) -> dict:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.onnx.export(model, (torch.randn(1, 3, size, size),), str(tmp), opset_version=OPSET, dynamo=False,
-                          input_names=["input"], output_names=["logits"])
+                          input_names=["input"], output_names=["out" if segmentation else "logits"])
     tmp.replace(path)
     return {"name": name, "path": str(path), "size": size, "seconds": round(time.perf_counter() - start, 1)}
 
@@ -100,11 +124,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", type=int, default=224, help="input height and width (default 224)")
     parser.add_argument("--list", action="store_true", help="export every classification builder")
     parser.add_argument("--families", action="store_true", help="export one builder per family")
+    parser.add_argument("--segmentation", action="store_true", help="export one builder per segmentation head")
     args = parser.parse_args(argv)
     torchvision = import_torchvision()
 
     every = torchvision.models.list_models(module=torchvision.models)
-    names = list(args.models) + (FAMILIES if args.families else []) + (every if args.list else [])
+    segmentation = torchvision.models.list_models(module=torchvision.models.segmentation)
+    names = list(args.models) + (FAMILIES if args.families else []) \
+        + (SEGMENTATION if args.segmentation else []) + (every if args.list else [])
+    every = every + segmentation
     unknown = [n for n in names if n not in every]
     if unknown or not names:
         print(f"export_torchvision: unknown or no model names: {', '.join(unknown) or '(none)'}", file=sys.stderr)

@@ -20,6 +20,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from conftest import read_golden
 from edgeq.compile import HostRunner, build, lower_graph
+from edgeq.graph import call_op
+from edgeq.graph_passes import shape_of
 from edgeq.backends.cpu.common import Isa
 from edgeq.backends.cpu.lower import describe
 from edgeq.load import load_model
@@ -437,3 +439,85 @@ def test_grouped_multiplier_and_asymmetric_convolutions_get_the_kernel(tmp_path)
     assert calls == 4, calls
     assert stats.get("conv") == 4 and stats.get("none", 0) == 0, stats
     assert_close(ours, theirs)
+
+
+# DeepLabV3's atrous convolutions on a 14 x 14 map (rates 12 and 24), a strided one with uneven padding
+# whose first and last tap rows and columns never reach the map, and an ordinary dilated one (kept whole)
+ATROUS = [(Conv(32, 48, (14, 14), dilation=12, pad=12), 9),
+          (Conv(32, 48, (14, 14), dilation=24, pad=24), 1),
+          (Conv(64, 96, (9, 13), k=3, stride=2, dilation=9, pad=9), 3),
+          (Conv(8, 16, (10, 10), dilation=2, pad=2), 1)]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+@pytest.mark.parametrize("cv,regions", ATROUS, ids=[str(a[0]) for a in ATROUS])
+def test_atrous_convolutions_compute_only_the_taps_that_reach_the_map(cv, regions, precision, tmp_path):
+    """A convolution whose taps mostly read padding is computed region by region, each region with the taps
+    that reach the input there (``lower._tap_regions``), all through one packed weight, and gives ONNX Runtime's
+    result: at rate 24 on 14 x 14 only the centre tap ever reads the map (one 1 x 1 region); an ordinary
+    dilated convolution, whose padding costs little, stays whole."""
+    rng = np.random.default_rng(11)
+    path = conv_model(cv, tmp_path / "m.onnx", rng) if precision == "fp32" else \
+        qdq_conv_model(cv, tmp_path / "m.onnx", rng, "int8")
+    ours, theirs, stats, calls, lowered = edgeq_vs_ort(path, prequantized=precision == "int8")
+    assert calls == regions and stats.get("none", 0) == 0, (calls, stats)
+    packed = [n for n, w in lowered.weights.items() if w.ndim >= 5]
+    assert len(packed) == 1 and lowered.weights[packed[0]].shape[1:3] == (cv.k, cv.k), list(lowered.weights)
+    if precision == "fp32":
+        assert_close(ours, theirs)
+    else:
+        assert_close(ours, theirs, rtol=1e-5)
+
+
+def resize_model(path, rng, sizes: list[tuple[str, int, int]], c=5, hw=(6, 7), conv_after=True):
+    """Conv -> Resize (linear) for each (coordinate mode, height, width), outputs but the first, which goes on
+    into a 1x1 convolution (an upsampled feature map read on, as in LR-ASPP); one Resize reads the graph input."""
+    w = rng.standard_normal((c, 3, 3, 3)).astype(np.float32) * 0.3
+    w2 = rng.standard_normal((4, c, 1, 1)).astype(np.float32) * 0.3
+    inits = [numpy_helper.from_array(w, "w"), numpy_helper.from_array(w2, "w2")]
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1] * 4)]
+    outs = []
+    for i, (mode, oh, ow) in enumerate(sizes):
+        inits.append(numpy_helper.from_array(np.array([1, c, oh, ow], np.int64), f"s{i}"))
+        nodes.append(helper.make_node("Resize", ["c", "", "", f"s{i}"], [f"r{i}"], mode="linear",
+                                      coordinate_transformation_mode=mode))
+        if i or not conv_after:
+            outs.append(_out(f"r{i}", 4))
+    if conv_after:
+        nodes.append(helper.make_node("Conv", ["r0", "w2"], ["after"]))
+        outs.append(_out("after", 4))
+    inits.append(numpy_helper.from_array(np.array([1, 3, 120, 128], np.int64), "sx"))
+    nodes.append(helper.make_node("Resize", ["x", "", "", "sx"], ["rx"], mode="linear"))
+    outs.append(_out("rx", 4))
+    g = helper.make_graph(nodes, "resize", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, *hw])], outs, inits)
+    return _save(g, path)
+
+
+def test_bilinear_resizes_run_on_the_separable_kernel(tmp_path):
+    """Large bilinear resizes (every coordinate mode ONNX's linear Resize has but tf_crop_and_resize) run on
+    edgeq's row-then-column kernel, reading the NHWC map a convolution left and writing NHWC where a
+    convolution reads on, NCHW for outputs; the values are ONNX Runtime's."""
+    sizes = [("half_pixel", 192, 200), ("pytorch_half_pixel", 150, 131), ("align_corners", 160, 170),
+             ("asymmetric", 129, 140), ("half_pixel", 12, 14)]
+    path = resize_model(tmp_path / "m.onnx", np.random.default_rng(12), sizes)
+    ours, theirs, stats, calls, lowered = edgeq_vs_ort(path)
+    assert stats.get("resize") == 5 and stats.get("none", 0) == 0, stats  # (12 x 14 is left to TVM: small)
+    assert_close(ours, theirs)
+    layouts = [tuple(shape_of(b.var)) for b in lowered.bindings() if call_op(b.value) == "relax.call_tir"
+               and b.value.args[0].name_hint.startswith("edgeq_resize2d")]
+    assert (1, 192, 200, 5) in layouts and (1, 5, 150, 131) in layouts, layouts  # NHWC read on, NCHW out
+
+
+def test_a_large_map_goes_back_to_nchw_in_tiles(tmp_path):
+    """The NHWC result of a convolution over a large map, a model output, is transposed to NCHW in tiles of
+    vectors (``generic._schedule_transpose``): the transpose is scheduled (vectorised, split over the cores)
+    and the values are ONNX Runtime's."""
+    cv = Conv(8, 48, (40, 36), k=1, pad=0)
+    path = conv_model(cv, tmp_path / "m.onnx", np.random.default_rng(13))
+    loaded = load_model(path, None)
+    lowered, _ = lower_graph(to_relax(loaded)[0], profiles()["host"].tvm_target())
+    asm = "".join(m.inspect_source("ll") for m in build(lowered.mod, profiles()["host"].tvm_target()).mod.imports)
+    ours, theirs, stats, _, _ = edgeq_vs_ort(path)
+    assert stats.get("none", 0) == 0 and stats.get("generic", 0) >= 1, stats
+    assert_close(ours, theirs)
+    assert "transpose" in asm

@@ -149,6 +149,9 @@ class ConvSpec:
     ocb: int = 0  # planned: output channels per packed weight block / tile
     wino: int = 0  # planned: Winograd output tile size m (0: direct convolution)
     groups: int = 1  # grouped convolution (ResNeXt, RegNet): each group of oc/groups outputs reads c/groups inputs
+    # a region of a convolution that reads only some of its weight's taps (``lower._tap_regions``): the
+    # weight's own (kh, kw) and the first row and column of the taps this one computes with; () for all of them
+    taps: tuple[int, ...] = ()
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -156,9 +159,16 @@ class ConvSpec:
     @classmethod
     def from_json(cls, text: str) -> ConvSpec:
         d = json.loads(text)
-        for key in ("stride", "padding", "dilation"):
-            d[key] = tuple(d[key])
+        for key in ("stride", "padding", "dilation", "taps"):
+            if key in d:
+                d[key] = tuple(d[key])
         return cls(**d)
+
+    @property
+    def weight_taps(self) -> tuple[int, int, int, int]:
+        """(kh, kw of the weight, first tap row, first tap column): the weight is packed whole and a region
+        (``taps``) reads its rows ``r0 .. r0 + kh - 1`` and columns ``c0 .. c0 + kw - 1``."""
+        return self.taps or (self.kh, self.kw, 0, 0)  # type: ignore[return-value]
 
     @property
     def oh(self) -> int:

@@ -97,13 +97,14 @@ def _dot_func(spec: ConvSpec, x, rh, rw):
     offset = 0 if spec.dtype == dtype else 128 if dtype == "uint8" else -128
     convert = (dtype, lambda v: (v.astype("int32") + offset).astype(dtype))
     xp = pad_input(x, spec, cp, convert=convert, value=offset)
-    wt = te.placeholder((spec.oc // d, spec.kh, spec.kw, cp // 4, d, 4), "int8", name="weight")
+    wkh, wkw, r0, c0 = spec.weight_taps
+    wt = te.placeholder((spec.oc // d, wkh, wkw, cp // 4, d, 4), "int8", name="weight")
     rc = te.reduce_axis((0, cp), "rc")
     acc = te.compute(
         (spec.n, spec.oh, spec.ow, spec.oc),
         lambda n, y, z, o: te.sum(
             xp[n, y * sh + rh * dh, z * sw + rw * dw, rc].astype("int32")
-            * wt[o // d, rh, rw, rc // 4, o % d, rc % 4].astype("int32"),
+            * wt[o // d, rh + r0, rw + c0, rc // 4, o % d, rc % 4].astype("int32"),
             axis=[rh, rw, rc]),
         name=CONV, attrs={spec.annotation: spec.to_json()},
     )
@@ -113,7 +114,8 @@ def _dot_func(spec: ConvSpec, x, rh, rw):
         wp = np.zeros((oc, cp, kh, kw), np.int8)
         wp[:, :c] = w
         packed = wp.reshape(oc // d, d, cp // 4, 4, kh, kw).transpose(0, 4, 5, 2, 1, 3)
-        start = -offset * w.astype(np.int64).sum(axis=(1, 2, 3))
+        read = w[:, :, r0:r0 + spec.kh, c0:c0 + spec.kw]  # the taps this kernel reads: their padding's offset
+        start = -offset * read.astype(np.int64).sum(axis=(1, 2, 3))
         return [np.ascontiguousarray(packed), start.astype(np.int32)]
 
     start = te.placeholder((spec.oc,), "int32", name="start")
@@ -135,7 +137,8 @@ def _direct_func(spec: ConvSpec, x, rh, rw):
         xp = pad_input(x, spec, spec.c, convert=("float32", lambda v: v.astype("float32")))
     else:
         xp = pad_input(x, spec, spec.c)
-    wt = te.placeholder((spec.oc // ocb, spec.kh, spec.kw, cg, ocb), wdtype, name="weight")
+    wkh, wkw, r0, c0 = spec.weight_taps
+    wt = te.placeholder((spec.oc // ocb, wkh, wkw, cg, ocb), wdtype, name="weight")
     rc = te.reduce_axis((0, cg), "rc")
     accd = "float32" if exact else spec.out_dtype
 
@@ -146,7 +149,7 @@ def _direct_func(spec: ConvSpec, x, rh, rw):
         (spec.n, spec.oh, spec.ow, spec.oc),
         lambda n, y, z, o: te.sum(
             xp[n, y * sh + rh * dh, z * sw + rw * dw, channel(o, rc)].astype(accd)
-            * wt[o // ocb, rh, rw, rc, o % ocb].astype(accd),
+            * wt[o // ocb, rh + r0, rw + c0, rc, o % ocb].astype(accd),
             axis=[rh, rw, rc]),
         name=CONV, attrs={spec.annotation: spec.to_json()},
     )

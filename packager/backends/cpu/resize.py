@@ -1,0 +1,170 @@
+"""The bilinear resize kernel for CPUs: a row pass, then a column pass.
+
+ONNX ``Resize`` (linear) imports as TVM's ``resize2d``, which computes every output on its own: two
+coordinates, their floors and clamps, and four reads from the input, gathered across the vector. A
+segmentation model ends in one, from its 1/8 or 1/16 map to the image's size: DeepLabV3's 14 x 14 x 21 to
+224 x 224 took 9% of the model's time (2.3 ms), reading its NHWC input through a transpose.
+
+Here the interpolation is separable, as it is written: first along the width (``rows[.., ih, ox]``, the
+input's rows at the output's width: small), then along the height, where each output row is a blend of two
+of those rows with one weight per row: a contiguous vector loop. The arithmetic is TVM's (``topi.image``):
+the same coordinates, ``a * (1 - t) + b * t`` along the width, then along the height, so the values are
+the ones ``resize2d`` gave. The input may be NHWC (what lowering keeps between convolutions); the output is
+NHWC where something reads it on (LR-ASPP's upsampled features go into a convolution) and NCHW for a
+model's output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import ClassVar
+
+import numpy as np
+
+from edgeq.backends.cpu.common import Isa, Kernel, blocks, is_spatial, parallel
+from edgeq.tvm_env import Schedule, ScheduleError, te, tvm
+
+
+RESIZE = "edgeq_resize"  # the block of the column pass (the kernel's result)
+ROWS = "edgeq_resize_rows"
+MODES = ("half_pixel", "pytorch_half_pixel", "align_corners", "asymmetric")
+
+
+@dataclasses.dataclass(frozen=True)
+class ResizeSpec:
+    """A bilinear resize of ``[n, c, h, w]`` (``nhwc_in``: held as ``[n, h, w, c]``) to ``oh x ow``."""
+
+    annotation: ClassVar[str] = "edgeq.resize_spec"
+
+    n: int
+    c: int
+    h: int
+    w: int
+    oh: int
+    ow: int
+    mode: str  # ONNX's coordinate_transformation_mode, one of MODES
+    nhwc_in: bool
+    nhwc_out: bool
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> ResizeSpec:
+        return cls(**json.loads(text))
+
+
+# outputs below which TVM's resize stays: a small one costs nothing, and one from a 1 x 1 map (DeepLabV3's image
+# pooling branch) is a broadcast that fuses into the concatenation after it
+MIN_OUTPUTS = 1 << 15
+
+
+def plan(problem: ResizeSpec, isa: Isa) -> ResizeSpec | None:
+    large = problem.n * problem.c * problem.oh * problem.ow >= MIN_OUTPUTS and problem.h * problem.w > 1
+    return problem if problem.mode in MODES and large else None
+
+
+def _source(o, size: int, out: int, mode: str):
+    """The input coordinate of output index ``o`` (float32), as ``topi.image.resize.get_inx`` computes it."""
+    f32 = "float32"
+    of = o.astype(f32)
+    scale = tvm.tirx.const(np.float32(size) / np.float32(out), f32)
+    if mode == "half_pixel" or (mode == "pytorch_half_pixel" and out > 1):
+        return (of + tvm.tirx.const(0.5, f32)) * scale - tvm.tirx.const(0.5, f32)
+    if mode == "pytorch_half_pixel":
+        return tvm.tirx.const(0.0, f32)
+    if mode == "align_corners":
+        return tvm.tirx.const(np.float32(size - 1) / np.float32(out - 1) if out > 1 else 0.0, f32) * of
+    return scale * of  # asymmetric
+
+
+def _taps(o, size: int, out: int, mode: str):
+    """(first index, second index, weight of the second) along one axis, indices clamped to the input."""
+    src = _source(o, size, out, mode)
+    base = te.floor(src).astype("int32")
+    t = src - base.astype("float32")
+
+    def clamp(i):
+        return tvm.te.max(tvm.te.min(i, size - 1), 0)
+
+    return clamp(base), clamp(base + 1), t
+
+
+def _lerp(a, b, t):
+    return a * (tvm.tirx.const(1.0, "float32") - t) + b * t
+
+
+def resize_func(spec: ResizeSpec):
+    """(PrimFunc ``(data) -> resized``, no weight)."""
+    n, c, h, w, oh, ow = spec.n, spec.c, spec.h, spec.w, spec.oh, spec.ow
+    x = te.placeholder((n, h, w, c) if spec.nhwc_in else (n, c, h, w), "float32", name="data")
+
+    def read(b, ch, y, z):
+        return x[b, y, z, ch] if spec.nhwc_in else x[b, ch, y, z]
+
+    def along_width(b, ch, y, oz):
+        left, right, t = _taps(oz, w, ow, spec.mode)
+        return _lerp(read(b, ch, y, left), read(b, ch, y, right), t)
+
+    def along_height(b, ch, oy, oz, rows):
+        top, bottom, t = _taps(oy, h, oh, spec.mode)
+        return _lerp(rows(b, ch, top, oz), rows(b, ch, bottom, oz), t)
+
+    attrs = {spec.annotation: spec.to_json()}
+    if spec.nhwc_out:
+        rows = te.compute((n, h, ow, c), lambda b, y, oz, ch: along_width(b, ch, y, oz), name=ROWS)
+        out = te.compute((n, oh, ow, c), lambda b, oy, oz, ch: along_height(
+            b, ch, oy, oz, lambda b_, ch_, y_, oz_: rows[b_, y_, oz_, ch_]), name=RESIZE, attrs=attrs)
+    else:
+        rows = te.compute((n, c, h, ow), along_width, name=ROWS)
+        out = te.compute((n, c, oh, ow), lambda b, ch, oy, oz: along_height(
+            b, ch, oy, oz, lambda b_, ch_, y_, oz_: rows[b_, ch_, y_, oz_]), name=RESIZE, attrs=attrs)
+    return te.create_prim_func([x, out], index_dtype_override="int64"), None
+
+
+def _inner_vector(sch: Schedule, loops: list, isa: Isa) -> None:
+    """The innermost loops fused into one contiguous run, vectorised in whole registers where they divide it."""
+    run = sch.fuse(*loops) if len(loops) > 1 else loops[0]
+    extent = int(sch.get(run).extent)
+    lanes = next((v for v in (isa.lanes, isa.lanes // 2, 4) if v and extent % v == 0), 0)
+    if lanes:
+        sch.vectorize(sch.split(run, [None, lanes])[1])
+
+
+def _inline_around(sch: Schedule) -> None:
+    """What fusion put before the kernel (a transpose) inlined into the row pass, what it put after (an
+    element-wise epilogue) into the column pass."""
+    while True:
+        names = [sch.get(b).name_hint for b in blocks(sch)]
+        first, last = names.index(ROWS), names.index(RESIZE)
+        others = [(i, b) for i, b in enumerate(blocks(sch)) if i < first or i > last]
+        for i, block in others:
+            try:
+                if i < first and is_spatial(sch, block):
+                    sch.compute_inline(block)
+                else:
+                    sch.reverse_compute_inline(block)
+                break
+            except ScheduleError:
+                continue
+        else:
+            return
+
+
+def schedule_resize(sch: Schedule, spec: ResizeSpec, isa: Isa) -> None:
+    _inline_around(sch)
+    out = sch.get_sblock(RESIZE)
+    rows = sch.get_sblock(ROWS)
+    n, a, b, d = sch.get_loops(out)
+    if spec.nhwc_out:  # [n, oh, ow, c]: each output row one run of ow * c values
+        parallel(sch, [n, a], spec.n * spec.oh * spec.ow * spec.c)
+        _inner_vector(sch, [b, d], isa)
+    else:  # [n, c, oh, ow]
+        parallel(sch, [n, a, b], spec.n * spec.c * spec.oh * spec.ow)
+        _inner_vector(sch, [d], isa)
+    parallel(sch, sch.get_loops(rows)[:2], spec.n * spec.c * spec.h * spec.ow)
+
+
+KERNEL = Kernel(name="resize", spec=ResizeSpec, plan=plan, build=resize_func, symbol="edgeq_resize2d", block=RESIZE,
+                schedule=schedule_resize)
