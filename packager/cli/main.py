@@ -11,7 +11,7 @@ from typing import TextIO
 
 from rich.console import Console
 
-from edgeq import __version__
+from edgeq import __version__, native_log
 from edgeq.errors import EdgeqError, ExitStatus, UsageError
 
 # verb -> "module" or "module:attribute" with add_parser(sub) and run(args, env). A verb module imports only
@@ -65,31 +65,45 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# verbs that run TVM's compiler: its C++ log is kept off the terminal unless --debug (edgeq.native_log)
+NATIVE_QUIET = {"package", "tune", "mender"}
+
+
 def main(argv: list[str] | None = None, env: Environment | None = None) -> int:
-    env = env or Environment()
     argv = sys.argv[1:] if argv is None else argv
     debug = "--debug" in argv
+    command = next((a for a in argv if not a.startswith("-")), None)
+    with native_log.captured(enabled=not debug and command in NATIVE_QUIET) as log:
+        env = env or Environment()
+        status, internal = _run(argv, env, debug)
+        if internal and log is not None and log.lines():  # a bug: what TVM said last may be its cause
+            print(f"edgeq: TVM's log ended with: {log.lines()[-1][:300]} (--debug shows all of it)", file=env.stderr)
+        return status
+
+
+def _run(argv: list[str], env: Environment, debug: bool) -> tuple[int, bool]:
+    """(exit status, whether it is an internal error)."""
     try:
         args = build_parser().parse_args(argv)
         if args.verb is None:
             raise UsageError("give a command: " + ", ".join(VERBS) + " (see 'edgeq --help')")
-        return int(verb(args.verb).run(args, env) or ExitStatus.OK)
+        return int(verb(args.verb).run(args, env) or ExitStatus.OK), False
     except EdgeqError as err:
         if debug:
             traceback.print_exc(file=env.stderr)
         print(f"edgeq: error: {err}", file=env.stderr)
-        return int(err.exit_status)
+        return int(err.exit_status), False
     except KeyboardInterrupt:
         print("edgeq: interrupted", file=env.stderr)
-        return int(ExitStatus.INTERRUPTED)
+        return int(ExitStatus.INTERRUPTED), False
     except SystemExit as exit_:  # --help / --version
-        return int(exit_.code or 0)
+        return int(exit_.code or 0), False
     except Exception as err:  # a bug in edgeq or a dependency: say so, keep the traceback behind --debug
         if debug:
             traceback.print_exc(file=env.stderr)
         print(f"edgeq: internal error: {type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
               " (rerun with --debug for the traceback)", file=env.stderr)
-        return int(ExitStatus.ERROR)
+        return int(ExitStatus.ERROR), True
 
 
 def entry() -> None:

@@ -117,6 +117,8 @@ def schedule_dwconv(sch: Schedule, spec: ConvSpec, isa: Isa) -> None:
     sch.reverse_compute_at(wb, zo)
     sch.vectorize(ci)
     sch.unroll(zi)
+    sch.unroll(rw)
+    sch.unroll(rh)
     parallel(sch, [n, y, co], spec.macs)
     sch.decompose_reduction(main, rh)
     sch.vectorize(sch.get_loops(wb)[-1])
