@@ -807,6 +807,35 @@ def qlinear_matmul(ctx, inputs, attr):
     return _requantize(ctx, acc, ctx.bb.emit(scale), yzp, _dtype(yzp), axis=len(_shape(acc)) - 1)
 
 
+def qgemm(ctx, inputs, attr):
+    """com.microsoft QGemm (what ONNX Runtime's QOperator quantizer makes of Gemm): the int32 product of the
+    zero-point-shifted operands plus the int32 bias ``C`` (scale ``alpha * a_scale * b_scale``), times
+    ``alpha * a_scale * b_scale``, requantized to ``y_scale``/``y_zero_point`` where given, else float."""
+    args = list(inputs) + [None] * 9
+    a, a_s, azp, b, b_s, bzp, c, ys, yzp = args[:9]
+    alpha = float(attr.get("alpha", 1.0))
+    trans_a, trans_b = int(attr.get("transA", 0)), int(attr.get("transB", 0))
+    a32 = _int32(ctx, a, azp)
+    b32 = _int32(ctx, b, bzp, axis=0 if trans_b else 1)  # a zero point per output column
+    if trans_a:
+        a32 = ctx.bb.emit(relax.op.permute_dims(a32, [1, 0]))
+    if trans_b:
+        b32 = ctx.bb.emit(relax.op.permute_dims(b32, [1, 0]))
+    acc = relax.op.matmul(a32, b32, out_dtype="int32")
+    if c is not None:
+        acc = relax.op.add(acc, relax.op.astype(c, "int32"))
+    acc = ctx.bb.emit(acc)
+    # (alpha * a_scale) * b_scale, in ONNX Runtime's order (a float output differed in its last bit otherwise)
+    scale = relax.op.multiply(relax.op.multiply(_c(alpha, "float32"), relax.op.astype(a_s, "float32")),
+                              relax.op.astype(b_s, "float32"))
+    if ys is None:
+        columns = math.prod(_shape(b_s))
+        scale = relax.op.reshape(scale, [1, columns] if columns > 1 else [])
+        return relax.op.multiply(relax.op.astype(acc, "float32"), scale)
+    scale = ctx.bb.emit(relax.op.divide(scale, relax.op.astype(ys, "float32")))
+    return _requantize(ctx, acc, scale, yzp, _dtype(yzp) if yzp is not None else "uint8", axis=1)
+
+
 # ----------------------------------------------------------------------------------------------- losses
 
 
@@ -1111,6 +1140,7 @@ CONVERTERS: dict[str, Callable] = {
     "LinearAttention": linear_attention,
     "QLinearConv": qlinear_conv,
     "QLinearMatMul": qlinear_matmul,
+    "QGemm": qgemm,
     "ConvInteger": conv_integer,
     "NegativeLogLikelihoodLoss": negative_log_likelihood_loss,
     "SoftmaxCrossEntropyLoss": softmax_cross_entropy_loss,

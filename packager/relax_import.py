@@ -90,7 +90,7 @@ def to_relax(loaded: LoadedModel, max_detections: int | None = None) -> tuple[Gr
     from tvm.relax.frontend.onnx import from_onnx
 
     missing = unsupported_ops(loaded.onnx_model)
-    # edgeq converts QLinearConv, QLinearMatMul and ConvInteger (exactly, in int32); a model that also needs
+    # edgeq converts QLinearConv, QLinearMatMul, QGemm and ConvInteger (exactly, in int32); a model that also needs
     # the other QOperator ops is refused as a whole, naming all of them
     qoperator = sorted({n.op_type for n in loaded.onnx_model.graph.node if n.op_type in QOPERATOR_OPS}) \
         if any(op in QOPERATOR_OPS for op in missing) else []

@@ -10,6 +10,7 @@ import onnxruntime as ort
 import pytest
 from onnx import numpy_helper
 
+from common import bundle_model
 from conftest import ort_quantize, predict_with_loader, run_cli
 from edgeq.graph import Graph, call_op
 from edgeq.load import load_model
@@ -157,3 +158,53 @@ def test_commute_qdq_keeps_maxpool_and_reshape_quantized():
             return q
 
     tvm.ir.assert_structural_equal(commute_qdq(Graph(Before, {})).mod, Expected)
+
+
+@pytest.mark.parametrize("family", ["resnet_cnn", "mobilenet_cnn"])
+def test_qoperator_models_package_and_match_onnxruntime(models, family, tmp_path):
+    """ONNX Runtime's QOperator quantization of the convolutions and the classifier (QLinearConv, QGemm, with
+    QuantizeLinear/DequantizeLinear between them) packages without options and gives ONNX Runtime's outputs
+    bit for bit: the integer operators are computed exactly, in int32, as ONNX Runtime computes them."""
+    model = ort_quantize(models[family], tmp_path / "qop.onnx", fmt="QOperator", op_types=["Conv", "Gemm"])
+    ops = {n.op_type for n in onnx.load(model).graph.node}
+    assert {"QLinearConv", "QGemm"} <= ops, ops
+    res = run_cli("package", model, "--device", "host", "-o", tmp_path / "out", "-q")
+    assert res.code == 0, res.stderr
+    session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    spec = session.get_inputs()[0]
+    x = np.random.default_rng(3).standard_normal([4, *spec.shape[1:]]).astype(np.float32)
+    np.savez(tmp_path / "x.npz", input=x)
+    ours = predict_with_loader(tmp_path / "out" / "qop-host", tmp_path / "x.npz", tmp_path / "ours.npy")
+    theirs = np.concatenate([session.run(None, {spec.name: x[i:i + 1]})[0] for i in range(len(x))])
+    np.testing.assert_array_equal(ours, theirs)
+
+
+@pytest.mark.parametrize("quantized_output", [True, False])
+def test_qgemm_is_onnxruntimes(quantized_output, tmp_path):
+    """com.microsoft QGemm with transposed operands, a per-column weight scale and zero point, an int32 bias,
+    alpha, and a float or a requantized output: ONNX Runtime's values exactly."""
+    from onnx import TensorProto, helper
+
+    rng = np.random.default_rng(4)
+    b = rng.integers(-128, 128, (6, 20)).astype(np.int8)  # transB: [N, K]
+    inits = [numpy_helper.from_array(np.array(0.02, np.float32), "as"), numpy_helper.from_array(np.array(3, np.uint8), "az"),
+             numpy_helper.from_array(b, "b"), numpy_helper.from_array((rng.random(6) * 0.01 + 0.005).astype(np.float32), "bs"),
+             numpy_helper.from_array(rng.integers(-3, 4, 6).astype(np.int8), "bz"),
+             numpy_helper.from_array(rng.integers(-500, 500, 6).astype(np.int32), "c"),
+             numpy_helper.from_array(np.array(0.05, np.float32), "ys"), numpy_helper.from_array(np.array(128, np.uint8), "yz")]
+    tail = ["ys", "yz"] if quantized_output else []
+    nodes = [helper.make_node("QuantizeLinear", ["x", "as", "az"], ["xq"]),
+             helper.make_node("QGemm", ["xq", "as", "az", "b", "bs", "bz", "c", *tail], ["y"], domain="com.microsoft",
+                              alpha=0.75, transA=1, transB=1)]
+    out_type = TensorProto.UINT8 if quantized_output else TensorProto.FLOAT
+    graph = helper.make_graph(nodes, "qgemm", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [20, 3])],
+                              [helper.make_tensor_value_info("y", out_type, [3, 6])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    onnx.save(model, tmp_path / "qgemm.onnx")
+    res = run_cli("package", tmp_path / "qgemm.onnx", "--device", "host", "-o", tmp_path / "out", "-q")
+    assert res.code == 0, res.stderr
+    session = ort.InferenceSession(str(tmp_path / "qgemm.onnx"), providers=["CPUExecutionProvider"])
+    model = bundle_model(tmp_path / "out" / "qgemm-host")
+    for seed in range(3):
+        x = np.random.default_rng(seed).standard_normal((20, 3)).astype(np.float32) * 3
+        np.testing.assert_array_equal(model.run({"x": x})["y"], session.run(None, {"x": x})[0])
