@@ -422,7 +422,7 @@ def _tuning_records(b: _Build) -> None:
     from edgeq.records import apply_records
 
     mod, b.records_applied = apply_records(b.lowered.mod, b.lowered.target, Path(b.args.records), b.profile,
-                                           warn=b.progress.warn, precision=_precision(b))
+                                           warn=b.progress.warn, precision=_precision(b), note=b.progress.note)
     b.lowered = dataclasses.replace(b.lowered, mod=mod)
     b.progress.note(f"tuning records scheduled {b.records_applied} function(s) ({_precision(b)}, {b.profile.name})")
 

@@ -25,9 +25,11 @@ import dataclasses
 import io
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
+from edgeq import backends
 from edgeq.errors import RemoteError, UsageError
 from edgeq.rpc.session import DAY_S, Remote, _no_retry_warnings, bounded, parse_addr, with_deadline
 from edgeq.records import Records, prepare
@@ -250,6 +252,33 @@ def _lost(text: str) -> bool:
                                             "deadline", "unreachable"))
 
 
+def _own_ms(workload, target, backend, builder, runner) -> float | None:
+    """ms of ``workload``'s function as ``edgeq package`` schedules it without records (``Backend.own_schedule``),
+    built and measured on the pool like a candidate; None where the backend cannot say or the measurement
+    failed (then records are used as they are)."""
+    from tvm.s_tir import meta_schedule as ms
+
+    tvm = import_tvm()
+    tgt = tvm.target.Target(target)
+    with tgt:
+        scheduled = backend.own_schedule(workload, tgt)
+    if scheduled is None:
+        return None
+    built = builder.build([ms.builder.BuilderInput(scheduled, tgt)])[0]
+    if built.error_msg:
+        return None
+    func = next(f for f in workload.functions.values() if isinstance(f, tvm.tirx.PrimFunc))
+    device = "cuda" if tgt.kind.name == "cuda" else "cpu"  # the runtime's device name (meta_schedule's own map)
+    future = runner.run([ms.runner.RunnerInput(built.artifact_path, device, ms.arg_info.ArgInfo.from_prim_func(func))])[0]
+    while not future.done():
+        time.sleep(0.02)
+    result = future.result()
+    if result.error_msg or not result.run_secs:
+        return None
+    costs = [float(getattr(c, "value", c)) for c in result.run_secs]
+    return 1e3 * sum(costs) / len(costs)
+
+
 @dataclasses.dataclass
 class TuneArgs:
     model: Path
@@ -307,6 +336,7 @@ def tune(args: TuneArgs, note=lambda _: None, tick=lambda *_: None, progress=Non
                                   consts=args.consts, precision=args.precision, quantize=args.quantize,
                                   preprocess=args.preprocess, max_detections=args.max_detections), progress)
     profile, toolchain, target = built.profile, built.toolchain, built.lowered.target
+    backend = backends.for_profile(profile)
     mod = prepare(built.lowered.mod, target)
     extracted = ms.relax_integration.extract_tasks(mod, target)
     records = Records(args.records, profile, precision=built.precision)
@@ -349,11 +379,19 @@ def tune(args: TuneArgs, note=lambda _: None, tick=lambda *_: None, progress=Non
                 records.save()
             best = records.database.get_top_k(records.database.commit_workload(task.dispatched[0]), 1)
             best_ms = float(getattr(best[0].run_secs[0], 'value', best[0].run_secs[0])) * 1e3 if best and best[0].run_secs else None
+            own_ms = records.baseline(task.dispatched[0])
+            if own_ms is None:  # what a record must beat to be used (edgeq.records.Records.faster)
+                own_ms = _own_ms(task.dispatched[0], target, backend, builder, runner)
+                if own_ms is not None:
+                    records.set_baseline(task.dispatched[0], own_ms)
+                    records.save()
+            used = best_ms is not None and (own_ms is None or best_ms < own_ms)
             rows.append({"task": task.task_name, "trials_recorded": records.count(task.dispatched[0]),
-                         "best_ms": best_ms})
+                         "best_ms": best_ms, "own_ms": own_ms, "tuned_used": used})
             tick("tasks", i, len(extracted))
-            note(f"task {i}/{len(extracted)} {task.task_name}: best {best_ms:.4f} ms" if best_ms else
-                 f"task {i}/{len(extracted)} {task.task_name}: no successful measurement")
+            own = "" if own_ms is None else f" (edgeq's own {own_ms:.4f} ms: {'tuned used' if used else 'own kept'})"
+            note(f"task {i}/{len(extracted)} {task.task_name}: best {best_ms:.4f} ms{own}" if best_ms else
+                 f"task {i}/{len(extracted)} {task.task_name}: no successful measurement{own}")
     return {"model": str(args.model), "device": profile.name, "precision": built.precision,
             "records": str(args.records), "tasks": rows, "tvm_version": tvm.__version__, "cost_model": args.cost_model,
             "jobs": jobs, "devices": {"registered": devices, "measurements": dict(sorted(measured.items()))}}

@@ -214,6 +214,13 @@ def _conv_model(path: Path) -> Path:
     return path
 
 
+def with_baselines(records: Path, run_ms: float) -> None:
+    """Set every measurement of edgeq's own schedule in a records file to ``run_ms``."""
+    lines = [json.loads(line) for line in records.read_text().splitlines()]
+    records.write_text("".join(json.dumps({**e, "run_ms": run_ms} if e.get("kind") == "baseline" else e) + "\n"
+                               for e in lines))
+
+
 @pytest.mark.slow
 def test_tune_writes_records_resumes_and_package_uses_them(tracker, tmp_path):
     model = _conv_model(tmp_path / "conv.onnx")
@@ -222,18 +229,33 @@ def test_tune_writes_records_resumes_and_package_uses_them(tracker, tmp_path):
                     "--records", records, "--json")
     assert first.code == 0, first.stderr
     tasks = json.loads(first.stdout)["tasks"]
-    assert tasks and all(t["trials_recorded"] >= 1 and t["best_ms"] > 0 for t in tasks)
+    assert tasks and all(t["trials_recorded"] >= 1 and t["best_ms"] > 0 and t["own_ms"] > 0 for t in tasks)
+    assert all(t["tuned_used"] == (t["best_ms"] < t["own_ms"]) for t in tasks), tasks
     lines = [json.loads(line) for line in records.read_text().splitlines()]
     assert {(e["profile"], e["tvm_version"]) for e in lines} == {("host", lines[0]["tvm_version"])}
+    assert sum(e.get("kind") == "baseline" for e in lines) == len(tasks)  # edgeq's own schedule, measured once each
     again = run_cli("tune", model, "--device", "host", "--rpc", tracker, "--key", "cpu-test", "--trials", "2",
                     "--records", records, "--json")
     assert again.code == 0 and "skipped (resume)" in again.stderr
     assert len(records.read_text().splitlines()) == len(lines)  # nothing measured twice
+    plain = run_cli("package", model, "--device", "host", "-o", tmp_path / "plain", "-q", "--json")
+    plain_so = Path(json.loads(plain.stdout)["bundle_dir"], "model.so").read_bytes()
+    res = run_cli("package", model, "--device", "host", "-o", tmp_path / "measured", "--records", records, "--json")
+    assert res.code == 0, res.stderr
+    used = json.loads(res.stdout)["records_applied"]
+    assert (used > 0) == any(t["tuned_used"] for t in tasks), (used, tasks)
+    # the guard, whatever the search found: own schedules measured slower than every record, then faster
+    with_baselines(records, 1e9)
     res = run_cli("package", model, "--device", "host", "-o", tmp_path / "out", "--records", records, "-q", "--json")
     assert res.code == 0, res.stderr
+    assert json.loads(res.stdout)["records_applied"] >= 1
     bundle_dir = Path(json.loads(res.stdout)["bundle_dir"])
-    plain = run_cli("package", model, "--device", "host", "-o", tmp_path / "plain", "-q", "--json")
-    assert (bundle_dir / "model.so").read_bytes() != Path(json.loads(plain.stdout)["bundle_dir"], "model.so").read_bytes()
+    assert (bundle_dir / "model.so").read_bytes() != plain_so
+    with_baselines(records, 1e-9)
+    kept = run_cli("package", model, "--device", "host", "-o", tmp_path / "kept", "--records", records, "--json")
+    assert kept.code == 0 and json.loads(kept.stdout)["records_applied"] == 0, kept.stderr
+    assert "keep edgeq's own schedule" in kept.stderr
+    assert Path(json.loads(kept.stdout)["bundle_dir"], "model.so").read_bytes() == plain_so
     sys.path.insert(0, str(bundle_dir))
     try:
         import run
@@ -265,8 +287,9 @@ def test_tune_tunes_what_package_builds_at_its_precision(tracker, tmp_path):
     assert lines and {e["precision"] for e in lines} == {"int8"}
     from tvm.s_tir import meta_schedule as ms
 
-    scripts = [ms.database.Workload.from_json(e["workload"]).mod.script() for e in lines]
+    scripts = [ms.database.Workload.from_json(e["workload"]).mod.script() for e in lines if "workload" in e]
     assert any('"int8"' in text for text in scripts)  # the quantized graph's functions, not fp32's
+    with_baselines(records, 1e9)  # (records slower than edgeq's own schedules are not used: test_tune_writes_...)
     res = run_cli("package", model, "--device", "host", "-o", tmp_path / "q", "--records", records, "-q", "--json", *int8)
     assert res.code == 0, res.stderr
     result = json.loads(res.stdout)

@@ -4,7 +4,9 @@ batch 1) at 64x64 for CI time, through the same code as ``benchmarks/zoo.py``:
 - ShuffleNetV2 (channel split through Shape/Slice arithmetic, channel shuffle via Reshape/Transpose);
 - Swin-T (window partition through Shape -> Gather -> Div -> Reshape, 0-d constants, LayerNorm, GELU);
 - MobileNetV3-Small (depthwise, squeeze-excitation, hard-swish / hard-sigmoid);
-- GoogLeNet with torchvision's own init (activations shrink ~10x per layer: the int32 bias overflow case).
+- GoogLeNet with torchvision's own init (activations shrink ~10x per layer: the int32 bias overflow case);
+- DeepLabV3-MobileNetV3-Large (dilated backbone, atrous convolutions whose taps mostly read padding,
+  computed region by region; the bilinear upsampling to the input's size on edgeq's resize kernel).
 
 fp32 host bundles must match ONNX Runtime (|d| <= 1e-3 |ort| + 1e-4 max|ort|); int8 with 32 calibration
 samples must keep output cosine >= 0.99 against fp32 ONNX Runtime.
@@ -21,8 +23,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import zoo  # noqa: E402
 
 SIZE = 64
-FP32 = ["shufflenet_v2_x0_5", "swin_t", "mobilenet_v3_small", "googlenet"]
-INT8 = ["shufflenet_v2_x0_5", "mobilenet_v3_small", "googlenet"]
+FP32 = ["shufflenet_v2_x0_5", "swin_t", "mobilenet_v3_small", "googlenet", "deeplabv3_mobilenet_v3_large"]
+INT8 = ["shufflenet_v2_x0_5", "mobilenet_v3_small", "googlenet", "deeplabv3_mobilenet_v3_large"]
 
 
 @pytest.fixture(scope="module")

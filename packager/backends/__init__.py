@@ -68,6 +68,10 @@ class Backend(Protocol):
     def to_fp16(self, graph) -> Any:
         """fp16 weights and activations, fp32 accumulation (where "fp16" is in ``precisions``)."""
 
+    def own_schedule(self, workload, target) -> Any:
+        """A tuning workload (an IRModule of one unscheduled TIR function) scheduled as ``build`` schedules it
+        without records, to measure beside the tuned candidates; None where the backend cannot say."""
+
     def describe_prepare(self, profile) -> str:
         """The progress line of the lower stage."""
 

@@ -40,6 +40,17 @@ class CpuBackend:
 
         return relax.build(mod, target=target, relax_pipeline=cpu_pipeline(target, Isa.of(target), stats))
 
+    def own_schedule(self, workload, target):
+        """The function as the CPU pipeline schedules it (edgeq's kernel or schedule rule, then the requantizing
+        rewrites): what a tuning record must beat to be used."""
+        from tvm import IRModule
+
+        from edgeq.backends.cpu.common import Isa
+        from edgeq.backends.cpu.schedule import schedule_pass
+
+        # a module of its own: the pass sets its functions in place, and the workload is the tuning database's key
+        return schedule_pass(Isa.of(target))(IRModule(dict(workload.functions.items())))
+
     def check_library(self, library: Path, profile, toolchain) -> None:
         return None  # the library's machine is checked for every backend (edgeq.package)
 
