@@ -17,6 +17,7 @@ own (a crash or a hang costs one row, not the run):
   machine's load, after a pause that lets the other runtime's threads stop spinning: see ``interleaved``).
 
     python benchmarks/zoo.py --families --int8 [--jetson] [--speed] [--size 224] [--json]
+    python benchmarks/zoo.py --segmentation --int8 --speed      # DeepLabV3 and LR-ASPP (MobileNetV3-Large)
     python benchmarks/zoo.py resnet18 shufflenet_v2_x0_5 --int8
 """
 
