@@ -32,7 +32,7 @@ from edgeq.graph import Graph, Rewriter, call_op, rewrite, scalar_minmax_call
 from edgeq.graph_passes import dtype_of, shape_of
 from edgeq.backends.cpu.common import BmmSpec, ConvSpec, Isa, Kernel
 from edgeq.backends.cpu.matmul import masked_softmax_func
-from edgeq.backends.cpu.resize import ResizeSpec
+from edgeq.backends.cpu.resize import MODES, ResizeSpec
 from edgeq.backends.cpu.rules import KERNELS
 from edgeq.tvm_env import relax
 
@@ -422,9 +422,10 @@ class _Lowering:
         a = value.attrs
         x = rw.new(value.args[0])
         xs, ys = shape_of(value.args[0]), shape_of(var)
-        if str(a.method) != "linear" or str(a.layout) != "NCHW" or xs is None or ys is None or len(xs) != 4 \
-                or dtype_of(value.args[0]) != "float32" or dtype_of(var) != "float32" or xs[:2] != ys[:2]:
-            return None
+        if str(a.method) != "linear" or str(a.layout) != "NCHW" or str(a.coordinate_transformation_mode) not in MODES \
+                or xs is None or ys is None or len(xs) != 4 or dtype_of(value.args[0]) != "float32" \
+                or dtype_of(var) != "float32" or xs[:2] != ys[:2]:
+            return None  # (tf_crop_and_resize may extrapolate: TVM's)
         nhwc = x in self.nhwc
         if xs[2:] == [1, 1]:  # from one value per channel (DeepLabV3's image pooling): a broadcast
             n, c, oh, ow = ys
