@@ -126,8 +126,22 @@ class Isa:
         return 8 if n % 8 == 0 else largest_divisor(n, self.lanes)
 
 
+class Spec:
+    """What lowering hands a kernel, kept as JSON in the annotation of the kernel's block (a frozen dataclass
+    of ints, strings, booleans and tuples; a subclass names its ``annotation``)."""
+
+    annotation: ClassVar[str]
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))  # type: ignore[call-overload]
+
+    @classmethod
+    def from_json(cls, text: str):
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(text).items()})
+
+
 @dataclasses.dataclass(frozen=True)
-class ConvSpec:
+class ConvSpec(Spec):
     """One 2-D convolution in NHWC terms (depthwise: ``depthwise`` set, ``groups`` left 1). Lowering makes it
     with the last three fields at their defaults; the kernel that takes it fills them in (``Kernel.plan``)."""
 
@@ -152,17 +166,6 @@ class ConvSpec:
     # a region of a convolution that reads only some of its weight's taps (``lower._tap_regions``): the
     # weight's own (kh, kw) and the first row and column of the taps this one computes with; () for all of them
     taps: tuple[int, ...] = ()
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> ConvSpec:
-        d = json.loads(text)
-        for key in ("stride", "padding", "dilation", "taps"):
-            if key in d:
-                d[key] = tuple(d[key])
-        return cls(**d)
 
     @property
     def weight_taps(self) -> tuple[int, int, int, int]:
@@ -199,7 +202,7 @@ class ConvSpec:
 
 
 @dataclasses.dataclass(frozen=True)
-class BmmSpec:
+class BmmSpec(Spec):
     """``out[b] = a[b] @ b[b]`` of two float32 activations: ``[batch, m, k] x [batch, k, n]``."""
 
     annotation: ClassVar[str] = "edgeq.bmm_spec"
@@ -208,13 +211,6 @@ class BmmSpec:
     m: int
     k: int
     n: int
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> BmmSpec:
-        return cls(**json.loads(text))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,12 +17,11 @@ model's output.
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import ClassVar
 
 import numpy as np
 
-from edgeq.backends.cpu.common import Isa, Kernel, blocks, is_spatial, parallel
+from edgeq.backends.cpu.common import Isa, Kernel, Spec, blocks, is_spatial, parallel
 from edgeq.tvm_env import Schedule, ScheduleError, te, tvm
 
 
@@ -32,7 +31,7 @@ MODES = ("half_pixel", "pytorch_half_pixel", "align_corners", "asymmetric")
 
 
 @dataclasses.dataclass(frozen=True)
-class ResizeSpec:
+class ResizeSpec(Spec):
     """A bilinear resize of ``[n, c, h, w]`` (``nhwc_in``: held as ``[n, h, w, c]``) to ``oh x ow``."""
 
     annotation: ClassVar[str] = "edgeq.resize_spec"
@@ -46,13 +45,6 @@ class ResizeSpec:
     mode: str  # ONNX's coordinate_transformation_mode, one of MODES
     nhwc_in: bool
     nhwc_out: bool
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> ResizeSpec:
-        return cls(**json.loads(text))
 
 
 # outputs below which TVM's resize stays: a small one costs nothing, and one from a 1 x 1 map (DeepLabV3's image
