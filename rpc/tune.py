@@ -25,7 +25,6 @@ import dataclasses
 import io
 import os
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -269,10 +268,8 @@ def _own_ms(workload, target, backend, builder, runner) -> float | None:
         return None
     func = next(f for f in workload.functions.values() if isinstance(f, tvm.tirx.PrimFunc))
     device = "cuda" if tgt.kind.name == "cuda" else "cpu"  # the runtime's device name (meta_schedule's own map)
-    future = runner.run([ms.runner.RunnerInput(built.artifact_path, device, ms.arg_info.ArgInfo.from_prim_func(func))])[0]
-    while not future.done():
-        time.sleep(0.02)
-    result = future.result()
+    result = runner.run([ms.runner.RunnerInput(built.artifact_path, device,
+                                               ms.arg_info.ArgInfo.from_prim_func(func))])[0].result()  # (it waits)
     if result.error_msg or not result.run_secs:
         return None
     costs = [float(getattr(c, "value", c)) for c in result.run_secs]
@@ -360,10 +357,19 @@ def tune(args: TuneArgs, note=lambda _: None, tick=lambda *_: None, progress=Non
             contexts, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(extracted, work)
         _console_off()
         for i, (task, ctx, weight) in enumerate(zip(extracted, contexts, weights), 1):
-            done = records.count(task.dispatched[0])
+            workload = task.dispatched[0]
+            own_ms = records.baseline(workload)
+            changed = False
+            if own_ms is None:  # what a record must beat to be used (edgeq.records.Records.faster), measured once
+                own_ms = _own_ms(workload, target, backend, builder, runner)
+                if own_ms is not None:
+                    records.set_baseline(workload, own_ms)
+                    changed = True
+            done = records.count(workload)
             if done >= per_task:
                 note(f"task {i}/{len(extracted)} {task.task_name}: {done} trials recorded, skipped (resume)")
             else:
+                changed = True
                 note(f"task {i}/{len(extracted)} {task.task_name}: tuning {per_task - done} trials on '{args.key}'")
                 Remote.open(args.rpc, args.key, args.timeout)  # still there? (each measurement has the deadline too)
                 try:
@@ -376,17 +382,12 @@ def tune(args: TuneArgs, note=lambda _: None, tick=lambda *_: None, progress=Non
                         raise RemoteError(f"tuning {task.task_name}: {unreachable[0]}; measurements so far are in "
                                           f"{records_path} (rerun to resume)") from None
                     raise RemoteError(f"tuning {task.task_name}: {' '.join(str(err).split())[:300]}") from None
+            if changed:
                 records.save()
-            best = records.database.get_top_k(records.database.commit_workload(task.dispatched[0]), 1)
+            best = records.database.get_top_k(records.database.commit_workload(workload), 1)
             best_ms = float(getattr(best[0].run_secs[0], 'value', best[0].run_secs[0])) * 1e3 if best and best[0].run_secs else None
-            own_ms = records.baseline(task.dispatched[0])
-            if own_ms is None:  # what a record must beat to be used (edgeq.records.Records.faster)
-                own_ms = _own_ms(task.dispatched[0], target, backend, builder, runner)
-                if own_ms is not None:
-                    records.set_baseline(task.dispatched[0], own_ms)
-                    records.save()
             used = best_ms is not None and (own_ms is None or best_ms < own_ms)
-            rows.append({"task": task.task_name, "trials_recorded": records.count(task.dispatched[0]),
+            rows.append({"task": task.task_name, "trials_recorded": records.count(workload),
                          "best_ms": best_ms, "own_ms": own_ms, "tuned_used": used})
             tick("tasks", i, len(extracted))
             own = "" if own_ms is None else f" (edgeq's own {own_ms:.4f} ms: {'tuned used' if used else 'own kept'})"
