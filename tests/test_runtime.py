@@ -346,3 +346,79 @@ def test_runtime_none_and_no_wheel_offline(models, tmp_path, monkeypatch):
     assert res.code == 5 and len(lines) == 1, res.stderr
     assert "cannot fetch the apache-tvm" in lines[0] and "--runtime none" in lines[0]
     assert not (tmp_path / "offline").exists()
+
+
+def _aliasing_model(path: Path) -> Path:
+    """Outputs that share storage kept from call to call (the input, a view of it, a constant, a weight), a
+    computed one and a view of it."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    shapes = {"ident": [2, 3], "resh": [3, 2], "const": [2, 3], "w": [20, 30], "y": [2, 3], "y2": [6]}
+    nodes = [helper.make_node("Identity", ["x"], ["ident"]), helper.make_node("Reshape", ["x", "shp"], ["resh"]),
+             helper.make_node("Constant", [], ["const"],
+                              value=numpy_helper.from_array(np.arange(6, dtype=np.float32).reshape(2, 3))),
+             helper.make_node("Identity", ["wval"], ["w"]), helper.make_node("Add", ["x", "x"], ["y"]),
+             helper.make_node("Reshape", ["y", "flat"], ["y2"])]
+    inits = [numpy_helper.from_array(np.array([3, 2], np.int64), "shp"),
+             numpy_helper.from_array(np.array([6], np.int64), "flat"),
+             numpy_helper.from_array(np.arange(600, dtype=np.float32).reshape(20, 30), "wval")]
+    graph = helper.make_graph(nodes, "aliasing", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in shapes.items()],
+                              inits)
+    import onnx
+
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path
+
+
+def test_run_py_hands_over_fresh_results_and_copies_shared_ones(tmp_path):
+    """Model.run gives the arrays the VM computed without copying them, and copies a result whose storage
+    outlives the call: the user writing into every result never changes a later call's results."""
+    from common import bundle_model  # benchmarks/
+
+    model = bundle_model(package(_aliasing_model(tmp_path / "a.onnx"), "host", tmp_path / "b", "--runtime", "none"))
+    assert model.straight
+    kept = []
+    for round_ in range(2):
+        for i in range(3):
+            x = np.full((2, 3), float(i + 1), np.float32)
+            out = model.run({"x": x})
+            assert np.array_equal(out["ident"], x) and np.array_equal(out["resh"], x.reshape(3, 2))
+            assert np.array_equal(out["const"], np.arange(6).reshape(2, 3))
+            assert np.array_equal(out["w"], np.arange(600).reshape(20, 30))
+            assert np.array_equal(out["y"], 2 * x) and np.array_equal(out["y2"], 2 * x.ravel())
+            if round_ == 0:
+                for array in out.values():
+                    array[...] = -7  # the user writes into every result
+            else:
+                kept.append((x, out))
+    assert model.fresh == [False, False, False, False, True, True]
+    x, out = kept[-1]
+    assert not out["y"].flags.owndata and out["y2"].flags.owndata  # y handed over; y2, a view of y, copied
+    for x, out in kept:  # results held across later calls keep their values
+        assert np.array_equal(out["y"], 2 * x) and np.array_equal(out["y2"], 2 * x.ravel())
+
+
+def test_run_py_copies_every_result_of_a_program_with_branches(tmp_path):
+    from onnx import TensorProto, helper, numpy_helper
+    import onnx
+    from common import bundle_model
+
+    one = numpy_helper.from_array(np.ones((2, 3), np.float32))
+    then = helper.make_graph([helper.make_node("Constant", [], ["t"], value=one)], "then", [],
+                             [helper.make_tensor_value_info("t", TensorProto.FLOAT, [2, 3])])
+    other = helper.make_graph([helper.make_node("Add", ["x", "x"], ["e"])], "else", [],
+                              [helper.make_tensor_value_info("e", TensorProto.FLOAT, [2, 3])])
+    graph = helper.make_graph([helper.make_node("If", ["c"], ["o"], then_branch=then, else_branch=other)], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3]),
+                               helper.make_tensor_value_info("c", TensorProto.BOOL, [])],
+                              [helper.make_tensor_value_info("o", TensorProto.FLOAT, [2, 3])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "if.onnx")
+    model = bundle_model(package(tmp_path / "if.onnx", "host", tmp_path / "b", "--runtime", "none"))
+    assert not model.straight
+    x = np.full((2, 3), 2.0, np.float32)
+    for cond in (False, False, True, False, True):
+        out = model.run({"x": x, "c": np.array(cond)})["o"]
+        assert np.array_equal(out, np.ones((2, 3)) if cond else 2 * x)
+        out[...] = -7
+    assert model.fresh == [False]
