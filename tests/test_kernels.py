@@ -521,3 +521,69 @@ def test_a_large_map_goes_back_to_nchw_in_tiles(tmp_path):
     assert stats.get("none", 0) == 0 and stats.get("generic", 0) >= 1, stats
     assert_close(ours, theirs)
     assert "transpose" in asm
+
+
+def scheduled_functions(path) -> dict:
+    """The TIR functions of a model as the CPU pipeline leaves them after edgeq's schedules, by name."""
+    from tvm.relax.backend.cpu_generic import pipeline as cpu
+
+    from edgeq.backends.cpu.schedule import schedule_pass
+
+    target = tvm.target.Target(profiles()["host"].tvm_target())
+    lowered, _ = lower_graph(to_relax(load_model(path, None))[0], target)
+    with target:
+        passes = [tvm.relax.transform.EliminateCommonSubexpr(), *cpu.library_dispatch_passes(target),
+                  tvm.relax.transform.FastMathTransform(), *cpu.legalize_passes(target), schedule_pass(Isa.of(target))]
+        mod = tvm.transform.Sequential(passes)(lowered.mod)
+    return {gv.name_hint: f for gv, f in mod.functions.items() if isinstance(f, tvm.tirx.PrimFunc)}
+
+
+def test_branching_epilogues_join_the_accumulator_tile(tmp_path):
+    """Hard-swish ``x * clip(x + 3, 0, 6) / 6`` after a 1x1 convolution, SiLU ``x * sigmoid(x)`` after a
+    depthwise one and ``relu(x) + x`` after a 3x3 one read the kernel's result twice: each is computed on the
+    accumulators where they are written, with no intermediate map in memory (they were a second pass over
+    the output), and the values are ONNX Runtime's."""
+    rng = np.random.default_rng(14)
+
+    def weight(name, *shape):
+        return numpy_helper.from_array((rng.standard_normal(shape) * 0.3).astype(np.float32), name)
+
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], kernel_shape=[1, 1]),
+             helper.make_node("HardSwish", ["c1"], ["h"]),
+             helper.make_node("Conv", ["h", "w2", "b2"], ["c2"], kernel_shape=[3, 3], pads=[1] * 4, group=32),
+             helper.make_node("Sigmoid", ["c2"], ["s"]), helper.make_node("Mul", ["c2", "s"], ["m"]),
+             helper.make_node("Conv", ["m", "w3", "b3"], ["c3"], kernel_shape=[3, 3], pads=[1] * 4),
+             helper.make_node("Relu", ["c3"], ["r"]), helper.make_node("Add", ["r", "c3"], ["y"])]
+    inits = [weight("w1", 32, 16, 1, 1), weight("b1", 32), weight("w2", 32, 1, 3, 3), weight("b2", 32),
+             weight("w3", 16, 32, 3, 3), weight("b3", 16)]
+    g = helper.make_graph(nodes, "branches", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16, 14, 14])],
+                          [_out("y", 4)], inits)
+    path = _save(g, tmp_path / "m.onnx")
+    ours, theirs, stats, calls, _ = edgeq_vs_ort(path)
+    assert calls == 3 and stats.get("none", 0) == 0, stats
+    assert_close(ours, theirs)
+    kernels = {name: f for name, f in scheduled_functions(path).items() if name.startswith("fused_edgeq_")}
+    assert len(kernels) == 3, list(kernels)
+    for name, func in kernels.items():
+        text = func.script()
+        maps = re.findall(r"(\w+) = T\.sblock_alloc_buffer\(\((.*?)\)(.*)", text)
+        # the accumulator tile in registers and a padded copy of the input: no map of the result in memory
+        assert all("local" in rest or buffer == "edgeq_pad" for buffer, _, rest in maps), (name, maps)
+
+
+def test_means_accumulate_in_registers_on_every_core(tmp_path):
+    """A global average pool of NHWC data (squeeze-and-excitation) sums whole vectors of channels in
+    registers, several chains at once, split over the cores; the values are ONNX Runtime's."""
+    rng = np.random.default_rng(15)
+    w = numpy_helper.from_array((rng.standard_normal((384, 32, 1, 1)) * 0.3).astype(np.float32), "w")
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], kernel_shape=[1, 1]),
+             helper.make_node("GlobalAveragePool", ["c"], ["y"])]
+    g = helper.make_graph(nodes, "mean", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 32, 14, 14])],
+                          [_out("y", 4)], [w])
+    path = _save(g, tmp_path / "m.onnx")
+    ours, theirs, stats, _, _ = edgeq_vs_ort(path)
+    assert stats.get("none", 0) == 0, stats
+    assert_close(ours, theirs)
+    mean = next(f for name, f in scheduled_functions(path).items() if name.startswith("mean")).script()
+    assert 'scope="local"' in mean and "T.parallel" in mean, mean
+    assert re.search(r"T\.vectorized\(T\.int64\((4|8|16)\)\)", mean), mean
