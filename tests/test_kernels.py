@@ -523,14 +523,16 @@ def test_a_large_map_goes_back_to_nchw_in_tiles(tmp_path):
     assert "transpose" in asm
 
 
-def scheduled_functions(path) -> dict:
+def scheduled_functions(path, prequantized: bool = False) -> dict:
     """The TIR functions of a model as the CPU pipeline leaves them after edgeq's schedules, by name."""
     from tvm.relax.backend.cpu_generic import pipeline as cpu
 
     from edgeq.backends.cpu.schedule import schedule_pass
 
     target = tvm.target.Target(profiles()["host"].tvm_target())
-    lowered, _ = lower_graph(to_relax(load_model(path, None))[0], target)
+    loaded = load_model(path, None)
+    graph = to_relax(loaded)[0]
+    lowered, _ = lower_graph(lower_prequantized(graph, loaded).graph if prequantized else graph, target)
     with target:
         passes = [tvm.relax.transform.EliminateCommonSubexpr(), *cpu.library_dispatch_passes(target),
                   tvm.relax.transform.FastMathTransform(), *cpu.legalize_passes(target), schedule_pass(Isa.of(target))]
@@ -587,3 +589,17 @@ def test_means_accumulate_in_registers_on_every_core(tmp_path):
     mean = next(f for name, f in scheduled_functions(path).items() if name.startswith("mean")).script()
     assert 'scope="local"' in mean and "T.parallel" in mean, mean
     assert re.search(r"T\.vectorized\(T\.int64\((4|8|16)\)\)", mean), mean
+
+
+def test_an_image_goes_to_nhwc_in_vectors_along_its_rows(tmp_path):
+    """An image's 1x3xHxW to NHWC (three channels: no vector along the output's last axis) is computed in
+    vectors along the source's rows, channel by channel (an int8 model's input is quantized there too: 0.15 ->
+    0.02 ms for 224x224); the values are ONNX Runtime's."""
+    plain = conv_model(Conv(3, 16, (64, 64)), tmp_path / "f.onnx", np.random.default_rng(16))
+    ours, theirs, stats, _, _ = edgeq_vs_ort(plain)
+    assert_close(ours, theirs)
+    image = "T.Buffer((T.int64(1), T.int64(3), T.int64(64), T.int64(64))"
+    text = [f.script() for f in scheduled_functions(plain).values() if image in f.script()]
+    assert len(text) == 1 and "T_transpose" in text[0], text
+    assert re.search(r"T\.vectorized\(T\.int64\(16\)\)", text[0]) or Isa.of(
+        tvm.target.Target(profiles()["host"].tvm_target())).lanes != 16, text[0]

@@ -155,8 +155,16 @@ def _schedule_transpose(sch: Schedule, loops: list, extents: list[int], source_l
     co, ci = sch.split(loops[source_last], [None, cb])
     wo, wi = sch.split(loops[-1], [None, wb])
     rest = [lp for i, lp in enumerate(loops[:-1]) if i != source_last]
-    sch.reorder(*rest, co, wo, ci, wi)
-    outer = sch.fuse(*rest, co, wo)
+    if wb == 1 and cb > 1 and inner <= 4:
+        # an image's 3 channels last: vectors along the source's rows, each channel in turn (the quantize
+        # of an int8 model's input, computed element by element: 0.15 ms for 224x224x3)
+        sch.reorder(*rest, co, wo, wi, ci)
+        outer = sch.fuse(*rest, co)
+        sch.unroll(wo)
+        wb, wi = cb, ci
+    else:
+        sch.reorder(*rest, co, wo, ci, wi)
+        outer = sch.fuse(*rest, co, wo)
     if math.prod(extents) >= PARALLEL_MIN:
         sch.parallel(outer)
     if wb > 1:
