@@ -278,15 +278,16 @@ class Model:
         if self.fresh is None:  # the second
             self.fresh = [_address(r) != _address(p) for r, p in zip(results, self.probe)]
             self.probe = None
-        arrays, spans = [], []
+        arrays, spans = [], []  # spans: the bytes of the results handed over so far
         for r, fresh in zip(results, self.fresh):
             view = _view(self.np, r) if fresh else None
-            span = view is not None and view.nbytes and (view.ctypes.data, view.ctypes.data + view.nbytes)
-            if view is None or (span and any(a < span[1] and span[0] < b for a, b in spans)):
-                view = r.numpy()
-            elif span:
-                spans.append(span)
-            arrays.append(view)
+            if view is not None and view.nbytes:
+                start, end = view.ctypes.data, view.ctypes.data + view.nbytes
+                if any(a < end and start < b for a, b in spans):
+                    view = None  # a view of another result
+                else:
+                    spans.append((start, end))
+            arrays.append(r.numpy() if view is None else view)
         return arrays
 
     def benchmark(self, inputs, repeat, warmup):
