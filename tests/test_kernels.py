@@ -528,18 +528,14 @@ def test_a_large_map_goes_back_to_nchw_in_tiles(tmp_path):
 
 def scheduled_functions(path, prequantized: bool = False) -> dict:
     """The TIR functions of a model as the CPU pipeline leaves them after edgeq's schedules, by name."""
-    from tvm.relax.backend.cpu_generic import pipeline as cpu
-
-    from edgeq.backends.cpu.schedule import schedule_pass
+    from edgeq.backends.cpu.schedule import scheduling_passes
 
     target = tvm.target.Target(profiles()["host"].tvm_target())
     loaded = load_model(path, None)
     graph = to_relax(loaded)[0]
     lowered, _ = lower_graph(lower_prequantized(graph, loaded).graph if prequantized else graph, target)
     with target:
-        passes = [tvm.relax.transform.EliminateCommonSubexpr(), *cpu.library_dispatch_passes(target),
-                  tvm.relax.transform.FastMathTransform(), *cpu.legalize_passes(target), schedule_pass(Isa.of(target))]
-        mod = tvm.transform.Sequential(passes)(lowered.mod)
+        mod = tvm.transform.Sequential(scheduling_passes(target, Isa.of(target)))(lowered.mod)
     return {gv.name_hint: f for gv, f in mod.functions.items() if isinstance(f, tvm.tirx.PrimFunc)}
 
 

@@ -82,6 +82,22 @@ def schedule_pass(isa: Isa, stats: dict[str, int] | None = None):
     return _pass
 
 
+def scheduling_passes(target, isa: Isa, stats: dict[str, int] | None = None) -> list:
+    """The passes of ``cpu_pipeline`` up to and including edgeq's schedules (the TIR functions as they are
+    scheduled: what the kernel tests read)."""
+    from tvm.relax.backend.cpu_generic import pipeline as cpu
+
+    # one tensor requantized for two consumers is two equal expressions (requantize rewrites each quantize):
+    # as one, it fuses into the convolution that made it (RegNetY's stem: two standalone requantizes of
+    # 112x112x32, 0.25 ms each)
+    return ([relax.transform.EliminateCommonSubexpr()]
+            + cpu.library_dispatch_passes(target)
+            # exp and tanh as vectorised polynomials (fast_exp, fast_tanh): LLVM calls libm per lane
+            + [relax.transform.FastMathTransform()]
+            + cpu.legalize_passes(target)
+            + [schedule_pass(isa, stats)])
+
+
 def cpu_pipeline(target, isa: Isa, stats: dict[str, int] | None = None):
     """TVM's CPU pipeline (``relax.backend.cpu_generic``) with edgeq's schedules after fusion."""
     from tvm.relax.backend.cpu_generic import pipeline as cpu
@@ -89,19 +105,8 @@ def cpu_pipeline(target, isa: Isa, stats: dict[str, int] | None = None):
     @tvm.transform.module_pass(opt_level=0, name="edgeq.CPUPipeline")
     def _pipeline(mod, _ctx):
         with target:
-            seq = tvm.transform.Sequential(
-                # one tensor requantized for two consumers is two equal expressions (requantize rewrites
-                # each quantize): as one, it fuses into the convolution that made it (RegNetY's stem: two
-                # standalone requantizes of 112x112x32, 0.25 ms each)
-                [relax.transform.EliminateCommonSubexpr()]
-                + cpu.library_dispatch_passes(target)
-                # exp and tanh as vectorised polynomials (fast_exp, fast_tanh): LLVM calls libm per lane
-                + [relax.transform.FastMathTransform()]
-                + cpu.legalize_passes(target)
-                + [schedule_pass(isa, stats)]
-                + cpu.dataflow_lower_passes(target)
-                + cpu.finalize_passes(target)
-            )
+            seq = tvm.transform.Sequential(scheduling_passes(target, isa, stats)
+                                           + cpu.dataflow_lower_passes(target) + cpu.finalize_passes(target))
             return seq(mod)
 
     return _pipeline
