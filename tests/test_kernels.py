@@ -22,6 +22,7 @@ from conftest import read_golden
 from edgeq.compile import HostRunner, build, lower_graph
 from edgeq.graph import call_op
 from edgeq.graph_passes import shape_of
+from edgeq.backends.cpu import resize
 from edgeq.backends.cpu.common import Isa
 from edgeq.backends.cpu.lower import describe
 from edgeq.load import load_model
@@ -509,6 +510,10 @@ def test_bilinear_resizes_run_on_the_separable_kernel(tmp_path):
     layouts = [tuple(shape_of(b.var)) for b in lowered.bindings() if call_op(b.value) == "relax.call_tir"
                and b.value.args[0].name_hint.startswith("edgeq_resize2d")]
     assert (1, 192, 200, 5) in layouts and (1, 5, 150, 131) in layouts, layouts  # NHWC read on, NCHW out
+    # an NCHW output's row pass is the band of weights (broadcast inputs, no gathers); an NHWC one's runs
+    # along the channels
+    texts = [f.script() for name, f in scheduled_functions(path).items() if name.startswith("edgeq_resize")]
+    assert sum(resize.WEIGHTS in t for t in texts) == 4 and len(texts) == 5, [t[:200] for t in texts]
 
 
 def test_a_large_map_goes_back_to_nchw_in_tiles(tmp_path):
