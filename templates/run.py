@@ -229,7 +229,8 @@ class Model:
         self.staged = {}
         # Model.arrays: which results are allocated afresh by each call (None: not learnt yet)
         self.fresh, self.probe = None, None
-        self.straight = _straight(lib)
+        # (read on the CPU only: only there are results handed over without a copy)
+        self.straight = self.dev.dlpack_device_type() == 1 and _straight(lib)  # kDLCPU
 
     def arguments(self, inputs):
         np = self.np
@@ -270,7 +271,7 @@ class Model:
         GPU bundle's results and a program with branches (where a result may be fresh in one call and a
         constant in the next) are always copied."""
         if self.fresh is None and self.probe is None:  # the first call
-            if self.dev.dlpack_device_type() == 1 and self.straight:  # kDLCPU
+            if self.straight:
                 self.probe = results
             else:
                 self.fresh = [False] * len(results)

@@ -4,10 +4,8 @@ nothing written, no state changed."""
 
 from __future__ import annotations
 
-import gzip
 import io
 import json
-import os
 import shutil
 import subprocess
 import sys

@@ -9,7 +9,7 @@ import json
 import numpy as np
 import onnx
 import onnxruntime as ort
-from onnx import TensorProto, helper
+from onnx import helper
 
 from conftest import read_golden, run_cli
 from make_models import GraphBuilder, _io

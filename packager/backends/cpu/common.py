@@ -57,6 +57,23 @@ def exact_in_float(products: int) -> bool:
     return products * 255 * 128 < 1 << 24
 
 
+def dividing_lanes(n: int, lanes: int, least: int = 1) -> int:
+    """The widest of ``lanes``, ``lanes / 2``, ... down to ``least`` that divides ``n`` (whole vectors along
+    an axis of ``n``: a vector that divides it leaves no tail); 0 where none does."""
+    while lanes >= max(least, 1):
+        if n % lanes == 0:
+            return lanes
+        lanes //= 2
+    return 0
+
+
+def vectorize_by(sch: Schedule, loop, lanes: int) -> None:
+    """``loop`` vectorised ``lanes`` at a time (split first where it is longer)."""
+    extent = sch.get(loop).extent
+    whole = isinstance(extent, (int, tvm.tirx.IntImm)) and int(extent) == lanes
+    sch.vectorize(loop if whole else sch.split(loop, [None, lanes])[1])
+
+
 def largest_divisor(n: int, limit: int) -> int:
     return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from edgeq.backends.cpu.common import STREAMED, Isa, blocks, is_scheduled, is_spatial, largest_divisor, parallel
+from edgeq.backends.cpu.common import (STREAMED, Isa, blocks, dividing_lanes, is_scheduled, is_spatial, largest_divisor, parallel,
+                                       vectorize_by)
 from edgeq.tvm_env import Schedule, ScheduleError, tvm
 
 
@@ -125,7 +126,7 @@ def _schedule_spatial(sch: Schedule, block, isa: Isa) -> None:
     bounds = _select_bounds(sch, block, sch.get(block).iter_vars[-1].var, extents[-1]) if len(loops) > 1 else []
     vec = None
     widest = _vector_lanes(sch, block, isa.lanes)
-    lanes = _dividing(extents[-1], widest)
+    lanes = dividing_lanes(extents[-1], widest)
     if not bounds and 2 * lanes < widest == isa.lanes < extents[-1] and len(loops) > 1:
         # a row no wide vector divides (ViT's 197 tokens: left scalar): whole vectors and a tail part
         bounds = [extents[-1] - extents[-1] % widest]
@@ -151,7 +152,7 @@ def _schedule_transpose(sch: Schedule, loops: list, extents: list[int], source_l
     112x112x64 to NCHW in output order (each channel's rows in turn, gathering 64 channels apart through
     the whole 3.2 MB source for every channel) took 1.7 ms."""
     inner, across = extents[-1], extents[source_last]
-    wb, cb = _dividing(inner, isa.lanes), _dividing(across, isa.lanes)
+    wb, cb = dividing_lanes(inner, isa.lanes), dividing_lanes(across, isa.lanes)
     co, ci = sch.split(loops[source_last], [None, cb])
     wo, wi = sch.split(loops[-1], [None, wb])
     rest = [lp for i, lp in enumerate(loops[:-1]) if i != source_last]
@@ -198,16 +199,9 @@ def vectorize_parts(sch: Schedule, loop, edges: list[int], isa: Isa) -> None:
         if size <= 4 * isa.lanes:
             sch.vectorize(part)  # a part starting past 0 cannot be split (TVM 0.27); LLVM splits the vector
         elif i == 0:
-            lanes = _dividing(size, isa.lanes)
+            lanes = dividing_lanes(size, isa.lanes)
             if lanes > 1:
-                sch.vectorize(sch.split(part, [None, lanes])[1])
-
-
-def _dividing(n: int, lanes: int) -> int:
-    """``lanes`` halved until it divides ``n``."""
-    while n % lanes:
-        lanes //= 2
-    return lanes
+                vectorize_by(sch, part, lanes)
 
 
 def _select_bounds(sch: Schedule, block, var, extent: int) -> list[int]:
@@ -291,7 +285,7 @@ def _schedule_reduction(sch: Schedule, block, isa: Isa) -> None:
     contiguous = all(r.region and r.region[-1].min.same_as(last_var) for r in stmt.reads)
     total = math.prod(extents[:-1])
     work = math.prod(e or 1 for e in [_extent(sch, lp) for lp in loops])
-    lanes = _dividing(extents[-1], isa.lanes)  # 1000 classes: vectors of 8 (they were left scalar)
+    lanes = dividing_lanes(extents[-1], isa.lanes)  # 1000 classes: vectors of 8 (they were left scalar)
     if contiguous and lanes > 1 and reduce:
         # up to four vectors of accumulators in registers, each its own chain of adds: accumulated in the
         # output buffer, each add waited for the store of the one before (a 14x14x960 mean took 39 us)
@@ -306,7 +300,7 @@ def _schedule_reduction(sch: Schedule, block, isa: Isa) -> None:
         init = sch.decompose_reduction(block, reduce[0])
         for part in (init, wb):  # the tile's first values and its write-back, in whole vectors
             loop = sch.get_loops(part)[-1]
-            sch.vectorize(loop if _extent(sch, loop) == lanes else sch.split(loop, [None, lanes])[1])
+            vectorize_by(sch, loop, lanes)
     elif total * extents[-1] >= 2 * lanes:
         lead = []
         for lp, k in zip(loops, kinds):

@@ -28,7 +28,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from edgeq.backends.cpu.common import Isa, Kernel, Spec, blocks, is_spatial, parallel
+from edgeq.backends.cpu.common import Isa, Kernel, Spec, blocks, dividing_lanes, is_spatial, parallel, vectorize_by
 from edgeq.tvm_env import Schedule, ScheduleError, te, tvm
 
 
@@ -190,10 +190,9 @@ def _band_rows(spec: ResizeSpec, read):
 def _inner_vector(sch: Schedule, loops: list, isa: Isa) -> None:
     """The innermost loops fused into one contiguous run, vectorised in whole registers where they divide it."""
     run = sch.fuse(*loops) if len(loops) > 1 else loops[0]
-    extent = int(sch.get(run).extent)
-    lanes = next((v for v in (isa.lanes, isa.lanes // 2, 4) if v and extent % v == 0), 0)
+    lanes = dividing_lanes(int(sch.get(run).extent), isa.lanes, 4)
     if lanes:
-        sch.vectorize(sch.split(run, [None, lanes])[1])
+        vectorize_by(sch, run, lanes)
 
 
 def _inline_around(sch: Schedule) -> None:
