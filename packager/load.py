@@ -296,6 +296,20 @@ def _reaches(graph, producers: dict, start: int, goal: int) -> bool:
     return False
 
 
+def nested_node(graph, ops: tuple[str, ...], inside: bool = False) -> str | None:
+    """The name (else the op) of the first node of one of ``ops`` inside a subgraph of ``graph`` (an If's
+    branch, a Loop's or Scan's body, at any depth), or None."""
+    for node in graph.node:
+        if inside and node.op_type in ops:
+            return node.name or node.op_type
+        for attr in node.attribute:
+            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                found = nested_node(sub, ops, True)
+                if found:
+                    return found
+    return None
+
+
 def _onnx_dtype(elem_type: int) -> str:
     return str(np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem_type)))
 

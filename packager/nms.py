@@ -209,18 +209,9 @@ def with_counts(model):
     count's name, the node's label). The model itself is left as it is (ONNX Runtime runs it as the reference)."""
     import onnx
 
-    def nested(graph, inside: bool) -> str | None:
-        for node in graph.node:
-            if node.op_type == "NonMaxSuppression" and inside:
-                return node.name or node.op_type
-            for attr in node.attribute:
-                for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
-                    found = nested(sub, True)
-                    if found:
-                        return found
-        return None
+    from edgeq.load import nested_node
 
-    inner = nested(model.graph, False)
+    inner = nested_node(model.graph, ("NonMaxSuppression",))
     if inner:
         raise ModelError(f"NonMaxSuppression node '{inner}' is inside an If/Loop branch; edgeq pads "
                          "NonMaxSuppression only in the main graph: fold the condition")

@@ -14,7 +14,7 @@ import warnings
 from edgeq.errors import ModelError
 from edgeq.graph import Graph
 from edgeq.limits import check
-from edgeq.load import LoadedModel, TensorSpec
+from edgeq.load import LoadedModel, TensorSpec, nested_node
 from edgeq.tvm_env import import_tvm
 
 
@@ -104,7 +104,8 @@ def to_relax(loaded: LoadedModel, max_detections: int | None = None) -> tuple[Gr
             f"{loaded.path.name} uses ONNX op(s) TVM {_tvm_version()} cannot import: {', '.join(missing)}; "
             "re-export the model with ops TVM supports"
         )
-    nested = _nested_control_flow(loaded.onnx_model.graph)
+    # (an If/Loop/Scan inside another one's subgraph: TVM's frontend loses the outer variables there)
+    nested = nested_node(loaded.onnx_model.graph, ("If", "Loop", "Scan"))
     if nested:
         raise ModelError(
             f"{loaded.path.name}: node '{nested}' puts an If/Loop inside another one's branch, which TVM "
@@ -209,21 +210,6 @@ def _name_const_inputs(message: str, model) -> str:
     advice = (f"bind the graph input{'s' if len(names) > 1 else ''} it is computed from: "
               + ", ".join(described(n) for n in names))
     return message[: found.start()] + advice + message[found.end():]
-
-
-def _nested_control_flow(graph, inside: bool = False) -> str | None:
-    """The name of the first If/Loop/Scan nested in another one's subgraph (TVM's frontend loses the outer
-    variables there and the build fails with an internal error), or None."""
-    for node in graph.node:
-        control = node.op_type in ("If", "Loop", "Scan")
-        if control and inside:
-            return node.name or node.op_type
-        for attr in node.attribute:
-            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
-                found = _nested_control_flow(sub, inside or control)
-                if found:
-                    return found
-    return None
 
 
 def _check_activations(func, model_name: str) -> None:

@@ -259,6 +259,34 @@ def test_a_zero_bound_is_refused(tmp_path):
     assert result.code != 0 and "selects nothing" in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
+def test_nms_inside_a_branch_is_refused_in_one_line(tmp_path):
+    """NonMaxSuppression in an If's branch cannot be padded (its count is an output of the main graph): one
+    line naming the node, nothing written. ONNX Runtime runs the model (it is valid ONNX)."""
+    boxes = numpy_helper.from_array(np.random.default_rng(1).uniform(0, 10, (1, 8, 4)).astype("float32"), "boxes")
+    branch = helper.make_graph(
+        [helper.make_node("NonMaxSuppression", ["boxes", "scores", "max_out"], ["picked"], name="branch_nms")],
+        "then", [], [helper.make_tensor_value_info("picked", TensorProto.INT64, ["n", 3])])
+    other = helper.make_graph(
+        [helper.make_node("Constant", [], ["none"], value=numpy_helper.from_array(np.zeros((0, 3), "int64")))],
+        "else", [], [helper.make_tensor_value_info("none", TensorProto.INT64, ["n", 3])])
+    nodes = [helper.make_node("ReduceMax", ["scores"], ["top"], keepdims=0),
+             helper.make_node("Greater", ["top", "half"], ["any"]),
+             helper.make_node("If", ["any"], ["selected"], then_branch=branch, else_branch=other, name="when")]
+    inits = [boxes, numpy_helper.from_array(np.array([3], "int64"), "max_out"),
+             numpy_helper.from_array(np.array(0.5, "float32"), "half")]
+    graph = helper.make_graph(nodes, "branch", [helper.make_tensor_value_info("scores", TensorProto.FLOAT, [1, 1, 8])],
+                              [helper.make_tensor_value_info("selected", TensorProto.INT64, ["n", 3])], inits)
+    path = tmp_path / "branch.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), path)
+    scores = np.linspace(0.1, 0.9, 8, dtype=np.float32).reshape(1, 1, 8)
+    assert ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"scores": scores})[0].shape[1] == 3
+    result = run_cli("package", path, "--device", "host", "-o", tmp_path / "out", "-q")
+    line = result.stderr.strip()
+    assert result.code != 0 and len(line.splitlines()) == 1, result.stderr
+    assert "NonMaxSuppression node 'branch_nms'" in line and "If/Loop branch" in line
+    assert not (tmp_path / "out").exists()
+
+
 def test_selection_matches_onnxruntime_on_random_boxes():
     """The TIR selection alone against ONNX Runtime: both box formats, flipped corners, ties, with and without
     a score threshold, limits below and above the number of boxes."""
