@@ -7,7 +7,7 @@ from pathlib import Path
 
 from edgeq import contract
 from edgeq.errors import ModelError, UsageError
-from edgeq.load import TensorSpec
+from edgeq.contract import TensorSpec
 
 POSTPROCESS_CHOICES = ("classify", "yolo")
 YOLO_PREFIX = "edgeq_yolo_"

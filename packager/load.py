@@ -12,22 +12,9 @@ import numpy as np
 import onnx
 from google.protobuf.message import DecodeError
 
+from edgeq.contract import TensorSpec
 from edgeq.errors import ModelError, UsageError
 from edgeq.limits import check
-
-
-@dataclasses.dataclass(frozen=True)
-class TensorSpec:
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-    rows: dict | None = None  # padded rows (edgeq.nms): {axis, bound, count, source}
-
-    def to_dict(self) -> dict:
-        out = {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
-        if self.rows:
-            out["rows"] = dict(self.rows)
-        return out
 
 
 @dataclasses.dataclass
@@ -348,7 +335,7 @@ def _fix_inputs(model: onnx.ModelProto, overrides: dict[str, tuple[int, ...]]) -
             )
         else:
             shape = declared
-        spec = TensorSpec(value.name, tuple(shape), _onnx_dtype(ttype.elem_type))
+        spec = TensorSpec(name=value.name, shape=list(shape), dtype=_onnx_dtype(ttype.elem_type))
         count = math.prod(spec.shape)
         check("input_bytes", f"input '{spec.name}' ({_fmt(spec.shape)} {spec.dtype})",
               count * np.dtype(spec.dtype).itemsize, UsageError if value.name in overrides else ModelError)

@@ -31,7 +31,8 @@ from edgeq.choices import DEFAULT_OUTPUT, PRECISIONS, QUANTIZED, RUNTIME_CHOICES
 from edgeq.compile import HostRunner, build, cuda_device_code, elf_machine, export, lower_graph, toolchain_for
 from edgeq.errors import EdgeqError, ModelError, OutputError, ToolchainError, UsageError
 from edgeq.graph import Graph, call_op
-from edgeq.load import LoadedModel, TensorSpec, load_model
+from edgeq.contract import TensorSpec
+from edgeq.load import LoadedModel, load_model
 from edgeq.pipeline import IRDump, Stage, run_stages
 from edgeq.progress import StageProgress
 from edgeq.reference import check_choice as check_reference
@@ -632,8 +633,8 @@ def _bundle(b: _Build) -> None:
         model=contract.ModelRecord(
             file=Path(b.args.model).name, sha256=b.model.sha256, opset=b.model.opset,
             producer=f"{b.model.onnx_model.producer_name} {b.model.onnx_model.producer_version}".strip()),
-        inputs=[contract.TensorSpec(name=t.name, shape=list(t.shape), dtype=t.dtype) for t in b.model.inputs],
-        outputs=[contract.TensorSpec.from_json(t.to_dict(), "outputs") for t in b.outputs],
+        inputs=list(b.model.inputs),
+        outputs=list(b.outputs),
         device=b.profile.device_record(),
         toolchain=contract.ToolchainRecord.from_json(b.toolchain.to_dict(), "toolchain"),
         library=contract.LibraryRecord(

@@ -128,12 +128,12 @@ def _trimmed(spec, got: dict[str, np.ndarray], want: np.ndarray, g: np.ndarray) 
     what is wrong with the count, if anything. A bound below the reference's rows (``--max-detections``)
     keeps the reference's first rows."""
     rows = spec.rows
-    counted = got[rows["count"]].reshape(-1)
+    counted = got[rows.count].reshape(-1)
     real = int(counted[0]) if counted.size else -1
-    axis = rows["axis"]
-    expected = min(want.shape[axis], rows["bound"]) if want.ndim > axis else None
+    axis = rows.axis
+    expected = min(want.shape[axis], rows.bound) if want.ndim > axis else None
     if expected is None or real != expected:
-        return g, want, f"{real} real rows (output '{rows['count']}'), the reference {want.shape[axis] if want.ndim > axis else '?'}"
+        return g, want, f"{real} real rows (output '{rows.count}'), the reference {want.shape[axis] if want.ndim > axis else '?'}"
     cut = [slice(None)] * g.ndim
     cut[axis] = slice(0, real)
     return g[tuple(cut)], want[tuple(cut)], None
@@ -161,7 +161,7 @@ def compare(reference: Reference, inputs: dict[str, np.ndarray], got: Sequence[n
                               note=reference.note)
     output_names = [s.name for s in output_specs]
     by_name = {name: np.asarray(g) for name, g in zip(output_names, got)}
-    counts = {s.rows["count"] for s in output_specs if s.rows}
+    counts = {s.rows.count for s in output_specs if s.rows}
     if reference.names is not None:  # ONNX Runtime ran the model as given: no count outputs, unpadded rows
         wanted = dict(zip(reference.names, want))
         if set(wanted) != set(output_names) - counts:

@@ -14,7 +14,8 @@ import warnings
 from edgeq.errors import ModelError
 from edgeq.graph import Graph
 from edgeq.limits import check
-from edgeq.load import LoadedModel, TensorSpec, nested_node
+from edgeq.contract import RowsRecord, TensorSpec
+from edgeq.load import LoadedModel, nested_node
 from edgeq.tvm_env import import_tvm
 
 
@@ -47,7 +48,7 @@ def _tensor_specs(ret_ty, onnx_model) -> list[TensorSpec]:
         if not isinstance(field.shape, relax.ShapeExpr) or not all(isinstance(d, tirx.IntImm) for d in field.shape.values):
             raise ModelError(f"output '{name}'{made_by} has no static shape after import; an edgeq bundle has "
                              "static shapes: fix the input shapes (--input-shape) and shape operands (--const)")
-        specs.append(TensorSpec(name, tuple(int(d) for d in field.shape.values), str(field.dtype)))
+        specs.append(TensorSpec(name=name, shape=[int(d) for d in field.shape.values], dtype=str(field.dtype)))
     return specs
 
 
@@ -141,8 +142,8 @@ def to_relax(loaded: LoadedModel, max_detections: int | None = None) -> tuple[Gr
     func = mod["main"]
     weights = list(params.get("main", []))
     names = [p.name for p in func.params[len(loaded.inputs) :]]
-    outputs = [dataclasses.replace(spec, rows={"axis": padded[spec.name][0], "bound": spec.shape[padded[spec.name][0]],
-                                               "count": padded[spec.name][1], "source": padded[spec.name][2]})
+    outputs = [dataclasses.replace(spec, rows=RowsRecord(axis=padded[spec.name][0], bound=spec.shape[padded[spec.name][0]],
+                                                         count=padded[spec.name][1], source=padded[spec.name][2]))
                if spec.name in padded else spec for spec in _tensor_specs(func.ret_ty, onnx_model)]
     if len(set(names)) != len(names):
         raise ModelError(f"{loaded.path.name}: weight names are not unique after import; rename the initializers")

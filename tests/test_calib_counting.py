@@ -11,14 +11,14 @@ import pytest
 
 import make_models
 from conftest import run_cli
-from edgeq.load import TensorSpec
+from edgeq.contract import TensorSpec
 from edgeq.quantize.data import DataError, load_data
 
 SHAPE = (3, 8, 8)  # one sample of the small models below
 
 
 def spec(batch: int) -> list[TensorSpec]:
-    return [TensorSpec("input", (batch, *SHAPE), "float32")]
+    return [TensorSpec("input", [batch, *SHAPE], "float32")]
 
 
 def save(path, array) -> str:

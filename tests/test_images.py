@@ -117,7 +117,7 @@ def test_every_image_format(images, tmp_path):
 def test_calibration_images_are_the_loaders_tensors(images, tmp_path):
     """Calibration from an image folder prepares the images as the loaders do."""
     from edgeq import imaging
-    from edgeq.load import TensorSpec
+    from edgeq.contract import TensorSpec
     from edgeq.quantize.data import Preprocess, load_data
 
     pre = Preprocess.parse("fit=letterbox,mean=0.5,std=0.25")
@@ -125,7 +125,7 @@ def test_calibration_images_are_the_loaders_tensors(images, tmp_path):
     folder.mkdir()
     for name in ("rgb.png", "gray.jpg"):
         shutil.copy(images[name], folder / name)
-    spec = TensorSpec("x", (1, 3, 32, 32), "float32")
+    spec = TensorSpec("x", [1, 3, 32, 32], "float32")
     data = load_data(folder, [spec], "calibration", pre)
     record = pre.record(spec)
     for i, name in enumerate(sorted(["gray.jpg", "rgb.png"])):

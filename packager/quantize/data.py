@@ -24,7 +24,8 @@ import numpy as np
 
 from edgeq.errors import UsageError
 from edgeq.limits import check
-from edgeq.load import TensorSpec, npy_bytes
+from edgeq.contract import TensorSpec
+from edgeq.load import npy_bytes
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm"}
 LABEL_KEYS = ("labels", "label")
