@@ -516,6 +516,20 @@ def test_bilinear_resizes_run_on_the_separable_kernel(tmp_path):
     assert sum(resize.WEIGHTS in t for t in texts) == 4 and len(texts) == 5, [t[:200] for t in texts]
 
 
+def test_the_band_of_weights_is_planned_only_where_a_resize_enlarges():
+    """The row pass of an NCHW output is a band of weights where each vector of outputs reads a few inputs
+    (28 -> 224: the 5 its window spans); a resize that shrinks the row (200 -> 129: 27 inputs a vector) and
+    an NHWC output (channels are the vector there) keep each output's own taps."""
+    isa = Isa(lanes=16, dot="vnni", registers=32)
+    up = resize.ResizeSpec(1, 21, 28, 28, 224, 224, "half_pixel", True, False)
+    assert resize.window(28, 224, "half_pixel", 16) == 5 and resize.plan(up, isa).band == 16
+    assert resize.plan(dataclasses.replace(up, nhwc_out=True), isa).band == 0
+    down = resize.ResizeSpec(1, 3, 200, 200, 129, 129, "half_pixel", False, False)
+    assert resize.window(200, 129, "half_pixel", 16) > resize.MAX_WINDOW and resize.plan(down, isa).band == 0
+    # the window never runs past the row, however few inputs it has
+    assert resize.window(3, 200, "align_corners", 16) == 3
+
+
 def test_a_large_map_goes_back_to_nchw_in_tiles(tmp_path):
     """The NHWC result of a convolution over a large map, a model output, is transposed to NCHW in tiles of
     vectors (``generic._schedule_transpose``): the transpose is scheduled (vectorised, split over the cores)
