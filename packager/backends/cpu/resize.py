@@ -79,38 +79,30 @@ def window(size: int, out: int, mode: str, band: int) -> int:
     from its first output's left input to its last output's right, with one more for a coordinate that
     TVM's float arithmetic rounds the other way than numpy's; at most ``size``."""
     o = np.arange(out, dtype=np.float32)
-    scale = np.float32(size) / np.float32(out)
-    if mode == "half_pixel" or (mode == "pytorch_half_pixel" and out > 1):
-        src = (o + np.float32(0.5)) * scale - np.float32(0.5)
-    elif mode == "pytorch_half_pixel":
-        src = np.zeros_like(o)
-    elif mode == "align_corners":
-        src = (np.float32(size - 1) / np.float32(out - 1) if out > 1 else np.float32(0)) * o
-    else:
-        src = scale * o
+    src = np.broadcast_to(_source(o, size, out, mode, np.float32), o.shape)
     left = np.clip(np.floor(src).astype(np.int64), 0, size - 1)
     right = np.clip(np.floor(src).astype(np.int64) + 1, 0, size - 1)
     spread = max(int(right[min(b + band, out) - 1] - left[b]) + 1 for b in range(0, out, band))
     return min(size, spread + 1)
 
 
-def _source(o, size: int, out: int, mode: str):
-    """The input coordinate of output index ``o`` (float32), as ``topi.image.resize.get_inx`` computes it."""
-    f32 = "float32"
-    of = o.astype(f32)
-    scale = tvm.tirx.const(np.float32(size) / np.float32(out), f32)
+def _source(of, size: int, out: int, mode: str, const):
+    """The input coordinate of output coordinate ``of`` (float32), as ``topi.image.resize.get_inx`` computes
+    it: ``of`` a TIR expression with ``const`` making TIR float32 constants, or a numpy float32 array with
+    ``const`` ``np.float32`` (``window``)."""
+    scale = const(np.float32(size) / np.float32(out))
     if mode == "half_pixel" or (mode == "pytorch_half_pixel" and out > 1):
-        return (of + tvm.tirx.const(0.5, f32)) * scale - tvm.tirx.const(0.5, f32)
+        return (of + const(0.5)) * scale - const(0.5)
     if mode == "pytorch_half_pixel":
-        return tvm.tirx.const(0.0, f32)
+        return const(0.0)
     if mode == "align_corners":
-        return tvm.tirx.const(np.float32(size - 1) / np.float32(out - 1) if out > 1 else 0.0, f32) * of
+        return const(np.float32(size - 1) / np.float32(out - 1) if out > 1 else 0.0) * of
     return scale * of  # asymmetric
 
 
 def _taps(o, size: int, out: int, mode: str):
     """(first index, second index, weight of the second) along one axis, indices clamped to the input."""
-    src = _source(o, size, out, mode)
+    src = _source(o.astype("float32"), size, out, mode, lambda v: tvm.tirx.const(v, "float32"))
     base = te.floor(src).astype("int32")
     t = src - base.astype("float32")
 
@@ -179,10 +171,7 @@ def _band_rows(spec: ResizeSpec, read):
     def row(b, ch, y, oz):
         ob, lane = oz // v, oz % v
         terms = [read(b, ch, y, base(ob) + j) * weights[ob, j, lane] for j in range(span)]
-        total = terms[0]
-        for term in terms[1:]:
-            total = total + term
-        return total
+        return sum(terms[1:], terms[0])
 
     return te.compute((spec.n, spec.c, spec.h, blocks_ * v), row, name=ROWS)
 
