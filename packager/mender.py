@@ -39,6 +39,9 @@ from edgeq.errors import BundleError, OutputError, UsageError
 PAYLOAD_TYPE = "edgeq"
 MODULE = Path(templates.__file__).with_name("mender-update-module")  # what a device installs as MODULE_PATH_ON_DEVICE
 MODULE_PATH_ON_DEVICE = "/usr/share/mender/modules/v3/edgeq"
+# the module's own verifier, installed with it: the module never runs a payload's code to verify the payload
+VERIFIER_PATH_ON_DEVICE = "/usr/share/edgeq/verifier"
+VERIFIER_FILES = ("safebundle.py", "contract.py")
 # Mender's artifact names and device types: what mender-artifact accepts (no whitespace, no quotes)
 TOKEN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:+@-]{0,127}")
 
@@ -76,6 +79,30 @@ def device_types_for(profile_name: str) -> list[str]:
     profile = profiles().get(profile_name)
     types = list(profile.mender_device_types) if profile is not None else []
     return types + [profile_name] if profile_name not in types else types
+
+
+def write_module_files(root: Path) -> list[Path]:
+    """The update module and its verifier under ``root``, laid out as on the device (a root file system
+    overlay for mender-convert or a Yocto layer): ``root/usr/share/mender/modules/v3/edgeq`` (mode 755) and
+    ``root/usr/share/edgeq/verifier/{safebundle.py,contract.py}`` (mode 644). Returns the files written."""
+    root = Path(root)
+    if root.exists() and not root.is_dir():
+        raise UsageError(f"--module-files {root} is a file; give a folder to write the overlay into")
+    files = [(MODULE, MODULE_PATH_ON_DEVICE, 0o755)]
+    files += [(MODULE.with_name(name), f"{VERIFIER_PATH_ON_DEVICE}/{name}", 0o644) for name in VERIFIER_FILES]
+    written = []
+    try:
+        for source, on_device, mode in files:
+            path = root / on_device.lstrip("/")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            tmp.write_bytes(source.read_bytes())
+            tmp.chmod(mode)
+            os.replace(tmp, path)
+            written.append(path)
+    except OSError as err:
+        raise OutputError(f"cannot write the update module under {root}: {err.strerror or err}") from None
+    return written
 
 
 def _verified(bundle: Path, public_key_path: Path | None):
@@ -207,4 +234,5 @@ def write_artifact(args: MenderArgs) -> MenderResult:
                         payload=payload_name, signed=key is not None, bytes=output.stat().st_size)
 
 
-__all__ = ["MenderArgs", "MenderResult", "write_artifact", "device_types_for", "PAYLOAD_TYPE", "MODULE"]
+__all__ = ["MenderArgs", "MenderResult", "write_artifact", "write_module_files", "device_types_for", "PAYLOAD_TYPE",
+           "MODULE"]

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run_cli
-from edgeq.mender import MODULE
+from edgeq.mender import write_module_files
 
 MENDER_ARTIFACT = shutil.which("mender-artifact")
 MENDER = shutil.which("mender")
@@ -191,10 +191,12 @@ class Device:
     def __init__(self, folder: Path):
         self.folder = folder
         self.root = folder / "edgeq"  # the install root edgeq's module installs into (EDGEQ_ROOT)
-        for name in ("modules", "etc", "data"):
+        for name in ("etc", "data"):
             (folder / name).mkdir(parents=True)
-        shutil.copy(MODULE, folder / "modules" / "edgeq")
-        (folder / "modules" / "edgeq").chmod(0o755)
+        # what a device installs once (edgeq mender --module-files): the module and, beside it, its verifier
+        write_module_files(folder / "overlay")
+        self.modules = folder / "overlay" / "usr" / "share" / "mender" / "modules" / "v3"
+        self.verifier = folder / "overlay" / "usr" / "share" / "edgeq" / "verifier"
         (folder / "etc" / "artifact_info").write_text("artifact_name=factory\n")
         (folder / "data" / "device_type").write_text("device_type=edgeq-test\n")
         (folder / "mender.conf").write_text("{}\n")
@@ -205,12 +207,11 @@ class Device:
         (self.folder / "mender.conf").write_text(json.dumps({"ArtifactVerifyKey": str(public_key)}) + "\n")
 
     def mender(self, *args) -> subprocess.CompletedProcess:
-        script = ('mount --bind "$1/modules" /usr/share/mender/modules/v3 && mount --bind "$1/etc" /etc/mender && '
+        script = ('mount --bind "$1" /usr/share/mender/modules/v3 && mount --bind "$0/etc" /etc/mender && '
                   'shift && exec mender -c "$0/mender.conf" -b "$0/fallback.conf" -d "$0/data" --no-syslog "$@"')
-        folder = str(self.folder)
-        return subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script, folder, folder,
-                               *map(str, args)], capture_output=True, text=True, timeout=300,
-                              env={**os.environ, "EDGEQ_ROOT": str(self.root)})
+        return subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script, str(self.folder),
+                               str(self.modules), *map(str, args)], capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "EDGEQ_ROOT": str(self.root), "EDGEQ_VERIFIER": str(self.verifier)})
 
     def current(self) -> str | None:
         link = self.root / "current"
@@ -291,3 +292,67 @@ def test_the_mender_client_checks_the_artifact_signature(bundles, tmp_path):
     res = device.mender("install", signed)
     assert res.returncode == 0, res.stderr
     assert device.mender("commit").returncode == 0 and device.current() is not None
+
+
+def _hostile_verifier_copy(bundle_dir: Path, out: Path, marker: Path) -> Path:
+    """The bundle with its safebundle.py replaced by code that leaves ``marker`` and claims success, every
+    hash updated (unsigned): what a forged payload carries to run its own code as root."""
+    from edgeq.bundle import make_archive
+
+    dst = out / bundle_dir.name
+    shutil.copytree(bundle_dir, dst)
+    (dst / "safebundle.py").write_text(
+        f"import json, pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\n"
+        "print(json.dumps({'bundle_id': 'forged', 'release': 99}))\n")
+    manifest = json.loads((dst / "manifest.json").read_text())
+
+    def sha(path):
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+
+    manifest["files"]["safebundle.py"] = sha(dst / "safebundle.py")
+    manifest["sizes"]["safebundle.py"] = (dst / "safebundle.py").stat().st_size
+    (dst / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    sums = {**manifest["files"], "manifest.json": sha(dst / "manifest.json")}
+    (dst / "SHA256SUMS").write_text("".join(f"{h}  {n}\n" for n, h in sorted(sums.items())))
+    archive = out / f"{bundle_dir.name}.tar.gz"
+    make_archive(dst, archive, mtime=0)
+    return archive
+
+
+@needs_client
+def test_a_payload_verifier_never_runs_on_the_first_install(bundles, tmp_path):
+    """The module verifies with the verifier installed with it: a payload carrying its own safebundle.py
+    (as root, on a device with no release yet) does not get it run, before or after it is installed."""
+    marker = tmp_path / "payload-code-ran"
+    forged = _hostile_verifier_copy(bundles["v1"].parent / "mnet-host", tmp_path / "forged", marker)
+    device = Device(tmp_path / "device")
+    res = device.mender("install", _mender_file(forged))
+    assert not marker.exists(), res.stderr
+    if res.returncode == 0:  # unsigned and consistent: installed by edgeq's verifier, as the bundle it is
+        assert device.mender("commit").returncode == 0
+    assert not marker.exists()
+    assert "forged" not in (device.current() or "")
+
+
+@needs_client
+def test_without_its_verifier_the_module_refuses_in_one_line(bundles, tmp_path):
+    device = Device(tmp_path / "device")
+    shutil.rmtree(device.verifier)
+    res = device.mender("install", _mender_file(bundles["v1"]))
+    assert res.returncode != 0
+    assert "verifier is not installed" in res.stdout + res.stderr, res.stdout + res.stderr
+    assert device.current() is None and not (device.root / "releases").exists()
+
+
+def test_module_files_are_the_module_and_its_verifier(tmp_path):
+    res = run_cli("mender", "--module-files", tmp_path / "overlay", "--json")
+    assert res.code == 0, res.stderr
+    files = sorted(Path(f).relative_to(tmp_path / "overlay").as_posix() for f in json.loads(res.stdout)["module_files"])
+    assert files == ["usr/share/edgeq/verifier/contract.py", "usr/share/edgeq/verifier/safebundle.py",
+                     "usr/share/mender/modules/v3/edgeq"]
+    assert os.access(tmp_path / "overlay" / files[2], os.X_OK)
+    # the module reads no verifier from a payload or a release folder
+    text = (tmp_path / "overlay" / files[2]).read_text()
+    assert "tar.extractfile" not in text and "current/safebundle.py" not in text
+    res = run_cli("mender", "--module-files", tmp_path / "overlay", tmp_path / "x.tar.gz")
+    assert res.code == 2 and "without a bundle" in res.stderr

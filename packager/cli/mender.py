@@ -11,8 +11,9 @@ def add_parser(sub) -> None:
         "mender", help="wrap a bundle in a Mender Artifact for fleets that update through Mender",
         description="Write a Mender Artifact (format 3, module image, payload type 'edgeq') holding BUNDLE.tar.gz. "
                     "Devices install it with edgeq's update module (/usr/share/mender/modules/v3/edgeq; "
-                    "the file is edgeq's templates/mender-update-module).")
-    parser.add_argument("bundle", type=Path, help="the bundle archive (.tar.gz) edgeq package wrote")
+                    "the file is edgeq's templates/mender-update-module), with its verifier in "
+                    "/usr/share/edgeq/verifier: --module-files DIR writes both.")
+    parser.add_argument("bundle", type=Path, nargs="?", help="the bundle archive (.tar.gz) edgeq package wrote")
     parser.add_argument("-o", "--output", type=Path, help="the artifact to write (default: BUNDLE with .mender for .tar.gz)")
     parser.add_argument("--device-type", action="append", default=[], metavar="T",
                         help="a Mender device type the artifact is for; repeatable (default: the profile's board names "
@@ -23,6 +24,9 @@ def add_parser(sub) -> None:
                              "private key in PEM; the bundle's own ed25519 signature is checked by the update module")
     parser.add_argument("--pub", type=Path, metavar="KEY",
                         help="ed25519 public key the bundle must be signed with before it is wrapped")
+    parser.add_argument("--module-files", type=Path, metavar="DIR",
+                        help="write what each device installs once, as a root file system overlay, and stop: "
+                             "DIR/usr/share/mender/modules/v3/edgeq and its verifier DIR/usr/share/edgeq/verifier/")
     parser.add_argument("--json", action="store_true", help="print the result as one JSON object")
 
 
@@ -32,8 +36,20 @@ def default_output(bundle: Path) -> Path:
 
 
 def run(args, env) -> int:
-    from edgeq.mender import MenderArgs, write_artifact
+    from edgeq.errors import UsageError
+    from edgeq.mender import MenderArgs, write_artifact, write_module_files
 
+    if args.module_files is not None:
+        if args.bundle is not None:
+            raise UsageError("--module-files writes the device's update module and stops; give it without a bundle")
+        files = write_module_files(args.module_files)
+        if args.json:
+            print(json.dumps({"module_files": [str(f) for f in files]}, indent=2), file=env.stdout)
+        else:
+            print("wrote " + ", ".join(str(f) for f in files), file=env.stdout)
+        return 0
+    if args.bundle is None:
+        raise UsageError("give the bundle .tar.gz to wrap (or --module-files DIR)")
     result = write_artifact(MenderArgs(bundle=args.bundle, output=args.output or default_output(args.bundle),
                                        device_types=tuple(args.device_type), artifact_name=args.artifact_name,
                                        key=args.key, bundle_key=args.pub))
