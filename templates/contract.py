@@ -572,6 +572,17 @@ def argument_count_problem(takes: int, manifest: Manifest) -> str | None:
             "damaged or put together from two builds" % (takes, inputs, weights))
 
 
+def output_problem(spec, dtype: str, shape) -> str | None:
+    """Why an output the library returned (``dtype``, ``shape``) cannot be read as the manifest's ``spec``
+    declares it, or None: both loaders check each output before reading it (edgeq-run says the same in C++)."""
+    shape = [int(d) for d in shape]
+    if dtype == spec.dtype and shape == list(spec.shape):
+        return None
+    return ("the library returns output '%s' as %s %s, the manifest declares %s %s; the bundle is damaged or put "
+            "together from two builds" % (spec.name, dtype, "x".join(map(str, shape)), spec.dtype,
+                                         "x".join(map(str, spec.shape))))
+
+
 # ---------------------------------------------------------------------------------------------------
 # latency statistics: run.py, edgeq bench and (in C++, held to this by a test) edgeq-run
 # ---------------------------------------------------------------------------------------------------

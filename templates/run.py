@@ -258,7 +258,15 @@ class Model:
     def run(self, inputs):
         result = self.vm["main"](*self.arguments(inputs))
         results = [result] if isinstance(result, self.tvm.runtime.Tensor) else list(result)
-        return {spec.name: array for spec, array in zip(self.manifest.outputs, self.arrays(results))}
+        specs = self.manifest.outputs
+        if len(results) != len(specs):
+            raise LoaderError("the model returned %d outputs, the manifest lists %d" % (len(results), len(specs)),
+                              Exit.BUNDLE)
+        for spec, r in zip(specs, results):
+            problem = contract.output_problem(spec, str(r.dtype), r.shape)
+            if problem:
+                raise LoaderError(problem, Exit.BUNDLE)
+        return {spec.name: array for spec, array in zip(specs, self.arrays(results))}
 
     def arrays(self, results):
         """The VM's results as numpy arrays. Copying one costs what a layer does (LR-ASPP's 1x21x224x224 map,

@@ -364,3 +364,28 @@ def test_repair_state_counts_only_real_verified_releases(bundles, keys, tmp_path
     assert again.code == 0 and json.loads(again.stdout)["bundle_id"] == real.name, again.stderr
     text = run_cli("install", "--repair-state", "--root", root, "--pub", keys[1])
     assert text.code == 0 and f"skipped {forged_id}" in text.stdout and "skipped linked" in text.stdout
+
+
+@pytest.mark.parametrize("change,declared", [
+    (lambda out: out.update(dtype="float64"), "float64"),  # edgeq-run read 80 bytes of a 40-byte result
+    (lambda out: out.update(shape=[out["shape"][0], out["shape"][-1] * 2]), "x"),
+])
+def test_an_output_the_library_returns_otherwise_is_refused_before_it_is_read(bundles, tmp_path, change, declared):
+    """A manifest whose output dtype or shape is not what the library returns: both loaders refuse with one
+    line, exit 7, before reading a byte of it by the manifest's size (no read past the result's buffer)."""
+    bundle = tmp_path / "b"
+    shutil.copytree(bundles["unsigned"]["bundle_dir"], bundle)
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    output = manifest["outputs"][0]
+    change(output)
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    spec = manifest["inputs"][0]
+    np.save(tmp_path / "x.npy", np.zeros(spec["shape"], spec["dtype"]))
+    arg = f"{spec['name']}={tmp_path / 'x.npy'}"
+    for cmd in ([sys.executable, str(bundle / "run.py"), "--input", arg, "--output", str(tmp_path / "o.npz")],
+                [str(bundle / "runtime" / "edgeq-run"), "--input", arg, "--output", str(tmp_path / "o.npz")]):
+        proc = subprocess.run(cmd, cwd=bundle, capture_output=True, text=True, timeout=120)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 7 and len(lines) == 1 and "Traceback" not in proc.stderr, (cmd[0], proc.stderr)
+        assert f"the library returns output '{output['name']}' as float32" in lines[0], lines[0]
+        assert not (tmp_path / "o.npz").exists()

@@ -394,6 +394,21 @@ void* OpenLibrary(const std::string& path) {
   return handle;
 }
 
+// a DLPack type as numpy names it (what contract.py's dtype names are)
+std::string DTypeText(DLDataType t) {
+  const char* kind = t.code == kDLInt ? "int" : t.code == kDLUInt ? (t.bits == 1 ? "bool" : "uint")
+                     : t.code == kDLFloat ? "float" : t.code == kDLBfloat ? "bfloat" : "type";
+  std::string text = std::string(kind) + (t.bits == 1 && t.code == kDLUInt ? "" : std::to_string(t.bits));
+  return t.lanes == 1 ? text : text + "x" + std::to_string(t.lanes);
+}
+
+// contract.output_problem: an output the library returns other than the manifest declares it
+std::string OutputProblem(const std::string& name, const std::string& dtype, const std::string& shape,
+                          const std::string& want_dtype, const std::string& want_shape) {
+  return "the library returns output '" + name + "' as " + dtype + " " + shape + ", the manifest declares " +
+         want_dtype + " " + want_shape + "; the bundle is damaged or put together from two builds";
+}
+
 struct Runtime {
   DLDevice dev{kDLCPU, 0};
   Value vm, main_fn, make_shape, alloc, copy_from, copy_to, sync;
@@ -446,7 +461,15 @@ struct Runtime {
       h.name = specs[k].name;
       h.dtype = specs[k].dtype;
       h.shape.assign(t->shape, t->shape + t->ndim);
-      h.data.resize(h.Count() * size_t((t->dtype.bits * t->dtype.lanes + 7) / 8));
+      // what the library returned must be what the manifest says, before a byte is read by the manifest's sizes
+      DLDataType want;
+      TVMFFIByteArray name{specs[k].dtype.name.data(), specs[k].dtype.name.size()};
+      if (ffi.dtype_from_string(&name, &want) != 0 || want.code != t->dtype.code || want.bits != t->dtype.bits ||
+          want.lanes != t->dtype.lanes || t->dtype.bits * t->dtype.lanes != specs[k].dtype.bytes * 8 ||
+          h.shape != specs[k].shape)
+        refuse(OutputProblem(specs[k].name, DTypeText(t->dtype), ShapeText(h.shape), specs[k].dtype.name,
+                             ShapeText(specs[k].shape)));
+      h.data.resize(h.Count() * size_t(specs[k].dtype.bytes));
       TVMFFIAny dl{};
       dl.type_index = kTVMFFIDLTensorPtr;
       dl.v_ptr = t;
