@@ -5,7 +5,11 @@ every bundle beside run.py. numpy comes in as an argument and Pillow/OpenCV are 
 read: importing this module needs only the standard library.
 """
 
+import io
 import os
+import stat
+import struct
+import zlib
 
 MAX_IMAGE_PIXELS = 50_000_000  # one image given to run.py / edgeq-run --input (a decompression bomb is refused)
 MAX_IMAGE_FILE_BYTES = 256 << 20  # one image file
@@ -24,19 +28,55 @@ class ImageError(ValueError):
     """An image that cannot be read or used: the one-line reason."""
 
 
+# the chunks that make a PNG's pixels (PLTE: a palette's colours); every other chunk is checked and dropped
+PNG_PIXEL_CHUNKS = (b"IHDR", b"PLTE", b"IDAT", b"IEND")
+
+
+def png_pixel_chunks(data: bytes, path: str) -> bytes:
+    """A PNG file's bytes reduced to the chunks that make its pixels, after every chunk's length and CRC is
+    checked: what both loaders decode (edgeq-run's image.h does the same, byte for byte). Decoders differ in
+    what they make of the rest (libpng converts by gAMA/sRGB, inflates zTXt/iCCP, checks IDAT CRCs; Pillow
+    does none of this), so the rest is never given to them: a text chunk inflating to 256 MiB costs nothing,
+    and no decoder sees a chunk whose CRC is wrong."""
+    out, pos, first = [data[:8]], 8, True
+    while True:
+        if pos + 12 > len(data):
+            raise ImageError("cannot decode %s: the PNG ends before its IEND chunk" % path)
+        length, kind = struct.unpack(">I4s", data[pos:pos + 8])
+        if length > 0x7FFFFFFF or pos + 12 + length > len(data) or not kind.isalpha():
+            raise ImageError("cannot decode %s: PNG chunk at byte %d is damaged" % (path, pos))
+        (crc,) = struct.unpack(">I", data[pos + 8 + length:pos + 12 + length])
+        if zlib.crc32(data[pos + 4:pos + 8 + length]) != crc:
+            raise ImageError("cannot decode %s: PNG chunk %s has a bad CRC" % (path, kind.decode("ascii")))
+        if first != (kind == b"IHDR"):
+            raise ImageError("cannot decode %s: a PNG starts with its IHDR chunk, once" % path)
+        first = False
+        if kind in PNG_PIXEL_CHUNKS:
+            out.append(data[pos:pos + 12 + length])
+        pos += 12 + length
+        if kind == b"IEND":
+            return b"".join(out)
+
+
 def decode_image(np, path: str, any_format: bool = False, max_pixels: int = MAX_IMAGE_PIXELS):
     """``path`` (PNG or JPEG; ``any_format``: whatever Pillow reads, for calibration) as uint8 pixels
     ``[H, W, C]``, C 1 (gray files) or 3 (everything else; alpha dropped, palettes expanded), with Pillow,
     else OpenCV. 16-bit PNGs are refused (edgeq-run's libpng would gamma-convert them)."""
+    info = os.stat(path)
+    if not stat.S_ISREG(info.st_mode):  # a FIFO with no writer would block the open
+        raise ImageError("%s is not a regular file" % path)
+    if info.st_size > MAX_IMAGE_FILE_BYTES:
+        raise ImageError("%s is larger than %d bytes" % (path, MAX_IMAGE_FILE_BYTES))
     with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size > MAX_IMAGE_FILE_BYTES:
-            raise ImageError("%s is larger than %d bytes" % (path, MAX_IMAGE_FILE_BYTES))
-        head = f.read(32)
+        data = f.read(MAX_IMAGE_FILE_BYTES + 1)
+    head = data[:32]
     png = head.startswith(PNG_MAGIC)
     if not any_format and not is_image(head):
         raise ImageError("%s is not a PNG or JPEG image" % path)
     if png and len(head) > 24 and head[24] == 16:
         raise ImageError("%s is a 16-bit PNG; give an 8-bit one" % path)
+    if png:
+        data = png_pixel_chunks(data, path)
     try:
         from PIL import Image
     except ImportError:
@@ -44,12 +84,12 @@ def decode_image(np, path: str, any_format: bool = False, max_pixels: int = MAX_
     if Image is not None:
         Image.MAX_IMAGE_PIXELS = None  # the limit below applies, before any pixel is decoded
         try:
-            with Image.open(path) as image:
+            with Image.open(io.BytesIO(data)) as image:
                 if image.width * image.height > max_pixels:
                     raise ImageError("%s has %d x %d pixels, more than %d" % (path, image.width, image.height, max_pixels))
-                if image.mode in ("I", "I;16", "I;16B", "F", "CMYK", "1"):
+                if image.mode in ("I", "I;16", "I;16B", "F", "CMYK"):
                     raise ImageError("%s is a %s image; give an 8-bit gray, RGB or RGBA PNG or JPEG" % (path, image.mode))
-                gray = image.mode in ("L", "LA")
+                gray = image.mode in ("L", "LA", "1")  # 1-bit gray: 0 and 255, as libpng expands it
                 image = image.convert("L" if gray else "RGB")
                 pixels = np.asarray(image, dtype=np.uint8)
         except (OSError, ValueError, SyntaxError) as err:
@@ -61,7 +101,7 @@ def decode_image(np, path: str, any_format: bool = False, max_pixels: int = MAX_
         import cv2
     except ImportError:
         raise ImageError("reading images needs Pillow or OpenCV: pip install pillow (or give NAME=FILE.npy)")
-    pixels = cv2.imread(path, cv2.IMREAD_UNCHANGED)
+    pixels = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_UNCHANGED)
     if pixels is None or pixels.dtype != np.uint8:
         raise ImageError("cannot decode %s as an 8-bit image" % path)
     if pixels.ndim == 2:
@@ -93,9 +133,10 @@ def _bilinear(np, pixels, height: int, width: int):
 def letterbox_geometry(height: int, width: int, image_h: int, image_w: int):
     """(scale, new_h, new_w, top, left) of ultralytics' letterbox: the image scaled to fit, centred."""
     scale = min(height / image_h, width / image_w)
-    new_h, new_w = int(round(image_h * scale)), int(round(image_w * scale))
+    # at least one row and column (a 20000x1 image scales to 0.032 rows), centred by the rows it really takes
+    new_h, new_w = max(1, int(round(image_h * scale))), max(1, int(round(image_w * scale)))
     top, left = int(round((height - new_h) / 2 - 0.1)), int(round((width - new_w) / 2 - 0.1))
-    return scale, max(1, new_h), max(1, new_w), top, left
+    return scale, new_h, new_w, top, left
 
 
 def image_tensor(np, pixels, pre):
@@ -146,6 +187,12 @@ def _unletterbox(pre, image_hw):
     return pre.width / image_hw[1], pre.height / image_hw[0], 0, 0
 
 
+def yolo_row_problem(row: int, c: int, b: int, classes: int, boxes: int) -> str:
+    """A selected row naming a class or box the head does not have (edgeq-run says the same)."""
+    return ("the model's selected row %d names class %d and box %d; its head has %d classes and %d boxes: the bundle "
+            "is damaged" % (row, c, b, classes, boxes))
+
+
 def yolo(np, outputs: dict, post, real: int, pre=None, image_hw=None) -> list:
     """The detections of a YOLO head whose NonMaxSuppression ran in the graph: [{box: [x1, y1, x2, y2],
     score, class, label?}], best first (equal scores: the earlier row), at most ``max_det``; boxes in the
@@ -158,6 +205,8 @@ def yolo(np, outputs: dict, post, real: int, pre=None, image_hw=None) -> list:
     found = []
     for r in range(real):
         c, b = int(rows[r, 1]), int(rows[r, 2])
+        if not (0 <= c < head.shape[0] - 4 and 0 <= b < head.shape[1]):
+            raise ImageError(yolo_row_problem(r, c, b, head.shape[0] - 4, head.shape[1]))
         found.append((float(head[4 + c, b]), r, c, b))
     found.sort(key=lambda t: (-t[0], t[1]))
     sx, sy, left, top = _unletterbox(pre, image_hw)

@@ -383,6 +383,9 @@ def read_inputs(specs, manifest=None):
     inputs, image_hw = {}, None
     for spec in specs:
         name, sep, path = spec.partition("=")
+        if os.path.exists(path if sep else spec) and not os.path.isfile(path if sep else spec):
+            # a FIFO, a device or a folder is never opened (a FIFO with no writer would block); edgeq-run says the same
+            raise LoaderError("--input %s is not a regular file" % (path if sep else spec), Exit.USAGE)
         if not sep or is_image(path):
             key, value, image_hw = read_image(np, name if sep else None, path if sep else spec, manifest)
             inputs[key] = value
@@ -465,10 +468,13 @@ def answer(model, outputs, image_hw):
 
 def run_inputs(model, inputs, args, image_hw=None):
     outputs = model.run(inputs)
-    if args.output:
-        write_outputs(model.np, args.output, outputs)
     real = {spec.name: spec.real_rows(outputs) for spec in model.manifest.outputs}  # padded outputs: rows counted
-    found = answer(model, outputs, image_hw)
+    try:
+        found = answer(model, outputs, image_hw)
+    except imaging.ImageError as err:  # a selected row outside the head
+        raise LoaderError(str(err), Exit.BUNDLE)
+    if args.output:  # written once the answer is made: a bundle refused while making it leaves no file
+        write_outputs(model.np, args.output, outputs)
     if args.json:
         summary = {}
         for k, v in outputs.items():

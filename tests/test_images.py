@@ -335,3 +335,77 @@ def test_yolo_refuses_what_is_not_a_yolo_head(models, tmp_path):
                      "--postprocess", "yolo")
     assert result.code == 3 and "is not a YOLO head" in result.stderr and len(result.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()
+
+
+def _chunk(kind: bytes, data: bytes) -> bytes:
+    import struct
+    import zlib
+
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+
+def _with_chunk(png: bytes, chunk: bytes) -> bytes:
+    """``png`` with ``chunk`` after its IHDR (8 + 25 bytes)."""
+    return png[:33] + chunk + png[33:]
+
+
+def test_both_loaders_read_the_same_png_the_same_way(images, tmp_path):
+    """What the two decoders did differently (libpng checks IDAT CRCs, converts by gAMA and inflates zTXt;
+    Pillow did none of it and refused 1-bit gray) is settled before either decodes: every chunk's CRC is
+    checked, only the pixel chunks are decoded (imaging.png_pixel_chunks, image.h's PngPixelChunks)."""
+    import zlib
+
+    model = echo_model(tmp_path / "echo.onnx", [1, 3, 32, 32])
+    bundle = _package(model, tmp_path / "out", "--preprocess", "fit=letterbox", "--runtime", "bundled")
+    from edgeq import contract, imaging
+
+    pre = contract.PreprocessRecord.from_json(json.loads((bundle / "manifest.json").read_text())["preprocess"])
+    png = images["rgb.png"].read_bytes()
+    cases = tmp_path / "cases"
+    cases.mkdir()
+    # accepted, the pixels of rgb.png: text inflating to 256 MiB, a gamma of 1.0 (libpng would convert by it)
+    (cases / "ztxt-bomb.png").write_bytes(_with_chunk(png, _chunk(b"zTXt", b"Comment\0\0" + zlib.compress(bytes(256 << 20), 9))))
+    (cases / "gamma.png").write_bytes(_with_chunk(png, _chunk(b"gAMA", (100000).to_bytes(4, "big"))))
+    want = imaging.image_tensor(np, imaging.decode_image(np, str(images["rgb.png"])), pre)
+    for name in ("ztxt-bomb.png", "gamma.png"):
+        py, native = _both_loaders(bundle, cases / name, tmp_path)
+        assert py.tobytes() == native.tobytes() == want.tobytes(), name
+    # accepted alike: 1-bit gray (0 and 255), and a 20000x1 strip letterboxed into 32x32 (one row, centred by it)
+    bits = (np.indices((9, 13)).sum(axis=0) % 2).astype(bool)
+    Image.fromarray(bits).save(cases / "one-bit.png")
+    strip = np.random.default_rng(1).integers(0, 255, (1, 20000, 3), dtype=np.uint8)
+    Image.fromarray(strip).save(cases / "strip.png")
+    for name in ("one-bit.png", "strip.png"):
+        py, native = _both_loaders(bundle, cases / name, tmp_path)
+        assert py.tobytes() == native.tobytes(), name
+    one_bit = imaging.decode_image(np, str(cases / "one-bit.png"))
+    assert set(np.unique(one_bit)) == {0, 255} and (one_bit[:, :, 0] == bits * 255).all()
+    py, _ = _both_loaders(bundle, cases / "strip.png", tmp_path)
+    rows = np.flatnonzero((py[0, 0] != py[0, 0, 0, 0]).any(axis=1))
+    assert list(rows) == [15], rows  # (32 - 1) / 2 - 0.1 rounds to 15: the row the image really takes
+    # refused alike, one line, exit 2, nothing written: a damaged IDAT CRC, a chunk running past the end
+    data = bytearray(png)
+    idat = png.index(b"IDAT")
+    length = int.from_bytes(png[idat - 4:idat], "big")
+    data[idat + 4 + length] ^= 0xFF
+    (cases / "idat-crc.png").write_bytes(bytes(data))
+    (cases / "long-chunk.png").write_bytes(png[:33] + (1 << 30).to_bytes(4, "big") + b"tEXt" + b"x" * 16)
+    for name, fragment in (("idat-crc.png", "PNG chunk IDAT has a bad CRC"), ("long-chunk.png", "is damaged")):
+        out = tmp_path / "refused.npz"
+        for proc in (run_py(bundle, "--input", cases / name, "--output", out),
+                     _native(bundle, "--input", cases / name, "--output", out)):
+            lines = proc.stderr.strip().splitlines()
+            assert proc.returncode == 2 and len(lines) == 1 and fragment in lines[0], (name, proc.stderr)
+            assert not out.exists()
+
+
+def test_a_fifo_or_folder_input_is_refused_not_waited_on(images, tmp_path):
+    model = echo_model(tmp_path / "echo.onnx", [1, 3, 24, 20])
+    bundle = _package(model, tmp_path / "out", "--preprocess", "", "--runtime", "bundled")
+    fifo = tmp_path / "fifo.png"
+    os.mkfifo(fifo)
+    for path in (fifo, tmp_path):
+        for arg in (str(path), f"x={path}"):
+            for proc in (run_py(bundle, "--input", arg), _native(bundle, "--input", arg)):  # (each would block on the FIFO)
+                lines = proc.stderr.strip().splitlines()
+                assert proc.returncode == 2 and len(lines) == 1 and "is not a regular file" in lines[0], (arg, proc.stderr)

@@ -808,6 +808,11 @@ int Main(int argc, char** argv) {
   int64_t image_h = 0, image_w = 0;  // the image given, if one was (--postprocess yolo puts boxes in its pixels)
   for (const std::string& spec : args.inputs) {
     size_t eq = spec.find('=');
+    {  // a FIFO, a device or a folder is never opened (a FIFO with no writer would block): run.py says the same
+      std::string path = eq == std::string::npos ? spec : spec.substr(eq + 1);
+      struct stat st;
+      if (stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode)) refuse_usage("--input " + path + " is not a regular file");
+    }
     if (eq == std::string::npos || LooksLikeImage(spec.substr(eq + 1))) {  // an image (run.py's read_image)
       std::string path = eq == std::string::npos ? spec : spec.substr(eq + 1);
       if (!b.preprocess.given)
@@ -841,21 +846,6 @@ int Main(int argc, char** argv) {
   } else if (!inputs.empty()) {
     std::vector<Value> device_inputs = DeviceInputs(rt.get(), b, inputs);
     std::vector<HostTensor> outputs = rt->Run(device_inputs, b.outputs);
-    if (!args.output.empty()) {
-      size_t n = args.output.size();
-      if (n > 4 && args.output.compare(n - 4, 4, ".npz") == 0) {
-        WriteNpz(args.output, outputs);
-      } else {
-        std::string dir = args.output;
-        while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
-        struct stat st;
-        if (lstat(dir.c_str(), &st) == 0 && S_ISLNK(st.st_mode))  // the loader often runs as root: no writes through links
-          refuse_usage("--output " + args.output + " is a symbolic link; give the folder it points to");
-        if (!IsDir(args.output) && mkdir(args.output.c_str(), 0755) != 0)
-          refuse_usage("cannot make the output folder " + args.output + ": " + std::strerror(errno));
-        for (const HostTensor& t : outputs) WriteFileAtomic(args.output + "/" + SafeFileName(t.name) + ".npy", NpyBytes(t));
-      }
-    }
     std::vector<int64_t> real(outputs.size(), -1);  // padded outputs: their real rows, from the count output
     for (size_t k = 0; k < outputs.size() && k < b.outputs.size(); ++k) {
       const TensorSpec& spec = b.outputs[k];
@@ -881,6 +871,22 @@ int Main(int argc, char** argv) {
       }
       if (head && rows)
         top_json = YoloJson(*head, *rows, rows_real, b.postprocess, b.preprocess, image_h, image_w, &top_text);
+    }
+    // outputs are written once the answer is made: a bundle refused while making it leaves no file
+    if (!args.output.empty()) {
+      size_t n = args.output.size();
+      if (n > 4 && args.output.compare(n - 4, 4, ".npz") == 0) {
+        WriteNpz(args.output, outputs);
+      } else {
+        std::string dir = args.output;
+        while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
+        struct stat st;
+        if (lstat(dir.c_str(), &st) == 0 && S_ISLNK(st.st_mode))  // the loader often runs as root: no writes through links
+          refuse_usage("--output " + args.output + " is a symbolic link; give the folder it points to");
+        if (!IsDir(args.output) && mkdir(args.output.c_str(), 0755) != 0)
+          refuse_usage("cannot make the output folder " + args.output + ": " + std::strerror(errno));
+        for (const HostTensor& t : outputs) WriteFileAtomic(args.output + "/" + SafeFileName(t.name) + ".npy", NpyBytes(t));
+      }
     }
     if (args.json) {
       std::string rows;

@@ -68,7 +68,48 @@ void CheckPixels(int64_t w, int64_t h, const std::string& path) {
                  std::to_string(kMaxImagePixels));
 }
 
-Pixels DecodePng(const std::string& bytes, const std::string& path) {
+uint32_t Crc32(const unsigned char* p, size_t n) {  // zlib's crc32 (the PNG chunk CRC)
+  static uint32_t table[256];
+  static bool ready = false;
+  if (!ready) {
+    for (uint32_t k = 0; k < 256; ++k) {
+      uint32_t c = k;
+      for (int j = 0; j < 8; ++j) c = c & 1 ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+      table[k] = c;
+    }
+    ready = true;
+  }
+  uint32_t c = 0xFFFFFFFFu;
+  for (size_t i = 0; i < n; ++i) c = table[(c ^ p[i]) & 0xFF] ^ (c >> 8);
+  return c ^ 0xFFFFFFFFu;
+}
+
+// imaging.png_pixel_chunks: every chunk's length and CRC checked; only IHDR, PLTE, IDAT and IEND kept
+std::string PngPixelChunks(const std::string& data, const std::string& path) {
+  const auto* d = reinterpret_cast<const unsigned char*>(data.data());
+  auto be32 = [&](size_t at) { return uint32_t(d[at]) << 24 | uint32_t(d[at + 1]) << 16 | uint32_t(d[at + 2]) << 8 | d[at + 3]; };
+  std::string out = data.substr(0, 8);
+  size_t pos = 8;
+  bool first = true;
+  for (;;) {
+    if (pos + 12 > data.size()) refuse_usage("cannot decode " + path + ": the PNG ends before its IEND chunk");
+    uint64_t length = be32(pos);
+    std::string kind = data.substr(pos + 4, 4);
+    bool alpha = std::all_of(kind.begin(), kind.end(), [](char c) { return (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z'); });
+    if (length > 0x7FFFFFFF || pos + 12 + length > data.size() || !alpha)
+      refuse_usage("cannot decode " + path + ": PNG chunk at byte " + std::to_string(pos) + " is damaged");
+    if (Crc32(d + pos + 4, size_t(length) + 4) != be32(pos + 8 + size_t(length)))
+      refuse_usage("cannot decode " + path + ": PNG chunk " + kind + " has a bad CRC");
+    if (first != (kind == "IHDR")) refuse_usage("cannot decode " + path + ": a PNG starts with its IHDR chunk, once");
+    first = false;
+    if (kind == "IHDR" || kind == "PLTE" || kind == "IDAT" || kind == "IEND") out.append(data, pos, size_t(length) + 12);
+    pos += size_t(length) + 12;
+    if (kind == "IEND") return out;
+  }
+}
+
+Pixels DecodePng(const std::string& file, const std::string& path) {
+  const std::string bytes = PngPixelChunks(file, path);
   void* lib = OpenLibrary({"libpng16.so.16", "libpng16.so"},
                           "reading PNG images needs libpng 1.6 (libpng16.so.16): apt install libpng16-16");
   using Begin = int (*)(PngImage*, const void*, size_t);
@@ -209,6 +250,21 @@ std::vector<float> Bilinear(const Pixels& p, int64_t height, int64_t width) {
   return out;
 }
 
+// imaging.letterbox_geometry: the image scaled to fit, at least one row and column, centred by what it takes
+struct Letterbox {
+  double scale;
+  int64_t new_h, new_w, top, left;
+};
+Letterbox LetterboxGeometry(const Preprocess& pre, int64_t image_h, int64_t image_w) {
+  Letterbox g;
+  g.scale = std::min(double(pre.height) / double(image_h), double(pre.width) / double(image_w));
+  g.new_h = std::max<int64_t>(1, int64_t(std::nearbyint(double(image_h) * g.scale)));
+  g.new_w = std::max<int64_t>(1, int64_t(std::nearbyint(double(image_w) * g.scale)));
+  g.top = int64_t(std::nearbyint(double(pre.height - g.new_h) / 2 - 0.1));
+  g.left = int64_t(std::nearbyint(double(pre.width - g.new_w) / 2 - 0.1));
+  return g;
+}
+
 // imaging.image_tensor
 HostTensor ImageTensor(Pixels p, const Preprocess& pre) {
   if (pre.order == "GRAY" && p.c == 3) {  // ITU-R 601 luma in Pillow's integer arithmetic
@@ -228,12 +284,9 @@ HostTensor ImageTensor(Pixels p, const Preprocess& pre) {
   if (pre.order == "BGR")
     for (size_t i = 0; i < size_t(p.h * p.w); ++i) std::swap(p.data[i * 3], p.data[i * 3 + 2]);
   std::vector<float> hwc;
-  if (pre.resize == "letterbox") {  // imaging.letterbox_geometry
-    double s = std::min(double(pre.height) / double(p.h), double(pre.width) / double(p.w));
-    int64_t new_h = std::max<int64_t>(1, int64_t(std::nearbyint(double(p.h) * s)));
-    int64_t new_w = std::max<int64_t>(1, int64_t(std::nearbyint(double(p.w) * s)));
-    int64_t top = int64_t(std::nearbyint(double(pre.height - new_h) / 2 - 0.1));
-    int64_t left = int64_t(std::nearbyint(double(pre.width - new_w) / 2 - 0.1));
+  if (pre.resize == "letterbox") {
+    Letterbox g = LetterboxGeometry(pre, p.h, p.w);
+    int64_t new_h = g.new_h, new_w = g.new_w, top = g.top, left = g.left;
     std::vector<float> inner = Bilinear(p, new_h, new_w);
     hwc.assign(size_t(pre.height * pre.width * p.c), float(kPadValue));
     for (int64_t y = 0; y < new_h && top + y < pre.height; ++y)
@@ -390,18 +443,19 @@ std::string YoloJson(const HostTensor& head, const HostTensor& rows, int64_t rea
   std::vector<Found> found;
   for (int64_t r = 0; r < real; ++r) {
     int64_t c = row(r, 1), b = row(r, 2);
+    if (c < 0 || c >= channels - 4 || b < 0 || b >= anchors)  // imaging.yolo_row_problem
+      refuse("the model's selected row " + std::to_string(r) + " names class " + std::to_string(c) + " and box " +
+             std::to_string(b) + "; its head has " + std::to_string(channels - 4) + " classes and " +
+             std::to_string(anchors) + " boxes: the bundle is damaged");
     found.push_back({at(4 + c, b), r, c, b});
   }
   std::stable_sort(found.begin(), found.end(), [](const Found& x, const Found& y) { return x.score > y.score; });
   double sx = 1, sy = 1, left = 0, top = 0;  // imaging._unletterbox
   bool image = image_h > 0 && image_w > 0 && pre.given;
   if (image && pre.resize == "letterbox") {
-    double s = std::min(double(pre.height) / double(image_h), double(pre.width) / double(image_w));
-    int64_t new_h = std::max<int64_t>(1, int64_t(std::nearbyint(double(image_h) * s)));
-    int64_t new_w = std::max<int64_t>(1, int64_t(std::nearbyint(double(image_w) * s)));
-    top = double(int64_t(std::nearbyint(double(pre.height - new_h) / 2 - 0.1)));
-    left = double(int64_t(std::nearbyint(double(pre.width - new_w) / 2 - 0.1)));
-    sx = sy = s;
+    Letterbox g = LetterboxGeometry(pre, image_h, image_w);
+    top = double(g.top), left = double(g.left);
+    sx = sy = g.scale;
   } else if (image) {
     sx = double(pre.width) / double(image_w), sy = double(pre.height) / double(image_h);
   }
