@@ -38,6 +38,7 @@ from edgeq.progress import StageProgress
 from edgeq.reference import check_choice as check_reference
 from edgeq.reference import choose as choose_reference
 from edgeq.reference import compare as compare_reference
+from edgeq.reference import yolo_parts
 from edgeq.relax_import import to_relax
 from edgeq.runtime.assemble import assemble, check_elves
 from edgeq.targets import Profile, profiles, resolve
@@ -548,8 +549,10 @@ def _reference_check(b: _Build) -> None:
     if reference.note:
         b.progress.note(f"reference: {reference.name} ({reference.note})")
     rtol, atol = _reference_tolerance(b)
-    b.reference_check = compare_reference(reference, b.golden.inputs, b.golden.outputs, b.outputs,
-                                          rtol, atol, checked=b.golden.computed_with)
+    parts = yolo_parts(b.postprocess.output) if b.postprocess is not None and b.postprocess.kind == "yolo" else None
+    b.reference_check = compare_reference(reference, b.golden.inputs, b.golden.outputs, b.outputs, rtol, atol,
+                                          checked=b.golden.computed_with, parts=parts,
+                                          integer=b.args.precision in QUANTIZED)
     check = b.reference_check
     if check.result == "passed":
         b.progress.note(f"reference check passed: {check.reference}, largest |diff| {check.max_abs_diff:.3g}")
@@ -649,7 +652,8 @@ def _bundle(b: _Build) -> None:
             file=contract.GOLDEN, format=contract.TENSOR_FORMAT, tensors=b.golden.table, seed=GOLDEN_SEED,
             float_inputs=b.golden.float_inputs, computed_with=b.golden.computed_with,
             rtol=rtol, atol=atol,
-            atol_scaled_by="max(1, max |expected output|)"),
+            atol_scaled_by="max(1, max |expected output|)",
+            outliers=max((r.get("outliers", 0.0) for r in b.reference_check.outputs), default=0.0) or None),
         reference_check=b.reference_check,
         quantization=b.quantization.report if b.quantization else None,
         runtime=contract.RuntimeRecord.from_json(b.runtime.record, "runtime") if b.runtime else None,

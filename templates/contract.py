@@ -322,10 +322,17 @@ class GoldenRecord(Record):
     rtol: float = _field(NUM)
     atol: float = _field(NUM)
     atol_scaled_by: str = _field(STR)
+    # the share of each output's values that may lie outside the tolerance: an integer build whose quantized graph
+    # moves that much by itself under float noise (edgeq.reference; absent: none)
+    outliers: float | None = _field(_Opt(NUM), omit_if_none=True)
 
     def tolerance(self, expected_max_abs: float) -> float:
         """The absolute tolerance for an output whose largest magnitude is ``expected_max_abs``."""
         return self.atol * max(1.0, expected_max_abs)
+
+    def allowed_outside(self, count: int) -> int:
+        """How many of an output's ``count`` values may lie outside the tolerance (edgeq-run: the same)."""
+        return int(math.floor((self.outliers or 0.0) * count))
 
 
 @_rec
@@ -531,6 +538,8 @@ def rows_problem(outputs) -> str | None:
 
 
 MAX_LABELS = 100_000  # --postprocess labels
+# the largest share of an output's values a self-test may find outside its tolerance (GoldenRecord.outliers)
+MAX_GOLDEN_OUTLIERS = 0.02
 
 
 def process_problem(manifest) -> str | None:

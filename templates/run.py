@@ -322,10 +322,16 @@ def self_test(model):
     for name, want in expected.items():
         got = outputs[name]
         atol = golden.tolerance(float(np.max(np.abs(want))) if want.size else 1.0)
-        close = got.shape == want.shape and bool(np.allclose(got, want, rtol=golden.rtol, atol=atol))
+        outside = 0
+        if got.shape == want.shape:  # values outside the tolerance: golden.outliers of them may be (an unstable int8 graph)
+            outside = int(np.count_nonzero(~np.isclose(got, want, rtol=golden.rtol, atol=atol, equal_nan=True)))
+        close = got.shape == want.shape and outside <= golden.allowed_outside(want.size)
         diff = float(np.max(np.abs(got.astype(np.float64) - want))) if got.shape == want.shape else float("inf")
-        report.append({"output": name, "max_abs_diff": float("%.4g" % diff), "rtol": golden.rtol,
-                       "atol": float("%.4g" % atol), "ok": close})
+        row = {"output": name, "max_abs_diff": float("%.4g" % diff), "rtol": golden.rtol,
+               "atol": float("%.4g" % atol), "ok": close}
+        if golden.outliers:
+            row.update(outside=outside, allowed=golden.allowed_outside(want.size))
+        report.append(row)
         ok = ok and close
     return ok, report
 

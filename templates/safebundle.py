@@ -145,6 +145,8 @@ def check_manifest(manifest) -> "contract.Manifest":
         raise BundleRefused("manifest runtime.loader / runtime.libraries are not the bundle's files")
     for section in ("weights", "golden"):
         _check_table(section, getattr(m, section), m.sizes[getattr(m, section).file])
+    if m.golden.outliers is not None and not 0 <= m.golden.outliers <= contract.MAX_GOLDEN_OUTLIERS:
+        raise BundleRefused(f"manifest golden.outliers must be from 0 to {contract.MAX_GOLDEN_OUTLIERS}")
     return m
 
 

@@ -188,7 +188,7 @@ struct Bundle {
   Json manifest;
   std::string bundle_id, arch, profile, cuda_arch;
   int cuda_major = 0;
-  double rtol = 0, atol = 0;
+  double rtol = 0, atol = 0, outliers = 0;  // golden.outliers: 0 where absent
   std::vector<TensorSpec> inputs, outputs, weights, golden;
   std::string weights_file, golden_file, library_file;
   std::vector<std::string> libraries;  // runtime libraries in load order, relative to dir
@@ -262,6 +262,11 @@ Bundle LoadManifest(const std::string& dir) {
   }
   b.rtol = golden.At("rtol", "golden.").Num("golden.rtol");
   b.atol = golden.At("atol", "golden.").Num("golden.atol");
+  if (const Json* outliers = golden.Find("outliers"); outliers && outliers->kind != Json::kNull) {
+    b.outliers = outliers->Num("golden.outliers");
+    if (!(b.outliers >= 0 && b.outliers <= kMaxGoldenOutliers))
+      refuse("manifest golden.outliers must be from 0 to " + JsonNumber(kMaxGoldenOutliers));
+  }
   b.library_file = m.At("library", "").At("file", "library.").Str("library.file");
   const Json* runtime = m.Find("runtime");
   if (!runtime || runtime->kind != Json::kObject) refuse_device("this bundle carries no runtime (packaged with --runtime none)");
@@ -707,23 +712,27 @@ int SelfTest(Runtime* rt, const Bundle& b, bool json) {
       max_want = std::max(max_want, std::fabs(ElementAsDouble(want_spec.dtype, &want[k * size_t(want_spec.dtype.bytes)])));
     double atol = b.atol * std::max(1.0, max_want);
     double diff = same_shape ? 0.0 : INFINITY;
-    bool close = same_shape;
+    size_t outside = 0;  // values outside the tolerance (numpy's isclose, NaN equal to NaN)
     for (size_t k = 0; same_shape && k < n; ++k) {
       double g = ElementAsDouble(got.dtype, &got.data[k * size_t(got.dtype.bytes)]);
       double w = ElementAsDouble(want_spec.dtype, &want[k * size_t(want_spec.dtype.bytes)]);
       double d = std::fabs(g - w);
       if (std::isnan(g) || std::isnan(w)) {
-        if (!(std::isnan(g) && std::isnan(w))) close = false;
+        if (!(std::isnan(g) && std::isnan(w))) ++outside;
         diff = NAN;
         continue;
       }
-      if (!(d <= atol + b.rtol * std::fabs(w))) close = false;
+      if (!(g == w || d <= atol + b.rtol * std::fabs(w))) ++outside;
       if (!std::isnan(diff)) diff = std::max(diff, d);
     }
+    size_t allowed = size_t(std::floor(b.outliers * double(n)));  // GoldenRecord.allowed_outside
+    bool close = same_shape && outside <= allowed;
     all_ok = all_ok && close;
     rows += std::string(rows.empty() ? "" : ", ") + "{\"output\": " + JsonQuote(got.name) + ", \"max_abs_diff\": " +
             JsonNumber(diff) + ", \"rtol\": " + JsonNumber(b.rtol) + ", \"atol\": " + JsonNumber(atol) +
-            ", \"ok\": " + (close ? "true" : "false") + "}";
+            ", \"ok\": " + (close ? "true" : "false") +
+            (b.outliers > 0 ? ", \"outside\": " + std::to_string(outside) + ", \"allowed\": " + std::to_string(allowed)
+                            : std::string()) + "}";
     char line[512];
     std::snprintf(line, sizeof line, "%-4s %s: max |diff| %.3g (rtol %g, atol %.3g)\n", close ? "ok" : "FAIL",
                   got.name.c_str(), diff, b.rtol, atol);

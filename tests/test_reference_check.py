@@ -1,0 +1,214 @@
+"""The reference check's judgement (edgeq.reference.compare), on references whose behaviour is known exactly:
+an integer build may differ where its reference moves by itself (an unstable int8 graph such as PP-OCRv4's
+detector), never more; a planted fault is refused; a YOLO head's boxes and scores are judged each on its scale."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edgeq.contract import TensorSpec
+from edgeq.reference import MAX_OUTLIERS, NUDGE, Reference, ReferenceMismatch, compare, yolo_parts
+
+N = 20000
+
+
+def _steep(fraction: float):
+    """A reference that rounds like an int8 graph and amplifies one step: about ``fraction`` of its outputs
+    sit on a rounding boundary and jump by 0.9 when the input moves by NUDGE."""
+    x0 = np.linspace(1.0, 2.0, N, dtype=np.float32)
+    edge = np.zeros(N, bool)
+    edge[np.random.default_rng(3).choice(N, int(fraction * N), replace=False)] = True
+
+    def run(inputs):
+        moved = np.abs(inputs["x"] / x0 - 1) > NUDGE / 100  # moved at all: those on the boundary flip
+        return [np.where(edge & moved, 0.95, 0.05).astype(np.float32)]
+
+    return Reference("steep", "a steep graph", run), {"x": x0}
+
+
+def _check(reference, inputs, got, integer=True, parts=None):
+    return compare(reference, inputs, [got], [TensorSpec("y", [N], "float32")], 0.02, 0.05, "the build",
+                   integer=integer, parts=parts)
+
+
+def test_an_integer_build_may_move_where_its_reference_moves_by_itself():
+    reference, inputs = _steep(0.004)
+    want = reference.run(inputs)[0]
+    got = want.copy()
+    got[:40] = 0.95  # 0.2% of the values flipped by 0.9: within twice what the reference moves (0.4%)
+    check = _check(reference, inputs, got)
+    row = check.outputs[0]
+    assert row["ok"] and row["outside"] == pytest.approx(0.002) and row["reference_moves"] == pytest.approx(0.004, rel=0.05)
+    assert row["outliers"] == pytest.approx(0.008, rel=0.05)
+    # the float build is still judged element by element: the same difference is refused
+    with pytest.raises(ReferenceMismatch, match="output 'y'"):
+        _check(reference, inputs, got, integer=False)
+
+
+def test_more_than_the_reference_moves_and_a_planted_fault_are_refused():
+    reference, inputs = _steep(0.004)
+    want = reference.run(inputs)[0]
+    got = want.copy()
+    got[:200] = 0.95  # 1% flipped: more than twice the reference's 0.4%
+    with pytest.raises(ReferenceMismatch, match=r"this is an edgeq fault|This is an edgeq fault"):
+        _check(reference, inputs, got)
+    with pytest.raises(ReferenceMismatch, match="disagrees"):
+        _check(reference, inputs, want + 0.5)  # a planted fault: every value off
+    stable, inputs = _steep(0.0)  # a graph that does not move: no allowance at all
+    want = stable.run(inputs)[0]
+    got = want.copy()
+    got[0] = 0.95
+    with pytest.raises(ReferenceMismatch, match="disagrees"):
+        _check(stable, inputs, got)
+
+
+def test_a_graph_more_unstable_than_any_self_test_accepts_is_refused_as_such():
+    reference, inputs = _steep(MAX_OUTLIERS)
+    got = reference.run(inputs)[0].copy()
+    got[: int(1.75 * MAX_OUTLIERS * N)] = 0.95  # within twice what the reference moves, beyond what a self-test takes
+    with pytest.raises(ReferenceMismatch, match="the quantized graph is unstable.*--precision mixed"):
+        _check(reference, inputs, got)
+
+
+def test_a_yolo_head_is_judged_part_by_part():
+    """Box rows in pixels and score rows in 0..1: a score 0.3 off is refused although the boxes reach 600."""
+    head = np.zeros((1, 6, 100), np.float32)
+    head[0, :4] = np.linspace(0, 600, 400).reshape(4, 100)
+    head[0, 4:] = 0.1
+    bad = head.copy()
+    bad[0, 5, 7] += 0.3
+    reference = Reference("head", "a head", lambda inputs: [head])
+    spec = [TensorSpec("out", [1, 6, 100], "float32")]
+    whole = compare(reference, {}, [bad], spec, 0.02, 0.05, "the build")  # scaled by 600: 0.3 passes
+    assert whole.outputs[0]["ok"]
+    with pytest.raises(ReferenceMismatch, match="output 'out'"):
+        compare(reference, {}, [bad], spec, 0.02, 0.05, "the build", parts=yolo_parts("out"))
+    moved = head.copy()
+    moved[0, 0, 3] += 20.0  # 20 px on 600 px boxes: within the boxes' own scale
+    assert compare(reference, {}, [moved], spec, 0.02, 0.05, "the build", parts=yolo_parts("out")).outputs[0]["ok"]
+
+
+def steep_model(path, seed: int = 0, size: int = 24, gain: float = 8.0):
+    """A small int8-unstable network, shaped like a DB text detector's tail: 3x3 and depthwise 5x5 convolutions,
+    each followed by a per-channel scale and shift and hard-swish, into a steep 1-channel sigmoid map (a one-step
+    change of an int8 value inside moves some probabilities by most of their range)."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(seed)
+    nodes, inits = [], []
+
+    def w(name, array):
+        inits.append(numpy_helper.from_array(array.astype(np.float32), name))
+        return name
+
+    x, c = "x", 3
+    for i in range(4):
+        dw = i % 2 == 1
+        k, co = (5, c) if dw else (3, 16)
+        shape = (co, 1, k, k) if dw else (co, c, k, k)
+        fan_in = k * k * (1 if dw else c)
+        nodes += [helper.make_node("Conv", [x, w(f"w{i}", rng.standard_normal(shape) * 1.5 / np.sqrt(fan_in)),
+                                            w(f"b{i}", rng.standard_normal(co) * 0.1)], [f"c{i}"], pads=[k // 2] * 4,
+                                   group=co if dw else 1),
+                  helper.make_node("Mul", [f"c{i}", w(f"s{i}", rng.uniform(0.5, 1.5, (1, co, 1, 1)))], [f"m{i}"]),
+                  helper.make_node("Add", [f"m{i}", w(f"t{i}", rng.standard_normal((1, co, 1, 1)) * 0.1)], [f"a{i}"]),
+                  helper.make_node("HardSwish", [f"a{i}"], [f"h{i}"])]
+        x, c = f"h{i}", co
+    nodes += [helper.make_node("Conv", [x, w("wl", rng.standard_normal((1, c, 1, 1)) * gain / np.sqrt(c)),
+                                        w("bl", np.array([-1.0]))], ["logit"]),
+              helper.make_node("Sigmoid", ["logit"], ["y"])]
+    graph = helper.make_graph(nodes, "steep", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, size, size])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1, size, size])], inits)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path
+
+
+EPSILON = 1e-3
+
+
+def test_an_unstable_int8_model_packages_and_a_planted_fault_in_it_does_not(tmp_path, monkeypatch):
+    """PP-OCRv4's detector in small: its int8 build differs from its quantized graph only where float noise
+    crosses a rounding boundary (emulated here: the float start values of its depthwise kernels moved by one part
+    in 10^3 after lowering, a fused epilogue rounding otherwise), and packages, the allowance recorded for the
+    self-test, which both loaders apply; two weights swapped in the same build are refused."""
+    import json
+
+    import edgeq.package
+    from conftest import run_cli, run_py
+
+    model = steep_model(tmp_path / "steep.onnx")
+    np.savez(tmp_path / "calib.npz", x=np.random.default_rng(5).standard_normal((16, 3, 24, 24)).astype(np.float32))
+    lower = edgeq.package.lower_graph
+
+    def rounded_otherwise(graph, target):  # float noise of the size a reordered epilogue makes
+        lowered, calls = lower(graph, target)
+        for name, value in lowered.weights.items():
+            if value.dtype == np.float32:
+                lowered.weights[name] = value * np.float32(1 + EPSILON)
+        return lowered, calls
+
+    monkeypatch.setattr(edgeq.package, "lower_graph", rounded_otherwise)
+    res = run_cli("package", model, "--device", "host", "-o", tmp_path / "out", "--precision", "int8",
+                  "--calibrate", tmp_path / "calib.npz", "--json", "-q")
+    assert res.code == 0, res.stderr
+    bundle = json.loads(res.stdout)["bundle_dir"]
+    manifest = json.loads((tmp_path / "out" / "steep-host" / "manifest.json").read_text())
+    row = manifest["reference_check"]["outputs"][0]
+    assert row["ok"] and 0 < row["outside"] <= row["outliers"] and row["reference_moves"] > 0, row
+    assert manifest["golden"]["outliers"] == row["outliers"]
+    _self_test_allows_the_outliers(Path(bundle), manifest, tmp_path)
+
+    def swapped(graph, target):
+        lowered, calls = lower(graph, target)
+        by_shape = {}
+        for name, w in lowered.weights.items():
+            by_shape.setdefault((w.shape, str(w.dtype)), []).append(name)
+        first, second = next(names for names in by_shape.values() if len(names) >= 2)[:2]
+        lowered.weights[first], lowered.weights[second] = lowered.weights[second], lowered.weights[first]
+        return lowered, calls
+
+    monkeypatch.setattr(edgeq.package, "lower_graph", swapped)
+    res = run_cli("package", model, "--device", "host", "-o", tmp_path / "bad", "--precision", "int8",
+                  "--calibrate", tmp_path / "calib.npz")
+    assert res.code == 1 and "disagrees with the reference" in res.stderr and "edgeq fault" in res.stderr, res.stderr
+    assert not (tmp_path / "bad").exists()
+
+
+def _self_test_allows_the_outliers(bundle: Path, manifest: dict, tmp_path: Path) -> None:
+    """golden.outliers in both loaders: the golden output with as many values moved as it allows passes the
+    self-test, one more fails it."""
+    import hashlib
+    import json
+    import shutil
+    import subprocess
+
+    from conftest import run_py
+
+    entry = next(t for t in manifest["golden"]["tensors"] if t["name"].startswith("output:"))
+    count = entry["bytes"] // 4
+    allowed = int(np.floor(manifest["golden"]["outliers"] * count))
+    assert allowed >= 1
+    for moved, passes in ((allowed, True), (allowed + 1, False)):
+        copy = tmp_path / f"moved{moved}"
+        shutil.copytree(bundle, copy)
+        data = bytearray((copy / "golden.bin").read_bytes())
+        values = np.frombuffer(data, np.float32, count, entry["offset"]).copy()
+        values[:moved] += 0.5
+        data[entry["offset"]:entry["offset"] + entry["bytes"]] = values.tobytes()
+        (copy / "golden.bin").write_bytes(bytes(data))
+        changed = json.loads((copy / "manifest.json").read_text())
+        changed["files"]["golden.bin"] = hashlib.sha256(bytes(data)).hexdigest()
+        (copy / "manifest.json").write_text(json.dumps(changed, indent=2) + "\n")
+        sums = {**changed["files"], "manifest.json": hashlib.sha256((copy / "manifest.json").read_bytes()).hexdigest()}
+        (copy / "SHA256SUMS").write_text("".join(f"{h}  {n}\n" for n, h in sorted(sums.items())))
+        py = run_py(copy, "--self-test", "--json")
+        native = subprocess.run([str(copy / "runtime" / "edgeq-run"), "--self-test", "--json"], cwd=copy,
+                                capture_output=True, text=True, timeout=120)
+        for proc in (py, native):
+            assert (proc.returncode == 0) == passes, (moved, allowed, proc.stdout, proc.stderr)
+            row = json.loads(proc.stdout)["outputs"][0]
+            assert (row["outside"], row["allowed"]) == (moved, allowed), row
