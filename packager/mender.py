@@ -190,6 +190,13 @@ def write_artifact(args: MenderArgs) -> MenderResult:
     output = Path(args.output)
     if output.is_dir():
         raise UsageError(f"-o {output} is a folder; give the artifact's file name (for example {manifest.name}.mender)")
+    if output.resolve() == bundle.resolve():
+        raise UsageError(f"-o {output} is the bundle archive itself; give the artifact another name (for example "
+                         f"{manifest.name}.mender)")
+    where = output.resolve().parent
+    if any((p / "manifest.json").is_file() for p in (where, *where.parents)):
+        raise UsageError(f"-o {output} is inside a bundle folder (it would change the bundle, which then fails "
+                         "verify); write the artifact outside any bundle")
 
     payload_name = bundle.name
     payload = bundle.read_bytes()

@@ -341,6 +341,8 @@ def _check_export_qdq(args: PackageArgs) -> None:
         raise OutputError(f"cannot write --export-qdq {path}: its folder is missing or not writable")
     if any((p / contract.MANIFEST).is_file() for p in (folder.resolve(), *folder.resolve().parents)):
         raise UsageError(f"--export-qdq {path} is inside a bundle folder; choose a file outside any bundle")
+    if path.resolve() == Path(args.model).resolve():
+        raise UsageError(f"--export-qdq {path} is the model being packaged; give the QDQ model another file name")
 
 
 def _export_qdq(b: _Build) -> None:

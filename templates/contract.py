@@ -538,6 +538,7 @@ def rows_problem(outputs) -> str | None:
 
 
 MAX_LABELS = 100_000  # --postprocess labels
+MAX_IMAGE_SIDE = 16384  # --preprocess: an input image's side (what a loader allocates for it is bounded by this)
 # the largest share of an output's values a self-test may find outside its tolerance (GoldenRecord.outliers)
 MAX_GOLDEN_OUTLIERS = 0.02
 
@@ -554,7 +555,8 @@ def process_problem(manifest) -> str | None:
             return "manifest field 'preprocess' does not fit input '%s'" % pre.input
         if pre.resize not in ("stretch", "letterbox") or pre.order not in ("RGB", "BGR", "GRAY") \
                 or pre.layout not in ("NCHW", "NHWC") or pre.scale == 0 or len(pre.mean) not in (1, channels) \
-                or len(pre.std) not in (1, channels) or 0 in pre.std:
+                or len(pre.std) not in (1, channels) or 0 in pre.std \
+                or not (1 <= pre.height <= MAX_IMAGE_SIDE and 1 <= pre.width <= MAX_IMAGE_SIDE):
             return "manifest field 'preprocess' has a value out of range"
     if post is not None:
         spec = next((o for o in manifest.outputs if o.name == post.output), None)

@@ -4,6 +4,7 @@ carries exactly the bundle's scales, and layers edgeq kept in float stay float."
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -87,4 +88,11 @@ def test_export_qdq_refusals(models, tmp_path):
     res = run_cli("package", model, "--device", "host", "--precision", "int8", "--calibrate", calib, "-o", tmp_path / "c",
                   "--export-qdq", tmp_path / "missing" / "q.onnx")
     assert res.code == 6 and "not writable" in res.stderr
-    assert not any((tmp_path / d).exists() for d in ("a", "b", "c")) and not (tmp_path / "q.onnx").exists()
+    copy = tmp_path / "model.onnx"  # the model being packaged, given as the QDQ file: refused, not overwritten
+    shutil.copy(model, copy)
+    before = copy.read_bytes()
+    res = run_cli("package", copy, "--device", "host", "--precision", "int8", "--calibrate", calib, "-o", tmp_path / "d",
+                  "--export-qdq", tmp_path / "." / "model.onnx")
+    assert res.code == 2 and "is the model being packaged" in res.stderr and res.stderr.count("\n") == 1, res.stderr
+    assert copy.read_bytes() == before
+    assert not any((tmp_path / d).exists() for d in ("a", "b", "c", "d")) and not (tmp_path / "q.onnx").exists()

@@ -211,6 +211,15 @@ def test_a_manifest_whose_preprocess_does_not_fit_is_refused_by_both(images, tmp
     assert py.returncode == native.returncode == 7
     for err in (py.stderr, native.stderr):
         assert "manifest field 'preprocess' does not fit input 'x'" in err and len(err.strip().splitlines()) == 1
+    # a resize no loader can allocate for (100000 x 100000 floats: 120 GB), the input declared to match:
+    # refused from the manifest before anything is allocated, not a MemoryError or bad_alloc
+    manifest["preprocess"]["height"] = manifest["preprocess"]["width"] = 100000
+    manifest["inputs"][0]["shape"] = [1, 3, 100000, 100000]
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    for proc in (run_py(bundle, "--input", images["rgb.png"]), _native(bundle, "--input", images["rgb.png"])):
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 7 and len(lines) == 1, proc.stderr
+        assert "manifest field 'preprocess' has a value out of range" in lines[0], lines[0]
 
 
 @pytest.mark.skipif(QEMU is None or not Path(SYSROOT).is_dir(), reason="qemu-user and the aarch64 cross toolchain are needed")

@@ -183,6 +183,16 @@ def test_bad_bundles_are_refused_in_one_line(tmp_path, bundles):
         res = run_cli(*argv)
         assert res.code in (2, 7) and res.stderr.count("\n") == 1 and "Traceback" not in res.stderr, res.stderr
     assert not list(tmp_path.glob("*.mender"))
+    # the artifact written over its own bundle archive, or into a bundle folder (which then fails verify): refused
+    archive = tmp_path / "copy.tar.gz"
+    shutil.copy(bundles["v1"], archive)
+    before = archive.read_bytes()
+    folder = bundles["v1"].parent / "mnet-host"
+    for output, fragment in ((archive, "is the bundle archive itself"), (folder / "x.mender", "inside a bundle folder")):
+        res = run_cli("mender", archive, "-o", output)
+        assert res.code == 2 and fragment in res.stderr and res.stderr.count("\n") == 1, res.stderr
+    assert archive.read_bytes() == before and not (folder / "x.mender").exists()
+    assert run_cli("verify", folder).code == 0
 
 
 class Device:

@@ -24,7 +24,7 @@ import numpy as np
 
 from edgeq.errors import UsageError
 from edgeq.limits import check
-from edgeq.contract import TensorSpec
+from edgeq.contract import MAX_IMAGE_SIDE, TensorSpec
 from edgeq.load import npy_bytes
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm"}
@@ -80,8 +80,8 @@ class Preprocess:
             raise DataError("--preprocess std must not be 0")
         if not all(math.isfinite(v) for v in (*pre.mean, *pre.std, pre.scale)) or pre.scale == 0:
             raise DataError("--preprocess mean, std and scale must be finite numbers (scale not 0)")
-        if pre.resize and not all(0 < d <= 16384 for d in pre.resize):
-            raise DataError(f"--preprocess resize={pre.resize[0]}x{pre.resize[1]} must be 1 to 16384 pixels a side")
+        if pre.resize and not all(0 < d <= MAX_IMAGE_SIDE for d in pre.resize):
+            raise DataError(f"--preprocess resize={pre.resize[0]}x{pre.resize[1]} must be 1 to {MAX_IMAGE_SIDE} pixels a side")
         return pre
 
     def to_dict(self) -> dict:
@@ -99,6 +99,9 @@ class Preprocess:
         shape = spec.shape
         channels = shape[1] if self.layout == "NCHW" else shape[-1]
         size = (shape[2], shape[3]) if self.layout == "NCHW" else (shape[1], shape[2])
+        if not all(1 <= d <= MAX_IMAGE_SIDE for d in size):
+            raise DataError(f"--preprocess: input '{spec.name}' is {size[0]}x{size[1]} pixels; images go to inputs of 1 to "
+                            f"{MAX_IMAGE_SIDE} pixels a side")
         if self.resize and tuple(self.resize) != size:
             raise DataError(f"--preprocess resize={self.resize[0]}x{self.resize[1]} is not input '{spec.name}''s "
                             f"{size[0]}x{size[1]}; leave resize out (the input's size is used)")

@@ -401,7 +401,8 @@ std::string ProcessProblem(const Preprocess& pre, const Postprocess& post, const
         (pre.order != "RGB" && pre.order != "BGR" && pre.order != "GRAY") ||
         (pre.layout != "NCHW" && pre.layout != "NHWC") || pre.scale == 0 ||
         (pre.mean.size() != 1 && int64_t(pre.mean.size()) != channels) ||
-        (pre.std.size() != 1 && int64_t(pre.std.size()) != channels) || zero_std)
+        (pre.std.size() != 1 && int64_t(pre.std.size()) != channels) || zero_std || pre.height < 1 ||
+        pre.height > kMaxImageSide || pre.width < 1 || pre.width > kMaxImageSide)
       return "manifest field 'preprocess' has a value out of range";
   }
   if (post.given) {
