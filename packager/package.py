@@ -38,6 +38,7 @@ from edgeq.progress import StageProgress
 from edgeq.reference import check_choice as check_reference
 from edgeq.reference import choose as choose_reference
 from edgeq.reference import compare as compare_reference
+from edgeq.reference import probes as reference_probes
 from edgeq.reference import yolo_parts
 from edgeq.relax_import import to_relax
 from edgeq.runtime.assemble import assemble, check_elves
@@ -552,9 +553,10 @@ def _reference_check(b: _Build) -> None:
         b.progress.note(f"reference: {reference.name} ({reference.note})")
     rtol, atol = _reference_tolerance(b)
     parts = yolo_parts(b.postprocess.output) if b.postprocess is not None and b.postprocess.kind == "yolo" else None
+    # an edgeq-quantized build: how much its quantized graph moves by itself under float noise (edgeq.reference)
+    noisy = reference_probes(b.reference_graph, reference.graph) if b.args.precision in QUANTIZED else []
     b.reference_check = compare_reference(reference, b.golden.inputs, b.golden.outputs, b.outputs, rtol, atol,
-                                          checked=b.golden.computed_with, parts=parts,
-                                          integer=b.args.precision in QUANTIZED)
+                                          checked=b.golden.computed_with, parts=parts, probes=noisy)
     check = b.reference_check
     if check.result == "passed":
         b.progress.note(f"reference check passed: {check.reference}, largest |diff| {check.max_abs_diff:.3g}")

@@ -44,6 +44,9 @@ class CudaSpec:
     arch: str  # "sm_87"
     version: str  # CUDA version of the JetPack the device runs, "12.6"
     gpu: str = ""
+    # shared memory a kernel may use without opting in (cudaFuncSetAttribute), which TVM's launches do not:
+    # 48 KiB on every architecture since Kepler; TVM's GPU rules size their tiles by it (and warn where a target lacks it)
+    max_shared_memory_per_block: int = 49152
 
     @property
     def major(self) -> int:
@@ -98,7 +101,8 @@ class Profile:
 
         host = self.host_target_dict(reciprocal)
         if self.cuda:
-            return tvm.target.Target({"kind": "cuda", "arch": self.cuda.arch}, host=host)
+            return tvm.target.Target({"kind": "cuda", "arch": self.cuda.arch,
+                                      "max_shared_memory_per_block": self.cuda.max_shared_memory_per_block}, host=host)
         return tvm.target.Target(host)
 
     def device_record(self):
