@@ -143,3 +143,45 @@ def test_a_golden_computation_this_machine_cannot_hold_is_refused_in_one_line(mo
     last = res.stderr.strip().splitlines()[-1]
     assert last.startswith("edgeq: error: the golden input and outputs take") and " free; " in last and "--input-shape" in last
     assert "Traceback" not in res.stderr and not out.exists()
+
+
+def _embedding_model(path: Path, through: str = "Cast") -> Path:
+    """A BERT's embeddings in small: word ids into a 30-row table, token types into a 2-row one (through ``through``)."""
+    rng = np.random.default_rng(0)
+    tables = [helper.make_tensor("words", TensorProto.FLOAT, [30, 4], rng.standard_normal(120).astype(np.float32)),
+              helper.make_tensor("types", TensorProto.FLOAT, [2, 4], rng.standard_normal(8).astype(np.float32)),
+              helper.make_tensor("zero", TensorProto.INT64, [], [0])]
+    step = (helper.make_node("Cast", ["token_type_ids"], ["t"], to=TensorProto.INT64) if through == "Cast"
+            else helper.make_node("Add", ["token_type_ids", "zero"], ["t"]))
+    nodes = [step, helper.make_node("Gather", ["words", "input_ids"], ["w"]),
+             helper.make_node("Gather", ["types", "t"], ["e"]), helper.make_node("Add", ["w", "e"], ["y"])]
+    graph = helper.make_graph(nodes, "embeddings",
+                              [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, 8]),
+                               helper.make_tensor_value_info("token_type_ids", TensorProto.INT64, [1, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 4])], tables)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path
+
+
+def test_generated_indices_stay_inside_the_tables_they_index(tmp_path):
+    """A 2-row token-type table: the generated golden input holds 0 and 1 there (it held up to 7, the reference
+    refused it, and the bundle was written unchecked with golden outputs from an out-of-bounds gather)."""
+    from edgeq import package
+
+    model = _embedding_model(tmp_path / "emb.onnx")
+    assert package.gather_bounds(onnx.load(model)) == {"input_ids": 30, "token_type_ids": 2}
+    res = run_cli("package", model, "--device", "host", "-o", tmp_path / "out", "--runtime", "none", "-q", "--json")
+    assert res.code == 0, res.stderr
+    bundle = Path(json.loads(res.stdout)["bundle_dir"])
+    assert json.loads((bundle / "manifest.json").read_text())["reference_check"]["result"] == "passed"
+    assert read_golden(bundle)["input:token_type_ids"].max() <= 1
+
+
+def test_a_generated_input_the_reference_cannot_run_is_refused(tmp_path):
+    """Indices that reach their table through arithmetic are not bounded: the reference refuses the generated
+    input, and with nothing to check the build against, nothing is written (one line, exit 3)."""
+    model = _embedding_model(tmp_path / "emb.onnx", through="Add")
+    res = run_cli("package", model, "--device", "host", "-o", tmp_path / "out", "--runtime", "none")
+    errors = [line for line in res.stderr.splitlines() if line.startswith("edgeq: error:")]
+    assert res.code == 3 and len(errors) == 1 and "--golden-input" in errors[0], res.stderr
+    assert not (tmp_path / "out").exists()
