@@ -203,7 +203,17 @@ def run_edgeq(test: NodeTest, workdir: Path, bind: bool = True) -> Result:
         args.consts[name] = workdir / f"const{i}.npy"
         np.save(args.consts[name], value)
     try:
-        result = package(args)
+        try:
+            result = package(args)
+        except EdgeqError as err:
+            feeds = {i.name: v for i, v in zip(test.model.graph.input, test.inputs) if i.name not in bound}
+            if "cannot run the generated golden input" not in str(err) or not feeds:
+                raise
+            # as the message says: the test's own inputs, which the operator is defined on, as the golden input
+            # (a generated one may not be: NonMaxSuppression's iou_threshold drawn below 0)
+            args.golden_input = workdir / "golden.npz"
+            np.savez(args.golden_input, **feeds)
+            result = package(args)
     except EdgeqError as err:
         message = str(err)
         if "\n" in message.strip() or not message.strip():
