@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import json
 import os
 import subprocess
 import sys
@@ -63,6 +64,37 @@ def read_golden(bundle_dir) -> dict[str, np.ndarray]:
     from edgeq.bundle import read_manifest, read_tensors
 
     return read_tensors(Path(bundle_dir), read_manifest(bundle_dir).golden)
+
+
+def rehash(bundle_dir: Path, manifest: dict, changed: list[str]) -> None:
+    """Write ``manifest`` into the bundle with the sizes and SHA-256 of the ``changed`` files, and SHA256SUMS to
+    match (unsigned): a bundle changed as a forger or a damaged build would leave it, consistent."""
+    import hashlib
+
+    def sha(path):
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+
+    for name in changed:
+        manifest["files"][name] = sha(bundle_dir / name)
+        manifest["sizes"][name] = (bundle_dir / name).stat().st_size
+    (bundle_dir / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    sums = {**manifest["files"], "manifest.json": sha(bundle_dir / "manifest.json")}
+    (bundle_dir / "SHA256SUMS").write_text("".join(f"{h}  {n}\n" for n, h in sorted(sums.items())))
+
+
+def lowering_with_two_weights_swapped(lower):
+    """``lower`` (edgeq.package.lower_graph) with two weights of the same shape swapped after lowering: a planted
+    fault the golden outputs agree with (the self-test would pass) and the reference check does not."""
+    def swapped(graph, target):
+        lowered, calls = lower(graph, target)
+        by_shape = {}
+        for name, w in lowered.weights.items():
+            by_shape.setdefault((w.shape, str(w.dtype)), []).append(name)
+        first, second = next(names for names in by_shape.values() if len(names) >= 2)[:2]
+        lowered.weights[first], lowered.weights[second] = lowered.weights[second], lowered.weights[first]
+        return lowered, calls
+
+    return swapped
 
 
 def run_py(bundle_dir: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -19,7 +19,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from conftest import run_cli, torch_export
+from conftest import lowering_with_two_weights_swapped, run_cli, torch_export
 
 
 def _constant(name: str, array: np.ndarray) -> onnx.NodeProto:
@@ -219,18 +219,7 @@ def test_reference_check_refuses_a_planted_lowering_fault(tmp_path, monkeypatch,
     the reference does not. One line, exit status 1, nothing written."""
     import edgeq.package
 
-    lower = edgeq.package.lower_graph
-
-    def swapped(graph, target):
-        lowered, calls = lower(graph, target)
-        by_shape = {}
-        for name, w in lowered.weights.items():
-            by_shape.setdefault((w.shape, str(w.dtype)), []).append(name)
-        first, second = next(names for names in by_shape.values() if len(names) >= 2)[:2]
-        lowered.weights[first], lowered.weights[second] = lowered.weights[second], lowered.weights[first]
-        return lowered, calls
-
-    monkeypatch.setattr(edgeq.package, "lower_graph", swapped)
+    monkeypatch.setattr(edgeq.package, "lower_graph", lowering_with_two_weights_swapped(edgeq.package.lower_graph))
     model = collide_model(tmp_path / "collide.onnx", channels=96, size=4)
     out = tmp_path / "out"
     res = run_cli("package", model, "--device", "host", "-o", out, "--reference", reference)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_cli
+from conftest import rehash, run_cli
 from edgeq.mender import write_module_files
 
 MENDER_ARTIFACT = shutil.which("mender-artifact")
@@ -60,16 +60,9 @@ def _failing_copy(bundle_dir: Path, out: Path, release: int) -> Path:
     data = bytearray((dst / "golden.bin").read_bytes())
     data[output["offset"]: output["offset"] + output["bytes"]] = b"\x00\x00\x40\x46" * (output["bytes"] // 4)
     (dst / "golden.bin").write_bytes(bytes(data))
-
-    def sha(path):
-        return hashlib.sha256(path.read_bytes()).hexdigest()
-
-    manifest["files"]["golden.bin"] = sha(dst / "golden.bin")
     manifest["release"] = release
     manifest["bundle_id"] = manifest["bundle_id"][:-12] + "00000000fa11"
-    (dst / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-    sums = {**manifest["files"], "manifest.json": sha(dst / "manifest.json")}
-    (dst / "SHA256SUMS").write_text("".join(f"{h}  {n}\n" for n, h in sorted(sums.items())))
+    rehash(dst, manifest, ["golden.bin"])
     archive = out / f"{bundle_dir.name}.tar.gz"
     make_archive(dst, archive, mtime=0)
     return archive
@@ -314,16 +307,7 @@ def _hostile_verifier_copy(bundle_dir: Path, out: Path, marker: Path) -> Path:
     (dst / "safebundle.py").write_text(
         f"import json, pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\n"
         "print(json.dumps({'bundle_id': 'forged', 'release': 99}))\n")
-    manifest = json.loads((dst / "manifest.json").read_text())
-
-    def sha(path):
-        return hashlib.sha256(path.read_bytes()).hexdigest()
-
-    manifest["files"]["safebundle.py"] = sha(dst / "safebundle.py")
-    manifest["sizes"]["safebundle.py"] = (dst / "safebundle.py").stat().st_size
-    (dst / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-    sums = {**manifest["files"], "manifest.json": sha(dst / "manifest.json")}
-    (dst / "SHA256SUMS").write_text("".join(f"{h}  {n}\n" for n, h in sorted(sums.items())))
+    rehash(dst, json.loads((dst / "manifest.json").read_text()), ["safebundle.py"])
     archive = out / f"{bundle_dir.name}.tar.gz"
     make_archive(dst, archive, mtime=0)
     return archive

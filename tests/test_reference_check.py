@@ -131,7 +131,7 @@ def test_an_unstable_int8_model_packages_and_a_planted_fault_in_it_does_not(tmp_
     import json
 
     import edgeq.package
-    from conftest import run_cli, run_py
+    from conftest import lowering_with_two_weights_swapped, run_cli
 
     model = steep_model(tmp_path / "steep.onnx")
     np.savez(tmp_path / "calib.npz", x=np.random.default_rng(5).standard_normal((16, 3, 64, 64)).astype(np.float32))
@@ -161,16 +161,7 @@ def test_an_unstable_int8_model_packages_and_a_planted_fault_in_it_does_not(tmp_
     assert manifest["golden"]["outliers"] == row["outliers"]
     _self_test_allows_the_outliers(Path(bundle), manifest, tmp_path)
 
-    def swapped(graph, target):
-        lowered, calls = lower(graph, target)
-        by_shape = {}
-        for name, w in lowered.weights.items():
-            by_shape.setdefault((w.shape, str(w.dtype)), []).append(name)
-        first, second = next(names for names in by_shape.values() if len(names) >= 2)[:2]
-        lowered.weights[first], lowered.weights[second] = lowered.weights[second], lowered.weights[first]
-        return lowered, calls
-
-    monkeypatch.setattr(edgeq.package, "lower_graph", swapped)
+    monkeypatch.setattr(edgeq.package, "lower_graph", lowering_with_two_weights_swapped(lower))
     res = run_cli("package", model, "--device", "host", "-o", tmp_path / "bad", "--precision", "int8",
                   "--calibrate", tmp_path / "calib.npz")
     assert res.code == 1 and "disagrees with the reference" in res.stderr and "edgeq fault" in res.stderr, res.stderr
@@ -180,12 +171,11 @@ def test_an_unstable_int8_model_packages_and_a_planted_fault_in_it_does_not(tmp_
 def _self_test_allows_the_outliers(bundle: Path, manifest: dict, tmp_path: Path) -> None:
     """golden.outliers in both loaders: the golden output with as many values moved as it allows passes the
     self-test, one more fails it."""
-    import hashlib
     import json
     import shutil
     import subprocess
 
-    from conftest import run_py
+    from conftest import rehash, run_py
 
     entry = next(t for t in manifest["golden"]["tensors"] if t["name"].startswith("output:"))
     count = entry["bytes"] // 4
@@ -199,11 +189,7 @@ def _self_test_allows_the_outliers(bundle: Path, manifest: dict, tmp_path: Path)
         values[:moved] += 0.5
         data[entry["offset"]:entry["offset"] + entry["bytes"]] = values.tobytes()
         (copy / "golden.bin").write_bytes(bytes(data))
-        changed = json.loads((copy / "manifest.json").read_text())
-        changed["files"]["golden.bin"] = hashlib.sha256(bytes(data)).hexdigest()
-        (copy / "manifest.json").write_text(json.dumps(changed, indent=2) + "\n")
-        sums = {**changed["files"], "manifest.json": hashlib.sha256((copy / "manifest.json").read_bytes()).hexdigest()}
-        (copy / "SHA256SUMS").write_text("".join(f"{h}  {n}\n" for n, h in sorted(sums.items())))
+        rehash(copy, json.loads((copy / "manifest.json").read_text()), ["golden.bin"])
         py = run_py(copy, "--self-test", "--json")
         native = subprocess.run([str(copy / "runtime" / "edgeq-run"), "--self-test", "--json"], cwd=copy,
                                 capture_output=True, text=True, timeout=120)
