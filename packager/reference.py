@@ -251,12 +251,14 @@ def compare(reference: Reference, inputs: dict[str, np.ndarray], got: Sequence[n
     # an integer build: the share of each output its reference graph moves out of tolerance under noise (probes),
     # measured where it matters: a build with values outside, or one whose device rounds otherwise
     integer = probes is not None
+
+    def any_outside(name: str) -> bool:
+        g, w = by_name[name].astype(np.float64), np.asarray(wanted[name], np.float64)
+        return g.shape == w.shape and bool(_outside(g, w, _atol(w, atol, parts.get(name)), rtol).any())
+
+    probed = integer and (probe_always or any(any_outside(name) for name in wanted if name in by_name))
     unstable = {name: 0.0 for name in wanted}
-    if integer and not probe_always:
-        probe_always = any(
-            g.shape == w.shape and bool(_outside(g, w, _atol(w, atol, parts.get(name)), rtol).any())
-            for name, g, w in ((n, by_name[n].astype(np.float64), np.asarray(wanted[n], np.float64)) for n in wanted if n in by_name))
-    for probe in probes() if integer and probe_always else ():
+    for probe in probes() if probed else ():
         moved = dict(zip(reference.names or output_names, (np.asarray(m) for m in probe.run(inputs))))
         for name, w in wanted.items():
             w64, m64 = np.asarray(w, np.float64), np.asarray(moved[name], np.float64)
@@ -296,7 +298,7 @@ def compare(reference: Reference, inputs: dict[str, np.ndarray], got: Sequence[n
         row = {"output": name, "max_abs_diff": float("%.4g" % largest), "atol": float("%.4g" % np.max(scaled)), "ok": ok}
         if integer:  # (reference_moves: measured only where it was needed)
             row.update(outside=float("%.4g" % outside), outliers=float("%.4g" % allowed))
-            if probe_always:
+            if probed:
                 row["reference_moves"] = float("%.4g" % unstable[name])
         rows.append(row)
         if not ok and first_bad is None:
