@@ -21,6 +21,7 @@
 #include "json.h"
 #include "npy.h"
 #include "refuse.h"
+#include "zip.h"
 
 namespace {
 
@@ -66,22 +67,6 @@ void CheckPixels(int64_t w, int64_t h, const std::string& path) {
   if (w <= 0 || h <= 0 || uint64_t(w) * uint64_t(h) > kMaxImagePixels)
     refuse_usage(path + " has " + std::to_string(w) + " x " + std::to_string(h) + " pixels, more than " +
                  std::to_string(kMaxImagePixels));
-}
-
-uint32_t Crc32(const unsigned char* p, size_t n) {  // zlib's crc32 (the PNG chunk CRC)
-  static uint32_t table[256];
-  static bool ready = false;
-  if (!ready) {
-    for (uint32_t k = 0; k < 256; ++k) {
-      uint32_t c = k;
-      for (int j = 0; j < 8; ++j) c = c & 1 ? 0xEDB88320u ^ (c >> 1) : c >> 1;
-      table[k] = c;
-    }
-    ready = true;
-  }
-  uint32_t c = 0xFFFFFFFFu;
-  for (size_t i = 0; i < n; ++i) c = table[(c ^ p[i]) & 0xFF] ^ (c >> 8);
-  return c ^ 0xFFFFFFFFu;
 }
 
 // imaging.png_pixel_chunks: every chunk's length and CRC checked; only IHDR, PLTE, IDAT and IEND kept

@@ -11,7 +11,7 @@
 
 namespace {
 
-uint32_t Crc32(const std::string& data) {
+uint32_t Crc32(const unsigned char* p, size_t n) {  // zlib's crc32: zip members, PNG chunks (image.h)
   static uint32_t table[256];
   static bool ready = false;
   if (!ready) {
@@ -23,8 +23,12 @@ uint32_t Crc32(const std::string& data) {
     ready = true;
   }
   uint32_t c = 0xFFFFFFFFu;
-  for (unsigned char b : data) c = table[(c ^ b) & 0xFF] ^ (c >> 8);
+  for (size_t i = 0; i < n; ++i) c = table[(c ^ p[i]) & 0xFF] ^ (c >> 8);
   return c ^ 0xFFFFFFFFu;
+}
+
+uint32_t Crc32(const std::string& data) {
+  return Crc32(reinterpret_cast<const unsigned char*>(data.data()), data.size());
 }
 
 void Put16(std::string* s, uint32_t v) { *s += char(v & 0xFF); *s += char((v >> 8) & 0xFF); }
