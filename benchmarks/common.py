@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -93,3 +94,11 @@ def show(title: str, rows: list[dict]) -> None:
     for row in rows:
         table.add_row(*(str(row.get(k, "-")) for k in rows[0]))
     Console(width=200).print(table)
+
+
+def report(title: str, rows: list[dict], as_json: bool) -> None:
+    """A benchmark's rows as JSON (``--json``) or as a table titled ``title``."""
+    if as_json:
+        print(json.dumps(rows, indent=2))
+    else:
+        show(title, rows)

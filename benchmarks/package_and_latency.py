@@ -7,12 +7,11 @@ ONNX Runtime (same input, same machine, one run). Prints a table, or JSON with -
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 from pathlib import Path
 
 import numpy as np
-from common import bundle_model, median_ms, ort_session, show
+from common import bundle_model, median_ms, ort_session, report
 
 import make_models  # noqa: E402
 
@@ -48,10 +47,7 @@ def main() -> None:
                 "onnxruntime_fp32_ms": round(ort_ms, 3),
                 "edgeq_speed_vs_ort": round(ort_ms / edgeq_ms, 3),
             })
-    if args.json:
-        print(json.dumps(rows, indent=2))
-        return
-    show(f"package time and host fp32 latency (median of {args.repeat}); ORT {args.threads} threads", rows)
+    report(f"package time and host fp32 latency (median of {args.repeat}); ORT {args.threads} threads", rows, args.json)
 
 if __name__ == "__main__":
     main()

@@ -8,12 +8,11 @@ other stage, timed in the same run (nothing else in the job changed with it).
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 from pathlib import Path
 
 import numpy as np
-from common import show
+from common import report
 
 import zoo  # noqa: E402 - benchmarks/ is on sys.path when run as a script
 
@@ -50,10 +49,7 @@ def main() -> None:
             for precision, references in (("fp32", ("auto", "tvm")), ("int8", ("auto",))):
                 for reference in references:
                     rows.append(one(model, Path(tmp, "dist"), precision, reference, calib))
-    if args.json:
-        print(json.dumps(rows, indent=2))
-    else:
-        show("edgeq package --device host: the reference check's cost", rows)
+    report("edgeq package --device host: the reference check's cost", rows, args.json)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common import show
+from common import report
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = {  # name: (wheel file prefix, member, input, preprocess, what the answer is)
@@ -144,10 +144,8 @@ def main() -> None:
                              "min": round(float(np.min(ious)), 4),
                              "outside": check.get("outside"), "graph_moves": check.get("reference_moves"),
                              "allowed": check.get("outliers")})
-    if args.json:
-        print(json.dumps(rows, indent=2))
-    else:
-        show(f"trained models against ONNX Runtime fp32 ({args.held} held-out images, {args.size}x{args.size})", rows)
+    report(f"trained models against ONNX Runtime fp32 ({args.held} held-out images, {args.size}x{args.size})", rows,
+           args.json)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from common import bundle_model, median_ms, show
+from common import bundle_model, median_ms, report
 
 import zoo  # noqa: E402 - benchmarks/ is on sys.path when run as a script
 
@@ -114,10 +114,8 @@ def main() -> None:
     finally:
         for proc in procs:
             proc.kill()
-    if args.json:
-        print(json.dumps(rows, indent=2))
-    else:
-        show(f"edgeq tune on this host over RPC on loopback, {args.trials} trials: untuned vs tuned, XGBoost vs random", rows)
+    report(f"edgeq tune on this host over RPC on loopback, {args.trials} trials: untuned vs tuned, XGBoost vs random", rows,
+           args.json)
 
 
 if __name__ == "__main__":
