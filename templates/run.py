@@ -389,9 +389,10 @@ def read_inputs(specs, manifest=None):
     inputs, image_hw = {}, None
     for spec in specs:
         name, sep, path = spec.partition("=")
-        if os.path.exists(path if sep else spec) and not os.path.isfile(path if sep else spec):
+        given = path if sep else spec
+        if os.path.exists(given) and not os.path.isfile(given):
             # a FIFO, a device or a folder is never opened (a FIFO with no writer would block); edgeq-run says the same
-            raise LoaderError("--input %s is not a regular file" % (path if sep else spec), Exit.USAGE)
+            raise LoaderError("--input %s is not a regular file" % given, Exit.USAGE)
         if not sep or is_image(path):
             key, value, image_hw = read_image(np, name if sep else None, path if sep else spec, manifest)
             inputs[key] = value
