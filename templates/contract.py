@@ -633,3 +633,95 @@ def describe_latency(stats: dict) -> str:
     return "%d runs: min %.3f ms  p50 %.3f ms  p90 %.3f ms  p99 %.3f ms  mean %.3f ms  (%.1f inferences/s)" % (
         stats["runs"], stats["min_ms"], stats["p50_ms"], stats["p90_ms"], stats["p99_ms"], stats["mean_ms"],
         stats["throughput_per_s"] or 0.0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# an --input .npy, read as edgeq-run's ReadNpy (npy.h) reads it, step by step: one reader in two languages
+# ---------------------------------------------------------------------------------------------------
+
+NPY_DTYPES = {"'<f2'": "float16", "'<f4'": "float32", "'<f8'": "float64", "'|i1'": "int8", "'<i2'": "int16",
+              "'<i4'": "int32", "'<i8'": "int64", "'|u1'": "uint8", "'<u2'": "uint16", "'<u4'": "uint32",
+              "'<u8'": "uint64", "'|b1'": "bool"}
+NPY_ITEM_BYTES = {"float16": 2, "float32": 4, "float64": 8, "int8": 1, "int16": 2, "int32": 4, "int64": 8, "uint8": 1,
+                  "uint16": 2, "uint32": 4, "uint64": 8, "bool": 1}
+MAX_INPUT_BYTES = 4 << 30  # one --input .npy; raise with EDGEQ_MAX_INPUT_BYTES
+
+
+def printable(text: str) -> str:
+    """``text`` from a file, fit for a one-line message: every character outside printable ASCII as '?'."""
+    return "".join(c if " " <= c <= "~" else "?" for c in text)
+
+
+def read_npy(f, limit: int) -> tuple[str, list, bytes, bool]:
+    """(dtype, shape, data in C order, was Fortran order) of the .npy file ``f`` (binary, at its start); raises
+    ContractError with the reason. The header is read as edgeq-run reads it, not as numpy does, so that both
+    loaders take and refuse the same files."""
+    head = f.read(10)
+    if len(head) != 10 or head[:6] != b"\x93NUMPY":
+        raise ContractError("not a .npy file")
+    if head[6] == 1:
+        hlen = head[8] | head[9] << 8
+    elif head[6] in (2, 3):
+        more = f.read(2)
+        if len(more) != 2:
+            raise ContractError("truncated")
+        hlen = head[8] | head[9] << 8 | more[0] << 16 | more[1] << 24
+    else:
+        raise ContractError("unknown .npy version")
+    if hlen > 65536:
+        raise ContractError(".npy header larger than 64 KiB")
+    raw = f.read(hlen)
+    if len(raw) != hlen:
+        raise ContractError("truncated")
+    header = raw.decode("latin-1")  # byte for byte, as npy.h's std::string
+
+    def value_of(key):
+        k = header.find("'" + key + "'")
+        if k < 0:
+            raise ContractError(".npy header has no '%s'" % key)
+        colon = header.find(":", k)
+        if colon < 0:
+            raise ContractError("malformed .npy header")
+        start = next((i for i in range(colon + 1, len(header)) if header[i] != " "), -1)
+        if start < 0:
+            raise ContractError("malformed .npy header")
+        close = header.find(")", start) if header[start] == "(" else header.find("'", start + 1) if header[start] == "'" else -1
+        if close >= 0:
+            end = close + 1
+        else:
+            end = min((i for i in (header.find(",", start), header.find("}", start)) if i >= 0), default=-1)
+        if header[start] in "('" and close < 0:
+            raise ContractError("malformed .npy header")
+        if end < 0 or end <= start:
+            raise ContractError("malformed .npy header")
+        return header[start:end]
+
+    descr, fortran, shape_text = value_of("descr"), value_of("fortran_order"), value_of("shape")
+    if fortran not in ("False", "True"):
+        raise ContractError("malformed .npy header")
+    dtype = NPY_DTYPES.get(descr)
+    if dtype is None:
+        raise ContractError("dtype %s is not one the loaders read (little-endian numbers only)" % printable(descr))
+    if len(shape_text) < 2 or shape_text[0] != "(" or shape_text[-1] != ")":
+        raise ContractError("malformed .npy shape")
+    dims, shape, count, p = shape_text[1:-1], [], 1, 0
+    while p < len(dims):
+        q = dims.find(",", p)
+        part = (dims[p:] if q < 0 else dims[p:q]).strip(" ")
+        if part:
+            if len(part) > 12 or any(c not in "0123456789" for c in part):
+                raise ContractError("malformed .npy shape")
+            if count * int(part) > MAX_INPUT_BYTES:
+                raise ContractError("it declares more than %d elements" % MAX_INPUT_BYTES)
+            shape.append(int(part))
+            count *= int(part)
+        if q < 0:
+            break
+        p = q + 1
+    item = NPY_ITEM_BYTES[dtype]
+    if count * item > limit:
+        raise ContractError("it declares more than %d bytes; raise EDGEQ_MAX_INPUT_BYTES to read it" % limit)
+    data = f.read(count * item)
+    if len(data) != count * item:
+        raise ContractError("less data than its header declares")
+    return dtype, shape, data, fortran == "True"

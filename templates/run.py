@@ -256,7 +256,12 @@ class Model:
         return args + self.params
 
     def run(self, inputs):
-        result = self.vm["main"](*self.arguments(inputs))
+        args = self.arguments(inputs)
+        try:
+            result = self.vm["main"](*args)
+        except Exception as err:  # noqa: BLE001 - TVM raises by its error's kind; edgeq-run refuses the same way
+            line = (str(err).strip().splitlines() or [""])[0]
+            raise LoaderError("running the model failed: %s: %s" % (type(err).__name__, line), Exit.BUNDLE)
         results = [result] if isinstance(result, self.tvm.runtime.Tensor) else list(result)
         specs = self.manifest.outputs
         if len(results) != len(specs):
@@ -311,9 +316,28 @@ class Model:
         return dict(stats, warmup=warmup, samples_ms=[contract.significant(t) for t in samples])
 
 
+def golden_problem(manifest):
+    """What keeps the golden table from testing the model, or None: an input or output without its entry, or an
+    input's entry not as the model takes it (edgeq-run's GoldenProblem: the same, in the same order)."""
+    entries = {t.name: t for t in manifest.golden.tensors}
+    for kind, specs in (("input", manifest.inputs), ("output", manifest.outputs)):
+        for spec in specs:
+            key = "%s:%s" % (kind, spec.name)
+            entry = entries.get(key)
+            if entry is None:
+                return "the golden file has no %s; package the bundle again" % key
+            if kind == "input" and (entry.shape != spec.shape or entry.dtype != spec.dtype):
+                return "the golden file's %s is %s %s, not %s %s as the model takes it" % (
+                    key, entry.dtype, "x".join(map(str, entry.shape)), spec.dtype, "x".join(map(str, spec.shape)))
+    return None
+
+
 def self_test(model):
     np = model.np
     golden = model.manifest.golden
+    problem = golden_problem(model.manifest)
+    if problem:
+        raise LoaderError(problem, Exit.BUNDLE)
     arrays = {t.name: read_tensor(np, golden.file, t) for t in golden.tensors}
     inputs = {s.name: arrays["input:" + s.name] for s in model.manifest.inputs}
     expected = {s.name: arrays["output:" + s.name] for s in model.manifest.outputs}
@@ -398,18 +422,15 @@ def read_inputs(specs, manifest=None):
             inputs[key] = value
             continue
         try:
-            with open(path, "rb") as f:  # the header alone first: the size is bounded before anything is read
-                major, _ = np.lib.format.read_magic(f)
-                read_header = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
-                shape, _, dtype = read_header(f)
-            nbytes = int(np.prod(shape, dtype=object)) * dtype.itemsize
-            if nbytes > MAX_INPUT_BYTES:
-                raise LoaderError("--input %s declares %d bytes, more than %d; raise EDGEQ_MAX_INPUT_BYTES to read it"
-                                  % (spec, nbytes, MAX_INPUT_BYTES), Exit.USAGE)
-            inputs[name] = np.load(path, allow_pickle=False)
-        except (OSError, ValueError, EOFError) as err:
-            reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-            raise LoaderError("cannot read --input %s: %s" % (spec, reason), Exit.USAGE)
+            with open(path, "rb") as f:  # read as edgeq-run reads it (contract.read_npy): the size bounded first
+                dtype, shape, data, fortran = contract.read_npy(f, MAX_INPUT_BYTES)
+        except OSError as err:
+            raise LoaderError("cannot read --input %s: %s" % (spec, err.strerror or err), Exit.USAGE)
+        except contract.ContractError as err:
+            raise LoaderError("cannot read --input %s: %s" % (spec, err), Exit.USAGE)
+        array = np.frombuffer(data, dtype=np.dtype(dtype).newbyteorder("<"))
+        array = array.reshape(shape[::-1]).transpose() if fortran else array.reshape(shape)
+        inputs[name] = np.array(array, dtype=dtype, order="C")
     return inputs, image_hw
 
 

@@ -129,18 +129,24 @@ def check_manifest(manifest) -> "contract.Manifest":
         m = contract.Manifest.from_json(manifest)
     except contract.ContractError as err:
         raise BundleRefused(str(err)) from None
-    if not NAME.match(m.bundle_id) or not NAME.match(m.name):
+    if not NAME.fullmatch(m.bundle_id) or not NAME.fullmatch(m.name):
         raise BundleRefused("manifest bundle_id or name is not valid")
     if set(m.files) != set(m.sizes) or not m.files:
         raise BundleRefused("manifest 'files' and 'sizes' must name the same files")
     for name, digest in m.files.items():
-        if not FILE_NAME.match(name) or name in (MANIFEST, SIGNATURE, SUMS):
+        if not FILE_NAME.fullmatch(name) or name in (MANIFEST, SIGNATURE, SUMS):
             raise BundleRefused(f"manifest lists an unsafe file name {name!r}")
-        if not HEX64.match(digest):
+        if not HEX64.fullmatch(digest):
             raise BundleRefused(f"manifest hash of {name} is not a SHA-256")
     for section in ("library", "weights", "golden"):
         if getattr(m, section).file not in m.files:
             raise BundleRefused(f"manifest {section}.file is not one of the bundle's files")
+    if m.weights.format != contract.TENSOR_FORMAT or m.golden.format != contract.TENSOR_FORMAT:
+        raise BundleRefused(f"this bundle's tensors are not in the {contract.TENSOR_FORMAT} form the loaders read; "
+                            "package it again")
+    bridge = m.runtime.cuda_bridge if m.runtime is not None else None
+    if bridge is not None and not (isinstance(bridge.get("file"), str) and bridge["file"] in m.files):
+        raise BundleRefused("manifest runtime.cuda_bridge.file is not one of the bundle's files")
     if m.runtime is not None and not all(n in m.files for n in (m.runtime.loader, *m.runtime.libraries)):
         raise BundleRefused("manifest runtime.loader / runtime.libraries are not the bundle's files")
     for section in ("weights", "golden"):
@@ -305,7 +311,7 @@ def _member_name(member: tarfile.TarInfo, top: str | None) -> tuple[str, str]:
     if (name.startswith("/") or "\\" in name or any(p in ("", ".", "..") for p in parts) or len(parts) > 3
             or (len(parts) == 3 and parts[1] != RUNTIME)):
         raise BundleRefused(f"archive member {name!r} has an unsafe path")
-    if not NAME.match(parts[0]) or (top is not None and parts[0] != top):
+    if not NAME.fullmatch(parts[0]) or (top is not None and parts[0] != top):
         raise BundleRefused(f"archive member {name!r} is outside the bundle folder")
     return parts[0], "/".join(parts[1:])
 
@@ -561,7 +567,7 @@ def activate(root, bundle_id: str) -> dict:
     """Make ``releases/<bundle_id>`` current; the release it replaces becomes ``previous``."""
     root = Path(root)
     target = root / "releases" / bundle_id
-    if not NAME.match(bundle_id) or not target.is_dir():
+    if not NAME.fullmatch(bundle_id) or not target.is_dir():
         raise BundleRefused(f"release {bundle_id} is not installed under {root}")
     manifest = parse_manifest((target / MANIFEST).read_bytes())
     state = read_state(root)

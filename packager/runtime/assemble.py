@@ -70,6 +70,61 @@ def _c_compiler(cxx: str) -> str:
     return path
 
 
+def _schema_tables() -> str:
+    """contract.Manifest's records as tables for edgeq-run's schema check (schema.h), which walks a manifest as
+    ``Record.from_json`` does: the same fields, kinds and order, so both loaders refuse the same manifests."""
+    tags = {id(contract.STR): "s", id(contract.INT): "i", id(contract.COUNT): "c", id(contract.NUM): "n",
+            id(contract.BOOL): "b", id(contract.JSON): "j", id(contract.OBJECT): "o"}
+    kinds, fields, records, record_ids = [], [], [], {}
+
+    def kind(k) -> int:
+        if id(k) in tags:
+            entry = (tags[id(k)], -1)
+        elif isinstance(k, contract._Opt):
+            entry = ("?", kind(k.kind))
+        elif isinstance(k, contract._List):
+            entry = ("l", kind(k.kind))
+        elif isinstance(k, contract._Dict):
+            entry = ("d", kind(k.kind))
+        elif isinstance(k, contract._Rec):
+            entry = ("r", record(k.cls))
+        else:
+            raise TypeError(f"contract kind {k!r} has no schema.h form")
+        kinds.append(entry)
+        return len(kinds) - 1
+
+    def record(cls) -> int:
+        if cls in record_ids:
+            return record_ids[cls]
+        record_ids[cls] = len(records)
+        records.append(None)
+        own = [(f.name, kind(f.metadata["kind"])) for f in dataclasses.fields(cls)]
+        records[record_ids[cls]] = (len(fields), len(own), cls.__name__)
+        fields.extend(own)
+        return record_ids[cls]
+
+    record(contract.Manifest)
+    kind_rows = ",\n".join(f"    {{'{t}', {a}}}" for t, a in kinds)
+    field_rows = ",\n".join(f'    {{"{n}", {k}}}' for n, k in fields)
+    record_rows = "\n".join(f"    {{{first}, {count}}},  // {name}" for first, count, name in records)
+    quant_kinds = ", ".join(f'"{k}"' for k in contract.QUANT_KINDS)
+    return f"""// contract.Manifest as tables (edgeq.runtime.assemble._schema_tables): kinds 's' text, 'i' integer, 'c' count,
+// 'n' number, 'b' true/false, 'j' any JSON, 'o' object; '?' optional, 'l' list, 'd' object of, 'r' record (arg)
+struct SchemaKind {{ char tag; int arg; }};
+struct SchemaField {{ const char* name; int kind; }};
+struct SchemaRecord {{ int first, count; }};  // fields [first, first + count); record 0 is the manifest
+constexpr SchemaKind kSchemaKinds[] = {{
+{kind_rows}}};
+constexpr SchemaField kSchemaFields[] = {{
+{field_rows}}};
+constexpr SchemaRecord kSchemaRecords[] = {{
+{record_rows}
+}};
+constexpr int kQuantizationRecord = {record_ids[contract.QuantizationReport]};  // its 'kind' is one of kQuantKinds
+constexpr const char* kQuantKinds[] = {{{quant_kinds}}};
+"""
+
+
 def contract_header() -> bytes:
     """``contract.h`` of edgeq-run: the loader contract's schema version, exit statuses, bounds and JSON keys,
     generated from ``contract.py`` and ``safebundle.py`` when the loader is built, so they are written once."""
@@ -99,7 +154,7 @@ constexpr double kMaxGoldenOutliers = {contract.MAX_GOLDEN_OUTLIERS!r};  // cont
 // the keys of contract.latency_statistics, in its order (edgeq-run --benchmark --json)
 constexpr const char* kLatencyKeys[] = {{{", ".join(f'"{k}"' for k in keys)}}};
 constexpr size_t kLatencyKeyCount = {len(keys)};
-
+{_schema_tables()}
 }}  // namespace
 """.encode()
 

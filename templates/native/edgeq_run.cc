@@ -46,6 +46,7 @@
 #include "json.h"
 #include "npy.h"
 #include "refuse.h"
+#include "schema.h"
 #include "sha256.h"
 #include "zip.h"
 
@@ -205,10 +206,8 @@ Bundle LoadManifest(const std::string& dir) {
   b.manifest = JsonParser(b.manifest_bytes).Parse();
   const Json& m = b.manifest;
   if (m.kind != Json::kObject) refuse("manifest.json is not a JSON object");
-  int64_t schema = m.At("schema_version", "").Int("schema_version");
-  if (schema != kSchemaVersion)
-    refuse("manifest schema_version " + std::to_string(schema) + " is not " + std::to_string(kSchemaVersion) +
-           "; use the edgeq-run shipped with this bundle");
+  CheckManifestSchema(m);  // every field's kind, as run.py's contract.Manifest.from_json checks them (schema.h)
+  CheckManifestFiles(m);   // and the file list, as safebundle.check_manifest does next
   b.bundle_id = m.At("bundle_id", "").Str("bundle_id");
   const Json& device = m.At("device", "");
   b.arch = device.At("arch", "device.").Str("device.arch");
@@ -216,8 +215,8 @@ Bundle LoadManifest(const std::string& dir) {
   const Json* cuda = device.Find("cuda_arch");
   if (cuda && cuda->kind == Json::kString) {
     b.cuda_arch = cuda->str;
-    const Json& toolkit = m.At("toolchain", "").At("cuda_toolkit", "toolchain.");
-    b.cuda_major = std::atoi(toolkit.At("version", "toolchain.cuda_toolkit.").Str("toolchain.cuda_toolkit.version").c_str());
+    const Json* toolkit = m.At("toolchain", "").Find("cuda_toolkit");  // Manifest.cuda_major: none without a toolkit
+    if (toolkit && toolkit->kind == Json::kObject) b.cuda_major = std::atoi(toolkit->Find("version")->str.c_str());
   }
   b.inputs = ParseSpecs(m.At("inputs", ""), "inputs", false);
   b.outputs = ParseSpecs(m.At("outputs", ""), "outputs", false);
@@ -242,7 +241,7 @@ Bundle LoadManifest(const std::string& dir) {
   for (const Json* section : {&weights, &golden}) {
     const Json* format = section->Find("format");
     if (!format || format->kind != Json::kString || format->str != "edgeq-raw-1")
-      refuse("this bundle's tensors are not in the edgeq-raw-1 form edgeq-run reads; package it again");
+      refuse("this bundle's tensors are not in the edgeq-raw-1 form the loaders read; package it again");
   }
   b.weights_file = weights.At("file", "weights.").Str("weights.file");
   b.golden_file = golden.At("file", "golden.").Str("golden.file");
@@ -273,7 +272,12 @@ Bundle LoadManifest(const std::string& dir) {
   for (const Json& lib : runtime->At("libraries", "runtime.").Arr("runtime.libraries"))
     b.libraries.push_back(lib.Str("runtime.libraries"));
   const Json* bridge = runtime->Find("cuda_bridge");
-  if (bridge && bridge->kind == Json::kObject) b.bridge = bridge->At("file", "runtime.cuda_bridge.").Str("runtime.cuda_bridge.file");
+  if (bridge && bridge->kind == Json::kObject) {  // safebundle.check_manifest: one of the bundle's files
+    const Json* file = bridge->Find("file");
+    if (!file || file->kind != Json::kString || !m.At("files", "").Find(file->str))
+      refuse("manifest runtime.cuda_bridge.file is not one of the bundle's files");
+    b.bridge = file->str;
+  }
   return b;
 }
 
@@ -680,7 +684,30 @@ std::string BundleDir(const Args& a) {
   return runtime.substr(0, runtime.rfind('/'));
 }
 
+double Significant4(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.4g", v);
+  return std::strtod(buf, nullptr);
+}
+
+// run.py's golden_problem: every input and output has its golden entry, the inputs' as the model takes them
+std::string GoldenProblem(const Bundle& b) {
+  for (const auto* specs : {&b.inputs, &b.outputs})
+    for (const TensorSpec& spec : *specs) {
+      std::string key = (specs == &b.inputs ? "input:" : "output:") + spec.name;
+      const TensorSpec* entry = nullptr;
+      for (const TensorSpec& g : b.golden)
+        if (g.name == key) { entry = &g; break; }
+      if (!entry) return "the golden file has no " + key + "; package the bundle again";
+      if (specs == &b.inputs && (entry->shape != spec.shape || entry->dtype.name != spec.dtype.name))
+        return "the golden file's " + key + " is " + entry->dtype.name + " " + ShapeText(entry->shape) + ", not " +
+               spec.dtype.name + " " + ShapeText(spec.shape) + " as the model takes it";
+    }
+  return "";
+}
+
 int SelfTest(Runtime* rt, const Bundle& b, bool json) {
+  if (std::string problem = GoldenProblem(b); !problem.empty()) refuse(problem);
   std::map<std::string, HostTensor> inputs;
   std::map<std::string, const TensorSpec*> expected;
   std::string golden_path = b.dir + "/" + b.golden_file;
@@ -705,11 +732,12 @@ int SelfTest(Runtime* rt, const Bundle& b, bool json) {
     if (it == expected.end()) refuse("the golden file has no expected value for output " + got.name);
     const TensorSpec& want_spec = *it->second;
     std::vector<uint8_t> want = ReadRange(golden_path, want_spec.offset, want_spec.bytes, b.golden_file);
-    double max_want = 0;
-    size_t n = got.Count();
+    double max_want = 0;  // run.py: np.max(np.abs(want)), whatever the shapes
+    size_t n = got.Count(), want_n = want.size() / size_t(want_spec.dtype.bytes);
     bool same_shape = got.shape == want_spec.shape;
-    for (size_t k = 0; same_shape && k < n; ++k)
+    for (size_t k = 0; k < want_n; ++k)
       max_want = std::max(max_want, std::fabs(ElementAsDouble(want_spec.dtype, &want[k * size_t(want_spec.dtype.bytes)])));
+    if (want_n == 0) max_want = 1.0;  // run.py: an empty output is judged at atol
     double atol = b.atol * std::max(1.0, max_want);
     double diff = same_shape ? 0.0 : INFINITY;
     size_t outside = 0;  // values outside the tolerance (numpy's isclose, NaN equal to NaN)
@@ -725,7 +753,8 @@ int SelfTest(Runtime* rt, const Bundle& b, bool json) {
       if (!(g == w || d <= atol + b.rtol * std::fabs(w))) ++outside;
       if (!std::isnan(diff)) diff = std::max(diff, d);
     }
-    size_t allowed = size_t(std::floor(b.outliers * double(n)));  // GoldenRecord.allowed_outside
+    size_t allowed = size_t(std::floor(b.outliers * double(want_n)));  // GoldenRecord.allowed_outside(want.size)
+    diff = Significant4(diff), atol = Significant4(atol);  // run.py's report: float("%.4g" % x)
     bool close = same_shape && outside <= allowed;
     all_ok = all_ok && close;
     rows += std::string(rows.empty() ? "" : ", ") + "{\"output\": " + JsonQuote(got.name) + ", \"max_abs_diff\": " +

@@ -91,7 +91,15 @@ std::string ShapeText(const std::vector<int64_t>& shape) {
   return out;
 }
 
-// Reads a .npy file (version 1-3, little-endian, C order) with the size bounded before allocation.
+// text from a file, fit for a one-line message: every byte outside printable ASCII as '?' (contract.printable)
+std::string Printable(std::string s) {
+  for (char& c : s)
+    if (uint8_t(c) < 0x20 || uint8_t(c) > 0x7E) c = '?';
+  return s;
+}
+
+// Reads a .npy file (version 1-3, little-endian, C or Fortran order) with the size bounded before allocation;
+// contract.read_npy (run.py) reads it the same way, step by step.
 HostTensor ReadNpy(const std::string& path, const std::string& what) {
   auto fail = [&](const std::string& why) { refuse_usage("cannot read " + what + ": " + why); };
   FILE* f = std::fopen(path.c_str(), "rb");
@@ -119,21 +127,22 @@ HostTensor ReadNpy(const std::string& path, const std::string& what) {
     size_t colon = header.find(':', k);
     if (colon == std::string::npos) fail("malformed .npy header");
     size_t start = header.find_first_not_of(' ', colon + 1);
-    size_t end = header[start] == '(' ? header.find(')', start) + 1
-                 : header[start] == '\'' ? header.find('\'', start + 1) + 1
-                                         : header.find_first_of(",}", start);
-    if (start == std::string::npos || end == std::string::npos || end <= start)
-      fail("malformed .npy header");
+    if (start == std::string::npos) fail("malformed .npy header");  // found by benchmarks/fuzz.sh (npy)
+    size_t close = header[start] == '(' ? header.find(')', start) : header[start] == '\'' ? header.find('\'', start + 1)
+                                                                                          : std::string::npos;
+    size_t end = close != std::string::npos ? close + 1 : header.find_first_of(",}", start);
+    if ((header[start] == '(' || header[start] == '\'') && close == std::string::npos) fail("malformed .npy header");
+    if (end == std::string::npos || end <= start) fail("malformed .npy header");
     return header.substr(start, end - start);
   };
   std::string descr = value_of("descr"), fortran = value_of("fortran_order"), shape = value_of("shape");
-  if (fortran != "False") fail("Fortran order; save it C-contiguous (np.ascontiguousarray)");
+  if (fortran != "False" && fortran != "True") fail("malformed .npy header");
   static const std::map<std::string, std::string> names = {
       {"'<f2'", "float16"}, {"'<f4'", "float32"}, {"'<f8'", "float64"}, {"'|i1'", "int8"},  {"'<i2'", "int16"},
       {"'<i4'", "int32"},   {"'<i8'", "int64"},   {"'|u1'", "uint8"},   {"'<u2'", "uint16"}, {"'<u4'", "uint32"},
       {"'<u8'", "uint64"},  {"'|b1'", "bool"}};
   auto it = names.find(descr);
-  if (it == names.end()) fail("dtype " + descr + " is not one edgeq-run reads (little-endian numbers only)");
+  if (it == names.end()) fail("dtype " + Printable(descr) + " is not one the loaders read (little-endian numbers only)");
   HostTensor t;
   t.dtype = ParseDType(it->second);
   if (shape.size() < 2 || shape.front() != '(' || shape.back() != ')') fail("malformed .npy shape");
@@ -149,9 +158,10 @@ HostTensor ReadNpy(const std::string& path, const std::string& what) {
       if (part.size() > 12 || part.find_first_not_of("0123456789") != std::string::npos)
         fail("malformed .npy shape");
       int64_t d = std::stoll(part);
+      if (d > 0 && count > kMaxInputBytes / uint64_t(d))  // checked before multiplying: no overflow
+        fail("it declares more than " + std::to_string(kMaxInputBytes) + " elements");
       t.shape.push_back(d);
       count *= uint64_t(d);
-      if (count > kMaxInputBytes) break;
     }
     if (q == std::string::npos) break;
     p = q + 1;
@@ -163,6 +173,21 @@ HostTensor ReadNpy(const std::string& path, const std::string& what) {
   t.data.resize(size_t(count) * size_t(t.dtype.bytes));
   if (!t.data.empty() && std::fread(t.data.data(), 1, t.data.size(), f) != t.data.size())
     fail("less data than its header declares");
+  if (fortran == "True" && t.shape.size() > 1) {  // Fortran order: made C order, as numpy's np.load gives it to run.py
+    std::vector<uint8_t> c_order(t.data.size());
+    size_t item = size_t(t.dtype.bytes), rank = t.shape.size();
+    std::vector<int64_t> index(rank, 0);
+    for (size_t i = 0; i < size_t(count); ++i) {
+      size_t at = 0, stride = 1;  // the element's place in Fortran order: the first axis varies fastest
+      for (size_t k = 0; k < rank; ++k) at += size_t(index[k]) * stride, stride *= size_t(t.shape[k]);
+      std::memcpy(&c_order[i * item], &t.data[at * item], item);
+      for (size_t k = rank; k-- > 0;) {  // the next index in C order: the last axis varies fastest
+        if (++index[k] < t.shape[k]) break;
+        index[k] = 0;
+      }
+    }
+    t.data.swap(c_order);
+  }
   return t;
 }
 

@@ -1,0 +1,88 @@
+"""run.py and edgeq-run on the same generated documents (#41): seeded manifests, images, .npy inputs and weight and
+golden tables, valid and damaged (tests/differential.py makes them). The exit status, the answer and the
+output bytes must agree; a refusal is one line with nothing written. benchmarks/differential.py runs more."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+import pytest
+
+import differential
+
+CASES = 300
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory):
+    return differential.package(tmp_path_factory.mktemp("differential"))
+
+
+def test_both_loaders_agree_on_generated_documents(bundle, tmp_path):
+    cases = differential.cases(41, CASES, bundle, tmp_path / "scratch")
+    known = []
+    bad, codes = differential.run_cases(bundle, cases, tmp_path / "work", known=known)
+    assert not bad, f"{len(bad)} of {CASES} cases differ:\n" + "\n".join(bad[:10])
+    assert len(known) <= CASES // 50, known  # damaged JPEGs that libjpeg only warns about (differential.JPEG_WARNINGS)
+    # the cases reach every class of answer, not only refusals: accepted, self-test failed, usage, damaged bundle
+    assert codes.get(0, 0) >= CASES // 5 and codes.get(2, 0) >= CASES // 20 and codes.get(7, 0) >= CASES // 10, codes
+    assert codes.get(1, 0) >= 1, codes
+
+
+def _case(bundle, tmp_path, name, args, files=None):
+    case = differential.Case(name, args, files or {})
+    work = tmp_path / name
+    work.mkdir()
+    return differential.run_both(bundle, case, work)
+
+
+def test_what_the_loaders_once_read_differently(bundle, tmp_path):
+    """Each of these differed before (found by the generator): now both give the same answer."""
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    x = np.random.default_rng(0).standard_normal(differential.SHAPE).astype(np.float32)
+    # a Fortran-order .npy: edgeq-run refused it, run.py (numpy) read it; both read it now, as the same tensor
+    buf = io.BytesIO()
+    np.lib.format.write_array(buf, np.asfortranarray(x))
+    (tmp_path / "f.npy").write_bytes(buf.getvalue())
+    py, native = _case(bundle, tmp_path, "fortran", ["--input", f"x={tmp_path / 'f.npy'}", "--json"])
+    assert py.code == native.code == 0 and py.outputs == native.outputs, (py.stderr, native.stderr)
+    assert py.outputs["y"].endswith(x.tobytes())
+    # manifest fields only run.py's contract checked (golden.seed), only edgeq-run checked (golden.format), or
+    # each read its own way (device.cuda_arch not text): refused alike now, exit 7, one line
+    for name, change in (("seed", ("golden", "seed", [])), ("format", ("golden", "format", "stretch")),
+                         ("cuda-arch", ("device", "cuda_arch", 1 << 40)), ("bytes", ("weights", "bytes", None))):
+        m = json.loads(json.dumps(manifest))
+        if change[2] is None:
+            del m[change[0]][change[1]]
+        else:
+            m[change[0]][change[1]] = change[2]
+        py, native = _case(bundle, tmp_path, name, ["--self-test", "--json"], {"manifest.json": json.dumps(m).encode()})
+        assert py.code == native.code == 7, (name, py.stderr, native.stderr)
+        assert py.stderr.count("\n") == native.stderr.count("\n") == 1
+    # a golden table without an output's entry: run.py crashed (KeyError), edgeq-run refused
+    m = json.loads(json.dumps(manifest))
+    m["golden"]["tensors"] = [t for t in m["golden"]["tensors"] if t["name"] != "output:y"]
+    py, native = _case(bundle, tmp_path, "golden-entry", ["--self-test"], {"manifest.json": json.dumps(m).encode()})
+    assert py.code == native.code == 7 and "the golden file has no output:y" in py.stderr + native.stderr
+    assert differential.disagreement(py, native) is None
+    # an expected output of another shape: both report the same tolerance, from the expected values as they are
+    m = json.loads(json.dumps(manifest))
+    entry = next(t for t in m["golden"]["tensors"] if t["name"] == "output:logits")
+    entry["shape"] = [entry["shape"][1]]
+    py, native = _case(bundle, tmp_path, "golden-shape", ["--self-test", "--json"], {"manifest.json": json.dumps(m).encode()})
+    assert py.code == native.code == 1 and json.loads(py.stdout) == json.loads(native.stdout), (py.stdout, native.stdout)
+
+
+def test_the_comparison_itself_finds_differences(bundle, tmp_path):
+    """The judge is not one that cannot fail: a different exit, answer or output byte, a refusal in two lines,
+    or a refusal that wrote its outputs is each a disagreement."""
+    ok = differential.Result(0, '{"top": []}', "", {"y": b"1"})
+    assert differential.disagreement(ok, ok) is None
+    assert "exit" in differential.disagreement(ok, differential.Result(2, "", "x\n", None))
+    assert "answers" in differential.disagreement(ok, differential.Result(0, '{"top": [1]}', "", {"y": b"1"}))
+    assert "bytes" in differential.disagreement(ok, differential.Result(0, '{"top": []}', "", {"y": b"2"}))
+    refused = differential.Result(7, "", "one line\n", None)
+    assert differential.disagreement(refused, differential.Result(7, "", "two\nlines\n", None))
+    assert "wrote" in differential.disagreement(refused, differential.Result(7, "", "one line\n", {"y": b""}))
