@@ -712,7 +712,8 @@ def read_npy(f, limit: int) -> tuple[str, list, bytes, bool]:
             if len(part) > 12 or any(c not in "0123456789" for c in part):
                 raise ContractError("malformed .npy shape")
             if count * int(part) > MAX_INPUT_BYTES:
-                raise ContractError("it declares more than %d elements" % MAX_INPUT_BYTES)
+                raise ContractError("it declares more than %d elements, the most an input may have "
+                                        "(EDGEQ_MAX_INPUT_BYTES bounds its bytes)" % MAX_INPUT_BYTES)
             shape.append(int(part))
             count *= int(part)
         if q < 0:

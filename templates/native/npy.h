@@ -159,7 +159,8 @@ HostTensor ReadNpy(const std::string& path, const std::string& what) {
         fail("malformed .npy shape");
       int64_t d = std::stoll(part);
       if (d > 0 && count > kMaxInputBytes / uint64_t(d))  // checked before multiplying: no overflow
-        fail("it declares more than " + std::to_string(kMaxInputBytes) + " elements");
+        fail("it declares more than " + std::to_string(kMaxInputBytes) +
+             " elements, the most an input may have (EDGEQ_MAX_INPUT_BYTES bounds its bytes)");
       t.shape.push_back(d);
       count *= uint64_t(d);
     }
