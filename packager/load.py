@@ -24,6 +24,7 @@ class LoadedModel:
     onnx_model: onnx.ModelProto  # with the input shapes fixed
     inputs: list[TensorSpec]
     opset: int
+    warnings: tuple[str, ...] = ()  # what the check let through (a declared output shape the graph contradicts)
 
 
 def parse_shape(text: str) -> tuple[str, tuple[int, ...]]:
@@ -242,12 +243,32 @@ def _check_sizes(path: Path, model: onnx.ModelProto) -> None:
 KNOWN_DOMAINS = {"", "ai.onnx", "ai.onnx.ml", "com.microsoft"}
 
 
+def _nodes(graph: onnx.GraphProto):
+    """Every node of ``graph`` and of its subgraphs (If, Loop, Scan bodies)."""
+    for node in graph.node:
+        yield node
+        for attr in node.attribute:
+            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                yield from _nodes(sub)
+
+
 def _check_graph(path: Path, model: onnx.ModelProto) -> None:
-    """Opsets edgeq knows, and a graph whose every edge has a producer and no cycles."""
+    """Opsets edgeq knows, and a graph whose every edge has a producer and no cycles. An opset import that no
+    node uses is dropped (ONNX Runtime's quantizer lists every domain it knows, com.microsoft.nchwc included)."""
     newest = onnx.defs.onnx_opset_version()
+    used: dict[str, set[str]] = {}
+    for node in _nodes(model.graph):
+        used.setdefault(node.domain or "", set()).add(node.op_type)
+    for opset in list(model.opset_import):
+        if opset.domain not in KNOWN_DOMAINS and opset.domain not in used:
+            model.opset_import.remove(opset)
     for opset in model.opset_import:
         if opset.domain not in KNOWN_DOMAINS:
-            raise ModelError(f"{path.name} uses the unknown opset domain {opset.domain!r}")
+            ops = ", ".join(sorted(used[opset.domain]))
+            hint = ("; ONNX Runtime's NCHWc layout ops are an optimisation it saved into the model: save it from the "
+                    "original with SessionOptions.graph_optimization_level at ORT_ENABLE_EXTENDED or lower"
+                    if opset.domain == "com.microsoft.nchwc" else "")
+            raise ModelError(f"{path.name} uses the unknown opset domain {opset.domain!r} ({ops}){hint}")
         if opset.domain in ("", "ai.onnx") and not 1 <= opset.version <= newest:
             raise ModelError(f"{path.name} declares ONNX opset {opset.version}; this onnx knows opsets 1 to {newest}")
     graph = model.graph
@@ -360,7 +381,7 @@ def load_model(path: str | Path, input_shapes: dict[str, tuple[int, ...]] | None
     _bind_consts(model, consts or {})
     inputs = _fix_inputs(model, input_shapes or {})
     # checker, strict shape inference and constant folding (edgeq.fold), in a limited child process
-    model = checked(model, path.name)
+    model, warnings = checked(model, path.name)
     _identifier_names(model)
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
-    return LoadedModel(path=path, sha256=sha, onnx_model=model, inputs=inputs, opset=opset)
+    return LoadedModel(path=path, sha256=sha, onnx_model=model, inputs=inputs, opset=opset, warnings=tuple(warnings))

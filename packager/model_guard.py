@@ -30,7 +30,7 @@ def _limit_memory() -> None:  # runs in the child before exec
 
 
 def checked(model, name: str):
-    """The shape-inferred model, checked in a child process. Raises ModelError with a one-line reason."""
+    """(the shape-inferred model, warnings), checked in a child process. Raises ModelError with a one-line reason."""
     import onnx
 
     with tempfile.TemporaryDirectory(prefix="edgeq-model-") as tmp:
@@ -43,7 +43,8 @@ def checked(model, name: str):
         except subprocess.TimeoutExpired:
             raise ModelError(f"{name}: checking the model took longer than {TIMEOUT_S} s; it is malformed or too large") from None
         if proc.returncode == 3:
-            raise ModelError(f"{name}: {(proc.stdout.strip().splitlines() or ['invalid model'])[0]}")
+            raise ModelError(f"{name}: {(proc.stdout.strip().splitlines() or ['invalid model'])[-1]}")
+
         if proc.returncode < 0:
             sig = signal.Signals(-proc.returncode).name
             raise ModelError(f"{name}: the ONNX checker crashed ({sig}) on this model; it is malformed or hostile")
@@ -53,13 +54,45 @@ def checked(model, name: str):
                 raise ModelError(f"{name}: checking the model needed more than {MEMORY_BYTES >> 20} MB; it is malformed "
                                  "or too large (raise EDGEQ_MODEL_CHECK_MEMORY_MB)")
             raise ModelError(f"{name}: the model check failed: {last}")
-        return onnx.load(dst)
+        warnings = [f"{name}: {line[len('warning: '):]}" for line in proc.stdout.splitlines() if line.startswith("warning: ")]
+        return onnx.load(dst), warnings
 
 
 def infer(model):
     import onnx
 
     return onnx.shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
+
+
+def _tolerant(infer_fn, warnings: list[str]):
+    """``infer_fn`` that, where the model's declared shapes contradict what its graph computes (an exporter's stale
+    output shape: ddddocr's [1, seqlen] for a [T, 1, classes] result), drops the declared shapes of the outputs and
+    of intermediate values (the inputs' stay: they are the contract) and infers again, noting a warning. ONNX
+    Runtime does the same: it warns and runs with what the graph computes."""
+    import re
+
+    import onnx
+
+    def run(model):
+        try:
+            return infer_fn(model)
+        except onnx.shape_inference.InferenceError as err:
+            if "existing shape differ" not in str(err):
+                raise
+            declared = [o.name for o in model.graph.output if o.type.tensor_type.HasField("shape")]
+            for out in model.graph.output:
+                out.type.tensor_type.ClearField("shape")
+            del model.graph.value_info[:]
+            inferred = infer_fn(model)
+            text = " ".join(str(err).split())
+            node = re.search(r"\(op_type:(\w+)(?:, node name: ([^)]*))?\)", text)
+            where = f" at {node.group(1)} {node.group(2) or ''}".rstrip() if node else ""
+            what = text[text.rfind("Inferred shape"):][:120] if "Inferred shape" in text else text[-120:]
+            warnings.append(f"the declared shape of output(s) {', '.join(declared) or '(none)'} contradicts the graph "
+                            f"({what}{where}); using the shapes the graph computes, as ONNX Runtime does")
+            return inferred
+
+    return run
 
 
 def main(argv: list[str]) -> int:
@@ -71,8 +104,11 @@ def main(argv: list[str]) -> int:
     try:
         model = onnx.load(src)
         onnx.checker.check_model(model)
-        inferred = infer(model)
-        inferred, _ = fold(inferred, infer)
+        warnings: list[str] = []
+        inferred = _tolerant(infer, warnings)(model)
+        inferred, _ = fold(inferred, _tolerant(infer, warnings))
+        for text in dict.fromkeys(warnings):
+            print(f"warning: {text}")
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as err:
         lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
         kind = "fails the ONNX checker" if isinstance(err, onnx.checker.ValidationError) else "ONNX shape inference failed"

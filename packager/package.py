@@ -362,6 +362,8 @@ def _load(b: _Build) -> None:
 
     consts = {name: read_const(name, Path(path)) for name, path in b.args.consts.items()}
     b.model = load_model(b.args.model, b.args.input_shapes, consts)
+    for text in b.model.warnings:
+        b.progress.warn(text)
     b.preprocess = preprocess_record(b.args.preprocess, b.model.inputs)
     if b.args.postprocess == "yolo":  # NonMaxSuppression in the graph: on the device's GPU where it has one
         model, b.postprocess = with_yolo_nms(b.model.onnx_model, b.labels, b.args.conf, b.args.iou, b.args.max_det)

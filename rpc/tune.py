@@ -356,12 +356,22 @@ def tune(args: TuneArgs, note=lambda _: None, tick=lambda *_: None, progress=Non
         with contextlib.redirect_stdout(io.StringIO()):  # its console handler binds to the stdout of this moment
             contexts, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(extracted, work)
         _console_off()
+        def gone(task_name: str, why: str) -> RemoteError:
+            """The pool went away: what was measured so far is kept, and the search ends in one line."""
+            records.save()
+            return RemoteError(f"tuning {task_name}: {why}; measurements so far are in {records_path} (rerun to resume)")
+
         for i, (task, ctx, weight) in enumerate(zip(extracted, contexts, weights), 1):
             workload = task.dispatched[0]
             own_ms = records.baseline(workload)
             changed = False
             if own_ms is None:  # what a record must beat to be used (edgeq.records.Records.faster), measured once
-                own_ms = _own_ms(workload, target, backend, builder, runner)
+                try:
+                    own_ms = _own_ms(workload, target, backend, builder, runner)
+                except Exception:  # the runner's error comes back through TVM's FFI as a RuntimeError
+                    if unreachable:
+                        raise gone(task.task_name, unreachable[0]) from None
+                    raise
                 if own_ms is not None:
                     records.set_baseline(workload, own_ms)
                     changed = True
@@ -371,16 +381,17 @@ def tune(args: TuneArgs, note=lambda _: None, tick=lambda *_: None, progress=Non
             else:
                 changed = True
                 note(f"task {i}/{len(extracted)} {task.task_name}: tuning {per_task - done} trials on '{args.key}'")
-                Remote.open(args.rpc, args.key, args.timeout)  # still there? (each measurement has the deadline too)
+                try:  # still there? (each measurement has the deadline too)
+                    Remote.open(args.rpc, args.key, args.timeout)
+                except RemoteError as err:
+                    raise gone(task.task_name, str(err)) from None
                 try:
                     ms.tune_tasks(tasks=[ctx], task_weights=[weight], work_dir=work, max_trials_global=per_task - done,
                                   num_trials_per_iter=min(max(8, 2 * devices), per_task - done), builder=builder,
                                   runner=runner, database=records.database, cost_model=args.cost_model)
                 except Exception as err:  # meta_schedule reports failed measurements itself; this is the search
                     if unreachable:  # what was measured before the device went away is kept
-                        records.save()
-                        raise RemoteError(f"tuning {task.task_name}: {unreachable[0]}; measurements so far are in "
-                                          f"{records_path} (rerun to resume)") from None
+                        raise gone(task.task_name, unreachable[0]) from None
                     raise RemoteError(f"tuning {task.task_name}: {' '.join(str(err).split())[:300]}") from None
             if changed:
                 records.save()

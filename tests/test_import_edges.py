@@ -83,3 +83,46 @@ def test_gather_builds_without_tvm_warnings(tmp_path, device, capfd):
         res = run_cli("package", path, "--device", device, "-o", tmp_path / "out2", "-q", "--golden-input", tmp_path / "ids.npz")
         assert res.code == 0, res.stderr
         np.testing.assert_array_equal(read_golden(tmp_path / "out2" / "m-host")["output:y"], numpy_helper.to_array(emb)[ids])
+
+
+def test_a_declared_output_shape_the_graph_contradicts_warns_and_packages(tmp_path):
+    """ddddocr 1.6.1's common.onnx declares [1, seqlen] for what its graph computes as [T, 1, 8210]; ONNX Runtime
+    warns and runs. edgeq does too: one warning line, the graph's shape, checked against ONNX Runtime."""
+    graph = helper.make_graph(
+        [helper.make_node("Reshape", ["x", "s"], ["y"])], "stale",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "w"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, "seqlen"])],  # the graph makes [w/2, 1, 2]
+        [numpy_helper.from_array(np.array([-1, 1, 2], np.int64), "s")])
+    path = _save(tmp_path, graph, 13)
+    res = run_cli("package", path, "--device", "host", "--input-shape", "x=1x8", "-o", tmp_path / "out", "-q")
+    assert res.code == 0, res.stderr
+    warnings = [line for line in res.stderr.splitlines() if line.startswith("edgeq: warning:")]
+    assert len(warnings) == 1 and "contradicts the graph" in warnings[0] and "output(s) y" in warnings[0], res.stderr
+    golden = read_golden(tmp_path / "out" / "m-host")
+    x = golden["input:x"]
+    want = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    assert golden["output:y"].shape == want.shape == (4, 1, 2)
+    np.testing.assert_array_equal(golden["output:y"], want)
+
+
+def test_an_opset_import_no_node_uses_is_dropped_one_a_node_uses_is_named(tmp_path):
+    """ONNX Runtime's quantizer lists every domain it knows (ddddocr's common_old.onnx: com.microsoft.nchwc,
+    com.microsoft.mlfeaturizers, ...) whether or not a node uses it: such a model packages. A node of an unknown
+    domain is refused, naming the domain and its ops."""
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "r",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])])
+    imports = [helper.make_opsetid("", 13), helper.make_opsetid("com.microsoft.nchwc", 1),
+               helper.make_opsetid("com.microsoft.mlfeaturizers", 1)]
+    path = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=imports), path)
+    res = run_cli("package", path, "--device", "host", "-o", tmp_path / "out", "-q")
+    assert res.code == 0, res.stderr
+    nchwc = helper.make_graph([helper.make_node("ReorderInput", ["x"], ["y"], domain="com.microsoft.nchwc")], "n",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 2, 2])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 2, 2])])
+    onnx.save(helper.make_model(nchwc, opset_imports=imports), path)
+    res = run_cli("package", path, "--device", "host", "-o", tmp_path / "out2", "-q")
+    lines = res.stderr.strip().splitlines()
+    assert res.code != 0 and len(lines) == 1, res.stderr
+    assert "'com.microsoft.nchwc' (ReorderInput)" in lines[0] and "ORT_ENABLE_EXTENDED" in lines[0]

@@ -170,3 +170,34 @@ def test_a_tracker_gone_mid_search_ends_it_quietly(capfd):
     with pytest.raises(Exception, match=f"connect to tracker 127.0.0.1:{port}: no answer within 2 s"):
         futures[0].result()
     assert failure and "Cannot connect to tracker" not in capfd.readouterr().err
+
+
+def test_the_pools_only_device_killed_mid_tune_keeps_the_records(tracker, tmp_path):
+    """The only device under the key is killed (SIGKILL) once tuning started: edgeq tune ends in one line saying
+    why and where the measurements are, exit 8, and the records found so far are in the file (it printed
+    "internal error: RuntimeError ... no answer within 10 s" and kept none)."""
+    import json
+
+    server = start("rpc", "serve", "--tracker", tracker, "--key", "doomed", "--port", free_port(), "--port-end", "65000",
+                   "--cuda-bridge", "off")
+    try:
+        wait_for_key(tracker, "doomed")
+        model = _conv_model(tmp_path / "conv.onnx")
+        records = tmp_path / "tuning.json"
+        proc = subprocess.Popen([sys.executable, "-m", "edgeq", "tune", str(model), "--device", "host", "--rpc", tracker,
+                                 "--key", "doomed", "--timeout", "4", "--trials", "64", "--records", str(records)],
+                                stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        lines = []
+        for line in proc.stderr:  # progress notes, then the error
+            lines.append(line.rstrip("\n"))
+            if ": tuning " in line and server.poll() is None:
+                os.killpg(server.pid, signal.SIGKILL)
+        proc.wait(timeout=300)
+    finally:
+        stop(server)
+    assert any(": tuning " in line for line in lines), lines
+    assert proc.returncode == 8, lines
+    assert "Traceback" not in "\n".join(lines) and "internal error" not in "\n".join(lines)
+    assert lines[-1].startswith("edgeq: error: tuning ") and f"measurements so far are in {records}" in lines[-1], lines
+    kept = [json.loads(line) for line in records.read_text().splitlines()]
+    assert kept and all(r["profile"] == "host" for r in kept)  # at least edgeq's own schedule, measured first
