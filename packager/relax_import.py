@@ -234,6 +234,42 @@ def _check_activations(func, model_name: str) -> None:
             if size > biggest:
                 biggest, where = size, binding.var.name
     check("activation_bytes", f"{model_name}: tensor '{where}'", biggest, ModelError)
+    # the golden run holds the inputs and the largest tensor at once: within this process's address space
+    held = biggest + sum(_tensor_bytes(p.ty) for p in func.params)
+    room = address_space_left()
+    if room is not None and held > room:
+        raise ModelError(f"{model_name}: running it needs at least {held / 2**30:.2f} GiB (its inputs and its largest "
+                         f"tensor '{where}'), and this process may use {room / 2**30:.2f} GiB more (ulimit -v); give "
+                         "smaller --input-shape dims or raise the limit")
+
+
+def _tensor_bytes(ty) -> int:
+    import math
+
+    import tvm
+    from tvm import relax, tirx
+
+    if not isinstance(ty, relax.TensorType) or not isinstance(ty.shape, relax.ShapeExpr) or not str(ty.dtype):
+        return 0
+    dims = list(ty.shape.values)
+    if not all(isinstance(d, tirx.IntImm) for d in dims):
+        return 0
+    return math.prod(int(d) for d in dims) * max(tvm.DataType(str(ty.dtype)).bits, 8) // 8
+
+
+def address_space_left() -> int | None:
+    """Bytes this process may still map under its address-space limit (``ulimit -v``), or None without one."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY:
+        return None
+    try:
+        with open("/proc/self/status") as f:
+            used = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+    except (OSError, StopIteration, ValueError):
+        return soft
+    return max(0, soft - used)
 
 
 def _tvm_version() -> str:

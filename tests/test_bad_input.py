@@ -394,3 +394,29 @@ def test_dft_with_its_axis_a_graph_input_is_refused_then_exact_once_bound(tmp_pa
         sys.modules.pop("run", None)
     want = ReferenceEvaluator(onnx.load(model)).run(None, {"x": x, "axis": np.array(2, np.int64)})[0]
     assert np.allclose(got, want, atol=1e-4), np.abs(got - want).max()
+
+
+def test_an_input_too_big_for_the_address_space_is_refused_before_compiling(tmp_path):
+    """A 10^9-element input under a 4 GiB address-space limit (ulimit -v): refused from the sizes in one line
+    before anything is compiled (it was a MemoryError after compiling)."""
+    import resource
+    import subprocess
+    import sys
+
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "big",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1000, 1000, 1000])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1000, 1000, 1000])])
+    path = tmp_path / "big.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, resource.RLIM_INFINITY))
+
+    proc = subprocess.run([sys.executable, "-m", "edgeq", "package", str(path), "--device", "host", "-o",
+                           str(tmp_path / "out")], capture_output=True, text=True, timeout=600, preexec_fn=limit)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("edgeq: error:")]
+    assert proc.returncode != 0 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "ulimit -v" in errors[0] and "GiB" in errors[0], errors
+    assert "compile:" not in proc.stderr and not (tmp_path / "out").exists()
