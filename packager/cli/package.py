@@ -101,8 +101,20 @@ def add_graph_options(parser) -> None:
                    help="keep this ONNX node (by name) or op type (Conv, Gemm, MatMul) in fp32; repeatable")
     q.add_argument("--fp16", action="store_true", help="layers leaving int8 for the accuracy budget run fp16, not fp32")
     q.add_argument("--accuracy-budget", type=float, metavar="X",
-                   help="allowed loss: top-1 points when --eval has labels, else relative output error (e.g. 0.02)")
+                   help="allowed loss, judged on the answer: top-1 points lost when --eval has labels; else with --postprocess "
+                        "classify, %% of samples whose top-1 changes; with --postprocess yolo, %% of fp32's boxes lost "
+                        "(IoU 0.5, same class); else the worst output's relative error (e.g. 0.02)")
     q.add_argument("--eval", type=Path, metavar="DATA", help="held-out data (same formats; 'labels' for top-1)")
+
+
+def _task(args):
+    """What the answer is (``--postprocess``), for the accuracy budget (edgeq.quantize.judge)."""
+    from edgeq.quantize.judge import Task
+
+    kind = getattr(args, "postprocess", None)
+    if kind == "yolo":
+        return Task("yolo", conf=args.conf, iou=args.iou, max_det=args.max_det)
+    return Task("classify") if kind == "classify" else None
 
 
 def graph_options(args) -> dict:
@@ -125,6 +137,7 @@ def graph_options(args) -> dict:
             accuracy_budget=args.accuracy_budget,
             eval=args.eval,
             preprocess=preprocess,
+            task=_task(args),
         )
     return {"input_shapes": dict(parse_shape(text) for text in args.input_shape),
             "consts": dict(parse_const(text) for text in args.const),

@@ -30,7 +30,9 @@ from edgeq.quantize.calibrate import collect
 from edgeq.quantize.calibrators import CALIBRATORS
 from edgeq.quantize.data import Dataset, Preprocess, load_data
 from edgeq.quantize.fold_bias import fold_bias
+from edgeq.quantize import judge
 from edgeq.quantize.hoist_quantize import hoist_quantize
+from edgeq.quantize.judge import Task
 from edgeq.quantize.notes import PassNotes
 from edgeq.quantize.commute_qdq import commute_qdq
 from edgeq.quantize.layers import Layer, find_layers
@@ -58,14 +60,16 @@ class QuantizeArgs:
     samples: int = DEFAULT_CALIB_SAMPLES
     skip: tuple[str, ...] = ()
     fallback: str = "fp32"  # precision of layers that leave int8 by the budget: fp32 or fp16
-    accuracy_budget: float | None = None  # top-1 points with labelled eval data, else relative output error
+    accuracy_budget: float | None = None  # Evaluator.budget_metric's units: points, % of boxes, or relative error
     eval: Path | None = None
     preprocess: Preprocess | None = None
+    task: Task | None = None  # what the answer is (--postprocess): what the accuracy budget judges
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out.update(calibrate=str(self.calibrate), eval=str(self.eval) if self.eval else None, skip=list(self.skip),
-                   preprocess=self.preprocess.to_dict() if self.preprocess else None)
+                   preprocess=self.preprocess.to_dict() if self.preprocess else None,
+                   task=self.task.to_dict() if self.task else None)
         return out
 
 
@@ -142,30 +146,46 @@ def _agreement(q: np.ndarray, f: np.ndarray) -> dict[str, float]:
 
 
 class Evaluator:
-    """Runs the float graph once over the evaluation data and compares any candidate graph against it."""
+    """Runs the float graph once over the evaluation data and compares any candidate graph against it. ``task``
+    (``judge.Task``, from ``--postprocess``) says what the answer is, and so what the accuracy budget judges."""
 
-    def __init__(self, graph: Graph, data: Dataset, specs):
-        self.data, self.specs = data, specs
-        self.reference = self._outputs(graph)
-
-    def _outputs(self, graph: Graph) -> list[np.ndarray]:
-        """The output judged, per batch: the first output; for a detector ending in NonMaxSuppression, the
-        boxes and scores it selects from, side by side (``edgeq.nms.selection_inputs``)."""
+    def __init__(self, graph: Graph, data: Dataset, specs, task: Task | None = None):
         from edgeq.nms import selection_inputs
 
-        view = selection_inputs(graph)
-        runner = HostRunner(view or graph)
-        if view is None:
-            return [runner(batch)[0] for batch in self.data.batches(self.specs)]
+        self.data, self.specs, self.task = data, specs, task
+        self.detector = selection_inputs(graph) is not None
+        self.reference_runs = self._runs(graph)
+        self.reference = self._judged(self.reference_runs)
+
+    def _runs(self, graph: Graph) -> list[list[np.ndarray]]:
+        """Every output, per batch; for a detector ending in NonMaxSuppression, the boxes and scores it selects
+        from (``edgeq.nms.selection_inputs``: the selected rows of two builds differ in which, not by how much)."""
+        from edgeq.nms import selection_inputs
+
+        runner = HostRunner(selection_inputs(graph) if self.detector else graph)
+        return [list(runner(batch)) for batch in self.data.batches(self.specs)]
+
+    def _judged(self, runs: list[list[np.ndarray]]) -> list[np.ndarray]:
+        """The tensor cosine and relative error are reported on, per batch: the first output; a detector's
+        boxes and scores side by side."""
+        if not self.detector:
+            return [run[0] for run in runs]
         rows = len(self.specs[0].shape) and self.specs[0].shape[0] or 1
-        return [np.concatenate([o.reshape(rows, -1) for o in runner(batch)], axis=1)[:, None, :]
-                for batch in self.data.batches(self.specs)]
+        return [np.concatenate([o.reshape(rows, -1) for o in run], axis=1)[:, None, :] for run in runs]
 
     def metrics(self, candidate: Graph) -> dict[str, Any]:
-        got = self._outputs(candidate)
-        f = np.concatenate([r.reshape(len(r), -1) if r.ndim > 1 else r[None] for r in self.reference])
-        q = np.concatenate([r.reshape(len(r), -1) if r.ndim > 1 else r[None] for r in got])
+        runs = self._runs(candidate)
+        got = self._judged(runs)
+
+        def flat(arrays):
+            return np.concatenate([r.reshape(len(r), -1) if r.ndim > 1 else r[None] for r in arrays])
+
+        f, q = flat(self.reference), flat(got)
         out = {"samples": int(len(f)), **_agreement(q, f)}
+        # every output on its own scale: the worst one's relative error
+        per_output = [_agreement(flat([run[k] for run in runs]), flat([run[k] for run in self.reference_runs]))["rel_error"]
+                      for k in range(len(runs[0]))]
+        out["worst_rel_error"] = max(per_output, key=lambda v: (np.isnan(v), v))
         if self.reference[0].ndim == 2 and self.reference[0].shape[-1] > 1:  # logits: classification metrics
             top_f, top_q = f.argmax(axis=1), q.argmax(axis=1)
             out["top1_agreement"] = float(np.mean(top_f == top_q) * 100)
@@ -173,12 +193,19 @@ class Evaluator:
                 labels = self.data.labels[: len(top_f)]
                 out["top1_fp32"] = float(np.mean(top_f == labels) * 100)
                 out["top1_quantized"] = float(np.mean(top_q == labels) * 100)
+        if self.task is not None and self.task.kind == "yolo" and self.detector:
+            out.update(judge.boxes_kept(self.reference_runs, runs, self.task))
         return out
 
     def budget_metric(self, metrics: dict[str, Any]) -> tuple[str, float]:
+        """(what the accuracy budget is spent on, its value): the answer where ``--postprocess`` says what it is."""
         if "top1_fp32" in metrics:
             return "top-1 drop (points)", metrics["top1_fp32"] - metrics["top1_quantized"]
-        return "relative output error", metrics["rel_error"]
+        if "boxes_kept_pct" in metrics:
+            return "fp32 boxes lost (%)", 100.0 - metrics["boxes_kept_pct"]
+        if self.task is not None and self.task.kind == "classify" and "top1_agreement" in metrics:
+            return "top-1 changed (% of samples)", 100.0 - metrics["top1_agreement"]
+        return "worst relative output error", metrics["worst_rel_error"]
 
 
 def _sqnr_per_layer(graph: Graph, layers: list[Layer], act_scales: dict[str, float], data: Dataset, specs) -> dict[str, float]:
@@ -222,7 +249,7 @@ def quantize(graph: Graph, model: LoadedModel, args: QuantizeArgs, note: Callabl
     if bad:
         raise ModelError(f"{model.path.name}: calibration found NaN/Inf activations at {len(bad)} layer(s) "
                          f"(first: {bad[0]}); check the calibration data and the model on it")
-    evaluator = Evaluator(graph, evaluation, specs)
+    evaluator = Evaluator(graph, evaluation, specs, args.task)
     notes = PassNotes()
     quantized = build_graph(graph, layers, act_scales, notes)
     metrics = evaluator.metrics(quantized)
