@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from edgeq import safebundle
+from edgeq import contract, safebundle
 from edgeq.errors import UsageError
 
 GiB = 1 << 30
@@ -44,7 +44,7 @@ class Limit:
 
 LIMITS: dict[str, Limit] = {
     "model_bytes": Limit("EDGEQ_MAX_MODEL_BYTES", 2 * GiB, "size of the .onnx file (protobuf's own limit)"),
-    "input_bytes": Limit("EDGEQ_MAX_INPUT_BYTES", 4 * GiB, "one model input: golden vectors, run.py / edgeq-run --input"),
+    "input_bytes": Limit("EDGEQ_MAX_INPUT_BYTES", contract.MAX_INPUT_BYTES, "one model input: golden vectors, run.py / edgeq-run --input"),
     "data_bytes": Limit("EDGEQ_MAX_DATA_BYTES", 8 * GiB, "calibration or evaluation data, all arrays together"),
     "activation_bytes": Limit("EDGEQ_MAX_ACTIVATION_BYTES", 16 * GiB, "any one tensor the model computes"),
     "image_pixels": Limit("EDGEQ_MAX_IMAGE_PIXELS", 50_000_000, "pixels of one calibration image"),

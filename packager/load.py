@@ -146,20 +146,14 @@ def _identifier_names(model: onnx.ModelProto) -> None:
     if not renames:
         return
 
-    def rename_uses(g: onnx.GraphProto) -> None:
-        for node in g.node:
-            for i, name in enumerate(node.input):
-                if name in renames:
-                    node.input[i] = renames[name]
-            for attr in node.attribute:  # subgraphs (If/Loop/Scan) may read outer initializers
-                for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
-                    rename_uses(sub)
-
     for tensor in graph.initializer:
         tensor.name = renames.get(tensor.name, tensor.name)
     for value in list(graph.input) + list(graph.value_info):
         value.name = renames.get(value.name, value.name)
-    rename_uses(graph)
+    for node, _ in _nodes(graph):  # subgraphs (If/Loop/Scan) may read outer initializers
+        for i, name in enumerate(node.input):
+            if name in renames:
+                node.input[i] = renames[name]
 
 
 def _read(path: Path) -> tuple[onnx.ModelProto, str]:
@@ -243,13 +237,14 @@ def _check_sizes(path: Path, model: onnx.ModelProto) -> None:
 KNOWN_DOMAINS = {"", "ai.onnx", "ai.onnx.ml", "com.microsoft"}
 
 
-def _nodes(graph: onnx.GraphProto):
-    """Every node of ``graph`` and of its subgraphs (If, Loop, Scan bodies)."""
+def _nodes(graph: onnx.GraphProto, depth: int = 0):
+    """(node, depth) for every node of ``graph`` and, after each node, of its subgraphs (If, Loop, Scan bodies;
+    depth 1 and below)."""
     for node in graph.node:
-        yield node
+        yield node, depth
         for attr in node.attribute:
             for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
-                yield from _nodes(sub)
+                yield from _nodes(sub, depth + 1)
 
 
 def _check_graph(path: Path, model: onnx.ModelProto) -> None:
@@ -257,7 +252,7 @@ def _check_graph(path: Path, model: onnx.ModelProto) -> None:
     node uses is dropped (ONNX Runtime's quantizer lists every domain it knows, com.microsoft.nchwc included)."""
     newest = onnx.defs.onnx_opset_version()
     used: dict[str, set[str]] = {}
-    for node in _nodes(model.graph):
+    for node, _ in _nodes(model.graph):
         used.setdefault(node.domain or "", set()).add(node.op_type)
     for opset in list(model.opset_import):
         if opset.domain not in KNOWN_DOMAINS and opset.domain not in used:
@@ -304,18 +299,10 @@ def _reaches(graph, producers: dict, start: int, goal: int) -> bool:
     return False
 
 
-def nested_node(graph, ops: tuple[str, ...], inside: bool = False) -> str | None:
+def nested_node(graph, ops: tuple[str, ...]) -> str | None:
     """The name (else the op) of the first node of one of ``ops`` inside a subgraph of ``graph`` (an If's
     branch, a Loop's or Scan's body, at any depth), or None."""
-    for node in graph.node:
-        if inside and node.op_type in ops:
-            return node.name or node.op_type
-        for attr in node.attribute:
-            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
-                found = nested_node(sub, ops, True)
-                if found:
-                    return found
-    return None
+    return next((node.name or node.op_type for node, depth in _nodes(graph) if depth and node.op_type in ops), None)
 
 
 def _onnx_dtype(elem_type: int) -> str:

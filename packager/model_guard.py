@@ -44,7 +44,6 @@ def checked(model, name: str):
             raise ModelError(f"{name}: checking the model took longer than {TIMEOUT_S} s; it is malformed or too large") from None
         if proc.returncode == 3:
             raise ModelError(f"{name}: {(proc.stdout.strip().splitlines() or ['invalid model'])[-1]}")
-
         if proc.returncode < 0:
             sig = signal.Signals(-proc.returncode).name
             raise ModelError(f"{name}: the ONNX checker crashed ({sig}) on this model; it is malformed or hostile")

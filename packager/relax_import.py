@@ -216,21 +216,10 @@ def _name_const_inputs(message: str, model) -> str:
 def _check_activations(func, model_name: str) -> None:
     """Refuse, before anything is compiled or run, a model that computes a tensor larger than the limit
     (400 KB of inputs can describe a 40 GB intermediate)."""
-    import math
-
-    import tvm
-    from tvm import relax, tirx
-
     biggest, where = 0, ""
     for block in func.body.blocks:
         for binding in block.bindings:
-            ty = binding.var.ty
-            if not isinstance(ty, relax.TensorType) or not isinstance(ty.shape, relax.ShapeExpr) or not str(ty.dtype):
-                continue
-            dims = list(ty.shape.values)
-            if not all(isinstance(d, tirx.IntImm) for d in dims):
-                continue
-            size = math.prod(int(d) for d in dims) * max(tvm.DataType(str(ty.dtype)).bits, 8) // 8
+            size = _tensor_bytes(binding.var.ty)
             if size > biggest:
                 biggest, where = size, binding.var.name
     check("activation_bytes", f"{model_name}: tensor '{where}'", biggest, ModelError)
@@ -244,6 +233,7 @@ def _check_activations(func, model_name: str) -> None:
 
 
 def _tensor_bytes(ty) -> int:
+    """Bytes of a tensor of type ``ty`` with a static shape; 0 for anything else."""
     import math
 
     import tvm

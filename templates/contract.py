@@ -642,8 +642,8 @@ def describe_latency(stats: dict) -> str:
 NPY_DTYPES = {"'<f2'": "float16", "'<f4'": "float32", "'<f8'": "float64", "'|i1'": "int8", "'<i2'": "int16",
               "'<i4'": "int32", "'<i8'": "int64", "'|u1'": "uint8", "'<u2'": "uint16", "'<u4'": "uint32",
               "'<u8'": "uint64", "'|b1'": "bool"}
-NPY_ITEM_BYTES = {"float16": 2, "float32": 4, "float64": 8, "int8": 1, "int16": 2, "int32": 4, "int64": 8, "uint8": 1,
-                  "uint16": 2, "uint32": 4, "uint64": 8, "bool": 1}
+DTYPE_BYTES = {"float16": 2, "float32": 4, "float64": 8, "int8": 1, "int16": 2, "int32": 4, "int64": 8, "uint8": 1,
+               "uint16": 2, "uint32": 4, "uint64": 8, "bool": 1}  # also what a weights/golden table holds
 MAX_INPUT_BYTES = 4 << 30  # one --input .npy; raise with EDGEQ_MAX_INPUT_BYTES
 
 
@@ -719,7 +719,7 @@ def read_npy(f, limit: int) -> tuple[str, list, bytes, bool]:
         if q < 0:
             break
         p = q + 1
-    item = NPY_ITEM_BYTES[dtype]
+    item = DTYPE_BYTES[dtype]
     if count * item > limit:
         raise ContractError("it declares more than %d bytes; raise EDGEQ_MAX_INPUT_BYTES to read it" % limit)
     data = f.read(count * item)

@@ -33,7 +33,6 @@ import platform  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 NATIVE_LOADER = os.path.join(HERE, "runtime", "edgeq-run")
 MAX_RUNS = 1000000  # --benchmark / --warmup
-MAX_INPUT_BYTES = int(os.environ.get("EDGEQ_MAX_INPUT_BYTES") or 4 << 30)  # one --input .npy
 TRUSTED_KEY = os.environ.get("EDGEQ_TRUSTED_KEY") or "/etc/edgeq/trusted.pub"
 # TVM's thread pool assumes two hardware threads per core and, unless told, uses half the CPUs; inference
 # gets every CPU this process may run on (set TVM_NUM_THREADS to choose).
@@ -55,6 +54,7 @@ safebundle = _sibling("safebundle.py", "edgeq_bundle_safebundle")
 contract = safebundle.contract
 imaging = _sibling("imaging.py", "edgeq_bundle_imaging")
 Exit = contract.LoaderExit
+MAX_INPUT_BYTES = int(os.environ.get("EDGEQ_MAX_INPUT_BYTES") or contract.MAX_INPUT_BYTES)  # one --input .npy
 
 
 class LoaderError(Exception):

@@ -157,8 +157,7 @@ def check_manifest(manifest) -> "contract.Manifest":
 
 
 # What a tensor table may hold (edgeq-run reads the same set): numpy's name -> bytes per element
-TABLE_DTYPES = {"float16": 2, "float32": 4, "float64": 8, "int8": 1, "int16": 2, "int32": 4, "int64": 8,
-                "uint8": 1, "uint16": 2, "uint32": 4, "uint64": 8, "bool": 1}
+TABLE_DTYPES = contract.DTYPE_BYTES
 
 
 def _check_table(section: str, record, file_size: int) -> None:

@@ -32,7 +32,6 @@ from edgeq.quantize.data import Dataset, Preprocess, load_data
 from edgeq.quantize.fold_bias import fold_bias
 from edgeq.quantize import judge
 from edgeq.quantize.hoist_quantize import hoist_quantize
-from edgeq.quantize.judge import Task
 from edgeq.quantize.notes import PassNotes
 from edgeq.quantize.commute_qdq import commute_qdq
 from edgeq.quantize.layers import Layer, find_layers
@@ -63,7 +62,7 @@ class QuantizeArgs:
     accuracy_budget: float | None = None  # Evaluator.budget_metric's units: points, % of boxes, or relative error
     eval: Path | None = None
     preprocess: Preprocess | None = None
-    task: Task | None = None  # what the answer is (--postprocess): what the accuracy budget judges
+    task: judge.Task | None = None  # what the answer is (--postprocess): what the accuracy budget judges
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -149,7 +148,7 @@ class Evaluator:
     """Runs the float graph once over the evaluation data and compares any candidate graph against it. ``task``
     (``judge.Task``, from ``--postprocess``) says what the answer is, and so what the accuracy budget judges."""
 
-    def __init__(self, graph: Graph, data: Dataset, specs, task: Task | None = None):
+    def __init__(self, graph: Graph, data: Dataset, specs, task: judge.Task | None = None):
         from edgeq.nms import selection_inputs
 
         self.data, self.specs, self.task = data, specs, task

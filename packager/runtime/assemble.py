@@ -150,6 +150,7 @@ constexpr size_t kMaxImageFileBytes = {imaging.MAX_IMAGE_FILE_BYTES};  // imagin
 constexpr int kPadValue = {imaging.PAD_VALUE};  // imaging.PAD_VALUE
 constexpr long kMaxLabels = {contract.MAX_LABELS};  // contract.MAX_LABELS
 constexpr long kMaxImageSide = {contract.MAX_IMAGE_SIDE};  // contract.MAX_IMAGE_SIDE
+constexpr unsigned long long kMaxInputBytes = {contract.MAX_INPUT_BYTES}ull;  // contract.MAX_INPUT_BYTES: one --input .npy
 constexpr double kMaxGoldenOutliers = {contract.MAX_GOLDEN_OUTLIERS!r};  // contract.MAX_GOLDEN_OUTLIERS
 // the keys of contract.latency_statistics, in its order (edgeq-run --benchmark --json)
 constexpr const char* kLatencyKeys[] = {{{", ".join(f'"{k}"' for k in keys)}}};

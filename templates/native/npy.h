@@ -16,8 +16,6 @@
 
 namespace {
 
-constexpr uint64_t kMaxInputBytes = 4ull << 30;  // one .npy input; raise with EDGEQ_MAX_INPUT_BYTES
-
 // ------------------------------------------------------------------------------------------------
 // Tensors on the host: dtypes, float16, .npy in and out (.npz out: zip.h)
 // ------------------------------------------------------------------------------------------------
