@@ -349,12 +349,14 @@ def _check_export_qdq(args: PackageArgs) -> None:
 def _export_qdq(b: _Build) -> None:
     from edgeq.quantize.export_qdq import qdq_model, write
 
+    layers = b.quantization.layers
     scales = {layer.name: float(b.quantization.scales[f"{layer.name}/activation_scale"])
-              for layer in b.quantization.layers if layer.precision == "int8"}
-    write(qdq_model(b.model.onnx_model, b.quantization.layers, scales), Path(b.args.export_qdq))
-    counts = b.quantization.report.precision_counts
-    b.progress.note(f"QDQ model: {counts['int8']} layers quantized with edgeq's scales, "
-                    f"{counts['fp16'] + counts['fp32']} left in float")
+              for layer in layers if layer.precision == "int8" and layer.activation != "per-token"}
+    write(qdq_model(b.model.onnx_model, layers, scales, b.quantization.smoothing), Path(b.args.export_qdq))
+    per_token = sum(1 for l in layers if l.precision == "int8" and l.activation == "per-token")
+    b.progress.note(f"QDQ model: {len(scales)} layers quantized with edgeq's scales, {len(layers) - len(scales)} left "
+                    f"in float" + (f" ({per_token} of them per-token int8 in the bundle: ONNX has no per-token "
+                                   "quantize)" if per_token else ""))
 
 
 def _load(b: _Build) -> None:

@@ -372,6 +372,9 @@ class LayerRow(Record):
     channel_axis: int = _field(COUNT)
     precision: str = _field(STR)  # int8, fp16 or fp32
     reason: str = _field(STR)  # why it is not int8 ("" when it is)
+    # int8 layers: "per-tensor" (one calibrated scale), "per-channel" (depthwise: each input channel's range moved
+    # into the weights, edgeq.quantize.smooth) or "per-token" (each row's own scale, at run time)
+    activation: str | None = _field(_Opt(STR), omit_if_none=True)
     sqnr_db: float | None = _field(_Opt(NUM))  # calibrated int8 layers: SQNR of the layer's output, dB
     # calibrated int8 layers
     calibration: dict | None = _field(_Opt(OBJECT), omit_if_none=True)  # the activation statistics

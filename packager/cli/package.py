@@ -99,6 +99,10 @@ def add_graph_options(parser) -> None:
                         "resize=HxW,mean=a/b/c,std=a/b/c,scale=255,layout=NCHW,order=RGB")
     q.add_argument("--skip", action="append", default=[], metavar="NODE_OR_OP",
                    help="keep this ONNX node (by name) or op type (Conv, Gemm, MatMul) in fp32; repeatable")
+    q.add_argument("--activation-scales", choices=("auto", "per-tensor"), default="auto",
+                   help="int8 input scales: auto (default: depthwise convolutions per channel, MatMul/Gemm over a "
+                        "sequence per token at run time, the rest per tensor) or per-tensor (one calibrated scale "
+                        "each, as TensorRT and ONNX QDQ take them; see docs/usage.md)")
     q.add_argument("--fp16", action="store_true", help="layers leaving int8 for the accuracy budget run fp16, not fp32")
     q.add_argument("--accuracy-budget", type=float, metavar="X",
                    help="allowed loss, judged on the answer: top-1 points lost when --eval has labels; else with --postprocess "
@@ -138,6 +142,7 @@ def graph_options(args) -> dict:
             eval=args.eval,
             preprocess=preprocess,
             task=_task(args),
+            activation_scales=args.activation_scales,
         )
     return {"input_shapes": dict(parse_shape(text) for text in args.input_shape),
             "consts": dict(parse_const(text) for text in args.const),

@@ -1,5 +1,6 @@
 """INT8 post-training quantization on Relax.
 
+    graph  = smooth.smooth(graph, smooth.factors(...))                  # depthwise inputs per channel: one pass
     stats  = calibrate.collect(float graph, layers, calibration data)     # host TVM run, two passes
     scales = CALIBRATORS[method].threshold(stats) / 127                   # per-tensor activation scales
     graph  = quantize_ops(graph, plans), then each of PASSES in order     # fold_bias, hoist_quantize, requantize
@@ -30,7 +31,7 @@ from edgeq.quantize.calibrate import collect
 from edgeq.quantize.calibrators import CALIBRATORS
 from edgeq.quantize.data import Dataset, Preprocess, load_data
 from edgeq.quantize.fold_bias import fold_bias
-from edgeq.quantize import judge
+from edgeq.quantize import judge, smooth
 from edgeq.quantize.hoist_quantize import hoist_quantize
 from edgeq.quantize.notes import PassNotes
 from edgeq.quantize.commute_qdq import commute_qdq
@@ -63,6 +64,7 @@ class QuantizeArgs:
     eval: Path | None = None
     preprocess: Preprocess | None = None
     task: judge.Task | None = None  # what the answer is (--postprocess): what the accuracy budget judges
+    activation_scales: str = "auto"  # "auto": per-channel depthwise inputs, per-token sequence MatMuls; "per-tensor"
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -80,6 +82,7 @@ class QuantizeResult:
     scales: dict[str, np.ndarray]  # what quant_params.npz holds
     first_sample: list[np.ndarray] | None = None  # the first model run of the calibration data (the golden input)
     first_sample_source: str = ""
+    smoothing: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)  # weight name -> s (smooth.py)
 
 
 def check_args(args: QuantizeArgs) -> None:
@@ -91,6 +94,8 @@ def check_args(args: QuantizeArgs) -> None:
         raise UsageError("--calib-samples must be at least 1")
     if args.fallback not in ("fp32", "fp16"):
         raise UsageError(f"fallback precision must be fp32 or fp16, not {args.fallback}")
+    if args.activation_scales not in ("auto", "per-tensor"):
+        raise UsageError(f"--activation-scales must be auto or per-tensor, not {args.activation_scales}")
     if args.accuracy_budget is not None and not 0 <= args.accuracy_budget < float("inf"):
         raise UsageError(f"--accuracy-budget must be a number >= 0, not {args.accuracy_budget}")
 
@@ -105,10 +110,13 @@ def _apply_skip(layers: list[Layer], skip: tuple[str, ...]) -> None:
             layer.precision, layer.reason = "fp32", f"--skip {item}"
 
 
+def _plans(layers: list[Layer], act_scales: dict[str, float]) -> dict[str, LayerPlan]:
+    return {l.weight: LayerPlan(l.precision, act_scales.get(l.weight, 0.0), l.activation == "per-token") for l in layers}
+
+
 def build_graph(graph: Graph, layers: list[Layer], act_scales: dict[str, float], notes: PassNotes | None = None) -> Graph:
     """The quantized graph; ``notes`` receives what the passes report (biases left as float adds)."""
-    plans = {l.weight: LayerPlan(l.precision, act_scales.get(l.weight, 0.0)) for l in layers}
-    out = quantize_ops(graph, plans)
+    out = quantize_ops(graph, _plans(layers, act_scales))
     notes = notes if notes is not None else PassNotes()
     for _, run in PASSES:
         out = run(out, notes)
@@ -210,7 +218,7 @@ class Evaluator:
 def _sqnr_per_layer(graph: Graph, layers: list[Layer], act_scales: dict[str, float], data: Dataset, specs) -> dict[str, float]:
     """SQNR (dB) of each quantized layer's output against the float model's, all layers quantized."""
     names = [l.weight for l in layers]
-    plans = {l.weight: LayerPlan(l.precision, act_scales.get(l.weight, 0.0)) for l in layers}
+    plans = _plans(layers, act_scales)
     ref, quant = HostRunner(quantize_ops(graph, {}, taps=names)), HostRunner(quantize_ops(graph, plans, taps=names))
     signal, noise = np.zeros(len(names)), np.zeros(len(names))
     n_out = graph.num_outputs
@@ -238,6 +246,16 @@ def quantize(graph: Graph, model: LoadedModel, args: QuantizeArgs, note: Callabl
         raise UsageError(f"{model.path.name} has no Conv, Gemm or MatMul with weights to quantize; package it as fp32")
     _apply_skip(layers, args.skip)
     runs = calib.count // (specs[0].shape[0] if specs[0].shape else 1)
+    if args.activation_scales == "per-tensor":
+        for layer in layers:
+            layer.activation = "per-tensor"
+    smoothing = smooth.factors(graph, layers, lambda: calib.batches(specs)) if args.activation_scales == "auto" else {}
+    if smoothing:
+        graph = smooth.smooth(graph, layers, smoothing)
+        for layer in layers:
+            if layer.weight in smoothing:
+                layer.activation = "per-channel"
+        note(f"{len(smoothing)} depthwise layer(s) read their input per channel (its ranges moved into the weights)")
     note(f"calibrating {len(layers)} layers on {calib.count} samples from {calib.source} ({args.method})")
     stats = collect(graph, layers, lambda: calib.batches(specs), calibrator.needs_histogram,
                     (lambda phase, i: tick(phase, i, runs)) if tick else None)
@@ -287,14 +305,19 @@ def quantize(graph: Graph, model: LoadedModel, args: QuantizeArgs, note: Callabl
     for layer, st in zip(layers, stats):
         row = layer.to_dict()
         row.update(calibration=st.to_dict(), sqnr_db=round(sqnr[layer.weight], 2) if layer.precision == "int8" else None)
-        if layer.precision == "int8":
+        if layer.precision != "int8":
+            row["activation"] = None
+        else:
             w_scale = quantize_weight(graph.weights[layer.weight], layer.channel_axis)[1]
-            scales[f"{layer.name}/activation_scale"] = np.float32(act_scales[layer.weight])
             scales[f"{layer.name}/weight_scale"] = w_scale
             # shown to 6 significant digits; quant_params.npz holds the exact scales
-            row.update(activation_scale=significant(act_scales[layer.weight], 6),
-                       activation_threshold=significant(thresholds[layer.weight], 6),
-                       weight_scale_min=significant(w_scale.min(), 6), weight_scale_max=significant(w_scale.max(), 6))
+            row.update(weight_scale_min=significant(w_scale.min(), 6), weight_scale_max=significant(w_scale.max(), 6))
+            if layer.weight in smoothing:
+                scales[f"{layer.name}/input_channel_scale"] = smoothing[layer.weight]
+            if layer.activation != "per-token":  # a per-token layer's scales are computed at run time, per row
+                scales[f"{layer.name}/activation_scale"] = np.float32(act_scales[layer.weight])
+                row.update(activation_scale=significant(act_scales[layer.weight], 6),
+                           activation_threshold=significant(thresholds[layer.weight], 6))
         layer_rows.append(row)
     report = Report(
         kind="calibrated",
@@ -310,13 +333,15 @@ def quantize(graph: Graph, model: LoadedModel, args: QuantizeArgs, note: Callabl
         evaluation={"source": evaluation.source if args.eval else f"{calib.source} (calibration data; no --eval)",
                     **{k: significant(v, 6) if isinstance(v, float) and np.isfinite(v) else v for k, v in metrics.items()}},
         fallbacks=decisions,
-        scheme={"activations": "int8, per-tensor, symmetric (zero point 0)",
+        scheme={"activations": "int8, symmetric (zero point 0): per-tensor, calibrated; per-channel for depthwise "
+                               "convolutions (ranges moved into the weights); per-token at run time for MatMul/Gemm "
+                               "reading a sequence (layers[].activation)",
                 "weights": "int8, per-output-channel, symmetric",
                 "accumulation": "int32, bias added in int32, requantized or dequantized in the epilogue"},
         scales_file=QUANT_PARAMS,
         args=args.to_dict(),
     )
-    return QuantizeResult(quantized, layers, report, scales, next(calib.batches(specs)), calib.source)
+    return QuantizeResult(quantized, layers, report, scales, next(calib.batches(specs)), calib.source, smoothing)
 
 
 def _precision_counts(layers: list[Layer]) -> dict[str, int]:

@@ -9,8 +9,11 @@ initializers), with, for every layer edgeq computes in int8:
 - its weight stored as int8 with edgeq's per-output-channel scales (the same integers the bundle holds,
   ``quantize_weight``) behind a per-channel DequantizeLinear (opset 13).
 
-Layers edgeq kept in float (``--skip``, the accuracy budget's fallbacks) stay float; biases stay float (ONNX
-Runtime and TensorRT fuse them). Everything between the layers is the model as it was.
+A depthwise layer that reads its input per channel (``edgeq.quantize.smooth``) reads it through a Mul by 1/s,
+with its weight multiplied by s before it is quantized, as in the bundle. Layers edgeq kept in float (``--skip``, the accuracy
+budget's fallbacks) stay float, and so do the layers the bundle quantizes per token at run time (ONNX's
+quantize ops take one scale per tensor or per channel, not per row); biases stay float (ONNX Runtime and
+TensorRT fuse them). Everything between the layers is the model as it was.
 """
 
 from __future__ import annotations
@@ -29,8 +32,11 @@ from edgeq.quantize.quantize_ops import quantize_weight
 MIN_OPSET = 13  # per-channel DequantizeLinear (axis)
 
 
-def qdq_model(model: onnx.ModelProto, layers: list[Layer], activation_scales: dict[str, float]) -> onnx.ModelProto:
-    """``model`` with Q/DQ pairs for the int8 ``layers`` (``activation_scales``: layer name -> scale)."""
+def qdq_model(model: onnx.ModelProto, layers: list[Layer], activation_scales: dict[str, float],
+              smoothing: dict[str, np.ndarray] | None = None) -> onnx.ModelProto:
+    """``model`` with Q/DQ pairs for the int8 ``layers`` (``activation_scales``: layer name -> scale; ``smoothing``:
+    weight name -> s, for the layers ``edgeq.quantize.smooth`` smoothed)."""
+    smoothing = smoothing or {}
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
     if opset < MIN_OPSET:
         raise ModelError(f"--export-qdq needs ONNX opset {MIN_OPSET} or later (per-channel DequantizeLinear); "
@@ -54,8 +60,9 @@ def qdq_model(model: onnx.ModelProto, layers: list[Layer], activation_scales: di
     new_nodes: dict[int, list[onnx.NodeProto]] = {}  # node index -> nodes to put before it
     index = {id(node): i for i, node in enumerate(graph.node)}
     activations: dict[tuple[str, float], str] = {}
+    divided: dict[tuple[str, bytes], str] = {}
     for layer in layers:
-        if layer.precision != "int8":
+        if layer.precision != "int8" or layer.activation == "per-token":
             continue
         node = by_weight.get(layer.weight)
         if node is None or layer.weight not in initializers:
@@ -64,6 +71,18 @@ def qdq_model(model: onnx.ModelProto, layers: list[Layer], activation_scales: di
         before = new_nodes.setdefault(index[id(node)], [])
         scale = float(np.float32(activation_scales[layer.name]))
         source = node.input[0]
+        weight = numpy_helper.to_array(graph.initializer[initializers[layer.weight]])
+        s = smoothing.get(layer.weight)
+        if s is not None:  # a depthwise layer's input per channel: x / s in front, W * s (smooth.smooth)
+            weight = (weight * s.reshape(-1, 1, 1, 1)).astype(weight.dtype)
+            key = (source, s.tobytes())
+            if key not in divided:
+                stem = fresh(f"{source}_smoothed")
+                inverse = fresh(f"{stem}_inverse")
+                graph.initializer.append(numpy_helper.from_array((1.0 / s).astype(np.float32).reshape(1, -1, 1, 1), inverse))
+                before.append(helper.make_node("Mul", [source, inverse], [stem], name=fresh(f"{stem}_Mul")))
+                divided[key] = stem
+            source = divided[key]
         key = (source, scale)
         if key not in activations:
             stem = fresh(f"{source}_qdq")
@@ -76,7 +95,7 @@ def qdq_model(model: onnx.ModelProto, layers: list[Layer], activation_scales: di
             activations[key] = dq_name
         node.input[0] = activations[key]
         # the weight: int8 with per-channel scales, as the bundle holds it
-        q, w_scale = quantize_weight(numpy_helper.to_array(graph.initializer[initializers[layer.weight]]), layer.channel_axis)
+        q, w_scale = quantize_weight(weight, layer.channel_axis)
         w_q, w_s, w_z, w_dq = (fresh(f"{layer.weight}_{suffix}") for suffix in ("quantized", "scale", "zero_point", "dequantized"))
         graph.initializer[initializers[layer.weight]].CopyFrom(numpy_helper.from_array(q, w_q))
         graph.initializer.extend([numpy_helper.from_array(w_scale.astype(np.float32), w_s),

@@ -8,8 +8,12 @@ import dataclasses
 import onnx
 
 from edgeq.graph import Graph, call_op
+from edgeq.graph_passes import shape_of
 
 PRECISIONS = ("int8", "fp16", "fp32")
+# a MatMul/Gemm whose input has this rank or more reads a sequence (batch, tokens, features): its int8 input is
+# scaled per row at run time (quantize_ops: per-token), not by one calibrated scale
+SEQUENCE_RANK = 3
 
 
 @dataclasses.dataclass
@@ -21,13 +25,16 @@ class Layer:
     channel_axis: int  # output-channel axis of the weight as the Relax op sees it
     precision: str = "int8"
     reason: str = ""  # why a layer is not int8
+    # int8 input scale: "per-tensor" (calibrated), "per-channel" (depthwise, quantize.smooth) or "per-token" (run time)
+    activation: str = "per-tensor"
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
 def find_layers(graph: Graph, model: onnx.ModelProto | None = None) -> list[Layer]:
     """Quantizable layers in binding order. A MatMul of two activations (attention) is not one: it has no
-    weight to quantize per channel and stays in float."""
+    weight to quantize per channel and stays in float. A MatMul/Gemm reading a sequence (``SEQUENCE_RANK``)
+    gets per-token activation scales."""
     nodes = {}
     if model is not None:
         for node in model.graph.node:
@@ -59,5 +66,8 @@ def find_layers(graph: Graph, model: onnx.ModelProto | None = None) -> list[Laye
         node = nodes.get(rhs.name)
         op_type = node.op_type if node is not None else ("Conv" if kind == "conv2d" else "MatMul")
         name = (node.name if node is not None and node.name else f"{op_type}_{rhs.name}")
-        layers.append(Layer(name=name, op_type=op_type, kind=kind, weight=rhs.name, channel_axis=axis))
+        rank = len(shape_of(binding.value.args[0]) or ())
+        activation = "per-token" if kind == "matmul" and rank >= SEQUENCE_RANK else "per-tensor"
+        layers.append(Layer(name=name, op_type=op_type, kind=kind, weight=rhs.name, channel_axis=axis,
+                            activation=activation))
     return layers

@@ -4,8 +4,15 @@
     matmul(x, W)            ->  dequantize(matmul(quantize(x, s_x), W_q, out_dtype=int32), s_x * s_w[n])
     matmul(x, permute(W))   ->  the same, with W_q stored already transposed
 
-Activations: per-tensor symmetric int8 (zero point 0) with the calibrated scale s_x. Weights: per-output-
-channel symmetric int8, s_w[c] = max|W[c]| / 127. The products accumulate in int32; the float dequantize
+Activations: per-tensor symmetric int8 (zero point 0) with the calibrated scale s_x. A MatMul/Gemm reading a
+sequence (rank 3 or more: tokens of a transformer, columns of a text line) scales each row on its own at run
+time instead (per-token dynamic, as LLM.int8 and ZeroQuant do): a few tokens carry activations a hundred times
+the rest, and one calibrated scale sized for them leaves the others a handful of levels:
+
+    matmul(x, W)            ->  dequantize(matmul(q, W_q, out_dtype=int32), s_w[n]) * s_t,
+                                s_t = max|x[t, :]| / 127,  q = round(x / s_t)  (int8, per row t)
+
+Weights: per-output-channel symmetric int8, s_w[c] = max|W[c]| / 127. The products accumulate in int32; the float dequantize
 at the end is the epilogue that ``fold_bias`` and ``requantize`` then improve. fp16 layers cast around an
 fp16 op with fp16 weights.
 """
@@ -24,7 +31,8 @@ QMAX = 127
 @dataclasses.dataclass(frozen=True)
 class LayerPlan:
     precision: str  # "int8" | "fp16" | "fp32"
-    act_scale: float = 0.0  # s_x, for int8
+    act_scale: float = 0.0  # s_x, for int8 per-tensor
+    per_token: bool = False  # int8 matmul: each row of x scaled on its own at run time (s_t), not by s_x
 
 
 def quantize_weight(weight: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
@@ -46,6 +54,16 @@ def _conv_attrs(call) -> dict:
 
 def _quantize_input(rw: Rewriter, x, scale: float):
     return rw.emit(relax.op.quantize(rw.new(x), rw.const(scale), rw.const(0, "int8"), axis=-1, out_dtype="int8"))
+
+
+def _quantize_rows(rw: Rewriter, x):
+    """(int8 x, s_t): each row (last axis) of ``x`` by its own scale max|row| / 127; an all-zero row by 1."""
+    xn = rw.new(x)
+    amax = rw.emit(relax.op.max(relax.op.abs(xn), axis=[-1], keepdims=True))
+    scale = rw.emit(relax.op.where(relax.op.greater(amax, rw.const(0.0)), relax.op.divide(amax, rw.const(float(QMAX))),
+                                   rw.const(1.0)))
+    q = relax.op.clip(relax.op.round(relax.op.divide(xn, scale)), -QMAX, QMAX)
+    return rw.emit(relax.op.astype(q, "int8")), scale
 
 
 def quantize_ops(graph: Graph, plans: dict[str, LayerPlan], taps: list[str] | None = None) -> Graph:
@@ -74,6 +92,13 @@ def quantize_ops(graph: Graph, plans: dict[str, LayerPlan], taps: list[str] | No
             else:
                 y = rw.emit(relax.op.matmul(x16, w16, out_dtype="float16"))
             return relax.op.astype(y, "float32")
+        if plan.per_token and op == "relax.matmul":
+            xq, rows = _quantize_rows(rw, value.args[0])
+            wq, ws = quantize_weight(w, axis=0 if transposed else 1)
+            wq = np.ascontiguousarray(wq.T) if transposed else wq
+            acc = rw.emit(relax.op.matmul(xq, rw.param(f"{weight_var.name}_int8", wq), out_dtype="int32"))
+            y = rw.emit(relax.op.dequantize(acc, rw.const(ws), rw.const(0, "int8"), axis=-1, out_dtype="float32"))
+            return relax.op.multiply(y, rows)
         xq = _quantize_input(rw, value.args[0], plan.act_scale)
         if op == "relax.nn.conv2d":
             wq, ws = quantize_weight(w, axis=0)

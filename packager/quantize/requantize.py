@@ -43,7 +43,7 @@ def _quantized(bound: float, scale: np.float32, zero_point: int) -> int:
     return int(np.round(np.float32(bound) / scale)) + zero_point
 
 
-def _clip_bounds(graph: Graph, rw: Rewriter, value) -> tuple[float | None, float | None, Any] | None:
+def clip_bounds(graph: Graph, rw: Rewriter, value) -> tuple[float | None, float | None, Any] | None:
     """(lower, upper, the clipped operand) of a clip by constants (None: that side open); None for anything
     else."""
     op = call_op(value)
@@ -77,7 +77,7 @@ def requantize(graph: Graph, notes: PassNotes | None = None) -> Graph:
         lo, hi = RANGES[dtype]
         source = rw.value(value.args[0])
         while source is not None and call_op(source) != "relax.dequantize":
-            bounds = _clip_bounds(graph, rw, source)
+            bounds = clip_bounds(graph, rw, source)
             if bounds is None:
                 return None
             a, b, x = bounds  # float bounds, each through the same q as the values
