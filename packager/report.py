@@ -362,6 +362,8 @@ def _draw_layers(report: QuantizationReport) -> Callable:
                 what += f", SQNR {layer.sqnr_db:.4g} dB"
             if layer.activation_dtype:
                 what += f", activations {layer.activation_dtype} (zero point {layer.activation_zero_point})"
+            if layer.activation and layer.activation != "per-tensor":
+                what += f", input scales {layer.activation}"
             if layer.reason:
                 what += f"; {layer.reason}"
             tips[f"layer-{i}"] = what

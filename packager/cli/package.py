@@ -111,6 +111,14 @@ def add_graph_options(parser) -> None:
     q.add_argument("--eval", type=Path, metavar="DATA", help="held-out data (same formats; 'labels' for top-1)")
 
 
+def _act_scale(row) -> str:
+    """A layer's int8 input scale as the table shows it: the calibrated one, or the scheme that replaces it."""
+    if row.activation == "per-token":
+        return "per token"
+    scale = f"{row.activation_scale:.4g}" if row.activation_scale else "-"
+    return f"{scale} per channel" if row.activation == "per-channel" else scale
+
+
 def _task(args):
     """What the answer is (``--postprocess``), for the accuracy budget (edgeq.quantize.judge)."""
     from edgeq.quantize.judge import Task
@@ -235,6 +243,5 @@ def quantization_table(report: QuantizationReport) -> Table:
         table.add_column(column)
     for row in report.layers:
         table.add_row(Text(row.name), row.op_type, row.precision,
-                      f"{row.activation_scale:.4g}" if row.activation_scale else "-",
-                      f"{row.sqnr_db:.1f}" if row.sqnr_db is not None else "-", row.reason or "-")
+                      _act_scale(row), f"{row.sqnr_db:.1f}" if row.sqnr_db is not None else "-", row.reason or "-")
     return table
