@@ -58,10 +58,68 @@ def png_pixel_chunks(data: bytes, path: str) -> bytes:
             return b"".join(out)
 
 
+_TURBOJPEG = []  # the libturbojpeg handle, once looked for: [lib or None]
+
+
+def _turbojpeg():
+    """libjpeg-turbo's TurboJPEG library, the one edgeq-run dlopens (image.h), or None where it is missing."""
+    if not _TURBOJPEG:
+        import ctypes
+
+        lib = None
+        for name in ("libturbojpeg.so.0", "libturbojpeg.so"):
+            try:
+                lib = ctypes.CDLL(name)
+                break
+            except OSError:
+                continue
+        if lib is not None and all(hasattr(lib, f) for f in ("tjInitDecompress", "tjDecompressHeader3",
+                                                              "tjDecompress2", "tjGetErrorStr2", "tjDestroy")):
+            c = ctypes
+            lib.tjInitDecompress.restype = c.c_void_p
+            lib.tjDecompressHeader3.argtypes = [c.c_void_p, c.c_char_p, c.c_ulong] + [c.POINTER(c.c_int)] * 4
+            lib.tjDecompress2.argtypes = [c.c_void_p, c.c_char_p, c.c_ulong, c.c_void_p] + [c.c_int] * 5
+            lib.tjGetErrorStr2.argtypes, lib.tjGetErrorStr2.restype = [c.c_void_p], c.c_char_p
+            lib.tjDestroy.argtypes = [c.c_void_p]
+        else:
+            lib = None
+        _TURBOJPEG.append(lib)
+    return _TURBOJPEG[0]
+
+
+def decode_jpeg(np, lib, data: bytes, path: str, max_pixels: int = MAX_IMAGE_PIXELS):
+    """A JPEG's pixels through libturbojpeg, as edgeq-run's image.h DecodeJpeg, call by call: the same library,
+    the same flags (0: the accurate IDCT and fancy upsampling), the same refusals. One decoder for both loaders:
+    Pillow's libjpeg goes on after some damage (extraneous bytes) that TurboJPEG refuses."""
+    import ctypes
+
+    tj = lib.tjInitDecompress()
+    if not tj:
+        raise ImageError("libturbojpeg could not start")
+    try:
+        w, h, subsampling, colorspace = (ctypes.c_int(0) for _ in range(4))
+        if lib.tjDecompressHeader3(tj, data, len(data), ctypes.byref(w), ctypes.byref(h), ctypes.byref(subsampling),
+                                   ctypes.byref(colorspace)) != 0:
+            raise ImageError("cannot decode %s: %s" % (path, lib.tjGetErrorStr2(tj).decode("utf-8", "replace")))
+        if colorspace.value in (3, 4):  # TJCS_CMYK, TJCS_YCCK
+            raise ImageError("%s is a CMYK JPEG; give an 8-bit gray, RGB or RGBA PNG or JPEG" % path)
+        if w.value <= 0 or h.value <= 0 or w.value * h.value > max_pixels:
+            raise ImageError("%s has %d x %d pixels, more than %d" % (path, w.value, h.value, max_pixels))
+        channels = 1 if colorspace.value == 2 else 3  # TJCS_GRAY: gray, as Pillow opens it
+        pixels = np.zeros((h.value, w.value, channels), np.uint8)
+        # TJPF_GRAY 6, TJPF_RGB 0
+        if lib.tjDecompress2(tj, data, len(data), pixels.ctypes.data, w.value, 0, h.value, 6 if channels == 1 else 0, 0) != 0:
+            raise ImageError("cannot decode %s: %s" % (path, lib.tjGetErrorStr2(tj).decode("utf-8", "replace")))
+        return pixels
+    finally:
+        lib.tjDestroy(tj)
+
+
 def decode_image(np, path: str, any_format: bool = False, max_pixels: int = MAX_IMAGE_PIXELS):
     """``path`` (PNG or JPEG; ``any_format``: whatever Pillow reads, for calibration) as uint8 pixels
-    ``[H, W, C]``, C 1 (gray files) or 3 (everything else; alpha dropped, palettes expanded), with Pillow,
-    else OpenCV. 16-bit PNGs are refused (edgeq-run's libpng would gamma-convert them)."""
+    ``[H, W, C]``, C 1 (gray files) or 3 (everything else; alpha dropped, palettes expanded): a JPEG with
+    libturbojpeg where it is installed (``decode_jpeg``: edgeq-run's decoder), the rest with Pillow, else
+    OpenCV. 16-bit PNGs are refused (edgeq-run's libpng would gamma-convert them)."""
     info = os.stat(path)
     if not stat.S_ISREG(info.st_mode):  # a FIFO with no writer would block the open
         raise ImageError("%s is not a regular file" % path)
@@ -77,6 +135,8 @@ def decode_image(np, path: str, any_format: bool = False, max_pixels: int = MAX_
         raise ImageError("%s is a 16-bit PNG; give an 8-bit one" % path)
     if png:
         data = png_pixel_chunks(data, path)
+    if head.startswith(JPEG_MAGIC) and _turbojpeg() is not None:
+        return decode_jpeg(np, _turbojpeg(), data, path, max_pixels)
     try:
         from PIL import Image
     except ImportError:

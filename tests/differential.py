@@ -305,20 +305,8 @@ def disagreement(py: Result, native: Result) -> str | None:
     return None
 
 
-# Libjpeg's warnings (a JPEG damaged but decodable): Pillow, run.py's decoder, goes on after "Corrupt JPEG data:
-# N extraneous bytes" and stops at a truncated file; libturbojpeg, edgeq-run's, refuses both. Still open: one JPEG
-# reader for both loaders (run.py through the system's libturbojpeg too) would settle it.
-JPEG_WARNINGS = ("Corrupt JPEG data", "image file is truncated", "Premature end of JPEG file")
-
-
-def known_difference(case: Case, py: Result, native: Result) -> bool:
-    """A disagreement this module knows and names (JPEG_WARNINGS); every other one fails."""
-    return " jpeg, " in case.name and any(w in py.stderr + native.stderr for w in JPEG_WARNINGS)
-
-
-def run_cases(bundle: Path, all_cases: list[Case], work: Path, progress=None,
-              known: list | None = None) -> tuple[list[str], dict[int, int]]:
-    """(disagreements as 'case: why', {exit status: cases}); the known ones go to ``known`` instead."""
+def run_cases(bundle: Path, all_cases: list[Case], work: Path, progress=None) -> tuple[list[str], dict[int, int]]:
+    """(disagreements as 'case: why', {exit status: cases})."""
     import shutil
 
     bad, codes = [], {}
@@ -327,9 +315,7 @@ def run_cases(bundle: Path, all_cases: list[Case], work: Path, progress=None,
         case_work.mkdir(parents=True)
         py, native = run_both(bundle, case, case_work)
         why = disagreement(py, native)
-        if why and known is not None and known_difference(case, py, native):
-            known.append(f"{case.name}: {why}")
-        elif why:
+        if why:
             bad.append(f"{case.name}: {why}")
         codes[py.code] = codes.get(py.code, 0) + 1
         shutil.rmtree(case_work)
