@@ -126,3 +126,23 @@ def test_an_opset_import_no_node_uses_is_dropped_one_a_node_uses_is_named(tmp_pa
     lines = res.stderr.strip().splitlines()
     assert res.code != 0 and len(lines) == 1, res.stderr
     assert "'com.microsoft.nchwc' (ReorderInput)" in lines[0] and "ORT_ENABLE_EXTENDED" in lines[0]
+
+
+def test_a_model_onnx_runtime_saved_in_its_nchwc_layout_is_refused_naming_it(models, tmp_path):
+    """ONNX Runtime's optimizer (ORT_ENABLE_ALL, x86 with AVX2 or AVX-512) saves a CNN with its NCHWc ops: blocked
+    weights whose block size (8 or 16) is the saving machine's and is written nowhere in the file (ONNX Runtime
+    itself warns that such a file belongs to the machine that made it). edgeq refuses it in one line, naming the
+    ops and how to save the model before that layout."""
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    options.log_severity_level = 3
+    ort.InferenceSession(str(models["mobilenet_cnn"]), options, providers=["CPUExecutionProvider"])
+    saved = onnx.load(tmp_path / "optimized.onnx")
+    if not any(n.domain == "com.microsoft.nchwc" for n in saved.graph.node):
+        pytest.skip("this CPU has no NCHWc kernels in ONNX Runtime (no AVX2)")
+    res = run_cli("package", tmp_path / "optimized.onnx", "--device", "host", "-o", tmp_path / "out", "-q")
+    lines = res.stderr.strip().splitlines()
+    assert res.code != 0 and len(lines) == 1, res.stderr
+    assert "'com.microsoft.nchwc' (Conv," in lines[0] and "ORT_ENABLE_EXTENDED" in lines[0], lines[0]
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
