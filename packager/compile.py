@@ -107,6 +107,11 @@ class HostRunner:
             executable = build(graph.mod, target)
         self.vm = relax.VirtualMachine(executable, self.dev)
         self.params = [tvm.runtime.tensor(w, self.dev) for w in graph.weight_list()]
+        self.param_names = [p.name for p in graph.weight_params]
+
+    def set_param(self, name: str, array) -> None:
+        """Replace one weight parameter's value for the next calls (the compiled code stays)."""
+        self.params[self.param_names.index(name)] = self.tvm.runtime.tensor(array, self.dev)
 
     def __call__(self, inputs: list) -> list:
         result = self.vm["main"](*[self.tvm.runtime.tensor(x, self.dev) for x in inputs], *self.params)

@@ -265,3 +265,31 @@ def test_inception_block_concatenates_and_pools_int8(random_data, tmp_path):
         want = session.run(None, {"input": sample[None]})[0].ravel()
         got = runner([sample[None]])[0].ravel()
         assert float(got @ want / np.linalg.norm(got) / np.linalg.norm(want)) >= 0.995
+
+
+def test_a_switchable_graph_runs_any_mix_of_int8_and_float_layers(models, random_data):
+    """The accuracy budget's search compiles one graph whose layers are int8 or float by a parameter
+    (quantize_ops(..., switches=...)): all on computes what the plain int8 rewrite computes, all off the float
+    model, one on that layer alone in int8; no recompiling between them."""
+    from edgeq.compile import HostRunner
+    from edgeq.quantize import _plans
+    from edgeq.quantize.quantize_ops import SWITCHES, quantize_ops
+
+    loaded = load_model(models["resnet_cnn"])
+    graph, _ = to_relax(loaded)
+    result = quantize(graph, loaded, QuantizeArgs(calibrate=random_data["calib"]))
+    scales = {l.weight: float(result.scales[f"{l.name}/activation_scale"]) for l in result.layers}
+    plans = _plans(result.layers, scales)
+    names = [l.weight for l in result.layers]
+    runner = HostRunner(quantize_ops(graph, plans, switches=names))
+    x = [np.load(random_data["calib"])["input"][:1]]
+    float_out = HostRunner(graph)(x)[0]
+    runner.set_param(SWITCHES, np.ones(len(names), bool))
+    np.testing.assert_array_equal(runner(x)[0], HostRunner(quantize_ops(graph, plans))(x)[0])
+    runner.set_param(SWITCHES, np.zeros(len(names), bool))
+    np.testing.assert_allclose(runner(x)[0], float_out, rtol=1e-5, atol=1e-6)
+    one = {names[1]: plans[names[1]]}
+    runner.set_param(SWITCHES, np.array([n == names[1] for n in names]))
+    # the float layers around it may fuse otherwise (float rounding), the int8 layer computes the same
+    np.testing.assert_allclose(runner(x)[0], HostRunner(quantize_ops(graph, one))(x)[0], rtol=1e-5, atol=1e-5)
+    assert not np.allclose(runner(x)[0], float_out, rtol=0, atol=0)

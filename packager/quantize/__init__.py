@@ -37,7 +37,7 @@ from edgeq.quantize.notes import PassNotes
 from edgeq.quantize.commute_qdq import commute_qdq
 from edgeq.quantize.layers import Layer, find_layers
 from edgeq.quantize.lower_qdq import is_qdq, lower_qdq  # noqa: F401 - is_qdq is part of this API
-from edgeq.quantize.quantize_ops import QMAX, LayerPlan, quantize_ops, quantize_weight
+from edgeq.quantize.quantize_ops import QMAX, SWITCHES, LayerPlan, quantize_ops, quantize_weight
 from edgeq.quantize.requantize import requantize
 
 MIN_CALIBRATION_SAMPLES = 10
@@ -164,12 +164,17 @@ class Evaluator:
         self.reference_runs = self._runs(graph)
         self.reference = self._judged(self.reference_runs)
 
-    def _runs(self, graph: Graph) -> list[list[np.ndarray]]:
-        """Every output, per batch; for a detector ending in NonMaxSuppression, the boxes and scores it selects
-        from (``edgeq.nms.selection_inputs``: the selected rows of two builds differ in which, not by how much)."""
+    def runner(self, graph: Graph) -> HostRunner:
+        """``graph`` compiled for this evaluation; for a detector ending in NonMaxSuppression, up to the boxes and
+        scores it selects from (``edgeq.nms.selection_inputs``: the selected rows of two builds differ in which,
+        not by how much)."""
         from edgeq.nms import selection_inputs
 
-        runner = HostRunner(selection_inputs(graph) if self.detector else graph)
+        return HostRunner(selection_inputs(graph) if self.detector else graph)
+
+    def _runs(self, graph: Graph | HostRunner) -> list[list[np.ndarray]]:
+        """Every output, per batch."""
+        runner = graph if isinstance(graph, HostRunner) else self.runner(graph)
         return [list(runner(batch)) for batch in self.data.batches(self.specs)]
 
     def _judged(self, runs: list[list[np.ndarray]]) -> list[np.ndarray]:
@@ -180,7 +185,9 @@ class Evaluator:
         rows = len(self.specs[0].shape) and self.specs[0].shape[0] or 1
         return [np.concatenate([o.reshape(rows, -1) for o in run], axis=1)[:, None, :] for run in runs]
 
-    def metrics(self, candidate: Graph) -> dict[str, Any]:
+    def metrics(self, candidate: Graph | HostRunner) -> dict[str, Any]:
+        """The candidate's agreement with the float graph; ``candidate`` a graph, or one already compiled
+        (``runner``: a switchable graph measured with one set of switches)."""
         runs = self._runs(candidate)
         got = self._judged(runs)
 
@@ -274,24 +281,9 @@ def quantize(graph: Graph, model: LoadedModel, args: QuantizeArgs, note: Callabl
     if args.accuracy_budget is not None:
         label, value = evaluator.budget_metric(metrics)
         if value > args.accuracy_budget:
-            note(f"{label} {value:.4g} exceeds the budget {args.accuracy_budget}: measuring each layer alone")
-            alone = {}
-            for layer in layers:
-                if layer.precision == "int8":
-                    solo = [dataclasses.replace(l, precision="int8" if l is layer else "fp32") for l in layers]
-                    alone[layer.weight] = evaluator.budget_metric(evaluator.metrics(build_graph(graph, solo, act_scales)))[1]
-            for layer in sorted((l for l in layers if l.weight in alone), key=lambda l: -alone[l.weight]):
-                if value <= args.accuracy_budget:
-                    break
-                layer.precision = args.fallback
-                layer.reason = f"accuracy budget: alone in int8 it costs {alone[layer.weight]:.4g} ({label})"
-                notes = PassNotes()
-                quantized = build_graph(graph, layers, act_scales, notes)
-                metrics = evaluator.metrics(quantized)
-                value = evaluator.budget_metric(metrics)[1]
-                decisions.append({"layer": layer.name, "to": args.fallback, "alone": significant(alone[layer.weight], 6),
-                                  "after": significant(value, 6)})
-                note(f"  {layer.name} -> {args.fallback}: {label} now {value:.4g}")
+            metrics, value, decisions = _fit_budget(graph, layers, act_scales, evaluator, args, label, value, note)
+            notes = PassNotes()
+            quantized = build_graph(graph, layers, act_scales, notes)
         metrics.update(budget=args.accuracy_budget, budget_metric=label, budget_value=value,
                        budget_met=bool(value <= args.accuracy_budget))
     _check_collapse(metrics, model.path.name, evaluation.source if args.eval else "the calibration data")
@@ -342,6 +334,53 @@ def quantize(graph: Graph, model: LoadedModel, args: QuantizeArgs, note: Callabl
         args=args.to_dict(),
     )
     return QuantizeResult(quantized, layers, report, scales, next(calib.batches(specs)), calib.source, smoothing)
+
+
+def _fit_budget(graph: Graph, layers: list[Layer], act_scales: dict[str, float], evaluator: Evaluator,
+                args: QuantizeArgs, label: str, value: float, note: Callable[[str], None]):
+    """Layers back to ``args.fallback`` until the budget holds: those whose int8 version alone costs the most
+    first, one at a time. Measured on one compiled switchable graph (``quantize_ops`` ``switches``: each layer
+    int8 or float by a parameter, no recompiling per try), then confirmed on the real build (whose int32
+    requantizing rounds a little otherwise); where that misses the budget the next layers go too, one build each.
+    Returns (the real build's metrics, its budget value, the decisions); the layers' precisions are set."""
+    candidates = [l for l in layers if l.precision == "int8"]
+    names = [l.weight for l in candidates]
+    note(f"measuring each of {len(candidates)} int8 layers alone against the budget (one switchable build)")
+    plans = _plans(layers, act_scales)
+    runner = evaluator.runner(quantize_ops(graph, plans, switches=names))
+
+    def measure(on: set[str]) -> float:
+        runner.set_param(SWITCHES, np.array([n in on for n in names], bool))
+        return evaluator.budget_metric(evaluator.metrics(runner))[1]
+
+    alone = {n: measure({n}) for n in names}
+    on, decisions = set(names), []
+    order = sorted(candidates, key=lambda l: -alone[l.weight])
+    for layer in order:
+        if value <= args.accuracy_budget:
+            break
+        on.discard(layer.weight)
+        value = measure(on)
+        layer.precision = args.fallback
+        layer.reason = f"accuracy budget: alone in int8 it costs {alone[layer.weight]:.4g} ({label})"
+        decisions.append({"layer": layer.name, "to": args.fallback, "alone": significant(alone[layer.weight], 6),
+                          "after": significant(value, 6)})
+        note(f"  {layer.name} -> {args.fallback}: {label} now {value:.4g}")
+    quantized = build_graph(graph, layers, act_scales)
+    metrics = evaluator.metrics(quantized)
+    value = evaluator.budget_metric(metrics)[1]
+    for layer in order:  # the real build: where its rounding misses the budget, one more layer at a time
+        if value <= args.accuracy_budget or layer.precision != "int8":
+            continue
+        layer.precision = args.fallback
+        layer.reason = f"accuracy budget: alone in int8 it costs {alone[layer.weight]:.4g} ({label})"
+        quantized = build_graph(graph, layers, act_scales)
+        metrics = evaluator.metrics(quantized)
+        value = evaluator.budget_metric(metrics)[1]
+        decisions.append({"layer": layer.name, "to": args.fallback, "alone": significant(alone[layer.weight], 6),
+                          "after": significant(value, 6)})
+        note(f"  {layer.name} -> {args.fallback}: {label} now {value:.4g} (as built)")
+    return metrics, value, decisions
 
 
 def _precision_counts(layers: list[Layer]) -> dict[str, int]:

@@ -66,14 +66,32 @@ def _quantize_rows(rw: Rewriter, x):
     return rw.emit(relax.op.astype(q, "int8")), scale
 
 
-def quantize_ops(graph: Graph, plans: dict[str, LayerPlan], taps: list[str] | None = None) -> Graph:
+SWITCHES = "edgeq_switches"  # the bool parameter of a switchable graph: which layers run as planned
+
+
+def quantize_ops(graph: Graph, plans: dict[str, LayerPlan], taps: list[str] | None = None,
+                 switches: list[str] | None = None) -> Graph:
     """Rewrite every conv2d/matmul whose weight parameter has a plan (keyed by weight name).
 
     ``taps`` (weight names) adds the output of those layers, after the rewrite, as extra outputs: the
-    per-layer comparison of a float and a quantized graph uses it."""
+    per-layer comparison of a float and a quantized graph uses it. ``switches`` (weight names) makes those
+    layers switchable: each computes both its planned and its float result and keeps one, by its entry in the
+    bool weight parameter ``SWITCHES`` (True: as planned), so that one compiled graph measures any mix of
+    them (the accuracy budget's search; ``HostRunner.set_param``)."""
     layer_vars = {}
+    index = {name: i for i, name in enumerate(switches or [])}
 
     def visit(rw: Rewriter, var, value):
+        new = planned(rw, var, value)
+        weight_var, _ = rw.weight_operand(value)
+        if new is None or weight_var is None or weight_var.name not in index:
+            return new
+        flags = rw.param(SWITCHES, np.ones(len(index), bool))
+        i = index[weight_var.name]
+        on = rw.emit(relax.op.strided_slice(flags, axes=[0], begin=[i], end=[i + 1]))  # [1]: broadcasts
+        return relax.op.where(on, rw.emit(new), rw.emit(rw.new(value)))
+
+    def planned(rw: Rewriter, var, value):
         op = call_op(value)
         if op not in ("relax.nn.conv2d", "relax.matmul"):
             return None
