@@ -80,6 +80,7 @@ def quantize_ops(graph: Graph, plans: dict[str, LayerPlan], taps: list[str] | No
     them (the accuracy budget's search; ``HostRunner.set_param``)."""
     layer_vars = {}
     index = {name: i for i, name in enumerate(switches or [])}
+    row_quantized: dict = {}  # an input's (int8 rows, row scales), once for all the layers reading it (q, k, v)
 
     def visit(rw: Rewriter, var, value):
         new = planned(rw, var, value)
@@ -111,7 +112,9 @@ def quantize_ops(graph: Graph, plans: dict[str, LayerPlan], taps: list[str] | No
                 y = rw.emit(relax.op.matmul(x16, w16, out_dtype="float16"))
             return relax.op.astype(y, "float32")
         if plan.per_token and op == "relax.matmul":
-            xq, rows = _quantize_rows(rw, value.args[0])
+            if value.args[0] not in row_quantized:
+                row_quantized[value.args[0]] = _quantize_rows(rw, value.args[0])
+            xq, rows = row_quantized[value.args[0]]
             wq, ws = quantize_weight(w, axis=0 if transposed else 1)
             wq = np.ascontiguousarray(wq.T) if transposed else wq
             acc = rw.emit(relax.op.matmul(xq, rw.param(f"{weight_var.name}_int8", wq), out_dtype="int32"))
