@@ -345,7 +345,8 @@ def _fit_budget(graph: Graph, layers: list[Layer], act_scales: dict[str, float],
     Returns (the real build's metrics, its budget value, the decisions); the layers' precisions are set."""
     candidates = [l for l in layers if l.precision == "int8"]
     names = [l.weight for l in candidates]
-    note(f"measuring each of {len(candidates)} int8 layers alone against the budget (one switchable build)")
+    note(f"{label} {value:.4g} exceeds the budget {args.accuracy_budget}: measuring each of {len(candidates)} int8 "
+         "layers alone (one switchable build)")
     plans = _plans(layers, act_scales)
     runner = evaluator.runner(quantize_ops(graph, plans, switches=names))
 
