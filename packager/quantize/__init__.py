@@ -281,9 +281,8 @@ def quantize(graph: Graph, model: LoadedModel, args: QuantizeArgs, note: Callabl
     if args.accuracy_budget is not None:
         label, value = evaluator.budget_metric(metrics)
         if value > args.accuracy_budget:
-            metrics, value, decisions = _fit_budget(graph, layers, act_scales, evaluator, args, label, value, note)
-            notes = PassNotes()
-            quantized = build_graph(graph, layers, act_scales, notes)
+            quantized, notes, metrics, value, decisions = _fit_budget(graph, layers, act_scales, evaluator, args,
+                                                                     label, value, note)
         metrics.update(budget=args.accuracy_budget, budget_metric=label, budget_value=value,
                        budget_met=bool(value <= args.accuracy_budget))
     _check_collapse(metrics, model.path.name, evaluation.source if args.eval else "the calibration data")
@@ -342,7 +341,8 @@ def _fit_budget(graph: Graph, layers: list[Layer], act_scales: dict[str, float],
     first, one at a time. Measured on one compiled switchable graph (``quantize_ops`` ``switches``: each layer
     int8 or float by a parameter, no recompiling per try), then confirmed on the real build (whose int32
     requantizing rounds a little otherwise); where that misses the budget the next layers go too, one build each.
-    Returns (the real build's metrics, its budget value, the decisions); the layers' precisions are set."""
+    Returns (the real build, its passes' notes, its metrics, its budget value, the decisions); the layers'
+    precisions are set."""
     candidates = [l for l in layers if l.precision == "int8"]
     names = [l.weight for l in candidates]
     note(f"{label} {value:.4g} exceeds the budget {args.accuracy_budget}: measuring each of {len(candidates)} int8 "
@@ -355,33 +355,38 @@ def _fit_budget(graph: Graph, layers: list[Layer], act_scales: dict[str, float],
         return evaluator.budget_metric(evaluator.metrics(runner))[1]
 
     alone = {n: measure({n}) for n in names}
-    on, decisions = set(names), []
+    decisions: list[dict] = []
+
+    def fall_back(layer: Layer, value: float, how: str = "") -> None:
+        layer.precision = args.fallback
+        layer.reason = f"accuracy budget: alone in int8 it costs {alone[layer.weight]:.4g} ({label})"
+        decisions.append({"layer": layer.name, "to": args.fallback, "alone": significant(alone[layer.weight], 6),
+                          "after": significant(value, 6)})
+        note(f"  {layer.name} -> {args.fallback}: {label} now {value:.4g}{how}")
+
+    on = set(names)
     order = sorted(candidates, key=lambda l: -alone[l.weight])
     for layer in order:
         if value <= args.accuracy_budget:
             break
         on.discard(layer.weight)
         value = measure(on)
-        layer.precision = args.fallback
-        layer.reason = f"accuracy budget: alone in int8 it costs {alone[layer.weight]:.4g} ({label})"
-        decisions.append({"layer": layer.name, "to": args.fallback, "alone": significant(alone[layer.weight], 6),
-                          "after": significant(value, 6)})
-        note(f"  {layer.name} -> {args.fallback}: {label} now {value:.4g}")
-    quantized = build_graph(graph, layers, act_scales)
-    metrics = evaluator.metrics(quantized)
-    value = evaluator.budget_metric(metrics)[1]
+        fall_back(layer, value)
+
+    def built() -> tuple[Graph, PassNotes, dict[str, Any], float]:
+        notes = PassNotes()
+        quantized = build_graph(graph, layers, act_scales, notes)
+        metrics = evaluator.metrics(quantized)
+        return quantized, notes, metrics, evaluator.budget_metric(metrics)[1]
+
+    quantized, notes, metrics, value = built()
     for layer in order:  # the real build: where its rounding misses the budget, one more layer at a time
         if value <= args.accuracy_budget or layer.precision != "int8":
             continue
         layer.precision = args.fallback
-        layer.reason = f"accuracy budget: alone in int8 it costs {alone[layer.weight]:.4g} ({label})"
-        quantized = build_graph(graph, layers, act_scales)
-        metrics = evaluator.metrics(quantized)
-        value = evaluator.budget_metric(metrics)[1]
-        decisions.append({"layer": layer.name, "to": args.fallback, "alone": significant(alone[layer.weight], 6),
-                          "after": significant(value, 6)})
-        note(f"  {layer.name} -> {args.fallback}: {label} now {value:.4g} (as built)")
-    return metrics, value, decisions
+        quantized, notes, metrics, value = built()
+        fall_back(layer, value, " (as built)")
+    return quantized, notes, metrics, value, decisions
 
 
 def _precision_counts(layers: list[Layer]) -> dict[str, int]:
