@@ -135,8 +135,9 @@ def decode_image(np, path: str, any_format: bool = False, max_pixels: int = MAX_
         raise ImageError("%s is a 16-bit PNG; give an 8-bit one" % path)
     if png:
         data = png_pixel_chunks(data, path)
-    if head.startswith(JPEG_MAGIC) and _turbojpeg() is not None:
-        return decode_jpeg(np, _turbojpeg(), data, path, max_pixels)
+    lib = _turbojpeg() if head.startswith(JPEG_MAGIC) else None
+    if lib is not None:
+        return decode_jpeg(np, lib, data, path, max_pixels)
     try:
         from PIL import Image
     except ImportError:
