@@ -96,6 +96,22 @@ def test_sequence_matmuls_quantize_each_token_on_its_own_scale(tmp_path):
     assert _rel(q[:, :1], f[:, :1]) < 0.02
 
 
+def test_per_token_layers_are_not_histogrammed(tmp_path):
+    """A per-token layer's calibrated threshold is never used (its scales come at run time): calibration
+    records its range for the report but spends no histogram pass on it; a per-tensor layer still gets one."""
+    from edgeq.quantize.calibrate import collect
+
+    loaded = load_model(_sequence_model(tmp_path / "sequence.onnx"))
+    graph, _ = to_relax(loaded)
+    layers = find_layers(graph, loaded.onnx_model)
+    layers[1].activation = "per-tensor"
+    x = _tokens(4, 0)
+    stats = collect(graph, layers, lambda: ([x[i:i + 1]] for i in range(len(x))), histograms=True)
+    assert [l.activation for l in layers] == ["per-token", "per-tensor"]
+    assert stats[0].hist is None and stats[0].absmax == float(np.abs(x).max())
+    assert stats[1].hist is not None and stats[1].hist.sum() == stats[1].count
+
+
 def test_per_token_layers_stay_float_in_a_qdq_export(tmp_path):
     model = _sequence_model(tmp_path / "sequence.onnx")
     loaded = load_model(model)

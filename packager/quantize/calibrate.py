@@ -75,13 +75,16 @@ def collect(
             st.count += t.size
         if progress:
             progress("range", i + 1)
-    if histograms:
-        for st in stats:
-            st.hist = np.zeros(BINS, np.int64)
+    # a per-token layer's scales are computed at run time: its calibrated threshold is never used, and its
+    # ranges above are only reported; no histogram for it (all-MiniLM: every MatMul)
+    wanted = [st.absmax > 0 and layer.activation != "per-token" for st, layer in zip(stats, layers)]
+    if histograms and any(wanted):
+        for st, want in zip(stats, wanted):
+            st.hist = np.zeros(BINS, np.int64) if want else None
         for i, sample in enumerate(samples()):
             taps = runner(sample)[n_out:]
-            for st, t in zip(stats, taps):
-                if st.absmax > 0:
+            for st, want, t in zip(stats, wanted, taps):
+                if want:
                     st.hist += np.histogram(np.abs(t), bins=BINS, range=(0.0, st.absmax))[0]
             if progress:
                 progress("histogram", i + 1)
