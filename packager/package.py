@@ -352,7 +352,8 @@ def _export_qdq(b: _Build) -> None:
     layers = b.quantization.layers
     scales = {layer.name: float(b.quantization.scales[f"{layer.name}/activation_scale"])
               for layer in layers if layer.precision == "int8" and layer.activation != "per-token"}
-    write(qdq_model(b.model.onnx_model, layers, scales, b.quantization.smoothing), Path(b.args.export_qdq))
+    write(qdq_model(b.model.onnx_model, layers, scales, b.quantization.smoothing, b.quantization.corrections),
+          Path(b.args.export_qdq))
     per_token = sum(1 for l in layers if l.precision == "int8" and l.activation == "per-token")
     b.progress.note(f"QDQ model: {len(scales)} layers quantized with edgeq's scales, {len(layers) - len(scales)} left "
                     f"in float" + (f" ({per_token} of them per-token int8 in the bundle: ONNX has no per-token "

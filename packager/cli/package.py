@@ -103,6 +103,9 @@ def add_graph_options(parser) -> None:
                    help="int8 input scales: auto (default: depthwise convolutions per channel, MatMul/Gemm over a "
                         "sequence per token at run time, the rest per tensor) or per-tensor (one calibrated scale "
                         "each, as TensorRT and ONNX QDQ take them; see docs/usage.md)")
+    q.add_argument("--bias-correction", choices=("on", "off"), default="on",
+                   help="on (default): each int8 layer's mean output shift from rounding, measured on the calibration "
+                        "data, is taken back out in its bias; off: not (see docs/usage.md)")
     q.add_argument("--fp16", action="store_true", help="layers leaving int8 for the accuracy budget run fp16, not fp32")
     q.add_argument("--accuracy-budget", type=float, metavar="X",
                    help="allowed loss, judged on the answer: top-1 points lost when --eval has labels; else with --postprocess "
@@ -151,6 +154,7 @@ def graph_options(args) -> dict:
             preprocess=preprocess,
             task=_task(args),
             activation_scales=args.activation_scales,
+            bias_correction=args.bias_correction == "on",
         )
     return {"input_shapes": dict(parse_shape(text) for text in args.input_shape),
             "consts": dict(parse_const(text) for text in args.const),

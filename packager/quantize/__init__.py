@@ -31,13 +31,13 @@ from edgeq.quantize.calibrate import collect
 from edgeq.quantize.calibrators import CALIBRATORS
 from edgeq.quantize.data import Dataset, Preprocess, load_data
 from edgeq.quantize.fold_bias import fold_bias
-from edgeq.quantize import judge, smooth
+from edgeq.quantize import bias_correction, judge, smooth
 from edgeq.quantize.hoist_quantize import hoist_quantize
 from edgeq.quantize.notes import PassNotes
 from edgeq.quantize.commute_qdq import commute_qdq
 from edgeq.quantize.layers import Layer, find_layers
 from edgeq.quantize.lower_qdq import is_qdq, lower_qdq  # noqa: F401 - is_qdq is part of this API
-from edgeq.quantize.quantize_ops import QMAX, SWITCHES, LayerPlan, quantize_ops, quantize_weight
+from edgeq.quantize.quantize_ops import QMAX, SWITCHES, LayerPlan, layer_plans, quantize_ops, quantize_weight
 from edgeq.quantize.requantize import requantize
 
 MIN_CALIBRATION_SAMPLES = 10
@@ -65,6 +65,7 @@ class QuantizeArgs:
     preprocess: Preprocess | None = None
     task: judge.Task | None = None  # what the answer is (--postprocess): what the accuracy budget judges
     activation_scales: str = "auto"  # "auto": per-channel depthwise inputs, per-token sequence MatMuls; "per-tensor"
+    bias_correction: bool = True  # take each int8 layer's mean output shift out in its bias (bias_correction)
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -83,6 +84,7 @@ class QuantizeResult:
     first_sample: list[np.ndarray] | None = None  # the first model run of the calibration data (the golden input)
     first_sample_source: str = ""
     smoothing: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)  # weight name -> s (smooth.py)
+    corrections: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)  # weight name -> c (bias_correction.py)
 
 
 def check_args(args: QuantizeArgs) -> None:
@@ -110,13 +112,15 @@ def _apply_skip(layers: list[Layer], skip: tuple[str, ...]) -> None:
             layer.precision, layer.reason = "fp32", f"--skip {item}"
 
 
-def _plans(layers: list[Layer], act_scales: dict[str, float]) -> dict[str, LayerPlan]:
-    return {l.weight: LayerPlan(l.precision, act_scales.get(l.weight, 0.0), l.activation == "per-token") for l in layers}
+def _plans(layers: list[Layer], act_scales: dict[str, float],
+           corrections: dict[str, np.ndarray] | None = None) -> dict[str, LayerPlan]:
+    return layer_plans(layers, act_scales, corrections)
 
 
-def build_graph(graph: Graph, layers: list[Layer], act_scales: dict[str, float], notes: PassNotes | None = None) -> Graph:
+def build_graph(graph: Graph, layers: list[Layer], act_scales: dict[str, float], notes: PassNotes | None = None,
+                corrections: dict[str, np.ndarray] | None = None) -> Graph:
     """The quantized graph; ``notes`` receives what the passes report (biases left as float adds)."""
-    out = quantize_ops(graph, _plans(layers, act_scales))
+    out = quantize_ops(graph, _plans(layers, act_scales, corrections))
     notes = notes if notes is not None else PassNotes()
     for _, run in PASSES:
         out = run(out, notes)
@@ -222,10 +226,11 @@ class Evaluator:
         return "worst relative output error", metrics["worst_rel_error"]
 
 
-def _sqnr_per_layer(graph: Graph, layers: list[Layer], act_scales: dict[str, float], data: Dataset, specs) -> dict[str, float]:
+def _sqnr_per_layer(graph: Graph, layers: list[Layer], act_scales: dict[str, float], data: Dataset, specs,
+                    corrections: dict[str, np.ndarray]) -> dict[str, float]:
     """SQNR (dB) of each quantized layer's output against the float model's, all layers quantized."""
     names = [l.weight for l in layers]
-    plans = _plans(layers, act_scales)
+    plans = _plans(layers, act_scales, corrections)
     ref, quant = HostRunner(quantize_ops(graph, {}, taps=names)), HostRunner(quantize_ops(graph, plans, taps=names))
     signal, noise = np.zeros(len(names)), np.zeros(len(names))
     n_out = graph.num_outputs
@@ -273,16 +278,21 @@ def quantize(graph: Graph, model: LoadedModel, args: QuantizeArgs, note: Callabl
     if bad:
         raise ModelError(f"{model.path.name}: calibration found NaN/Inf activations at {len(bad)} layer(s) "
                          f"(first: {bad[0]}); check the calibration data and the model on it")
+    corrections = {}
+    if args.bias_correction:
+        corrections = bias_correction.corrections(graph, layers, act_scales, lambda: calib.batches(specs),
+                                                  (lambda i: tick("bias", i, runs)) if tick else None)
+        note(f"bias correction: the mean output shift of int8 rounding taken out of {len(corrections)} layer(s)")
     evaluator = Evaluator(graph, evaluation, specs, args.task)
     notes = PassNotes()
-    quantized = build_graph(graph, layers, act_scales, notes)
+    quantized = build_graph(graph, layers, act_scales, notes, corrections)
     metrics = evaluator.metrics(quantized)
     decisions = []
     if args.accuracy_budget is not None:
         label, value = evaluator.budget_metric(metrics)
         if value > args.accuracy_budget:
-            quantized, notes, metrics, value, decisions = _fit_budget(graph, layers, act_scales, evaluator, args,
-                                                                     label, value, note)
+            quantized, notes, metrics, value, decisions = _fit_budget(graph, layers, act_scales, corrections,
+                                                                     evaluator, args, label, value, note)
         metrics.update(budget=args.accuracy_budget, budget_metric=label, budget_value=value,
                        budget_met=bool(value <= args.accuracy_budget))
     _check_collapse(metrics, model.path.name, evaluation.source if args.eval else "the calibration data")
@@ -291,7 +301,7 @@ def quantize(graph: Graph, model: LoadedModel, args: QuantizeArgs, note: Callabl
         note(f"{len(kept)} bias(es) too large for int32 at their layer's scale stay float adds: "
              f"{', '.join(kept[:3])}{' ...' if len(kept) > 3 else ''}")
 
-    sqnr = _sqnr_per_layer(graph, layers, act_scales, evaluation, specs)
+    sqnr = _sqnr_per_layer(graph, layers, act_scales, evaluation, specs, corrections)
     scales, layer_rows = {}, []
     for layer, st in zip(layers, stats):
         row = layer.to_dict()
@@ -305,6 +315,8 @@ def quantize(graph: Graph, model: LoadedModel, args: QuantizeArgs, note: Callabl
             row.update(weight_scale_min=significant(w_scale.min(), 6), weight_scale_max=significant(w_scale.max(), 6))
             if layer.weight in smoothing:
                 scales[f"{layer.name}/input_channel_scale"] = smoothing[layer.weight]
+            if layer.weight in corrections:  # added to the layer's output (its bias), per output channel
+                scales[f"{layer.name}/bias_correction"] = corrections[layer.weight]
             if layer.activation != "per-token":  # a per-token layer's scales are computed at run time, per row
                 scales[f"{layer.name}/activation_scale"] = np.float32(act_scales[layer.weight])
                 row.update(activation_scale=significant(act_scales[layer.weight], 6),
@@ -328,15 +340,19 @@ def quantize(graph: Graph, model: LoadedModel, args: QuantizeArgs, note: Callabl
                                "convolutions (ranges moved into the weights); per-token at run time for MatMul/Gemm "
                                "reading a sequence (layers[].activation)",
                 "weights": "int8, per-output-channel, symmetric",
-                "accumulation": "int32, bias added in int32, requantized or dequantized in the epilogue"},
+                "accumulation": "int32, bias added in int32, requantized or dequantized in the epilogue",
+                "bias_correction": ("each int8 layer with a calibrated input scale adds the mean output shift of its "
+                                    "rounding, measured on the calibration data, back into its bias "
+                                    "(quant_params LAYER/bias_correction)") if args.bias_correction else "off"},
         scales_file=QUANT_PARAMS,
         args=args.to_dict(),
     )
-    return QuantizeResult(quantized, layers, report, scales, next(calib.batches(specs)), calib.source, smoothing)
+    return QuantizeResult(quantized, layers, report, scales, next(calib.batches(specs)), calib.source, smoothing,
+                          corrections)
 
 
-def _fit_budget(graph: Graph, layers: list[Layer], act_scales: dict[str, float], evaluator: Evaluator,
-                args: QuantizeArgs, label: str, value: float, note: Callable[[str], None]):
+def _fit_budget(graph: Graph, layers: list[Layer], act_scales: dict[str, float], corrections: dict[str, np.ndarray],
+                evaluator: Evaluator, args: QuantizeArgs, label: str, value: float, note: Callable[[str], None]):
     """Layers back to ``args.fallback`` until the budget holds: those whose int8 version alone costs the most
     first, one at a time. Measured on one compiled switchable graph (``quantize_ops`` ``switches``: each layer
     int8 or float by a parameter, no recompiling per try), then confirmed on the real build (whose int32
@@ -347,7 +363,7 @@ def _fit_budget(graph: Graph, layers: list[Layer], act_scales: dict[str, float],
     names = [l.weight for l in candidates]
     note(f"{label} {value:.4g} exceeds the budget {args.accuracy_budget}: measuring each of {len(candidates)} int8 "
          "layers alone (one switchable build)")
-    plans = _plans(layers, act_scales)
+    plans = _plans(layers, act_scales, corrections)
     runner = evaluator.runner(quantize_ops(graph, plans, switches=names))
 
     def measure(on: set[str]) -> float:
@@ -375,7 +391,7 @@ def _fit_budget(graph: Graph, layers: list[Layer], act_scales: dict[str, float],
 
     def built() -> tuple[Graph, PassNotes, dict[str, Any], float]:
         notes = PassNotes()
-        quantized = build_graph(graph, layers, act_scales, notes)
+        quantized = build_graph(graph, layers, act_scales, notes, corrections)
         metrics = evaluator.metrics(quantized)
         return quantized, notes, metrics, evaluator.budget_metric(metrics)[1]
 

@@ -41,16 +41,16 @@ def pooled_source(rw: Rewriter, x):
     return x
 
 
-def with_taps(graph: Graph, layers: list[Layer]) -> Graph:
+def with_taps(graph: Graph, layers: list[Layer], through_pools: bool = True) -> Graph:
     """The graph with extra outputs: the input activation of each layer (seen through max-pools,
-    ``pooled_source``), in ``layers`` order."""
+    ``pooled_source``, unless ``through_pools`` is False), in ``layers`` order."""
     wanted = {layer.weight: i for i, layer in enumerate(layers)}
     taps: dict[int, object] = {}
 
     def visit(rw: Rewriter, var, value):
         weight_var, _ = rw.weight_operand(value)
         if weight_var is not None and weight_var.name in wanted:
-            taps.setdefault(wanted[weight_var.name], pooled_source(rw, value.args[0]))
+            taps.setdefault(wanted[weight_var.name], pooled_source(rw, value.args[0]) if through_pools else value.args[0])
         return None
 
     return rewrite(graph, visit, extra_outputs=lambda rw: [rw.new(taps[i]) for i in range(len(layers))])

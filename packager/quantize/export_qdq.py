@@ -13,7 +13,8 @@ A depthwise layer that reads its input per channel (``edgeq.quantize.smooth``) r
 with its weight multiplied by s before it is quantized, as in the bundle. Layers edgeq kept in float (``--skip``, the accuracy
 budget's fallbacks) stay float, and so do the layers the bundle quantizes per token at run time (ONNX's
 quantize ops take one scale per tensor or per channel, not per row); biases stay float (ONNX Runtime and
-TensorRT fuse them). Everything between the layers is the model as it was.
+TensorRT fuse them), with edgeq's bias correction added to them (``edgeq.quantize.bias_correction``: a Conv or
+Gemm without a bias gets one; a MatMul an Add after it). Everything between the layers is the model as it was.
 """
 
 from __future__ import annotations
@@ -33,10 +34,12 @@ MIN_OPSET = 13  # per-channel DequantizeLinear (axis)
 
 
 def qdq_model(model: onnx.ModelProto, layers: list[Layer], activation_scales: dict[str, float],
-              smoothing: dict[str, np.ndarray] | None = None) -> onnx.ModelProto:
+              smoothing: dict[str, np.ndarray] | None = None,
+              corrections: dict[str, np.ndarray] | None = None) -> onnx.ModelProto:
     """``model`` with Q/DQ pairs for the int8 ``layers`` (``activation_scales``: layer name -> scale; ``smoothing``:
-    weight name -> s, for the layers ``edgeq.quantize.smooth`` smoothed)."""
-    smoothing = smoothing or {}
+    weight name -> s, for the layers ``edgeq.quantize.smooth`` smoothed; ``corrections``: weight name -> the bias
+    correction of that layer, per output channel)."""
+    smoothing, corrections = smoothing or {}, corrections or {}
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
     if opset < MIN_OPSET:
         raise ModelError(f"--export-qdq needs ONNX opset {MIN_OPSET} or later (per-channel DequantizeLinear); "
@@ -58,6 +61,7 @@ def qdq_model(model: onnx.ModelProto, layers: list[Layer], activation_scales: di
         return candidate
 
     new_nodes: dict[int, list[onnx.NodeProto]] = {}  # node index -> nodes to put before it
+    after_nodes: dict[int, list[onnx.NodeProto]] = {}  # node index -> nodes to put right after it
     index = {id(node): i for i, node in enumerate(graph.node)}
     activations: dict[tuple[str, float], str] = {}
     divided: dict[tuple[str, bytes], str] = {}
@@ -103,10 +107,15 @@ def qdq_model(model: onnx.ModelProto, layers: list[Layer], activation_scales: di
         before.append(helper.make_node("DequantizeLinear", [w_q, w_s, w_z], [w_dq], axis=layer.channel_axis,
                                        name=fresh(f"{layer.weight}_DequantizeLinear")))
         node.input[1] = w_dq
+        c = corrections.get(layer.weight)
+        if c is not None:
+            _add_correction(graph, node, c.astype(np.float32), initializers, fresh,
+                            after_nodes.setdefault(index[id(node)], []))
     nodes = []
     for i, node in enumerate(graph.node):
         nodes += new_nodes.get(i, [])
         nodes.append(node)
+        nodes += after_nodes.get(i, [])
     del graph.node[:]
     graph.node.extend(nodes)
     # an initializer also listed as a graph input (old exporters) would shadow nothing now: drop stale entries
@@ -117,6 +126,32 @@ def qdq_model(model: onnx.ModelProto, layers: list[Layer], activation_scales: di
     out.producer_name, out.producer_version = "edgeq --export-qdq", out.producer_version or ""
     onnx.checker.check_model(out, full_check=False)
     return out
+
+
+def _add_correction(graph, node, c: np.ndarray, initializers: dict[str, int], fresh, after: list) -> None:
+    """Add ``c`` (per output channel) to ``node``'s output: into its bias (Conv, Gemm), as a new one, or as an Add
+    after it (MatMul; ``after``: the nodes that go right after ``node``)."""
+    name = fresh(f"{node.name or node.op_type}_bias_corrected")
+    if node.op_type in ("Conv", "Gemm"):
+        if len(node.input) > 2 and node.input[2]:
+            if node.input[2] not in initializers:
+                after_name = fresh(f"{name}_output")
+                graph.initializer.append(numpy_helper.from_array(c, name))
+                after.append(helper.make_node("Add", [after_name, name], [node.output[0]], name=fresh(f"{name}_Add")))
+                node.output[0] = after_name
+                return
+            bias = numpy_helper.to_array(graph.initializer[initializers[node.input[2]]])
+            c = (bias + c).astype(np.float32)
+        graph.initializer.append(numpy_helper.from_array(c.reshape(-1), name))
+        if len(node.input) > 2:
+            node.input[2] = name
+        else:
+            node.input.append(name)
+        return
+    output = fresh(f"{name}_output")
+    graph.initializer.append(numpy_helper.from_array(c, name))
+    after.append(helper.make_node("Add", [output, name], [node.output[0]], name=fresh(f"{name}_Add")))
+    node.output[0] = output
 
 
 def write(model: onnx.ModelProto, path: Path) -> None:

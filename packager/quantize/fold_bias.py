@@ -47,7 +47,21 @@ INT32_BIAS_LIMIT = 1 << 30
 
 def fold_bias(graph: Graph, notes: PassNotes | None = None) -> Graph:
     """Integer bias adds: ``dequantize(acc) + b`` becomes ``dequantize(acc + round(b / scale))``. A bias that
-    does not fit int32 at its scale stays a float add after the dequantize; ``notes.float_biases`` names it."""
+    does not fit int32 at its scale stays a float add after the dequantize; ``notes.float_biases`` names it.
+    Repeated until nothing more folds: a layer with a bias correction (``quantize_ops``) adds it and then its
+    own bias, and the second add reads a dequantize only once the first is folded."""
+    too_large: list[str] = []
+    while True:
+        folded = [0]
+        graph = rewrite(graph, _visitor(folded, too_large))
+        if not folded[0]:
+            break
+    if notes is not None:
+        notes.float_biases.extend(dict.fromkeys(too_large))
+    return graph
+
+
+def _visitor(folded: list[int], too_large: list[str]):
 
     def visit(rw: Rewriter, var, value):
         if call_op(value) != "relax.add":
@@ -65,14 +79,14 @@ def fold_bias(graph: Graph, notes: PassNotes | None = None) -> Graph:
             with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
                 rounded = np.round(bias.astype(np.float64) / s.astype(np.float64))
             if not np.isfinite(rounded).all() or np.abs(rounded).max(initial=0) > INT32_BIAS_LIMIT:
-                if notes is not None:
-                    notes.float_biases.append(bias_name)
+                too_large.append(bias_name)
                 continue
             bias_q = rw.param(f"{bias_name.removesuffix('_quantized')}_int32", rounded.astype(np.int32))
             if shape is not None:
                 bias_q = rw.emit(relax.op.reshape(bias_q, shape))
             acc = rw.emit(relax.op.add(rw.new(deq.args[0]), bias_q))
+            folded[0] += 1
             return relax.op.dequantize(acc, scale, deq.args[2], axis=int(deq.attrs.axis), out_dtype="float32")
         return None
 
-    return rewrite(graph, visit)
+    return visit

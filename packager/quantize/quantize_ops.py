@@ -13,7 +13,9 @@ the rest, and one calibrated scale sized for them leaves the others a handful of
                                 s_t = max|x[t, :]| / 127,  q = round(x / s_t)  (int8, per row t)
 
 Weights: per-output-channel symmetric int8, s_w[c] = max|W[c]| / 127. The products accumulate in int32; the float dequantize
-at the end is the epilogue that ``fold_bias`` and ``requantize`` then improve. fp16 layers cast around an
+at the end is the epilogue that ``fold_bias`` and ``requantize`` then improve. A layer with a calibrated input
+scale adds its ``bias_correction`` (the mean shift its rounding adds, per output channel) after the dequantize,
+as a bias: ``fold_bias`` folds it into the int32 accumulator. fp16 layers cast around an
 fp16 op with fp16 weights.
 """
 
@@ -33,6 +35,16 @@ class LayerPlan:
     precision: str  # "int8" | "fp16" | "fp32"
     act_scale: float = 0.0  # s_x, for int8 per-tensor
     per_token: bool = False  # int8 matmul: each row of x scaled on its own at run time (s_t), not by s_x
+    correction: np.ndarray | None = None  # int8: added to the output per channel (bias_correction), float32
+
+
+def layer_plans(layers, act_scales: dict[str, float], corrections: dict[str, np.ndarray] | None = None
+                ) -> dict[str, LayerPlan]:
+    """weight name -> LayerPlan for ``layers`` (``edgeq.quantize.layers.Layer``): each one's precision, calibrated
+    input scale, per-token scheme and bias correction."""
+    corrections = corrections or {}
+    return {l.weight: LayerPlan(l.precision, act_scales.get(l.weight, 0.0), l.activation == "per-token",
+                                corrections.get(l.weight)) for l in layers}
 
 
 def quantize_weight(weight: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
@@ -131,8 +143,14 @@ def quantize_ops(graph: Graph, plans: dict[str, LayerPlan], taps: list[str] | No
             wq = np.ascontiguousarray(wq.T) if transposed else wq  # stored as (K, N): no transpose at run time
             acc = rw.emit(relax.op.matmul(xq, rw.param(f"{weight_var.name}_int8", wq), out_dtype="int32"))
             axis = -1
-        return relax.op.dequantize(acc, rw.const(plan.act_scale * ws), rw.const(0, "int8"), axis=axis,
-                                   out_dtype="float32")
+        y = relax.op.dequantize(acc, rw.const(plan.act_scale * ws), rw.const(0, "int8"), axis=axis, out_dtype="float32")
+        if plan.correction is None:
+            return y
+        # as a bias reads (a reshaped weight): fold_bias adds it to the int32 accumulator
+        correction = rw.param(f"{weight_var.name}_bias_correction", plan.correction.astype(np.float32))
+        if op == "relax.nn.conv2d":
+            correction = rw.emit(relax.op.reshape(correction, [1, -1, 1, 1]))
+        return relax.op.add(rw.emit(y), correction)
 
     extra = (lambda rw: [rw.new(layer_vars[name]) for name in taps]) if taps else None
     return rewrite(graph, visit, extra)
