@@ -129,21 +129,17 @@ def qdq_model(model: onnx.ModelProto, layers: list[Layer], activation_scales: di
 
 
 def _add_correction(graph, node, c: np.ndarray, initializers: dict[str, int], fresh, after: list) -> None:
-    """Add ``c`` (per output channel) to ``node``'s output: into its bias (Conv, Gemm), as a new one, or as an Add
-    after it (MatMul; ``after``: the nodes that go right after ``node``)."""
+    """Add ``c`` (per output channel) to ``node``'s output: into its bias (Conv, Gemm: a constant bias, or a new
+    one), else as an Add after it (MatMul, a computed bias; ``after``: the nodes that go right after ``node``)."""
     name = fresh(f"{node.name or node.op_type}_bias_corrected")
-    if node.op_type in ("Conv", "Gemm"):
-        if len(node.input) > 2 and node.input[2]:
-            if node.input[2] not in initializers:
-                after_name = fresh(f"{name}_output")
-                graph.initializer.append(numpy_helper.from_array(c, name))
-                after.append(helper.make_node("Add", [after_name, name], [node.output[0]], name=fresh(f"{name}_Add")))
-                node.output[0] = after_name
-                return
-            bias = numpy_helper.to_array(graph.initializer[initializers[node.input[2]]])
-            c = (bias + c).astype(np.float32)
-        graph.initializer.append(numpy_helper.from_array(c.reshape(-1), name))
-        if len(node.input) > 2:
+    bias = node.input[2] if node.op_type in ("Conv", "Gemm") and len(node.input) > 2 and node.input[2] else None
+    beta = next((a.f for a in node.attribute if a.name == "beta"), 1.0) if node.op_type == "Gemm" else 1.0
+    if node.op_type in ("Conv", "Gemm") and beta != 0 and (bias is None or bias in initializers):
+        c = c / np.float32(beta)  # Gemm adds beta * C
+        if bias is not None:  # its own shape ([N], or Gemm's [1, N])
+            c = numpy_helper.to_array(graph.initializer[initializers[bias]]) + c
+        graph.initializer.append(numpy_helper.from_array(c.astype(np.float32), name))
+        if bias is not None:
             node.input[2] = name
         else:
             node.input.append(name)
