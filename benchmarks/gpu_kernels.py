@@ -141,7 +141,7 @@ def cuda_tool(name: str) -> str | None:
 
 def sass_by_kernel(library: Path) -> dict[str, str]:
     """Kernel symbol -> its SASS, for every CUDA image in ``library``."""
-    from edgeq.compile import cuda_images
+    from edgeq.backends.cuda.cubin import cuda_images
 
     cuobjdump = cuda_tool("cuobjdump")
     if cuobjdump is None:

@@ -211,7 +211,7 @@ def run_edgeq(test: NodeTest, workdir: Path, bind: bool = True) -> Result:
                 raise
             # as the message says: the test's own inputs, which the operator is defined on, as the golden input
             # (a generated one may not be: NonMaxSuppression's iou_threshold drawn below 0)
-            args.golden_input = workdir / "golden.npz"
+            args = dataclasses.replace(args, golden_input=workdir / "golden.npz")
             np.savez(args.golden_input, **feeds)
             result = package(args)
     except EdgeqError as err:

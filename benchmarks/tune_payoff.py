@@ -25,7 +25,7 @@ from common import bundle_model, median_ms, report
 
 import zoo  # noqa: E402 - benchmarks/ is on sys.path when run as a script
 
-from edgeq.package import PackageArgs, package  # noqa: E402
+from edgeq.package import FrontEndArgs, PackageArgs, package  # noqa: E402
 from edgeq.quantize import QuantizeArgs  # noqa: E402
 from edgeq.rpc.tune import TuneArgs, pool_size, tune  # noqa: E402
 
@@ -71,8 +71,8 @@ def payoff(name: str, precision: str, path: Path, work: Path, rpc: str, key: str
     for cost_model in ("xgb", "random"):
         records = work / f"{name}-{precision}-{cost_model}.json"
         start = time.perf_counter()
-        result = tune(TuneArgs(model=path, device="host", rpc=rpc, key=key, trials=trials, records=records,
-                               precision=precision, quantize=quantize, cost_model=cost_model))
+        front = FrontEndArgs(model=path, device="host", precision=precision, quantize=quantize)
+        result = tune(TuneArgs(front=front, rpc=rpc, key=key, trials=trials, records=records, cost_model=cost_model))
         found[cost_model] = (best_total_ms(result), time.perf_counter() - start, len(result["tasks"]), records)
     bundles = {}
     for label, records in (("untuned", None), ("tuned", found["xgb"][3])):

@@ -1,6 +1,7 @@
 """Write a bundle: the arrays (weights, golden vectors), the loader with its two modules, the README rendered
-from its template, manifest.json, SHA256SUMS; then the .tar.gz. Also reads manifests back. What a bundle
-holds and what its manifest says is ``edgeq.contract``."""
+from its template, manifest.json, SHA256SUMS; then the .tar.gz, and both moved into place (``write``, the
+bundle stage's one call). Also reads manifests back. What a bundle holds and what its manifest says is
+``edgeq.contract``."""
 
 from __future__ import annotations
 
@@ -21,6 +22,11 @@ from edgeq.errors import BundleError
 
 if TYPE_CHECKING:
     import numpy as np
+
+    from edgeq.progress import StageProgress
+    from edgeq.runtime.assemble import Runtime
+    from edgeq.stage_records import (Compiled, Golden, Imported, Loaded, Lowered, PackageArgs, Quantized, Setup,
+                                     Written)
 
 # Shipped as they are: the Python loader and the three modules it shares with edgeq (standard library at import).
 SHIPPED = {LOADER: Path(templates.__file__).with_name("run.py"), CONTRACT: Path(contract.__file__),
@@ -110,6 +116,102 @@ def write_bundle(directory: Path, manifest: Manifest, extra_files: list[str] = (
         sums[SIGNATURE] = sha256_file(directory / SIGNATURE)
     (directory / SUMS).write_text("".join(f"{h}  {n}\n" for n, h in sorted(sums.items())), encoding="ascii")
     return manifest
+
+
+def write(args: PackageArgs, setup: Setup, loaded: Loaded, imported: Imported, quantized: Quantized | None,
+          lowered: Lowered, compiled: Compiled, golden: Golden, reference: contract.ReferenceCheck,
+          runtime: Runtime | None, progress: StageProgress, precision: str, golden_tolerance: tuple[float, float],
+          golden_seed: int) -> Written:
+    """The whole bundle from the records of a build: weights.bin and quant_params.npz beside what the staging
+    folder holds (model.so, golden.bin, runtime/), the manifest, the files of ``write_bundle``, the archive,
+    and both renamed into the output folder (a bundle of the same name there is replaced, said as a warning)."""
+    import datetime
+    import hashlib
+
+    import numpy as np
+
+    import edgeq
+    from edgeq.runtime.assemble import check_elves
+    from edgeq.runtime.elf import machine as elf_machine
+    from edgeq.stage_records import Written
+    from edgeq.tvm_env import import_tvm
+
+    output = setup.output
+    staging, bundle_name = output.staging, setup.bundle_name
+    library = compiled.library
+    graph = lowered.graph
+    weight_arrays = graph.weight_list()
+    weight_table = write_tensors(staging / WEIGHTS, [(p.name, w) for p, w in zip(graph.weight_params, weight_arrays)])
+    extra_files = list(runtime.files) if runtime else []
+    if quantized is not None:
+        np.savez(staging / contract.QUANT_PARAMS, **quantized.result.scales)
+        extra_files.append(contract.QUANT_PARAMS)
+    content_hash = hashlib.sha256()
+    for name in (LIBRARY, WEIGHTS, *extra_files):
+        content_hash.update(sha256_file(staging / name).encode())
+    created = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0)
+    weights = staging / WEIGHTS
+    rtol, atol = golden_tolerance
+    model = loaded.model
+    manifest = contract.Manifest(
+        schema_version=contract.SCHEMA_VERSION,
+        bundle_id=f"{bundle_name}-{content_hash.hexdigest()[:12]}",
+        name=setup.name,
+        release=args.release if args.release is not None else int(created.strftime("%Y%m%d%H%M%S")),
+        signed=setup.signing_key is not None,
+        created=created.isoformat(),
+        edgeq_version=edgeq.__version__,
+        tvm_version=import_tvm().__version__,
+        precision=precision,
+        model=contract.ModelRecord(
+            file=Path(args.model).name, sha256=model.sha256, opset=model.opset,
+            producer=f"{model.onnx_model.producer_name} {model.onnx_model.producer_version}".strip()),
+        inputs=list(model.inputs),
+        outputs=list(imported.outputs),
+        device=setup.profile.device_record(),
+        toolchain=contract.ToolchainRecord.from_json(setup.toolchain.to_dict(), "toolchain"),
+        library=contract.LibraryRecord(
+            file=LIBRARY, machine=elf_machine(library), cuda_device_code=setup.backend.device_code(library),
+            bytes=library.stat().st_size,
+            **setup.backend.kernel_record(compiled.schedules, lowered.kernel_calls)),
+        weights=contract.WeightsRecord(
+            file=WEIGHTS, format=contract.TENSOR_FORMAT, count=len(weight_arrays),
+            dtypes=sorted({str(w.dtype) for w in weight_arrays}), bytes=int(sum(w.nbytes for w in weight_arrays)),
+            file_bytes=weights.stat().st_size, tensors=weight_table),
+        golden=contract.GoldenRecord(
+            file=GOLDEN, format=contract.TENSOR_FORMAT, tensors=golden.table, seed=golden_seed,
+            float_inputs=golden.float_inputs, computed_with=golden.computed_with,
+            rtol=rtol, atol=atol,
+            atol_scaled_by="max(1, max |expected output|)",
+            outliers=max((r.get("outliers", 0.0) for r in reference.outputs), default=0.0) or None),
+        reference_check=reference,
+        quantization=quantized.result.report if quantized else None,
+        runtime=contract.RuntimeRecord.from_json(runtime.record, "runtime") if runtime else None,
+        build={"args": args.to_dict(), "stage_seconds": dict(progress.seconds),
+               **({"records_applied": lowered.records_applied} if lowered.records_applied is not None else {})},
+        compatibility=check_elves(staging, [LIBRARY, *runtime.files], setup.profile) if runtime else None,
+        preprocess=loaded.preprocess,
+        postprocess=imported.postprocess,
+        files={}, sizes={},
+    )
+    manifest = write_bundle(staging, manifest, extra_files, setup.signing_key)
+    # The archive is made from the staging folder under the final name, then both are renamed into place.
+    final_dir = output.out_dir / bundle_name
+    named = staging / bundle_name
+    named.mkdir()
+    for path in list(staging.iterdir()):
+        if path != named:
+            path.rename(named / path.name)
+    archive_tmp = staging / f"{bundle_name}.tar.gz"
+    make_archive(named, archive_tmp, mtime=int(created.timestamp()))
+    replaced = final_dir.exists()
+    if replaced:  # said even with --quiet, and in --json as "replaced"
+        progress.warn(f"replacing the bundle already in {final_dir}")
+        final_dir.rename(staging / "previous")
+    named.rename(final_dir)
+    archive = output.out_dir / f"{bundle_name}.tar.gz"
+    archive_tmp.replace(archive)
+    return Written(manifest=manifest, bundle_dir=final_dir, archive=archive, replaced=replaced)
 
 
 def make_archive(directory: Path, archive: Path, mtime: int) -> None:

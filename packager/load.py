@@ -17,7 +17,7 @@ from edgeq.errors import ModelError, UsageError
 from edgeq.limits import check
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class LoadedModel:
     path: Path
     sha256: str

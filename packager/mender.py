@@ -56,7 +56,7 @@ class MenderArgs:
     bundle_key: Path | None = None  # ed25519 public key the bundle must be signed with (checked before wrapping)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class MenderResult:
     artifact: Path
     artifact_name: str

@@ -1,7 +1,12 @@
-"""How a declared list of stages runs: each ``Stage`` says when it applies (a predicate on the build
-state) and, when it changes the Relax module, which module it leaves (``ir``). ``run_stages`` walks the
+"""How a declared list of stages runs: each ``Stage`` says when it applies (a predicate on the records made
+so far) and, when it changes the Relax module, which module it leaves (``ir``). ``run_stages`` walks the
 list in order, runs what applies, keeps the progress total equal to the stages that have run plus those
 that still apply, and hands each stage's module to an ``IRDump`` (``edgeq package --dump-ir DIR``).
+
+A stage's function says what it reads by its parameters' types and what it makes by its return type: the
+records it names are handed to it from the ``Records`` made so far, and what it returns is added there (a
+record of a type already there replaces it: a stage remakes, never edits, a record). Records are frozen
+dataclasses (``edgeq.stage_records``); a test checks every stage's signature.
 
 What ``edgeq package`` runs is declared in ``edgeq.package.STAGES``; this module knows nothing of it.
 """
@@ -9,8 +14,12 @@ What ``edgeq package`` runs is declared in ``edgeq.package.STAGES``; this module
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import os
 import re
+import types
+import typing
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Generic, TypeVar
@@ -19,6 +28,57 @@ from edgeq.errors import OutputError
 from edgeq.progress import StageProgress
 
 S = TypeVar("S")
+R = TypeVar("R")
+
+
+class Records:
+    """The records a job has made so far, by type (its arguments and services are the first). Stages read
+    it through their parameters; only ``run_stages`` adds to it."""
+
+    def __init__(self, *seeds: object):
+        self._by_type: dict[type, object] = {}
+        for seed in seeds:
+            if seed is not None:  # (an absent service, such as no IR dump: a stage's ``X | None`` gets None)
+                self._add(seed)
+
+    def __getitem__(self, kind: type[R]) -> R:
+        try:
+            return self._by_type[kind]  # type: ignore[return-value]
+        except KeyError:
+            raise LookupError(f"no {kind.__name__} record yet: a stage reads it before the stage that makes it") from None
+
+    def get(self, kind: type[R]) -> R | None:
+        return self._by_type.get(kind)  # type: ignore[return-value]
+
+    def __contains__(self, kind: type) -> bool:
+        return kind in self._by_type
+
+    def _add(self, record: object, kind: type | None = None) -> None:
+        self._by_type[kind or type(record)] = record
+
+
+@functools.lru_cache(maxsize=None)
+def signature(run: Callable) -> tuple[tuple[tuple[str, type, bool], ...], type | None]:
+    """((parameter, record type, optional), ...), return type) of a stage function, from its annotations
+    (``X | None``: the stage runs without that record too)."""
+    hints = typing.get_type_hints(run)
+    params = []
+    for name in inspect.signature(run).parameters:
+        if name not in hints:
+            raise TypeError(f"stage function {run.__qualname__}: parameter '{name}' names no record type")
+        kind, optional = hints[name], False
+        if typing.get_origin(kind) in (typing.Union, types.UnionType):
+            members = [a for a in typing.get_args(kind) if a is not type(None)]
+            kind, optional = members[0], len(members) < len(typing.get_args(kind))
+        params.append((name, kind, optional))
+    made = hints.get("return")
+    return tuple(params), (None if made is type(None) else made)
+
+
+def call(run: Callable, records: Records) -> object:
+    """``run`` with the records its parameters name."""
+    params, _ = signature(run)
+    return run(**{name: (records.get(kind) if optional else records[kind]) for name, kind, optional in params})
 
 
 def always(_state: Any) -> bool:
@@ -35,7 +95,7 @@ class Stage(Generic[S]):
 
     name: str
     describe: Callable[[S], str]
-    run: Callable[[S], None]
+    run: Callable[..., Any]  # takes the records its parameters' types name, returns the record it makes
     applies: Callable[[S], bool] = always
     ir: Callable[[S], Any] | None = None
 
@@ -91,15 +151,22 @@ def planned(stages: Sequence[Stage[S]], state: S) -> list[str]:
     return [stage.name for stage in stages if stage.applies(state)]
 
 
-def run_stages(stages: Sequence[Stage[S]], state: S, progress: StageProgress, dump: IRDump | None = None) -> None:
-    """Run the stages that apply, in order. Before each, the progress total is set to the stages run so
-    far plus those that apply now (a stage whose predicate a later stage decides is counted as the state
-    says at that moment; this is the one place the total is corrected)."""
+def run_stages(stages: Sequence[Stage[Records]], records: Records, progress: StageProgress,
+               dump: IRDump | None = None) -> None:
+    """Run the stages that apply, in order, each with the records it names; what it returns joins
+    ``records``. Before each, the progress total is set to the stages run so far plus those that apply now (a
+    stage whose predicate a later stage decides is counted as the records say at that moment; this is the
+    one place the total is corrected)."""
     for position, stage in enumerate(stages):
-        if not stage.applies(state):
+        if not stage.applies(records):
             continue
-        progress.total = len(progress.seconds) + len(planned(stages[position:], state))
-        with progress.stage(stage.name, stage.describe(state)):
-            stage.run(state)
+        progress.total = len(progress.seconds) + len(planned(stages[position:], records))
+        with progress.stage(stage.name, stage.describe(records)):
+            made = call(stage.run, records)
+            _, kind = signature(stage.run)
+            if kind is not None:
+                if not isinstance(made, kind):
+                    raise TypeError(f"stage {stage.name} returned {type(made).__name__}, not {kind.__name__}")
+                records._add(made, kind)
         if dump is not None and stage.ir is not None:
-            dump.write(len(progress.seconds), stage.name, stage.ir(state))
+            dump.write(len(progress.seconds), stage.name, stage.ir(records))

@@ -156,7 +156,7 @@ def _nvrtc_toolkit() -> CudaToolkit | None:
     # TVM's NVRTC mode reads headers from $CUDA_PATH/include, $CUDA_PATH/targets/<arch>-linux/include and its
     # cccl/: lay the wheels' header folders out that way. crt/ (mma.h: the wmma fragments of tensor-core
     # kernels, which the runtime wheel's mma.h includes) is in the nvcc wheel; without it tensor-core
-    # schedules fail the build check and edgeq.backends.cuda.pipeline falls back to kernels without tensor cores.
+    # schedules fail the build check and the CUDA backend's pipeline falls back to kernels without tensor cores.
     links = {"include": runtime_include, f"targets/{platform.machine()}-linux/include/cccl": cccl_include}
     crt = _crt_include()
     if crt is not None:
@@ -213,34 +213,12 @@ def cuda_toolkits() -> tuple[CudaToolkit, ...]:
     return tuple(found)
 
 
-def cuda_toolkit_for(profile: Profile, found: tuple[CudaToolkit, ...] | None = None) -> CudaToolkit:
-    """The toolkit for the profile's CUDA: same major version, closest minor not newer than the device's."""
-    assert profile.cuda is not None, "only CUDA profiles need a CUDA toolkit"
-    want = profile.cuda
-    want_minor = int(want.version.split(".")[1])
-    found = cuda_toolkits() if found is None else found
-    fits = [tk for tk in found if tk.version[0] == want.major and want.arch in tk.archs]
-    if not fits:
-        have = ", ".join(tk.describe() for tk in found) or "none"
-        hint = (
-            "pip install 'edgeq[jetson]' (NVRTC 12.6 wheels)"
-            if want.major == 12
-            else f"install a CUDA {want.major}.x toolkit with nvcc and set EDGEQ_CUDA_HOME to its root"
-        )
-        raise ToolchainError(
-            f"{profile.name} runs CUDA {want.version} (JetPack {profile.software.get('jetpack', '?')}) and needs a "
-            f"CUDA {want.major}.x toolkit that builds {want.arch}; found: {have}; {hint}"
-        )
-    # Older-or-equal minors first (closest first); a newer minor only when nothing older is there.
-    return min(fits, key=lambda tk: (tk.version[1] > want_minor, abs(tk.version[1] - want_minor), tk.kind))
-
-
 @dataclasses.dataclass(frozen=True)
 class Toolchain:
     """Everything outside Python that a build for one profile uses; recorded in the manifest."""
 
     cxx: str
-    cuda: CudaToolkit | None
+    cuda_toolkit: CudaToolkit | None  # the device code's compiler, for profiles with a GPU (edgeq.backends.cuda)
 
     def to_dict(self) -> dict:
-        return {"cxx": self.cxx, "cuda_toolkit": self.cuda.to_dict() if self.cuda else None}
+        return {"cxx": self.cxx, "cuda_toolkit": self.cuda_toolkit.to_dict() if self.cuda_toolkit else None}

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from edgeq import contract, safebundle
+from edgeq import backends, contract, safebundle
 from edgeq.bundle import read_tensor, read_tensors
 from edgeq.choices import DEFAULT_REPEAT, DEFAULT_WARMUP, POWER_SOURCES
 from edgeq.contract import significant
@@ -95,7 +95,10 @@ def bench(args: BenchArgs, note=lambda _: None) -> dict[str, Any]:
 
     with tempfile.TemporaryDirectory(prefix="edgeq-bench-") as tmp:
         directory, manifest = _bundle(Path(args.bundle), tmp)
-        cuda = bool(manifest.device.cuda_arch)
+        if manifest.device.kind not in backends.BACKENDS:
+            raise BundleError(f"{args.bundle}: its device kind '{manifest.device.kind}' is none this edgeq knows "
+                              f"({', '.join(backends.BACKENDS)}); bench it with the edgeq that built it")
+        device_type = backends.get(manifest.device.kind).device_type  # the TVM runtime's name: "cpu", "cuda"
         config = power_config(manifest)
         if args.rpc:
             note(f"connecting to {args.rpc} for a '{args.key}' device")
@@ -103,7 +106,7 @@ def bench(args: BenchArgs, note=lambda _: None) -> dict[str, Any]:
             sess = remote.session
             remote.call("upload the library", sess.upload, str(directory / manifest.library.file))
             lib = remote.call("load the library on the device", sess.load_module, manifest.library.file)
-            dev = sess.cuda(0) if cuda else sess.cpu(0)
+            dev = sess.device(device_type, 0)
             call = remote.call
             start = lambda: call("start power sampling",
                                  lambda: sess.get_function("edgeq.power.start")(args.power, json.dumps(config)))
@@ -111,7 +114,7 @@ def bench(args: BenchArgs, note=lambda _: None) -> dict[str, Any]:
             where = f"{args.key} via {args.rpc}"
         else:
             lib = tvm.runtime.load_module(str(directory / manifest.library.file))
-            dev = tvm.cuda(0) if cuda else tvm.cpu(0)
+            dev = tvm.device(device_type, 0)
             call = lambda step, fn, *a, **kw: fn(*a, **kw)
             sampler = Sampler(args.power, config)
             start = lambda: sampler.start().source

@@ -26,13 +26,15 @@ import io
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from edgeq import backends
 from edgeq.errors import RemoteError, UsageError
 from edgeq.rpc.session import DAY_S, Remote, _no_retry_warnings, bounded, parse_addr, with_deadline
 from edgeq.records import Records, prepare
 from edgeq.tvm_env import import_tvm
+
+if TYPE_CHECKING:
+    from edgeq.stage_records import FrontEndArgs
 
 MAX_TRIALS = 100_000
 BUILD_TIMEOUT_S = 300  # one candidate, built here (meta_schedule's 30 s fails every build on a busy 2-core host)
@@ -267,8 +269,7 @@ def _own_ms(workload, target, backend, builder, runner) -> float | None:
     if built.error_msg:
         return None
     func = next(f for f in workload.functions.values() if isinstance(f, tvm.tirx.PrimFunc))
-    device = "cuda" if tgt.kind.name == "cuda" else "cpu"  # the runtime's device name (meta_schedule's own map)
-    result = runner.run([ms.runner.RunnerInput(built.artifact_path, device,
+    result = runner.run([ms.runner.RunnerInput(built.artifact_path, backend.device_type,
                                                ms.arg_info.ArgInfo.from_prim_func(func))])[0].result()  # (it waits)
     if result.error_msg or not result.run_secs:
         return None
@@ -276,22 +277,14 @@ def _own_ms(workload, target, backend, builder, runner) -> float | None:
     return 1e3 * sum(costs) / len(costs)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class TuneArgs:
-    model: Path
-    device: str
+    front: FrontEndArgs  # the module edgeq package builds with the same options (edgeq.package.front_end)
     rpc: str
     key: str
     trials: int = 64
     records: Path = Path("tuning.json")
-    input_shapes: dict = dataclasses.field(default_factory=dict)
     timeout: float = 120.0
-    # the module edgeq package builds with the same options (edgeq.package.front_end)
-    consts: dict = dataclasses.field(default_factory=dict)
-    precision: str = "fp32"
-    quantize: Any = None  # edgeq.quantize.QuantizeArgs
-    preprocess: Any = None  # edgeq.quantize.data.Preprocess
-    max_detections: int | None = None  # NonMaxSuppression's bound (edgeq.nms)
     jobs: int | None = None  # candidates built at once (default: the host's cores)
     cost_model: str = "xgb"  # meta_schedule's XGBoost model, or "random"
 
@@ -300,7 +293,7 @@ COST_MODELS = ("xgb", "random")
 
 
 def tune(args: TuneArgs, note=lambda _: None, tick=lambda *_: None, progress=None) -> dict[str, Any]:
-    from edgeq.package import PackageArgs, front_end
+    from edgeq.package import front_end
     from edgeq.targets import resolve
 
     bounded("--trials", args.trials, 1, MAX_TRIALS)
@@ -321,7 +314,7 @@ def tune(args: TuneArgs, note=lambda _: None, tick=lambda *_: None, progress=Non
     if not records_path.parent.is_dir():
         raise UsageError(f"--records {records_path}: folder {records_path.parent} does not exist; create it first")
     host, port = parse_addr(args.rpc)
-    resolve(args.device)  # an unknown device: one line before the tracker is asked
+    resolve(args.front.device)  # an unknown device: one line before the tracker is asked
     Remote.open(args.rpc, args.key, args.timeout)  # a dead tracker or an absent device: one line, within --timeout
     tvm = import_tvm()
     from tvm.s_tir import meta_schedule as ms
@@ -329,11 +322,8 @@ def tune(args: TuneArgs, note=lambda _: None, tick=lambda *_: None, progress=Non
 
     # the functions `edgeq package` compiles with the same options: its front end (quantization, fp16, the
     # backend's kernels), not a graph of tune's own
-    built = front_end(PackageArgs(model=args.model, device=args.device, input_shapes=args.input_shapes,
-                                  consts=args.consts, precision=args.precision, quantize=args.quantize,
-                                  preprocess=args.preprocess, max_detections=args.max_detections), progress)
-    profile, toolchain, target = built.profile, built.toolchain, built.lowered.target
-    backend = backends.for_profile(profile)
+    built = front_end(args.front, progress)
+    profile, toolchain, target, backend = built.profile, built.toolchain, built.lowered.target, built.backend
     mod = prepare(built.lowered.mod, target)
     extracted = ms.relax_integration.extract_tasks(mod, target)
     records = Records(args.records, profile, precision=built.precision)
@@ -404,6 +394,6 @@ def tune(args: TuneArgs, note=lambda _: None, tick=lambda *_: None, progress=Non
             own = "" if own_ms is None else f" (edgeq's own {own_ms:.4f} ms: {'tuned used' if used else 'own kept'})"
             note(f"task {i}/{len(extracted)} {task.task_name}: best {best_ms:.4f} ms{own}" if best_ms else
                  f"task {i}/{len(extracted)} {task.task_name}: no successful measurement{own}")
-    return {"model": str(args.model), "device": profile.name, "precision": built.precision,
+    return {"model": str(args.front.model), "device": profile.name, "precision": built.precision,
             "records": str(args.records), "tasks": rows, "tvm_version": tvm.__version__, "cost_model": args.cost_model,
             "jobs": jobs, "devices": {"registered": devices, "measurements": dict(sorted(measured.items()))}}

@@ -29,9 +29,14 @@ def _modules() -> dict[str, Path]:
 
 
 def _imports(tree: ast.AST, modules: dict[str, Path]) -> set[str]:
-    """The edgeq modules a module imports, anywhere in it (a function's import is a dependency too)."""
+    """The edgeq modules a module imports, anywhere in it (a function's import is a dependency too), and, in a
+    module that calls ``importlib.import_module``, every module a string constant names ("edgeq.x.y" or
+    "edgeq.x.y:Name", as edgeq.backends.BACKENDS does): an import by name is an edge like any other."""
     found = set()
+    by_name = any(isinstance(n, ast.Attribute) and n.attr == "import_module" for n in ast.walk(tree))
     for node in ast.walk(tree):
+        if by_name and isinstance(node, ast.Constant) and isinstance(node.value, str):
+            found.add(node.value.split(":")[0])
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names if a.name in modules}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("edgeq"):
@@ -81,6 +86,30 @@ def test_no_import_cycles():
     modules = _modules()
     graph = {name: _imports(ast.parse(path.read_text()), modules) - {name} for name, path in modules.items()}
     assert import_cycles(graph) == []
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(ast.parse(path.read_text()), modules) - {name} for name, path in modules.items()}
+
+
+def test_imports_by_name_are_edges():
+    """edgeq.backends loads its backends with importlib.import_module from the strings of BACKENDS: the
+    cycle test sees those edges (a backend importing edgeq.compile was a cycle it did not see)."""
+    graph = _graph()
+    assert {"edgeq.backends.cpu.backend", "edgeq.backends.cuda.backend"} <= graph["edgeq.backends"]
+    planted = {**graph, "edgeq.backends.cuda.backend": graph["edgeq.backends.cuda.backend"] | {"edgeq.compile"}}
+    assert any("edgeq.compile" in c and "edgeq.backends" in c for c in import_cycles(planted))
+
+
+def test_backends_import_nothing_above_them():
+    """A backend is below the driver: it imports no module that imports edgeq.backends (package, compile, the
+    CLI, rpc, records ...), not even inside a function."""
+    graph = _graph()
+    inside = {name for name in graph if name == "edgeq.backends" or name.startswith("edgeq.backends.")}
+    above = {name for name, deps in graph.items() if name not in inside and deps & inside}
+    offenders = {name: sorted(graph[name] & above) for name in inside if graph[name] & above}
+    assert offenders == {}
 
 
 def test_the_cycle_finder_finds_a_cycle():
@@ -149,15 +178,32 @@ def test_edgeq_imports_on_the_device_side_are_only_each_other():
                 assert {a.name for a in node.names} <= {"contract", "safebundle"}, (relative, ast.dump(node))
 
 
-# a target branch: a test of whether the profile or target is CUDA or a CPU
-TARGET_BRANCH = re.compile(r"\bis_cpu\b|\.cuda\b(?!_)|profile\.kind\b")
+# a target branch: a test of whether the profile or target is CUDA or a CPU (a profile's CUDA table, the
+# target's kind, a device picked by name); "edgeq.backends.cuda" as a module path is not one
+TARGET_BRANCH = re.compile(r"\bis_cpu\b|(?<!backends)\.cuda\b(?!_)|profile\.kind\b|kind\.name\b|[=!]= *[\"'](cuda|cpu)[\"']")
+# every module of the build outside the backends and the profile table (which say what a target is), and
+# outside the device side (templates/: the loaders open the device the bundle was built for)
+DRIVER = sorted(str(p.relative_to(REPO)) for folder in ("packager", "rpc") for p in (REPO / folder).rglob("*.py")
+                if "backends" not in p.relative_to(REPO).parts)
 
 
-@pytest.mark.parametrize("relative", ["packager/package.py", "packager/compile.py"])
+def target_branches(text: str) -> list[str]:
+    return [ln.strip() for ln in text.splitlines() if TARGET_BRANCH.search(ln)]
+
+
+@pytest.mark.parametrize("relative", DRIVER)
 def test_no_target_branches_in_the_driver(relative):
-    """package.py and compile.py ask the backend (edgeq.backends); only a backend knows its target."""
-    lines = [ln for ln in (REPO / relative).read_text().splitlines() if TARGET_BRANCH.search(ln)]
-    assert lines == []
+    """Only a backend knows its target (edgeq.backends): the rest of the build asks it."""
+    assert target_branches((REPO / relative).read_text()) == []
+
+
+def test_the_target_branch_finder_finds_planted_branches():
+    assert target_branches('if profile.kind == "cuda":\n    pass') != []
+    assert target_branches("dev = sess.cuda(0) if cuda else sess.cpu(0)") != []
+    assert target_branches('device = "cuda" if tgt.kind.name == "cuda" else "cpu"') != []
+    assert target_branches("members = [*LIBRARIES, *([CUDA_LIBRARY] if profile.cuda else [])]") != []
+    assert target_branches("from edgeq.backends.cuda.cubin import cuda_images") == []
+    assert target_branches("toolkit = m.toolchain.cuda_toolkit") == []
 
 
 def test_every_profile_has_a_backend():

@@ -116,7 +116,7 @@ def test_int8_golden_input_is_the_first_calibration_sample(models, tmp_path):
 def test_generated_inputs_are_drawn_in_chunks_with_the_values_of_one_draw(monkeypatch):
     """A 4 GB float32 input must not need 8 GB of float64 at once: drawn in chunks, with the same values (the
     golden input of every bundle stays what it was)."""
-    import edgeq.package as package
+    import edgeq.golden as package
     from edgeq.contract import TensorSpec
 
     monkeypatch.setattr(package, "_DRAW_CHUNK", 1000)
@@ -166,7 +166,7 @@ def _embedding_model(path: Path, through: str = "Cast") -> Path:
 def test_generated_indices_stay_inside_the_tables_they_index(tmp_path):
     """A 2-row token-type table: the generated golden input holds 0 and 1 there (it held up to 7, the reference
     refused it, and the bundle was written unchecked with golden outputs from an out-of-bounds gather)."""
-    from edgeq import package
+    from edgeq import golden as package
 
     model = _embedding_model(tmp_path / "emb.onnx")
     assert package.gather_bounds(onnx.load(model)) == {"input_ids": 30, "token_type_ids": 2}

@@ -251,7 +251,7 @@ def test_plain_install_packages_for_orin(venv, models, tmp_path, request):
     wheels = run([venv / "bin" / "python", "-c", "import cuda.bindings.nvrtc, nvidia.cuda_nvrtc, nvidia.cuda_nvcc"],
                  timeout=120)
     assert wheels.returncode == 0, tail(wheels)
-    from edgeq.compile import cuda_images
+    from edgeq.backends.cuda.cubin import cuda_images
 
     assert [image.arch for image in cuda_images(Path(result["bundle_dir"], "model.so"))] == ["sm_87"]
     manifest = json.loads(Path(result["bundle_dir"], "manifest.json").read_text())

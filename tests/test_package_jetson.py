@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run_cli, run_py
-from edgeq.compile import cuda_images
+from edgeq.backends.cuda.cubin import cuda_images
 
 
 def cuda_tool(name: str) -> str | None:

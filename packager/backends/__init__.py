@@ -9,11 +9,14 @@ the target themselves. A backend says:
   products onto edgeq's kernels; CUDA: BatchNorm folded, weight reshapes precomputed). The golden outputs
   are computed on the prepared graph, so they check what the device runs;
 - ``build``: ``relax.build`` with the backend's pipeline, counting what its kernels did into ``stats``;
+- ``device_code``: the device-code architectures an exported library carries;
 - ``check_library``: what the exported library must carry (CUDA: device code for the profile's SM);
 - ``kernel_record``: how the manifest describes its kernels (``library.cpu_kernels`` / ``gpu_kernels``);
 - ``golden_tolerance``: what the device's results may differ by from the build host's;
 - ``to_fp16``: the graph in fp16 (backends whose ``precisions`` have it);
-- ``runtime_parts``: what its runtime needs on the device beyond TVM's runtime and the loader.
+- ``runtime_libraries``, ``runtime_shim``: what its runtime needs on the device beyond TVM's runtime and the
+  loader (``runtime_parts`` names them);
+- ``device_type``: the TVM runtime's name for its device (bench and tune open it by this name).
 
 Adding a target kind is one folder here with a ``backend.py`` and one entry in ``BACKENDS``.
 This module stays light (no TVM import): the CLI's quick verbs read it.
@@ -26,18 +29,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-# The self-test's tolerances: golden outputs are computed on the build host; the device may use other
-# kernels (CUDA, fast math).
-GOLDEN_RTOL, GOLDEN_ATOL = 1e-3, 1e-4
-# fp16: the device's sums (tensor cores, another order) round to fp16 after each layer where the host's may not
-GOLDEN_FP16_RTOL, GOLDEN_FP16_ATOL = 2e-2, 5e-3
-# int8 built for another machine than the one computing the golden outputs: a float difference of an ulp
-# before a quantize (another summation order, FMA contraction) moves a value across a rounding boundary,
-# one quantization step, and the layers after carry it. Measured on an H200 against the host golden: ResNet-18
-# int8 max |diff| 0.067 on logits up to 10.8 (0.6%), the same with and without tensor cores; MobileNetV2 int8
-# 0.016 on logits up to 1.14 (1.4%). atol is 5% of the output range: a wrong kernel misses by far more.
-GOLDEN_INT8_RTOL, GOLDEN_INT8_ATOL = 2e-2, 5e-2
-
+# The self-test's tolerances live in their own module, which the backends import (not this package's
+# __init__, which imports them by name): one direction only.
+from edgeq.backends.tolerances import (GOLDEN_ATOL, GOLDEN_FP16_ATOL, GOLDEN_FP16_RTOL, GOLDEN_INT8_ATOL,
+                                       GOLDEN_INT8_RTOL, GOLDEN_RTOL)
 
 class Backend(Protocol):
     """What every backend provides (``edgeq.backends.cpu.backend.CpuBackend``,
@@ -45,7 +40,8 @@ class Backend(Protocol):
 
     name: str
     precisions: tuple[str, ...]  # the --precision values its builds take
-    runtime_parts: tuple[str, ...]  # what its runtime/ holds beyond TVM's runtime and edgeq-run
+    device_type: str  # the TVM runtime's device name for its code ("cpu", "cuda": tvm.device, RPC sessions)
+    runtime_parts: tuple[str, ...]  # names of what runtime_libraries / runtime_shim add (the progress line)
 
     def find_tools(self, profile) -> Any:
         """The ``edgeq.compile.Toolchain`` for ``profile``; a missing tool raises ToolchainError."""
@@ -55,6 +51,16 @@ class Backend(Protocol):
 
     def build(self, mod, target, toolchain=None, stats: dict | None = None) -> Any:
         """The Relax executable of ``mod`` for ``target`` (a ``tvm.target.Target``)."""
+
+    def runtime_libraries(self, profile) -> tuple[tuple[str, str], ...]:
+        """(project, file in the wheel) of the TVM libraries its code needs beyond TVM's runtime, in load order."""
+
+    def runtime_shim(self, profile, cxx: str, last_library: Path, folder: Path) -> tuple[str, Path, dict] | None:
+        """A library built (in ``folder``) for the device and loaded before the last of ``runtime_libraries``:
+        (bundle-relative name, built file, manifest record), or None."""
+
+    def device_code(self, library: Path) -> list[str]:
+        """The device-code architectures an exported library carries (the manifest's ``cuda_device_code``)."""
 
     def check_library(self, library: Path, profile, toolchain) -> None:
         """Raise ToolchainError when the exported library lacks what the device needs."""

@@ -23,12 +23,13 @@ def run(args, env) -> int:
     for column in ("device", "CPU", "cores", "GPU arch", "CUDA", "JetPack / L4T", "memory", "aliases"):
         view.add_column(column)
     for p in table.values():
+        device = p.device_record()  # (what a bundle's manifest says of it)
         view.add_row(
             p.name,
             f"{p.cpu.mcpu} ({p.cpu.arch})",
             str(p.cpu.cores),
-            p.cuda.arch if p.cuda else "-",
-            p.cuda.version if p.cuda else "-",
+            device.cuda_arch or "-",
+            device.cuda_version or "-",
             f"{p.software['jetpack']} / {p.software['l4t']}" if "jetpack" in p.software else "-",
             f"{p.memory_mb / 1024:.0f} GiB" if p.memory_mb else "-",
             ", ".join(p.aliases) or "-",

@@ -132,9 +132,9 @@ def _task(args):
     return Task("classify") if kind == "classify" else None
 
 
-def graph_options(args) -> dict:
-    """``add_graph_options``'s values as ``PackageArgs`` fields (input_shapes, consts, precision, quantize,
-    preprocess)."""
+def front_end_args(args):
+    """The model, the device and ``add_graph_options``'s values: the ``FrontEndArgs`` that ``package`` and
+    ``tune`` share (``edgeq.stage_records``)."""
     from edgeq.load import parse_const, parse_shape
     from edgeq.quantize import QuantizeArgs
     from edgeq.quantize.data import Preprocess
@@ -156,10 +156,12 @@ def graph_options(args) -> dict:
             activation_scales=args.activation_scales,
             bias_correction=args.bias_correction == "on",
         )
-    return {"input_shapes": dict(parse_shape(text) for text in args.input_shape),
-            "consts": dict(parse_const(text) for text in args.const),
-            "precision": args.precision, "quantize": quantize_args, "preprocess": preprocess,
-            "max_detections": args.max_detections}
+    from edgeq.stage_records import FrontEndArgs
+
+    return FrontEndArgs(model=args.model, device=args.device,
+                        input_shapes=dict(parse_shape(text) for text in args.input_shape),
+                        consts=dict(parse_const(text) for text in args.const), precision=args.precision,
+                        quantize=quantize_args, preprocess=preprocess, max_detections=args.max_detections)
 
 
 def run(args, env) -> int:
@@ -171,8 +173,7 @@ def run(args, env) -> int:
 
         check_output(args.report)  # a wrong suffix or folder is known before the build
     package_args = PackageArgs(
-        model=args.model,
-        device=args.device,
+        **front_end_args(args).front_end_fields(),
         output=args.output,
         name=args.name,
         sign_key=args.sign_key,
@@ -190,7 +191,6 @@ def run(args, env) -> int:
         conf=args.conf,
         iou=args.iou,
         max_det=args.max_det,
-        **graph_options(args),
     )
     progress = StageProgress(console=env.err(), quiet=args.quiet)
     result = package(package_args, progress)

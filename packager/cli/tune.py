@@ -8,7 +8,7 @@ from pathlib import Path
 from rich.table import Table
 from rich.text import Text
 
-from edgeq.cli.package import add_graph_options, graph_options
+from edgeq.cli.package import add_graph_options, front_end_args
 
 
 def add_parser(sub) -> None:
@@ -38,9 +38,8 @@ def run(args, env) -> int:
     from edgeq.rpc.tune import TuneArgs, tune
 
     progress = StageProgress(console=env.err())
-    result = tune(TuneArgs(model=args.model, device=args.device, rpc=args.rpc, key=args.key, trials=args.trials,
-                           records=args.records, timeout=args.timeout, jobs=args.jobs, cost_model=args.cost_model,
-                           **graph_options(args)),
+    result = tune(TuneArgs(front=front_end_args(args), rpc=args.rpc, key=args.key, trials=args.trials,
+                           records=args.records, timeout=args.timeout, jobs=args.jobs, cost_model=args.cost_model),
                   note=progress.note, tick=progress.tick, progress=progress)
     if args.json:
         print(json.dumps(result, indent=2), file=env.stdout)

@@ -75,7 +75,7 @@ class QuantizeArgs:
         return out
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class QuantizeResult:
     graph: Graph
     layers: list[Layer]

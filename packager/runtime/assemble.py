@@ -2,11 +2,12 @@
 the device's architecture), the CUDA 12 bridge where the device's JetPack has CUDA 12, and the native
 loader ``edgeq-run``. With it a device needs nothing installed: no Python, numpy, pip or TVM.
 
-* TVM libraries: ``libtvm_ffi.so``, ``libtvm_runtime.so`` and, for CUDA profiles, ``libtvm_runtime_cuda.so``
-  of exactly the installed apache-tvm / apache-tvm-ffi versions: from the installed wheels when the device
-  has the build host's architecture, else from the same wheels for the device's (``edgeq.runtime.wheels``).
-* The bridge (``libcudart.so.13``, ``edgeq.runtime.bridge``): TVM's CUDA backend links CUDA 13's runtime;
-  JetPack 6 has CUDA 12. Built for the device from source, forwarding what TVM imports to ``libcudart.so.12``.
+* TVM libraries: ``libtvm_ffi.so``, ``libtvm_runtime.so`` and the backend's own (``Backend.runtime_libraries``:
+  CUDA's ``libtvm_runtime_cuda.so``) of exactly the installed apache-tvm / apache-tvm-ffi versions: from the
+  installed wheels when the device has the build host's architecture, else from the same wheels for the
+  device's (``edgeq.runtime.wheels``).
+* What the backend adds before its last library (``Backend.runtime_shim``: CUDA's bridge ``libcudart.so.13``,
+  ``edgeq.runtime.bridge``, where the device's JetPack has CUDA 12 and TVM's CUDA runtime links CUDA 13).
 * ``edgeq-run`` (``templates/native/edgeq_run.cc``): built with the profile's C++ compiler against tvm-ffi's C API.
 
 Every ELF is checked against the profile's OS (highest glibc / libstdc++ symbol versions it needs).
@@ -32,17 +33,14 @@ from edgeq.cache import cached_build
 RUNTIME_DIR = safebundle.RUNTIME  # the one sub-folder a bundle may have
 LOADER = f"{RUNTIME_DIR}/edgeq-run"
 TVM_PROJECT, FFI_PROJECT = "apache-tvm", "apache-tvm-ffi"
-# (project, file inside the wheel) in load order; the CUDA library only for CUDA profiles
+# (project, file inside the wheel) in load order; a backend's own libraries follow (Backend.runtime_libraries)
 LIBRARIES = (
     (FFI_PROJECT, "tvm_ffi/lib/libtvm_ffi.so"),
     (TVM_PROJECT, "tvm/lib/libtvm_runtime.so"),
 )
-CUDA_LIBRARY = (TVM_PROJECT, "tvm/lib/libtvm_runtime_cuda.so")
-BRIDGE = f"{RUNTIME_DIR}/libcudart.so.13"
-TVM_CUDART_MAJOR = 13  # libtvm_runtime_cuda.so NEEDs libcudart.so.13
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Runtime:
     """What ``assemble`` put under ``runtime/`` and the manifest's ``runtime`` section."""
 
@@ -60,7 +58,7 @@ def _library_bytes(machine: str, project: str, member: str, wheels: dict[str, Wh
     return wheels[project].read(member)
 
 
-def _c_compiler(cxx: str) -> str:
+def c_compiler(cxx: str) -> str:
     """The C compiler beside a C++ one (``aarch64-linux-gnu-g++`` -> ``aarch64-linux-gnu-gcc``)."""
     name = os.path.basename(cxx)
     cc = name[:-3] + "gcc" if name.endswith("g++") else "cc"
@@ -173,20 +171,6 @@ def build_loader(cxx: str) -> Path:
                         key=installed_version(FFI_PROJECT), headers=headers)
 
 
-def _bridge(profile: Profile, cxx: str, cuda_runtime: Path, folder: Path) -> tuple[Path, dict]:
-    from edgeq.runtime import bridge
-
-    if profile.cuda.major != 12:
-        raise ToolchainError(
-            f"{profile.name} runs CUDA {profile.cuda.version}, and TVM's CUDA runtime needs CUDA {TVM_CUDART_MAJOR}; "
-            f"edgeq bridges only CUDA 12 to {TVM_CUDART_MAJOR}; package with --runtime none and bring a TVM runtime built for it"
-        )
-    imports = bridge.cudart_imports(cuda_runtime)
-    library = bridge.build_bridge(imports, _c_compiler(cxx), folder, bridge.cuda12_headers(), bridge.cuda13_headers())
-    return library, {"file": BRIDGE, "provides": f"libcudart.so.{TVM_CUDART_MAJOR}", "forwards_to": "libcudart.so.12",
-                     "functions": imports}
-
-
 def os_limits(profile: Profile) -> dict[str, str | None]:
     """The highest glibc / GLIBCXX versions the profile's OS provides (this machine's for ``host``)."""
     if profile.name == "host":
@@ -220,26 +204,28 @@ def check_elves(directory: Path, names: list[str], profile: Profile) -> dict:
     return {"files": files, "needs": top, "os": limits}
 
 
-def assemble(profile: Profile, cxx: str, staging: Path, note=None) -> Runtime:
-    """Write ``staging/runtime/`` for ``profile``; returns its files and manifest record."""
+def assemble(profile: Profile, backend, cxx: str, staging: Path, note=None) -> Runtime:
+    """Write ``staging/runtime/`` for ``profile``: TVM's runtime libraries, the backend's (``edgeq.backends``:
+    ``runtime_libraries``, ``runtime_shim``) and the loader; returns its files and manifest record."""
     folder = staging / RUNTIME_DIR
     folder.mkdir()
     machine = profile.cpu.arch
     wheels: dict[str, Wheel] = {}
-    members = [*LIBRARIES, *([CUDA_LIBRARY] if profile.cuda else [])]
+    members = [*LIBRARIES, *backend.runtime_libraries(profile)]
     load_order, sources = [], []
     for project, member in members:
         name = f"{RUNTIME_DIR}/{member.rsplit('/', 1)[1]}"
         (staging / name).write_bytes(_library_bytes(machine, project, member, wheels, note))
         (staging / name).chmod(0o755)
         load_order.append(name)
-    bridge = None
-    if profile.cuda and profile.cuda.major < TVM_CUDART_MAJOR:
-        with tempfile.TemporaryDirectory() as tmp:
-            library, bridge = _bridge(profile, cxx, staging / load_order[-1], Path(tmp))
-            shutil.copyfile(library, staging / BRIDGE)
-        (staging / BRIDGE).chmod(0o755)
-        load_order.insert(len(load_order) - 1, BRIDGE)  # before libtvm_runtime_cuda.so, which needs it
+    shim_record = None
+    with tempfile.TemporaryDirectory() as tmp:
+        shim = backend.runtime_shim(profile, cxx, staging / load_order[-1], Path(tmp))
+        if shim is not None:  # loaded before the backend's last library, which needs it
+            name, library, shim_record = shim
+            shutil.copyfile(library, staging / name)
+            (staging / name).chmod(0o755)
+            load_order.insert(len(load_order) - 1, name)
     shutil.copyfile(build_loader(cxx), staging / LOADER)
     (staging / LOADER).chmod(0o755)
     for project in (TVM_PROJECT, FFI_PROJECT):
@@ -251,7 +237,7 @@ def assemble(profile: Profile, cxx: str, staging: Path, note=None) -> Runtime:
     record = {
         "loader": LOADER,
         "libraries": load_order,
-        "cuda_bridge": bridge,
+        "cuda_bridge": shim_record,
         "sources": sources,
         "bytes": sum((staging / name).stat().st_size for name in files),
     }

@@ -7,11 +7,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from edgeq.backends import GOLDEN_ATOL, GOLDEN_INT8_ATOL, GOLDEN_INT8_RTOL, GOLDEN_RTOL
+from edgeq.backends.tolerances import GOLDEN_ATOL, GOLDEN_INT8_ATOL, GOLDEN_INT8_RTOL, GOLDEN_RTOL
 
 
 class CpuBackend:
     name = "cpu"
+    device_type = "cpu"
     precisions = ("fp32", "int8", "mixed")
     runtime_parts: tuple[str, ...] = ()
 
@@ -19,7 +20,7 @@ class CpuBackend:
         from edgeq.toolchain import Toolchain
         from edgeq.toolchain import cxx_for
 
-        return Toolchain(cxx=cxx_for(profile), cuda=None)
+        return Toolchain(cxx=cxx_for(profile), cuda_toolkit=None)
 
     def prepare(self, graph, target):
         """The graph on edgeq's CPU kernels, NHWC between them; inference BatchNorms folded first (a
@@ -50,6 +51,15 @@ class CpuBackend:
 
         # a module of its own: the pass sets its functions in place, and the workload is the tuning database's key
         return schedule_pass(Isa.of(target))(IRModule(dict(workload.functions.items())))
+
+    def runtime_libraries(self, profile) -> tuple[tuple[str, str], ...]:
+        return ()
+
+    def runtime_shim(self, profile, cxx: str, last_library: Path, folder: Path):
+        return None
+
+    def device_code(self, library: Path) -> list[str]:
+        return []  # a CPU library carries no device code
 
     def check_library(self, library: Path, profile, toolchain) -> None:
         return None  # the library's machine is checked for every backend (edgeq.package)

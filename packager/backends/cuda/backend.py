@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from edgeq.backends import (
+from edgeq.backends.tolerances import (
     GOLDEN_ATOL,
     GOLDEN_FP16_ATOL,
     GOLDEN_FP16_RTOL,
@@ -19,24 +19,55 @@ from edgeq.backends import (
 from edgeq.errors import ToolchainError
 
 
+# What a CUDA bundle's runtime/ holds beyond TVM's runtime: TVM's CUDA runtime (project, file in the wheel),
+# which NEEDs libcudart.so.13, and where the device has CUDA 12 (JetPack 6) the bridge to it
+TVM_CUDA_LIBRARY = ("apache-tvm", "tvm/lib/libtvm_runtime_cuda.so")
+TVM_CUDART_MAJOR = 13
+BRIDGE = "runtime/libcudart.so.13"
+
+
+def toolkit_for(profile, found=None):
+    """The toolkit for the profile's CUDA: same major version, closest minor not newer than the device's."""
+    from edgeq.toolchain import cuda_toolkits
+
+    want = profile.cuda
+    want_minor = int(want.version.split(".")[1])
+    found = cuda_toolkits() if found is None else found
+    fits = [tk for tk in found if tk.version[0] == want.major and want.arch in tk.archs]
+    if not fits:
+        have = ", ".join(tk.describe() for tk in found) or "none"
+        hint = (
+            "pip install 'edgeq[jetson]' (NVRTC 12.6 wheels)"
+            if want.major == 12
+            else f"install a CUDA {want.major}.x toolkit with nvcc and set EDGEQ_CUDA_HOME to its root"
+        )
+        raise ToolchainError(
+            f"{profile.name} runs CUDA {want.version} (JetPack {profile.software.get('jetpack', '?')}) and needs a "
+            f"CUDA {want.major}.x toolkit that builds {want.arch}; found: {have}; {hint}"
+        )
+    # Older-or-equal minors first (closest first); a newer minor only when nothing older is there.
+    return min(fits, key=lambda tk: (tk.version[1] > want_minor, abs(tk.version[1] - want_minor), tk.kind))
+
+
+
 class CudaBackend:
     name = "cuda"
+    device_type = "cuda"
     precisions = ("fp32", "int8", "mixed", "fp16")
-    runtime_parts = ("CUDA bridge",)
+    runtime_parts = ("TVM CUDA runtime", "CUDA bridge")
 
     def find_tools(self, profile):
-        from edgeq.toolchain import Toolchain
-        from edgeq.toolchain import cuda_toolkit_for, cxx_for
+        from edgeq.toolchain import Toolchain, cxx_for
         from edgeq.tvm_env import cuda_driver, import_tvm
 
         cxx = cxx_for(profile)
-        toolkit = cuda_toolkit_for(profile)
+        toolkit = toolkit_for(profile)
         if not import_tvm().runtime.enabled("cuda"):
             raise ToolchainError(
                 f"TVM's CUDA backend did not load (CUDA driver library: {cuda_driver()}); "
                 "install gcc so edgeq can build its driver stub, or run on a machine with the NVIDIA driver"
             )
-        return Toolchain(cxx=cxx, cuda=toolkit)
+        return Toolchain(cxx=cxx, cuda_toolkit=toolkit)
 
     def prepare(self, graph, target):
         """BatchNorm folded, weight reshapes precomputed; no scheduling, so the result builds for any target
@@ -52,10 +83,10 @@ class CudaBackend:
 
         from edgeq.backends.cuda import pipeline
 
-        if toolchain is None or toolchain.cuda is None:
+        if toolchain is None or toolchain.cuda_toolkit is None:
             return relax.build(mod, target=target)
         report = pipeline.GpuKernels()
-        with toolchain.cuda.active():
+        with toolchain.cuda_toolkit.active():
             executable = pipeline.build(mod, target, report)
         if stats is not None:
             stats.update(report.to_dict())
@@ -64,13 +95,37 @@ class CudaBackend:
     def own_schedule(self, workload, target):
         return None  # its schedule step runs inside the CUDA pipeline; measuring it needs a GPU (not done yet)
 
-    def check_library(self, library: Path, profile, toolchain) -> None:
-        from edgeq.compile import cuda_device_code
+    def runtime_libraries(self, profile) -> tuple[tuple[str, str], ...]:
+        return (TVM_CUDA_LIBRARY,)
 
-        if profile.cuda.arch not in cuda_device_code(library):
+    def runtime_shim(self, profile, cxx: str, last_library: Path, folder: Path):
+        """The CUDA 12 -> 13 bridge, built from source for the device, forwarding what TVM's CUDA runtime
+        (``last_library``) imports to JetPack's ``libcudart.so.12``; None where the device's CUDA is TVM's."""
+        from edgeq.runtime import bridge
+        from edgeq.runtime.assemble import c_compiler
+
+        if profile.cuda.major >= TVM_CUDART_MAJOR:
+            return None
+        if profile.cuda.major != 12:
+            raise ToolchainError(
+                f"{profile.name} runs CUDA {profile.cuda.version}, and TVM's CUDA runtime needs CUDA {TVM_CUDART_MAJOR}; "
+                f"edgeq bridges only CUDA 12 to {TVM_CUDART_MAJOR}; package with --runtime none and bring a TVM runtime built for it"
+            )
+        imports = bridge.cudart_imports(last_library)
+        library = bridge.build_bridge(imports, c_compiler(cxx), folder, bridge.cuda12_headers(), bridge.cuda13_headers())
+        return BRIDGE, library, {"file": BRIDGE, "provides": f"libcudart.so.{TVM_CUDART_MAJOR}",
+                                 "forwards_to": "libcudart.so.12", "functions": imports}
+
+    def device_code(self, library: Path) -> list[str]:
+        from edgeq.backends.cuda.cubin import cuda_device_code
+
+        return cuda_device_code(library)
+
+    def check_library(self, library: Path, profile, toolchain) -> None:
+        if profile.cuda.arch not in self.device_code(library):
             raise ToolchainError(
                 f"the exported library carries no {profile.cuda.arch} device code (CUDA source only), so no device "
-                f"could load it; check the CUDA toolkit ({toolchain.cuda.describe()})"
+                f"could load it; check the CUDA toolkit ({toolchain.cuda_toolkit.describe()})"
             )
 
     def kernel_record(self, stats: Mapping[str, Any], kernel_calls: int) -> dict[str, Any]:
@@ -92,4 +147,4 @@ class CudaBackend:
         return f"{profile.name}: BatchNorm folded into convs, weight reshapes precomputed for CUDA ({profile.cuda.arch})"
 
     def describe_build(self, profile, toolchain) -> str:
-        return f"{profile.name}: {profile.cuda.arch} with {toolchain.cuda.describe()}, host {profile.cpu.triple} ({profile.cpu.mcpu})"
+        return f"{profile.name}: {profile.cuda.arch} with {toolchain.cuda_toolkit.describe()}, host {profile.cpu.triple} ({profile.cpu.mcpu})"
