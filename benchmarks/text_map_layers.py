@@ -64,7 +64,7 @@ def input_schemes(model: Path, layers: list[str], images: list[Path], record) ->
     import onnxruntime as ort
     from onnx import numpy_helper
 
-    from edgeq import imaging
+    from edgeq.templates import imaging
 
     proto = onnx.load(model)
     weights = {i.name: numpy_helper.to_array(i) for i in proto.graph.initializer}
@@ -113,7 +113,7 @@ def main() -> None:
         held = render_text(work / "held", 8, args.size, seed=7)
         print("quantizing and compiling the switchable graph", file=sys.stderr, flush=True)
         layers, run, record = switchable(model, args.size, work / "calib", preprocess, args.bias_correction == "on")
-        from edgeq import imaging
+        from edgeq.templates import imaging
 
         inputs = [imaging.image_tensor(np, imaging.decode_image(np, str(p)), record) for p in held]
         reference = [run(set(), x) > 0.3 for x in inputs]

@@ -124,7 +124,7 @@ def text_map_iou(bundle: Path, model: Path, images: list[Path], input_name: str)
     Runtime fp32's on the same tensor."""
     import onnxruntime as ort
 
-    from edgeq import contract, imaging
+    from edgeq.templates import contract, imaging
 
     manifest = json.loads((bundle / "manifest.json").read_text())
     pre = contract.PreprocessRecord.from_json(manifest["preprocess"])
@@ -259,7 +259,7 @@ def recognizer_rows(wheels: Path, work: Path, budget: float) -> list[dict]:
     import onnxruntime as ort
 
     from common import bundle_model
-    from edgeq import contract, imaging
+    from edgeq.templates import contract, imaging
 
     model = extract(wheels, RECOGNIZER[0], RECOGNIZER[1], work)
     charset = [""] + extract(wheels, RECOGNIZER[0], RECOGNIZER[2], work).read_text(encoding="utf-8").splitlines() + [" "]

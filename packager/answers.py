@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from edgeq import contract
+from edgeq.templates import contract
 from edgeq.errors import ModelError, UsageError
-from edgeq.contract import TensorSpec
+from edgeq.templates.contract import TensorSpec
 
 POSTPROCESS_CHOICES = ("classify", "yolo")
 YOLO_PREFIX = "edgeq_yolo_"

@@ -1,7 +1,7 @@
 """Write a bundle: the arrays (weights, golden vectors), the loader with its two modules, the README rendered
 from its template, manifest.json, SHA256SUMS; then the .tar.gz, and both moved into place (``write``, the
 bundle stage's one call). Also reads manifests back. What a bundle holds and what its manifest says is
-``edgeq.contract``."""
+``edgeq.templates.contract``."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from edgeq import contract, imaging, safebundle, templates
-from edgeq.contract import (CONTRACT, FILE_ROLES, GOLDEN, IMAGING, LIBRARY, LOADER, MANIFEST, README, SIGNATURE, SUMS,
+from edgeq import templates
+from edgeq.templates import contract, imaging, safebundle
+from edgeq.templates.contract import (CONTRACT, FILE_ROLES, GOLDEN, IMAGING, LIBRARY, LOADER, MANIFEST, README, SIGNATURE, SUMS,
                             VERIFIER, WEIGHTS, Manifest)
 from edgeq.errors import BundleError
 

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import numpy as np
 
-from edgeq import bundle, contract
+from edgeq import bundle
+from edgeq.templates import contract
 from edgeq.compile import HostRunner, build
-from edgeq.contract import TensorSpec
+from edgeq.templates.contract import TensorSpec
 from edgeq.errors import ModelError
 from edgeq.stage_records import Compiled, Golden, Imported, Loaded, Lowered, Quantized, Setup
 from edgeq.targets import profiles

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from edgeq import contract, safebundle
+from edgeq.templates import contract, safebundle
 from edgeq.errors import UsageError
 
 GiB = 1 << 30

@@ -12,7 +12,7 @@ import numpy as np
 import onnx
 from google.protobuf.message import DecodeError
 
-from edgeq.contract import TensorSpec
+from edgeq.templates.contract import TensorSpec
 from edgeq.errors import ModelError, UsageError
 from edgeq.limits import check
 

@@ -110,7 +110,7 @@ def _verified(bundle: Path, public_key_path: Path | None):
     the artifact carries is what the update module will accept."""
     import tempfile
 
-    from edgeq.safebundle import BundleRefused, open_bundle
+    from edgeq.templates.safebundle import BundleRefused, open_bundle
     from edgeq.signing import load_public_key
 
     read_manifest(bundle)  # a readable bundle archive at all (one line otherwise)

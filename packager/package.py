@@ -22,13 +22,14 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from edgeq import backends, bundle, contract, safebundle
+from edgeq import backends, bundle
+from edgeq.templates import contract, safebundle
 from edgeq.answers import check_args as check_answers
 from edgeq.answers import classify_record, preprocess_record, with_yolo_nms
 from edgeq.backends import GOLDEN_FP16_ATOL, GOLDEN_FP16_RTOL, GOLDEN_INT8_ATOL, GOLDEN_INT8_RTOL
 from edgeq.choices import PRECISIONS, QUANTIZED, RUNTIME_CHOICES
 from edgeq.compile import build, elf_machine, export, lower_graph, toolchain_for
-from edgeq.contract import ReferenceCheck
+from edgeq.templates.contract import ReferenceCheck
 from edgeq.errors import EdgeqError, ModelError, OutputError, ToolchainError, UsageError
 from edgeq.golden import GOLDEN_DISTRIBUTIONS, GOLDEN_SEED, make_golden
 from edgeq.graph import call_op

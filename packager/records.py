@@ -10,7 +10,7 @@ from collections import Counter
 from pathlib import Path
 
 from edgeq.errors import OutputError, UsageError
-from edgeq.safebundle import json_depth
+from edgeq.templates.safebundle import json_depth
 from edgeq.targets import Profile
 from edgeq.tvm_env import import_tvm
 

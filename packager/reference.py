@@ -47,8 +47,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from edgeq.choices import REFERENCE_CHOICES
-from edgeq import contract
-from edgeq.contract import ReferenceCheck
+from edgeq.templates import contract
+from edgeq.templates.contract import ReferenceCheck
 from edgeq.errors import EdgeqError, UsageError
 
 

@@ -14,7 +14,7 @@ import warnings
 from edgeq.errors import ModelError
 from edgeq.graph import Graph
 from edgeq.limits import check
-from edgeq.contract import RowsRecord, TensorSpec
+from edgeq.templates.contract import RowsRecord, TensorSpec
 from edgeq.load import LoadedModel, nested_node
 from edgeq.tvm_env import import_tvm
 

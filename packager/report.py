@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from edgeq import __version__
-from edgeq.contract import Manifest, QuantizationReport
+from edgeq.templates.contract import Manifest, QuantizationReport
 from edgeq.errors import OutputError, UsageError
 
 FORMATS = (".html", ".png")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from edgeq import safebundle
+from edgeq.templates import safebundle
 from edgeq.errors import BundleError, UsageError
 
 PRIVATE, PUBLIC = "edgeq_signing.key", "edgeq_signing.pub"

@@ -29,7 +29,7 @@ if TYPE_CHECKING:  # the types of what the stages make; importing them costs TVM
     from tvm.relax import VMExecutable
     from tvm.target import Target
 
-    from edgeq import contract
+    from edgeq.templates import contract
     from edgeq.backends import Backend
     from edgeq.graph import Graph
     from edgeq.load import LoadedModel

@@ -10,10 +10,11 @@ from typing import Any
 
 import numpy as np
 
-from edgeq import backends, contract, safebundle
+from edgeq import backends
+from edgeq.templates import contract, safebundle
 from edgeq.bundle import read_tensor, read_tensors
 from edgeq.choices import DEFAULT_REPEAT, DEFAULT_WARMUP, POWER_SOURCES
-from edgeq.contract import significant
+from edgeq.templates.contract import significant
 from edgeq.errors import BundleError, UsageError
 from edgeq.limits import LIMITS
 from edgeq.rpc.power import Sampler

@@ -108,7 +108,7 @@ class Profile:
     def device_record(self):
         """What a bundle's manifest says of its device (``contract.DeviceRecord``), power rails included, so
         that readers of a bundle never look the profile up again."""
-        from edgeq import contract
+        from edgeq.templates import contract
 
         cuda, power = self.cuda, self.power
         rails = (contract.PowerRecord(tegrastats_rails=list(power.tegrastats_rails), hwmon_glob=power.hwmon_glob,

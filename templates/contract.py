@@ -1,7 +1,7 @@
 """The bundle contract: what an edgeq bundle holds and what its manifest says, in one place.
 
 Standard library only and Python 3.8 compatible, because three kinds of code share this one file: edgeq
-itself (``edgeq.contract``: the writer in ``edgeq.package``, the readers ``edgeq inspect``, ``bench``,
+itself (``edgeq.templates.contract``: the writer in ``edgeq.package``, the readers ``edgeq inspect``, ``bench``,
 ``fleet``), ``safebundle.py`` (the verifier, which also runs on devices without edgeq) and the bundle's own
 loader ``run.py``; a bundle and ``edgeq flash`` carry this file beside them as ``contract.py``. The native
 loader (``runtime/edgeq-run``, C++) reads the same manifest; its schema version comes from here at build

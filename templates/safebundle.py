@@ -27,7 +27,7 @@ import tempfile
 import zlib
 from pathlib import Path
 
-if __package__ == "edgeq.templates":  # part of edgeq (also imported as edgeq.safebundle)
+if __package__ == "edgeq.templates":  # part of edgeq (edgeq.templates.safebundle)
     from edgeq.templates import contract
 else:  # a file of its own (on a device after edgeq flash, or inside a bundle): contract.py lies beside it
     import importlib.util

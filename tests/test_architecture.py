@@ -219,14 +219,15 @@ def test_every_profile_has_a_backend():
 
 def test_the_device_side_lives_under_templates():
     """Everything a bundle carries or a device runs is under templates/: the loaders, the contract, the
-    verifier, the native loader's sources and the CUDA bridge; edgeq.contract and edgeq.safebundle are the
-    same module objects as edgeq.templates.contract and edgeq.templates.safebundle."""
-    import edgeq.contract
-    import edgeq.safebundle
-    from edgeq import bundle
-    from edgeq.templates import contract, safebundle
+    verifier, the native loader's sources and the CUDA bridge. Each module has one name: edgeq.templates.X
+    (the aliases edgeq.contract, edgeq.safebundle and edgeq.imaging are gone)."""
+    import importlib.util
 
-    assert edgeq.contract is contract and edgeq.safebundle is safebundle
+    from edgeq import bundle
+
+    for alias in ("contract", "safebundle", "imaging"):
+        assert importlib.util.find_spec(f"edgeq.{alias}") is None, alias
+        assert importlib.util.find_spec(f"edgeq.templates.{alias}") is not None, alias
     for name, path in bundle.SHIPPED.items():
         assert Path(path).resolve().parent == REPO / "templates", name
     native = REPO / "templates" / "native"
@@ -256,7 +257,7 @@ def test_loader_headers_stand_alone(tmp_path):
 
 
 def test_the_loader_contract_is_generated_from_contract_py():
-    from edgeq import contract, safebundle
+    from edgeq.templates import contract, safebundle
     from edgeq.runtime.assemble import contract_header
 
     text = contract_header().decode()
@@ -267,3 +268,88 @@ def test_the_loader_contract_is_generated_from_contract_py():
     assert ", ".join(f'"{k}"' for k in contract.latency_statistics([2.0, 1.0])) in text
     source = (REPO / "templates" / "native" / "edgeq_run.cc").read_text()
     assert "EDGEQ_SCHEMA_VERSION" not in source and "kBundle = 7" not in source  # written once, in contract.py
+
+
+# ---- the native loader reads the manifest by contract.py's fields ------------------------------------------
+
+NATIVE_SOURCES = REPO / "templates" / "native"
+# Fields of contract.Manifest's records that edgeq-run does not read, and why. A field added to contract.py is
+# either read by edgeq_run.cc (or its headers) or listed here: test_native_loader_reads_the_contracts_fields.
+NATIVE_IGNORES = {
+    # what the bundle is and how it was made: for people and edgeq inspect, not for running it
+    "Manifest.release", "Manifest.signed", "Manifest.created", "Manifest.edgeq_version", "Manifest.tvm_version",
+    "Manifest.precision", "Manifest.model", "Manifest.reference_check", "Manifest.quantization", "Manifest.build",
+    "Manifest.compatibility", "ModelRecord.*", "ReferenceCheck.*", "QuantizationReport.*", "LayerRow.*",
+    "WeightBytes.*", "ToolchainRecord.cxx", "CudaToolkitRecord.output_format", "RuntimeRecord.sources",
+    "GoldenRecord.seed", "GoldenRecord.float_inputs", "GoldenRecord.computed_with",
+    # the self-test's atol scaling is the loaders' code (run.py and edgeq-run alike); the field documents it
+    "GoldenRecord.atol_scaled_by",
+    # the device as profiled: edgeq bench and fleet read these on the host (power rails), the loader checks
+    # the device itself (arch, profile, cuda_arch and the toolkit's major)
+    "DeviceRecord.description", "DeviceRecord.family", "DeviceRecord.host_triple", "DeviceRecord.mcpu",
+    "DeviceRecord.cores", "DeviceRecord.cuda_version", "DeviceRecord.jetpack", "DeviceRecord.l4t",
+    "DeviceRecord.power", "PowerRecord.*",
+    # checked from the files themselves (ELF machine, sizes, the schema's kinds), not from these fields
+    "LibraryRecord.machine", "LibraryRecord.cuda_device_code", "LibraryRecord.cpu_kernels",
+    "LibraryRecord.gpu_kernels", "WeightsRecord.dtypes", "WeightsRecord.file_bytes",
+}
+
+
+def native_keys(source: str) -> set[str]:
+    """The JSON keys the native loader reads: ``At("k"``, ``Find("k")``, ``optional("k")`` and the keys of
+    ``for (const char* key : {"a", "b"})`` loops."""
+    keys = set(re.findall(r'(?:\bAt|\bFind|\boptional)\("([a-z_0-9]+)"', source))
+    for group in re.findall(r"const char\* *\w+ *: *\{([^}]*)\}", source):
+        keys |= set(re.findall(r'"([a-z_0-9]+)"', group))
+    return keys
+
+
+def contract_fields() -> dict[str, list[str]]:
+    """Record name -> its fields, for every record a manifest holds (contract.Manifest and what it nests)."""
+    import dataclasses
+
+    from edgeq.templates import contract
+
+    found: dict[str, list[str]] = {}
+
+    def walk(cls) -> None:
+        if cls.__name__ in found:
+            return
+        found[cls.__name__] = [f.name for f in dataclasses.fields(cls)]
+        for f in dataclasses.fields(cls):
+            kind = f.metadata["kind"]
+            while isinstance(kind, contract._Opt | contract._List | contract._Dict):
+                kind = kind.kind
+            if isinstance(kind, contract._Rec):
+                walk(kind.cls)
+
+    walk(contract.Manifest)
+    return found
+
+
+def native_gaps(fields: dict[str, list[str]], keys: set[str], ignores: set[str]) -> list[str]:
+    """Contract fields neither read by the native loader nor ignored with a reason."""
+    return [f"{record}.{name}" for record, names in fields.items() for name in names
+            if name not in keys and f"{record}.{name}" not in ignores and f"{record}.*" not in ignores]
+
+
+def test_native_loader_reads_the_contracts_fields():
+    """Every field of the manifest's records is read by edgeq-run or listed in NATIVE_IGNORES with why, and
+    every key edgeq-run reads is a field of the contract (or of manifest.sig): a field added to contract.py
+    and forgotten in the C++ fails here."""
+    source = "".join(p.read_text() for p in sorted(NATIVE_SOURCES.glob("*.[ch]*")))
+    keys, fields = native_keys(source), contract_fields()
+    assert native_gaps(fields, keys, NATIVE_IGNORES) == []
+    signature_file = {"algorithm", "key_id", "signature"}  # manifest.sig's JSON (safebundle.signature_for)
+    assert keys - {name for names in fields.values() for name in names} - signature_file == set()
+    for entry in NATIVE_IGNORES:  # no stale entry
+        record, _, name = entry.partition(".")
+        assert record in fields and (name == "*" or name in fields[record]), entry
+
+
+def test_a_field_added_to_the_contract_and_not_to_the_loader_is_a_gap():
+    fields = {**contract_fields()}
+    fields["PostprocessRecord"] = [*fields["PostprocessRecord"], "stride"]  # planted: a new field
+    source = "".join(p.read_text() for p in sorted(NATIVE_SOURCES.glob("*.[ch]*")))
+    assert native_gaps(fields, native_keys(source), NATIVE_IGNORES) == ["PostprocessRecord.stride"]
+    assert native_keys('if (const Json* v = optional("stride")) x = v->Int("postprocess.stride");') == {"stride"}

@@ -11,7 +11,7 @@ import pytest
 
 import make_models
 from conftest import run_cli
-from edgeq.contract import TensorSpec
+from edgeq.templates.contract import TensorSpec
 from edgeq.quantize.data import DataError, load_data
 
 SHAPE = (3, 8, 8)  # one sample of the small models below

@@ -207,7 +207,7 @@ def test_verify_checks_the_signature(tmp_path, signed, form):
 def test_inspect_prints_the_manifest(tmp_path, signed, form):
     res = light(tmp_path, "inspect", signed[form])
     assert res.code == 0, res.stderr
-    no_numpy(res)  # reading a manifest is edgeq.contract and safebundle: standard library
+    no_numpy(res)  # reading a manifest is edgeq.templates.contract and safebundle: standard library
     text = " ".join(res.stdout.split())
     for words in (f"bundle {signed['id']}", "tiny.onnx (sha256", "fp32", "host: ", "input float32 1x3x8x8",
                   "logits float32 1x3", "runtime/edgeq-run", "with edgeq "):

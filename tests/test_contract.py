@@ -1,4 +1,4 @@
-"""The bundle contract (edgeq.contract): typed manifest, one latency-statistics function, the rules the library
+"""The bundle contract (edgeq.templates.contract): typed manifest, one latency-statistics function, the rules the library
 enforces itself, and what a bundle ships as it is."""
 
 import json
@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edgeq import contract
-from edgeq.contract import ContractError, HostState, Manifest, latency_statistics
+from edgeq.templates import contract
+from edgeq.templates.contract import ContractError, HostState, Manifest, latency_statistics
 from edgeq.errors import UsageError
 
 GOLDEN = Path(__file__).parent / "golden"

@@ -241,7 +241,7 @@ def no_sftp(tmp_path):
 def test_hosts_without_sftp_get_files_over_ssh_exec(no_sftp, bundles):
     """No 'Subsystem sftp' in sshd_config: the verifier, the public key and the archive are streamed through
     'cat' on an exec channel, checked (SHA-256) and renamed into place; flash and status work."""
-    from edgeq import safebundle
+    from edgeq.templates import safebundle
 
     hosts, key, tmp = no_sftp
     assert all("Subsystem" not in (h.dir / "sshd_config").read_text() for h in hosts)

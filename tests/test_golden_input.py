@@ -75,7 +75,7 @@ def test_golden_input_from_an_npz(models, tmp_path):
 
 
 def test_golden_input_from_an_image_is_preprocessed_as_calibration_images_are(models, tmp_path):
-    from edgeq.contract import TensorSpec
+    from edgeq.templates.contract import TensorSpec
     from edgeq.quantize.data import Preprocess, load_data
 
     pixels = np.random.default_rng(8).integers(0, 256, (48, 40, 3), dtype=np.uint8)
@@ -117,7 +117,7 @@ def test_generated_inputs_are_drawn_in_chunks_with_the_values_of_one_draw(monkey
     """A 4 GB float32 input must not need 8 GB of float64 at once: drawn in chunks, with the same values (the
     golden input of every bundle stays what it was)."""
     import edgeq.golden as package
-    from edgeq.contract import TensorSpec
+    from edgeq.templates.contract import TensorSpec
 
     monkeypatch.setattr(package, "_DRAW_CHUNK", 1000)
     specs = [TensorSpec("a", [3, 1001], "float32"), TensorSpec("b", [2, 7], "float16"), TensorSpec("i", [5], "int64")]

@@ -101,7 +101,7 @@ def test_both_loaders_make_the_packagers_tensor(spec, images, tmp_path):
 def test_every_image_format(images, tmp_path):
     model = echo_model(tmp_path / "echo.onnx", [1, 3, 24, 20])
     bundle = _package(model, tmp_path / "out", "--preprocess", "mean=0.485/0.456/0.406,std=0.229/0.224/0.225")
-    from edgeq import contract, imaging
+    from edgeq.templates import contract, imaging
 
     pre = contract.PreprocessRecord.from_json(json.loads((bundle / "manifest.json").read_text())["preprocess"])
     for name, path in sorted(images.items()):
@@ -116,8 +116,8 @@ def test_every_image_format(images, tmp_path):
 
 def test_calibration_images_are_the_loaders_tensors(images, tmp_path):
     """Calibration from an image folder prepares the images as the loaders do."""
-    from edgeq import imaging
-    from edgeq.contract import TensorSpec
+    from edgeq.templates import imaging
+    from edgeq.templates.contract import TensorSpec
     from edgeq.quantize.data import Preprocess, load_data
 
     pre = Preprocess.parse("fit=letterbox,mean=0.5,std=0.25")
@@ -241,7 +241,7 @@ def test_aarch64_loader_under_qemu(images, tmp_path):
         if name == "rgb.jpg":
             assert got.tobytes() == packager.tobytes()
         else:
-            from edgeq import contract, imaging
+            from edgeq.templates import contract, imaging
 
             pre = contract.PreprocessRecord.from_json(json.loads((bundle / "manifest.json").read_text())["preprocess"])
             assert got.tobytes() == imaging.image_tensor(np, imaging.decode_image(np, str(images[name])), pre).tobytes()
@@ -299,7 +299,7 @@ def detector(tmp_path_factory) -> dict[str, Path]:
 def test_yolo_boxes_match_a_numpy_reference_and_both_loaders_agree(detector, images, tmp_path):
     import onnxruntime as ort
 
-    from edgeq import contract, imaging
+    from edgeq.templates import contract, imaging
 
     labels = detector["yolo_labels.txt"].read_text().split("\n")[:-1]
     conf, iou = 0.2, 0.45
@@ -366,7 +366,7 @@ def test_both_loaders_read_the_same_png_the_same_way(images, tmp_path):
 
     model = echo_model(tmp_path / "echo.onnx", [1, 3, 32, 32])
     bundle = _package(model, tmp_path / "out", "--preprocess", "fit=letterbox", "--runtime", "bundled")
-    from edgeq import contract, imaging
+    from edgeq.templates import contract, imaging
 
     pre = contract.PreprocessRecord.from_json(json.loads((bundle / "manifest.json").read_text())["preprocess"])
     png = images["rgb.png"].read_bytes()

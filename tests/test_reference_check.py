@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edgeq.contract import TensorSpec
+from edgeq.templates.contract import TensorSpec
 from edgeq.reference import MAX_OUTLIERS, Reference, ReferenceMismatch, compare, yolo_parts
 
 N = 20000

@@ -16,7 +16,7 @@ from PIL import Image
 
 from conftest import run_cli
 from edgeq import report
-from edgeq.contract import Manifest
+from edgeq.templates.contract import Manifest
 from edgeq.report import PRECISION_COLOURS
 
 SVG = "{http://www.w3.org/2000/svg}"

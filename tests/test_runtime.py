@@ -15,7 +15,7 @@ import onnxruntime as ort
 import pytest
 
 from conftest import read_golden, run_cli, run_py
-from edgeq.contract import latency_statistics
+from edgeq.templates.contract import latency_statistics
 from edgeq.runtime.assemble import check_elves
 from edgeq.runtime.wheels import fetch, installed_version
 from edgeq.targets import profiles

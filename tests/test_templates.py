@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from edgeq.bundle import render, template_context
-from edgeq.contract import Manifest
+from edgeq.templates.contract import Manifest
 
 GOLDEN = Path(__file__).parent / "golden"
 

@@ -19,7 +19,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import edgeq.model_guard
 from conftest import run_cli, run_py
-from edgeq.safebundle import BundleRefused, safe_extract, verify_dir
+from edgeq.templates.safebundle import BundleRefused, safe_extract, verify_dir
 
 
 @pytest.fixture(scope="module")

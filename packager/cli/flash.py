@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from rich.table import Table
 from rich.text import Text
 
-from edgeq.contract import HostState
+from edgeq.templates.contract import HostState
 from edgeq.errors import ExitStatus
 
 if TYPE_CHECKING:

@@ -23,7 +23,7 @@ def add_parser(sub) -> None:
 
 
 def run(args, env) -> int:
-    from edgeq.safebundle import BundleRefused, install, repair_state
+    from edgeq.templates.safebundle import BundleRefused, install, repair_state
     from edgeq.signing import load_public_key
 
     if args.repair_state:

@@ -10,7 +10,7 @@ from rich.text import Text
 
 from edgeq.choices import (CALIBRATION_METHODS, DEFAULT_CALIB_SAMPLES, DEFAULT_METHOD, DEFAULT_OUTPUT, DEFAULT_PERCENTILE,
                            PRECISIONS, REFERENCE_CHOICES, RUNTIME_CHOICES)
-from edgeq.contract import QuantizationReport
+from edgeq.templates.contract import QuantizationReport
 
 
 def add_parser(sub) -> None:

@@ -19,7 +19,7 @@ def add_parser(sub) -> None:
 
 
 def run(args, env) -> int:
-    from edgeq.safebundle import BundleRefused, open_bundle
+    from edgeq.templates.safebundle import BundleRefused, open_bundle
     from edgeq.signing import load_public_key
 
     key = load_public_key(args.pub) if args.pub else None

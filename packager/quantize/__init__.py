@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 
 from edgeq.choices import DEFAULT_CALIB_SAMPLES, DEFAULT_METHOD, DEFAULT_PERCENTILE
-from edgeq.contract import QUANT_PARAMS, LayerRow, WeightBytes, significant
-from edgeq.contract import QuantizationReport as Report
+from edgeq.templates.contract import QUANT_PARAMS, LayerRow, WeightBytes, significant
+from edgeq.templates.contract import QuantizationReport as Report
 from edgeq.errors import ModelError, UsageError
 from edgeq.graph import Graph
 from edgeq.load import LoadedModel

@@ -24,7 +24,7 @@ import numpy as np
 
 from edgeq.errors import UsageError
 from edgeq.limits import check
-from edgeq.contract import MAX_IMAGE_SIDE, TensorSpec
+from edgeq.templates.contract import MAX_IMAGE_SIDE, TensorSpec
 from edgeq.load import npy_bytes
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm"}
@@ -90,7 +90,7 @@ class Preprocess:
     def record(self, spec: TensorSpec):
         """The manifest's ``preprocess`` for input ``spec`` (what ``imaging.image_tensor`` applies): checked
         against the input's channels; the size is the input's (``resize`` must agree where given)."""
-        from edgeq import contract
+        from edgeq.templates import contract
 
         if len(spec.shape) != 4 or self.layout == "NCHW" and spec.shape[1] not in (1, 3) \
                 or self.layout == "NHWC" and spec.shape[3] not in (1, 3):
@@ -245,7 +245,7 @@ def _images(paths: list[Path], root: Path, spec: TensorSpec, pre: Preprocess, wh
     (``imaging.image_tensor``), so that a bundle sees on the device the tensors it was calibrated on."""
     from PIL import Image, UnidentifiedImageError
 
-    from edgeq import imaging
+    from edgeq.templates import imaging
 
     record = pre.record(spec)
     classes = sorted({p.parent.relative_to(root).as_posix() for p in paths} - {"."})

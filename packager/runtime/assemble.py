@@ -23,7 +23,7 @@ import tempfile
 from importlib import resources
 from pathlib import Path
 
-from edgeq import contract, imaging, safebundle
+from edgeq.templates import contract, imaging, safebundle
 from edgeq.errors import ToolchainError
 from edgeq.runtime import elf
 from edgeq.runtime.wheels import Wheel, fetch, installed_version, package_dir

@@ -19,7 +19,7 @@ from importlib import metadata, util
 from pathlib import Path
 
 from edgeq.errors import ToolchainError
-from edgeq.safebundle import sha256_file
+from edgeq.templates.safebundle import sha256_file
 from edgeq.cache import cache_dir
 
 # pip platform tags for each machine (``uname -m``); newest first, pip takes any of them
