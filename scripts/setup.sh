@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Everything edgeq and its tests need on a fresh Debian/Ubuntu machine (x86_64 or aarch64 host): the aarch64
-# cross compiler, qemu-user, a C compiler, chromium, Mender's tools (mender-artifact, mender-client), and the Python packages in a virtual environment in the
-# checkout, .venv (edgeq editable with its test tools; the CUDA 12 NVRTC wheels for JetPack 6 targets are
-# default dependencies). Stock system Pythons refuse `pip install` outside a venv (externally managed), so
+# What edgeq needs on a fresh Debian/Ubuntu machine (x86_64 or aarch64 host): the aarch64 cross compiler, a C
+# compiler, binutils, and the Python packages in a virtual environment in the checkout, .venv (edgeq editable;
+# the CUDA 12 NVRTC wheels for JetPack 6 targets are default dependencies). With --tests also what only the
+# tests use: qemu-user, OpenSSH's server, Mender's tools (mender-artifact, mender-client), chromium, the
+# image decoders edgeq-run dlopens (and their arm64 builds for qemu), git, and edgeq's test extras. Stock system Pythons refuse `pip install` outside a venv (externally managed), so
 # nothing is installed into the interpreter itself. .venv is made from $PYTHON (default python3; 3.10 to
 # 3.13), reused when it exists, and made again when PYTHON names another interpreter than the one it has.
 # Activate it with `. .venv/bin/activate`. With --zoo also .venv-export: torch and torchvision for exporting
@@ -14,7 +15,14 @@ VENV=.venv
 PYTHON_GIVEN=${PYTHON:+yes}
 PYTHON=${PYTHON:-python3}
 ZOO=""
-[ "${1:-}" = "--zoo" ] && ZOO=yes
+TESTS=""
+for arg in "$@"; do
+    case "$arg" in
+        --zoo) ZOO=yes ;;
+        --tests) TESTS=yes ;;
+        *) echo "setup: unknown option $arg (give --tests, --zoo or nothing)" >&2; exit 2 ;;
+    esac
+done
 
 py_version() { "$1" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null; }
 # which installation an interpreter (or a venv's) is: version and real base prefix
@@ -47,25 +55,27 @@ SUDO=""
 need=()
 command -v aarch64-linux-gnu-g++ >/dev/null || need+=(g++-aarch64-linux-gnu)
 command -v cc >/dev/null || need+=(gcc)
-[ -x /usr/sbin/sshd ] || need+=(openssh-server)   # the fleet tests run real sshd hosts on loopback
-command -v ssh-keygen >/dev/null || need+=(openssh-client)
-command -v qemu-aarch64 >/dev/null || need+=(qemu-user)   # runs aarch64 bundles (edgeq-run) in the tests
 command -v readelf >/dev/null || need+=(binutils)         # ELF checks of every file in a bundle
-command -v git >/dev/null || need+=(git)                  # tests/test_install.py installs the checkout's files
-command -v mender-artifact >/dev/null || need+=(mender-artifact)  # tests/test_mender.py: Mender's own artifact tool
-command -v mender >/dev/null || need+=(mender-client)      # ... and its client, installing edgeq's artifacts
-command -v unshare >/dev/null || need+=(util-linux)        # the client runs in a private mount namespace
-# edgeq-run --input IMAGE dlopens the system's decoders, as a device's: libpng 1.6 and libjpeg-turbo's TurboJPEG
-ldconfig -p 2>/dev/null | grep -q 'libpng16.so.16 ' || need+=(libpng16-16)
-if ! ldconfig -p 2>/dev/null | grep -q 'libturbojpeg.so.0 '; then
-    if grep -qi '^ID=ubuntu' /etc/os-release 2>/dev/null; then need+=(libturbojpeg); else need+=(libturbojpeg0); fi
+if [ -n "$TESTS" ]; then  # what only the tests use
+    [ -x /usr/sbin/sshd ] || need+=(openssh-server)   # the fleet tests run real sshd hosts on loopback
+    command -v ssh-keygen >/dev/null || need+=(openssh-client)
+    command -v qemu-aarch64 >/dev/null || need+=(qemu-user)   # runs aarch64 bundles (edgeq-run) in the tests
+    command -v git >/dev/null || need+=(git)                  # tests/test_install.py installs the checkout's files
+    command -v mender-artifact >/dev/null || need+=(mender-artifact)  # tests/test_mender.py: Mender's own artifact tool
+    command -v mender >/dev/null || need+=(mender-client)      # ... and its client, installing edgeq's artifacts
+    command -v unshare >/dev/null || need+=(util-linux)        # the client runs in a private mount namespace
+    # edgeq-run --input IMAGE dlopens the system's decoders, as a device's: libpng 1.6 and libjpeg-turbo's TurboJPEG
+    ldconfig -p 2>/dev/null | grep -q 'libpng16.so.16 ' || need+=(libpng16-16)
+    if ! ldconfig -p 2>/dev/null | grep -q 'libturbojpeg.so.0 '; then
+        if grep -qi '^ID=ubuntu' /etc/os-release 2>/dev/null; then need+=(libturbojpeg); else need+=(libturbojpeg0); fi
+    fi
 fi
 # Debian and Ubuntu ship venv's pip bootstrap (ensurepip) in a package of its own: python3-venv, python3.X-venv
 if [ -n "$make_venv$ZOO" ] && ! "$PYTHON" -c 'import ensurepip, venv' 2>/dev/null; then
     need+=("$(basename "$(command -v "$PYTHON")")-venv")
 fi
 want_chromium=""
-command -v chromium >/dev/null || want_chromium=yes      # the --report test opens the HTML in a headless browser
+[ -z "$TESTS" ] || command -v chromium >/dev/null || want_chromium=yes  # the --report test opens the HTML in a headless browser
 if [ ${#need[@]} -gt 0 ] || [ -n "$want_chromium" ]; then
     $SUDO apt-get update -qq
     # Debian calls it chromium; Ubuntu has only a snap wrapper (chromium-browser), which does not run here
@@ -87,7 +97,7 @@ fi
 # would be preferred by qemu's loader over the cross toolchain's, and slows every aarch64 test 100-fold). Debian only
 # (Ubuntu serves arm64 from another mirror); where it fails, the test says why it skips.
 decoders="$PWD/build/arm64-decoders"  # (the checkout: cd above)
-if [ ! -e "$decoders/libturbojpeg.so.0" ] && grep -qi '^ID=debian' /etc/os-release 2>/dev/null; then
+if [ -n "$TESTS" ] && [ ! -e "$decoders/libturbojpeg.so.0" ] && grep -qi '^ID=debian' /etc/os-release 2>/dev/null; then
     echo "setup: fetching Debian's arm64 libpng16-16, zlib1g and libturbojpeg0 into build/arm64-decoders (not installed)"
     debs="$(mktemp -d)"
     { { dpkg --print-foreign-architectures | grep -qx arm64 || $SUDO dpkg --add-architecture arm64; } &&
@@ -105,14 +115,19 @@ if [ -n "$make_venv" ]; then
     "$PYTHON" -m venv --clear "$VENV"
 fi
 PY="$VENV/bin/python"
-# Installed already from this very pyproject.toml into this interpreter, and edgeq runs: nothing to do.
+# Installed already from this very pyproject.toml into this interpreter (with the test extras where --tests
+# asks for them), and edgeq runs: nothing to do.
 stamp="$(sha256sum pyproject.toml | cut -d' ' -f1) $(py_version "$PY") $PWD"
-if [ "$(cat "$VENV/.edgeq-setup" 2>/dev/null)" = "$stamp" ] && "$VENV/bin/edgeq" --version >/dev/null 2>&1; then
+have="$(cat "$VENV/.edgeq-setup" 2>/dev/null || true)"
+extras=""
+[ -n "$TESTS" ] && extras="[test]"
+if { [ "$have" = "$stamp [test]" ] || { [ -z "$TESTS" ] && [ "$have" = "$stamp " ]; }; } &&
+        "$VENV/bin/edgeq" --version >/dev/null 2>&1; then
     echo "setup: $VENV is up to date"
 else
-    echo "setup: installing edgeq and its Python dependencies into $VENV (the first time about 250 MB to download)"
-    "$PY" -m pip install --disable-pip-version-check -e ".[test]"
-    echo "$stamp" > "$VENV/.edgeq-setup"
+    echo "setup: installing edgeq${extras} and its Python dependencies into $VENV (the first time about 250 MB to download)"
+    "$PY" -m pip install --disable-pip-version-check -e ".${extras}"
+    echo "$stamp ${extras}" > "$VENV/.edgeq-setup"
 fi
 echo "setup: fetching the aarch64 TVM runtime and CUDA header wheels a Jetson bundle carries (cached)"
 "$PY" -m edgeq.runtime.assemble
