@@ -214,6 +214,29 @@ def _conv_model(path: Path) -> Path:
     return path
 
 
+def test_tune_leaves_functions_that_only_move_data(tmp_path):
+    """A transpose or reshape has no schedule to search: tune spends its trials on the functions that compute
+    (an int8 model's quantize computes; its reshape does not)."""
+    from tvm.s_tir import meta_schedule as ms
+
+    from edgeq.package import front_end
+    from edgeq.quantize import QuantizeArgs
+    from edgeq.records import prepare
+    from edgeq.rpc.tune import moves_data_only
+    from edgeq.stage_records import FrontEndArgs
+
+    model = _conv_model(tmp_path / "conv.onnx")
+    calib = tmp_path / "calib.npz"
+    np.savez(calib, x=np.random.default_rng(0).standard_normal((12, 1, 4, 16, 16)).astype(np.float32))
+    for args, want in [(FrontEndArgs(model=model, device="host"), {"fused_edgeq_conv2d_add_relu"}),
+                       (FrontEndArgs(model=model, device="host", precision="int8", quantize=QuantizeArgs(calibrate=calib)),
+                        {"fused_edgeq_conv2d_add_dequantize_relu", "fused_quantize_transpose"})]:
+        built = front_end(args)
+        tasks = ms.relax_integration.extract_tasks(prepare(built.lowered.mod, built.lowered.target), built.lowered.target)
+        assert {t.task_name for t in tasks if not moves_data_only(t.dispatched[0])} == want
+        assert {t.task_name for t in tasks if moves_data_only(t.dispatched[0])} & {"transpose1"}
+
+
 def with_baselines(records: Path, run_ms: float) -> None:
     """Set every measurement of edgeq's own schedule in a records file to ``run_ms``."""
     lines = [json.loads(line) for line in records.read_text().splitlines()]
@@ -230,6 +253,8 @@ def test_tune_writes_records_resumes_and_package_uses_them(tracker, tmp_path):
     assert first.code == 0, first.stderr
     tasks = json.loads(first.stdout)["tasks"]
     assert tasks and all(t["trials_recorded"] >= 1 and t["best_ms"] > 0 and t["own_ms"] > 0 for t in tasks)
+    assert [t["task"] for t in tasks] == ["fused_edgeq_conv2d_add_relu"]  # the NHWC transposes are not tuned
+    assert sorted(json.loads(first.stdout)["not_tuned"]) == ["transpose", "transpose1"]
     assert all(t["tuned_used"] == (t["best_ms"] < t["own_ms"]) for t in tasks), tasks
     lines = [json.loads(line) for line in records.read_text().splitlines()]
     assert {(e["profile"], e["tvm_version"]) for e in lines} == {("host", lines[0]["tvm_version"])}

@@ -50,6 +50,8 @@ def run(args, env) -> int:
     for row in result["tasks"]:
         table.add_row(Text(row["task"]), str(row["trials_recorded"]), f"{row['best_ms']:.4f}" if row["best_ms"] else "-")
     env.out().print(table)
+    if result["not_tuned"]:
+        env.out().print(Text(f"not tuned (they only move data; edgeq's own schedule): {', '.join(result['not_tuned'])}"))
     counts = result["devices"]["measurements"]
     env.out().print(f"{len(counts)} device(s) took part: " +
                     (", ".join(f"{device or '?'} {n} measurement(s)" for device, n in counts.items()) or "none"))
