@@ -25,21 +25,22 @@ def _target(target):
     return import_tvm().target.Target(target)
 
 
-def lower_graph(graph, target):
-    """The graph as ``target``'s backend prepares it (``Backend.prepare``: CPU: convolutions and matrix
+def lower_graph(graph, target, backend: backends.Backend | None = None):
+    """The graph as the build's ``backend`` (by default ``target``'s) prepares it (``Backend.prepare``: CPU: convolutions and matrix
     products on edgeq's kernels, NHWC between them; CUDA: BatchNorm folded, weight reshapes precomputed).
     Returns (graph, conv/matmul calls on CPU kernels)."""
     tgt = _target(target)
-    return backends.for_target(tgt).prepare(graph, tgt)
+    return (backend or backends.for_target(tgt)).prepare(graph, tgt)
 
 
-def build(mod, target, toolchain: Toolchain | None = None, stats: dict | None = None):
+def build(mod, target, toolchain: Toolchain | None = None, stats: dict | None = None,
+          backend: backends.Backend | None = None):
     """``relax.build`` for ``target`` by its backend (``Backend.build``: CPU: TVM's pipeline with edgeq's
     schedules after fusion, ``stats`` counting the functions by schedule; CUDA: TVM's CUDA pipeline with
     edgeq's schedule step and CUDA graph capture, device code by the toolchain's CUDA toolkit, ``stats`` getting its
-    ``GpuKernels`` record)."""
+    ``GpuKernels`` record). A build passes its own ``backend``; without one, ``target``'s."""
     with _target(target) as tgt:
-        return backends.for_target(tgt).build(mod, tgt, toolchain, stats)
+        return (backend or backends.for_target(tgt)).build(mod, tgt, toolchain, stats)
 
 
 def export(executable, path: Path, toolchain: Toolchain) -> None:

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import numpy as np
 
-from edgeq import bundle
-from edgeq.templates import contract
+from edgeq import backends, bundle
 from edgeq.compile import HostRunner, build
-from edgeq.templates.contract import TensorSpec
 from edgeq.errors import ModelError
 from edgeq.stage_records import Compiled, Golden, Imported, Loaded, Lowered, Quantized, Setup
 from edgeq.targets import profiles
+from edgeq.templates import contract
+from edgeq.templates.contract import TensorSpec
 
 GOLDEN_SEED = 0
 # The golden input's floats, tried in order until the outputs are finite: models defined only on part of the
@@ -126,7 +126,8 @@ def make_golden(setup: Setup, loaded: Loaded, imported: Imported, quantized: Qua
         executable, computed_with = compiled.executable, "the bundle's own library, on the build host"
     else:
         host = profiles()["host"]
-        executable = build(lowered.graph.mod, host.tvm_target(reciprocal=not imported.exact_division))
+        executable = build(lowered.graph.mod, host.tvm_target(reciprocal=not imported.exact_division),
+                           backend=backends.for_profile(host))
         computed_with = f"a TVM LLVM build for the build host ({host.cpu.mcpu})"
     runner = HostRunner(lowered.graph, executable)
     # the user's golden input; else an int8 build's first calibration sample (the data the user chose); else generated

@@ -254,7 +254,7 @@ def _quantize(args: PackageArgs, loaded: Loaded, imported: Imported, progress: S
 
 def _lower(setup: Setup, imported: Imported, quantized: Quantized | None) -> Lowered:
     target = setup.profile.tvm_target(reciprocal=not imported.exact_division)
-    graph, calls = lower_graph(quantized.result.graph if quantized is not None else imported.graph, target)
+    graph, calls = lower_graph(quantized.result.graph if quantized is not None else imported.graph, target, setup.backend)
     return Lowered(target=target, graph=graph, mod=graph.mod, kernel_calls=calls)
 
 
@@ -276,7 +276,7 @@ def _tuning_records(args: PackageArgs, setup: Setup, imported: Imported, lowered
 
 def _compile(setup: Setup, lowered: Lowered) -> Compiled:
     schedules: dict[str, object] = {}
-    executable = build(lowered.mod, lowered.target, setup.toolchain, schedules)
+    executable = build(lowered.mod, lowered.target, setup.toolchain, schedules, setup.backend)
     library = setup.output.staging / contract.LIBRARY
     export(executable, library, setup.toolchain)
     machine = elf_machine(library)

@@ -85,8 +85,8 @@ def rehash(bundle_dir: Path, manifest: dict, changed: list[str]) -> None:
 def lowering_with_two_weights_swapped(lower):
     """``lower`` (edgeq.package.lower_graph) with two weights of the same shape swapped after lowering: a planted
     fault the golden outputs agree with (the self-test would pass) and the reference check does not."""
-    def swapped(graph, target):
-        lowered, calls = lower(graph, target)
+    def swapped(graph, target, *backend):
+        lowered, calls = lower(graph, target, *backend)
         by_shape = {}
         for name, w in lowered.weights.items():
             by_shape.setdefault((w.shape, str(w.dtype)), []).append(name)

@@ -137,7 +137,7 @@ def test_an_unstable_int8_model_packages_and_a_planted_fault_in_it_does_not(tmp_
     np.savez(tmp_path / "calib.npz", x=np.random.default_rng(5).standard_normal((16, 3, 64, 64)).astype(np.float32))
     lower = edgeq.package.lower_graph
 
-    def rounded_otherwise(graph, target):  # float noise of the size a fused epilogue makes, before every rounding
+    def rounded_otherwise(graph, target, *backend):  # float noise of the size a fused epilogue makes, before every rounding
         from edgeq.graph import call_op, rewrite
         from edgeq.tvm_env import relax
 
@@ -148,7 +148,7 @@ def test_an_unstable_int8_model_packages_and_a_planted_fault_in_it_does_not(tmp_
             return relax.op.quantize(moved, rw.new(value.args[1]), rw.new(value.args[2]), axis=int(value.attrs.axis),
                                      out_dtype=str(value.attrs.out_dtype))
 
-        return lower(rewrite(graph, visit), target)
+        return lower(rewrite(graph, visit), target, *backend)
 
     monkeypatch.setattr(edgeq.package, "lower_graph", rounded_otherwise)
     res = run_cli("package", model, "--device", "host", "-o", tmp_path / "out", "--precision", "int8",
