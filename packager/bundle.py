@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from edgeq import templates
 from edgeq.templates import contract, imaging, safebundle
 from edgeq.templates.contract import (CONTRACT, FILE_ROLES, GOLDEN, IMAGING, LIBRARY, LOADER, MANIFEST, README, SIGNATURE, SUMS,
-                            VERIFIER, WEIGHTS, Manifest)
+                            VERIFIER, VIDEO, WEIGHTS, Manifest)
 from edgeq.errors import BundleError
 
 if TYPE_CHECKING:
@@ -29,9 +29,10 @@ if TYPE_CHECKING:
     from edgeq.stage_records import (Compiled, Golden, Imported, Loaded, Lowered, PackageArgs, Quantized, Setup,
                                      Written)
 
-# Shipped as they are: the Python loader and the three modules it shares with edgeq (standard library at import).
+# Shipped as they are: the Python loader and the four modules it shares with edgeq (standard library at import).
 SHIPPED = {LOADER: Path(templates.__file__).with_name("run.py"), CONTRACT: Path(contract.__file__),
-           VERIFIER: Path(safebundle.__file__), IMAGING: Path(imaging.__file__)}
+           VERIFIER: Path(safebundle.__file__), IMAGING: Path(imaging.__file__),
+           VIDEO: Path(imaging.__file__).with_name("video.py")}
 
 
 def write_tensors(path: Path, tensors: list[tuple[str, np.ndarray]]) -> list[contract.StoredTensor]:

@@ -25,6 +25,7 @@ MANIFEST, SIGNATURE, SUMS = "manifest.json", "manifest.sig", "SHA256SUMS"
 LIBRARY, WEIGHTS, GOLDEN, QUANT_PARAMS = "model.so", "weights.bin", "golden.bin", "quant_params.npz"
 LOADER, CONTRACT, VERIFIER, README = "run.py", "contract.py", "safebundle.py", "README.md"
 IMAGING = "imaging.py"
+VIDEO = "video.py"
 RUNTIME = "runtime"
 NATIVE_LOADER = RUNTIME + "/edgeq-run"
 TENSOR_FORMAT = "edgeq-raw-1"  # little-endian C-order arrays, each at a 64-byte aligned offset; the manifest has the table
@@ -38,6 +39,7 @@ FILE_ROLES = {
     CONTRACT: "the manifest's schema and the latency statistics (run.py and safebundle.py use it)",
     VERIFIER: "verifies the signature and every file; installs with anti-rollback (python3 safebundle.py --help)",
     IMAGING: "images in, answers out: run.py --input IMAGE and --postprocess (edgeq-run repeats it in C++)",
+    VIDEO: "video in: run.py --input VIDEO|/dev/videoN|csi://N|rtsp://...|gst:PIPELINE through the system's GStreamer",
     README: "this file",
     SUMS: "SHA-256 of every other file (sha256sum -c SHA256SUMS)",
     QUANT_PARAMS: "int8 scales: activation scale and per-channel weight scales of each int8 layer",
@@ -58,6 +60,7 @@ class LoaderExit(enum.IntEnum):
     USAGE = 2
     DEVICE = 4  # this machine cannot run the bundle (architecture, driver, GPU, TVM version)
     BUNDLE = 7  # the bundle is damaged, changed, unsigned where a key is trusted, or unreadable
+    SOURCE = 8  # a video source failed, stopped midway or delivered no frame for --timeout seconds
 
 
 class HostState(str, enum.Enum):

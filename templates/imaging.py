@@ -296,3 +296,34 @@ def describe_top(top: list) -> str:
     """classify's rows as text: rank, score, label (index)."""
     return "\n".join("%2d. %.4f  %s" % (rank, row["score"], "%s (%d)" % (row["label"], row["index"]) if "label" in row
                                           else "class %d" % row["index"]) for rank, row in enumerate(top, 1))
+
+
+# box colours by class (ultralytics' palette), RGB
+BOX_COLOURS = ((255, 56, 56), (255, 157, 151), (255, 112, 31), (255, 178, 29), (207, 210, 49), (72, 249, 10),
+               (146, 204, 23), (61, 219, 134), (26, 147, 52), (0, 212, 187), (44, 153, 168), (0, 194, 255),
+               (52, 69, 147), (100, 115, 255), (0, 24, 236), (132, 56, 255), (82, 0, 133), (203, 56, 255),
+               (255, 149, 200), (255, 55, 199))
+BOX_LINE = 2  # pixels
+
+
+def box_pixels(box, height: int, width: int):
+    """(x1, y1, x2, y2) inclusive pixel bounds of a detection's box [x1, y1, x2, y2] (image pixels, floats)."""
+    x1, y1 = int(max(0, min(width - 1, box[0] // 1))), int(max(0, min(height - 1, box[1] // 1)))
+    x2, y2 = int(max(0, min(width - 1, box[2] // 1))), int(max(0, min(height - 1, box[3] // 1)))
+    return x1, y1, max(x1, x2), max(y1, y2)
+
+
+def draw_detections(np, pixels, detections: list):
+    """A copy of ``pixels`` (uint8 [H, W, C]) with each detection's box outlined, BOX_LINE pixels inside the box, in
+    its class's colour, worst first so the best is on top (edgeq-run's DrawDetections draws the same pixels)."""
+    out = np.array(pixels if pixels.shape[2] == 3 else np.repeat(pixels[:, :, :1], 3, axis=2), np.uint8)
+    h, w = out.shape[:2]
+    for row in reversed(detections):
+        colour = np.asarray(BOX_COLOURS[row["class"] % len(BOX_COLOURS)], np.uint8)
+        x1, y1, x2, y2 = box_pixels(row["box"], h, w)
+        t = BOX_LINE
+        out[y1:min(y1 + t, y2 + 1), x1:x2 + 1] = colour
+        out[max(y2 - t + 1, y1):y2 + 1, x1:x2 + 1] = colour
+        out[y1:y2 + 1, x1:min(x1 + t, x2 + 1)] = colour
+        out[y1:y2 + 1, max(x2 - t + 1, x1):x2 + 1] = colour
+    return out

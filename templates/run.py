@@ -53,6 +53,7 @@ sys.dont_write_bytecode = True  # importing the two modules below must not add _
 safebundle = _sibling("safebundle.py", "edgeq_bundle_safebundle")
 contract = safebundle.contract
 imaging = _sibling("imaging.py", "edgeq_bundle_imaging")
+video = _sibling("video.py", "edgeq_bundle_video")
 Exit = contract.LoaderExit
 MAX_INPUT_BYTES = int(os.environ.get("EDGEQ_MAX_INPUT_BYTES") or contract.MAX_INPUT_BYTES)  # one --input .npy
 
@@ -362,17 +363,26 @@ def self_test(model):
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(description="Run the edgeq bundle in %s." % HERE)
-    parser.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy|IMAGE",
+    parser.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy|IMAGE|VIDEO",
                         help="an input array (.npy); repeat for each model input; or a PNG/JPEG image, prepared as the "
-                             "bundle was packaged (--preprocess)")
+                             "bundle was packaged (--preprocess); or a video source: a file (.mp4, .mkv, .avi), a camera "
+                             "(/dev/videoN, csi://N), a stream (rtsp://...) or gst:PIPELINE ending in appsink")
     parser.add_argument("--output", metavar="FILE.npz|DIR", help="where to write the outputs: a .npz, or a folder of NAME.npy "
-                        "(default: print a summary)")
+                        "(default: print a summary); for a video, a folder of the frames as PNG with the boxes drawn")
     parser.add_argument("--self-test", action="store_true", help="run the golden input and compare with the manifest")
     parser.add_argument("--benchmark", type=int, metavar="N", help="time N inferences after warm-up")
     parser.add_argument("--warmup", type=int, default=10, metavar="N", help="warm-up runs before --benchmark (default 10)")
     parser.add_argument("--check", action="store_true", help="only check that this machine can run the bundle")
     parser.add_argument("--json", action="store_true", help="print results as JSON")
+    parser.add_argument("--timeout", type=float, default=video.DEFAULT_TIMEOUT_S, metavar="S",
+                        help="a video source that delivers no frame for S seconds ends the run (default %g)"
+                        % video.DEFAULT_TIMEOUT_S)
+    parser.add_argument("--no-pipeline", action="store_true",
+                        help="video: decode, prepare, infer and answer one frame after the other (default: the next "
+                             "frames are decoded and prepared while the model runs)")
     args = parser.parse_args(argv)
+    if not 0 < args.timeout <= 3600:
+        parser.error("--timeout needs seconds from 0 to 3600")
     if args.benchmark is not None and not 1 <= args.benchmark <= MAX_RUNS:
         parser.error("--benchmark needs N from 1 to %d" % MAX_RUNS)
     if not 0 <= args.warmup <= MAX_RUNS:
@@ -517,6 +527,182 @@ def run_inputs(model, inputs, args, image_hw=None):
             print("%s: %s %s%s" % (name, value.dtype, "x".join(map(str, value.shape)),
                                    "" if real.get(name) is None else " (%d real rows)" % real[name]))
 
+def write_png(path, pixels):
+    """An 8-bit RGB PNG of ``pixels`` (numpy uint8 [H, W, 3]), written atomically."""
+    import struct
+    import zlib
+
+    h, w = pixels.shape[:2]
+
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    raw = b"".join(b"\0" + pixels[y].tobytes() for y in range(h))
+    data = (imaging.PNG_MAGIC + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(raw, 6)) + chunk(b"IEND", b""))
+    write_file_atomic(path, lambda f: f.write(data))
+
+
+def frame_folder(output):
+    """The --output folder of a video run (made if missing, never a link); None without --output."""
+    if not output:
+        return None
+    if output.endswith((".npz", ".npy")):
+        raise LoaderError("--output %s: a video's outputs go to a folder (each frame as a PNG, boxes drawn); give DIR/"
+                          % output, Exit.USAGE)
+    folder = output.rstrip("/") or "/"
+    if os.path.islink(folder):
+        raise LoaderError("--output %s is a symbolic link; give the folder it points to" % output, Exit.USAGE)
+    if not os.path.isdir(folder):
+        try:
+            os.mkdir(folder, 0o755)
+        except OSError as err:
+            raise LoaderError("cannot make the output folder %s: %s" % (output, err.strerror or err), Exit.USAGE)
+    return folder
+
+
+QUEUE_FRAMES = 4  # frames decoded and prepared ahead of the model
+
+
+def run_stream(model, spec, args):
+    """Every frame of a video source through the image path's preprocessing, the model and its answer: one line
+    (or JSON line) per frame, then the frames, frames per second, drops and per-stage p50/p99. Pipelined: a
+    thread decodes and prepares the next frames while the model runs, through a queue of QUEUE_FRAMES; a live
+    source drops the oldest queued frame when the model falls behind (counted), a file never drops one."""
+    import threading
+
+    np = model.np
+    pre = model.manifest.preprocess
+    if pre is None:
+        raise LoaderError("--input %s is a video, and this bundle was packaged without --preprocess: package it with "
+                          "--preprocess" % spec, Exit.USAGE)
+    folder = frame_folder(args.output)
+    start = video.now()
+    try:
+        source = video.Source(spec, args.timeout)
+    except video.VideoError as err:
+        raise LoaderError(str(err), Exit.USAGE)
+    times = video.StageTimes()
+    state = {"dropped": 0, "answered": 0, "error": None, "done": False, "stop": False}
+    queue, cond = [], threading.Condition()
+
+    def next_frame(index):
+        t0 = video.now()
+        frame = source.read(np)
+        t1 = video.now()
+        if frame is None:
+            return None
+        pixels, pts = frame
+        tensor = imaging.image_tensor(np, pixels, pre)
+        times.add("decode", t1 - t0)
+        times.add("preprocess", video.now() - t1)
+        return index, pts, pixels, tensor
+
+    def produce():
+        index = 0
+        try:
+            while not state["stop"]:
+                item = next_frame(index)
+                if item is None:
+                    break
+                index += 1
+                with cond:
+                    while len(queue) >= QUEUE_FRAMES and not source.live and not state["stop"]:
+                        cond.wait()
+                    if len(queue) >= QUEUE_FRAMES:  # live: the oldest frame goes
+                        queue.pop(0)
+                        state["dropped"] += 1
+                    queue.append(item)
+                    cond.notify_all()
+        except video.VideoError as err:
+            state["error"] = err
+        finally:
+            with cond:
+                state["done"] = True
+                cond.notify_all()
+
+    def answer_frame(item):
+        index, pts, pixels, tensor = item
+        t0 = video.now()
+        outputs = model.run({pre.input: tensor})
+        t1 = video.now()
+        try:
+            found = answer(model, outputs, pixels.shape[:2])
+        except imaging.ImageError as err:
+            raise LoaderError(str(err), Exit.BUNDLE)
+        if folder is not None:
+            drawn = imaging.draw_detections(np, pixels, found[1]) if found and found[0] == "detections" else pixels
+            write_png(os.path.join(folder, "frame_%06d.png" % index), drawn)
+        times.add("postprocess", video.now() - t1)
+        times.add("infer", t1 - t0)
+        state["answered"] += 1
+        when = None if pts is None else round(pts, 6)
+        if args.json:
+            row = {"frame": index, "time": when}
+            if found is None:
+                row["outputs"] = {k: {"shape": list(v.shape), "dtype": str(v.dtype)} for k, v in outputs.items()}
+            else:
+                row[found[0]] = found[1]
+            print(json.dumps(row))
+        else:
+            text = ("" if found is None else imaging.describe_top(found[1]) if found[0] == "top"
+                    else imaging.describe_detections(found[1]))
+            print("frame %d%s" % (index, "" if when is None else " at %.3f s" % when))
+            if text:
+                print("\n".join("  " + line for line in text.splitlines()))
+        sys.stdout.flush()
+
+    interrupted = False
+    try:
+        if args.no_pipeline:
+            index = 0
+            while True:
+                try:
+                    item = next_frame(index)
+                except video.VideoError as err:
+                    state["error"] = err
+                    break
+                if item is None:
+                    break
+                answer_frame(item)
+                index += 1
+        else:
+            worker = threading.Thread(target=produce, name="edgeq-decode", daemon=True)
+            worker.start()
+            while True:
+                with cond:
+                    while not queue and not state["done"]:
+                        cond.wait(0.5)
+                    if not queue:
+                        break
+                    item = queue.pop(0)
+                    cond.notify_all()
+                answer_frame(item)
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        with cond:
+            state["stop"] = True
+            cond.notify_all()
+        source.cancel = True
+        if not args.no_pipeline:
+            worker.join()
+    seconds = video.now() - start
+    source.close()
+    error = state["error"]
+    summary = {"source": source.name, "live": source.live, "pipelined": not args.no_pipeline,
+               "frames": state["answered"], "seconds": round(seconds, 3),
+               "fps": round(state["answered"] / seconds, 2) if seconds > 0 else 0.0,
+               "dropped": state["dropped"], "stages": times.summary()}
+    if interrupted or error is not None:
+        summary["stopped"] = "interrupted" if interrupted else str(error)
+    print(json.dumps({"summary": summary}) if args.json else video.describe_summary(summary))
+    if interrupted:
+        return 130
+    if error is not None:
+        raise LoaderError(str(error), Exit.SOURCE)
+    return Exit.OK
+
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -537,6 +723,17 @@ def main(argv=None):
             check_machine(manifest, tvm)
             print(json.dumps({"ok": True}) if args.json else "ok: this machine can run %s" % manifest.bundle_id)
             return Exit.OK
+        streams = [spec for spec in args.input if video.is_stream(spec.partition("=")[2] or spec)]
+        if streams and (len(args.input) > 1 or args.benchmark or args.self_test):
+            raise LoaderError("--input %s is a video source: give it alone, without --self-test or --benchmark"
+                              % streams[0], Exit.USAGE)
+        if streams:
+            name, sep, path = streams[0].partition("=")
+            pre = manifest.preprocess
+            if sep and pre is not None and name != pre.input:
+                raise LoaderError("--input %s: video frames go to input '%s' (--preprocess)" % (streams[0], pre.input),
+                                  Exit.USAGE)
+            return run_stream(Model(manifest), path if sep else streams[0], args)
         inputs, image_hw = read_inputs(args.input, manifest)
         model = Model(manifest)
         if args.self_test:

@@ -166,8 +166,8 @@ def build_loader(cxx: str) -> Path:
     headers = {item.name: item.read_bytes() for item in native.iterdir() if item.name.endswith(".h")}
     headers["contract.h"] = contract_header()
     include = package_dir("tvm_ffi") / "include"
-    flags = ["-std=c++17", "-O2", "-Wall", "-ffp-contract=off", f"-I{include}"]  # float32 as numpy rounds it
-    return cached_build("edgeq-run", "edgeq-run", "edgeq_run.cc", source, cxx, flags, ("-ldl",),
+    flags = ["-std=c++17", "-O2", "-Wall", "-pthread", "-ffp-contract=off", f"-I{include}"]  # float32 as numpy rounds it
+    return cached_build("edgeq-run", "edgeq-run", "edgeq_run.cc", source, cxx, flags, ("-ldl", "-pthread"),
                         key=installed_version(FFI_PROJECT), headers=headers)
 
 

@@ -26,6 +26,11 @@
 #include <cerrno>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
+#include <csignal>
+#include <deque>
+#include <mutex>
+#include <thread>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -48,6 +53,7 @@
 #include "refuse.h"
 #include "schema.h"
 #include "sha256.h"
+#include "video.h"
 #include "zip.h"
 
 namespace {
@@ -619,12 +625,54 @@ double Percentile(const std::vector<double>& sorted, double q) {
   return sorted[lo] + (sorted[hi] - sorted[lo]) * (pos - double(lo));
 }
 
+
+// run.py's answer(): the real rows of padded outputs, and classify's top or yolo's detections (json and text)
+struct Answered {
+  std::vector<int64_t> real;
+  const char* key = "top";
+  std::string json, text;
+  std::vector<Detection> drawn;
+};
+
+Answered AnswerOf(const Bundle& b, const std::vector<HostTensor>& outputs, int64_t image_h, int64_t image_w) {
+  Answered a;
+  a.real.assign(outputs.size(), -1);  // padded outputs: their real rows, from the count output
+  std::vector<int64_t>& real = a.real;
+  for (size_t k = 0; k < outputs.size() && k < b.outputs.size(); ++k) {
+    const TensorSpec& spec = b.outputs[k];
+    if (spec.rows_axis < 0) continue;
+    for (const HostTensor& t : outputs)
+      if (t.name == spec.rows_count && t.data.size() >= sizeof(int64_t)) {
+        int64_t n;
+        std::memcpy(&n, t.data.data(), sizeof n);
+        real[k] = std::max<int64_t>(0, std::min<int64_t>(n, spec.rows_bound));
+      }
+  }
+  a.key = b.postprocess.kind == "yolo" ? "detections" : "top";
+  if (b.postprocess.given && b.postprocess.kind == "classify") {
+    for (size_t i = 0; i < outputs.size(); ++i)
+      if (outputs[i].name == b.postprocess.output) a.json = ClassifyJson(outputs[i], b.postprocess, &a.text);
+  } else if (b.postprocess.given) {
+    const HostTensor *head = nullptr, *rows = nullptr;
+    int64_t rows_real = 0;
+    for (size_t i = 0; i < outputs.size(); ++i) {
+      if (outputs[i].name == b.postprocess.output) head = &outputs[i];
+      if (outputs[i].name == b.postprocess.selected) rows = &outputs[i], rows_real = std::max<int64_t>(0, real[i]);
+    }
+    if (head && rows)
+      a.json = YoloJson(*head, *rows, rows_real, b.postprocess, b.preprocess, image_h, image_w, &a.text, &a.drawn);
+  }
+  return a;
+}
+
+
 // ------------------------------------------------------------------------------------------------
 // main
 // ------------------------------------------------------------------------------------------------
 struct Args {
-  bool check = false, self_test = false, json = false;
+  bool check = false, self_test = false, json = false, no_pipeline = false;
   long benchmark = 0, warmup = 10;
+  double timeout = 10.0;  // video.DEFAULT_TIMEOUT_S
   std::vector<std::string> inputs;
   std::string output, bundle;
 };
@@ -632,7 +680,8 @@ struct Args {
 [[noreturn]] void Usage(const std::string& why) {
   std::fprintf(stderr,
                "usage: edgeq-run [--bundle DIR] (--check | --self-test | --input NAME=FILE.npy ... [--output "
-               "DIR|FILE.npz] | --benchmark N [--warmup N]) [--json]\nedgeq-run: error: %s\n",
+               "DIR|FILE.npz] | --input VIDEO [--output DIR] [--timeout S] [--no-pipeline] | --benchmark N [--warmup N]) "
+               "[--json]\nedgeq-run: error: %s\n",
                why.c_str());
   std::exit(2);
 }
@@ -661,11 +710,20 @@ Args ParseArgs(int argc, char** argv) {
     else if (arg == "--warmup") a.warmup = ParseCount(arg, value(arg), 0);
     else if (arg == "--input") a.inputs.push_back(value(arg));
     else if (arg == "--output") a.output = value(arg);
+    else if (arg == "--no-pipeline") a.no_pipeline = true;
+    else if (arg == "--timeout") {
+      const char* text = value(arg);
+      char* end = nullptr;
+      double v = std::strtod(text, &end);
+      if (!end || *end || !(v > 0 && v <= 3600)) Usage(std::string("--timeout needs seconds from 0 to 3600, got '") + text + "'");
+      a.timeout = v;
+    }
     else if (arg == "--bundle") a.bundle = value(arg);
     else if (arg == "-h" || arg == "--help") {
       std::printf("usage: edgeq-run [--bundle DIR] (--check | --self-test | --input NAME=FILE.npy ... [--output "
-                  "DIR|FILE.npz] | --benchmark N [--warmup N]) [--json]\n\nRuns the edgeq bundle this file "
-                  "belongs to (or --bundle DIR) without Python.\n");
+                  "DIR|FILE.npz] | --input VIDEO [--output DIR] [--timeout S] [--no-pipeline] | --benchmark N [--warmup N]) "
+                  "[--json]\n\nRuns the edgeq bundle this file belongs to (or --bundle DIR) without Python. VIDEO: a "
+                  "file (.mp4, .mkv, .avi), /dev/videoN, csi://N, rtsp://... or gst:PIPELINE ending in appsink.\n");
       std::exit(0);
     } else Usage("unknown argument '" + arg + "'");
   }
@@ -835,6 +893,228 @@ void Benchmark(Runtime* rt, const Bundle& b, std::map<std::string, HostTensor> i
   }
 }
 
+// ------------------------------------------------------------------------------------------------
+// video: run.py's run_stream, the same frames, answers, queue and summary
+// ------------------------------------------------------------------------------------------------
+volatile std::sig_atomic_t g_interrupted = 0;
+void OnInterrupt(int) { g_interrupted = 1; }
+
+constexpr size_t kQueueFrames = 4;  // run.py's QUEUE_FRAMES
+
+struct Frame {
+  int64_t index;
+  double seconds;  // < 0: the buffer had no timestamp
+  Pixels pixels;
+  HostTensor tensor;
+};
+
+std::string Rounded(double v, int digits) {  // Python's round(v, digits), as JSON
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.*f", digits, v);
+  return JsonNumber(std::strtod(buf, nullptr));
+}
+
+std::string FrameFolder(const std::string& output) {
+  if (output.empty()) return "";
+  if (EndsWith(output, ".npz") || EndsWith(output, ".npy"))
+    refuse_usage("--output " + output + ": a video's outputs go to a folder (each frame as a PNG, boxes drawn); give DIR/");
+  std::string dir = output;
+  while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
+  struct stat st;
+  if (lstat(dir.c_str(), &st) == 0 && S_ISLNK(st.st_mode))
+    refuse_usage("--output " + output + " is a symbolic link; give the folder it points to");
+  if (!IsDir(dir) && mkdir(dir.c_str(), 0755) != 0)
+    refuse_usage("cannot make the output folder " + output + ": " + std::strerror(errno));
+  return dir;
+}
+
+int RunStream(Runtime* rt, const Bundle& b, const std::string& spec, const Args& args) {
+  using Clock = std::chrono::steady_clock;
+  auto seconds_since = [](Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); };
+  if (!b.preprocess.given)
+    refuse_usage("--input " + spec + " is a video, and this bundle was packaged without --preprocess: package it with "
+                 "--preprocess");
+  std::string folder = FrameFolder(args.output);
+  Clock::time_point start = Clock::now();
+  VideoSource source(spec, args.timeout);
+  std::map<std::string, std::vector<double>> times;  // stage -> seconds per frame
+  std::mutex mu;
+  std::condition_variable cond;
+  std::deque<Frame> queue;
+  bool done = false, stop = false;
+  int64_t dropped = 0, answered = 0;
+  std::string error;
+  auto add_time = [&](const char* stage, double v) {
+    std::lock_guard<std::mutex> lock(mu);
+    times[stage].push_back(v);
+  };
+  auto next_frame = [&](int64_t index, Frame* f) {
+    Clock::time_point t0 = Clock::now();
+    if (!source.Read(&f->pixels, &f->seconds)) return false;
+    double decode = seconds_since(t0);
+    Clock::time_point t1 = Clock::now();
+    f->index = index;
+    f->tensor = ImageTensor(f->pixels, b.preprocess);
+    add_time("decode", decode);
+    add_time("preprocess", seconds_since(t1));
+    return true;
+  };
+  auto answer_frame = [&](const Frame& f) {
+    Clock::time_point t0 = Clock::now();
+    std::map<std::string, HostTensor> given;
+    given[b.preprocess.input] = f.tensor;
+    std::vector<HostTensor> outputs = rt->Run(DeviceInputs(rt, b, given), b.outputs);
+    Clock::time_point t1 = Clock::now();
+    Answered a = AnswerOf(b, outputs, f.pixels.h, f.pixels.w);
+    if (!folder.empty()) {
+      char name[64];
+      std::snprintf(name, sizeof name, "/frame_%06lld.png", static_cast<long long>(f.index));
+      WriteFileAtomic(folder + name, PngBytes(b.postprocess.kind == "yolo" ? DrawDetections(f.pixels, a.drawn) : f.pixels));
+    }
+    add_time("postprocess", seconds_since(t1));
+    add_time("infer", std::chrono::duration<double>(t1 - t0).count());
+    ++answered;
+    std::string when = f.seconds < 0 ? "null" : Rounded(f.seconds, 6);
+    if (args.json) {
+      std::string row = "{\"frame\": " + std::to_string(f.index) + ", \"time\": " + when;
+      if (b.postprocess.given) {
+        row += std::string(", \"") + a.key + "\": " + a.json;
+      } else {
+        std::string rows;
+        for (const HostTensor& t : outputs) {
+          std::string dims;
+          for (size_t k = 0; k < t.shape.size(); ++k) dims += (k ? ", " : "") + std::to_string(t.shape[k]);
+          rows += std::string(rows.empty() ? "" : ", ") + JsonQuote(t.name) + ": {\"shape\": [" + dims +
+                  "], \"dtype\": " + JsonQuote(t.dtype.name) + "}";
+        }
+        row += ", \"outputs\": {" + rows + "}";
+      }
+      std::printf("%s}\n", row.c_str());
+    } else {
+      char head[96];
+      if (f.seconds < 0) std::snprintf(head, sizeof head, "frame %lld", static_cast<long long>(f.index));
+      else std::snprintf(head, sizeof head, "frame %lld at %.3f s", static_cast<long long>(f.index), f.seconds);
+      std::printf("%s\n", head);
+      std::string text = b.postprocess.given ? a.text : "";
+      for (size_t at = 0; !text.empty() && at <= text.size();) {
+        size_t nl = text.find('\n', at);
+        std::printf("  %s\n", text.substr(at, nl == std::string::npos ? std::string::npos : nl - at).c_str());
+        if (nl == std::string::npos) break;
+        at = nl + 1;
+      }
+    }
+    std::fflush(stdout);
+  };
+
+  std::signal(SIGINT, OnInterrupt);
+  std::thread worker;
+  if (args.no_pipeline) {
+    try {
+      for (int64_t index = 0; !g_interrupted; ++index) {
+        Frame f;
+        if (!next_frame(index, &f)) break;
+        answer_frame(f);
+      }
+    } catch (const VideoFailed& err) {
+      error = err.what();
+    }
+  } else {
+    worker = std::thread([&] {
+      try {
+        for (int64_t index = 0;; ++index) {
+          {
+            std::lock_guard<std::mutex> lock(mu);
+            if (stop) break;
+          }
+          Frame f;
+          if (!next_frame(index, &f)) break;
+          std::unique_lock<std::mutex> lock(mu);
+          cond.wait(lock, [&] { return queue.size() < kQueueFrames || source.live() || stop; });
+          if (queue.size() >= kQueueFrames) {  // live: the oldest frame goes
+            queue.pop_front();
+            ++dropped;
+          }
+          queue.push_back(std::move(f));
+          cond.notify_all();
+        }
+      } catch (const VideoFailed& err) {
+        std::lock_guard<std::mutex> lock(mu);
+        error = err.what();
+      } catch (const std::exception& err) {
+        std::lock_guard<std::mutex> lock(mu);
+        error = err.what();
+      }
+      std::lock_guard<std::mutex> lock(mu);
+      done = true;
+      cond.notify_all();
+    });
+    try {
+      while (!g_interrupted) {
+        Frame f;
+        {
+          std::unique_lock<std::mutex> lock(mu);
+          while (queue.empty() && !done && !g_interrupted) cond.wait_for(lock, std::chrono::milliseconds(100));
+          if (queue.empty()) break;
+          f = std::move(queue.front());
+          queue.pop_front();
+          cond.notify_all();
+        }
+        answer_frame(f);
+      }
+    } catch (...) {
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        stop = true;
+        cond.notify_all();
+      }
+      source.cancel = true;
+      worker.join();
+      throw;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      stop = true;
+      cond.notify_all();
+    }
+    source.cancel = true;
+    worker.join();
+  }
+  double seconds = seconds_since(start);
+  source.Close();
+  bool interrupted = g_interrupted != 0;
+  // the summary (video.describe_summary / run.py's JSON)
+  std::string stages_json, stages_text;
+  for (const char* stage : {"decode", "preprocess", "infer", "postprocess"}) {
+    std::vector<double>& v = times[stage];
+    if (v.empty()) continue;
+    std::sort(v.begin(), v.end());
+    double p50 = Percentile(v, 50) * 1e3, p99 = Percentile(v, 99) * 1e3;
+    stages_json += std::string(stages_json.empty() ? "" : ", ") + "\"" + stage + "\": {\"p50_ms\": " + Rounded(p50, 3) +
+                   ", \"p99_ms\": " + Rounded(p99, 3) + "}";
+    char line[128];
+    std::snprintf(line, sizeof line, "\n  %-12s p50 %8.3f ms  p99 %8.3f ms", stage, p50, p99);
+    stages_text += line;
+  }
+  double fps = seconds > 0 ? double(answered) / seconds : 0.0;
+  std::string stopped = interrupted ? "interrupted" : error;
+  if (args.json) {
+    std::printf("{\"summary\": {\"source\": %s, \"live\": %s, \"pipelined\": %s, \"frames\": %lld, \"seconds\": %s, "
+                "\"fps\": %s, \"dropped\": %lld, \"stages\": {%s}%s}}\n",
+                JsonQuote(source.name()).c_str(), source.live() ? "true" : "false", args.no_pipeline ? "false" : "true",
+                static_cast<long long>(answered), Rounded(seconds, 3).c_str(), Rounded(fps, 2).c_str(),
+                static_cast<long long>(dropped), stages_json.c_str(),
+                stopped.empty() ? "" : (", \"stopped\": " + JsonQuote(stopped)).c_str());
+  } else {
+    std::printf("%lld frames in %.2f s: %.1f frames/s, %lld dropped%s%s\n", static_cast<long long>(answered), seconds,
+                fps, static_cast<long long>(dropped), stopped.empty() ? "" : (" (" + stopped + ")").c_str(),
+                stages_text.c_str());
+  }
+  std::fflush(stdout);
+  if (interrupted) return 130;
+  if (!error.empty()) throw Refused(error, kSource);
+  return 0;
+}
+
 int Main(int argc, char** argv) {
   Args args = ParseArgs(argc, argv);
   std::string dir = BundleDir(args);
@@ -842,6 +1122,24 @@ int Main(int argc, char** argv) {
   CheckArch(b);
   CheckFiles(b);
   if (!b.cuda_arch.empty()) CheckDriver(b);
+  std::string stream;  // a video source (video.h), given alone
+  for (const std::string& spec : args.inputs) {
+    size_t eq = spec.find('=');
+    std::string path = eq == std::string::npos ? spec : spec.substr(eq + 1);
+    if (!IsStream(path)) continue;
+    if (args.inputs.size() > 1 || args.benchmark || args.self_test)
+      refuse_usage("--input " + spec + " is a video source: give it alone, without --self-test or --benchmark");
+    if (eq != std::string::npos && b.preprocess.given && spec.substr(0, eq) != b.preprocess.input)
+      refuse_usage("--input " + spec + ": video frames go to input '" + b.preprocess.input + "' (--preprocess)");
+    stream = path;
+  }
+  if (!stream.empty()) {
+    if (!b.preprocess.given)
+      refuse_usage("--input " + stream + " is a video, and this bundle was packaged without --preprocess: package it "
+                   "with --preprocess");
+    std::unique_ptr<Runtime> rt = LoadRuntime(b);
+    return RunStream(rt.get(), b, stream, args);
+  }
   std::map<std::string, HostTensor> inputs;
   int64_t image_h = 0, image_w = 0;  // the image given, if one was (--postprocess yolo puts boxes in its pixels)
   for (const std::string& spec : args.inputs) {
@@ -884,32 +1182,10 @@ int Main(int argc, char** argv) {
   } else if (!inputs.empty()) {
     std::vector<Value> device_inputs = DeviceInputs(rt.get(), b, inputs);
     std::vector<HostTensor> outputs = rt->Run(device_inputs, b.outputs);
-    std::vector<int64_t> real(outputs.size(), -1);  // padded outputs: their real rows, from the count output
-    for (size_t k = 0; k < outputs.size() && k < b.outputs.size(); ++k) {
-      const TensorSpec& spec = b.outputs[k];
-      if (spec.rows_axis < 0) continue;
-      for (const HostTensor& t : outputs)
-        if (t.name == spec.rows_count && t.data.size() >= sizeof(int64_t)) {
-          int64_t n;
-          std::memcpy(&n, t.data.data(), sizeof n);
-          real[k] = std::max<int64_t>(0, std::min<int64_t>(n, spec.rows_bound));
-        }
-    }
-    std::string top_json, top_text;  // run.py's answer(): classify's top or yolo's detections
-    const char* answer_key = b.postprocess.kind == "yolo" ? "detections" : "top";
-    if (b.postprocess.given && b.postprocess.kind == "classify") {
-      for (size_t i = 0; i < outputs.size(); ++i)
-        if (outputs[i].name == b.postprocess.output) top_json = ClassifyJson(outputs[i], b.postprocess, &top_text);
-    } else if (b.postprocess.given) {
-      const HostTensor *head = nullptr, *rows = nullptr;
-      int64_t rows_real = 0;
-      for (size_t i = 0; i < outputs.size(); ++i) {
-        if (outputs[i].name == b.postprocess.output) head = &outputs[i];
-        if (outputs[i].name == b.postprocess.selected) rows = &outputs[i], rows_real = std::max<int64_t>(0, real[i]);
-      }
-      if (head && rows)
-        top_json = YoloJson(*head, *rows, rows_real, b.postprocess, b.preprocess, image_h, image_w, &top_text);
-    }
+    Answered answered = AnswerOf(b, outputs, image_h, image_w);
+    const std::vector<int64_t>& real = answered.real;
+    const std::string &top_json = answered.json, &top_text = answered.text;
+    const char* answer_key = answered.key;
     // outputs are written once the answer is made: a bundle refused while making it leaves no file
     if (!args.output.empty()) {
       size_t n = args.output.size();

@@ -413,8 +413,14 @@ std::string ProcessProblem(const Preprocess& pre, const Postprocess& post, const
 
 // imaging.yolo, printed as run.py prints it. ``real``: the selected rows that are real; ``image_h/w``: the image
 // the input was made from (0: none, boxes stay in input pixels)
+struct Detection {  // one of YoloJson's rows, for drawing (video.h)
+  int64_t cls;
+  double box[4];  // as printed: rounded to 0.01 px
+};
+
 std::string YoloJson(const HostTensor& head, const HostTensor& rows, int64_t real, const Postprocess& post,
-                     const Preprocess& pre, int64_t image_h, int64_t image_w, std::string* text) {
+                     const Preprocess& pre, int64_t image_h, int64_t image_w, std::string* text,
+                     std::vector<Detection>* drawn = nullptr) {
   int64_t channels = head.shape[head.shape.size() - 2], anchors = head.shape.back();
   auto at = [&](int64_t k, int64_t b) -> double {
     if (k < 0 || k >= channels || b < 0 || b >= anchors) return 0.0;
@@ -456,6 +462,16 @@ std::string YoloJson(const HostTensor& head, const HostTensor& rows, int64_t rea
       for (int k = 0; k < 4; ++k) box[k] = std::min(std::max(box[k], 0.0), double(k % 2 ? image_h : image_w));
     char coords[160], score[32];
     std::snprintf(coords, sizeof coords, "%.2f, %.2f, %.2f, %.2f", box[0], box[1], box[2], box[3]);
+    if (drawn) {  // the printed values, as run.py draws them (round(v, 2))
+      Detection d{f.c, {0, 0, 0, 0}};
+      const char* at = coords;
+      for (int k = 0; k < 4; ++k) {
+        char* end = nullptr;
+        d.box[k] = std::strtod(at, &end);
+        at = end + (k < 3 ? 2 : 0);
+      }
+      drawn->push_back(d);
+    }
     std::snprintf(score, sizeof score, "%.4f", f.score);
     bool labelled = f.c >= 0 && f.c < int64_t(post.labels.size());
     std::string name = labelled ? post.labels[size_t(f.c)] : "class " + std::to_string(f.c);
