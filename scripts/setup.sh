@@ -2,7 +2,7 @@
 # What edgeq needs on a fresh Debian/Ubuntu machine (x86_64 or aarch64 host): the aarch64 cross compiler, a C
 # compiler, binutils, and the Python packages in a virtual environment in the checkout, .venv (edgeq editable;
 # the CUDA 12 NVRTC wheels for JetPack 6 targets are default dependencies). With --tests also what only the
-# tests use: qemu-user, OpenSSH's server, Mender's tools (mender-artifact, mender-client), chromium, the
+# tests use: qemu-user, OpenSSH's server, Mender's tools (mender-artifact, mender-client), chromium, GStreamer, the
 # image decoders edgeq-run dlopens (and their arm64 builds for qemu), git, and edgeq's test extras. Stock system Pythons refuse `pip install` outside a venv (externally managed), so
 # nothing is installed into the interpreter itself. .venv is made from $PYTHON (default python3; 3.10 to
 # 3.13), reused when it exists, and made again when PYTHON names another interpreter than the one it has.
@@ -64,6 +64,12 @@ if [ -n "$TESTS" ]; then  # what only the tests use
     command -v mender-artifact >/dev/null || need+=(mender-artifact)  # tests/test_mender.py: Mender's own artifact tool
     command -v mender >/dev/null || need+=(mender-client)      # ... and its client, installing edgeq's artifacts
     command -v unshare >/dev/null || need+=(util-linux)        # the client runs in a private mount namespace
+    # edgeq-run and run.py --input VIDEO reach the system's GStreamer, as a device's (JetPack ships it); the tests make
+    # their videos with gst-launch-1.0 (MJPEG in AVI from plugins-good, H.264 from plugins-ugly's x264enc)
+    command -v gst-launch-1.0 >/dev/null || need+=(gstreamer1.0-tools)
+    for pkg in gstreamer1.0-plugins-base gstreamer1.0-plugins-good gstreamer1.0-plugins-ugly gstreamer1.0-libav; do
+        dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
+    done
     # edgeq-run --input IMAGE dlopens the system's decoders, as a device's: libpng 1.6 and libjpeg-turbo's TurboJPEG
     ldconfig -p 2>/dev/null | grep -q 'libpng16.so.16 ' || need+=(libpng16-16)
     if ! ldconfig -p 2>/dev/null | grep -q 'libturbojpeg.so.0 '; then

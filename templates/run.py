@@ -723,17 +723,17 @@ def main(argv=None):
             check_machine(manifest, tvm)
             print(json.dumps({"ok": True}) if args.json else "ok: this machine can run %s" % manifest.bundle_id)
             return Exit.OK
-        streams = [spec for spec in args.input if video.is_stream(spec.partition("=")[2] or spec)]
+        streams = [(spec, video.stream_input(spec)) for spec in args.input if video.stream_input(spec)]
         if streams and (len(args.input) > 1 or args.benchmark or args.self_test):
             raise LoaderError("--input %s is a video source: give it alone, without --self-test or --benchmark"
-                              % streams[0], Exit.USAGE)
+                              % streams[0][0], Exit.USAGE)
         if streams:
-            name, sep, path = streams[0].partition("=")
+            spec, (name, path) = streams[0]
             pre = manifest.preprocess
-            if sep and pre is not None and name != pre.input:
-                raise LoaderError("--input %s: video frames go to input '%s' (--preprocess)" % (streams[0], pre.input),
+            if name is not None and pre is not None and name != pre.input:
+                raise LoaderError("--input %s: video frames go to input '%s' (--preprocess)" % (spec, pre.input),
                                   Exit.USAGE)
-            return run_stream(Model(manifest), path if sep else streams[0], args)
+            return run_stream(Model(manifest), path, args)
         inputs, image_hw = read_inputs(args.input, manifest)
         model = Model(manifest)
         if args.self_test:

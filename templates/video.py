@@ -25,7 +25,7 @@ DEFAULT_TIMEOUT_S = 10.0  # --timeout: a source that delivers no frame for this 
 MAX_FRAME_PIXELS = 50_000_000  # imaging.MAX_IMAGE_PIXELS: one frame
 
 # GStreamer's ABI (1.x, stable): enum values and the offsets of the fields read here
-GST_STATE_NULL, GST_STATE_PLAYING = 1, 4
+GST_STATE_NULL, GST_STATE_PAUSED, GST_STATE_PLAYING = 1, 3, 4
 GST_STATE_CHANGE_FAILURE, GST_STATE_CHANGE_NO_PREROLL = 0, 3
 GST_MESSAGE_EOS, GST_MESSAGE_ERROR = 1 << 0, 1 << 1
 GST_MAP_READ = 1
@@ -49,12 +49,29 @@ def is_stream(spec: str) -> bool:
     return spec.lower().endswith(VIDEO_SUFFIXES)
 
 
+SCHEMES = ("gst:", "csi://", "rtsp://", "rtsps://", "/dev/video")
+
+
+def stream_input(spec: str):
+    """(input name or None, source) where an ``--input`` names a video source, else None: a source with a scheme
+    (gst:, csi://, rtsp://, /dev/video) is the whole argument (a pipeline has '=' of its own); otherwise NAME=FILE
+    or FILE, a file whose name ends in a video suffix."""
+    if spec.startswith(SCHEMES):
+        return (None, spec) if is_stream(spec) else None
+    name, sep, path = spec.partition("=")
+    if sep and path.startswith(SCHEMES):
+        return (name or None, path) if is_stream(path) else None
+    if sep and is_stream(path):
+        return name or None, path
+    return (None, spec) if not sep and is_stream(spec) else None
+
+
 def quote(text: str) -> str:
     """A value for gst_parse_launch: double-quoted, backslash and quote escaped."""
     return '"%s"' % text.replace("\\", "\\\\").replace('"', '\\"')
 
 
-def describe(spec: str, have) -> tuple[str, str]:
+def describe(spec, have):
     """(pipeline description ending in the edgeq appsink, a short name of the source) for an ``--input``;
     ``have(element)``: whether GStreamer has that element factory. Raises VideoError for a source that
     cannot be (no such file or camera, a CSI camera where there is no nvarguscamerasrc)."""
@@ -82,7 +99,8 @@ def describe(spec: str, have) -> tuple[str, str]:
         return ("nvarguscamerasrc sensor-id=%s ! video/x-raw(memory:NVMM) ! %s ! %s" % (sensor, convert, sink),
                 "CSI camera %s" % sensor)
     if spec.startswith(("rtsp://", "rtsps://")):
-        return "uridecodebin uri=%s ! %s ! %s" % (quote(spec), convert, sink), spec.split("@")[-1]
+        shown = re.sub(r"^(\w+://)[^/@]*@", r"\1", spec)  # without user:password
+        return "uridecodebin uri=%s ! %s ! %s" % (quote(spec), convert, sink), shown
     if spec.startswith("/dev/video"):
         if not os.path.exists(spec):
             raise VideoError("--input %s: there is no such camera (see ls /dev/video*)" % spec)
@@ -190,12 +208,14 @@ class Source:
             self.close()
             raise VideoError("--input %s: the pipeline has no appsink" % spec)
         self.bus = gst.gst_element_get_bus(pipeline)
-        state = gst.gst_element_set_state(pipeline, GST_STATE_PLAYING)
+        # PAUSED first: a live source says so there (it cannot preroll), then PLAYING
+        paused = gst.gst_element_set_state(pipeline, GST_STATE_PAUSED)
+        state = gst.gst_element_set_state(pipeline, GST_STATE_PLAYING) if paused != GST_STATE_CHANGE_FAILURE else paused
         if state == GST_STATE_CHANGE_FAILURE:
             problem = self._bus_error() or "it would not start"
             self.close()
             raise VideoError("--input %s: %s" % (spec, problem))
-        self.live = state == GST_STATE_CHANGE_NO_PREROLL
+        self.live = paused == GST_STATE_CHANGE_NO_PREROLL
 
     def _bus_error(self):
         """The first error GStreamer posted, as a line, or None."""

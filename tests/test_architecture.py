@@ -14,7 +14,8 @@ REPO = Path(__file__).resolve().parent.parent
 # the folders that make the edgeq package (pyproject's package-dir)
 PACKAGE_DIRS = {"packager": "edgeq", "rpc": "edgeq.rpc", "targets": "edgeq.targets", "templates": "edgeq.templates"}
 # what a bundle carries and runs on a device, outside edgeq
-DEVICE_SIDE = ("templates/run.py", "templates/contract.py", "templates/safebundle.py", "templates/imaging.py")
+DEVICE_SIDE = ("templates/run.py", "templates/contract.py", "templates/safebundle.py", "templates/imaging.py",
+               "templates/video.py")
 # what the device side may use where the device has it, imported inside functions with a fallback
 DEVICE_OPTIONAL = {"numpy", "tvm", "cryptography", "PIL", "cv2"}  # PIL, cv2: run.py --input IMAGE, where installed
 

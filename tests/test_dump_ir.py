@@ -64,7 +64,7 @@ def test_fp32_dumps_import_and_lower(family, models, tmp_path):
     bundle_dir = Path(json.loads(res.stdout)["bundle_dir"])
     manifest_text = (bundle_dir / "manifest.json").read_text()
     assert "dump_ir" not in manifest_text and str(ir) not in manifest_text
-    shipped = {"run.py", "contract.py", "safebundle.py", "imaging.py"}  # the loader and its modules: edgeq.bundle.SHIPPED
+    shipped = {"run.py", "contract.py", "safebundle.py", "imaging.py", "video.py"}  # the loader and its modules: edgeq.bundle.SHIPPED
     assert not any("ir" == p.name or p.suffix == ".py" and p.name not in shipped for p in bundle_dir.rglob("*"))
 
 

@@ -79,11 +79,12 @@ def test_self_test_benchmark_and_check(host_bundles):
 
 
 def test_loader_and_its_modules_ship_as_they_are(host_bundles):
-    """run.py, contract.py, safebundle.py and imaging.py are the same files in every bundle: edgeq's own."""
+    """run.py, contract.py, safebundle.py, imaging.py and video.py are the same files in every bundle: edgeq's own."""
     repo = Path(__file__).resolve().parent.parent
     bundle_dir = Path(host_bundles["resnet_cnn"]["bundle_dir"])
     for name, source in (("run.py", "templates/run.py"), ("contract.py", "templates/contract.py"),
-                         ("safebundle.py", "templates/safebundle.py"), ("imaging.py", "templates/imaging.py")):
+                         ("safebundle.py", "templates/safebundle.py"), ("imaging.py", "templates/imaging.py"),
+                         ("video.py", "templates/video.py")):
         assert (bundle_dir / name).read_bytes() == (repo / source).read_bytes(), name
     assert not (bundle_dir / "__pycache__").exists()  # running run.py above wrote nothing into the bundle
 

@@ -1084,7 +1084,8 @@ int RunStream(Runtime* rt, const Bundle& b, const std::string& spec, const Args&
   bool interrupted = g_interrupted != 0;
   // the summary (video.describe_summary / run.py's JSON)
   std::string stages_json, stages_text;
-  for (const char* stage : {"decode", "preprocess", "infer", "postprocess"}) {
+  static const char* const kStages[] = {"decode", "preprocess", "infer", "postprocess"};  // video.StageTimes.STAGES
+  for (const char* stage : kStages) {
     std::vector<double>& v = times[stage];
     if (v.empty()) continue;
     std::sort(v.begin(), v.end());
@@ -1124,14 +1125,14 @@ int Main(int argc, char** argv) {
   if (!b.cuda_arch.empty()) CheckDriver(b);
   std::string stream;  // a video source (video.h), given alone
   for (const std::string& spec : args.inputs) {
-    size_t eq = spec.find('=');
-    std::string path = eq == std::string::npos ? spec : spec.substr(eq + 1);
-    if (!IsStream(path)) continue;
+    std::string name, path;
+    if (!StreamInput(spec, &name, &path)) continue;
     if (args.inputs.size() > 1 || args.benchmark || args.self_test)
       refuse_usage("--input " + spec + " is a video source: give it alone, without --self-test or --benchmark");
-    if (eq != std::string::npos && b.preprocess.given && spec.substr(0, eq) != b.preprocess.input)
+    if (!name.empty() && b.preprocess.given && name != b.preprocess.input)
       refuse_usage("--input " + spec + ": video frames go to input '" + b.preprocess.input + "' (--preprocess)");
     stream = path;
+    break;
   }
   if (!stream.empty()) {
     if (!b.preprocess.given)

@@ -24,7 +24,7 @@ namespace {
 constexpr const char* kSinkName = "edgeq_sink";
 constexpr const char* kRgbCaps = "video/x-raw,format=RGB";
 // GStreamer's ABI (1.x, stable): enum values and the offsets of the fields read here (video.py: the same)
-constexpr int kGstStateNull = 1, kGstStatePlaying = 4;
+constexpr int kGstStateNull = 1, kGstStatePaused = 3, kGstStatePlaying = 4;
 constexpr int kGstStateChangeFailure = 0, kGstStateChangeNoPreroll = 3;
 constexpr int kGstMessageError = 1 << 1;
 constexpr int kGstMapRead = 1;
@@ -139,6 +139,22 @@ bool IsStream(const std::string& spec) {
   return false;
 }
 
+// video.stream_input: whether an --input names a video source, and its name (empty: none) and source
+bool StreamInput(const std::string& spec, std::string* name, std::string* source) {
+  auto scheme = [](const std::string& s) {
+    for (const char* p : {"gst:", "csi://", "rtsp://", "rtsps://", "/dev/video"})
+      if (StartsWith(s, p)) return true;
+    return false;
+  };
+  name->clear();
+  if (scheme(spec)) return IsStream(*source = spec);
+  size_t eq = spec.find('=');
+  if (eq == std::string::npos) return IsStream(*source = spec);
+  *name = spec.substr(0, eq);
+  *source = spec.substr(eq + 1);
+  return IsStream(*source);
+}
+
 // video.quote
 std::string GstQuote(const std::string& text) {
   std::string out = "\"";
@@ -187,8 +203,12 @@ SourceDescription DescribeSource(const std::string& spec) {
     return {"nvarguscamerasrc sensor-id=" + sensor + " ! video/x-raw(memory:NVMM) ! " + convert + " ! " + sink,
             "CSI camera " + sensor};
   }
-  if (StartsWith(spec, "rtsp://") || StartsWith(spec, "rtsps://"))
-    return {"uridecodebin uri=" + GstQuote(spec) + " ! " + convert + " ! " + sink, spec.substr(spec.rfind('@') + 1)};
+  if (StartsWith(spec, "rtsp://") || StartsWith(spec, "rtsps://")) {
+    std::string shown = spec;  // without user:password
+    size_t host = shown.find("://") + 3, at = shown.find('@', host), slash = shown.find('/', host);
+    if (at != std::string::npos && (slash == std::string::npos || at < slash)) shown.erase(host, at + 1 - host);
+    return {"uridecodebin uri=" + GstQuote(spec) + " ! " + convert + " ! " + sink, shown};
+  }
   struct stat st;
   if (StartsWith(spec, "/dev/video")) {
     if (stat(spec.c_str(), &st) != 0) refuse_usage("--input " + spec + ": there is no such camera (see ls /dev/video*)");
@@ -230,13 +250,15 @@ class VideoSource {
       refuse_usage("--input " + spec + ": the pipeline has no appsink");
     }
     bus_ = gst_.get_bus(pipeline_);
-    int state = gst_.set_state(pipeline_, kGstStatePlaying);
+    // PAUSED first: a live source says so there (it cannot preroll), then PLAYING
+    int paused = gst_.set_state(pipeline_, kGstStatePaused);
+    int state = paused != kGstStateChangeFailure ? gst_.set_state(pipeline_, kGstStatePlaying) : paused;
     if (state == kGstStateChangeFailure) {
       std::string problem = BusError();
       Close();
       refuse_usage("--input " + spec + ": " + (problem.empty() ? "it would not start" : problem));
     }
-    live_ = state == kGstStateChangeNoPreroll;
+    live_ = paused == kGstStateChangeNoPreroll;
   }
   ~VideoSource() { Close(); }
   VideoSource(const VideoSource&) = delete;
