@@ -313,9 +313,63 @@ def box_pixels(box, height: int, width: int):
     return x1, y1, max(x1, x2), max(y1, y2)
 
 
+# Labels are drawn in PIL's bitmap font (ImageFont.load_default_imagefont()): ASCII 32-126, FONT_H rows of FONT_W
+# pixels each, a row's pixels in the low FONT_W bits of its byte, leftmost first. edgeq-run draws from the same
+# table (contract.h, generated from this one).
+FONT_W, FONT_H = 6, 11
+FONT_HEX = (
+    "000000000000000000000000000018181818001800000000001414140000000000000014143e14143e14140000081e323c1e0636"
+    "3c08000000382a3c081e2a0e00000000001c30183e2c3e000000000c08100000000000000000040818181818080400000010080c"
+    "0c0c0c0810000000083c1824000000000000000008083e080800000000000000000000000c081000000000003e00000000000000"
+    "000000000000180000000002020404080810100000001c36363636361c000000000c3c0c0c0c0c3f000000001c36060c18363e00"
+    "0000001c36061c06361c00000000060e16363f0606000000003e303c3606263c000000001c36303c36361c000000003e36060c0c"
+    "1818000000001c36361c36361c000000001c36361e06361c0000000000000018000018000000000000001800001810200000000c"
+    "1830180c000000000000003c003c00000000000000180c060c180000000000001c260c180018000000001c32262a2a27301c0000"
+    "00003c1c143e363700000000003c363c36363c00000000001e363030361c00000000003c363636363c00000000003e303c30363e"
+    "00000000003e303c30303800000000001c36303e361e000000000037363e36363700000000003c181818183c00000000001e0c0c"
+    "2c2c3800000000003634383c363b000000000038303030363e00000000002236363e2a2a0000000000373a3a3636320000000000"
+    "1c363636361c00000000003c36363c303800000000001c363636361c06000000003c36363c363b00000000001e323c0e263c0000"
+    "0000003e1a1818183c000000000037363636361c00000000003736141c1c0800000000002b2a2a3e1c140000000000331e0c0c1e"
+    "33000000000033331e0c0c1e00000000003e360c18363e000000001c1818181818181c00000020201010080804040000001c0c0c"
+    "0c0c0c0c1c000000081c36000000000000000000000000000000003f0000180804000000000000000000001c361e363f00000000"
+    "30303c3636363c0000000000001c3630361c000000000e061e3636361f0000000000001c363e301e000000000e183e1818183e00"
+    "00000000001b3636361e063c000030303c36363636000000000c003c0c0c0c3f000000000c003c0c0c0c0c0c3800003030363c38"
+    "3c37000000003c0c0c0c0c0c3f0000000000003c3e2a2a2a0000000000002c363636360000000000001c3636361c000000000000"
+    "3c3636363c3038000000001b3636361e060f00000000371d18183c0000000000001e381e073e0000000018183e18181b0e000000"
+    "000000363636361f00000000000036361c1c080000000000002b2a3e1e140000000000003b1e0c1e37000000000000373636141c"
+    "1830000000003e2c18363e00000000060c0c180c0c0c0600000000080808080808080000003018180c1818183000000000001a2c"
+    "0000000000"
+)
+FONT = bytes.fromhex(FONT_HEX)
+TEXT_COLOUR = (255, 255, 255)
+
+
+def label_text(row: dict) -> str:
+    """What is written above a detection's box: its label (or class N) and score, printable ASCII only."""
+    text = "%s %.2f" % (row.get("label", "class %d" % row["class"]), row["score"])
+    return "".join(c if " " <= c <= "~" else "?" for c in text)
+
+
+def draw_text(np, out, x: int, y: int, text: str, colour) -> None:
+    """``text`` into ``out`` (uint8 [H, W, 3]) with its top-left corner at (x, y), clipped to the image."""
+    if not text:
+        return
+    codes = np.frombuffer(text.encode("ascii"), np.uint8).astype(np.int64) - 32
+    rows = np.frombuffer(FONT, np.uint8).reshape(-1, FONT_H)[codes]  # [chars, FONT_H]
+    bits = (rows[:, :, None] >> np.arange(FONT_W - 1, -1, -1)) & 1  # [chars, FONT_H, FONT_W]
+    mask = bits.transpose(1, 0, 2).reshape(FONT_H, len(text) * FONT_W).astype(bool)
+    h, w = out.shape[:2]
+    y0, x0 = max(y, 0), max(x, 0)
+    y1, x1 = min(y + FONT_H, h), min(x + mask.shape[1], w)
+    if y0 < y1 and x0 < x1:
+        region = out[y0:y1, x0:x1]
+        region[mask[y0 - y:y1 - y, x0 - x:x1 - x]] = colour
+
+
 def draw_detections(np, pixels, detections: list):
     """A copy of ``pixels`` (uint8 [H, W, C]) with each detection's box outlined, BOX_LINE pixels inside the box, in
-    its class's colour, worst first so the best is on top (edgeq-run's DrawDetections draws the same pixels)."""
+    its class's colour, and its label and score written on a bar of that colour above the box (inside it where the
+    box touches the top), worst first so the best is on top (edgeq-run's DrawDetections draws the same pixels)."""
     out = np.array(pixels if pixels.shape[2] == 3 else np.repeat(pixels[:, :, :1], 3, axis=2), np.uint8)
     h, w = out.shape[:2]
     for row in reversed(detections):
@@ -326,4 +380,9 @@ def draw_detections(np, pixels, detections: list):
         out[max(y2 - t + 1, y1):y2 + 1, x1:x2 + 1] = colour
         out[y1:y2 + 1, x1:min(x1 + t, x2 + 1)] = colour
         out[y1:y2 + 1, max(x2 - t + 1, x1):x2 + 1] = colour
+        text = label_text(row)
+        bar_h, bar_w = FONT_H + 2, len(text) * FONT_W + 2
+        top = y1 - bar_h if y1 >= bar_h else y1
+        out[top:min(top + bar_h, h), x1:min(x1 + bar_w, w)] = colour
+        draw_text(np, out, x1 + 1, top + 1, text, TEXT_COLOUR)
     return out

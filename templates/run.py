@@ -368,7 +368,8 @@ def parse_args(argv):
                              "bundle was packaged (--preprocess); or a video source: a file (.mp4, .mkv, .avi), a camera "
                              "(/dev/videoN, csi://N), a stream (rtsp://...) or gst:PIPELINE ending in appsink")
     parser.add_argument("--output", metavar="FILE.npz|DIR", help="where to write the outputs: a .npz, or a folder of NAME.npy "
-                        "(default: print a summary); for a video, a folder of the frames as PNG with the boxes drawn")
+                        "(default: print a summary); for a video, a video file (.mp4, .mkv, .avi, .mov) or a folder of "
+                        "PNG frames, the answers drawn")
     parser.add_argument("--self-test", action="store_true", help="run the golden input and compare with the manifest")
     parser.add_argument("--benchmark", type=int, metavar="N", help="time N inferences after warm-up")
     parser.add_argument("--warmup", type=int, default=10, metavar="N", help="warm-up runs before --benchmark (default 10)")
@@ -548,8 +549,8 @@ def frame_folder(output):
     if not output:
         return None
     if output.endswith((".npz", ".npy")):
-        raise LoaderError("--output %s: a video's outputs go to a folder (each frame as a PNG, boxes drawn); give DIR/"
-                          % output, Exit.USAGE)
+        raise LoaderError("--output %s: a video's answers are drawn on its frames: give a video file (%s) or a folder "
+                          "for PNG frames (DIR/)" % (output, ", ".join(sorted(video.VIDEO_MUXERS))), Exit.USAGE)
     folder = output.rstrip("/") or "/"
     if os.path.islink(folder):
         raise LoaderError("--output %s is a symbolic link; give the folder it points to" % output, Exit.USAGE)
@@ -576,10 +577,12 @@ def run_stream(model, spec, args):
     if pre is None:
         raise LoaderError("--input %s is a video, and this bundle was packaged without --preprocess: package it with "
                           "--preprocess" % spec, Exit.USAGE)
-    folder = frame_folder(args.output)
+    to_video = bool(args.output) and os.path.splitext(args.output)[1].lower() in video.VIDEO_MUXERS
+    folder = None if to_video else frame_folder(args.output)
     start = video.now()
     try:
         source = video.Source(spec, args.timeout)
+        writer = video.Writer(args.output, video.gstreamer().have) if to_video else None
     except video.VideoError as err:
         raise LoaderError(str(err), Exit.USAGE)
     times = video.StageTimes()
@@ -630,9 +633,15 @@ def run_stream(model, spec, args):
             found = answer(model, outputs, pixels.shape[:2])
         except imaging.ImageError as err:
             raise LoaderError(str(err), Exit.BUNDLE)
-        if folder is not None:
+        if folder is not None or writer is not None:
             drawn = imaging.draw_detections(np, pixels, found[1]) if found and found[0] == "detections" else pixels
-            write_png(os.path.join(folder, "frame_%06d.png" % index), drawn)
+            if folder is not None:
+                write_png(os.path.join(folder, "frame_%06d.png" % index), drawn)
+            else:
+                try:
+                    writer.write(np, drawn, pts, source.rate)
+                except video.VideoError as err:
+                    raise LoaderError(str(err), Exit.USAGE)
         times.add("postprocess", video.now() - t1)
         times.add("infer", t1 - t0)
         state["answered"] += 1
@@ -653,6 +662,7 @@ def run_stream(model, spec, args):
         sys.stdout.flush()
 
     interrupted = False
+    finished = False  # False: a refusal is on its way up; the video being written is removed
     try:
         if args.no_pipeline:
             index = 0
@@ -678,8 +688,9 @@ def run_stream(model, spec, args):
                     item = queue.pop(0)
                     cond.notify_all()
                 answer_frame(item)
+        finished = True
     except KeyboardInterrupt:
-        interrupted = True
+        interrupted = finished = True
     finally:
         with cond:
             state["stop"] = True
@@ -687,8 +698,15 @@ def run_stream(model, spec, args):
         source.cancel = True
         if not args.no_pipeline:
             worker.join()
+        if writer is not None and not finished:
+            writer.discard()
     seconds = video.now() - start
     source.close()
+    if writer is not None:  # the frames answered, also where the source stopped or Ctrl-C came
+        try:
+            writer.close()
+        except video.VideoError as err:
+            raise LoaderError(str(err), Exit.USAGE)
     error = state["error"]
     summary = {"source": source.name, "live": source.live, "pipelined": not args.no_pipeline,
                "frames": state["answered"], "seconds": round(seconds, 3),

@@ -34,6 +34,7 @@ BUFFER_PTS_OFFSET = 72  # GstBuffer: GstMiniObject (64 bytes) + GstBufferPool* -
 MAP_INFO_BYTES = 256  # GstMapInfo is 104 bytes on 64-bit machines: room to spare
 MAP_DATA_OFFSET, MAP_SIZE_OFFSET = 16, 24  # GstMapInfo: GstMemory*, GstMapFlags (+pad), guint8* data, gsize size
 GERROR_MESSAGE_OFFSET = 8  # GError: GQuark domain, gint code, gchar* message
+MESSAGE_TYPE_OFFSET = 64  # GstMessage: GstMiniObject (64 bytes), then GstMessageType type
 
 
 class VideoError(Exception):
@@ -144,6 +145,12 @@ class _Gst:
             (gst, "gst_structure_get_string"): (c.c_char_p, [p, c.c_char_p]),
             (gst, "gst_buffer_map"): (c.c_int, [p, p, c.c_int]),
             (gst, "gst_buffer_unmap"): (None, [p, p]),
+            (gst, "gst_structure_get_fraction"): (c.c_int, [p, c.c_char_p, c.POINTER(c.c_int), c.POINTER(c.c_int)]),
+            (gst, "gst_bus_timed_pop_filtered"): (vp, [p, c.c_uint64, c.c_int]),
+            (gst, "gst_buffer_new_allocate"): (vp, [p, c.c_size_t, p]),
+            (gst, "gst_buffer_fill"): (c.c_size_t, [p, c.c_size_t, p, c.c_size_t]),
+            (app, "gst_app_src_push_buffer"): (c.c_int, [p, p]),
+            (app, "gst_app_src_end_of_stream"): (c.c_int, [p]),
             (app, "gst_app_sink_try_pull_sample"): (vp, [p, c.c_uint64]),
             (app, "gst_app_sink_is_eos"): (c.c_int, [p]),
             (glib, "g_error_free"): (None, [p]),
@@ -193,6 +200,7 @@ class Source:
         self.pipeline = self.sink = self.bus = None
         self.frames = 0
         self.cancel = False  # set by another thread: read() returns None at its next 0.1 s step
+        self.rate = None  # (numerator, denominator) frames per second where the source says
         error = ctypes.c_void_p()
         pipeline = gst.gst_parse_launch(self.description.encode(), ctypes.byref(error))
         if error.value:
@@ -220,15 +228,7 @@ class Source:
     def _bus_error(self):
         """The first error GStreamer posted, as a line, or None."""
         message = self.gst.gst_bus_pop_filtered(self.bus, GST_MESSAGE_ERROR) if self.bus else None
-        if not message:
-            return None
-        error, debug = ctypes.c_void_p(), ctypes.c_void_p()
-        self.gst.gst_message_parse_error(message, ctypes.byref(error), ctypes.byref(debug))
-        text = self.gst.error_text(error.value) if error.value else "unknown error"
-        if debug.value:
-            self.gst.g_free(debug.value)
-        self.gst.gst_mini_object_unref(message)
-        return explain(text)
+        return _message_error(self.gst, message) if message else None
 
     def read(self, np):
         """The next frame: (pixels [H, W, 3] uint8, seconds or None), or None at the end of the source."""
@@ -262,6 +262,9 @@ class Source:
                 and gst.gst_structure_get_int(structure, b"height", ctypes.byref(height))):
             raise VideoError("%s: a frame without its size" % self.name)
         w, h = width.value, height.value
+        num, den = ctypes.c_int(0), ctypes.c_int(0)
+        if self.rate is None and gst.gst_structure_get_fraction(structure, b"framerate", ctypes.byref(num), ctypes.byref(den)):
+            self.rate = (num.value, den.value) if num.value > 0 and den.value > 0 else None
         fmt = gst.gst_structure_get_string(structure, b"format")
         if fmt != b"RGB":
             raise VideoError("%s gives %s frames; the appsink must take %s" % (
@@ -295,6 +298,145 @@ class Source:
             if obj:
                 gst.gst_object_unref(obj)
         self.pipeline = self.sink = self.bus = None
+
+
+VIDEO_MUXERS = {".mp4": "mp4mux", ".m4v": "mp4mux", ".mov": "qtmux", ".mkv": "matroskamux", ".avi": "avimux"}
+SRC_NAME = "edgeq_src"
+WRITE_TIMEOUT_S = 60.0  # the encoder's end of stream after the last frame
+
+
+def encoder(path, have):
+    """The GStreamer elements that encode RGB frames for ``path`` (its suffix picks the container): MJPEG in an AVI;
+    otherwise H.264 by NVIDIA's nvv4l2h264enc (a Jetson) or x264enc, else MPEG-4 part 2 by libav's avenc_mpeg4."""
+    suffix = os.path.splitext(path)[1].lower()
+    mux = VIDEO_MUXERS.get(suffix)
+    if mux is None:
+        raise VideoError("--output %s: a video is written as %s, or frames as PNG into a folder (DIR/)"
+                         % (path, ", ".join(sorted(VIDEO_MUXERS))))
+    if suffix == ".avi":
+        chain = "videoconvert ! jpegenc"
+    elif have("nvv4l2h264enc"):
+        chain = "nvvidconv ! video/x-raw(memory:NVMM),format=NV12 ! nvv4l2h264enc ! h264parse"
+    elif have("x264enc"):
+        chain = "videoconvert ! x264enc speed-preset=veryfast"
+    elif have("avenc_mpeg4"):
+        chain = "videoconvert ! avenc_mpeg4 bitrate=4000000"
+    else:
+        raise VideoError("--output %s needs an H.264 or MPEG-4 encoder in GStreamer (x264enc: gstreamer1.0-plugins-ugly; "
+                         "avenc_mpeg4: gstreamer1.0-libav), or give .avi (MJPEG)" % path)
+    for element in (mux, "jpegenc" if suffix == ".avi" else None):
+        if element and not have(element):
+            raise VideoError("--output %s needs GStreamer's %s (gstreamer1.0-plugins-good)" % (path, element))
+    return "%s ! %s" % (chain, mux)
+
+
+class Writer:
+    """A video file written frame by frame through GStreamer (``appsrc`` -> encoder -> muxer -> a temporary file
+    beside ``path``, renamed over it once the muxer has finished): ``write(pixels, seconds)``, then ``close()`` keeps
+    it or ``discard()`` removes it."""
+
+    def __init__(self, path, have):
+        self.path, self.chain = path, encoder(path, have)
+        self.tmp = "%s.tmp%d%s" % (path, os.getpid(), os.path.splitext(path)[1])
+        self.gst = gstreamer()
+        self.pipeline = self.src = self.bus = None
+        self.size = self.start = None
+        self.frames = 0
+
+    def _open(self, width, height, rate):
+        gst = self.gst
+        num, den = rate or (30, 1)
+        description = ("appsrc name=%s format=time block=true caps=video/x-raw,format=RGB,width=%d,height=%d,"
+                       "framerate=%d/%d ! %s ! filesink location=%s" % (SRC_NAME, width, height, num, den, self.chain,
+                                                                         quote(self.tmp)))
+        error = ctypes.c_void_p()
+        pipeline = gst.gst_parse_launch(description.encode(), ctypes.byref(error))
+        if error.value or not pipeline:
+            text = gst.error_text(error.value) if error.value else "unknown error"
+            if pipeline:
+                gst.gst_object_unref(pipeline)
+            raise VideoError("cannot write %s: %s" % (self.path, text))
+        self.pipeline = pipeline
+        self.src = gst.gst_bin_get_by_name(pipeline, SRC_NAME.encode())
+        self.bus = gst.gst_element_get_bus(pipeline)
+        self.size, self.period = (width, height), den / num
+        if gst.gst_element_set_state(pipeline, GST_STATE_PLAYING) == GST_STATE_CHANGE_FAILURE:
+            raise VideoError("cannot write %s: %s" % (self.path, self._error() or "the encoder would not start"))
+
+    def _error(self):
+        message = self.gst.gst_bus_pop_filtered(self.bus, GST_MESSAGE_ERROR) if self.bus else None
+        return _message_error(self.gst, message) if message else None
+
+    def write(self, np, pixels, seconds, rate):
+        """One frame (uint8 [H, W, 3]) at ``seconds`` (the source's timestamp, or None: one frame period after the
+        last); ``rate``: the source's frames per second, for the container."""
+        h, w = pixels.shape[:2]
+        if self.pipeline is None:
+            self._open(w, h, rate)
+        elif (w, h) != self.size:
+            raise VideoError("cannot write %s: the frames changed size (%d x %d to %d x %d)" % (self.path, *self.size, w, h))
+        stride = (w * 3 + 3) & ~3
+        data = np.zeros((h, stride), np.uint8)
+        data[:, : w * 3] = pixels.reshape(h, w * 3)
+        gst = self.gst
+        buffer = gst.gst_buffer_new_allocate(None, data.nbytes, None)
+        gst.gst_buffer_fill(buffer, 0, data.ctypes.data, data.nbytes)
+        if seconds is None or self.start is None and self.frames:
+            at = self.frames * self.period
+        else:
+            self.start = seconds if self.start is None else self.start
+            at = max(seconds - self.start, 0.0)
+        ctypes.c_uint64.from_address(buffer + BUFFER_PTS_OFFSET).value = int(round(at * 1e9))
+        ctypes.c_uint64.from_address(buffer + BUFFER_PTS_OFFSET + 16).value = int(round(self.period * 1e9))  # duration
+        if gst.gst_app_src_push_buffer(self.src, buffer) != 0:  # GST_FLOW_OK; the buffer is appsrc's now
+            raise VideoError("cannot write %s: %s" % (self.path, self._error() or "the encoder stopped"))
+        self.frames += 1
+
+    def close(self):
+        """The end of the stream: wait for the muxer to finish, then rename the file into place."""
+        gst = self.gst
+        if self.pipeline is None:
+            return
+        gst.gst_app_src_end_of_stream(self.src)
+        message = gst.gst_bus_timed_pop_filtered(self.bus, int(WRITE_TIMEOUT_S * 1e9), GST_MESSAGE_EOS | GST_MESSAGE_ERROR)
+        problem = _message_error(gst, message) if message else "the encoder did not finish in %g s" % WRITE_TIMEOUT_S
+        self._stop()
+        if problem:
+            self.discard()
+            raise VideoError("cannot write %s: %s" % (self.path, problem))
+        try:
+            os.replace(self.tmp, self.path)
+        except OSError as err:
+            self.discard()
+            raise VideoError("cannot write %s: %s" % (self.path, err.strerror or err))
+
+    def _stop(self):
+        gst = self.gst
+        if self.pipeline:
+            gst.gst_element_set_state(self.pipeline, GST_STATE_NULL)
+        for obj in (self.src, self.bus, self.pipeline):
+            if obj:
+                gst.gst_object_unref(obj)
+        self.pipeline = self.src = self.bus = None
+
+    def discard(self):
+        self._stop()
+        if os.path.lexists(self.tmp) and not os.path.islink(self.tmp):
+            os.unlink(self.tmp)
+
+
+def _message_error(gst, message):
+    """The error line of a bus message (None for end of stream), the message released."""
+    error, debug = ctypes.c_void_p(), ctypes.c_void_p()
+    kind = ctypes.c_int.from_address(message + MESSAGE_TYPE_OFFSET).value
+    text = None
+    if kind == GST_MESSAGE_ERROR:
+        gst.gst_message_parse_error(message, ctypes.byref(error), ctypes.byref(debug))
+        text = explain(gst.error_text(error.value) if error.value else "unknown error")
+        if debug.value:
+            gst.g_free(debug.value)
+    gst.gst_mini_object_unref(message)
+    return text
 
 
 def explain(text: str) -> str:

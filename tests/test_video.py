@@ -152,6 +152,36 @@ def test_text_output_and_frames_written_with_boxes(detector, tmp_path):
     assert run_py(bundle, "--input", video, "--output", tmp_path / "x.npz").returncode == 2
 
 
+@pytest.mark.parametrize("suffix", [".avi", ".mp4"])
+def test_a_video_written_with_the_answers_drawn(detector, suffix, tmp_path):
+    """--output FILE.avi|.mp4: the frames with boxes and labels, encoded by GStreamer; both loaders write the same."""
+    bundle, video = detector["bundle"], detector["videos"]["avi"]
+    if suffix == ".mp4" and not (_has("x264enc") or _has("avenc_mpeg4")):
+        pytest.skip("GStreamer here has no H.264 or MPEG-4 encoder")
+    written = {}
+    for loader, run in (("py", run_py), ("native", _native)):
+        proc = run(bundle, "--input", video, "--output", tmp_path / f"{loader}{suffix}")
+        assert proc.returncode == 0, proc.stderr
+        written[loader] = _decoded_frames(tmp_path / f"{loader}{suffix}", tmp_path / f"{loader}-frames")
+        assert len(written[loader]) == FRAMES
+        assert not [p for p in tmp_path.iterdir() if ".tmp" in p.name]  # the temporary file was renamed into place
+    from edgeq.templates import imaging
+
+    rows, _ = _lines(run_py(bundle, "--input", video, "--json").stdout)
+    plain = _decoded_frames(video, tmp_path / "plain")
+    for i in range(FRAMES):
+        a, b = (np.asarray(Image.open(written[k][i]).convert("RGB")).astype(int) for k in ("py", "native"))
+        assert np.array_equal(a, b), i  # the same pixels went into the same encoder
+        source = np.asarray(Image.open(plain[i]).convert("RGB"))
+        drawn = imaging.draw_detections(np, source, rows[i]["detections"]).astype(int)
+        # lossy codecs: the written frame is near the drawn one, and the boxes are there
+        assert np.abs(a - drawn).mean() < 8, i
+        if rows[i]["detections"]:
+            assert np.abs(a - drawn).mean() < np.abs(a - source.astype(int)).mean(), i
+    bad = run_py(bundle, "--input", video, "--output", tmp_path / "x.webm")  # no muxer for it: a folder named x.webm
+    assert bad.returncode == 0 and (tmp_path / "x.webm" / "frame_000000.png").exists()
+
+
 def test_a_gst_pipeline_of_the_users_own(detector):
     bundle = detector["bundle"]
     source = "gst:videotestsrc num-buffers=7 pattern=ball ! video/x-raw,width=160,height=120 ! videoconvert ! appsink"

@@ -146,6 +146,13 @@ constexpr int kMaxJsonDepth = {safebundle.MAX_JSON_DEPTH};  // safebundle.MAX_JS
 constexpr unsigned long long kMaxImagePixels = {imaging.MAX_IMAGE_PIXELS};  // imaging.MAX_IMAGE_PIXELS
 constexpr size_t kMaxImageFileBytes = {imaging.MAX_IMAGE_FILE_BYTES};  // imaging.MAX_IMAGE_FILE_BYTES
 constexpr int kPadValue = {imaging.PAD_VALUE};  // imaging.PAD_VALUE
+// imaging.BOX_COLOURS, BOX_LINE, FONT_W, FONT_H, FONT, TEXT_COLOUR: the boxes and labels drawn on video frames
+constexpr unsigned char kBoxColours[][3] = {{{", ".join("{%d, %d, %d}" % c for c in imaging.BOX_COLOURS)}}};
+constexpr int kBoxColourCount = {len(imaging.BOX_COLOURS)};
+constexpr int kBoxLine = {imaging.BOX_LINE};
+constexpr int kFontW = {imaging.FONT_W}, kFontH = {imaging.FONT_H};
+constexpr unsigned char kFont[] = {{{", ".join(str(b) for b in imaging.FONT)}}};
+constexpr unsigned char kTextColour[3] = {{{", ".join(str(c) for c in imaging.TEXT_COLOUR)}}};
 constexpr long kMaxLabels = {contract.MAX_LABELS};  // contract.MAX_LABELS
 constexpr long kMaxImageSide = {contract.MAX_IMAGE_SIDE};  // contract.MAX_IMAGE_SIDE
 constexpr unsigned long long kMaxInputBytes = {contract.MAX_INPUT_BYTES}ull;  // contract.MAX_INPUT_BYTES: one --input .npy

@@ -917,7 +917,8 @@ std::string Rounded(double v, int digits) {  // Python's round(v, digits), as JS
 std::string FrameFolder(const std::string& output) {
   if (output.empty()) return "";
   if (EndsWith(output, ".npz") || EndsWith(output, ".npy"))
-    refuse_usage("--output " + output + ": a video's outputs go to a folder (each frame as a PNG, boxes drawn); give DIR/");
+    refuse_usage("--output " + output + ": a video's answers are drawn on its frames: give a video file (.avi, .m4v, "
+                 ".mkv, .mov, .mp4) or a folder for PNG frames (DIR/)");
   std::string dir = output;
   while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
   struct stat st;
@@ -934,9 +935,11 @@ int RunStream(Runtime* rt, const Bundle& b, const std::string& spec, const Args&
   if (!b.preprocess.given)
     refuse_usage("--input " + spec + " is a video, and this bundle was packaged without --preprocess: package it with "
                  "--preprocess");
-  std::string folder = FrameFolder(args.output);
+  bool to_video = !args.output.empty() && VideoMuxer(VideoSuffix(args.output)) != nullptr;
+  std::string folder = to_video ? "" : FrameFolder(args.output);
   Clock::time_point start = Clock::now();
   VideoSource source(spec, args.timeout);
+  std::unique_ptr<VideoWriter> writer(to_video ? new VideoWriter(args.output) : nullptr);
   std::map<std::string, std::vector<double>> times;  // stage -> seconds per frame
   std::mutex mu;
   std::condition_variable cond;
@@ -966,10 +969,19 @@ int RunStream(Runtime* rt, const Bundle& b, const std::string& spec, const Args&
     std::vector<HostTensor> outputs = rt->Run(DeviceInputs(rt, b, given), b.outputs);
     Clock::time_point t1 = Clock::now();
     Answered a = AnswerOf(b, outputs, f.pixels.h, f.pixels.w);
-    if (!folder.empty()) {
-      char name[64];
-      std::snprintf(name, sizeof name, "/frame_%06lld.png", static_cast<long long>(f.index));
-      WriteFileAtomic(folder + name, PngBytes(b.postprocess.kind == "yolo" ? DrawDetections(f.pixels, a.drawn) : f.pixels));
+    if (!folder.empty() || writer) {
+      Pixels drawn = b.postprocess.kind == "yolo" ? DrawDetections(f.pixels, a.drawn) : f.pixels;
+      if (writer) {
+        try {
+          writer->Write(drawn, f.seconds, source.rate_num(), source.rate_den());
+        } catch (const VideoFailed& err) {
+          refuse_usage(err.what());
+        }
+      } else {
+        char name[64];
+        std::snprintf(name, sizeof name, "/frame_%06lld.png", static_cast<long long>(f.index));
+        WriteFileAtomic(folder + name, PngBytes(drawn));
+      }
     }
     add_time("postprocess", seconds_since(t1));
     add_time("infer", std::chrono::duration<double>(t1 - t0).count());
@@ -1081,6 +1093,13 @@ int RunStream(Runtime* rt, const Bundle& b, const std::string& spec, const Args&
   }
   double seconds = seconds_since(start);
   source.Close();
+  if (writer) {  // the frames answered, also where the source stopped or Ctrl-C came (a refusal discards it)
+    try {
+      writer->Close();
+    } catch (const VideoFailed& err) {
+      refuse_usage(err.what());
+    }
+  }
   bool interrupted = g_interrupted != 0;
   // the summary (video.describe_summary / run.py's JSON)
   std::string stages_json, stages_text;

@@ -416,7 +416,22 @@ std::string ProcessProblem(const Preprocess& pre, const Postprocess& post, const
 struct Detection {  // one of YoloJson's rows, for drawing (video.h)
   int64_t cls;
   double box[4];  // as printed: rounded to 0.01 px
+  std::string label;  // imaging.label_text: "LABEL 0.91", printable ASCII
 };
+
+// imaging.label_text: the label (or class N) and the score to 2 decimals; a character outside printable ASCII is
+// '?' (one per UTF-8 code point, as Python counts them)
+std::string LabelText(const std::string& name, double score) {
+  char s[32];
+  std::snprintf(s, sizeof s, " %.2f", score);
+  std::string out;
+  for (char c : name + s) {
+    unsigned char u = static_cast<unsigned char>(c);
+    if (u >= 0x20 && u <= 0x7e) out += c;
+    else if ((u & 0xC0) != 0x80) out += '?';
+  }
+  return out;
+}
 
 std::string YoloJson(const HostTensor& head, const HostTensor& rows, int64_t real, const Postprocess& post,
                      const Preprocess& pre, int64_t image_h, int64_t image_w, std::string* text,
@@ -462,8 +477,11 @@ std::string YoloJson(const HostTensor& head, const HostTensor& rows, int64_t rea
       for (int k = 0; k < 4; ++k) box[k] = std::min(std::max(box[k], 0.0), double(k % 2 ? image_h : image_w));
     char coords[160], score[32];
     std::snprintf(coords, sizeof coords, "%.2f, %.2f, %.2f, %.2f", box[0], box[1], box[2], box[3]);
+    std::snprintf(score, sizeof score, "%.4f", f.score);
+    bool labelled = f.c >= 0 && f.c < int64_t(post.labels.size());
+    std::string name = labelled ? post.labels[size_t(f.c)] : "class " + std::to_string(f.c);
     if (drawn) {  // the printed values, as run.py draws them (round(v, 2))
-      Detection d{f.c, {0, 0, 0, 0}};
+      Detection d{f.c, {0, 0, 0, 0}, LabelText(name, std::strtod(score, nullptr))};
       const char* at = coords;
       for (int k = 0; k < 4; ++k) {
         char* end = nullptr;
@@ -472,9 +490,6 @@ std::string YoloJson(const HostTensor& head, const HostTensor& rows, int64_t rea
       }
       drawn->push_back(d);
     }
-    std::snprintf(score, sizeof score, "%.4f", f.score);
-    bool labelled = f.c >= 0 && f.c < int64_t(post.labels.size());
-    std::string name = labelled ? post.labels[size_t(f.c)] : "class " + std::to_string(f.c);
     json += std::string(i ? ", " : "") + "{\"box\": [" + coords + "], \"score\": " + score + ", \"class\": " +
             std::to_string(f.c) + (labelled ? ", \"label\": " + JsonQuote(name) : std::string()) + "}";
     char line[256];

@@ -7,6 +7,7 @@
 
 #include <dlfcn.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
@@ -26,11 +27,11 @@ constexpr const char* kRgbCaps = "video/x-raw,format=RGB";
 // GStreamer's ABI (1.x, stable): enum values and the offsets of the fields read here (video.py: the same)
 constexpr int kGstStateNull = 1, kGstStatePaused = 3, kGstStatePlaying = 4;
 constexpr int kGstStateChangeFailure = 0, kGstStateChangeNoPreroll = 3;
-constexpr int kGstMessageError = 1 << 1;
+constexpr int kGstMessageEos = 1 << 0, kGstMessageError = 1 << 1;
 constexpr int kGstMapRead = 1;
 constexpr uint64_t kGstClockTimeNone = ~uint64_t(0);
 constexpr size_t kBufferPtsOffset = 72, kMapInfoBytes = 256, kMapDataOffset = 16, kMapSizeOffset = 24;
-constexpr size_t kGErrorMessageOffset = 8;
+constexpr size_t kGErrorMessageOffset = 8, kMessageTypeOffset = 64;
 
 // A source that fails while it is read (video.py's VideoError raised by Source.read): ends the run with kSource.
 struct VideoFailed : std::runtime_error {
@@ -55,6 +56,12 @@ struct GstApi {
   const char* (*structure_get_string)(void*, const char*) = nullptr;
   int (*buffer_map)(void*, void*, int) = nullptr;
   void (*buffer_unmap)(void*, void*) = nullptr;
+  int (*structure_get_fraction)(void*, const char*, int*, int*) = nullptr;
+  void* (*bus_timed_pop_filtered)(void*, uint64_t, int) = nullptr;
+  void* (*buffer_new_allocate)(void*, size_t, void*) = nullptr;
+  size_t (*buffer_fill)(void*, size_t, const void*, size_t) = nullptr;
+  int (*push_buffer)(void*, void*) = nullptr;
+  int (*end_of_stream)(void*) = nullptr;
   void* (*try_pull_sample)(void*, uint64_t) = nullptr;
   int (*is_eos)(void*) = nullptr;
   void (*error_free)(void*) = nullptr;
@@ -109,6 +116,12 @@ const GstApi& Gst() {
   EDGEQ_GST(structure_get_string, gst, "gst_structure_get_string");
   EDGEQ_GST(buffer_map, gst, "gst_buffer_map");
   EDGEQ_GST(buffer_unmap, gst, "gst_buffer_unmap");
+  EDGEQ_GST(structure_get_fraction, gst, "gst_structure_get_fraction");
+  EDGEQ_GST(bus_timed_pop_filtered, gst, "gst_bus_timed_pop_filtered");
+  EDGEQ_GST(buffer_new_allocate, gst, "gst_buffer_new_allocate");
+  EDGEQ_GST(buffer_fill, gst, "gst_buffer_fill");
+  EDGEQ_GST(push_buffer, app, "gst_app_src_push_buffer");
+  EDGEQ_GST(end_of_stream, app, "gst_app_src_end_of_stream");
   EDGEQ_GST(try_pull_sample, app, "gst_app_sink_try_pull_sample");
   EDGEQ_GST(is_eos, app, "gst_app_sink_is_eos");
   EDGEQ_GST(error_free, glib, "g_error_free");
@@ -230,6 +243,22 @@ std::string ExplainGstError(const std::string& text) {
   return text;
 }
 
+// video._message_error: the error line of a bus message ("" for end of stream), the message released
+std::string MessageError(const GstApi& gst, void* message) {
+  int kind;
+  std::memcpy(&kind, static_cast<const char*>(message) + kMessageTypeOffset, sizeof kind);
+  std::string text;
+  if (kind == kGstMessageError) {
+    void* error = nullptr;
+    char* debug = nullptr;
+    gst.message_parse_error(message, &error, &debug);
+    text = ExplainGstError(error ? gst.ErrorText(error) : "unknown error");
+    if (debug) gst.g_free(debug);
+  }
+  gst.mini_object_unref(message);
+  return text;
+}
+
 // video.Source: an open video source, frame by frame
 class VideoSource {
  public:
@@ -267,6 +296,8 @@ class VideoSource {
   std::atomic<bool> cancel{false};  // set by another thread: Read returns false at its next 0.1 s step
 
   bool live() const { return live_; }
+  int rate_num() const { return rate_num_; }  // frames per second where the source says (0: it does not)
+  int rate_den() const { return rate_den_; }
   const std::string& name() const { return name_; }
 
   // the next frame (RGB) and its timestamp (seconds, or < 0 where the buffer has none); false at the end
@@ -300,6 +331,9 @@ class VideoSource {
       throw VideoFailed(name_ + ": a frame without its size");
     if (w <= 0 || h <= 0 || uint64_t(w) * uint64_t(h) > kMaxImagePixels)
       throw VideoFailed(name_ + ": a frame of " + std::to_string(w) + " x " + std::to_string(h) + " pixels");
+    int num = 0, den = 0;
+    if (rate_num_ == 0 && gst_.structure_get_fraction(structure, "framerate", &num, &den) && num > 0 && den > 0)
+      rate_num_ = num, rate_den_ = den;
     const char* format = gst_.structure_get_string(structure, "format");
     if (!format || std::string(format) != "RGB")
       throw VideoFailed(name_ + " gives " + (format ? format : "unknown") + " frames; the appsink must take " + kRgbCaps);
@@ -334,14 +368,7 @@ class VideoSource {
  private:
   std::string BusError() {
     void* message = bus_ ? gst_.bus_pop_filtered(bus_, kGstMessageError) : nullptr;
-    if (!message) return "";
-    void* error = nullptr;
-    char* debug = nullptr;
-    gst_.message_parse_error(message, &error, &debug);
-    std::string text = error ? gst_.ErrorText(error) : "unknown error";
-    if (debug) gst_.g_free(debug);
-    gst_.mini_object_unref(message);
-    return ExplainGstError(text);
+    return message ? MessageError(gst_, message) : "";
   }
 
   std::string spec_, name_;
@@ -350,15 +377,24 @@ class VideoSource {
   void *pipeline_ = nullptr, *sink_ = nullptr, *bus_ = nullptr;
   bool live_ = false;
   int64_t frames_ = 0;
+  int rate_num_ = 0, rate_den_ = 0;
 };
 
-// imaging.BOX_COLOURS, BOX_LINE, box_pixels, draw_detections
-constexpr uint8_t kBoxColours[20][3] = {
-    {255, 56, 56}, {255, 157, 151}, {255, 112, 31}, {255, 178, 29}, {207, 210, 49}, {72, 249, 10}, {146, 204, 23},
-    {61, 219, 134}, {26, 147, 52}, {0, 212, 187}, {44, 153, 168}, {0, 194, 255}, {52, 69, 147}, {100, 115, 255},
-    {0, 24, 236}, {132, 56, 255}, {82, 0, 133}, {203, 56, 255}, {255, 149, 200}, {255, 55, 199}};
-constexpr int64_t kBoxLine = 2;
+// imaging.draw_text: text at (x, y), clipped to the image
+void DrawText(Pixels* p, int64_t x, int64_t y, const std::string& text, const unsigned char* colour) {
+  for (size_t n = 0; n < text.size(); ++n) {
+    int code = static_cast<unsigned char>(text[n]) - 32;
+    if (code < 0 || code > 94) continue;
+    for (int r = 0; r < kFontH; ++r)
+      for (int k = 0; k < kFontW; ++k) {
+        int64_t px = x + int64_t(n) * kFontW + k, py = y + r;
+        if ((kFont[code * kFontH + r] >> (kFontW - 1 - k) & 1) && px >= 0 && px < p->w && py >= 0 && py < p->h)
+          std::memcpy(&p->data[size_t((py * p->w + px) * 3)], colour, 3);
+      }
+  }
+}
 
+// imaging.box_pixels and draw_detections: boxes outlined in their class's colour, label bars, worst first
 Pixels DrawDetections(Pixels p, const std::vector<Detection>& found) {
   if (p.c == 1) {
     std::vector<uint8_t> rgb(size_t(p.h * p.w * 3));
@@ -368,20 +404,163 @@ Pixels DrawDetections(Pixels p, const std::vector<Detection>& found) {
   }
   auto clampi = [](double v, int64_t hi) { return int64_t(std::max(0.0, std::min(double(hi), std::floor(v)))); };
   for (auto it = found.rbegin(); it != found.rend(); ++it) {
-    const uint8_t* colour = kBoxColours[((it->cls % 20) + 20) % 20];
+    const unsigned char* colour = kBoxColours[((it->cls % kBoxColourCount) + kBoxColourCount) % kBoxColourCount];
     int64_t x1 = clampi(it->box[0], p.w - 1), y1 = clampi(it->box[1], p.h - 1);
     int64_t x2 = std::max(x1, clampi(it->box[2], p.w - 1)), y2 = std::max(y1, clampi(it->box[3], p.h - 1));
-    auto fill = [&](int64_t ya, int64_t yb, int64_t xa, int64_t xb) {  // [ya, yb) x [xa, xb)
-      for (int64_t y = ya; y < yb; ++y)
-        for (int64_t x = xa; x < xb; ++x) std::memcpy(&p.data[size_t((y * p.w + x) * 3)], colour, 3);
+    auto fill = [&](int64_t ya, int64_t yb, int64_t xa, int64_t xb) {  // [ya, yb) x [xa, xb), clipped
+      for (int64_t y = std::max<int64_t>(ya, 0); y < std::min(yb, p.h); ++y)
+        for (int64_t x = std::max<int64_t>(xa, 0); x < std::min(xb, p.w); ++x)
+          std::memcpy(&p.data[size_t((y * p.w + x) * 3)], colour, 3);
     };
     fill(y1, std::min(y1 + kBoxLine, y2 + 1), x1, x2 + 1);
     fill(std::max(y2 - kBoxLine + 1, y1), y2 + 1, x1, x2 + 1);
     fill(y1, y2 + 1, x1, std::min(x1 + kBoxLine, x2 + 1));
     fill(y1, y2 + 1, std::max(x2 - kBoxLine + 1, x1), x2 + 1);
+    int64_t bar_h = kFontH + 2, bar_w = int64_t(it->label.size()) * kFontW + 2;
+    int64_t top = y1 >= bar_h ? y1 - bar_h : y1;
+    fill(top, top + bar_h, x1, x1 + bar_w);
+    DrawText(&p, x1 + 1, top + 1, it->label, kTextColour);
   }
   return p;
 }
+
+// video.encoder: the elements that encode RGB frames for path (its suffix picks the container); "" where the
+// suffix is not a video's
+std::string VideoSuffix(const std::string& path) {
+  size_t dot = path.rfind('.'), slash = path.rfind('/');
+  if (dot == std::string::npos || (slash != std::string::npos && dot < slash)) return "";
+  std::string suffix = path.substr(dot);
+  for (char& c : suffix) c = char(std::tolower(static_cast<unsigned char>(c)));
+  return suffix;
+}
+
+const char* VideoMuxer(const std::string& suffix) {  // video.VIDEO_MUXERS
+  if (suffix == ".mp4" || suffix == ".m4v") return "mp4mux";
+  if (suffix == ".mov") return "qtmux";
+  if (suffix == ".mkv") return "matroskamux";
+  if (suffix == ".avi") return "avimux";
+  return nullptr;
+}
+
+std::string VideoEncoder(const std::string& path) {
+  const GstApi& gst = Gst();
+  std::string suffix = VideoSuffix(path);
+  const char* mux = VideoMuxer(suffix);
+  if (!mux) refuse_usage("--output " + path + ": a video is written as .avi, .m4v, .mkv, .mov, .mp4, or frames as PNG into a folder (DIR/)");
+  std::string chain;
+  if (suffix == ".avi") chain = "videoconvert ! jpegenc";
+  else if (gst.Have("nvv4l2h264enc")) chain = "nvvidconv ! video/x-raw(memory:NVMM),format=NV12 ! nvv4l2h264enc ! h264parse";
+  else if (gst.Have("x264enc")) chain = "videoconvert ! x264enc speed-preset=veryfast";
+  else if (gst.Have("avenc_mpeg4")) chain = "videoconvert ! avenc_mpeg4 bitrate=4000000";
+  else
+    refuse_usage("--output " + path + " needs an H.264 or MPEG-4 encoder in GStreamer (x264enc: gstreamer1.0-plugins-ugly; "
+                 "avenc_mpeg4: gstreamer1.0-libav), or give .avi (MJPEG)");
+  for (const char* element : {mux, suffix == ".avi" ? "jpegenc" : nullptr})
+    if (element && !gst.Have(element))
+      refuse_usage("--output " + path + " needs GStreamer's " + element + " (gstreamer1.0-plugins-good)");
+  return chain + " ! " + mux;
+}
+
+// video.Writer: a video file written frame by frame, into a temporary file renamed over path at the end
+class VideoWriter {
+ public:
+  explicit VideoWriter(const std::string& path) : path_(path), chain_(VideoEncoder(path)), gst_(Gst()) {
+    tmp_ = path + ".tmp" + std::to_string(getpid()) + VideoSuffix(path);
+  }
+  ~VideoWriter() { Discard(); }
+  VideoWriter(const VideoWriter&) = delete;
+  VideoWriter& operator=(const VideoWriter&) = delete;
+
+  // one frame at seconds (the source's timestamp; < 0: one frame period after the last)
+  void Write(const Pixels& p, double seconds, int rate_num, int rate_den) {
+    if (!pipeline_) Open(p.w, p.h, rate_num, rate_den);
+    else if (p.w != width_ || p.h != height_)
+      throw VideoFailed("cannot write " + path_ + ": the frames changed size (" + std::to_string(width_) + " x " +
+                        std::to_string(height_) + " to " + std::to_string(p.w) + " x " + std::to_string(p.h) + ")");
+    size_t row = size_t(p.w) * 3, stride = (row + 3) & ~size_t(3);
+    std::vector<uint8_t> data(stride * size_t(p.h), 0);
+    for (int64_t y = 0; y < p.h; ++y) std::memcpy(&data[size_t(y) * stride], &p.data[size_t(y) * row], row);
+    void* buffer = gst_.buffer_new_allocate(nullptr, data.size(), nullptr);
+    gst_.buffer_fill(buffer, 0, data.data(), data.size());
+    double at;
+    if (seconds < 0 || (!started_ && frames_ > 0)) {
+      at = double(frames_) * period_;
+    } else {
+      if (!started_) start_ = seconds, started_ = true;
+      at = std::max(seconds - start_, 0.0);
+    }
+    uint64_t pts = uint64_t(std::llround(at * 1e9)), duration = uint64_t(std::llround(period_ * 1e9));
+    std::memcpy(static_cast<char*>(buffer) + kBufferPtsOffset, &pts, sizeof pts);
+    std::memcpy(static_cast<char*>(buffer) + kBufferPtsOffset + 16, &duration, sizeof duration);
+    if (gst_.push_buffer(src_, buffer) != 0) {
+      std::string problem = Error();
+      throw VideoFailed("cannot write " + path_ + ": " + (problem.empty() ? "the encoder stopped" : problem));
+    }
+    ++frames_;
+  }
+
+  // the end of the stream: wait for the muxer, then rename the file into place
+  void Close() {
+    if (!pipeline_) return;
+    gst_.end_of_stream(src_);
+    void* message = gst_.bus_timed_pop_filtered(bus_, uint64_t(60e9), kGstMessageEos | kGstMessageError);
+    std::string problem = message ? MessageError(gst_, message) : "the encoder did not finish in 60 s";
+    Stop();
+    if (!problem.empty()) {
+      Discard();
+      throw VideoFailed("cannot write " + path_ + ": " + problem);
+    }
+    if (std::rename(tmp_.c_str(), path_.c_str()) != 0) {
+      std::string why = std::strerror(errno);
+      Discard();
+      throw VideoFailed("cannot write " + path_ + ": " + why);
+    }
+  }
+
+  void Discard() {
+    Stop();
+    struct stat st;
+    if (lstat(tmp_.c_str(), &st) == 0 && !S_ISLNK(st.st_mode)) std::remove(tmp_.c_str());
+  }
+
+ private:
+  void Open(int64_t w, int64_t h, int num, int den) {
+    if (num <= 0 || den <= 0) num = 30, den = 1;
+    std::string description = std::string("appsrc name=edgeq_src format=time block=true caps=video/x-raw,format=RGB,width=") +
+                              std::to_string(w) + ",height=" + std::to_string(h) + ",framerate=" + std::to_string(num) +
+                              "/" + std::to_string(den) + " ! " + chain_ + " ! filesink location=" + GstQuote(tmp_);
+    void* error = nullptr;
+    pipeline_ = gst_.parse_launch(description.c_str(), &error);
+    if (error || !pipeline_) {
+      std::string text = error ? gst_.ErrorText(error) : "unknown error";
+      Stop();
+      throw VideoFailed("cannot write " + path_ + ": " + text);
+    }
+    src_ = gst_.bin_get_by_name(pipeline_, "edgeq_src");
+    bus_ = gst_.get_bus(pipeline_);
+    width_ = w, height_ = h, period_ = double(den) / double(num);
+    if (gst_.set_state(pipeline_, kGstStatePlaying) == kGstStateChangeFailure) {
+      std::string problem = Error();
+      throw VideoFailed("cannot write " + path_ + ": " + (problem.empty() ? "the encoder would not start" : problem));
+    }
+  }
+  std::string Error() {
+    void* message = bus_ ? gst_.bus_pop_filtered(bus_, kGstMessageError) : nullptr;
+    return message ? MessageError(gst_, message) : "";
+  }
+  void Stop() {
+    if (pipeline_) gst_.set_state(pipeline_, kGstStateNull);
+    for (void** obj : {&src_, &bus_, &pipeline_})
+      if (*obj) gst_.object_unref(*obj), *obj = nullptr;
+  }
+
+  std::string path_, chain_, tmp_;
+  const GstApi& gst_;
+  void *pipeline_ = nullptr, *src_ = nullptr, *bus_ = nullptr;
+  int64_t width_ = 0, height_ = 0, frames_ = 0;
+  double period_ = 1.0 / 30, start_ = 0;
+  bool started_ = false;
+};
 
 // an 8-bit RGB PNG of p, through the system's libpng (its simplified write API, libpng >= 1.6.29)
 std::string PngBytes(const Pixels& p) {
