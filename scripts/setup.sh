@@ -115,6 +115,28 @@ if [ -n "$TESTS" ] && [ ! -e "$decoders/libturbojpeg.so.0" ] && grep -qi '^ID=de
         echo "setup: could not fetch the arm64 decoders; tests/test_images.py skips its aarch64 test"
     rm -rf "$debs"
 fi
+# ... and Debian's arm64 GStreamer for the qemu test of edgeq-run --input VIDEO: the libraries and the few plugins the
+# test's pipelines use, unpacked into build/arm64-gstreamer/{lib,plugins} (not installed, as above)
+gst_arm64="$PWD/build/arm64-gstreamer"
+if [ -n "$TESTS" ] && [ ! -e "$gst_arm64/plugins/libgstapp.so" ] && grep -qi '^ID=debian' /etc/os-release 2>/dev/null; then
+    echo "setup: fetching Debian's arm64 GStreamer into build/arm64-gstreamer (not installed)"
+    debs="$(mktemp -d)"
+    pkgs="libgstreamer1.0-0 libgstreamer-plugins-base1.0-0 gstreamer1.0-plugins-base gstreamer1.0-plugins-good libglib2.0-0
+          libffi8 libpcre2-8-0 libunwind8 libdw1 libelf1 liblzma5 libbz2-1.0 libzstd1 libcap2 liborc-0.4-0
+          libjpeg62-turbo zlib1g libmount1 libselinux1 libblkid1"
+    { { dpkg --print-foreign-architectures | grep -qx arm64 || $SUDO dpkg --add-architecture arm64; } &&
+      $SUDO apt-get update -qq &&
+      (cd "$debs" && apt-get download -qq $(for p in $pkgs; do echo "$p:arm64"; done) 2>/dev/null) &&
+      for deb in "$debs"/*.deb; do dpkg-deb -x "$deb" "$debs/tree"; done &&
+      mkdir -p "$gst_arm64/lib" "$gst_arm64/plugins" &&
+      cp -a "$debs"/tree/usr/lib/aarch64-linux-gnu/*.so* "$debs"/tree/lib/aarch64-linux-gnu/*.so* "$gst_arm64/lib/" 2>/dev/null;
+      for plugin in coreelements app videotestsrc videoconvertscale playback typefindfunctions avi jpeg isomp4; do
+          cp "$debs/tree/usr/lib/aarch64-linux-gnu/gstreamer-1.0/libgst$plugin.so" "$gst_arm64/plugins/" || break
+      done;
+      [ -e "$gst_arm64/plugins/libgstisomp4.so" ]; } ||
+        echo "setup: could not fetch Debian's arm64 GStreamer; tests/test_video.py skips its aarch64 test"
+    rm -rf "$debs"
+fi
 
 if [ -n "$make_venv" ]; then
     echo "setup: making $VENV from $(command -v "$PYTHON") (Python $(py_version "$PYTHON"))"

@@ -312,3 +312,34 @@ def test_a_video_needs_preprocess_and_goes_alone(models, detector, tmp_path):
     for proc in (run_py(detector["bundle"], "--input", video, "--self-test"),
                  _native(detector["bundle"], "--input", video, "--self-test")):
         assert proc.returncode == 2 and "give it alone" in proc.stderr, proc.stderr
+
+
+ARM64_GST = Path(__file__).resolve().parent.parent / "build" / "arm64-gstreamer"  # scripts/setup.sh --tests
+QEMU = shutil.which("qemu-aarch64")
+
+
+def test_aarch64_loader_under_qemu_answers_as_the_host(detector, tmp_path):
+    """edgeq-run for aarch64 (an arm64-cpu bundle) under qemu with Debian's arm64 GStreamer: the same frames and
+    answers as the x86 loaders."""
+    if QEMU is None or not (ARM64_GST / "plugins" / "libgstavi.so").exists():
+        pytest.skip("needs qemu-aarch64 and Debian's arm64 GStreamer in build/arm64-gstreamer (scripts/setup.sh --tests)")
+    import make_models
+
+    model, labels, street = make_models.write_detector(tmp_path / "models")
+    bundle = Path(json.loads(run_cli("package", model, "--device", "arm64-cpu", "-o", tmp_path / "arm", "-q", "--json",
+                                     "--preprocess", "fit=letterbox", "--postprocess", "yolo", "--labels", labels,
+                                     "--conf", "0.22", "--golden-input", street).stdout)["bundle_dir"])
+    env = {"LD_LIBRARY_PATH": str(ARM64_GST / "lib"), "GST_PLUGIN_SYSTEM_PATH_1_0": str(ARM64_GST / "plugins"),
+           "GST_PLUGIN_PATH_1_0": "", "GST_REGISTRY_FORK": "no", "GST_REGISTRY_1_0": str(tmp_path / "registry.bin"),
+           "PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+    video = detector["videos"]["avi"]
+    proc = subprocess.run([QEMU, "-L", "/usr/aarch64-linux-gnu", str(bundle / "runtime" / "edgeq-run"), "--input", video,
+                           "--json"], capture_output=True, text=True, timeout=600, cwd=bundle, env=env)
+    assert proc.returncode == 0, proc.stderr
+    rows, summary = _lines(proc.stdout)
+    host, _ = _lines(_native(detector["bundle"], "--input", video, "--json").stdout)
+    assert [r["frame"] for r in rows] == list(range(FRAMES)) and summary["frames"] == FRAMES
+    for got, want in zip(rows, host):  # another CPU's float arithmetic: the same boxes, to rounding
+        assert [d["class"] for d in got["detections"]] == [d["class"] for d in want["detections"]]
+        for g, w in zip(got["detections"], want["detections"]):
+            assert max(abs(a - b) for a, b in zip(g["box"], w["box"])) <= 0.05 and abs(g["score"] - w["score"]) <= 1e-3
