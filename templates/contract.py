@@ -60,7 +60,7 @@ class LoaderExit(enum.IntEnum):
     USAGE = 2
     DEVICE = 4  # this machine cannot run the bundle (architecture, driver, GPU, TVM version)
     BUNDLE = 7  # the bundle is damaged, changed, unsigned where a key is trusted, or unreadable
-    SOURCE = 8  # a video source failed, stopped midway or delivered no frame for --timeout seconds
+    SOURCE = 9  # a video source failed, stopped midway or delivered no frame for --timeout seconds (edgeq: 8 is REMOTE)
 
 
 class HostState(str, enum.Enum):

@@ -183,12 +183,16 @@ def _bilinear(np, pixels, height: int, width: int):
 
     y0, y1, wy = taps(pixels.shape[0], height)
     x0, x1, wx = taps(pixels.shape[1], width)
-    p = pixels.astype(np.float32)
     wx, wy = wx[None, :, None], wy[:, None, None]
     one = np.float32(1.0)
-    top = p[y0][:, x0] * (one - wx) + p[y0][:, x1] * wx
-    bottom = p[y1][:, x0] * (one - wx) + p[y1][:, x1] * wx
-    return top * (one - wy) + bottom * wy
+    # the four taps gathered as uint8 (exact in float32), then the same float32 operations in the same order
+    r0, r1 = pixels[y0], pixels[y1]
+    top = r0[:, x0].astype(np.float32) * (one - wx) + r0[:, x1].astype(np.float32) * wx
+    bottom = r1[:, x0].astype(np.float32) * (one - wx) + r1[:, x1].astype(np.float32) * wx
+    top *= one - wy
+    bottom *= wy
+    top += bottom
+    return top
 
 
 def letterbox_geometry(height: int, width: int, image_h: int, image_w: int):
@@ -216,7 +220,13 @@ def image_tensor(np, pixels, pre):
         out[top:top + new_h, left:left + new_w] = _bilinear(np, pixels, new_h, new_w)[: pre.height - top, : pre.width - left]
     else:
         out = _bilinear(np, pixels, pre.height, pre.width)
-    out = (out / np.float32(pre.scale) - np.asarray(pre.mean, np.float32)) / np.asarray(pre.std, np.float32)
+    # (p / scale - mean) / std in float32, in place; subtracting 0 and dividing by 1 change no float32 value
+    out /= np.float32(pre.scale)
+    mean, std = np.asarray(pre.mean, np.float32), np.asarray(pre.std, np.float32)
+    if mean.any():
+        out -= mean
+    if (std != 1).any():
+        out /= std
     out = out.transpose(2, 0, 1) if pre.layout == "NCHW" else out
     return np.ascontiguousarray(out[None], dtype=np.float32)
 

@@ -5,6 +5,7 @@
     python3 run.py --self-test              run the golden input, compare with the outputs in the manifest
     python3 run.py --input NAME=x.npy [--output out.npz]
     python3 run.py --benchmark 100 [--warmup 10] [--json]
+    python3 run.py --input VIDEO|/dev/videoN|csi://N|rtsp://...|gst:PIPELINE [--output out.mp4|DIR/] [--json]
 
 Needs numpy and the TVM runtime (the apache-tvm version in manifest.json). Where Python has no TVM (or no
 numpy), it hands over to the bundle's native loader runtime/edgeq-run, which takes the same flags and needs
@@ -15,7 +16,7 @@ Before anything is loaded, safebundle.py (beside this file) checks the manifest'
 every file against its size and SHA-256; when this device trusts a signing key ($EDGEQ_TRUSTED_KEY, else
 /etc/edgeq/trusted.pub), the manifest must carry a valid signature by it. A refusal is one line on stderr.
 Exit status: 0 ok, 1 self-test failed, 2 usage, 4 this machine cannot run the bundle, 7 the bundle is damaged
-or refused. Shipped as is in every bundle (the same file for all); the bundle's facts come from manifest.json.
+or refused, 9 a video source failed, stopped or fell silent (130: Ctrl-C during a video, after its summary). Shipped as is in every bundle (the same file for all); the bundle's facts come from manifest.json.
 """
 
 import os
@@ -36,8 +37,9 @@ MAX_RUNS = 1000000  # --benchmark / --warmup
 TRUSTED_KEY = os.environ.get("EDGEQ_TRUSTED_KEY") or "/etc/edgeq/trusted.pub"
 # TVM's thread pool assumes two hardware threads per core and, unless told, uses half the CPUs; inference
 # gets every CPU this process may run on (set TVM_NUM_THREADS to choose).
-if hasattr(os, "sched_getaffinity"):
-    os.environ.setdefault("TVM_NUM_THREADS", str(len(os.sched_getaffinity(0))))
+THREADS_GIVEN = "TVM_NUM_THREADS" in os.environ
+CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+os.environ.setdefault("TVM_NUM_THREADS", str(CPUS))
 
 
 def _sibling(name, module_name):
@@ -733,6 +735,11 @@ def main(argv=None):
         if importlib.util.find_spec("tvm") is None:  # not imported yet: the CUDA bridge must load first
             hand_over(argv, "tvm")
         manifest = verified_manifest()
+        streams = [(spec, video.stream_input(spec)) for spec in args.input if video.stream_input(spec)]
+        if streams and not args.no_pipeline and not THREADS_GIVEN and not manifest.device.cuda_arch and CPUS > 1:
+            # the decoding and preprocessing thread gets a core of its own: a thread pool on every core would stall
+            # on it (measured: benchmarks/streams.py)
+            os.environ["TVM_NUM_THREADS"] = str(CPUS - 1)
         try:
             import tvm
         except ImportError:
@@ -741,7 +748,6 @@ def main(argv=None):
             check_machine(manifest, tvm)
             print(json.dumps({"ok": True}) if args.json else "ok: this machine can run %s" % manifest.bundle_id)
             return Exit.OK
-        streams = [(spec, video.stream_input(spec)) for spec in args.input if video.stream_input(spec)]
         if streams and (len(args.input) > 1 or args.benchmark or args.self_test):
             raise LoaderError("--input %s is a video source: give it alone, without --self-test or --benchmark"
                               % streams[0][0], Exit.USAGE)

@@ -72,7 +72,7 @@ def detector(tmp_path_factory) -> dict:
     frames.mkdir()
     for i in range(FRAMES):
         Image.fromarray(np.roll(image, 12 * i, axis=1)).save(frames / f"f_{i:03d}.png")
-    src = [f"multifilesrc", f"location={frames}/f_%03d.png", "index=0", f"stop-index={FRAMES - 1}",
+    src = ["multifilesrc", f"location={frames}/f_%03d.png", "index=0", f"stop-index={FRAMES - 1}",
            f"caps=image/png,framerate={FPS}/1", "!", "pngdec", "!", "videoconvert", "!"]
     videos = {}
     _gst(*src, "jpegenc", "!", "avimux", "!", "filesink", f"location={out}/street.avi")
@@ -260,17 +260,17 @@ def test_ctrl_c_prints_the_summary(slow, loader):
 
 BAD = [  # (source, status, what the one line says)
     ("{tmp}/missing.mp4", 2, "no such file"),
-    ("{tmp}/junk.mkv", 8, "cannot read junk.mkv"),
+    ("{tmp}/junk.mkv", 9, "cannot read junk.mkv"),
     ("/dev/video97", 2, "there is no such camera"),
     ("csi://0", 2, "needs NVIDIA's nvarguscamerasrc"),
     ("csi://x", 2, "a CSI camera is csi://N"),
-    ("rtsp://user:secret@127.0.0.1:9/stream", 8, "cannot read rtsp://127.0.0.1:9/stream:"),
+    ("rtsp://user:secret@127.0.0.1:9/stream", 9, "cannot read rtsp://127.0.0.1:9/stream:"),
     ("gst:videotestsrc ! fakesink", 2, "must end in appsink"),
     ("gst:videotestsrc ! appsink name=mine", 2, "leave the appsink unnamed"),
     ("gst:nosuchelement ! appsink", 2, "no element"),
-    ("gst:videotestsrc is-live=true ! valve drop=true ! videoconvert ! appsink", 8, "delivered no frame for 1 s"),
-    ("gst:videotestsrc num-buffers=30 ! identity error-after=4 ! videoconvert ! appsink", 8, "stopped after 3 frames"),
-    ("gst:videotestsrc num-buffers=3 ! appsink caps=video/x-raw,format=GRAY8", 8, "gives GRAY8 frames"),
+    ("gst:videotestsrc is-live=true ! valve drop=true ! videoconvert ! appsink", 9, "delivered no frame for 1 s"),
+    ("gst:videotestsrc num-buffers=30 ! identity error-after=4 ! videoconvert ! appsink", 9, "stopped after 3 frames"),
+    ("gst:videotestsrc num-buffers=3 ! appsink caps=video/x-raw,format=GRAY8", 9, "gives GRAY8 frames"),
 ]
 
 

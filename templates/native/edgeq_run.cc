@@ -506,13 +506,17 @@ std::vector<uint8_t> ReadRange(const std::string& path, uint64_t offset, uint64_
 }
 
 // Loads the bundled runtime (and, for CUDA bundles, the bridge and the GPU), the model and its weights.
-std::unique_ptr<Runtime> LoadRuntime(const Bundle& b) {
+// reserve_cpu: a pipelined video run's decoding and preprocessing thread gets a core of its own (CPU bundles).
+std::unique_ptr<Runtime> LoadRuntime(const Bundle& b, bool reserve_cpu = false) {
   std::unique_ptr<Runtime> rt(new Runtime());
   // TVM's thread pool assumes two hardware threads per core and uses half the CPUs unless told; inference
   // gets every CPU this process may run on (TVM_NUM_THREADS still decides where set), as in run.py.
   cpu_set_t cpus;
-  if (sched_getaffinity(0, sizeof cpus, &cpus) == 0)
-    setenv("TVM_NUM_THREADS", std::to_string(CPU_COUNT(&cpus)).c_str(), 0);
+  if (sched_getaffinity(0, sizeof cpus, &cpus) == 0) {
+    int n = CPU_COUNT(&cpus);
+    if (reserve_cpu && b.cuda_arch.empty() && n > 1) --n;
+    setenv("TVM_NUM_THREADS", std::to_string(n).c_str(), 0);
+  }
   void* ffi_lib = nullptr;
   for (const std::string& lib : b.libraries) {
     void* handle = OpenLibrary(b.dir + "/" + lib);
@@ -1157,7 +1161,7 @@ int Main(int argc, char** argv) {
     if (!b.preprocess.given)
       refuse_usage("--input " + stream + " is a video, and this bundle was packaged without --preprocess: package it "
                    "with --preprocess");
-    std::unique_ptr<Runtime> rt = LoadRuntime(b);
+    std::unique_ptr<Runtime> rt = LoadRuntime(b, !args.no_pipeline);
     return RunStream(rt.get(), b, stream, args);
   }
   std::map<std::string, HostTensor> inputs;

@@ -455,8 +455,10 @@ std::string VideoEncoder(const std::string& path) {
   else
     refuse_usage("--output " + path + " needs an H.264 or MPEG-4 encoder in GStreamer (x264enc: gstreamer1.0-plugins-ugly; "
                  "avenc_mpeg4: gstreamer1.0-libav), or give .avi (MJPEG)");
-  for (const char* element : {mux, suffix == ".avi" ? "jpegenc" : nullptr})
-    if (element && !gst.Have(element))
+  std::vector<std::string> needed = {mux};
+  if (suffix == ".avi") needed.push_back("jpegenc");
+  for (const std::string& element : needed)
+    if (!gst.Have(element))
       refuse_usage("--output " + path + " needs GStreamer's " + element + " (gstreamer1.0-plugins-good)");
   return chain + " ! " + mux;
 }
