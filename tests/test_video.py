@@ -171,13 +171,16 @@ def test_a_video_written_with_the_answers_drawn(detector, suffix, tmp_path):
     plain = _decoded_frames(video, tmp_path / "plain")
     for i in range(FRAMES):
         a, b = (np.asarray(Image.open(written[k][i]).convert("RGB")).astype(int) for k in ("py", "native"))
-        assert np.array_equal(a, b), i  # the same pixels went into the same encoder
+        if suffix == ".avi":  # the same pixels into the same (deterministic) JPEG encoder
+            assert np.array_equal(a, b), i
         source = np.asarray(Image.open(plain[i]).convert("RGB"))
         drawn = imaging.draw_detections(np, source, rows[i]["detections"]).astype(int)
-        # lossy codecs: the written frame is near the drawn one, and the boxes are there
-        assert np.abs(a - drawn).mean() < 8, i
-        if rows[i]["detections"]:
-            assert np.abs(a - drawn).mean() < np.abs(a - source.astype(int)).mean(), i
+        # lossy codecs (x264's output also varies a little from run to run): each loader's frame is near the
+        # drawn one, and the boxes are there
+        for frame in (a, b):
+            assert np.abs(frame - drawn).mean() < 8, i
+            if rows[i]["detections"]:
+                assert np.abs(frame - drawn).mean() < np.abs(frame - source.astype(int)).mean(), i
     bad = run_py(bundle, "--input", video, "--output", tmp_path / "x.webm")  # no muxer for it: a folder named x.webm
     assert bad.returncode == 0 and (tmp_path / "x.webm" / "frame_000000.png").exists()
 
