@@ -17,9 +17,7 @@ import argparse
 import json
 import os
 import re
-import shutil
 import subprocess
-import sysconfig
 import tempfile
 from pathlib import Path
 
@@ -132,11 +130,9 @@ MODELS = {"resnet18": resnet18, "mobilenet_v2": mobilenet_v2}
 
 # ------------------------------------------------------------------ measuring a bundle
 
+from edgeq.backends.cuda.cubin import cuda_tool  # noqa: E402
 
-def cuda_tool(name: str) -> str | None:
-    """cuobjdump / nvdisasm: from NVIDIA's PyPI wheels (edgeq's test extra) or a CUDA toolkit on PATH."""
-    wheel_bin = Path(sysconfig.get_paths()["purelib"], "nvidia", "cu13", "bin", name)
-    return str(wheel_bin) if wheel_bin.exists() else shutil.which(name)
+
 
 
 def sass_by_kernel(library: Path) -> dict[str, str]:

@@ -47,6 +47,10 @@ class CudaSpec:
     # shared memory a kernel may use without opting in (cudaFuncSetAttribute), which TVM's launches do not:
     # 48 KiB on every architecture since Kepler; TVM's GPU rules size their tiles by it (and warn where a target lacks it)
     max_shared_memory_per_block: int = 49152
+    # the GPU's streaming multiprocessors and the shared memory one block may have when it opts in (TVM's CUDA
+    # runtime does, for dynamic shared memory): what edgeq's CUTLASS tile table sizes its tiles by; 0: unknown
+    sm_count: int = 0
+    shared_memory_per_block_optin: int = 0
 
     @property
     def major(self) -> int:

@@ -6,19 +6,14 @@ import os
 import shutil
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
 
 import pytest
 
 from conftest import run_cli, run_py
-from edgeq.backends.cuda.cubin import cuda_images
+from edgeq.backends.cuda.cubin import cuda_images, cuda_tool
 
 
-def cuda_tool(name: str) -> str | None:
-    """cuobjdump / nvdisasm: from NVIDIA's PyPI wheels (test extra) or a CUDA toolkit on PATH."""
-    wheel_bin = Path(sysconfig.get_paths()["purelib"], "nvidia", "cu13", "bin", name)
-    return str(wheel_bin) if wheel_bin.exists() else shutil.which(name)
 
 
 @pytest.fixture(scope="module")

@@ -43,3 +43,12 @@ def cuda_images(library: Path) -> list[CudaImage]:
 def cuda_device_code(library: Path) -> list[str]:
     """The SM architectures of the CUDA device code embedded in a library."""
     return sorted({image.arch for image in cuda_images(library)})
+
+
+def cuda_tool(name: str) -> str | None:
+    """cuobjdump / nvdisasm: from NVIDIA's PyPI wheels (edgeq's test extra) or a CUDA toolkit on PATH."""
+    import shutil
+    import sysconfig
+
+    wheel_bin = Path(sysconfig.get_paths()["purelib"], "nvidia", "cu13", "bin", name)
+    return str(wheel_bin) if wheel_bin.exists() else shutil.which(name)

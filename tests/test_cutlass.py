@@ -1,0 +1,147 @@
+"""CUTLASS convolutions for the Jetson GPU (#42, first part), checked without a GPU: the kernels compile inside a
+TVM CUDA module through NVRTC for sm_87 (the Orin) and sm_90 (the H200), their SASS runs on the tensor cores with
+no spills and fits the profile's shared memory; and what each kernel is asked to compute (the NHWC problem made
+from an NCHW convolution, its padding, strides, dilation, channel padding, bias, residual and activation),
+replayed on the host in numpy, equals ONNX Runtime on the same convolution."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from edgeq.backends.cuda import cutlass
+from edgeq.backends.cuda.cubin import cuda_tool
+from edgeq.targets import resolve
+
+
+def _profile(name: str):
+    return resolve(name)[0].cuda
+
+
+def test_cutlass_comes_from_the_tvm_wheel():
+    assert (cutlass.cutlass_include() / "cute").is_dir()
+    assert cutlass.cutlass_version() == "4.1.0"
+
+
+def test_problem_from_conv_and_what_is_refused():
+    p = cutlass.problem_from_conv((1, 3, 224, 224), (64, 3, 7, 7), (3, 3, 3, 3), (2, 2), (1, 1))
+    assert (p.c, p.c_real, p.p, p.q, p.gemm) == (8, 3, 112, 112, (112 * 112, 64, 7 * 7 * 8))
+    assert p.flops == 2 * 112 * 112 * 64 * 7 * 7 * 3  # the model's channels, not the padding
+    assert cutlass.problem_from_conv((1, 32, 8, 8), (32, 1, 3, 3), (1, 1, 1, 1), (1, 1), (1, 1)) is None  # depthwise
+    assert cutlass.problem_from_conv((1, 8, 8, 8), (8, 8, 3, 3), (0, 0, 1, 1), (1, 1), (1, 1)) is None  # asymmetric
+    assert cutlass.problem_from_conv((1, 2, 8, 8), (8, 2, 3, 3), (1, 1, 1, 1), (1, 1), (1, 1)) is None  # 2 channels
+
+
+def test_the_tile_table_fills_the_sms_and_fits_shared_memory():
+    orin, h200 = _profile("jetson-orin-nano"), _profile("cuda-sm90")
+    assert orin.sm_count == 8 and h200.sm_count == 132
+    big = cutlass.problem_from_conv((1, 64, 56, 56), (256, 64, 1, 1), (0, 0, 0, 0), (1, 1), (1, 1))
+    small = cutlass.problem_from_conv((1, 512, 7, 7), (512, 512, 3, 3), (1, 1, 1, 1), (1, 1), (1, 1))
+    for problem in (big, small):
+        for spec in (orin, h200):
+            tile = cutlass.choose_tile(problem, spec.sm_count, spec.shared_memory_per_block_optin)
+            assert tile.mainloop_bytes() <= spec.shared_memory_per_block_optin
+            m, n, _ = problem.gemm
+            assert tile.block[1] <= max(64, n)
+    # the largest tile where it still makes a wave on the Orin; the smallest where nothing does
+    assert cutlass.choose_tile(big, 8, orin.shared_memory_per_block_optin).block == (128, 128, 32)
+    assert cutlass.choose_tile(small, 132, h200.shared_memory_per_block_optin).block == (64, 64, 32)
+    # less shared memory: fewer stages
+    assert cutlass.choose_tile(big, 8, 40 * 1024).stages < cutlass.choose_tile(big, 8, 160 * 1024).stages
+
+
+CONVS = {  # name: (x shape, w shape, pads, strides, dilations, activation, residual)
+    "stem7x7s2": ((1, 3, 37, 41), (16, 3, 7, 7), (3, 3, 3, 3), (2, 2), (1, 1), "relu", False),
+    "3x3-residual": ((2, 16, 12, 10), (16, 16, 3, 3), (1, 1, 1, 1), (1, 1), (1, 1), "relu", True),
+    "1x1s2": ((1, 24, 15, 15), (40, 24, 1, 1), (0, 0, 0, 0), (2, 2), (1, 1), "identity", False),
+    "3x3-dilated": ((1, 8, 17, 17), (24, 8, 3, 3), (2, 2, 2, 2), (1, 1), (2, 2), "relu6", False),
+    "5x5s2-hardswish": ((1, 12, 20, 18), (8, 12, 5, 5), (2, 2, 2, 2), (2, 2), (1, 1), "hardswish", False),
+    "3x3-silu-residual": ((1, 72, 9, 9), (72, 72, 3, 3), (1, 1, 1, 1), (1, 1), (1, 1), "silu", True),
+}
+ONNX_ACT = {"relu": ("Relu", {}), "relu6": ("Clip", {}), "hardswish": ("HardSwish", {}), "silu": None,
+            "identity": None}
+
+
+def _onnx_conv(x_shape, w, b, pads, strides, dilations, activation, residual_shape):
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], pads=list(pads), strides=list(strides),
+                              dilations=list(dilations))]
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x_shape))]
+    last = "c"
+    if residual_shape is not None:
+        inputs.append(helper.make_tensor_value_info("r", TensorProto.FLOAT, list(residual_shape)))
+        nodes.append(helper.make_node("Add", [last, "r"], ["a"]))
+        last = "a"
+    inits = [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")]
+    if activation == "relu6":
+        inits += [numpy_helper.from_array(np.float32(0), "lo"), numpy_helper.from_array(np.float32(6), "hi")]
+        nodes.append(helper.make_node("Clip", [last, "lo", "hi"], ["y"]))
+    elif activation == "silu":
+        nodes += [helper.make_node("Sigmoid", [last], ["s"]), helper.make_node("Mul", [last, "s"], ["y"])]
+    elif activation in ("relu", "hardswish"):
+        nodes.append(helper.make_node(ONNX_ACT[activation][0], [last], ["y"]))
+    else:
+        nodes.append(helper.make_node("Identity", [last], ["y"]))
+    graph = helper.make_graph(nodes, "conv", inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("case", list(CONVS))
+def test_the_replay_of_what_a_kernel_computes_equals_onnxruntime(case):
+    """The glue that is edgeq's (problem size, padding, layout, channel padding, epilogue) replayed on the host
+    against ONNX Runtime; fp16 inputs, so both see the same values."""
+    import onnxruntime as ort
+
+    x_shape, w_shape, pads, strides, dilations, activation, residual = CONVS[case]
+    rng = np.random.default_rng(len(case))
+    x = rng.standard_normal(x_shape).astype(np.float16).astype(np.float32)
+    w = (rng.standard_normal(w_shape) / np.sqrt(np.prod(w_shape[1:]))).astype(np.float16).astype(np.float32)
+    b = rng.standard_normal(w_shape[0]).astype(np.float16).astype(np.float32)
+    problem = cutlass.problem_from_conv(x_shape, w_shape, pads, strides, dilations)
+    out_shape = (x_shape[0], w_shape[0], problem.p, problem.q)
+    r = rng.standard_normal(out_shape).astype(np.float16).astype(np.float32) if residual else None
+    model = _onnx_conv(x_shape, w, b, pads, strides, dilations, activation, out_shape if residual else None)
+    feeds = {"x": x, **({"r": r} if residual else {})}
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    assert want.shape == out_shape  # the output size CUTLASS's problem computes is ONNX's
+    kernel = cutlass.ConvKernel("k", problem, cutlass.choose_tile(problem, 8, 166912), activation, residual)
+    got = cutlass.replay(kernel, cutlass.pad_input(x, problem), cutlass.pad_weights(w, problem), b,
+                         None if r is None else np.transpose(r, (0, 2, 3, 1)))
+    assert got.dtype == np.float16 and got.shape == (x_shape[0], problem.p, problem.q, w_shape[0])
+    np.testing.assert_allclose(np.transpose(got, (0, 3, 1, 2)).astype(np.float32), want, rtol=2e-3, atol=2e-3)
+
+
+@pytest.fixture(scope="module")
+def nvrtc():
+    from edgeq.toolchain import cuda_toolkits
+
+    found = [tk for tk in cuda_toolkits() if tk.kind == "nvrtc"]
+    if not found or cuda_tool("cuobjdump") is None:
+        pytest.skip("needs the NVRTC 12.6 wheels and cuobjdump (pip install -e '.[test]')")
+    return found[0]
+
+
+@pytest.mark.parametrize("profile", ["jetson-orin-nano", "cuda-sm90"])
+def test_kernels_compile_in_a_tvm_module_to_tensor_cores(profile, nvrtc, tmp_path):
+    from edgeq.tvm_env import import_tvm
+
+    tvm = import_tvm()
+    spec = _profile(profile)
+    kernels = []
+    for name in ("stem7x7s2", "3x3-residual", "1x1s2"):
+        x_shape, w_shape, pads, strides, dilations, activation, residual = CONVS[name]
+        problem = cutlass.problem_from_conv(x_shape, w_shape, pads, strides, dilations)
+        tile = cutlass.choose_tile(problem, spec.sm_count, spec.shared_memory_per_block_optin)
+        kernels.append(cutlass.ConvKernel(name.replace("-", "_"), problem, tile, activation, residual))
+    target = tvm.target.Target({"kind": "cuda", "arch": spec.arch, "host": "llvm"})
+    library, sizes = cutlass.build_module(kernels, target, nvrtc, tmp_path)
+    reports = {r.name: r for r in cutlass.read_kernels(library, kernels, sizes)}
+    assert set(reports) == {k.name for k in kernels}
+    for kern in kernels:
+        r = reports[kern.name]
+        assert r.arch == spec.arch
+        assert r.mma > 0  # HMMA: on the tensor cores
+        assert r.local_bytes == 0 and r.stack_bytes == 0  # no spills; Params live in shared memory
+        assert r.shared_bytes <= spec.shared_memory_per_block_optin
+        assert r.shared_bytes >= kern.tile.mainloop_bytes()
+        assert r.threads == kern.tile.threads and r.registers <= 255
