@@ -7,6 +7,7 @@ replayed on the host in numpy, equals ONNX Runtime on the same convolution."""
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
@@ -145,3 +146,107 @@ def test_kernels_compile_in_a_tvm_module_to_tensor_cores(profile, nvrtc, tmp_pat
         assert r.shared_bytes <= spec.shared_memory_per_block_optin
         assert r.shared_bytes >= kern.tile.mainloop_bytes()
         assert r.threads == kern.tile.threads and r.registers <= 255
+
+
+def test_the_rewritten_graph_runs_on_the_host_as_the_graph(tmp_path):
+    """``--gpu-kernels cutlass``'s graph: every convolution of a ResNet (stem on 3 channels, residual adds, ReLU
+    and ReLU6, a strided 1x1 shortcut) claimed by a CUTLASS kernel; the rewritten module, with each kernel's plain
+    TIR twin in its place, run on this machine equals the graph before the rewrite (and ONNX Runtime)."""
+    import onnxruntime as ort
+
+    from test_gpu_path import resnet
+
+    from edgeq.backends import for_profile
+    from edgeq.compile import HostRunner
+    from edgeq.graph import Graph
+    from edgeq.load import load_model
+    from edgeq.relax_import import to_relax
+
+    profile = resolve("jetson-orin-nano")[0]
+    backend = for_profile(profile).with_gpu_kernels("cutlass", profile, "fp16")
+    model = resnet(tmp_path / "r.onnx", size=32, widths=(8, 16), blocks=1, stem=3, activations=("Relu", "Relu6"))
+    graph, _ = to_relax(load_model(model, {}, {}))
+    prepared, _ = backend.prepare(graph, profile.tvm_target())
+    fp16 = backend.to_fp16(prepared)
+    claimed, left = cutlass.find_convs(fp16.main, profile.cuda.sm_count, profile.cuda.shared_memory_per_block_optin)
+    convs = sum(1 for n in onnx.load(model).graph.node if n.op_type == "Conv")
+    assert len(claimed) == convs and left == []
+    kinds = {(c.kernel.activation, c.kernel.residual) for c in claimed}
+    assert ("relu", True) in kinds or ("relu6", True) in kinds  # a residual block's second conv took the add
+    assert claimed[0].kernel.problem.c == 8 and claimed[0].kernel.problem.c_real == 0  # the stem, padded in the graph
+    rewritten = cutlass.claim_convs(fp16.mod, claimed, {c.kernel.name: 49152 for c in claimed})
+    launches = [b.value for b in Graph(rewritten, fp16.weights).bindings() if call_op_name(b.value) == "relax.call_tir"]
+    assert len(launches) == convs
+    twin = Graph(cutlass.with_twins(rewritten, claimed), fp16.weights)
+    x = np.random.default_rng(0).standard_normal((1, 3, 32, 32)).astype(np.float32)
+    want = HostRunner(fp16)([x])[0]
+    got = HostRunner(twin)([x])[0]
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
+    reference = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"]).run(None, {"input": x})[0]
+    np.testing.assert_allclose(got, reference, rtol=5e-2, atol=5e-2)
+
+
+def call_op_name(value) -> str | None:
+    from edgeq.graph import call_op
+
+    return call_op(value)
+
+
+def test_package_with_cutlass_kernels(nvrtc, tmp_path):
+    """``edgeq package --gpu-kernels cutlass`` for the Orin: every convolution on a CUTLASS kernel (HMMA in its
+    SASS), the manifest saying which kernel each layer got, the reference check passed on the NHWC graph."""
+    import json
+    import os
+    import re
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from conftest import run_cli
+    from test_gpu_path import resnet
+
+    from edgeq.backends.cuda.cubin import cuda_images
+
+    model = resnet(tmp_path / "r.onnx", size=32, widths=(8, 16), blocks=1, stem=3, activations=("Relu", "Relu6"))
+    res = run_cli("package", model, "--device", "jetson-orin-nano", "--precision", "fp16", "--gpu-kernels", "cutlass",
+                  "-o", tmp_path / "out", "-q", "--json")
+    assert res.code == 0, res.stderr
+    bundle = Path(json.loads(res.stdout)["bundle_dir"])
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    assert manifest["build"]["args"]["gpu_kernels"] == "cutlass"
+    assert manifest["reference_check"]["result"] == "passed"
+    gpu = manifest["library"]["gpu_kernels"]
+    record = gpu["cutlass"]
+    convs = sum(1 for n in onnx.load(model).graph.node if n.op_type == "Conv")
+    assert record["version"] == "4.1.0" and len(record["kernels"]) == convs and record["left"] == []
+    assert {k["function"] for k in record["kernels"]} == {f for f, rule in gpu["functions"].items() if rule == "cutlass"}
+    assert all(k["flops"] > 0 and k["precision"] == "fp16" and k["tile"] for k in record["kernels"])
+    assert gpu["cuda_graph"] is True
+    cuobjdump = cuda_tool("cuobjdump")
+    env = {**os.environ, "PATH": f"{Path(cuobjdump).parent}{os.pathsep}{os.environ['PATH']}"}
+    [image] = [i for i in cuda_images(bundle / "model.so") if i.arch == "sm_87"]
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(image.data)
+        f.flush()
+        sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, env=env).stdout
+    bodies = dict(re.findall(r"Function : ([\w$]+)\n(.*?)(?=\n\s*Function : |\Z)", sass, re.S))
+    for k in record["kernels"]:
+        assert re.search(r"\bHMMA\.", bodies[f"{k['function']}_kernel"]), k["function"]
+    inspect = run_cli("inspect", bundle)
+    flat = " ".join(re.sub(r"[│┃]", " ", inspect.stdout).split())  # the table's cells, unwrapped
+    assert inspect.code == 0 and f"CUTLASS 4.1.0: {convs} of {convs} convolutions" in flat, flat
+
+
+@pytest.mark.parametrize("device,precision,says", [
+    ("host", "fp32", "--gpu-kernels is for profiles with a GPU"),
+    ("jetson-orin-nano", "fp32", "--gpu-kernels cutlass takes --precision fp16"),
+])
+def test_gpu_kernels_refused_where_it_cannot_apply(device, precision, says, tmp_path):
+    from conftest import run_cli
+    from test_gpu_path import resnet
+
+    model = resnet(tmp_path / "r.onnx", size=16, widths=(8,), blocks=1)
+    res = run_cli("package", model, "--device", device, "--precision", precision, "--gpu-kernels", "cutlass",
+                  "-o", tmp_path / "out")
+    assert res.code == 2 and says in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())

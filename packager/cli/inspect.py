@@ -36,7 +36,15 @@ def _gpu_kernels(info) -> str:
     if info.get("fallbacks"):
         text += (f"; {len(info['fallbacks'])} schedule(s) did not build and were replaced by the next that did "
                  "(library.gpu_kernels.fallbacks)")
-    return text + f"; CUDA graph: {'yes' if info.get('cuda_graph') else 'no'}"
+    text += f"; CUDA graph: {'yes' if info.get('cuda_graph') else 'no'}"
+    cutlass = info.get("cutlass")
+    if cutlass is not None:  # --gpu-kernels cutlass: which convolutions it took, and why it left the others
+        taken, left = len(cutlass.get("kernels", [])), cutlass.get("left", [])
+        text += f"; CUTLASS {cutlass.get('version', '?')}: {taken} of {taken + len(left)} convolutions"
+        if left:
+            text += " (the rest on dlight: " + "; ".join(f"{x['conv']}: {x['why']}" for x in left[:5]) + \
+                    (", ..." if len(left) > 5 else "") + ")"
+    return text
 
 
 def _runtime(record, compatibility) -> str:

@@ -63,6 +63,10 @@ def add_parser(sub) -> None:
                         help="what the build is checked against on the golden input before anything is written: "
                              "auto (default): ONNX Runtime where installed, else TVM's plain pipeline on the imported "
                              "graph; int8/mixed builds: their own quantized graph before lowering, TVM's plain pipeline")
+    parser.add_argument("--gpu-kernels", choices=("dlight", "cutlass"), default="dlight",
+                        help="CUDA profiles: dlight (default: TVM's GPU rules) or cutlass (fp16 convolutions on NVIDIA's "
+                             "CUTLASS tensor-core kernels, NHWC; what it does not claim stays on dlight, and the manifest "
+                             "says which; not yet run on a GPU)")
     parser.add_argument("--dump-ir", type=Path, metavar="DIR",
                         help="write the Relax module after each stage that changes it to DIR/NN-<stage>.py (TVMScript; "
                              "NN as in the progress output), replacing such files from an earlier run; the files of the "
@@ -191,6 +195,7 @@ def run(args, env) -> int:
         conf=args.conf,
         iou=args.iou,
         max_det=args.max_det,
+        gpu_kernels=args.gpu_kernels,
     )
     progress = StageProgress(console=env.err(), quiet=args.quiet)
     result = package(package_args, progress)

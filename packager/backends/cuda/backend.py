@@ -4,6 +4,7 @@ toolkit that matches the device's CUDA, host code for the profile's CPU by its c
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,24 @@ class CudaBackend:
     device_type = "cuda"
     precisions = ("fp32", "int8", "mixed", "fp16")
     runtime_parts = ("TVM CUDA runtime", "CUDA bridge")
+    gpu_kernels = "dlight"  # "cutlass": convolutions on CUTLASS kernels (with_gpu_kernels)
+    sm_count, smem_per_block = 0, 0  # the profile's, for CUTLASS's tile table
+
+    def with_gpu_kernels(self, kind: str, profile, precision: str):
+        """This backend with ``kind``'s kernels (``--gpu-kernels``): "dlight" (TVM's rules, the default) or
+        "cutlass" (NVIDIA's CUTLASS for fp16 convolutions, NHWC; the rest stays on dlight)."""
+        from edgeq.errors import UsageError
+
+        if kind not in ("dlight", "cutlass"):
+            raise UsageError(f"unknown --gpu-kernels '{kind}'; choose dlight or cutlass")
+        if kind == "cutlass" and precision != "fp16":
+            raise UsageError("--gpu-kernels cutlass takes --precision fp16 for now (int8 needs a requantizing epilogue "
+                             "CUTLASS's convolutions lack); package fp32/int8 with the default, dlight")
+        chosen = copy.copy(self)
+        chosen.gpu_kernels = kind
+        chosen.sm_count = profile.cuda.sm_count or 8
+        chosen.smem_per_block = profile.cuda.shared_memory_per_block_optin or profile.cuda.max_shared_memory_per_block
+        return chosen
 
     def find_tools(self, profile):
         from edgeq.toolchain import Toolchain, cxx_for
@@ -74,6 +93,10 @@ class CudaBackend:
         (which is how the golden outputs check it on the build host). No call is on a CPU kernel."""
         from edgeq.backends.cuda.pipeline import prepare_graph
 
+        if self.gpu_kernels == "cutlass":
+            from edgeq.backends.cuda.cutlass import prepare_nhwc
+
+            return prepare_nhwc(prepare_graph(graph)), 0
         return prepare_graph(graph), 0
 
     def build(self, mod, target, toolchain=None, stats: dict | None = None):
@@ -86,8 +109,9 @@ class CudaBackend:
         if toolchain is None or toolchain.cuda_toolkit is None:
             return relax.build(mod, target=target)
         report = pipeline.GpuKernels()
+        cutlass = (self.sm_count, self.smem_per_block) if self.gpu_kernels == "cutlass" else None
         with toolchain.cuda_toolkit.active():
-            executable = pipeline.build(mod, target, report)
+            executable = pipeline.build(mod, target, report, cutlass=cutlass)
         if stats is not None:
             stats.update(report.to_dict())
         return executable

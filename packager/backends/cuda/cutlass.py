@@ -269,38 +269,61 @@ def wrappers_in_module(kernels: Sequence[ConvKernel]) -> Iterator[None]:
             tvm_ffi.register_global_func("tvm_callback_cuda_postproc", lambda code, target=None: code, override=True)
 
 
-def prim_func(kernel: ConvKernel, smem_bytes: int):
+def prim_func(kernel: ConvKernel, smem_bytes: int, bias_shape: Sequence[int] | None = None):
     """The scheduled TIR function TVM launches for ``kernel``: its grid and block, ``smem_bytes`` of dynamic shared
-    memory, and one call of the device wrapper. Arguments: x [N, H, W, C], w [K, R, S, C], bias [K], residual
-    [N, P, Q, K] (read only where ``kernel.residual``), y [N, P, Q, K], all fp16."""
+    memory, and one call of the device wrapper. Arguments: x [N, H, W, C], w [K, R, S, C], bias (``bias_shape``,
+    K elements; default [K]), residual [N, P, Q, K] where ``kernel.residual``, y [N, P, Q, K], all fp16."""
     from tvm.script import tirx as T
 
     p, (gm, gn), threads = kernel.problem, kernel.grid, kernel.tile.threads
     smem_bytes = -(-smem_bytes // 16) * 16
     xs, ws, ys = (p.n, p.h, p.w, p.c), (p.k, p.r, p.s, p.c), (p.n, p.p, p.q, p.k)
+    bs = tuple(bias_shape or (p.k,))
     wrapper = f"edgeq_cutlass_{kernel.name}"
 
-    @T.prim_func(s_tir=True)
-    def func(x: T.handle, w: T.handle, b: T.handle, res: T.handle, y: T.handle):
-        T.func_attr({"tirx.noalias": True})
-        X = T.match_buffer(x, xs, "float16")
-        W = T.match_buffer(w, ws, "float16")
-        B = T.match_buffer(b, (p.k,), "float16")
-        RES = T.match_buffer(res, ys, "float16")
-        Y = T.match_buffer(y, ys, "float16")
-        with T.sblock("root"):
-            smem = T.alloc_buffer((smem_bytes,), "uint8", scope="shared.dyn")
-            for bx in T.thread_binding(gm, thread="blockIdx.x"):
-                for by in T.thread_binding(gn, thread="blockIdx.y"):
-                    for tx in T.thread_binding(threads, thread="threadIdx.x"):
-                        with T.sblock("cutlass"):
-                            T.reads(X[0:xs[0], 0:xs[1], 0:xs[2], 0:xs[3]], W[0:ws[0], 0:ws[1], 0:ws[2], 0:ws[3]],
-                                    B[0:p.k], RES[0:ys[0], 0:ys[1], 0:ys[2], 0:ys[3]], smem[0:smem_bytes])
-                            T.writes(Y[0:ys[0], 0:ys[1], 0:ys[2], 0:ys[3]])
-                            T.evaluate(T.call_extern("void", wrapper, X.data, W.data, B.data, RES.data, Y.data,
-                                                     smem.data))
+    if kernel.residual:
+        @T.prim_func(s_tir=True)
+        def func(x: T.handle, w: T.handle, b: T.handle, res: T.handle, y: T.handle):
+            T.func_attr({"tirx.noalias": True})
+            X = T.match_buffer(x, xs, "float16")
+            W = T.match_buffer(w, ws, "float16")
+            B = T.match_buffer(b, bs, "float16")
+            RES = T.match_buffer(res, ys, "float16")
+            Y = T.match_buffer(y, ys, "float16")
+            with T.sblock("root"):
+                smem = T.alloc_buffer((smem_bytes,), "uint8", scope="shared.dyn")
+                for bx in T.thread_binding(gm, thread="blockIdx.x"):
+                    for by in T.thread_binding(gn, thread="blockIdx.y"):
+                        for tx in T.thread_binding(threads, thread="threadIdx.x"):
+                            with T.sblock("cutlass"):
+                                T.reads(X[0:xs[0], 0:xs[1], 0:xs[2], 0:xs[3]], W[0:ws[0], 0:ws[1], 0:ws[2], 0:ws[3]],
+                                        B[0:bs[0], 0:bs[1], 0:bs[2], 0:bs[3]] if len(bs) == 4 else B[0:bs[0]],
+                                        RES[0:ys[0], 0:ys[1], 0:ys[2], 0:ys[3]], smem[0:smem_bytes])
+                                T.writes(Y[0:ys[0], 0:ys[1], 0:ys[2], 0:ys[3]])
+                                T.evaluate(T.call_extern("void", wrapper, X.data, W.data, B.data, RES.data, Y.data,
+                                                         smem.data))
+    else:
+        @T.prim_func(s_tir=True)
+        def func(x: T.handle, w: T.handle, b: T.handle, y: T.handle):
+            T.func_attr({"tirx.noalias": True})
+            X = T.match_buffer(x, xs, "float16")
+            W = T.match_buffer(w, ws, "float16")
+            B = T.match_buffer(b, bs, "float16")
+            Y = T.match_buffer(y, ys, "float16")
+            with T.sblock("root"):
+                smem = T.alloc_buffer((smem_bytes,), "uint8", scope="shared.dyn")
+                for bx in T.thread_binding(gm, thread="blockIdx.x"):
+                    for by in T.thread_binding(gn, thread="blockIdx.y"):
+                        for tx in T.thread_binding(threads, thread="threadIdx.x"):
+                            with T.sblock("cutlass"):
+                                T.reads(X[0:xs[0], 0:xs[1], 0:xs[2], 0:xs[3]], W[0:ws[0], 0:ws[1], 0:ws[2], 0:ws[3]],
+                                        B[0:bs[0], 0:bs[1], 0:bs[2], 0:bs[3]] if len(bs) == 4 else B[0:bs[0]],
+                                        smem[0:smem_bytes])
+                                T.writes(Y[0:ys[0], 0:ys[1], 0:ys[2], 0:ys[3]])
+                                T.evaluate(T.call_extern("void", wrapper, X.data, W.data, B.data, Y.data, Y.data,
+                                                         smem.data))
 
-    return func.with_attr("global_symbol", f"cutlass_{kernel.name}").with_attr("tirx.is_scheduled", True)
+    return func.with_attrs({"global_symbol": f"cutlass_{kernel.name}", "tirx.is_scheduled": True, "op_pattern": 8})  # opaque: never fused
 
 
 def elf_symbol_sizes(cubin: bytes, prefix: str) -> dict[str, int]:
@@ -362,6 +385,17 @@ def pad_input(x_nchw: np.ndarray, problem: Conv2dProblem) -> np.ndarray:
     """An NCHW activation as the kernel takes it: NHWC, channels padded with zeros."""
     nhwc = np.transpose(x_nchw, (0, 2, 3, 1))
     return np.pad(nhwc, ((0, 0), (0, 0), (0, 0), (0, problem.c - nhwc.shape[3])))
+
+
+def kernel_record(kernel: ConvKernel, smem_bytes: int) -> dict:
+    """What the manifest says of one CUTLASS kernel: template, tile, the problem, the epilogue, FLOPs."""
+    p = kernel.problem
+    return {"function": f"cutlass_{kernel.name}", "template": "DefaultConv2dFpropWithBroadcast (Sm80, fp16, fp32 accumulation)",
+            "tile": list(kernel.tile.block), "warp": list(kernel.tile.warp), "stages": kernel.tile.stages,
+            "threads": kernel.tile.threads, "grid": list(kernel.grid), "shared_bytes": smem_bytes,
+            "problem": {"nhwc": [p.n, p.h, p.w, p.c], "k": p.k, "rs": [p.r, p.s], "pad": list(p.pad),
+                        "stride": list(p.stride), "dilation": list(p.dilation)},
+            "activation": kernel.activation, "residual": kernel.residual, "precision": "fp16", "flops": p.flops}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -452,3 +486,266 @@ def read_kernels(library: Path, kernels: Sequence[ConvKernel], sizes: dict[str, 
                                         int(fields.get("REG", 0)), int(fields.get("STACK", 0)),
                                         int(fields.get("LOCAL", 0)), sizes[kern.name], kern.tile.threads, kern.grid))
     return reports
+
+
+# ------------------------------------------------------------------ the graph: NHWC, then CUTLASS calls
+
+def prepare_nhwc(graph):
+    """The CUDA graph for CUTLASS: every convolution NHWC with OHWI weights (Relax's ConvertLayout, which carries
+    NHWC through the element-wise operators between them: one transpose at each end), the weights' transposes
+    done now, and input channels that are not a multiple of ALIGNMENT padded (zero weights, and the activation
+    padded with zeros by a pad before the convolution). Plain Relax: it builds for any target, so the golden
+    outputs check this layout and padding on the build host."""
+    from edgeq.graph import call_op, rewrite
+    from edgeq.graph_passes import fresh_name, precompute_weight_ops
+    from edgeq.tvm_env import relax
+
+    # clips as maximum/minimum of a scalar constant first: ConvertLayout carries NHWC through those, not through
+    # relax.clip or the TIR calls ONNX Clip with weight bounds imports as
+    graph = rewrite(graph, _clip_as_max_min)
+    mod = relax.transform.ConvertLayout({"relax.nn.conv2d": ["NHWC", "OHWI"]})(graph.mod)
+    graph = precompute_weight_ops(type(graph)(mod, graph.weights))
+
+    def visit(rw, var, value):
+        if call_op(value) != "relax.nn.conv2d" or value.attrs.data_layout != "NHWC" or int(value.attrs.groups) != 1:
+            return None
+        w = rw.weight(value.args[1])
+        if w is None or w.ndim != 4 or w.shape[3] % ALIGNMENT == 0 or w.shape[3] < 3:
+            return None
+        extra = -w.shape[3] % ALIGNMENT
+        padded_w = rw.param(fresh_name(rw, f"{value.args[1].name}_c{w.shape[3] + extra}"),
+                            np.pad(w, ((0, 0), (0, 0), (0, 0), (0, extra))))
+        x = rw.emit(relax.op.nn.pad(rw.new(value.args[0]), [0, 0, 0, 0, 0, 0, 0, extra]))
+        return relax.Call(value.op, [x, padded_w], value.attrs)
+
+    return rewrite(graph, visit)
+
+
+def _clip_as_max_min(rw, var, value):
+    """relax.clip with immediate bounds, and TIR maximum/minimum calls with a one-element static bound, as
+    ``relax.maximum``/``relax.minimum`` of a 0-d constant (the same values)."""
+    from edgeq.graph import call_op
+    from edgeq.graph_passes import dtype_of
+    from edgeq.tvm_env import relax, tvm
+
+    op = call_op(value)
+    if op == "relax.clip" and all(isinstance(a, (tvm.tirx.IntImm, tvm.tirx.FloatImm)) for a in value.args[1:]):
+        dtype = dtype_of(value.args[0]) or "float32"
+        low, high = (relax.const(float(a.value), dtype) for a in value.args[1:])
+        return relax.op.minimum(rw.emit(relax.op.maximum(rw.new(value.args[0]), low)), high)
+    if op != "relax.call_tir" or not isinstance(value.args[1], relax.Tuple) or len(value.args[1].fields) != 2:
+        return None
+    name = value.args[0].name_hint
+    tir_op = relax.op.maximum if name.startswith("maximum") else relax.op.minimum if name.startswith("minimum") else None
+    bound = rw.static_value(value.args[1].fields[1])
+    if tir_op is None or bound is None or bound.size != 1:
+        return None
+    dtype = dtype_of(value.args[1].fields[0]) or "float32"
+    return tir_op(rw.new(value.args[1].fields[0]), relax.const(np.asarray(bound, dtype).reshape(()), dtype))
+
+
+@dataclasses.dataclass(frozen=True)
+class Claimed:
+    """A convolution chain the CUTLASS kernel took: its kernel, and the Relax variables of its operands."""
+
+    kernel: ConvKernel
+    output: object  # the chain's last variable: its binding becomes the call
+    x: object
+    w: object
+    bias: object
+    residual: object | None
+    chain: tuple  # the chain's other variables, from the conv2d on: their bindings go
+    bias_shape: tuple[int, ...]
+
+
+def _const_scalar(expr, value_of=None) -> float | None:
+    """A one-element constant's value, also behind a variable bound to an astype of one (how ToMixedPrecision
+    leaves a clip's bounds)."""
+    from edgeq.graph import call_op, const_value
+
+    if value_of is not None and expr in value_of and call_op(value_of[expr]) == "relax.astype":
+        expr = value_of[expr].args[0]
+    value = const_value(expr)
+    return float(value.reshape(-1)[0]) if value is not None and value.size == 1 else None
+
+
+def find_convs(main, sm_count: int, smem_per_block: int) -> tuple[list[Claimed], list[dict]]:
+    """The fp16 chains ``conv2d(NHWC, OHWI, fp32 out) -> astype fp16 -> + bias -> [+ residual] -> [relu | relu6]``
+    of ``main`` whose intermediate values have no other reader, as kernels; and the conv2d calls left out, each
+    with why (for the manifest)."""
+    from edgeq.graph import call_op
+    from edgeq.graph_passes import dtype_of, shape_of
+
+    bindings = [b for block in main.body.blocks for b in block.bindings]
+    value_of = {b.var: b.value for b in bindings}
+    readers: dict = {}
+    for b in bindings:
+        for v in set(_free_vars(b.value)):
+            readers.setdefault(v, []).append(b.var)
+    for v in _free_vars(main.body.body):
+        readers.setdefault(v, []).append(None)
+    params = set(main.params[int(main.attrs["num_input"]):])
+
+    def only_reader(var):
+        r = readers.get(var, [])
+        return r[0] if len(r) == 1 and r[0] is not None else None
+
+    claimed, left, taken = [], [], set()
+    for b in bindings:
+        value = b.value
+        if call_op(value) != "relax.nn.conv2d":
+            continue
+        attrs = value.attrs
+        why = None
+        x, w = value.args
+        if attrs.data_layout != "NHWC" or attrs.kernel_layout != "OHWI" or int(attrs.groups) != 1:
+            why = f"{attrs.data_layout}/{attrs.kernel_layout}, groups {int(attrs.groups)}"
+        elif dtype_of(b.var) != "float32" or dtype_of(x) != "float16":
+            why = "not fp16 with fp32 accumulation"
+        elif w not in params:
+            why = "weights computed at run time"
+        pads = [int(p) for p in attrs.padding]
+        if why is None and (pads[0] != pads[2] or pads[1] != pads[3]):
+            why = "asymmetric padding"
+        xs, ws = shape_of(x), shape_of(w)
+        if why is None and (xs is None or ws is None or xs[3] % ALIGNMENT or ws[0] % ALIGNMENT):
+            why = "channels not a multiple of 8"
+        cast = only_reader(b.var)
+        if why is None and (cast is None or call_op(value_of[cast]) != "relax.astype"
+                            or str(value_of[cast].attrs.dtype) != "float16"):
+            why = "no fp16 cast after it"
+        add = only_reader(cast) if why is None else None
+        if why is None and (add is None or call_op(value_of[add]) != "relax.add"):
+            why = "no bias after it"
+        bias = None
+        if why is None:
+            other = [a for a in value_of[add].args if not a.same_as(cast)]
+            bias = other[0] if other and other[0] in params else None
+            if bias is None or shape_of(bias) is None or int(np.prod(shape_of(bias))) != ws[0] or shape_of(bias)[-1] != ws[0]:
+                why = "no per-channel bias after it"
+        if why is not None:
+            left.append({"conv": b.var.name, "why": why})
+            continue
+        chain = [b.var, cast, add]
+        residual, activation = None, "identity"
+        nxt = only_reader(chain[-1])
+        if nxt is not None and nxt in taken:  # another chain's residual add: this output is its residual
+            nxt = None
+        if nxt is not None and call_op(value_of[nxt]) == "relax.add":
+            other = [a for a in value_of[nxt].args if not a.same_as(chain[-1])]
+            if other and shape_of(other[0]) == shape_of(b.var) and dtype_of(other[0]) == "float16":
+                residual = other[0]
+                chain.append(nxt)
+                nxt = only_reader(nxt)
+        if nxt is not None and call_op(value_of[nxt]) == "relax.nn.relu":
+            activation = "relu"
+            chain.append(nxt)
+        elif nxt is not None and call_op(value_of[nxt]) == "relax.maximum" and \
+                _const_scalar(value_of[nxt].args[1], value_of) == 0.0:
+            activation = "relu"
+            chain.append(nxt)
+            after = only_reader(nxt)
+            if after is not None and call_op(value_of[after]) == "relax.minimum" and \
+                    _const_scalar(value_of[after].args[1], value_of) == 6.0:
+                activation = "relu6"
+                chain.append(after)
+        problem = Conv2dProblem(xs[0], xs[1], xs[2], xs[3], ws[0], ws[1], ws[2], (pads[0], pads[1]),
+                                tuple(int(s) for s in attrs.strides), tuple(int(d) for d in attrs.dilation))
+        kernel = ConvKernel(f"l{len(claimed)}", problem, choose_tile(problem, sm_count, smem_per_block), activation,
+                            residual is not None)
+        claimed.append(Claimed(kernel, chain[-1], x, w, bias, residual, tuple(chain[:-1]), tuple(shape_of(bias))))
+        taken.update(chain)
+    return claimed, left
+
+
+def _ty(var):
+    return getattr(var, "struct_info", None) or var.ty
+
+
+def _free_vars(expr):
+    from edgeq.tvm_env import relax
+
+    return relax.analysis.free_vars(expr)
+
+
+def claim_convs(mod, claimed: Sequence[Claimed], sizes: dict[str, int]):
+    """``mod`` with each claimed chain replaced by one ``call_tir`` of its kernel's PrimFunc (added to the module):
+    the chain's last binding becomes the call, its other bindings go."""
+    from edgeq.tvm_env import relax, tvm
+
+    main = mod["main"]
+    by_output = {c.output: c for c in claimed}
+    dropped = {var for c in claimed for var in c.chain}
+    bb = relax.BlockBuilder(mod)
+    gvars = {c.kernel.name: bb.add_func(prim_func(c.kernel, sizes[c.kernel.name], c.bias_shape), f"cutlass_{c.kernel.name}")
+             for c in claimed}
+    functions = dict(bb.get().functions)
+    blocks = []
+    for block in main.body.blocks:
+        new = []
+        for b in block.bindings:
+            if b.var in dropped:
+                continue
+            c = by_output.get(b.var)
+            if c is not None:
+                args = [c.x, c.w, c.bias] + ([c.residual] if c.residual is not None else [])
+                call = relax.call_tir(gvars[c.kernel.name], relax.Tuple(args), _ty(b.var))
+                b = relax.VarBinding(b.var, call)
+            new.append(b)
+        blocks.append(type(block)(new))
+    body = relax.SeqExpr(blocks, main.body.body)
+    out = tvm.IRModule(functions)
+    out["main"] = relax.Function(main.params, body, main.ret_ty, main.is_pure, main.attrs)
+    return out
+
+
+def twin_prim_func(kernel: ConvKernel, bias_shape: Sequence[int]):
+    """A plain TIR function (TE, no CUTLASS) with the signature and the arithmetic of ``kernel``'s PrimFunc:
+    the independent host implementation a rewritten graph is run with on the build host (``with_twins``)."""
+    from edgeq.tvm_env import tvm
+
+    te = tvm.te
+    p = kernel.problem
+    (ph, pw), (sh, sw), (dh, dw) = p.pad, p.stride, p.dilation
+    x = te.placeholder((p.n, p.h, p.w, p.c), "float16", "x")
+    w = te.placeholder((p.k, p.r, p.s, p.c), "float16", "w")
+    b = te.placeholder(tuple(bias_shape), "float16", "b")
+    res = te.placeholder((p.n, p.p, p.q, p.k), "float16", "res") if kernel.residual else None
+    zero = tvm.tirx.const(0.0, "float16")
+    xp = te.compute((p.n, p.h + 2 * ph, p.w + 2 * pw, p.c), lambda i, y, z, c: tvm.tirx.if_then_else(
+        tvm.tirx.all(y >= ph, y < p.h + ph, z >= pw, z < p.w + pw), x[i, y - ph, z - pw, c], zero), "xp")
+    rc, ry, rx = te.reduce_axis((0, p.c), "rc"), te.reduce_axis((0, p.r), "ry"), te.reduce_axis((0, p.s), "rx")
+    acc = te.compute((p.n, p.p, p.q, p.k), lambda i, y, z, o: te.sum(
+        xp[i, y * sh + ry * dh, z * sw + rx * dw, rc].astype("float32") * w[o, ry, rx, rc].astype("float32"),
+        axis=[ry, rx, rc]), "acc")
+
+    def epilogue(i, y, z, o):
+        v = acc[i, y, z, o]
+        if res is not None:
+            v = v + res[i, y, z, o].astype("float32")
+        v = v + (b[0, 0, 0, o] if len(bias_shape) == 4 else b[o]).astype("float32")
+        if kernel.activation == "relu":
+            v = tvm.te.max(v, tvm.tirx.const(0.0, "float32"))
+        elif kernel.activation == "relu6":
+            v = tvm.te.min(tvm.te.max(v, tvm.tirx.const(0.0, "float32")), tvm.tirx.const(6.0, "float32"))
+        elif kernel.activation != "identity":
+            raise ValueError(f"no host twin for activation {kernel.activation}")
+        return v.astype("float16")
+
+    y = te.compute((p.n, p.p, p.q, p.k), epilogue, "y")
+    args = [x, w, b] + ([res] if res is not None else []) + [y]
+    return te.create_prim_func(args)
+
+
+def with_twins(mod, claimed: Sequence[Claimed]):
+    """A rewritten module (``claim_convs``) with each CUTLASS PrimFunc swapped for its ``twin_prim_func``: it runs
+    on the build host, so the rewrite (which operands went where, the fused epilogue) is checked there."""
+    from edgeq.tvm_env import tvm
+
+    functions = dict(mod.functions)
+    for gv in list(functions):
+        for c in claimed:
+            if gv.name_hint == f"cutlass_{c.kernel.name}":
+                # opaque to fusion, as the CUTLASS call it stands for
+                functions[gv] = twin_prim_func(c.kernel, c.bias_shape).with_attrs({"global_symbol": gv.name_hint, "op_pattern": 8})
+    return tvm.IRModule(functions)

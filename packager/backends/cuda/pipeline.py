@@ -65,6 +65,7 @@ class GpuKernels:
     launches: dict[str, int] = dataclasses.field(default_factory=dict)  # PrimFunc -> its launches per inference
     cuda_graph: bool = False  # main's static call sequences run as one captured CUDA graph
     cuda_graph_kernels: int = 0  # of kernels_per_inference, those inside the graph (one launch for all)
+    cutlass: dict | None = None  # --gpu-kernels cutlass: its version, the kernel per claimed layer, what it left
 
     def to_dict(self) -> dict[str, Any]:
         counts: dict[str, int] = {}
@@ -78,6 +79,7 @@ class GpuKernels:
             "functions": dict(sorted(self.functions.items())),
             "launches": dict(sorted(self.launches.items())),
             "fallbacks": sorted(self.fallbacks, key=lambda f: f["function"]),
+            **({"cutlass": self.cutlass} if self.cutlass is not None else {}),
         }
 
 
@@ -188,6 +190,8 @@ def ScheduleKernels(target, report: GpuKernels, check_all: bool = False):  # noq
     def _pass(mod, _ctx):
         updates = {}
         for gv, func in sorted(mod.functions_items(), key=lambda item: item[0].name_hint):
+            if isinstance(func, tvm.tirx.PrimFunc) and gv.name_hint.startswith("cutlass_"):
+                report.functions[gv.name_hint] = "cutlass"
             if not isinstance(func, tvm.tirx.PrimFunc) or int((func.attrs or {}).get("tirx.is_scheduled", 0) or 0) == 1:
                 continue
             scheduled, rule, fallbacks = schedule_function(gv.name_hint, func, target, check_all)
@@ -278,9 +282,29 @@ def pipeline(target, report: GpuKernels, check_all: bool = False):
     return _pipeline
 
 
-def build(mod, target, report: GpuKernels):
+def build(mod, target, report: GpuKernels, cutlass: tuple[int, int] | None = None):
     """``relax.build`` on ``pipeline`` with CUDA graph capture on. When the whole build still fails (a
-    schedule no rule check caught), it is retried once with every schedule built alone first."""
+    schedule no rule check caught), it is retried once with every schedule built alone first. ``cutlass``:
+    (SMs, shared memory per block) of the profile: the fp16 convolution chains go to CUTLASS kernels first
+    (``edgeq.backends.cuda.cutlass``), the rest to dlight."""
+    import contextlib
+
+    wrappers = contextlib.nullcontext()
+    if cutlass is not None:
+        from edgeq.backends.cuda import cutlass as cl
+
+        claimed, left = cl.find_convs(mod["main"], *cutlass)
+        kernels = [c.kernel for c in claimed]
+        sizes = cl.smem_sizes(kernels, target.attrs["arch"]) if kernels else {}
+        mod = cl.claim_convs(mod, claimed, sizes)
+        wrappers = cl.wrappers_in_module(kernels)
+        report.cutlass = {"version": cl.cutlass_version(), "kernels": [cl.kernel_record(k, sizes[k.name]) for k in kernels],
+                          "left": left}
+    with wrappers:
+        return _build(mod, target, report)
+
+
+def _build(mod, target, report: GpuKernels):
     config = {USE_CUDA_GRAPH: True}
     try:
         with tvm.transform.PassContext(config=config):
@@ -291,7 +315,8 @@ def build(mod, target, report: GpuKernels):
     with tvm.transform.PassContext(config=config):
         executable = relax.build(mod, target=target, relax_pipeline=pipeline(target, fresh, check_all=True))
     for field in dataclasses.fields(GpuKernels):
-        setattr(report, field.name, getattr(fresh, field.name))
+        if field.name != "cutlass":
+            setattr(report, field.name, getattr(fresh, field.name))
     report.fallbacks.append({"function": "(whole module)", "rule": "build", "error": first})
     return executable
 
