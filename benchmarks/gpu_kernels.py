@@ -2,6 +2,7 @@
 
     python benchmarks/gpu_kernels.py [--models resnet18 mobilenet_v2] [--precisions fp32 fp16 int8] [--json]
     python benchmarks/gpu_kernels.py --onnx resnet18=zoo/resnet18-224.onnx   # a real export instead of the builder
+    python benchmarks/gpu_kernels.py --precisions fp16 --gpu-kernels cutlass   # convolutions on CUTLASS (#42)
 
 For each bundle (``edgeq package``, runtime none): kernel launches per inference and whether CUDA graph capture
 took effect (``library.gpu_kernels``), the conv/matmul kernels and how many of them run on tensor cores (their
@@ -163,8 +164,26 @@ def kernel_sass(function: str, sass: dict[str, str]) -> str:
 
 
 def is_gemm(function: str) -> bool:
-    """A conv/matmul kernel (FuseOps names a fused function after its operators)."""
-    return any(op in function for op in ("conv2d", "matmul", "dense"))
+    """A conv/matmul kernel (FuseOps names a fused function after its operators; CUTLASS's are cutlass_*)."""
+    return function.startswith("cutlass_") or any(op in function for op in ("conv2d", "matmul", "dense"))
+
+
+def model_flops(model: Path) -> int:
+    """The conv/matmul FLOPs of one inference of an ONNX model (2 per multiply-add), from its inferred shapes."""
+    m = onnx.shape_inference.infer_shapes(onnx.load(str(model)))
+    shapes = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim]
+              for v in [*m.graph.value_info, *m.graph.input, *m.graph.output]}
+    shapes.update({t.name: list(t.dims) for t in m.graph.initializer})
+    total = 0
+    for node in m.graph.node:
+        if node.op_type == "Conv":
+            w, out = shapes[node.input[1]], shapes[node.output[0]]
+            total += 2 * int(np.prod(out)) * int(np.prod(w[1:]))
+        elif node.op_type in ("MatMul", "Gemm"):
+            a, out = shapes[node.input[0]], shapes[node.output[0]]
+            trans_a = any(at.name == "transA" and at.i for at in node.attribute)
+            total += 2 * int(np.prod(out)) * (a[-2] if trans_a else a[-1])
+    return total
 
 
 def measure(bundle_dir: Path, precision: str) -> dict:
@@ -198,10 +217,21 @@ def measure(bundle_dir: Path, precision: str) -> dict:
         "weight_bytes": manifest["weights"]["bytes"],
         "weight_dtypes": manifest["weights"]["dtypes"],
         "manifest_precision": manifest["precision"],
+        "cutlass": _cutlass_part(kernels.get("cutlass"), sass, instruction),
     }
 
 
-def package_and_measure(model: Path, precision: str, out: Path, calib: Path | None = None) -> dict:
+def _cutlass_part(record: dict | None, sass: dict[str, str], instruction: str | None) -> dict | None:
+    """--gpu-kernels cutlass: its kernels' FLOPs on tensor cores (their SASS has the instruction), and what it left."""
+    if record is None:
+        return None
+    on_tensor_cores = [k for k in record["kernels"] if instruction and instruction in kernel_sass(k["function"], sass)]
+    return {"kernels": len(record["kernels"]), "on_tensor_cores": len(on_tensor_cores),
+            "flops": sum(k["flops"] for k in on_tensor_cores), "left": record["left"]}
+
+
+def package_and_measure(model: Path, precision: str, out: Path, calib: Path | None = None,
+                        gpu_kernels: str = "dlight") -> dict:
     """``edgeq package`` for jetson-orin-nano in ``precision`` (int8: minmax calibration on ``calib``), measured."""
     from edgeq.package import PackageArgs, package
     from edgeq.quantize import QuantizeArgs
@@ -209,9 +239,14 @@ def package_and_measure(model: Path, precision: str, out: Path, calib: Path | No
     quantize = None
     if precision in ("int8", "mixed"):
         quantize = QuantizeArgs(calibrate=calib, method="minmax", samples=4)
-    result = package(PackageArgs(model=model, device=DEVICE, output=out / precision, precision=precision,
-                                 quantize=quantize, runtime="none"))
-    return measure(result.bundle_dir, precision)
+    result = package(PackageArgs(model=model, device=DEVICE, output=out / f"{precision}-{gpu_kernels}",
+                                 precision=precision, quantize=quantize, runtime="none", gpu_kernels=gpu_kernels))
+    row = measure(result.bundle_dir, precision)
+    if row["cutlass"] is not None:
+        total = model_flops(model)
+        row["cutlass"]["model_flops"] = total
+        row["cutlass"]["tensor_core_flops_share"] = round(row["cutlass"]["flops"] / total, 4) if total else None
+    return {**row, "gpu_kernels": gpu_kernels}
 
 
 def tvm_default_launches(model: Path) -> int:
@@ -262,6 +297,10 @@ def table(rows: list[dict]) -> str:
         share = "-" if r["tensor_core_instruction"] is None else (
             f"{r['tensor_core_launches']}/{r['conv_matmul_launches']} ({r['tensor_core_instruction']})")
         graph = f" (CUDA graph: {r['cuda_graph_kernels']})" if r["cuda_graph"] else ""
+        if r.get("cutlass"):
+            c = r["cutlass"]
+            share += (f"; CUTLASS: {c['on_tensor_cores']}/{c['kernels']} kernels, "
+                      f"{100 * (c.get('tensor_core_flops_share') or 0):.1f}% of FLOPs on tensor cores")
         lines.append(f"| {r['model']} | {r['precision']} | {r['kernels_per_inference']}{graph} | {share} | "
                      f"{r['weight_bytes'] / 1e6:.1f} | {len(r['on_fallback_rule'])} | {len(r['pipeline_retries'])} | "
                      f"{len(r['tensor_core_fallbacks'])} |")
@@ -278,6 +317,9 @@ def main() -> None:
     parser.add_argument("--before", action="store_true",
                         help="also count the fp32 launches of TVM's default CUDA pipeline (no edgeq graph clean-up)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+    parser.add_argument("--gpu-kernels", choices=["dlight", "cutlass"], default="dlight",
+                        help="edgeq package --gpu-kernels (cutlass: fp16 only; its rows add the share of conv/matmul "
+                             "FLOPs in CUTLASS kernels whose SASS has HMMA)")
     args = parser.parse_args()
     given = dict(item.split("=", 1) for item in args.onnx)
     rows = []
@@ -292,7 +334,7 @@ def main() -> None:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
             for precision in args.precisions:
-                row = {"model": name, **package_and_measure(model, precision, work / name, calib)}
+                row = {"model": name, **package_and_measure(model, precision, work / name, calib, args.gpu_kernels)}
                 rows.append(row)
                 if not args.json:
                     print(table([row]).splitlines()[-1], flush=True)
