@@ -173,7 +173,7 @@ def test_the_rewritten_graph_runs_on_the_host_as_the_graph(tmp_path):
     assert len(claimed) == convs and left == []
     kinds = {(c.kernel.activation, c.kernel.residual) for c in claimed}
     assert ("relu", True) in kinds or ("relu6", True) in kinds  # a residual block's second conv took the add
-    assert claimed[0].kernel.problem.c == 8 and claimed[0].kernel.problem.c_real == 0  # the stem, padded in the graph
+    assert claimed[0].kernel.problem.c == 8 and claimed[0].kernel.problem.c_real == 3  # the stem, padded in the graph
     rewritten = cutlass.claim_convs(fp16.mod, claimed, {c.kernel.name: 49152 for c in claimed})
     launches = [b.value for b in Graph(rewritten, fp16.weights).bindings() if call_op_name(b.value) == "relax.call_tir"]
     assert len(launches) == convs
@@ -221,6 +221,10 @@ def test_package_with_cutlass_kernels(nvrtc, tmp_path):
     assert record["version"] == "4.1.0" and len(record["kernels"]) == convs and record["left"] == []
     assert {k["function"] for k in record["kernels"]} == {f for f, rule in gpu["functions"].items() if rule == "cutlass"}
     assert all(k["flops"] > 0 and k["precision"] == "fp16" and k["tile"] for k in record["kernels"])
+    from gpu_kernels import model_flops  # benchmarks/: the model's conv/matmul FLOPs from its ONNX shapes
+
+    share = sum(k["flops"] for k in record["kernels"]) / model_flops(model)
+    assert 0.95 <= share <= 1.0, share  # the stem's padded channels are not counted
     assert gpu["cuda_graph"] is True
     cuobjdump = cuda_tool("cuobjdump")
     env = {**os.environ, "PATH": f"{Path(cuobjdump).parent}{os.pathsep}{os.environ['PATH']}"}

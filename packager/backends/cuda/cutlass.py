@@ -650,12 +650,27 @@ def find_convs(main, sm_count: int, smem_per_block: int) -> tuple[list[Claimed],
                 activation = "relu6"
                 chain.append(after)
         problem = Conv2dProblem(xs[0], xs[1], xs[2], xs[3], ws[0], ws[1], ws[2], (pads[0], pads[1]),
-                                tuple(int(s) for s in attrs.strides), tuple(int(d) for d in attrs.dilation))
+                                tuple(int(s) for s in attrs.strides), tuple(int(d) for d in attrs.dilation),
+                                c_real=xs[3] - _channels_padded(x, value_of))
         kernel = ConvKernel(f"l{len(claimed)}", problem, choose_tile(problem, sm_count, smem_per_block), activation,
                             residual is not None)
         claimed.append(Claimed(kernel, chain[-1], x, w, bias, residual, tuple(chain[:-1]), tuple(shape_of(bias))))
         taken.update(chain)
     return claimed, left
+
+
+def _channels_padded(x, value_of) -> int:
+    """The zero channels ``prepare_nhwc`` added to a convolution's input (a pad on the last axis, maybe behind
+    ToMixedPrecision's cast), so that FLOPs count the model's channels only."""
+    from edgeq.graph import call_op
+
+    value = value_of.get(x)
+    if call_op(value) == "relax.astype":
+        value = value_of.get(value.args[0])
+    if call_op(value) != "relax.nn.pad":
+        return 0
+    widths = [int(v) for v in value.attrs.pad_width]
+    return widths[-1] if not any(widths[:-1]) else 0
 
 
 def _ty(var):
