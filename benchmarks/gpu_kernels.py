@@ -239,7 +239,8 @@ def package_and_measure(model: Path, precision: str, out: Path, calib: Path | No
     quantize = None
     if precision in ("int8", "mixed"):
         quantize = QuantizeArgs(calibrate=calib, method="minmax", samples=4)
-    result = package(PackageArgs(model=model, device=DEVICE, output=out / f"{precision}-{gpu_kernels}",
+    folder = out / (precision if gpu_kernels == "dlight" else f"{precision}-{gpu_kernels}")
+    result = package(PackageArgs(model=model, device=DEVICE, output=folder,
                                  precision=precision, quantize=quantize, runtime="none", gpu_kernels=gpu_kernels))
     row = measure(result.bundle_dir, precision)
     if row["cutlass"] is not None:
