@@ -478,19 +478,26 @@ def write_file_atomic(path, write):
         raise LoaderError("cannot write %s: %s" % (path, err.strerror or err), Exit.USAGE)
 
 
-def write_outputs(np, output, outputs):
-    """FILE.npz: one archive; anything else: a folder (made if missing, never a symbolic link) of NAME.npy."""
-    if output.endswith(".npz"):
-        write_file_atomic(output, lambda f: np.savez(f, **outputs))
-        return
+def output_folder(output):
+    """The --output folder, made if missing, never a symbolic link (the loader often runs as root: no writes
+    through links)."""
     folder = output.rstrip("/") or "/"
-    if os.path.islink(folder):  # the loader often runs as root: no writes through links
+    if os.path.islink(folder):
         raise LoaderError("--output %s is a symbolic link; give the folder it points to" % output, Exit.USAGE)
     if not os.path.isdir(folder):
         try:
             os.mkdir(folder, 0o755)
         except OSError as err:
             raise LoaderError("cannot make the output folder %s: %s" % (output, err.strerror or err), Exit.USAGE)
+    return folder
+
+
+def write_outputs(np, output, outputs):
+    """FILE.npz: one archive; anything else: a folder (made if missing, never a symbolic link) of NAME.npy."""
+    if output.endswith(".npz"):
+        write_file_atomic(output, lambda f: np.savez(f, **outputs))
+        return
+    folder = output_folder(output)
     for name, value in outputs.items():
         write_file_atomic(os.path.join(folder, safe_file_name(name) + ".npy"), lambda f, v=value: np.save(f, v))
 
@@ -553,15 +560,7 @@ def frame_folder(output):
     if output.endswith((".npz", ".npy")):
         raise LoaderError("--output %s: a video's answers are drawn on its frames: give a video file (%s) or a folder "
                           "for PNG frames (DIR/)" % (output, ", ".join(sorted(video.VIDEO_MUXERS))), Exit.USAGE)
-    folder = output.rstrip("/") or "/"
-    if os.path.islink(folder):
-        raise LoaderError("--output %s is a symbolic link; give the folder it points to" % output, Exit.USAGE)
-    if not os.path.isdir(folder):
-        try:
-            os.mkdir(folder, 0o755)
-        except OSError as err:
-            raise LoaderError("cannot make the output folder %s: %s" % (output, err.strerror or err), Exit.USAGE)
-    return folder
+    return output_folder(output)
 
 
 QUEUE_FRAMES = 4  # frames decoded and prepared ahead of the model
@@ -713,7 +712,7 @@ def run_stream(model, spec, args):
     summary = {"source": source.name, "live": source.live, "pipelined": not args.no_pipeline,
                "frames": state["answered"], "seconds": round(seconds, 3),
                "fps": round(state["answered"] / seconds, 2) if seconds > 0 else 0.0,
-               "dropped": state["dropped"], "stages": times.summary()}
+               "dropped": state["dropped"], "stages": times.summary(contract.percentile)}
     if interrupted or error is not None:
         summary["stopped"] = "interrupted" if interrupted else str(error)
     print(json.dumps({"summary": summary}) if args.json else video.describe_summary(summary))

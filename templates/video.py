@@ -291,12 +291,7 @@ class Source:
         return pixels, (None if pts == GST_CLOCK_TIME_NONE else pts / 1e9)
 
     def close(self):
-        gst = self.gst
-        if self.pipeline:
-            gst.gst_element_set_state(self.pipeline, GST_STATE_NULL)
-        for obj in (self.sink, self.bus, self.pipeline):
-            if obj:
-                gst.gst_object_unref(obj)
+        _release(self.gst, self.pipeline, self.sink, self.bus)
         self.pipeline = self.sink = self.bus = None
 
 
@@ -411,18 +406,22 @@ class Writer:
             raise VideoError("cannot write %s: %s" % (self.path, err.strerror or err))
 
     def _stop(self):
-        gst = self.gst
-        if self.pipeline:
-            gst.gst_element_set_state(self.pipeline, GST_STATE_NULL)
-        for obj in (self.src, self.bus, self.pipeline):
-            if obj:
-                gst.gst_object_unref(obj)
+        _release(self.gst, self.pipeline, self.src, self.bus)
         self.pipeline = self.src = self.bus = None
 
     def discard(self):
         self._stop()
         if os.path.lexists(self.tmp) and not os.path.islink(self.tmp):
             os.unlink(self.tmp)
+
+
+def _release(gst, pipeline, *elements):
+    """A pipeline stopped (NULL state), and it and its elements and bus released."""
+    if pipeline:
+        gst.gst_element_set_state(pipeline, GST_STATE_NULL)
+    for obj in (*elements, pipeline):
+        if obj:
+            gst.gst_object_unref(obj)
 
 
 def _message_error(gst, message):
@@ -459,7 +458,8 @@ class StageTimes:
     def add(self, stage: str, seconds: float):
         self.samples[stage].append(seconds)
 
-    def summary(self) -> dict:
+    def summary(self, percentile) -> dict:
+        """``percentile(sorted values, q)``: contract.percentile, as the latency statistics use it."""
         out = {}
         for stage, values in self.samples.items():
             if values:
@@ -467,12 +467,6 @@ class StageTimes:
                 out[stage] = {"p50_ms": round(percentile(ordered, 50) * 1e3, 3),
                               "p99_ms": round(percentile(ordered, 99) * 1e3, 3)}
         return out
-
-
-def percentile(ordered: list, q: float) -> float:
-    pos = q / 100.0 * (len(ordered) - 1)
-    lo, hi = int(pos), min(int(pos) + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 def describe_summary(summary: dict) -> str:

@@ -918,11 +918,9 @@ std::string Rounded(double v, int digits) {  // Python's round(v, digits), as JS
   return JsonNumber(std::strtod(buf, nullptr));
 }
 
-std::string FrameFolder(const std::string& output) {
-  if (output.empty()) return "";
-  if (EndsWith(output, ".npz") || EndsWith(output, ".npy"))
-    refuse_usage("--output " + output + ": a video's answers are drawn on its frames: give a video file (.avi, .m4v, "
-                 ".mkv, .mov, .mp4) or a folder for PNG frames (DIR/)");
+// run.py's output_folder: the --output folder, made if missing, never a symbolic link (the loader often runs as
+// root: no writes through links)
+std::string OutputFolder(const std::string& output) {
   std::string dir = output;
   while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
   struct stat st;
@@ -931,6 +929,14 @@ std::string FrameFolder(const std::string& output) {
   if (!IsDir(dir) && mkdir(dir.c_str(), 0755) != 0)
     refuse_usage("cannot make the output folder " + output + ": " + std::strerror(errno));
   return dir;
+}
+
+std::string FrameFolder(const std::string& output) {
+  if (output.empty()) return "";
+  if (EndsWith(output, ".npz") || EndsWith(output, ".npy"))
+    refuse_usage("--output " + output + ": a video's answers are drawn on its frames: give a video file (.avi, .m4v, "
+                 ".mkv, .mov, .mp4) or a folder for PNG frames (DIR/)");
+  return OutputFolder(output);
 }
 
 int RunStream(Runtime* rt, const Bundle& b, const std::string& spec, const Args& args) {
@@ -1216,14 +1222,8 @@ int Main(int argc, char** argv) {
       if (n > 4 && args.output.compare(n - 4, 4, ".npz") == 0) {
         WriteNpz(args.output, outputs);
       } else {
-        std::string dir = args.output;
-        while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
-        struct stat st;
-        if (lstat(dir.c_str(), &st) == 0 && S_ISLNK(st.st_mode))  // the loader often runs as root: no writes through links
-          refuse_usage("--output " + args.output + " is a symbolic link; give the folder it points to");
-        if (!IsDir(args.output) && mkdir(args.output.c_str(), 0755) != 0)
-          refuse_usage("cannot make the output folder " + args.output + ": " + std::strerror(errno));
-        for (const HostTensor& t : outputs) WriteFileAtomic(args.output + "/" + SafeFileName(t.name) + ".npy", NpyBytes(t));
+        std::string dir = OutputFolder(args.output);
+        for (const HostTensor& t : outputs) WriteFileAtomic(dir + "/" + SafeFileName(t.name) + ".npy", NpyBytes(t));
       }
     }
     if (args.json) {

@@ -259,6 +259,13 @@ std::string MessageError(const GstApi& gst, void* message) {
   return text;
 }
 
+// video._release: a pipeline stopped (NULL state), it and its element and bus released, the handles cleared
+void ReleasePipeline(const GstApi& gst, void** pipeline, void** element, void** bus) {
+  if (*pipeline) gst.set_state(*pipeline, kGstStateNull);
+  for (void** obj : {element, bus, pipeline})
+    if (*obj) gst.object_unref(*obj), *obj = nullptr;
+}
+
 // video.Source: an open video source, frame by frame
 class VideoSource {
  public:
@@ -359,11 +366,7 @@ class VideoSource {
     return true;
   }
 
-  void Close() {
-    if (pipeline_) gst_.set_state(pipeline_, kGstStateNull);
-    for (void** obj : {&sink_, &bus_, &pipeline_})
-      if (*obj) gst_.object_unref(*obj), *obj = nullptr;
-  }
+  void Close() { ReleasePipeline(gst_, &pipeline_, &sink_, &bus_); }
 
  private:
   std::string BusError() {
@@ -550,11 +553,7 @@ class VideoWriter {
     void* message = bus_ ? gst_.bus_pop_filtered(bus_, kGstMessageError) : nullptr;
     return message ? MessageError(gst_, message) : "";
   }
-  void Stop() {
-    if (pipeline_) gst_.set_state(pipeline_, kGstStateNull);
-    for (void** obj : {&src_, &bus_, &pipeline_})
-      if (*obj) gst_.object_unref(*obj), *obj = nullptr;
-  }
+  void Stop() { ReleasePipeline(gst_, &pipeline_, &src_, &bus_); }
 
   std::string path_, chain_, tmp_;
   const GstApi& gst_;

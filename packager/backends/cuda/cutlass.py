@@ -254,15 +254,10 @@ def wrappers_in_module(kernels: Sequence[ConvKernel]) -> Iterator[None]:
         return device_source(used) + "\n" + code if used else code
 
     tvm_ffi.register_global_func("tvm_callback_cuda_postproc", postproc, override=True)
-    saved = os.environ.get("TVM_CUDA_NVRTC_EXTRA_OPTS")
-    os.environ["TVM_CUDA_NVRTC_EXTRA_OPTS"] = f"{saved or ''} {nvrtc_options()}".strip()
     try:
-        yield
+        with _nvrtc_include():
+            yield
     finally:
-        if saved is None:
-            os.environ.pop("TVM_CUDA_NVRTC_EXTRA_OPTS", None)
-        else:
-            os.environ["TVM_CUDA_NVRTC_EXTRA_OPTS"] = saved
         if previous is not None:
             tvm_ffi.register_global_func("tvm_callback_cuda_postproc", previous, override=True)
         else:
