@@ -74,10 +74,11 @@ class Net:
               self.const("fcb", self.rng.standard_normal(classes) * 0.1)]
         self.nodes.append(helper.make_node("Gemm", [flat, *fc], ["logits"], transB=1))
 
-    def save(self, path: Path, size: int, classes: int) -> Path:
+    def save(self, path: Path, size: int, classes: int, batch: int = 1) -> Path:
         graph = helper.make_graph(self.nodes, path.stem,
-                                  [helper.make_tensor_value_info("input", TensorProto.FLOAT, [1, 3, size, size])],
-                                  [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, classes])], self.inits)
+                                  [helper.make_tensor_value_info("input", TensorProto.FLOAT, [batch, 3, size, size])],
+                                  [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [batch, classes])],
+                                  self.inits)
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="onnx.helper")
         model.ir_version = 8
         onnx.checker.check_model(model)
@@ -85,7 +86,7 @@ class Net:
         return path
 
 
-def resnet18(path: Path, size: int = 224, classes: int = 1000) -> Path:
+def resnet18(path: Path, size: int = 224, classes: int = 1000, batch: int = 1) -> Path:
     """ResNet-18 (torchvision's layout: 7x7/2 stem, max pool, 4 stages of 2 basic blocks), BatchNorm after every conv."""
     net = Net(18)
     x = net.node("Relu", [net.conv_bn("input", 3, 64, 7, 2)])
@@ -99,14 +100,35 @@ def resnet18(path: Path, size: int = 224, classes: int = 1000) -> Path:
             x = net.node("Relu", [net.node("Add", [y, short])])
             cin = cout
     net.classifier(x, cin, classes)
-    return net.save(path, size, classes)
+    return net.save(path, size, classes, batch)
+
+
+def resnet50(path: Path, size: int = 224, classes: int = 1000, batch: int = 1) -> Path:
+    """ResNet-50 (torchvision's layout: 7x7/2 stem, max pool, 3-4-6-3 bottleneck blocks, stride on the 3x3),
+    BatchNorm after every conv."""
+    net = Net(50)
+    x = net.node("Relu", [net.conv_bn("input", 3, 64, 7, 2)])
+    x = net.node("MaxPool", [x], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])
+    cin = 64
+    for stage, (width, blocks) in enumerate(((64, 3), (128, 4), (256, 6), (512, 3))):
+        for block in range(blocks):
+            stride = 2 if stage and not block else 1
+            y = net.node("Relu", [net.conv_bn(x, cin, width, 1)])
+            y = net.node("Relu", [net.conv_bn(y, width, width, 3, stride)])
+            y = net.conv_bn(y, width, width * 4, 1)
+            short = x if stride == 1 and cin == width * 4 else net.conv_bn(x, cin, width * 4, 1, stride)
+            x = net.node("Relu", [net.node("Add", [y, short])])
+            cin = width * 4
+    net.classifier(x, cin, classes)
+    return net.save(path, size, classes, batch)
 
 
 # torchvision's MobileNetV2: (expansion, channels, repeats, first stride)
 MOBILENET_V2 = ((1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 4, 2), (6, 96, 3, 1), (6, 160, 3, 2), (6, 320, 1, 1))
 
 
-def mobilenet_v2(path: Path, size: int = 224, classes: int = 1000, settings=MOBILENET_V2, last: int = 1280) -> Path:
+def mobilenet_v2(path: Path, size: int = 224, classes: int = 1000, settings=MOBILENET_V2, last: int = 1280,
+                 batch: int = 1) -> Path:
     """MobileNetV2: inverted residual blocks (1x1 expand, 3x3 depthwise, 1x1 project; ReLU6, residual add
     where the shape allows), BatchNorm after every conv."""
     net = Net(2)
@@ -123,10 +145,10 @@ def mobilenet_v2(path: Path, size: int = 224, classes: int = 1000, settings=MOBI
             cin = c
     x = net.relu6(net.conv_bn(x, cin, last, 1))
     net.classifier(x, last, classes)
-    return net.save(path, size, classes)
+    return net.save(path, size, classes, batch)
 
 
-MODELS = {"resnet18": resnet18, "mobilenet_v2": mobilenet_v2}
+MODELS = {"resnet18": resnet18, "resnet50": resnet50, "mobilenet_v2": mobilenet_v2}
 
 
 # ------------------------------------------------------------------ measuring a bundle
@@ -310,7 +332,7 @@ def table(rows: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--models", nargs="+", default=["resnet18", "mobilenet_v2"], choices=list(MODELS))
     parser.add_argument("--precisions", nargs="+", default=["fp32", "fp16", "int8"], choices=["fp32", "fp16", "int8"])
     parser.add_argument("--onnx", action="append", default=[], metavar="MODEL=PATH",
                         help="use this ONNX file for MODEL instead of the onnx-helper builder")

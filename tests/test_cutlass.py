@@ -112,6 +112,50 @@ def test_the_replay_of_what_a_kernel_computes_equals_onnxruntime(case):
     np.testing.assert_allclose(np.transpose(got, (0, 3, 1, 2)).astype(np.float32), want, rtol=2e-3, atol=2e-3)
 
 
+INT8_CONVS = {  # name: (x shape, w shape, pads, strides, dilations)
+    "stem7x7s2": ((1, 3, 23, 21), (16, 3, 7, 7), (3, 3, 3, 3), (2, 2), (1, 1)),
+    "3x3-batch2": ((2, 16, 12, 10), (32, 16, 3, 3), (1, 1, 1, 1), (1, 1), (1, 1)),
+    "1x1s2-odd": ((1, 24, 15, 15), (40, 24, 1, 1), (0, 0, 0, 0), (2, 2), (1, 1)),
+    "3x3-dilated": ((1, 32, 17, 17), (24, 32, 3, 3), (2, 2, 2, 2), (1, 1), (2, 2)),
+}
+
+
+@pytest.mark.parametrize("case", list(INT8_CONVS))
+def test_the_int8_replay_equals_onnxruntime_qlinearconv(case):
+    """int8 (s8 x s8 -> s32, per-channel weight scales, int32 bias): what edgeq asks the kernel and its Requantize
+    epilogue to compute, replayed on the host, against ONNX Runtime's QLinearConv on the same integers."""
+    import onnxruntime as ort
+
+    x_shape, w_shape, pads, strides, dilations = INT8_CONVS[case]
+    rng = np.random.default_rng(len(case))
+    x = rng.integers(-128, 128, x_shape, dtype=np.int8)
+    w = rng.integers(-127, 128, w_shape, dtype=np.int8)
+    k = w_shape[0]
+    bias = rng.integers(-3000, 3000, k, dtype=np.int32)
+    x_scale, y_scale = np.float32(0.02), np.float32(0.05)
+    w_scale = rng.uniform(0.001, 0.004, k).astype(np.float32)
+    zero8 = np.int8(0)
+    inits = [numpy_helper.from_array(np.array(x_scale), "xs"), numpy_helper.from_array(np.array(zero8), "xz"),
+             numpy_helper.from_array(w, "w"), numpy_helper.from_array(w_scale, "ws"),
+             numpy_helper.from_array(np.zeros(k, np.int8), "wz"), numpy_helper.from_array(np.array(y_scale), "ys"),
+             numpy_helper.from_array(np.array(zero8), "yz"), numpy_helper.from_array(bias, "b")]
+    node = helper.make_node("QLinearConv", ["x", "xs", "xz", "w", "ws", "wz", "ys", "yz", "b"], ["y"], pads=list(pads),
+                            strides=list(strides), dilations=list(dilations))
+    graph = helper.make_graph([node], "qconv", [helper.make_tensor_value_info("x", TensorProto.INT8, list(x_shape))],
+                              [helper.make_tensor_value_info("y", TensorProto.INT8, None)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    problem = cutlass.problem_from_conv(x_shape, w_shape, pads, strides, dilations, "int8")
+    assert problem.c % 16 == 0 and problem.c_real == x_shape[1]
+    kernel = cutlass.ConvKernel("k", problem, cutlass.choose_tile(problem, 8, 166912, "int8"), precision="int8")
+    scale = (x_scale * w_scale / y_scale).astype(np.float32)  # the multiplier QLinearConv applies per channel
+    got = cutlass.replay_int8(kernel, cutlass.pad_input(x, problem), cutlass.pad_weights(w, problem), bias, scale)
+    got = np.transpose(got, (0, 3, 1, 2))
+    assert got.dtype == np.int8 and got.shape == want.shape
+    diff = np.abs(got.astype(np.int32) - want.astype(np.int32))
+    assert diff.max() <= 1 and (diff == 0).mean() >= 0.99, (diff.max(), (diff == 0).mean())
+
+
 @pytest.fixture(scope="module")
 def nvrtc():
     from edgeq.toolchain import cuda_toolkits
@@ -122,18 +166,25 @@ def nvrtc():
     return found[0]
 
 
-@pytest.mark.parametrize("profile", ["jetson-orin-nano", "cuda-sm90"])
-def test_kernels_compile_in_a_tvm_module_to_tensor_cores(profile, nvrtc, tmp_path):
+@pytest.mark.parametrize("profile,precision", [("jetson-orin-nano", "fp16"), ("cuda-sm90", "fp16"),
+                                               ("jetson-orin-nano", "int8"), ("cuda-sm90", "int8")])
+def test_kernels_compile_in_a_tvm_module_to_tensor_cores(profile, precision, nvrtc, tmp_path):
     from edgeq.tvm_env import import_tvm
 
     tvm = import_tvm()
     spec = _profile(profile)
     kernels = []
+    dtype = "int8" if precision == "int8" else "float16"
     for name in ("stem7x7s2", "3x3-residual", "1x1s2"):
         x_shape, w_shape, pads, strides, dilations, activation, residual = CONVS[name]
-        problem = cutlass.problem_from_conv(x_shape, w_shape, pads, strides, dilations)
-        tile = cutlass.choose_tile(problem, spec.sm_count, spec.shared_memory_per_block_optin)
-        kernels.append(cutlass.ConvKernel(name.replace("-", "_"), problem, tile, activation, residual))
+        problem = cutlass.problem_from_conv(x_shape, w_shape, pads, strides, dilations, dtype)
+        tile = cutlass.choose_tile(problem, spec.sm_count, spec.shared_memory_per_block_optin, precision)
+        if precision == "int8":  # the requantizing epilogue: ReLU as a clamp, a residual with its scale
+            kernels.append(cutlass.ConvKernel(name.replace("-", "_"), problem, tile, activation, residual, "int8",
+                                              residual_scale=0.5, act_lo=0.0 if activation == "relu" else -np.inf,
+                                              out_div=0.25, lo=-128.0, hi=127.0))
+        else:
+            kernels.append(cutlass.ConvKernel(name.replace("-", "_"), problem, tile, activation, residual))
     target = tvm.target.Target({"kind": "cuda", "arch": spec.arch, "host": "llvm"})
     library, sizes = cutlass.build_module(kernels, target, nvrtc, tmp_path)
     reports = {r.name: r for r in cutlass.read_kernels(library, kernels, sizes)}
@@ -141,10 +192,10 @@ def test_kernels_compile_in_a_tvm_module_to_tensor_cores(profile, nvrtc, tmp_pat
     for kern in kernels:
         r = reports[kern.name]
         assert r.arch == spec.arch
-        assert r.mma > 0  # HMMA: on the tensor cores
+        assert r.mma > 0  # HMMA (fp16) / IMMA (int8): on the tensor cores
         assert r.local_bytes == 0 and r.stack_bytes == 0  # no spills; Params live in shared memory
         assert r.shared_bytes <= spec.shared_memory_per_block_optin
-        assert r.shared_bytes >= kern.tile.mainloop_bytes()
+        assert r.shared_bytes >= kern.tile.mainloop_bytes(1 if precision == "int8" else 2)
         assert r.threads == kern.tile.threads and r.registers <= 255
 
 
@@ -184,6 +235,47 @@ def test_the_rewritten_graph_runs_on_the_host_as_the_graph(tmp_path):
     np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
     reference = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"]).run(None, {"input": x})[0]
     np.testing.assert_allclose(got, reference, rtol=5e-2, atol=5e-2)
+
+
+def test_the_rewritten_int8_graph_runs_on_the_host_as_the_graph(tmp_path):
+    """``--gpu-kernels cutlass`` on an int8 ResNet (edgeq's calibration, BatchNorm folded after quantization as
+    the CUDA path does): the requantizing chains (bias, scale, the BatchNorm's shift, a dequantized residual, ReLU
+    and ReLU6 before the output's quantize) claimed by int8 CUTLASS kernels; the rewritten module with each
+    kernel's plain TIR twin in its place, run on this machine, equals the graph before the rewrite bit for bit.
+    What CUTLASS cannot take (a float output, the sum of two float branches) stays, each with why."""
+    from test_gpu_path import resnet
+
+    from edgeq.backends import for_profile
+    from edgeq.compile import HostRunner
+    from edgeq.graph import Graph
+    from edgeq.load import load_model
+    from edgeq.quantize import QuantizeArgs, quantize
+    from edgeq.relax_import import to_relax
+
+    profile = resolve("jetson-orin-nano")[0]
+    backend = for_profile(profile).with_gpu_kernels("cutlass", profile, "int8")
+    model = resnet(tmp_path / "r.onnx", size=32, widths=(16, 32), blocks=1, stem=3, activations=("Relu", "Relu6"))
+    loaded = load_model(model, {}, {})
+    graph, _ = to_relax(loaded)
+    calib = tmp_path / "calib.npz"
+    np.savez(calib, input=np.random.default_rng(1).standard_normal((10, 3, 32, 32)).astype(np.float32))
+    quantized = quantize(graph, loaded, QuantizeArgs(calibrate=calib, method="minmax", samples=10), warn=lambda _: None)
+    prepared, _ = backend.prepare(quantized.graph, profile.tvm_target())
+    claimed, left = cutlass.find_convs(prepared.main, profile.cuda.sm_count, profile.cuda.shared_memory_per_block_optin)
+    convs = sum(1 for n in onnx.load(model).graph.node if n.op_type == "Conv")
+    assert len(claimed) + len(left) == convs and len(claimed) >= 4, (claimed, left)
+    assert all(c.kernel.precision == "int8" for c in claimed)
+    kinds = {(c.kernel.activation, c.kernel.residual) for c in claimed}
+    assert ("relu6", True) in kinds and ("relu", False) in kinds, kinds
+    assert claimed[0].kernel.problem.c == 16 and claimed[0].kernel.problem.c_real == 3  # the stem, padded to 16
+    assert all("float" in x["why"] or "residual" in x["why"] for x in left), left
+    rewritten = cutlass.claim_convs(prepared.mod, claimed, {c.kernel.name: 49152 for c in claimed})
+    launches = [b.value for b in Graph(rewritten, prepared.weights).bindings() if call_op_name(b.value) == "relax.call_tir"]
+    assert len(launches) == len(claimed)
+    twin = Graph(cutlass.with_twins(rewritten, claimed), prepared.weights)
+    for seed in range(3):
+        x = np.random.default_rng(seed).standard_normal((1, 3, 32, 32)).astype(np.float32)
+        np.testing.assert_array_equal(HostRunner(twin)([x])[0], HostRunner(prepared)([x])[0])
 
 
 def call_op_name(value) -> str | None:
@@ -243,7 +335,7 @@ def test_package_with_cutlass_kernels(nvrtc, tmp_path):
 
 @pytest.mark.parametrize("device,precision,says", [
     ("host", "fp32", "--gpu-kernels is for profiles with a GPU"),
-    ("jetson-orin-nano", "fp32", "--gpu-kernels cutlass takes --precision fp16"),
+    ("jetson-orin-nano", "fp32", "--gpu-kernels cutlass takes --precision fp16 or int8"),
 ])
 def test_gpu_kernels_refused_where_it_cannot_apply(device, precision, says, tmp_path):
     from conftest import run_cli

@@ -64,9 +64,9 @@ def add_parser(sub) -> None:
                              "auto (default): ONNX Runtime where installed, else TVM's plain pipeline on the imported "
                              "graph; int8/mixed builds: their own quantized graph before lowering, TVM's plain pipeline")
     parser.add_argument("--gpu-kernels", choices=("dlight", "cutlass"), default="dlight",
-                        help="CUDA profiles: dlight (default: TVM's GPU rules) or cutlass (fp16 convolutions on NVIDIA's "
-                             "CUTLASS tensor-core kernels, NHWC; what it does not claim stays on dlight, and the manifest "
-                             "says which; not yet run on a GPU)")
+                        help="CUDA profiles: dlight (default: TVM's GPU rules) or cutlass (fp16 and int8 convolutions on "
+                             "NVIDIA's CUTLASS tensor-core kernels, NHWC; what it does not claim stays on dlight, and "
+                             "the manifest says which)")
     parser.add_argument("--dump-ir", type=Path, metavar="DIR",
                         help="write the Relax module after each stage that changes it to DIR/NN-<stage>.py (TVMScript; "
                              "NN as in the progress output), replacing such files from an earlier run; the files of the "

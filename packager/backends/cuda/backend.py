@@ -61,14 +61,14 @@ class CudaBackend:
 
     def with_gpu_kernels(self, kind: str, profile, precision: str):
         """This backend with ``kind``'s kernels (``--gpu-kernels``): "dlight" (TVM's rules, the default) or
-        "cutlass" (NVIDIA's CUTLASS for fp16 convolutions, NHWC; the rest stays on dlight)."""
+        "cutlass" (NVIDIA's CUTLASS for fp16 and int8 convolutions, NHWC; the rest stays on dlight)."""
         from edgeq.errors import UsageError
 
         if kind not in ("dlight", "cutlass"):
             raise UsageError(f"unknown --gpu-kernels '{kind}'; choose dlight or cutlass")
-        if kind == "cutlass" and precision != "fp16":
-            raise UsageError("--gpu-kernels cutlass takes --precision fp16 for now (int8 needs a requantizing epilogue "
-                             "CUTLASS's convolutions lack); package fp32/int8 with the default, dlight")
+        if kind == "cutlass" and precision not in ("fp16", "int8"):
+            raise UsageError(f"--gpu-kernels cutlass takes --precision fp16 or int8 (CUTLASS's tensor-core kernels), "
+                             f"not {precision}; package {precision} with the default, dlight")
         chosen = copy.copy(self)
         chosen.gpu_kernels = kind
         chosen.sm_count = profile.cuda.sm_count or 8

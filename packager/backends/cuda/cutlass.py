@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import re
 import struct
@@ -44,6 +45,12 @@ ACTIVATIONS = {  # name -> CUTLASS elementwise functor on float (edgeq's own whe
     "gelu": "cutlass::epilogue::thread::GELU<float>",
 }
 ALIGNMENT = 8  # fp16 elements per 128-bit access: channels are padded to a multiple of it
+ALIGNMENT_INT8 = 16  # int8 elements per 128-bit access
+
+
+def alignment(dtype: str) -> int:
+    """Input channels a convolution of ``dtype`` activations is padded to a multiple of."""
+    return ALIGNMENT_INT8 if dtype == "int8" else ALIGNMENT
 PREAMBLE = r"""
 #include <cuda/std/type_traits>
 namespace std { using cuda::std::void_t; }  // NVRTC: CUTLASS's bias-elementwise epilogue names std::void_t
@@ -54,6 +61,57 @@ namespace std { using cuda::std::void_t; }  // NVRTC: CUTLASS's bias-elementwise
 namespace edgeq_cutlass {
 struct Relu6 {
   CUTLASS_HOST_DEVICE float operator()(float x) const { return x < 0.f ? 0.f : (x > 6.f ? 6.f : x); }
+};
+
+// The int8 epilogue (edgeq's: CUTLASS 2.x's convolution epilogues broadcast one per-channel vector, and a
+// requantization needs two, the int32 bias and the float scale). DefaultConv2dFpropWithBroadcast hands it each
+// output element's channel index as its broadcast vector; it reads that channel's bias and scale itself:
+//   v = clamp(float(acc + bias[k]) * scale[k] + shift[k]  [+ float(residual) * residual_scale], act_lo, act_hi)
+//   v = v / out_div
+//   y = int8(clamp(round half to even(v), lo, hi))
+// Each step rounds as the graph's float32 operators do (no contraction into FMA), so it computes what the
+// requantize chain it replaces computes.
+struct RequantParams {
+  int32_t const* bias; float const* scale; float const* shift; float residual_scale; float act_lo; float act_hi;
+  float out_div; float lo; float hi; int residual;
+};
+template <int N>
+class Requantize {
+ public:
+  using ElementOutput = int8_t; using ElementD = int8_t; using ElementC = int8_t;
+  using ElementAccumulator = int32_t; using ElementCompute = float; using ElementScalar = float;
+  using ElementZ = int8_t; using ElementT = int8_t; using ElementVector = float;
+  static int const kElementsPerAccess = N; static int const kCount = N;
+  static bool const IsEltActSupported = true; static bool const kIsSingleSource = true;
+  using FragmentAccumulator = cutlass::Array<int32_t, N>; using FragmentCompute = cutlass::Array<float, N>;
+  using FragmentC = cutlass::Array<int8_t, N>; using FragmentZ = cutlass::Array<int8_t, N>;
+  using FragmentT = cutlass::Array<int8_t, N>; using FragmentSource = FragmentC; using FragmentOutput = FragmentZ;
+  using ElementBias = float; using FragmentBias = cutlass::Array<float, N>;
+  static bool const kIsHeavy = false; static bool const kStoreZ = true; static bool const kStoreT = false;
+  using Params = RequantParams;
+  CUTLASS_HOST_DEVICE Requantize(Params const& p) : p_(p) {}
+  CUTLASS_HOST_DEVICE bool is_source_needed() const { return p_.residual != 0; }
+  CUTLASS_HOST_DEVICE void set_k_partition(int, int) {}
+  CUTLASS_DEVICE void operator()(FragmentZ& z, FragmentT&, FragmentAccumulator const& acc, FragmentC const& c,
+                                 FragmentCompute const& channel) const {
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < N; ++i) z[i] = one(acc[i], int(channel[i]), float(c[i]));
+  }
+  CUTLASS_DEVICE void operator()(FragmentZ& z, FragmentT&, FragmentAccumulator const& acc,
+                                 FragmentCompute const& channel) const {
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < N; ++i) z[i] = one(acc[i], int(channel[i]), 0.f);
+  }
+
+ private:
+  CUTLASS_DEVICE int8_t one(int32_t acc, int k, float residual) const {
+    float x = __fadd_rn(__fmul_rn(float(acc + p_.bias[k]), p_.scale[k]), p_.shift[k]);
+    if (p_.residual) x = __fadd_rn(x, __fmul_rn(residual, p_.residual_scale));
+    x = fminf(fmaxf(x, p_.act_lo), p_.act_hi);
+    x = __fdiv_rn(x, p_.out_div);
+    return int8_t(int(fminf(fmaxf(rintf(x), p_.lo), p_.hi)));
+  }
+  Params p_;
 };
 }  // namespace edgeq_cutlass
 """
@@ -115,14 +173,15 @@ class Conv2dProblem:
 
 
 def problem_from_conv(x_shape: Sequence[int], w_shape: Sequence[int], pads: Sequence[int], strides: Sequence[int],
-                      dilations: Sequence[int]) -> Conv2dProblem | None:
+                      dilations: Sequence[int], dtype: str = "float16") -> Conv2dProblem | None:
     """The NHWC problem of an NCHW convolution (ONNX Conv / Relax conv2d attributes: pads top, left, bottom, right);
     None where CUTLASS's kernel cannot take it: groups, asymmetric padding, or fewer than 3 input channels."""
     n, c, h, w = x_shape
     k, c_w, r, s = w_shape
     if c_w != c or len(pads) != 4 or pads[0] != pads[2] or pads[1] != pads[3] or c < 3:
         return None
-    padded = -(-c // ALIGNMENT) * ALIGNMENT
+    align = alignment(dtype)
+    padded = -(-c // align) * align
     return Conv2dProblem(n, h, w, padded, k, r, s, (pads[0], pads[1]), tuple(strides), tuple(dilations), c_real=c)
 
 
@@ -143,15 +202,18 @@ class Tile:
         return self.stages * (self.block[0] + self.block[1]) * self.block[2] * element_bytes
 
 
-# (threadblock, warp) shapes for fp16 Sm80 tensor-op convolutions, largest first; CUTLASS's own profiler set
+# (threadblock, warp) shapes for Sm80 tensor-op convolutions, largest first; CUTLASS's own profiler set (int8:
+# K of 64, as its IMMA.16832 takes 32 elements of K per instruction)
 TILES = (((128, 128, 32), (64, 64, 32)), ((128, 64, 32), (64, 32, 32)), ((64, 64, 32), (32, 32, 32)))
+TILES_INT8 = (((128, 128, 64), (64, 64, 64)), ((128, 64, 64), (64, 32, 64)), ((64, 64, 64), (32, 32, 64)))
 
 
-def choose_tile(problem: Conv2dProblem, sm_count: int, smem_per_block: int) -> Tile:
+def choose_tile(problem: Conv2dProblem, sm_count: int, smem_per_block: int, precision: str = "fp16") -> Tile:
     """The tile table: the largest threadblock tile whose CTAs still fill every SM once (a wave), else the
     smallest; then the most stages (up to 4) whose mainloop fits the profile's shared memory per block."""
     m, n, _ = problem.gemm
-    fitting = [t for t in TILES if t[0][1] <= max(64, -(-n // 64) * 64)] or list(TILES)  # no tile wider than N
+    tiles = TILES_INT8 if precision == "int8" else TILES
+    fitting = [t for t in tiles if t[0][1] <= max(64, -(-n // 64) * 64)] or list(tiles)  # no tile wider than N
     chosen = fitting[-1]
     for block, warp in fitting:
         ctas = -(-m // block[0]) * -(-n // block[1])
@@ -159,20 +221,31 @@ def choose_tile(problem: Conv2dProblem, sm_count: int, smem_per_block: int) -> T
             chosen = (block, warp)
             break
     stages = 4
-    while stages > 2 and Tile(chosen[0], chosen[1], stages).mainloop_bytes() > smem_per_block:
+    element = 1 if precision == "int8" else 2
+    while stages > 2 and Tile(chosen[0], chosen[1], stages).mainloop_bytes(element) > smem_per_block:
         stages -= 1
     return Tile(chosen[0], chosen[1], stages)
 
 
 @dataclasses.dataclass(frozen=True)
 class ConvKernel:
-    """What edgeq asks one CUTLASS convolution to compute: ``act(conv(x, w) + residual + bias)`` in fp16."""
+    """What edgeq asks one CUTLASS convolution to compute. fp16: ``act(conv(x, w) + residual + bias)``. int8 (s8 x s8
+    -> s32, the ``Requantize`` epilogue): ``clamp(round((float(conv + bias) * scale [+ residual x residual_scale])
+    clamped to [act_lo, act_hi]) / out_div), lo, hi)`` to int8, ``bias`` int32 and ``scale`` float32 per output
+    channel."""
 
     name: str  # a C identifier, unique in its module (the TVM function is cutlass_<name>)
     problem: Conv2dProblem
     tile: Tile
-    activation: str = "identity"
+    activation: str = "identity"  # int8: what [act_lo, act_hi] is (identity, relu, relu6 or clip), for people
     residual: bool = False
+    precision: str = "fp16"
+    residual_scale: float = 0.0  # int8: the epilogue's constants
+    act_lo: float = -math.inf  # the activation as a clamp before the division
+    act_hi: float = math.inf
+    out_div: float = 1.0
+    lo: float = -128.0  # the clamp after rounding
+    hi: float = 127.0
 
     @property
     def grid(self) -> tuple[int, int]:
@@ -183,6 +256,17 @@ class ConvKernel:
     @property
     def kernel_type(self) -> str:
         (bm, bn, bk), (wm, wn, wk) = self.tile.block, self.tile.warp
+        if self.precision == "int8":
+            return (
+                "typename cutlass::conv::kernel::DefaultConv2dFpropWithBroadcast<"
+                "int8_t, cutlass::layout::TensorNHWC, int8_t, cutlass::layout::TensorNHWC, "
+                "int8_t, cutlass::layout::TensorNHWC, int32_t, cutlass::arch::OpClassTensorOp, cutlass::arch::Sm80, "
+                f"cutlass::gemm::GemmShape<{bm}, {bn}, {bk}>, cutlass::gemm::GemmShape<{wm}, {wn}, {wk}>, "
+                "cutlass::gemm::GemmShape<16, 8, 32>, edgeq_cutlass::Requantize<8>, "
+                f"cutlass::gemm::threadblock::GemmIdentityThreadblockSwizzle<1>, {self.tile.stages}, "
+                "cutlass::arch::OpMultiplyAddSaturate, cutlass::conv::IteratorAlgorithm::kOptimized, "
+                "cutlass::conv::StrideSupport::kStrided>::Kernel"
+            )
         return (
             "typename cutlass::conv::kernel::DefaultConv2dFpropWithBroadcast<"
             "cutlass::half_t, cutlass::layout::TensorNHWC, cutlass::half_t, cutlass::layout::TensorNHWC, "
@@ -197,21 +281,42 @@ class ConvKernel:
         )
 
 
+C_TYPES = {"float16": "half", "int8": "int8_t", "int32": "int32_t", "float32": "float"}
+
+
+def _c_float(v: float) -> str:
+    """A float32 literal of ``v`` (infinities as the largest float, which clamps nothing finite)."""
+    if math.isinf(v):
+        return "-3.402823466e+38f" if v < 0 else "3.402823466e+38f"
+    return f"{float(np.float32(v))!r}f"
+
+
 def device_source(kernels: Sequence[ConvKernel]) -> str:
-    """The CUDA source of the kernels' device wrappers: ``edgeq_cutlass_<name>(x, w, bias, residual, y, smem)``
-    and, per kernel, ``edgeq_smem_<name>``, an array as large as the kernel's shared storage (``smem_sizes``
-    reads it from the cubin's symbol table)."""
+    """The CUDA source of the kernels' device wrappers: ``edgeq_cutlass_<name>(operands..., smem)`` (the operands of
+    ``kernel_operands``) and, per kernel, ``edgeq_smem_<name>``, an array as large as the kernel's shared storage
+    and Params (``smem_sizes`` reads it from the cubin's symbol table)."""
     out = [PREAMBLE]
     for kern in kernels:
         p = kern.problem
         t = f"Kernel_{kern.name}"
+        signature = ", ".join(f"{C_TYPES[dtype]}* {name}" for name, _, dtype in kernel_operands(kern))
+        source = "residual" if kern.residual else "y"
+        if kern.precision == "int8":
+            element = "int8_t"
+            output_op = (f"edgeq_cutlass::RequantParams{{bias, scale, shift, {_c_float(kern.residual_scale)}, "
+                         f"{_c_float(kern.act_lo)}, {_c_float(kern.act_hi)}, {_c_float(kern.out_div)}, "
+                         f"{_c_float(kern.lo)}, {_c_float(kern.hi)}, {int(kern.residual)}}}")
+            vector = "channel"
+        else:
+            element = "half_t"
+            output_op = f"{{1.0f, {'1.0f' if kern.residual else '0.0f'}}}"
+            vector = "reinterpret_cast<half_t*>(bias)"
         out.append(f"""
 namespace edgeq_cutlass {{ using {t} = {kern.kernel_type}; }}
 // the kernel's shared storage, then its Params (built once per block, by thread 0)
 constexpr size_t edgeq_params_at_{kern.name} = (sizeof(edgeq_cutlass::{t}::SharedStorage) + 15) / 16 * 16;
 __device__ char edgeq_smem_{kern.name}[edgeq_params_at_{kern.name} + sizeof(typename edgeq_cutlass::{t}::Params)];
-extern "C" __device__ void edgeq_cutlass_{kern.name}(half* x, half* w, half* bias, half* residual, half* y,
-                                                    unsigned char* smem) {{
+extern "C" __device__ void edgeq_cutlass_{kern.name}({signature}, unsigned char* smem) {{
   using namespace cutlass;
   using K = edgeq_cutlass::{t};
   conv::Conv2dProblemSize problem({p.n}, {p.h}, {p.w}, {p.c}, {p.k}, {p.r}, {p.s}, {p.p}, {p.q}, {p.pad[0]}, {p.pad[1]},
@@ -219,12 +324,10 @@ extern "C" __device__ void edgeq_cutlass_{kern.name}(half* x, half* w, half* bia
                                   conv::Mode::kCrossCorrelation, 1);
   layout::TensorNHWC out_layout = layout::TensorNHWC::packed({{{p.n}, {p.p}, {p.q}, {p.k}}});
   typename K::Arguments args(
-      problem, {{reinterpret_cast<half_t*>(x), layout::TensorNHWC::packed({{{p.n}, {p.h}, {p.w}, {p.c}}})}},
-      {{reinterpret_cast<half_t*>(w), layout::TensorNHWC::packed({{{p.k}, {p.r}, {p.s}, {p.c}}})}},
-      {{reinterpret_cast<half_t*>({"residual" if kern.residual else "y"}), out_layout}},
-      {{reinterpret_cast<half_t*>(y), out_layout}},
-      {{1.0f, {"1.0f" if kern.residual else "0.0f"}}}, conv::SplitKMode::kSerial, reinterpret_cast<half_t*>(bias),
-      nullptr, 0, 0);
+      problem, {{reinterpret_cast<{element}*>(x), layout::TensorNHWC::packed({{{p.n}, {p.h}, {p.w}, {p.c}}})}},
+      {{reinterpret_cast<{element}*>(w), layout::TensorNHWC::packed({{{p.k}, {p.r}, {p.s}, {p.c}}})}},
+      {{reinterpret_cast<{element}*>({source}), out_layout}}, {{reinterpret_cast<{element}*>(y), out_layout}},
+      {output_op}, conv::SplitKMode::kSerial, {vector}, nullptr, 0, 0);
   auto* params = reinterpret_cast<typename K::Params*>(smem + edgeq_params_at_{kern.name});
   if (threadIdx.x == 0) new (params) typename K::Params(args);
   __syncthreads();
@@ -264,60 +367,66 @@ def wrappers_in_module(kernels: Sequence[ConvKernel]) -> Iterator[None]:
             tvm_ffi.register_global_func("tvm_callback_cuda_postproc", lambda code, target=None: code, override=True)
 
 
-def prim_func(kernel: ConvKernel, smem_bytes: int, bias_shape: Sequence[int] | None = None):
+def kernel_operands(kernel: ConvKernel, shapes: dict | None = None) -> list[tuple[str, tuple, str]]:
+    """(name, shape, dtype) of the kernel's operands in the order its PrimFunc and device wrapper take them:
+    fp16: x, w, bias, [residual], y; int8: x, w, bias (int32), scale, shift, channel (float32: the output channel's
+    index, the epilogue's broadcast vector), [residual], y. ``shapes``: the per-channel operands' shapes as the
+    graph holds them (K elements; default [K])."""
+    p = kernel.problem
+    xs, ws, ys = (p.n, p.h, p.w, p.c), (p.k, p.r, p.s, p.c), (p.n, p.p, p.q, p.k)
+    shapes = shapes or {}
+
+    def vec(name):
+        return tuple(shapes.get(name, (p.k,)))
+
+    bs = vec("bias")
+    if kernel.precision == "int8":
+        ops = [("x", xs, "int8"), ("w", ws, "int8"), ("bias", bs, "int32"), ("scale", vec("scale"), "float32"),
+               ("shift", vec("shift"), "float32"), ("channel", (p.k,), "float32")]
+        act = "int8"
+    else:
+        ops = [("x", xs, "float16"), ("w", ws, "float16"), ("bias", bs, "float16")]
+        act = "float16"
+    if kernel.residual:
+        ops.append(("residual", ys, act))
+    return ops + [("y", ys, act)]
+
+
+def prim_func(kernel: ConvKernel, smem_bytes: int, shapes: dict | None = None):
     """The scheduled TIR function TVM launches for ``kernel``: its grid and block, ``smem_bytes`` of dynamic shared
-    memory, and one call of the device wrapper. Arguments: x [N, H, W, C], w [K, R, S, C], bias (``bias_shape``,
-    K elements; default [K]), residual [N, P, Q, K] where ``kernel.residual``, y [N, P, Q, K], all fp16."""
+    memory, and one call of the device wrapper with the operands of ``kernel_operands`` (TVMScript, written out
+    for this kernel's operands and parsed)."""
     from tvm.script import tirx as T
 
-    p, (gm, gn), threads = kernel.problem, kernel.grid, kernel.tile.threads
+    from edgeq.tvm_env import import_tvm
+
+    tvm = import_tvm()
+    (gm, gn), threads = kernel.grid, kernel.tile.threads
     smem_bytes = -(-smem_bytes // 16) * 16
-    xs, ws, ys = (p.n, p.h, p.w, p.c), (p.k, p.r, p.s, p.c), (p.n, p.p, p.q, p.k)
-    bs = tuple(bias_shape or (p.k,))
-    wrapper = f"edgeq_cutlass_{kernel.name}"
+    ops = kernel_operands(kernel, shapes)
+    buf = {name: f"B_{name}" for name, _, _ in ops}
 
-    if kernel.residual:
-        @T.prim_func(s_tir=True)
-        def func(x: T.handle, w: T.handle, b: T.handle, res: T.handle, y: T.handle):
-            T.func_attr({"tirx.noalias": True})
-            X = T.match_buffer(x, xs, "float16")
-            W = T.match_buffer(w, ws, "float16")
-            B = T.match_buffer(b, bs, "float16")
-            RES = T.match_buffer(res, ys, "float16")
-            Y = T.match_buffer(y, ys, "float16")
-            with T.sblock("root"):
-                smem = T.alloc_buffer((smem_bytes,), "uint8", scope="shared.dyn")
-                for bx in T.thread_binding(gm, thread="blockIdx.x"):
-                    for by in T.thread_binding(gn, thread="blockIdx.y"):
-                        for tx in T.thread_binding(threads, thread="threadIdx.x"):
-                            with T.sblock("cutlass"):
-                                T.reads(X[0:xs[0], 0:xs[1], 0:xs[2], 0:xs[3]], W[0:ws[0], 0:ws[1], 0:ws[2], 0:ws[3]],
-                                        B[0:bs[0], 0:bs[1], 0:bs[2], 0:bs[3]] if len(bs) == 4 else B[0:bs[0]],
-                                        RES[0:ys[0], 0:ys[1], 0:ys[2], 0:ys[3]], smem[0:smem_bytes])
-                                T.writes(Y[0:ys[0], 0:ys[1], 0:ys[2], 0:ys[3]])
-                                T.evaluate(T.call_extern("void", wrapper, X.data, W.data, B.data, RES.data, Y.data,
-                                                         smem.data))
-    else:
-        @T.prim_func(s_tir=True)
-        def func(x: T.handle, w: T.handle, b: T.handle, y: T.handle):
-            T.func_attr({"tirx.noalias": True})
-            X = T.match_buffer(x, xs, "float16")
-            W = T.match_buffer(w, ws, "float16")
-            B = T.match_buffer(b, bs, "float16")
-            Y = T.match_buffer(y, ys, "float16")
-            with T.sblock("root"):
-                smem = T.alloc_buffer((smem_bytes,), "uint8", scope="shared.dyn")
-                for bx in T.thread_binding(gm, thread="blockIdx.x"):
-                    for by in T.thread_binding(gn, thread="blockIdx.y"):
-                        for tx in T.thread_binding(threads, thread="threadIdx.x"):
-                            with T.sblock("cutlass"):
-                                T.reads(X[0:xs[0], 0:xs[1], 0:xs[2], 0:xs[3]], W[0:ws[0], 0:ws[1], 0:ws[2], 0:ws[3]],
-                                        B[0:bs[0], 0:bs[1], 0:bs[2], 0:bs[3]] if len(bs) == 4 else B[0:bs[0]],
-                                        smem[0:smem_bytes])
-                                T.writes(Y[0:ys[0], 0:ys[1], 0:ys[2], 0:ys[3]])
-                                T.evaluate(T.call_extern("void", wrapper, X.data, W.data, B.data, Y.data, Y.data,
-                                                         smem.data))
+    def region(name, shape):
+        return f"{buf[name]}[{', '.join(f'0:{d}' for d in shape)}]"
 
+    inputs = [o for o in ops if o[0] != "y"]
+    text = "\n".join([
+        "@T.prim_func(s_tir=True)",
+        f"def func({', '.join(f'{name}: T.handle' for name, _, _ in ops)}):",
+        '    T.func_attr({"tirx.noalias": True})',
+        *(f'    {buf[name]} = T.match_buffer({name}, {tuple(shape)}, "{dtype}")' for name, shape, dtype in ops),
+        '    with T.sblock("root"):',
+        f'        smem = T.alloc_buffer(({smem_bytes},), "uint8", scope="shared.dyn")',
+        f'        for bx in T.thread_binding({gm}, thread="blockIdx.x"):',
+        f'            for by in T.thread_binding({gn}, thread="blockIdx.y"):',
+        f'                for tx in T.thread_binding({threads}, thread="threadIdx.x"):',
+        '                    with T.sblock("cutlass"):',
+        f'                        T.reads({", ".join(region(n, s) for n, s, _ in inputs)}, smem[0:{smem_bytes}])',
+        f'                        T.writes({region("y", ops[-1][1])})',
+        f'                        T.evaluate(T.call_extern("void", "edgeq_cutlass_{kernel.name}", '
+        f'{", ".join(buf[n] + ".data" for n, _, _ in ops)}, smem.data))',
+    ])
+    func = tvm.script.from_source(text, extra_vars={"T": T})
     return func.with_attrs({"global_symbol": f"cutlass_{kernel.name}", "tirx.is_scheduled": True, "op_pattern": 8})  # opaque: never fused
 
 
@@ -364,6 +473,31 @@ def replay(kernel: ConvKernel, x: np.ndarray, w: np.ndarray, bias: np.ndarray,
     return z.astype(np.float16)
 
 
+def replay_int8(kernel: ConvKernel, x: np.ndarray, w: np.ndarray, bias: np.ndarray, scale: np.ndarray,
+                shift: np.ndarray | None = None, residual: np.ndarray | None = None) -> np.ndarray:
+    """What an int8 kernel is asked to compute, on the host (numpy, independent of CUTLASS and TVM): x int8 NHWC,
+    w int8 OHWI, bias int32 [K], scale float32 [K]; exact integer accumulation, then the ``Requantize`` epilogue's
+    float32 steps, rounding half to even."""
+    p = kernel.problem
+    (ph, pw), (sh, sw), (dh, dw) = p.pad, p.stride, p.dilation
+    xp = np.zeros((p.n, p.h + 2 * ph + p.r * dh, p.w + 2 * pw + p.s * dw, p.c), np.int64)
+    xp[:, ph:ph + p.h, pw:pw + p.w, :] = x
+    acc = np.zeros((p.n, p.p, p.q, p.k), np.int64)
+    wi = w.astype(np.int64)
+    for i in range(p.r):
+        for j in range(p.s):
+            patch = xp[:, i * dh:i * dh + sh * (p.p - 1) + 1:sh, j * dw:j * dw + sw * (p.q - 1) + 1:sw, :]
+            acc += np.einsum("npqc,kc->npqk", patch, wi[:, i, j, :])
+    f32 = np.float32
+    v = (acc + bias.reshape(-1).astype(np.int64)).astype(np.int32).astype(f32) * scale.reshape(-1).astype(f32)
+    v = v + (f32(0) if shift is None else shift.reshape(-1).astype(f32))
+    if residual is not None:
+        v = v + residual.astype(f32) * f32(kernel.residual_scale)
+    v = np.clip(v, f32(kernel.act_lo), f32(kernel.act_hi))
+    v = np.rint(v / f32(kernel.out_div))
+    return np.clip(v, kernel.lo, kernel.hi).astype(np.int8)
+
+
 def _erf(v: np.ndarray) -> np.ndarray:
     from math import erf
 
@@ -385,12 +519,19 @@ def pad_input(x_nchw: np.ndarray, problem: Conv2dProblem) -> np.ndarray:
 def kernel_record(kernel: ConvKernel, smem_bytes: int) -> dict:
     """What the manifest says of one CUTLASS kernel: template, tile, the problem, the epilogue, FLOPs."""
     p = kernel.problem
-    return {"function": f"cutlass_{kernel.name}", "template": "DefaultConv2dFpropWithBroadcast (Sm80, fp16, fp32 accumulation)",
+    template = ("DefaultConv2dFpropWithBroadcast (Sm80, s8 x s8 -> s32, edgeq's Requantize epilogue)"
+                if kernel.precision == "int8" else "DefaultConv2dFpropWithBroadcast (Sm80, fp16, fp32 accumulation)")
+    record = {"function": f"cutlass_{kernel.name}", "template": template,
             "tile": list(kernel.tile.block), "warp": list(kernel.tile.warp), "stages": kernel.tile.stages,
             "threads": kernel.tile.threads, "grid": list(kernel.grid), "shared_bytes": smem_bytes,
             "problem": {"nhwc": [p.n, p.h, p.w, p.c], "k": p.k, "rs": [p.r, p.s], "pad": list(p.pad),
                         "stride": list(p.stride), "dilation": list(p.dilation)},
-            "activation": kernel.activation, "residual": kernel.residual, "precision": "fp16", "flops": p.flops}
+            "activation": kernel.activation, "residual": kernel.residual, "precision": kernel.precision, "flops": p.flops}
+    if kernel.precision == "int8":
+        record["requantize"] = {"residual_scale": kernel.residual_scale, "out_div": kernel.out_div,
+                                "activation_clamp": [None if math.isinf(v) else v for v in (kernel.act_lo, kernel.act_hi)],
+                                "clamp": [kernel.lo, kernel.hi]}
+    return record
 
 
 @dataclasses.dataclass(frozen=True)
@@ -399,7 +540,7 @@ class KernelReport:
 
     name: str
     arch: str
-    mma: int  # HMMA instructions in its SASS
+    mma: int  # tensor-core instructions in its SASS (HMMA for fp16, IMMA for int8)
     registers: int
     stack_bytes: int
     local_bytes: int  # local memory beyond the stack: spills
@@ -477,7 +618,8 @@ def read_kernels(library: Path, kernels: Sequence[ConvKernel], sizes: dict[str, 
             if symbol is None:
                 continue
             fields = dict(re.findall(r"(\w+):(\d+)", functions[symbol]))
-            reports.append(KernelReport(kern.name, image.arch, len(re.findall(r"\bHMMA\.", bodies.get(symbol, ""))),
+            mma = "IMMA" if kern.precision == "int8" else "HMMA"
+            reports.append(KernelReport(kern.name, image.arch, len(re.findall(rf"\b{mma}\.", bodies.get(symbol, ""))),
                                         int(fields.get("REG", 0)), int(fields.get("STACK", 0)),
                                         int(fields.get("LOCAL", 0)), sizes[kern.name], kern.tile.threads, kern.grid))
     return reports
@@ -488,32 +630,119 @@ def read_kernels(library: Path, kernels: Sequence[ConvKernel], sizes: dict[str, 
 def prepare_nhwc(graph):
     """The CUDA graph for CUTLASS: every convolution NHWC with OHWI weights (Relax's ConvertLayout, which carries
     NHWC through the element-wise operators between them: one transpose at each end), the weights' transposes
-    done now, and input channels that are not a multiple of ALIGNMENT padded (zero weights, and the activation
-    padded with zeros by a pad before the convolution). Plain Relax: it builds for any target, so the golden
-    outputs check this layout and padding on the build host."""
+    done now, and input channels that are not a multiple of the kernel's alignment (``alignment``) padded (zero
+    weights, and the activation padded with zeros by a pad before the convolution). int8: quantize/dequantize
+    with zero points of 0 written as the element-wise operators they compute (ConvertLayout carries NHWC through
+    those, not through their axis), and a convolution's two int32 bias adds (the bias and its correction) made
+    one. Plain Relax: it builds for any target, so the golden outputs check this layout and padding on the build
+    host."""
     from edgeq.graph import call_op, rewrite
-    from edgeq.graph_passes import fresh_name, precompute_weight_ops
+    from edgeq.graph_passes import dtype_of, fresh_name, precompute_weight_ops
     from edgeq.tvm_env import relax
 
     # clips as maximum/minimum of a scalar constant first: ConvertLayout carries NHWC through those, not through
     # relax.clip or the TIR calls ONNX Clip with weight bounds imports as
     graph = rewrite(graph, _clip_as_max_min)
+    graph = rewrite(graph, _qdq_as_elementwise)
     mod = relax.transform.ConvertLayout({"relax.nn.conv2d": ["NHWC", "OHWI"]})(graph.mod)
+    mod = relax.transform.FoldConstant()(mod)  # the transposes of per-channel scales
     graph = precompute_weight_ops(type(graph)(mod, graph.weights))
+    graph = rewrite(graph, _one_int32_bias)
+    graph = rewrite(graph, _one_scale)
 
     def visit(rw, var, value):
         if call_op(value) != "relax.nn.conv2d" or value.attrs.data_layout != "NHWC" or int(value.attrs.groups) != 1:
             return None
         w = rw.weight(value.args[1])
-        if w is None or w.ndim != 4 or w.shape[3] % ALIGNMENT == 0 or w.shape[3] < 3:
+        align = alignment(dtype_of(value.args[0]) or "float16")
+        if w is None or w.ndim != 4 or w.shape[3] % align == 0 or w.shape[3] < 3:
             return None
-        extra = -w.shape[3] % ALIGNMENT
+        extra = -w.shape[3] % align
         padded_w = rw.param(fresh_name(rw, f"{value.args[1].name}_c{w.shape[3] + extra}"),
                             np.pad(w, ((0, 0), (0, 0), (0, 0), (0, extra))))
         x = rw.emit(relax.op.nn.pad(rw.new(value.args[0]), [0, 0, 0, 0, 0, 0, 0, extra]))
         return relax.Call(value.op, [x, padded_w], value.attrs)
 
     return rewrite(graph, visit)
+
+
+def _qdq_as_elementwise(rw, var, value):
+    """int8 quantize/dequantize with a constant scale and zero points of 0 as what TVM legalizes them to:
+    ``int8(clamp(round(x / s), -128, 127))`` and ``float32(q) * s`` (a per-channel scale along its axis)."""
+    from edgeq.graph import call_op
+    from edgeq.graph_passes import shape_of
+    from edgeq.tvm_env import relax
+
+    op = call_op(value)
+    if op not in ("relax.quantize", "relax.dequantize"):
+        return None
+    x, scale, zp = value.args
+    s, z = rw.static_value(scale), rw.static_value(zp)
+    shape = shape_of(x)
+    if s is None or z is None or np.any(z != 0) or shape is None:
+        return None
+    if s.size > 1:
+        bshape = [1] * len(shape)
+        bshape[int(value.attrs.axis) % len(shape)] = s.size
+        s = s.reshape(bshape)
+    else:
+        s = s.reshape(())
+    s_const = relax.const(np.asarray(s, np.float32), "float32")
+    if op == "relax.dequantize":
+        if str(value.attrs.out_dtype) != "float32":
+            return None
+        return relax.op.multiply(rw.emit(relax.op.astype(rw.new(x), "float32")), s_const)
+    if str(value.attrs.out_dtype) != "int8" or s.size != 1:
+        return None
+    v = rw.emit(relax.op.round(rw.emit(relax.op.divide(rw.new(x), s_const))))
+    v = rw.emit(relax.op.minimum(rw.emit(relax.op.maximum(v, relax.const(-128.0, "float32"))),
+                                 relax.const(127.0, "float32")))
+    return relax.op.astype(v, "int8")
+
+
+def _one_scale(rw, var, value):
+    """``(x * a) * b`` with float32 per-channel constants or weights ``a`` and ``b`` (a dequantize's scale and a
+    BatchNorm's, which edgeq folds after quantization) as ``x * (a * b)``, for an int8 convolution's epilogue."""
+    from edgeq.graph import call_op
+    from edgeq.graph_passes import fresh_name
+    from edgeq.tvm_env import relax
+
+    if call_op(value) != "relax.multiply" or not isinstance(value.args[0], relax.Var):
+        return None
+    inner = rw.value(value.args[0])
+    b = rw.static_value(value.args[1])
+    if call_op(inner) != "relax.multiply" or b is None or b.dtype != np.float32 or rw.uses(value.args[0]) != 1:
+        return None
+    a = rw.static_value(inner.args[1])
+    if a is None or a.dtype != np.float32 or call_op(rw.value(inner.args[0])) != "relax.astype":
+        return None
+    try:
+        merged = np.multiply(a, b, dtype=np.float32)
+    except ValueError:
+        return None
+    if merged.ndim > 4 or merged.size != max(a.size, b.size):
+        return None
+    return relax.op.multiply(rw.new(inner.args[0]), rw.param(fresh_name(rw, "requant_scale"), merged))
+
+
+def _one_int32_bias(rw, var, value):
+    """``(x + a) + b`` with int32 weights ``a`` and ``b`` of one shape (a convolution's bias correction and its
+    bias) as ``x + (a + b)``."""
+    from edgeq.graph import call_op
+    from edgeq.graph_passes import fresh_name
+    from edgeq.tvm_env import relax
+
+    if call_op(value) != "relax.add" or not isinstance(value.args[0], relax.Var):
+        return None
+    inner = rw.value(value.args[0])
+    b = rw.weight(value.args[1])
+    if call_op(inner) != "relax.add" or b is None or b.dtype != np.int32 or rw.uses(value.args[0]) != 1:
+        return None
+    a = rw.weight(inner.args[1])
+    if a is None or a.dtype != np.int32 or a.shape != b.shape:
+        return None
+    merged = rw.param(fresh_name(rw, f"{value.args[1].name}_merged"), (a.astype(np.int64) + b).astype(np.int32))
+    return relax.op.add(rw.new(inner.args[0]), merged)
 
 
 def _clip_as_max_min(rw, var, value):
@@ -550,7 +779,20 @@ class Claimed:
     bias: object
     residual: object | None
     chain: tuple  # the chain's other variables, from the conv2d on: their bindings go
-    bias_shape: tuple[int, ...]
+    shapes: dict  # the per-channel operands' shapes as the graph holds them: {"bias": (1, 1, 1, K), ...}
+    scale: object = None  # int8: the per-channel float32 scale and shift (a constant or a weight; shift may be None)
+    shift: object = None
+
+    def operands(self) -> list:
+        """The Relax arguments of the kernel's call, in ``kernel_operands`` order (without y)."""
+        from edgeq.tvm_env import relax
+
+        residual = [self.residual] if self.residual is not None else []
+        if self.kernel.precision != "int8":
+            return [self.x, self.w, self.bias] + residual
+        k = self.kernel.problem.k
+        shift = self.shift if self.shift is not None else relax.const(np.zeros(k, np.float32), "float32")
+        return [self.x, self.w, self.bias, self.scale, shift, relax.const(np.arange(k, dtype=np.float32), "float32")] + residual
 
 
 def _const_scalar(expr, value_of=None) -> float | None:
@@ -589,6 +831,14 @@ def find_convs(main, sm_count: int, smem_per_block: int) -> tuple[list[Claimed],
     for b in bindings:
         value = b.value
         if call_op(value) != "relax.nn.conv2d":
+            continue
+        if dtype_of(value.args[0]) == "int8":
+            found = _int8_chain(b, value_of, only_reader, params, sm_count, smem_per_block, f"l{len(claimed)}")
+            if isinstance(found, str):
+                left.append({"conv": b.var.name, "why": found})
+            else:
+                claimed.append(found)
+                taken.update(found.chain)
             continue
         attrs = value.attrs
         why = None
@@ -649,9 +899,139 @@ def find_convs(main, sm_count: int, smem_per_block: int) -> tuple[list[Claimed],
                                 c_real=xs[3] - _channels_padded(x, value_of))
         kernel = ConvKernel(f"l{len(claimed)}", problem, choose_tile(problem, sm_count, smem_per_block), activation,
                             residual is not None)
-        claimed.append(Claimed(kernel, chain[-1], x, w, bias, residual, tuple(chain[:-1]), tuple(shape_of(bias))))
+        claimed.append(Claimed(kernel, chain[-1], x, w, bias, residual, tuple(chain[:-1]), {"bias": tuple(shape_of(bias))}))
         taken.update(chain)
     return claimed, left
+
+
+def _int8_chain(b, value_of, only_reader, params, sm_count: int, smem_per_block: int, name: str) -> Claimed | str:
+    """The int8 chain from the conv2d bound by ``b`` as one Claimed kernel, or why it is left to dlight. The chain
+    (what ``prepare_nhwc`` leaves of edgeq's requantization and of quantize/dequantize):
+    ``conv2d(int8 NHWC, int8 OHWI) -> int32 -> + bias (int32 [K]) -> astype float32 -> * scale (per channel or
+    scalar) -> [+ float32(residual int8) * s] -> [relu] -> [/ s] -> round -> [max lo] [min hi] -> [astype int32] ->
+    astype int8``."""
+    from edgeq.graph import call_op, const_value
+    from edgeq.graph_passes import dtype_of, shape_of
+
+    value = b.value
+    attrs = value.attrs
+    x, w = value.args
+    if attrs.data_layout != "NHWC" or attrs.kernel_layout != "OHWI" or int(attrs.groups) != 1:
+        return f"{attrs.data_layout}/{attrs.kernel_layout}, groups {int(attrs.groups)}"
+    if dtype_of(b.var) != "int32" or dtype_of(w) != "int8":
+        return "not int8 x int8 -> int32"
+    if w not in params:
+        return "weights computed at run time"
+    pads = [int(v) for v in attrs.padding]
+    if pads[0] != pads[2] or pads[1] != pads[3]:
+        return "asymmetric padding"
+    xs, ws = shape_of(x), shape_of(w)
+    if xs is None or ws is None or xs[3] % ALIGNMENT_INT8 or ws[0] % ALIGNMENT:
+        return "input channels not a multiple of 16 or output channels of 8"
+    k = ws[0]
+
+    def op_of(var):
+        return call_op(value_of.get(var)) if var is not None else None
+
+    def other(var, prev):
+        args = [a for a in value_of[var].args if not a.same_as(prev)]
+        return args[0] if len(args) == 1 else None
+
+    def per_channel(expr) -> tuple | None:
+        """The shape of a float32 constant or weight of K elements along the last axis (or of one element)."""
+        if expr is None or (expr not in params and const_value(expr) is None) or dtype_of(expr) != "float32":
+            return None
+        shape = tuple(shape_of(expr) or ())
+        size = int(np.prod(shape)) if shape else 1
+        return shape if size == 1 or (size == k and shape[-1] == k) else None
+
+    def scalar(expr) -> float | None:
+        v = const_value(expr)
+        return float(v.reshape(-1)[0]) if v is not None and v.size == 1 else None
+
+    chain = [b.var]
+    add = only_reader(b.var)
+    bias = other(add, b.var) if op_of(add) == "relax.add" else None
+    if bias is None or bias not in params or dtype_of(bias) != "int32" or shape_of(bias)[-1] != k \
+            or int(np.prod(shape_of(bias))) != k:
+        return "no int32 per-channel bias after it"
+    cast = only_reader(add)
+    if op_of(cast) != "relax.astype" or str(value_of[cast].attrs.dtype) != "float32":
+        return "no float32 cast after its bias"
+    mul = only_reader(cast)
+    scale = other(mul, cast) if op_of(mul) == "relax.multiply" else None
+    scale_shape = per_channel(scale)
+    if scale_shape is None or int(np.prod(scale_shape or (1,))) != k:
+        return "no per-channel scale after it"
+    chain += [add, cast, mul]
+    shapes = {"bias": tuple(shape_of(bias)), "scale": scale_shape}
+    shift = None
+    nxt = only_reader(mul)
+    if op_of(nxt) == "relax.add":  # + shift (a folded BatchNorm's), a float32 per-channel constant or weight
+        candidate = other(nxt, mul)
+        shift_shape = per_channel(candidate)
+        if shift_shape is not None and int(np.prod(shift_shape or (1,))) == k:
+            shift, shapes["shift"] = candidate, shift_shape
+            chain.append(nxt)
+            nxt = only_reader(nxt)
+    residual, residual_scale, act_lo, act_hi, out_div = None, 0.0, -math.inf, math.inf, 1.0
+    if op_of(nxt) == "relax.add":  # + float32(residual) * s: a dequantized int8 tensor of the output's shape
+        r = other(nxt, chain[-1])
+        r_cast = value_of[r].args[0] if op_of(r) == "relax.multiply" else None
+        r_scale = scalar(value_of[r].args[1]) if r_cast is not None else None
+        if r_scale is None or op_of(r_cast) != "relax.astype" or not _same(only_reader(r), nxt) \
+                or not _same(only_reader(r_cast), r):
+            return "an add after it that is no dequantized residual (one scale)"
+        res = value_of[r_cast].args[0]
+        if dtype_of(res) != "int8" or shape_of(res) != shape_of(b.var):
+            return "a residual that is not int8 of its shape"
+        residual, residual_scale = res, r_scale
+        chain += [r_cast, r, nxt]
+        nxt = only_reader(nxt)
+    while op_of(nxt) in ("relax.nn.relu", "relax.maximum", "relax.minimum"):  # the activation, in float
+        c = 0.0 if op_of(nxt) == "relax.nn.relu" else scalar(value_of[nxt].args[1])
+        if c is None:
+            return "a clamp by no constant"
+        act_lo, act_hi = (max(act_lo, c), act_hi) if op_of(nxt) != "relax.minimum" else (act_lo, min(act_hi, c))
+        chain.append(nxt)
+        nxt = only_reader(nxt)
+    if op_of(nxt) == "relax.divide":
+        d = _const_scalar(value_of[nxt].args[1])
+        if d is None or d == 0:
+            return "a division after it by no constant"
+        out_div = d
+        chain.append(nxt)
+        nxt = only_reader(nxt)
+    if op_of(nxt) != "relax.round":
+        return "no rounding to int8 after it (its output is float)"
+    chain.append(nxt)
+    nxt = only_reader(nxt)
+    lo, hi = -128.0, 127.0
+    while op_of(nxt) in ("relax.maximum", "relax.minimum"):
+        c = _const_scalar(value_of[nxt].args[1])
+        if c is None:
+            return "a clamp by no constant"
+        lo, hi = (max(lo, c), hi) if op_of(nxt) == "relax.maximum" else (lo, min(hi, c))
+        chain.append(nxt)
+        nxt = only_reader(nxt)
+    if op_of(nxt) == "relax.astype" and str(value_of[nxt].attrs.dtype) == "int32":
+        chain.append(nxt)
+        nxt = only_reader(nxt)
+    if op_of(nxt) != "relax.astype" or str(value_of[nxt].attrs.dtype) != "int8":
+        return "no int8 cast at the end"
+    chain.append(nxt)
+    problem = Conv2dProblem(xs[0], xs[1], xs[2], xs[3], k, ws[1], ws[2], (pads[0], pads[1]),
+                            tuple(int(v) for v in attrs.strides), tuple(int(v) for v in attrs.dilation),
+                            c_real=xs[3] - _channels_padded(x, value_of))
+    activation = {(-math.inf, math.inf): "identity", (0.0, math.inf): "relu", (0.0, 6.0): "relu6"}.get(
+        (act_lo, act_hi), "clip")
+    kernel = ConvKernel(name, problem, choose_tile(problem, sm_count, smem_per_block, "int8"), activation,
+                        residual is not None, "int8", residual_scale, act_lo, act_hi, out_div, lo, hi)
+    return Claimed(kernel, chain[-1], x, w, bias, residual, tuple(chain[:-1]), shapes, scale, shift)
+
+
+def _same(a, b) -> bool:
+    return a is not None and b is not None and a.same_as(b)
 
 
 def _channels_padded(x, value_of) -> int:
@@ -687,7 +1067,7 @@ def claim_convs(mod, claimed: Sequence[Claimed], sizes: dict[str, int]):
     by_output = {c.output: c for c in claimed}
     dropped = {var for c in claimed for var in c.chain}
     bb = relax.BlockBuilder(mod)
-    gvars = {c.kernel.name: bb.add_func(prim_func(c.kernel, sizes[c.kernel.name], c.bias_shape), f"cutlass_{c.kernel.name}")
+    gvars = {c.kernel.name: bb.add_func(prim_func(c.kernel, sizes[c.kernel.name], c.shapes), f"cutlass_{c.kernel.name}")
              for c in claimed}
     functions = dict(bb.get().functions)
     blocks = []
@@ -698,8 +1078,7 @@ def claim_convs(mod, claimed: Sequence[Claimed], sizes: dict[str, int]):
                 continue
             c = by_output.get(b.var)
             if c is not None:
-                args = [c.x, c.w, c.bias] + ([c.residual] if c.residual is not None else [])
-                call = relax.call_tir(gvars[c.kernel.name], relax.Tuple(args), _ty(b.var))
+                call = relax.call_tir(gvars[c.kernel.name], relax.Tuple(c.operands()), _ty(b.var))
                 b = relax.VarBinding(b.var, call)
             new.append(b)
         blocks.append(type(block)(new))
@@ -709,42 +1088,60 @@ def claim_convs(mod, claimed: Sequence[Claimed], sizes: dict[str, int]):
     return out
 
 
-def twin_prim_func(kernel: ConvKernel, bias_shape: Sequence[int]):
+def twin_prim_func(kernel: ConvKernel, shapes: dict | None = None):
     """A plain TIR function (TE, no CUTLASS) with the signature and the arithmetic of ``kernel``'s PrimFunc:
     the independent host implementation a rewritten graph is run with on the build host (``with_twins``)."""
     from edgeq.tvm_env import tvm
 
-    te = tvm.te
+    te, tirx = tvm.te, tvm.tirx
     p = kernel.problem
     (ph, pw), (sh, sw), (dh, dw) = p.pad, p.stride, p.dilation
-    x = te.placeholder((p.n, p.h, p.w, p.c), "float16", "x")
-    w = te.placeholder((p.k, p.r, p.s, p.c), "float16", "w")
-    b = te.placeholder(tuple(bias_shape), "float16", "b")
-    res = te.placeholder((p.n, p.p, p.q, p.k), "float16", "res") if kernel.residual else None
-    zero = tvm.tirx.const(0.0, "float16")
-    xp = te.compute((p.n, p.h + 2 * ph, p.w + 2 * pw, p.c), lambda i, y, z, c: tvm.tirx.if_then_else(
-        tvm.tirx.all(y >= ph, y < p.h + ph, z >= pw, z < p.w + pw), x[i, y - ph, z - pw, c], zero), "xp")
+    int8 = kernel.precision == "int8"
+    operands = {name: (shape, dtype) for name, shape, dtype in kernel_operands(kernel, shapes)}
+    ph_ = {name: te.placeholder(shape, dtype, name) for name, (shape, dtype) in operands.items() if name != "y"}
+    x, w, res = ph_["x"], ph_["w"], ph_.get("residual")
+    acc_dtype = "int32" if int8 else "float32"
+    zero = tirx.const(0, x.dtype)
+    xp = te.compute((p.n, p.h + 2 * ph, p.w + 2 * pw, p.c), lambda i, y, z, c: tirx.if_then_else(
+        tirx.all(y >= ph, y < p.h + ph, z >= pw, z < p.w + pw), x[i, y - ph, z - pw, c], zero), "xp")
     rc, ry, rx = te.reduce_axis((0, p.c), "rc"), te.reduce_axis((0, p.r), "ry"), te.reduce_axis((0, p.s), "rx")
     acc = te.compute((p.n, p.p, p.q, p.k), lambda i, y, z, o: te.sum(
-        xp[i, y * sh + ry * dh, z * sw + rx * dw, rc].astype("float32") * w[o, ry, rx, rc].astype("float32"),
+        xp[i, y * sh + ry * dh, z * sw + rx * dw, rc].astype(acc_dtype) * w[o, ry, rx, rc].astype(acc_dtype),
         axis=[ry, rx, rc]), "acc")
 
-    def epilogue(i, y, z, o):
+    def at(name, o):  # a per-channel operand, [K] or [1, 1, 1, K]
+        t = ph_[name]
+        return t[(0,) * (len(t.shape) - 1) + (o,)]
+
+    def f32(v):
+        return tirx.const(v, "float32")
+
+    def epilogue_int8(i, y, z, o):
+        v = (acc[i, y, z, o] + at("bias", o)).astype("float32") * at("scale", o) + at("shift", o)
+        if res is not None:
+            v = v + res[i, y, z, o].astype("float32") * f32(kernel.residual_scale)
+        if not math.isinf(kernel.act_lo):
+            v = te.max(v, f32(kernel.act_lo))
+        if not math.isinf(kernel.act_hi):
+            v = te.min(v, f32(kernel.act_hi))
+        v = tirx.round(v / f32(kernel.out_div))
+        return te.min(te.max(v, f32(kernel.lo)), f32(kernel.hi)).astype("int8")
+
+    def epilogue_fp16(i, y, z, o):
         v = acc[i, y, z, o]
         if res is not None:
             v = v + res[i, y, z, o].astype("float32")
-        v = v + (b[0, 0, 0, o] if len(bias_shape) == 4 else b[o]).astype("float32")
+        v = v + at("bias", o).astype("float32")
         if kernel.activation == "relu":
-            v = tvm.te.max(v, tvm.tirx.const(0.0, "float32"))
+            v = te.max(v, f32(0.0))
         elif kernel.activation == "relu6":
-            v = tvm.te.min(tvm.te.max(v, tvm.tirx.const(0.0, "float32")), tvm.tirx.const(6.0, "float32"))
+            v = te.min(te.max(v, f32(0.0)), f32(6.0))
         elif kernel.activation != "identity":
             raise ValueError(f"no host twin for activation {kernel.activation}")
         return v.astype("float16")
 
-    y = te.compute((p.n, p.p, p.q, p.k), epilogue, "y")
-    args = [x, w, b] + ([res] if res is not None else []) + [y]
-    return te.create_prim_func(args)
+    y = te.compute((p.n, p.p, p.q, p.k), epilogue_int8 if int8 else epilogue_fp16, "y")
+    return te.create_prim_func([ph_[name] for name in operands if name != "y"] + [y])
 
 
 def with_twins(mod, claimed: Sequence[Claimed]):
@@ -757,5 +1154,5 @@ def with_twins(mod, claimed: Sequence[Claimed]):
         for c in claimed:
             if gv.name_hint == f"cutlass_{c.kernel.name}":
                 # opaque to fusion, as the CUTLASS call it stands for
-                functions[gv] = twin_prim_func(c.kernel, c.bias_shape).with_attrs({"global_symbol": gv.name_hint, "op_pattern": 8})
+                functions[gv] = twin_prim_func(c.kernel, c.shapes).with_attrs({"global_symbol": gv.name_hint, "op_pattern": 8})
     return tvm.IRModule(functions)

@@ -1,0 +1,389 @@
+"""edgeq's GPU path on a lent GPU, against PyTorch in the same run (#42, item 6). Two halves, because the GPU
+machine has no network and no edgeq:
+
+    bash benchmarks/gpu_bench.sh build [DIR]   # here: bundles for cuda-sm90 (an H100/H200 driven through CUDA 12
+                                               # and edgeq's bridge, as an Orin is), xz-packed into DIR (gpu_bench/)
+    bash benchmarks/gpu_bench.sh run [DIR]     # there (device tool: carry DIR): every bundle's --self-test and
+                                               # --benchmark, compute-sanitizer memcheck on one CUTLASS fp16 and one
+                                               # int8 bundle, PyTorch fp16 (channels_last, cudnn.benchmark) replayed
+                                               # from a captured CUDA graph and torch.compile(mode="reduce-overhead");
+                                               # JSON to $OUT/gpu_bench.json (or DIR), and a table of p50s and ratios
+
+The models are benchmarks/gpu_kernels.py's onnx-helper builders (ResNet-18, ResNet-50, MobileNetV2 at 224x224,
+BatchNorm after every conv) with their weights put on a grid of 15 values per tensor, so that the bundles
+compress under the device tool's 64 MiB (latency does not depend on the values; each bundle's golden outputs are
+computed on this host from the same weights, so --self-test still checks the answers). The probes are single
+convolutions, one CUTLASS feature each (the stem's channel padding, stride, residual, dilation, odd widths,
+batch), so that a wrong answer names what is wrong. PyTorch runs torchvision's models of the same layouts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+# bundles: (name, model, batch, precision, gpu kernels, set); one set per device call (64 MiB carried)
+MODELS = [
+    ("resnet18-b1-fp16-dlight", "resnet18", 1, "fp16", "dlight", "fp16"),
+    ("resnet18-b1-fp16-cutlass", "resnet18", 1, "fp16", "cutlass", "fp16"),
+    ("resnet18-b8-fp16-cutlass", "resnet18", 8, "fp16", "cutlass", "fp16"),
+    ("resnet18-b1-int8-dlight", "resnet18", 1, "int8", "dlight", "fp16"),
+    ("mobilenet_v2-b1-fp16-dlight", "mobilenet_v2", 1, "fp16", "dlight", "fp16"),
+    ("mobilenet_v2-b1-fp16-cutlass", "mobilenet_v2", 1, "fp16", "cutlass", "fp16"),
+    ("resnet50-b1-fp16-cutlass", "resnet50", 1, "fp16", "cutlass", "fp16"),
+    ("resnet50-b8-fp16-cutlass", "resnet50", 8, "fp16", "cutlass", "fp16"),
+    ("resnet18-b1-int8-cutlass", "resnet18", 1, "int8", "cutlass", "int8"),
+    ("resnet18-b8-int8-cutlass", "resnet18", 8, "int8", "cutlass", "int8"),
+    ("resnet50-b1-int8-cutlass", "resnet50", 1, "int8", "cutlass", "int8"),
+    ("resnet50-b8-int8-cutlass", "resnet50", 8, "int8", "cutlass", "int8"),
+    ("resnet50-b8-fp16-dlight", "resnet50", 8, "fp16", "dlight", "int8"),
+    ("mobilenet_v2-b1-int8-cutlass", "mobilenet_v2", 1, "int8", "cutlass", "int8"),
+]
+# probes: (name, batch, in channels, size, out channels, kernel, stride, pad, dilation, residual, activation)
+PROBES = [
+    ("probe-stem", 1, 3, 64, 64, 7, 2, 3, 1, False, "Relu"),
+    ("probe-residual", 2, 64, 28, 64, 3, 1, 1, 1, True, "Relu"),
+    ("probe-shortcut", 1, 64, 28, 128, 1, 2, 0, 1, False, None),
+    ("probe-dilated-odd", 1, 40, 20, 24, 3, 1, 2, 2, False, "Clip"),
+    ("probe-small-map", 3, 120, 7, 120, 3, 1, 1, 1, True, "Clip"),
+]
+DEVICE = "cuda-sm90"
+SANITIZED = ("resnet18-b1-fp16-cutlass", "resnet18-b1-int8-dlight")
+PROFILED = ("resnet18-b1-fp16-cutlass", "resnet18-b1-fp16-dlight")  # ncu: each kernel's time
+COMPILED = ("resnet18-b1", "resnet50-b8")  # torch.compile takes a minute or more a model: these only
+
+
+# ------------------------------------------------------------------ build (here)
+
+
+def on_grid(path: Path) -> None:
+    """Every initializer of 256 elements or more put on 15 values (per tensor: multiples of max|w| / 7), and
+    each BatchNormalization's scale 1 over its variance's root (so folding it keeps the grid)."""
+    import numpy as np
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(path)
+    inits = {i.name: i for i in model.graph.initializer}
+    for node in model.graph.node:
+        if node.op_type == "BatchNormalization":
+            gamma, var = inits[node.input[1]], inits[node.input[4]]
+            eps = next((a.f for a in node.attribute if a.name == "epsilon"), 1e-5)
+            g = numpy_helper.to_array(gamma)
+            gamma.CopyFrom(numpy_helper.from_array(np.ones_like(g), gamma.name))
+            var.CopyFrom(numpy_helper.from_array(np.full_like(g, 1 - eps), var.name))
+    for init in model.graph.initializer:
+        w = numpy_helper.to_array(init)
+        if w.size >= 256 and w.dtype == np.float32:
+            step = float(np.abs(w).max()) / 7 or 1.0
+            init.CopyFrom(numpy_helper.from_array((np.round(w / step) * step).astype(np.float32), init.name))
+    onnx.save(model, path)
+
+
+def probe(path: Path, batch, cin, size, cout, k, stride, pad, dilation, residual, activation) -> Path:
+    """One convolution with bias, [+ a residual], [ReLU | Clip(0, 6)], written with the onnx helper."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(cin * 1000 + cout)
+
+    def weights(name, co, ci, kk):
+        return [numpy_helper.from_array((rng.standard_normal((co, ci, kk, kk)) / np.sqrt(ci * kk * kk)).astype(np.float32), f"w{name}"),
+                numpy_helper.from_array((rng.standard_normal(co) * 0.1).astype(np.float32), f"b{name}")]
+
+    inits, nodes, x = [], [], "input"
+    if residual:  # the residual an intermediate NHWC tensor, as in a network: a 1x1 conv + ReLU first
+        inits += weights("0", cin, cin, 1)
+        nodes += [helper.make_node("Conv", ["input", "w0", "b0"], ["conv0"], kernel_shape=[1, 1]),
+                  helper.make_node("Relu", ["conv0"], ["x"])]
+        x = "x"
+    inits += weights("", cout, cin, k)
+    nodes.append(helper.make_node("Conv", [x, "w", "b"], ["conv"], kernel_shape=[k, k], strides=[stride] * 2,
+                                  pads=[pad] * 4, dilations=[dilation] * 2))
+    last = "conv"
+    if residual:
+        nodes.append(helper.make_node("Add", ["conv", x], ["sum"]))
+        last = "sum"
+    if activation == "Relu":
+        nodes.append(helper.make_node("Relu", [last], ["act"]))
+        last = "act"
+    elif activation == "Clip":
+        inits += [numpy_helper.from_array(np.array(0, np.float32), "lo"), numpy_helper.from_array(np.array(6, np.float32), "hi")]
+        nodes.append(helper.make_node("Clip", [last, "lo", "hi"], ["act"]))
+        last = "act"
+    nodes.append(helper.make_node("Identity", [last], ["output"]))
+    out = (size + 2 * pad - dilation * (k - 1) - 1) // stride + 1
+    graph = helper.make_graph(nodes, path.stem, [helper.make_tensor_value_info("input", TensorProto.FLOAT, [batch, cin, size, size])],
+                              [helper.make_tensor_value_info("output", TensorProto.FLOAT, [batch, cout, out, out])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="onnx.helper")
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    onnx.save(model, path)
+    return path
+
+
+def build(out: Path, only: list[str] | None, which: str) -> None:
+    import numpy as np
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import gpu_kernels
+    from edgeq.package import PackageArgs, package
+    from edgeq.quantize import QuantizeArgs
+
+    shutil.rmtree(out, ignore_errors=True)
+    work, bundles = out / "work", out / "bundles"
+    work.mkdir(parents=True)
+    bundles.mkdir()
+    jobs = [(name, dict(model=m, batch=b, precision=p, gpu_kernels=g)) for name, m, b, p, g, w in MODELS if w == which]
+    jobs += [(spec[0], dict(probe=spec[1:], precision=which, gpu_kernels="cutlass")) for spec in PROBES]
+    for name, job in jobs:
+        if only and name not in only:
+            continue
+        started = time.time()
+        model = work / f"{name}.onnx"
+        if "probe" in job:
+            probe(model, *job["probe"])
+        else:
+            gpu_kernels.MODELS[job["model"]](model, batch=job["batch"])
+            on_grid(model)
+        quantize = None
+        if job["precision"] == "int8":
+            import onnx
+
+            dims = [d.dim_value for d in onnx.load(model, load_external_data=False).graph.input[0].type.tensor_type.shape.dim]
+            samples = 2 * dims[0]  # random inputs: enough to run int8 kernels, not to judge accuracy
+            calib = work / f"{name}-calib.npz"
+            np.savez(calib, input=np.random.default_rng(0).standard_normal((samples, *dims[1:])).astype(np.float32))
+            quantize = QuantizeArgs(calibrate=calib, method="minmax", samples=samples)
+        result = package(PackageArgs(model=model, device=DEVICE, output=work / name, name=name,
+                                     precision=job["precision"], quantize=quantize, gpu_kernels=job["gpu_kernels"]))
+        shutil.move(str(result.bundle_dir), bundles / name)
+        print(f"gpu_bench: {name} packaged in {time.time() - started:.0f} s", flush=True)
+    shutil.rmtree(work)
+    import nvidia.cuda_runtime
+
+    shutil.copy(Path(list(nvidia.cuda_runtime.__path__)[0], "lib", "libcudart.so.12"), out / "libcudart.so.12")
+    with tarfile.open(out / "bundles.tar.xz", "w:xz", preset=9) as tar:
+        tar.add(bundles, arcname="bundles")
+    shutil.rmtree(bundles)
+    size = sum(f.stat().st_size for f in out.iterdir())
+    print(f"gpu_bench: {out} holds {size / 2**20:.1f} MiB (the device tool carries 64 MiB)")
+
+
+# ------------------------------------------------------------------ run (on the GPU machine)
+
+
+def _run(cmd: list[str], timeout: float, env=None) -> tuple[int, str]:
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        return done.returncode, (done.stdout + done.stderr)[-4000:]
+    except subprocess.TimeoutExpired as e:
+        return 124, f"timed out after {timeout:.0f} s: {(e.stdout or b'')[-2000:]!r}"
+    except OSError as e:
+        return 127, f"{cmd[0]}: {e}"
+
+
+def run_bundles(root: Path, results: dict, runs: int) -> None:
+    env = dict(os.environ, EDGEQ_CUDART=str(root / "libcudart.so.12"))
+    names = [p[0] for p in PROBES] + [m[0] for m in MODELS]
+    for name in names:
+        bundle = root / "bundles" / name
+        if not bundle.is_dir():
+            continue
+        row = results["edgeq"].setdefault(name, {})
+        exe = str(bundle / "runtime" / "edgeq-run")
+        rc, text = _run([exe, "--self-test"], 300, env)
+        row["self_test"] = {"rc": rc, "tail": text[-1500:]}
+        print(f"== {name}: self-test rc {rc}\n{text.strip()[-600:]}", flush=True)
+        if name.startswith("probe"):
+            continue
+        rc, text = _run([exe, "--benchmark", str(runs), "--warmup", "50", "--json"], 300, env)
+        try:
+            stats = json.loads(text.strip().splitlines()[-1])
+            stats.pop("samples_ms", None)
+            row["latency"] = stats
+            print(f"   p50 {stats['p50_ms']} ms  p99 {stats['p99_ms']} ms", flush=True)
+        except (ValueError, IndexError):
+            row["latency_error"] = text[-1500:]
+            print(f"   benchmark failed rc {rc}: {text[-600:]}", flush=True)
+
+
+def sanitize(root: Path, results: dict) -> None:
+    env = dict(os.environ, EDGEQ_CUDART=str(root / "libcudart.so.12"))
+    tool = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
+    for name in SANITIZED:
+        exe = root / "bundles" / name / "runtime" / "edgeq-run"
+        if not exe.exists():
+            continue
+        rc, text = _run([tool, "--tool", "memcheck", "--error-exitcode", "99", str(exe), "--self-test"], 400, env)
+        results["memcheck"][name] = {"rc": rc, "tail": text[-1500:]}
+        print(f"== memcheck {name}: rc {rc}\n{text.strip()[-500:]}", flush=True)
+
+
+def profile(root: Path, results: dict) -> None:
+    """Each kernel's duration (ncu, clocks left alone) in one --self-test of the PROFILED bundles."""
+    import csv
+    import io
+
+    env = dict(os.environ, EDGEQ_CUDART=str(root / "libcudart.so.12"))
+    tool = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
+    for name in PROFILED:
+        exe = root / "bundles" / name / "runtime" / "edgeq-run"
+        if not exe.exists():
+            continue
+        rc, text = _run([tool, "--clock-control", "none", "--metrics", "gpu__time_duration.sum", "--csv",
+                         "--launch-count", "60", str(exe), "--self-test"], 150, env)
+        rows = [r for r in csv.DictReader(io.StringIO(text[text.find('"ID"'):])) if r.get("Metric Value")]
+        kernels: dict[str, list[float]] = {}
+        for r in rows:
+            kernels.setdefault(r["Kernel Name"][:80], []).append(float(r["Metric Value"].replace(",", "")))
+        results["ncu"][name] = {"rc": rc, "kernels_ns": {k: min(v) for k, v in kernels.items()},
+                                "tail": "" if rows else text[-1500:]}
+        print(f"== ncu {name}: rc {rc}, {len(kernels)} kernels, sum of each one's fastest launch "
+              f"{sum(min(v) for v in kernels.values()) / 1e3:.1f} us", flush=True)
+
+
+def run_torch(root: Path, results: dict, runs: int, deadline: float, compile_models=()) -> None:
+    import statistics
+
+    import torch
+    import torchvision
+
+    torch.backends.cudnn.benchmark = True
+    builders = {"resnet18": torchvision.models.resnet18, "resnet50": torchvision.models.resnet50,
+                "mobilenet_v2": torchvision.models.mobilenet_v2}
+    wanted = sorted({(m, b) for name, m, b, _, _, _ in MODELS if (root / "bundles" / name).is_dir()})
+
+    def timed(fn) -> dict:
+        times = []
+        for _ in range(runs):
+            start = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - start) * 1e3)
+        times.sort()
+        return {"p50_ms": round(statistics.median(times), 4), "p99_ms": round(times[int(0.99 * (len(times) - 1))], 4),
+                "runs": runs}
+
+    for model_name, batch in [] if compile_models else wanted:  # PyTorch fp16 replayed from a captured CUDA graph
+        model = builders[model_name]().eval().half().cuda().to(memory_format=torch.channels_last)
+        x = torch.randn(batch, 3, 224, 224, device="cuda", dtype=torch.half).to(memory_format=torch.channels_last)
+        key = f"{model_name}-b{batch}"
+        row = results["torch"].setdefault(key, {})
+        with torch.no_grad():
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(20):
+                    model(x)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                model(x)
+            for _ in range(50):
+                graph.replay()
+            row["fp16_cuda_graph"] = timed(graph.replay)
+        print(f"== torch {key} fp16 CUDA graph: {row['fp16_cuda_graph']}", flush=True)
+        del graph
+    for model_name, batch in wanted:  # torch.compile(mode="reduce-overhead"): CUDA graphs of its own
+        key = f"{model_name}-b{batch}"
+        if key not in compile_models:
+            continue
+        if time.time() > deadline:
+            results["torch"].setdefault(key, {})["compile_skipped"] = "out of the run's time"
+            continue
+        try:
+            torch._dynamo.reset()
+            model = builders[model_name]().eval().half().cuda().to(memory_format=torch.channels_last)
+            x = torch.randn(batch, 3, 224, 224, device="cuda", dtype=torch.half).to(memory_format=torch.channels_last)
+            compiled = torch.compile(model, mode="reduce-overhead")
+            started = time.time()
+            with torch.no_grad():
+                for _ in range(5):
+                    compiled(x)
+                torch.cuda.synchronize()
+                compile_s = time.time() - started
+                for _ in range(30):
+                    compiled(x)
+                row = timed(lambda: compiled(x))
+            row["compile_s"] = round(compile_s, 1)
+            results["torch"].setdefault(key, {})["compile_reduce_overhead"] = row
+            print(f"== torch {key} torch.compile(reduce-overhead): {row}", flush=True)
+        except Exception as e:  # noqa: BLE001 - a peer that fails is reported, not fatal
+            results["torch"].setdefault(key, {})["compile_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            print(f"== torch {key} torch.compile failed: {e!r:.300}", flush=True)
+
+
+def summary(results: dict) -> str:
+    lines = [f"{'bundle':30} {'self-test':>9} {'p50 ms':>8} {'torch graph':>11} {'ratio':>6} {'compile':>8}"]
+    for name, row in results["edgeq"].items():
+        if name.startswith("probe"):
+            lines.append(f"{name:30} {'ok' if row['self_test']['rc'] == 0 else 'FAIL':>9}")
+            continue
+        model, batch = name.split("-")[0], name.split("-")[1]
+        peer = results["torch"].get(f"{model}-{batch}", {})
+        graph = peer.get("fp16_cuda_graph", {}).get("p50_ms")
+        comp = peer.get("compile_reduce_overhead", {}).get("p50_ms")
+        p50 = row.get("latency", {}).get("p50_ms")
+        ratio = f"{p50 / graph:.2f}" if p50 and graph else "-"
+        lines.append(f"{name:30} {'ok' if row['self_test']['rc'] == 0 else 'FAIL':>9} {p50 or '-':>8} "
+                     f"{graph or '-':>11} {ratio:>6} {comp or '-':>8}")
+    return "\n".join(lines)
+
+
+def run(root: Path, out: Path, runs: int, budget_s: float) -> None:
+    started = time.time()
+    with tarfile.open(root / "bundles.tar.xz") as tar:
+        tar.extractall(root, filter="fully_trusted")
+    smi = _run(["nvidia-smi", "--query-gpu=name,driver_version,clocks.max.sm", "--format=csv,noheader"], 30)[1].strip()
+    results = {"date": time.strftime("%Y-%m-%d"), "gpu": smi, "device_profile": DEVICE, "runs": runs,
+               "edgeq": {}, "torch": {}, "memcheck": {}, "ncu": {}}
+    print(f"gpu_bench: {smi}", flush=True)
+
+    def save():
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "gpu_bench.json").write_text(json.dumps(results, indent=1) + "\n")
+
+    for step in (lambda: run_bundles(root, results, runs),
+                 lambda: run_torch(root, results, runs, 0),
+                 lambda: sanitize(root, results),
+                 lambda: profile(root, results),
+                 lambda: run_torch(root, results, runs, started + budget_s, COMPILED)):
+        try:
+            step()
+        except Exception as e:  # noqa: BLE001 - keep what the other steps measured
+            results.setdefault("errors", []).append(f"{type(e).__name__}: {str(e)[:500]}")
+            print(f"gpu_bench: step failed: {e!r:.500}", flush=True)
+        save()
+    results["seconds"] = round(time.time() - started, 1)
+    save()
+    print(summary(results))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("half", choices=["build", "run"])
+    parser.add_argument("dir", nargs="?", type=Path, default=Path("gpu_bench"))
+    parser.add_argument("--only", nargs="+", help="build: only these bundles")
+    parser.add_argument("--set", default="fp16", choices=["fp16", "int8"],
+                        help="build: the fp16 set (CUTLASS and dlight fp16, dlight int8) or the int8 set (CUTLASS "
+                             "int8, the fp16 ResNet-50 batch 8 it is compared with), one device call each")
+    parser.add_argument("--runs", type=int, default=200, help="run: timed runs per bundle and peer")
+    parser.add_argument("--budget", type=float, default=330, help="run: seconds after which torch.compile is skipped")
+    args = parser.parse_args()
+    if args.half == "build":
+        build(args.dir, args.only, args.set)
+    else:
+        run(args.dir, Path(os.environ.get("OUT") or args.dir), args.runs, args.budget)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# edgeq's GPU path on a lent GPU against PyTorch, in one device call (#42): see benchmarks/gpu_bench.py.
+#   bash benchmarks/gpu_bench.sh build [DIR]   # here, in the .venv: bundles for cuda-sm90, xz-packed (gpu_bench/)
+#   bash benchmarks/gpu_bench.sh run [DIR]     # on the GPU machine: run(command="bash benchmarks/gpu_bench.sh run",
+#                                              #   carry=["gpu_bench"], timeout_s=570); JSON under $OUT
+set -euo pipefail
+cd "$(dirname "$0")/.."
+case "${1:-}" in
+    build) exec "${PYTHON:-python3}" benchmarks/gpu_bench.py build "${2:-gpu_bench}" "${@:3}" ;;
+    run) PYTHONUNBUFFERED=1 exec python3 benchmarks/gpu_bench.py run "${2:-gpu_bench}" "${@:3}" ;;
+    *) echo "usage: $0 build|run [DIR]" >&2; exit 2 ;;
+esac
