@@ -75,17 +75,17 @@ struct RequantParams {
   int32_t const* bias; float const* scale; float const* shift; float residual_scale; float act_lo; float act_hi;
   float out_div; float lo; float hi; int residual;
 };
-template <int N>
-class Requantize {
+template <int N, typename Out = int8_t>
+class Requantize {  // Out float: the value before the division, unrounded (an int8 layer whose output is float)
  public:
-  using ElementOutput = int8_t; using ElementD = int8_t; using ElementC = int8_t;
+  using ElementOutput = Out; using ElementD = Out; using ElementC = Out;
   using ElementAccumulator = int32_t; using ElementCompute = float; using ElementScalar = float;
-  using ElementZ = int8_t; using ElementT = int8_t; using ElementVector = float;
+  using ElementZ = Out; using ElementT = Out; using ElementVector = float;
   static int const kElementsPerAccess = N; static int const kCount = N;
   static bool const IsEltActSupported = true; static bool const kIsSingleSource = true;
   using FragmentAccumulator = cutlass::Array<int32_t, N>; using FragmentCompute = cutlass::Array<float, N>;
-  using FragmentC = cutlass::Array<int8_t, N>; using FragmentZ = cutlass::Array<int8_t, N>;
-  using FragmentT = cutlass::Array<int8_t, N>; using FragmentSource = FragmentC; using FragmentOutput = FragmentZ;
+  using FragmentC = cutlass::Array<Out, N>; using FragmentZ = cutlass::Array<Out, N>;
+  using FragmentT = cutlass::Array<Out, N>; using FragmentSource = FragmentC; using FragmentOutput = FragmentZ;
   using ElementBias = float; using FragmentBias = cutlass::Array<float, N>;
   static bool const kIsHeavy = false; static bool const kStoreZ = true; static bool const kStoreT = false;
   using Params = RequantParams;
@@ -104,12 +104,16 @@ class Requantize {
   }
 
  private:
-  CUTLASS_DEVICE int8_t one(int32_t acc, int k, float residual) const {
+  CUTLASS_DEVICE Out one(int32_t acc, int k, float residual) const {
     float x = __fadd_rn(__fmul_rn(float(acc + p_.bias[k]), p_.scale[k]), p_.shift[k]);
     if (p_.residual) x = __fadd_rn(x, __fmul_rn(residual, p_.residual_scale));
     x = fminf(fmaxf(x, p_.act_lo), p_.act_hi);
-    x = __fdiv_rn(x, p_.out_div);
-    return int8_t(int(fminf(fmaxf(rintf(x), p_.lo), p_.hi)));
+    if constexpr (cutlass::platform::is_same<Out, float>::value) {
+      return x;
+    } else {
+      x = __fdiv_rn(x, p_.out_div);
+      return Out(int(fminf(fmaxf(rintf(x), p_.lo), p_.hi)));
+    }
   }
   Params p_;
 };
@@ -246,6 +250,7 @@ class ConvKernel:
     out_div: float = 1.0
     lo: float = -128.0  # the clamp after rounding
     hi: float = 127.0
+    float_out: bool = False  # int8: the output is the float32 value before the division (no quantize follows)
 
     @property
     def grid(self) -> tuple[int, int]:
@@ -257,12 +262,13 @@ class ConvKernel:
     def kernel_type(self) -> str:
         (bm, bn, bk), (wm, wn, wk) = self.tile.block, self.tile.warp
         if self.precision == "int8":
+            out = "float" if self.float_out else "int8_t"
             return (
                 "typename cutlass::conv::kernel::DefaultConv2dFpropWithBroadcast<"
                 "int8_t, cutlass::layout::TensorNHWC, int8_t, cutlass::layout::TensorNHWC, "
-                "int8_t, cutlass::layout::TensorNHWC, int32_t, cutlass::arch::OpClassTensorOp, cutlass::arch::Sm80, "
+                f"{out}, cutlass::layout::TensorNHWC, int32_t, cutlass::arch::OpClassTensorOp, cutlass::arch::Sm80, "
                 f"cutlass::gemm::GemmShape<{bm}, {bn}, {bk}>, cutlass::gemm::GemmShape<{wm}, {wn}, {wk}>, "
-                "cutlass::gemm::GemmShape<16, 8, 32>, edgeq_cutlass::Requantize<8>, "
+                f"cutlass::gemm::GemmShape<16, 8, 32>, edgeq_cutlass::Requantize<{4 if self.float_out else 8}, {out}>, "
                 f"cutlass::gemm::threadblock::GemmIdentityThreadblockSwizzle<1>, {self.tile.stages}, "
                 "cutlass::arch::OpMultiplyAddSaturate, cutlass::conv::IteratorAlgorithm::kOptimized, "
                 "cutlass::conv::StrideSupport::kStrided>::Kernel"
@@ -302,13 +308,13 @@ def device_source(kernels: Sequence[ConvKernel]) -> str:
         signature = ", ".join(f"{C_TYPES[dtype]}* {name}" for name, _, dtype in kernel_operands(kern))
         source = "residual" if kern.residual else "y"
         if kern.precision == "int8":
-            element = "int8_t"
+            element, out_element = "int8_t", ("float" if kern.float_out else "int8_t")
             output_op = (f"edgeq_cutlass::RequantParams{{bias, scale, shift, {_c_float(kern.residual_scale)}, "
                          f"{_c_float(kern.act_lo)}, {_c_float(kern.act_hi)}, {_c_float(kern.out_div)}, "
                          f"{_c_float(kern.lo)}, {_c_float(kern.hi)}, {int(kern.residual)}}}")
             vector = "channel"
         else:
-            element = "half_t"
+            element = out_element = "half_t"
             output_op = f"{{1.0f, {'1.0f' if kern.residual else '0.0f'}}}"
             vector = "reinterpret_cast<half_t*>(bias)"
         out.append(f"""
@@ -326,7 +332,7 @@ extern "C" __device__ void edgeq_cutlass_{kern.name}({signature}, unsigned char*
   typename K::Arguments args(
       problem, {{reinterpret_cast<{element}*>(x), layout::TensorNHWC::packed({{{p.n}, {p.h}, {p.w}, {p.c}}})}},
       {{reinterpret_cast<{element}*>(w), layout::TensorNHWC::packed({{{p.k}, {p.r}, {p.s}, {p.c}}})}},
-      {{reinterpret_cast<{element}*>({source}), out_layout}}, {{reinterpret_cast<{element}*>(y), out_layout}},
+      {{reinterpret_cast<{out_element}*>({source}), out_layout}}, {{reinterpret_cast<{out_element}*>(y), out_layout}},
       {output_op}, conv::SplitKMode::kSerial, {vector}, nullptr, 0, 0);
   auto* params = reinterpret_cast<typename K::Params*>(smem + edgeq_params_at_{kern.name});
   if (threadIdx.x == 0) new (params) typename K::Params(args);
@@ -383,7 +389,7 @@ def kernel_operands(kernel: ConvKernel, shapes: dict | None = None) -> list[tupl
     if kernel.precision == "int8":
         ops = [("x", xs, "int8"), ("w", ws, "int8"), ("bias", bs, "int32"), ("scale", vec("scale"), "float32"),
                ("shift", vec("shift"), "float32"), ("channel", (p.k,), "float32")]
-        act = "int8"
+        act = "float32" if kernel.float_out else "int8"
     else:
         ops = [("x", xs, "float16"), ("w", ws, "float16"), ("bias", bs, "float16")]
         act = "float16"
@@ -494,6 +500,8 @@ def replay_int8(kernel: ConvKernel, x: np.ndarray, w: np.ndarray, bias: np.ndarr
     if residual is not None:
         v = v + residual.astype(f32) * f32(kernel.residual_scale)
     v = np.clip(v, f32(kernel.act_lo), f32(kernel.act_hi))
+    if kernel.float_out:
+        return v.astype(f32)
     v = np.rint(v / f32(kernel.out_div))
     return np.clip(v, kernel.lo, kernel.hi).astype(np.int8)
 
@@ -974,6 +982,32 @@ def _int8_chain(b, value_of, only_reader, params, sm_count: int, smem_per_block:
             shift, shapes["shift"] = candidate, shift_shape
             chain.append(nxt)
             nxt = only_reader(nxt)
+    problem = Conv2dProblem(xs[0], xs[1], xs[2], xs[3], k, ws[1], ws[2], (pads[0], pads[1]),
+                            tuple(int(v) for v in attrs.strides), tuple(int(v) for v in attrs.dilation),
+                            c_real=xs[3] - _channels_padded(x, value_of))
+    tile = choose_tile(problem, sm_count, smem_per_block, "int8")
+    # what follows the scale (and shift) up to the int8 cast; where it is not that, the kernel ends at the scale
+    # (or shift) with a float32 output and the operators after it stay as they are
+    float_chain = list(chain)
+    rest = _requantize_tail(chain, nxt, value_of, only_reader, b.var, op_of, other, scalar)
+    if isinstance(rest, str):
+        kernel = ConvKernel(name, problem, tile, "identity", False, "int8", float_out=True)
+        return Claimed(kernel, float_chain[-1], x, w, bias, None, tuple(float_chain[:-1]), shapes, scale, shift)
+    chain, residual, residual_scale, act_lo, act_hi, out_div, lo, hi = rest
+    activation = {(-math.inf, math.inf): "identity", (0.0, math.inf): "relu", (0.0, 6.0): "relu6"}.get(
+        (act_lo, act_hi), "clip")
+    kernel = ConvKernel(name, problem, tile, activation, residual is not None, "int8", residual_scale, act_lo, act_hi,
+                        out_div, lo, hi)
+    return Claimed(kernel, chain[-1], x, w, bias, residual, tuple(chain[:-1]), shapes, scale, shift)
+
+
+def _requantize_tail(chain, nxt, value_of, only_reader, conv_var, op_of, other, scalar):
+    """After an int8 convolution's scale: ``[+ float32(residual int8) * s] -> [activation clamps] -> [/ s] -> round
+    -> [max lo] [min hi] -> [astype int32] -> astype int8``, as (chain, residual, residual_scale, act_lo, act_hi,
+    out_div, lo, hi); or why not."""
+    from edgeq.graph_passes import dtype_of, shape_of
+
+    chain = list(chain)
     residual, residual_scale, act_lo, act_hi, out_div = None, 0.0, -math.inf, math.inf, 1.0
     if op_of(nxt) == "relax.add":  # + float32(residual) * s: a dequantized int8 tensor of the output's shape
         r = other(nxt, chain[-1])
@@ -983,7 +1017,7 @@ def _int8_chain(b, value_of, only_reader, params, sm_count: int, smem_per_block:
                 or not _same(only_reader(r_cast), r):
             return "an add after it that is no dequantized residual (one scale)"
         res = value_of[r_cast].args[0]
-        if dtype_of(res) != "int8" or shape_of(res) != shape_of(b.var):
+        if dtype_of(res) != "int8" or shape_of(res) != shape_of(conv_var):
             return "a residual that is not int8 of its shape"
         residual, residual_scale = res, r_scale
         chain += [r_cast, r, nxt]
@@ -996,7 +1030,7 @@ def _int8_chain(b, value_of, only_reader, params, sm_count: int, smem_per_block:
         chain.append(nxt)
         nxt = only_reader(nxt)
     if op_of(nxt) == "relax.divide":
-        d = _const_scalar(value_of[nxt].args[1])
+        d = scalar(value_of[nxt].args[1])
         if d is None or d == 0:
             return "a division after it by no constant"
         out_div = d
@@ -1008,7 +1042,7 @@ def _int8_chain(b, value_of, only_reader, params, sm_count: int, smem_per_block:
     nxt = only_reader(nxt)
     lo, hi = -128.0, 127.0
     while op_of(nxt) in ("relax.maximum", "relax.minimum"):
-        c = _const_scalar(value_of[nxt].args[1])
+        c = scalar(value_of[nxt].args[1])
         if c is None:
             return "a clamp by no constant"
         lo, hi = (max(lo, c), hi) if op_of(nxt) == "relax.maximum" else (lo, min(hi, c))
@@ -1020,14 +1054,7 @@ def _int8_chain(b, value_of, only_reader, params, sm_count: int, smem_per_block:
     if op_of(nxt) != "relax.astype" or str(value_of[nxt].attrs.dtype) != "int8":
         return "no int8 cast at the end"
     chain.append(nxt)
-    problem = Conv2dProblem(xs[0], xs[1], xs[2], xs[3], k, ws[1], ws[2], (pads[0], pads[1]),
-                            tuple(int(v) for v in attrs.strides), tuple(int(v) for v in attrs.dilation),
-                            c_real=xs[3] - _channels_padded(x, value_of))
-    activation = {(-math.inf, math.inf): "identity", (0.0, math.inf): "relu", (0.0, 6.0): "relu6"}.get(
-        (act_lo, act_hi), "clip")
-    kernel = ConvKernel(name, problem, choose_tile(problem, sm_count, smem_per_block, "int8"), activation,
-                        residual is not None, "int8", residual_scale, act_lo, act_hi, out_div, lo, hi)
-    return Claimed(kernel, chain[-1], x, w, bias, residual, tuple(chain[:-1]), shapes, scale, shift)
+    return chain, residual, residual_scale, act_lo, act_hi, out_div, lo, hi
 
 
 def _same(a, b) -> bool:
@@ -1124,6 +1151,8 @@ def twin_prim_func(kernel: ConvKernel, shapes: dict | None = None):
             v = te.max(v, f32(kernel.act_lo))
         if not math.isinf(kernel.act_hi):
             v = te.min(v, f32(kernel.act_hi))
+        if kernel.float_out:
+            return v
         v = tirx.round(v / f32(kernel.out_div))
         return te.min(te.max(v, f32(kernel.lo)), f32(kernel.hi)).astype("int8")
 
