@@ -29,22 +29,19 @@ import tarfile
 import time
 from pathlib import Path
 
-# bundles: (name, model, batch, precision, gpu kernels, set); one set per device call (64 MiB carried)
+# bundles: (name, model, batch, precision, gpu kernels); what one device call carries (64 MiB, xz)
 MODELS = [
-    ("resnet18-b1-fp16-dlight", "resnet18", 1, "fp16", "dlight", "fp16"),
-    ("resnet18-b1-fp16-cutlass", "resnet18", 1, "fp16", "cutlass", "fp16"),
-    ("resnet18-b8-fp16-cutlass", "resnet18", 8, "fp16", "cutlass", "fp16"),
-    ("resnet18-b1-int8-dlight", "resnet18", 1, "int8", "dlight", "fp16"),
-    ("mobilenet_v2-b1-fp16-dlight", "mobilenet_v2", 1, "fp16", "dlight", "fp16"),
-    ("mobilenet_v2-b1-fp16-cutlass", "mobilenet_v2", 1, "fp16", "cutlass", "fp16"),
-    ("resnet50-b1-fp16-cutlass", "resnet50", 1, "fp16", "cutlass", "fp16"),
-    ("resnet50-b8-fp16-cutlass", "resnet50", 8, "fp16", "cutlass", "fp16"),
-    ("resnet18-b1-int8-cutlass", "resnet18", 1, "int8", "cutlass", "int8"),
-    ("resnet18-b8-int8-cutlass", "resnet18", 8, "int8", "cutlass", "int8"),
-    ("resnet50-b1-int8-cutlass", "resnet50", 1, "int8", "cutlass", "int8"),
-    ("resnet50-b8-int8-cutlass", "resnet50", 8, "int8", "cutlass", "int8"),
-    ("resnet50-b8-fp16-dlight", "resnet50", 8, "fp16", "dlight", "int8"),
-    ("mobilenet_v2-b1-int8-cutlass", "mobilenet_v2", 1, "int8", "cutlass", "int8"),
+    ("resnet18-b1-fp16-dlight", "resnet18", 1, "fp16", "dlight"),
+    ("resnet18-b1-fp16-cutlass", "resnet18", 1, "fp16", "cutlass"),
+    ("resnet18-b1-int8-dlight", "resnet18", 1, "int8", "dlight"),
+    ("resnet18-b1-int8-cutlass", "resnet18", 1, "int8", "cutlass"),
+    ("resnet18-b8-fp16-cutlass", "resnet18", 8, "fp16", "cutlass"),
+    ("resnet18-b8-int8-cutlass", "resnet18", 8, "int8", "cutlass"),
+    ("mobilenet_v2-b1-fp16-cutlass", "mobilenet_v2", 1, "fp16", "cutlass"),
+    ("mobilenet_v2-b1-int8-cutlass", "mobilenet_v2", 1, "int8", "cutlass"),
+    ("resnet50-b1-int8-cutlass", "resnet50", 1, "int8", "cutlass"),
+    ("resnet50-b8-fp16-cutlass", "resnet50", 8, "fp16", "cutlass"),
+    ("resnet50-b8-int8-cutlass", "resnet50", 8, "int8", "cutlass"),
 ]
 # probes: (name, batch, in channels, size, out channels, kernel, stride, pad, dilation, residual, activation)
 PROBES = [
@@ -55,9 +52,9 @@ PROBES = [
     ("probe-small-map", 3, 120, 7, 120, 3, 1, 1, 1, True, "Clip"),
 ]
 DEVICE = "cuda-sm90"
-SANITIZED = ("resnet18-b1-fp16-cutlass", "resnet18-b1-int8-dlight")
-PROFILED = ("resnet18-b1-fp16-cutlass", "resnet18-b1-fp16-dlight")  # ncu: each kernel's time
-COMPILED = ("resnet18-b1", "resnet50-b8")  # torch.compile takes a minute or more a model: these only
+SANITIZED = ("resnet18-b1-fp16-cutlass", "resnet18-b1-int8-cutlass")
+PROFILED = ("resnet18-b1-fp16-cutlass", "resnet18-b1-int8-cutlass", "resnet18-b1-fp16-dlight")  # ncu: each kernel's time
+COMPILED = ("resnet18-b1", "resnet50-b8")  # torch.compile: these only (10-15 s each on the H200)
 
 
 # ------------------------------------------------------------------ build (here)
@@ -130,7 +127,7 @@ def probe(path: Path, batch, cin, size, cout, k, stride, pad, dilation, residual
     return path
 
 
-def build(out: Path, only: list[str] | None, which: str) -> None:
+def build(out: Path, only: list[str] | None) -> None:
     import numpy as np
 
     sys.path.insert(0, str(Path(__file__).parent))
@@ -142,8 +139,9 @@ def build(out: Path, only: list[str] | None, which: str) -> None:
     work, bundles = out / "work", out / "bundles"
     work.mkdir(parents=True)
     bundles.mkdir()
-    jobs = [(name, dict(model=m, batch=b, precision=p, gpu_kernels=g)) for name, m, b, p, g, w in MODELS if w == which]
-    jobs += [(spec[0], dict(probe=spec[1:], precision=which, gpu_kernels="cutlass")) for spec in PROBES]
+    jobs = [(f"{spec[0]}-{precision}", dict(probe=spec[1:], precision=precision, gpu_kernels="cutlass"))
+            for spec in PROBES for precision in ("fp16", "int8")]
+    jobs += [(name, dict(model=m, batch=b, precision=p, gpu_kernels=g)) for name, m, b, p, g in MODELS]
     for name, job in jobs:
         if only and name not in only:
             continue
@@ -181,10 +179,10 @@ def build(out: Path, only: list[str] | None, which: str) -> None:
 # ------------------------------------------------------------------ run (on the GPU machine)
 
 
-def _run(cmd: list[str], timeout: float, env=None) -> tuple[int, str]:
+def _run(cmd: list[str], timeout: float, env=None, keep: int = 4000) -> tuple[int, str]:
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-        return done.returncode, (done.stdout + done.stderr)[-4000:]
+        return done.returncode, (done.stdout + done.stderr)[-keep:]
     except subprocess.TimeoutExpired as e:
         return 124, f"timed out after {timeout:.0f} s: {(e.stdout or b'')[-2000:]!r}"
     except OSError as e:
@@ -193,7 +191,7 @@ def _run(cmd: list[str], timeout: float, env=None) -> tuple[int, str]:
 
 def run_bundles(root: Path, results: dict, runs: int) -> None:
     env = dict(os.environ, EDGEQ_CUDART=str(root / "libcudart.so.12"))
-    names = [p[0] for p in PROBES] + [m[0] for m in MODELS]
+    names = [f"{p[0]}-{precision}" for p in PROBES for precision in ("fp16", "int8")] + [m[0] for m in MODELS]
     for name in names:
         bundle = root / "bundles" / name
         if not bundle.is_dir():
@@ -223,8 +221,9 @@ def sanitize(root: Path, results: dict) -> None:
         exe = root / "bundles" / name / "runtime" / "edgeq-run"
         if not exe.exists():
             continue
-        rc, text = _run([tool, "--tool", "memcheck", "--error-exitcode", "99", str(exe), "--self-test"], 400, env)
-        results["memcheck"][name] = {"rc": rc, "tail": text[-1500:]}
+        rc, text = _run([tool, "--tool", "memcheck", "--error-exitcode", "99", "--print-limit", "3", str(exe),
+                         "--self-test"], 400, env, keep=1 << 20)
+        results["memcheck"][name] = {"rc": rc, "head": text[:3000], "tail": text[-1500:]}
         print(f"== memcheck {name}: rc {rc}\n{text.strip()[-500:]}", flush=True)
 
 
@@ -240,7 +239,7 @@ def profile(root: Path, results: dict) -> None:
         if not exe.exists():
             continue
         rc, text = _run([tool, "--clock-control", "none", "--metrics", "gpu__time_duration.sum", "--csv",
-                         "--launch-count", "60", str(exe), "--self-test"], 150, env)
+                         "--launch-count", "60", str(exe), "--self-test"], 150, env, keep=1 << 20)
         rows = [r for r in csv.DictReader(io.StringIO(text[text.find('"ID"'):])) if r.get("Metric Value")]
         kernels: dict[str, list[float]] = {}
         for r in rows:
@@ -260,7 +259,7 @@ def run_torch(root: Path, results: dict, runs: int, deadline: float, compile_mod
     torch.backends.cudnn.benchmark = True
     builders = {"resnet18": torchvision.models.resnet18, "resnet50": torchvision.models.resnet50,
                 "mobilenet_v2": torchvision.models.mobilenet_v2}
-    wanted = sorted({(m, b) for name, m, b, _, _, _ in MODELS if (root / "bundles" / name).is_dir()})
+    wanted = sorted({(m, b) for name, m, b, _, _ in MODELS if (root / "bundles" / name).is_dir()})
 
     def timed(fn) -> dict:
         times = []
@@ -373,14 +372,11 @@ def main() -> None:
     parser.add_argument("half", choices=["build", "run"])
     parser.add_argument("dir", nargs="?", type=Path, default=Path("gpu_bench"))
     parser.add_argument("--only", nargs="+", help="build: only these bundles")
-    parser.add_argument("--set", default="fp16", choices=["fp16", "int8"],
-                        help="build: the fp16 set (CUTLASS and dlight fp16, dlight int8) or the int8 set (CUTLASS "
-                             "int8, the fp16 ResNet-50 batch 8 it is compared with), one device call each")
     parser.add_argument("--runs", type=int, default=200, help="run: timed runs per bundle and peer")
     parser.add_argument("--budget", type=float, default=330, help="run: seconds after which torch.compile is skipped")
     args = parser.parse_args()
     if args.half == "build":
-        build(args.dir, args.only, args.set)
+        build(args.dir, args.only)
     else:
         run(args.dir, Path(os.environ.get("OUT") or args.dir), args.runs, args.budget)
 

@@ -6,6 +6,8 @@ replayed on the host in numpy, equals ONNX Runtime on the same convolution."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import onnx
 import pytest
@@ -188,6 +190,11 @@ def test_kernels_compile_in_a_tvm_module_to_tensor_cores(profile, precision, nvr
             kernels.append(cutlass.ConvKernel(name.replace("-", "_"), problem, tile, activation, residual))
     target = tvm.target.Target({"kind": "cuda", "arch": spec.arch, "host": "llvm"})
     library, sizes = cutlass.build_module(kernels, target, nvrtc, tmp_path)
+    source = (tmp_path / f"cutlass_{spec.arch}.cu").read_text()
+    for kern in kernels:  # the block's own dynamic shared memory, not a buffer passed in (which ran as an illegal
+        # instruction on the H200: CUTLASS's cp.async and ldmatrix took a global address for a shared one)
+        body = re.search(rf"void __launch_bounds__\(\d+\) cutlass_{kern.name}_kernel\(([^)]*)\) {{(.*?)\n}}", source, re.S)
+        assert body and "smem" not in body.group(1) and "extern __shared__" in body.group(2), body and body.group(0)
     reports = {r.name: r for r in cutlass.read_kernels(library, kernels, sizes)}
     assert set(reports) == {k.name for k in kernels}
     for kern in kernels:

@@ -422,13 +422,14 @@ def prim_func(kernel: ConvKernel, smem_bytes: int, shapes: dict | None = None):
         '    T.func_attr({"tirx.noalias": True})',
         *(f'    {buf[name]} = T.match_buffer({name}, {tuple(shape)}, "{dtype}")' for name, shape, dtype in ops),
         '    with T.sblock("root"):',
-        f'        smem = T.alloc_buffer(({smem_bytes},), "uint8", scope="shared.dyn")',
         f'        for bx in T.thread_binding({gm}, thread="blockIdx.x"):',
         f'            for by in T.thread_binding({gn}, thread="blockIdx.y"):',
         f'                for tx in T.thread_binding({threads}, thread="threadIdx.x"):',
         '                    with T.sblock("cutlass"):',
-        f'                        T.reads({", ".join(region(n, s) for n, s, _ in inputs)}, smem[0:{smem_bytes}])',
+        f'                        T.reads({", ".join(region(n, s) for n, s, _ in inputs)})',
         f'                        T.writes({region("y", ops[-1][1])})',
+        # inside the kernel: the block's dynamic shared memory (extern __shared__), not a buffer passed in
+        f'                        smem = T.alloc_buffer(({smem_bytes},), "uint8", scope="shared.dyn")',
         f'                        T.evaluate(T.call_extern("void", "edgeq_cutlass_{kernel.name}", '
         f'{", ".join(buf[n] + ".data" for n, _, _ in ops)}, smem.data))',
     ])
@@ -584,7 +585,8 @@ def _nvrtc_include() -> Iterator[None]:
 
 def build_module(kernels: Sequence[ConvKernel], target, toolkit, folder: Path) -> tuple[Path, dict[str, int]]:
     """The kernels as one TVM module for ``target`` (``tvm.target.Target`` of kind cuda), exported as a shared
-    library into ``folder``: (the library, {kernel: shared bytes})."""
+    library into ``folder`` with its CUDA source beside it (``cutlass_<arch>.cu``): (the library, {kernel: shared
+    bytes})."""
     from edgeq.tvm_env import import_tvm
 
     tvm = import_tvm()
@@ -598,6 +600,7 @@ def build_module(kernels: Sequence[ConvKernel], target, toolkit, folder: Path) -
             lib = tvm.tirx.build(mod, target=target)
     library = folder / f"cutlass_{arch}.so"
     lib.export_library(str(library))
+    (folder / f"cutlass_{arch}.cu").write_text(lib.imports[0].inspect_source())
     return library, sizes
 
 
