@@ -265,11 +265,61 @@ def package_and_measure(model: Path, precision: str, out: Path, calib: Path | No
     result = package(PackageArgs(model=model, device=DEVICE, output=folder,
                                  precision=precision, quantize=quantize, runtime="none", gpu_kernels=gpu_kernels))
     row = measure(result.bundle_dir, precision)
+    row["orin_estimate"] = orin_estimate(json.loads(Path(result.bundle_dir, "manifest.json").read_text()))
     if row["cutlass"] is not None:
         total = model_flops(model)
         row["cutlass"]["model_flops"] = total
         row["cutlass"]["tensor_core_flops_share"] = round(row["cutlass"]["flops"] / total, 4) if total else None
     return {**row, "gpu_kernels": gpu_kernels}
+
+
+LAUNCH_US = 3.0  # what a kernel costs beyond its roofline time inside a CUDA graph (an estimate's assumption)
+
+
+def orin_estimate(manifest: dict, device: str = DEVICE) -> dict | None:
+    """The roofline time of one inference on the profile's GPU (jetson-orin-nano: the Orin Nano 8GB at MAXN_SUPER,
+    numbers and sources in its targets/*.toml): each CUTLASS kernel at max(FLOPs / (peak x wave efficiency),
+    bytes / bandwidth), its CTAs against the SMs (blocks per SM by shared memory and threads), plus LAUNCH_US for
+    every kernel launch in the CUDA graph; the kernels CUTLASS did not take are counted by that launch cost only
+    (element-wise and pooling kernels move little; a conv/matmul left to dlight is listed). An estimate, not a
+    measurement."""
+    from edgeq.targets import resolve
+
+    spec = resolve(device)[0].cuda
+    gpu = manifest["library"]["gpu_kernels"]
+    record = gpu.get("cutlass")
+    if record is None or not spec.clock_mhz:
+        return None
+    clock = spec.clock_mhz * 1e6
+    kernels, total_us = [], 0.0
+    for k in record["kernels"]:
+        int8 = k["precision"] == "int8"
+        peak = (spec.int8_ops_per_clock_per_sm if int8 else spec.fp16_ops_per_clock_per_sm) * spec.sm_count * clock
+        n, h, w, c = k["problem"]["nhwc"]
+        (r, s_), kk = k["problem"]["rs"], k["problem"]["k"]
+        elem = 1 if int8 else 2
+        out_elem = 4 if k.get("requantize") is not None and k["requantize"].get("float_out") else elem
+        gm, gn = k["grid"]
+        m = k["problem"]["output_pixels"]
+        bytes_ = n * h * w * c * elem + kk * r * s_ * c * elem + m * kk * out_elem * (2 if k["residual"] else 1)
+        ctas = gm * gn
+        per_sm = max(1, min(spec.shared_memory_per_sm // max(1, k["shared_bytes"]), 1536 // k["threads"]))
+        slots = spec.sm_count * per_sm
+        waves = -(-ctas // slots)
+        efficiency = ctas / (waves * slots)
+        compute_us = k["flops"] / (peak * efficiency) * 1e6
+        memory_us = bytes_ / (spec.memory_bandwidth_gbs * 1e9) * 1e6
+        us = max(compute_us, memory_us)
+        total_us += us
+        kernels.append({"function": k["function"], "flops": k["flops"], "bytes": int(bytes_), "ctas": ctas,
+                        "ctas_per_sm": per_sm, "waves": waves, "wave_efficiency": round(efficiency, 3),
+                        "compute_us": round(compute_us, 2), "memory_us": round(memory_us, 2), "us": round(us, 2),
+                        "bound": "compute" if compute_us >= memory_us else "memory"})
+    launches = gpu["kernels_per_inference"]
+    total_us += launches * LAUNCH_US
+    return {"device": device, "clock_mhz": spec.clock_mhz, "sms": spec.sm_count, "cutlass_us": round(sum(
+        k["us"] for k in kernels), 1), "launches": launches, "launch_us": LAUNCH_US, "ms": round(total_us / 1e3, 4),
+        "left_to_dlight": [x["conv"] for x in record["left"]], "kernels": kernels}
 
 
 def tvm_default_launches(model: Path) -> int:
@@ -324,6 +374,9 @@ def table(rows: list[dict]) -> str:
             c = r["cutlass"]
             share += (f"; CUTLASS: {c['on_tensor_cores']}/{c['kernels']} kernels, "
                       f"{100 * (c.get('tensor_core_flops_share') or 0):.1f}% of FLOPs on tensor cores")
+        if r.get("orin_estimate"):
+            e = r["orin_estimate"]
+            share += f"; Orin Nano estimate {e['ms']:.2f} ms (CUTLASS kernels {e['cutlass_us'] / 1e3:.2f} ms)"
         lines.append(f"| {r['model']} | {r['precision']} | {r['kernels_per_inference']}{graph} | {share} | "
                      f"{r['weight_bytes'] / 1e6:.1f} | {len(r['on_fallback_rule'])} | {len(r['pipeline_retries'])} | "
                      f"{len(r['tensor_core_fallbacks'])} |")
@@ -341,8 +394,9 @@ def main() -> None:
                         help="also count the fp32 launches of TVM's default CUDA pipeline (no edgeq graph clean-up)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     parser.add_argument("--gpu-kernels", choices=["dlight", "cutlass"], default="dlight",
-                        help="edgeq package --gpu-kernels (cutlass: fp16 only; its rows add the share of conv/matmul "
-                             "FLOPs in CUTLASS kernels whose SASS has HMMA)")
+                        help="edgeq package --gpu-kernels (cutlass: fp16 and int8; its rows add the share of "
+                             "conv/matmul FLOPs in CUTLASS kernels whose SASS has HMMA/IMMA, and the Orin Nano's "
+                             "roofline estimate, orin_estimate)")
     args = parser.parse_args()
     given = dict(item.split("=", 1) for item in args.onnx)
     rows = []

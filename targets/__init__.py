@@ -51,6 +51,13 @@ class CudaSpec:
     # runtime does, for dynamic shared memory): what edgeq's CUTLASS tile table sizes its tiles by; 0: unknown
     sm_count: int = 0
     shared_memory_per_block_optin: int = 0
+    # for the roofline estimate of benchmarks/gpu_kernels.py (0: unknown): the GPU clock, dense tensor-core
+    # operations per clock per SM (a multiply-add counts 2), shared memory per SM, and the memory bandwidth
+    clock_mhz: int = 0
+    int8_ops_per_clock_per_sm: int = 0
+    fp16_ops_per_clock_per_sm: int = 0
+    shared_memory_per_sm: int = 0
+    memory_bandwidth_gbs: float = 0.0
 
     @property
     def major(self) -> int:

@@ -294,9 +294,11 @@ def call_op_name(value) -> str | None:
     return call_op(value)
 
 
-def test_package_with_cutlass_kernels(nvrtc, tmp_path):
-    """``edgeq package --gpu-kernels cutlass`` for the Orin: every convolution on a CUTLASS kernel (HMMA in its
-    SASS), the manifest saying which kernel each layer got, the reference check passed on the NHWC graph."""
+@pytest.mark.parametrize("precision", ["fp16", "int8"])
+def test_package_with_cutlass_kernels(precision, nvrtc, tmp_path):
+    """``edgeq package --gpu-kernels cutlass`` for the Orin: every convolution on a CUTLASS kernel (HMMA/IMMA in its
+    SASS), the manifest saying which kernel each layer got, the reference check passed on the NHWC graph, and the
+    roofline estimate of the Orin Nano."""
     import json
     import os
     import re
@@ -309,9 +311,13 @@ def test_package_with_cutlass_kernels(nvrtc, tmp_path):
 
     from edgeq.backends.cuda.cubin import cuda_images
 
-    model = resnet(tmp_path / "r.onnx", size=32, widths=(8, 16), blocks=1, stem=3, activations=("Relu", "Relu6"))
-    res = run_cli("package", model, "--device", "jetson-orin-nano", "--precision", "fp16", "--gpu-kernels", "cutlass",
-                  "-o", tmp_path / "out", "-q", "--json")
+    model = resnet(tmp_path / "r.onnx", size=32, widths=(16, 32), blocks=1, stem=3, activations=("Relu", "Relu6"))
+    extra = []
+    if precision == "int8":
+        np.savez(tmp_path / "calib.npz", input=np.random.default_rng(0).standard_normal((10, 3, 32, 32)).astype(np.float32))
+        extra = ["--calibrate", tmp_path / "calib.npz"]
+    res = run_cli("package", model, "--device", "jetson-orin-nano", "--precision", precision, "--gpu-kernels", "cutlass",
+                  *extra, "-o", tmp_path / "out", "-q", "--json")
     assert res.code == 0, res.stderr
     bundle = Path(json.loads(res.stdout)["bundle_dir"])
     manifest = json.loads((bundle / "manifest.json").read_text())
@@ -322,11 +328,19 @@ def test_package_with_cutlass_kernels(nvrtc, tmp_path):
     convs = sum(1 for n in onnx.load(model).graph.node if n.op_type == "Conv")
     assert record["version"] == "4.1.0" and len(record["kernels"]) == convs and record["left"] == []
     assert {k["function"] for k in record["kernels"]} == {f for f, rule in gpu["functions"].items() if rule == "cutlass"}
-    assert all(k["flops"] > 0 and k["precision"] == "fp16" and k["tile"] for k in record["kernels"])
+    assert all(k["flops"] > 0 and k["precision"] == precision and k["tile"] for k in record["kernels"])
     from gpu_kernels import model_flops  # benchmarks/: the model's conv/matmul FLOPs from its ONNX shapes
 
     share = sum(k["flops"] for k in record["kernels"]) / model_flops(model)
     assert 0.95 <= share <= 1.0, share  # the stem's padded channels are not counted
+    from gpu_kernels import LAUNCH_US, orin_estimate
+
+    estimate = orin_estimate(manifest)  # the roofline on the Orin Nano: each kernel's time at least its FLOPs at peak
+    peak = (4096 if precision == "int8" else 2048) * 8 * 1020e6  # operations per second (targets/jetson-orin-nano.toml)
+    for k, e in zip(record["kernels"], estimate["kernels"]):
+        assert e["function"] == k["function"] and e["us"] >= k["flops"] / peak * 1e6 and e["bytes"] > 0
+        assert e["waves"] == -(-e["ctas"] // (8 * e["ctas_per_sm"])) and 0 < e["wave_efficiency"] <= 1
+    assert estimate["ms"] * 1e3 == pytest.approx(estimate["cutlass_us"] + gpu["kernels_per_inference"] * LAUNCH_US, abs=0.2)
     assert gpu["cuda_graph"] is True
     cuobjdump = cuda_tool("cuobjdump")
     env = {**os.environ, "PATH": f"{Path(cuobjdump).parent}{os.pathsep}{os.environ['PATH']}"}
@@ -336,8 +350,9 @@ def test_package_with_cutlass_kernels(nvrtc, tmp_path):
         f.flush()
         sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, env=env).stdout
     bodies = dict(re.findall(r"Function : ([\w$]+)\n(.*?)(?=\n\s*Function : |\Z)", sass, re.S))
+    mma = "IMMA" if precision == "int8" else "HMMA"
     for k in record["kernels"]:
-        assert re.search(r"\bHMMA\.", bodies[f"{k['function']}_kernel"]), k["function"]
+        assert re.search(rf"\b{mma}\.", bodies[f"{k['function']}_kernel"]), k["function"]
     inspect = run_cli("inspect", bundle)
     flat = " ".join(re.sub(r"[│┃]", " ", inspect.stdout).split())  # the table's cells, unwrapped
     assert inspect.code == 0 and f"CUTLASS 4.1.0: {convs} of {convs} convolutions" in flat, flat

@@ -534,10 +534,10 @@ def kernel_record(kernel: ConvKernel, smem_bytes: int) -> dict:
             "tile": list(kernel.tile.block), "warp": list(kernel.tile.warp), "stages": kernel.tile.stages,
             "threads": kernel.tile.threads, "grid": list(kernel.grid), "shared_bytes": smem_bytes,
             "problem": {"nhwc": [p.n, p.h, p.w, p.c], "k": p.k, "rs": [p.r, p.s], "pad": list(p.pad),
-                        "stride": list(p.stride), "dilation": list(p.dilation)},
+                        "stride": list(p.stride), "dilation": list(p.dilation), "output_pixels": p.n * p.p * p.q},
             "activation": kernel.activation, "residual": kernel.residual, "precision": kernel.precision, "flops": p.flops}
     if kernel.precision == "int8":
-        record["requantize"] = {"residual_scale": kernel.residual_scale, "out_div": kernel.out_div,
+        record["requantize"] = {"float_out": kernel.float_out, "residual_scale": kernel.residual_scale, "out_div": kernel.out_div,
                                 "activation_clamp": [None if math.isinf(v) else v for v in (kernel.act_lo, kernel.act_hi)],
                                 "clamp": [kernel.lo, kernel.hi]}
     return record
