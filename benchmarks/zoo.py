@@ -71,7 +71,8 @@ def cosine(a: np.ndarray, b: np.ndarray) -> float:
     return _agreement(a, b)["cosine"]
 
 
-def one(path: Path, work: Path, int8: bool, jetson: bool, speed: bool, repeat: int, profile: int = 0) -> dict:
+def one(path: Path, work: Path, int8: bool, jetson: bool, speed: bool, repeat: int, profile: int = 0,
+        cutlass: bool = False) -> dict:
     """Everything for one model (runs in a child process)."""
     from edgeq.errors import EdgeqError
     from edgeq.package import PackageArgs, package
@@ -129,6 +130,16 @@ def one(path: Path, work: Path, int8: bool, jetson: bool, speed: bool, repeat: i
         attempt("jetson", lambda: package(PackageArgs(model=path, device="jetson-orin-nano", output=work / "jetson",
                                                        runtime="none")))
         row.setdefault("jetson", "built")
+    if cutlass:  # fp16 and int8 for jetson-orin-nano with --gpu-kernels cutlass: built, checked against ONNX Runtime
+        for precision in ("fp16", "int8"):
+            quantize = QuantizeArgs(calibrate=work / "calib.npz") if precision == "int8" else None
+            built = attempt(f"cutlass_{precision}", lambda: package(PackageArgs(
+                model=path, device="jetson-orin-nano", output=work / f"cutlass-{precision}", precision=precision,
+                quantize=quantize, runtime="none", gpu_kernels="cutlass")))
+            if built is not None:
+                record = built.manifest.library.gpu_kernels.get("cutlass") or {}
+                taken, left = len(record.get("kernels", [])), len(record.get("left", []))
+                row[f"cutlass_{precision}"] = f"built: {taken} of {taken + left} convolutions on CUTLASS"
     if profile:
         if fp32_model is not None:
             row["fp32_kernels"] = kernel_breakdown(fp32_model, {spec.name: x}, top=profile)
@@ -190,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--int8", action="store_true", help="also int8 with 32 calibration samples")
     parser.add_argument("--jetson", action="store_true", help="also package fp32 for jetson-orin-nano")
     parser.add_argument("--speed", action="store_true", help="also latency against ONNX Runtime")
+    parser.add_argument("--cutlass", action="store_true",
+                        help="also package fp16 and int8 for jetson-orin-nano with --gpu-kernels cutlass")
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="also the N costliest kernels of each bundle (per-kernel ms and share)")
@@ -200,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.one:
         with tempfile.TemporaryDirectory() as tmp:
-            print(json.dumps(one(args.one, Path(tmp), args.int8, args.jetson, args.speed, args.repeat, args.profile)))
+            print(json.dumps(one(args.one, Path(tmp), args.int8, args.jetson, args.speed, args.repeat, args.profile,
+                                 args.cutlass)))
         return 0
 
     sys.path.insert(0, str(ROOT / "examples"))
@@ -216,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
         paths = export(names, models_dir, args.size)
         rows = []
         for name, path in paths.items():
-            flags = [f for f, on in (("--int8", args.int8), ("--jetson", args.jetson), ("--speed", args.speed)) if on]
+            flags = [f for f, on in (("--int8", args.int8), ("--jetson", args.jetson), ("--speed", args.speed),
+                                     ("--cutlass", args.cutlass)) if on]
             cmd = [sys.executable, __file__, "--one", str(path), "--repeat", str(args.repeat), "--profile",
                    str(args.profile), *flags]
             row = {"model": name, "size": path.stem.rsplit("-", 1)[-1]}
