@@ -227,8 +227,9 @@ def sanitize(root: Path, results: dict) -> None:
         print(f"== memcheck {name}: rc {rc}\n{text.strip()[-500:]}", flush=True)
 
 
-def profile(root: Path, results: dict) -> None:
-    """Each kernel's duration (ncu, clocks left alone) in one --self-test of the PROFILED bundles."""
+def profile(root: Path, results: dict, launches: int = 60) -> None:
+    """Each kernel's duration (ncu, clocks left alone) in one --self-test of the PROFILED bundles (each distinct
+    kernel's fastest launch)."""
     import csv
     import io
 
@@ -239,7 +240,7 @@ def profile(root: Path, results: dict) -> None:
         if not exe.exists():
             continue
         rc, text = _run([tool, "--clock-control", "none", "--metrics", "gpu__time_duration.sum", "--csv",
-                         "--launch-count", "60", str(exe), "--self-test"], 150, env, keep=1 << 20)
+                         "--launch-count", str(launches), str(exe), "--self-test"], 150, env, keep=1 << 24)
         rows = [r for r in csv.DictReader(io.StringIO(text[text.find('"ID"'):])) if r.get("Metric Value")]
         kernels: dict[str, list[float]] = {}
         for r in rows:
@@ -248,6 +249,27 @@ def profile(root: Path, results: dict) -> None:
                                 "tail": "" if rows else text[-1500:]}
         print(f"== ncu {name}: rc {rc}, {len(kernels)} kernels, sum of each one's fastest launch "
               f"{sum(min(v) for v in kernels.values()) / 1e3:.1f} us", flush=True)
+
+
+def profile_all(root: Path, out: Path, archive: str) -> None:
+    """``profile``: each kernel's duration (ncu) in one --self-test of every bundle in ``root/archive`` (bundle
+    folders at its top), the kernels grouped as CUTLASS's and the rest; JSON to ``out/gpu_profile.json``."""
+    with tarfile.open(root / archive) as tar:
+        tar.extractall(root / "bundles", filter="fully_trusted")
+    names = sorted(p.name for p in (root / "bundles").iterdir() if p.is_dir())
+    global PROFILED
+    PROFILED = tuple(names)
+    results: dict = {"date": time.strftime("%Y-%m-%d"), "ncu": {}}
+    profile(root, results, launches=2000)
+    for name, row in results["ncu"].items():
+        ks = row["kernels_ns"]
+        cut = sum(v for k, v in ks.items() if k.startswith("cutlass_"))
+        row["cutlass_us"], row["other_us"] = round(cut / 1e3, 1), round((sum(ks.values()) - cut) / 1e3, 1)
+        print(f"== {name}: CUTLASS kernels {row['cutlass_us']} us, the others {row['other_us']} us")
+        for k, v in sorted(ks.items(), key=lambda kv: -kv[1])[:15]:
+            print(f"   {v / 1e3:8.1f} us  {k}")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_profile.json").write_text(json.dumps(results, indent=1) + "\n")
 
 
 def run_torch(root: Path, results: dict, runs: int, deadline: float, compile_models=()) -> None:
@@ -369,14 +391,17 @@ def run(root: Path, out: Path, runs: int, budget_s: float) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("half", choices=["build", "run"])
+    parser.add_argument("half", choices=["build", "run", "profile"])
     parser.add_argument("dir", nargs="?", type=Path, default=Path("gpu_bench"))
     parser.add_argument("--only", nargs="+", help="build: only these bundles")
     parser.add_argument("--runs", type=int, default=200, help="run: timed runs per bundle and peer")
+    parser.add_argument("--archive", default="bundles.tar.xz", help="profile: the archive of bundle folders in DIR")
     parser.add_argument("--budget", type=float, default=330, help="run: seconds after which torch.compile is skipped")
     args = parser.parse_args()
     if args.half == "build":
         build(args.dir, args.only)
+    elif args.half == "profile":
+        profile_all(args.dir, Path(os.environ.get("OUT") or args.dir), args.archive)
     else:
         run(args.dir, Path(os.environ.get("OUT") or args.dir), args.runs, args.budget)
 

@@ -7,6 +7,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
     build) exec "${PYTHON:-python3}" benchmarks/gpu_bench.py build "${2:-gpu_bench}" "${@:3}" ;;
-    run) PYTHONUNBUFFERED=1 exec python3 benchmarks/gpu_bench.py run "${2:-gpu_bench}" "${@:3}" ;;
-    *) echo "usage: $0 build|run [DIR]" >&2; exit 2 ;;
+    run|profile) PYTHONUNBUFFERED=1 exec python3 benchmarks/gpu_bench.py "$1" "${2:-gpu_bench}" "${@:3}" ;;
+    *) echo "usage: $0 build|run|profile [DIR]" >&2; exit 2 ;;
 esac
