@@ -64,8 +64,8 @@ struct Relu6 {
 };
 
 // The int8 epilogue (edgeq's: CUTLASS 2.x's convolution epilogues broadcast one per-channel vector, and a
-// requantization needs two, the int32 bias and the float scale). DefaultConv2dFpropWithBroadcast hands it each
-// output element's channel index as its broadcast vector; it reads that channel's bias and scale itself:
+// requantization needs three, the int32 bias, the float scale and shift). DefaultConv2dFpropWithBroadcast hands
+// it each output element's channel index as its broadcast vector; it reads those channels' constants itself:
 //   v = clamp(float(acc + bias[k]) * scale[k] + shift[k]  [+ float(residual) * residual_scale], act_lo, act_hi)
 //   v = v / out_div
 //   y = int8(clamp(round half to even(v), lo, hi))
@@ -92,20 +92,33 @@ class Requantize {  // Out float: the value before the division, unrounded (an i
   CUTLASS_HOST_DEVICE Requantize(Params const& p) : p_(p) {}
   CUTLASS_HOST_DEVICE bool is_source_needed() const { return p_.residual != 0; }
   CUTLASS_HOST_DEVICE void set_k_partition(int, int) {}
+  // An access is N consecutive output channels from channel[0] (a multiple of N: K is padded to 8): the
+  // per-channel constants come in as 16-byte vector loads, once per access
   CUTLASS_DEVICE void operator()(FragmentZ& z, FragmentT&, FragmentAccumulator const& acc, FragmentC const& c,
                                  FragmentCompute const& channel) const {
+    int k0 = int(channel[0]);
     CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < N; ++i) z[i] = one(acc[i], int(channel[i]), float(c[i]));
+    for (int i = 0; i < N; i += 4) quad(z, acc, k0, i, &c);
   }
   CUTLASS_DEVICE void operator()(FragmentZ& z, FragmentT&, FragmentAccumulator const& acc,
                                  FragmentCompute const& channel) const {
+    int k0 = int(channel[0]);
     CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < N; ++i) z[i] = one(acc[i], int(channel[i]), 0.f);
+    for (int i = 0; i < N; i += 4) quad(z, acc, k0, i, static_cast<FragmentC const*>(nullptr));
   }
 
  private:
-  CUTLASS_DEVICE Out one(int32_t acc, int k, float residual) const {
-    float x = __fadd_rn(__fmul_rn(float(acc + p_.bias[k]), p_.scale[k]), p_.shift[k]);
+  CUTLASS_DEVICE void quad(FragmentZ& z, FragmentAccumulator const& acc, int k0, int i, FragmentC const* c) const {
+    int4 b = __ldg(reinterpret_cast<int4 const*>(p_.bias + k0 + i));
+    float4 s = __ldg(reinterpret_cast<float4 const*>(p_.scale + k0 + i));
+    float4 h = __ldg(reinterpret_cast<float4 const*>(p_.shift + k0 + i));
+    z[i] = one(acc[i] + b.x, s.x, h.x, c ? float((*c)[i]) : 0.f);
+    z[i + 1] = one(acc[i + 1] + b.y, s.y, h.y, c ? float((*c)[i + 1]) : 0.f);
+    z[i + 2] = one(acc[i + 2] + b.z, s.z, h.z, c ? float((*c)[i + 2]) : 0.f);
+    z[i + 3] = one(acc[i + 3] + b.w, s.w, h.w, c ? float((*c)[i + 3]) : 0.f);
+  }
+  CUTLASS_DEVICE Out one(int32_t acc_bias, float scale, float shift, float residual) const {
+    float x = __fadd_rn(__fmul_rn(float(acc_bias), scale), shift);
     if (p_.residual) x = __fadd_rn(x, __fmul_rn(residual, p_.residual_scale));
     x = fminf(fmaxf(x, p_.act_lo), p_.act_hi);
     if constexpr (cutlass::platform::is_same<Out, float>::value) {
