@@ -1,26 +1,29 @@
-"""NVIDIA's CUTLASS on the Jetson GPU path: convolutions as implicit GEMM on the tensor cores (#42, first part).
+"""NVIDIA's CUTLASS on the Jetson GPU path: convolutions as implicit GEMM on the tensor cores (#42).
 
 CUTLASS 4.1.0 ships inside the ``apache-tvm`` wheel (``tvm/3rdparty/cutlass/include``); nothing is downloaded.
 A convolution becomes one CUTLASS Sm80 kernel (``DefaultConv2dFpropWithBroadcast``: NHWC activations, OHWI
-weights, fp16 x fp16 with fp32 accumulation, ``mma.sync`` through ``ldmatrix`` and ``cp.async``), with its
-epilogue fused: ``act(conv + residual + bias)``, the bias broadcast per output channel. Sm80 templates use only
-Ampere instructions, so the same source runs on the Orin (sm_87) and on Hopper (sm_90).
+weights, ``mma.sync`` through ``ldmatrix`` and ``cp.async``) with its epilogue fused. fp16: f16 x f16 with fp32
+accumulation, ``act(conv + residual + bias)``, the bias broadcast per output channel. int8: s8 x s8 -> s32 and
+edgeq's ``Requantize`` epilogue (int32 bias, per-channel scale and shift, a dequantized int8 residual, the
+activation, rounding and saturation to int8; or a float32 output where no quantize follows). Sm80 templates use
+only Ampere instructions, so the same source runs on the Orin (sm_87) and on Hopper (sm_90); it has run on an
+H200 (benchmarks/RESULTS.md).
 
-How it reaches a TVM module (checked here without a GPU: it compiles, and its SASS is read):
+How it reaches a TVM module:
 - each layer is a scheduled TIR PrimFunc (``prim_func``) whose one statement calls an ``extern "C" __device__``
-  wrapper (``device_source``) with the raw pointers and a dynamic shared-memory buffer of the kernel's
-  ``SharedStorage`` size; TVM launches it with the kernel's grid and block (TVM's CUDA runtime opts in to
-  more than 48 KiB of dynamic shared memory itself);
+  wrapper (``device_source``) with the raw pointers and the block's dynamic shared memory (allocated inside the
+  thread bindings: outside them TVM would pass a global buffer in), as large as the kernel's ``SharedStorage``
+  and ``Params``; TVM launches it with the kernel's grid and block (its CUDA runtime opts in to more than 48 KiB
+  of dynamic shared memory itself);
 - the wrapper builds CUTLASS's ``Params`` on the device from the problem's constants (shapes are static in a
   bundle) and runs the kernel's ``operator()``;
 - ``tvm_callback_cuda_postproc`` (``wrappers_in_module``) puts the wrappers in front of the module's CUDA
   source, and NVRTC (the edgeq toolkit, ``TVM_CUDA_NVRTC_EXTRA_OPTS``) gets CUTLASS's include folder.
 
-``replay`` is the independent host implementation (numpy, float32) of what a kernel is asked to compute;
-``problem_from_conv`` maps an ONNX/Relax NCHW convolution to the NHWC problem, input channels padded with zero
-weights to the kernel's alignment. Not here yet: int8 (CUTLASS 2.x's conv epilogues take one per-channel vector,
-and a requantizing epilogue needs two: scale and bias), the graph rewrite that puts these kernels in a
-bundle (``--gpu-kernels cutlass``), GEMM, depthwise. docs/architecture.md says where this stands.
+``prepare_nhwc`` makes the graph NHWC and pads channels, ``find_convs`` finds the chains a kernel can take and
+``claim_convs`` puts the kernels' calls in their place. ``replay``/``replay_int8`` are the independent host
+implementations (numpy) of what a kernel is asked to compute, ``twin_prim_func`` a plain TIR one the rewritten
+graph runs with on the host. Not here yet: GEMM, depthwise, split-K. docs/architecture.md says where this stands.
 """
 
 from __future__ import annotations
@@ -447,7 +450,8 @@ def prim_func(kernel: ConvKernel, smem_bytes: int, shapes: dict | None = None):
         f'{", ".join(buf[n] + ".data" for n, _, _ in ops)}, smem.data))',
     ])
     func = tvm.script.from_source(text, extra_vars={"T": T})
-    return func.with_attrs({"global_symbol": f"cutlass_{kernel.name}", "tirx.is_scheduled": True, "op_pattern": 8})  # opaque: never fused
+    # op_pattern 8 (opaque): never fused
+    return func.with_attrs({"global_symbol": f"cutlass_{kernel.name}", "tirx.is_scheduled": True, "op_pattern": 8})
 
 
 def elf_symbol_sizes(cubin: bytes, prefix: str) -> dict[str, int]:
@@ -543,16 +547,21 @@ def kernel_record(kernel: ConvKernel, smem_bytes: int) -> dict:
     p = kernel.problem
     template = ("DefaultConv2dFpropWithBroadcast (Sm80, s8 x s8 -> s32, edgeq's Requantize epilogue)"
                 if kernel.precision == "int8" else "DefaultConv2dFpropWithBroadcast (Sm80, fp16, fp32 accumulation)")
-    record = {"function": f"cutlass_{kernel.name}", "template": template,
-            "tile": list(kernel.tile.block), "warp": list(kernel.tile.warp), "stages": kernel.tile.stages,
-            "threads": kernel.tile.threads, "grid": list(kernel.grid), "shared_bytes": smem_bytes,
-            "problem": {"nhwc": [p.n, p.h, p.w, p.c], "k": p.k, "rs": [p.r, p.s], "pad": list(p.pad),
-                        "stride": list(p.stride), "dilation": list(p.dilation), "output_pixels": p.n * p.p * p.q},
-            "activation": kernel.activation, "residual": kernel.residual, "precision": kernel.precision, "flops": p.flops}
+    record = {
+        "function": f"cutlass_{kernel.name}", "template": template,
+        "tile": list(kernel.tile.block), "warp": list(kernel.tile.warp), "stages": kernel.tile.stages,
+        "threads": kernel.tile.threads, "grid": list(kernel.grid), "shared_bytes": smem_bytes,
+        "problem": {"nhwc": [p.n, p.h, p.w, p.c], "k": p.k, "rs": [p.r, p.s], "pad": list(p.pad),
+                    "stride": list(p.stride), "dilation": list(p.dilation), "output_pixels": p.n * p.p * p.q},
+        "activation": kernel.activation, "residual": kernel.residual, "precision": kernel.precision,
+        "flops": p.flops,
+    }
     if kernel.precision == "int8":
-        record["requantize"] = {"float_out": kernel.float_out, "residual_scale": kernel.residual_scale, "out_div": kernel.out_div,
-                                "activation_clamp": [None if math.isinf(v) else v for v in (kernel.act_lo, kernel.act_hi)],
-                                "clamp": [kernel.lo, kernel.hi]}
+        record["requantize"] = {
+            "float_out": kernel.float_out, "residual_scale": kernel.residual_scale, "out_div": kernel.out_div,
+            "activation_clamp": [None if math.isinf(v) else v for v in (kernel.act_lo, kernel.act_hi)],
+            "clamp": [kernel.lo, kernel.hi],
+        }
     return record
 
 
@@ -816,7 +825,8 @@ class Claimed:
             return [self.x, self.w, self.bias] + residual
         k = self.kernel.problem.k
         shift = self.shift if self.shift is not None else relax.const(np.zeros(k, np.float32), "float32")
-        return [self.x, self.w, self.bias, self.scale, shift, relax.const(np.arange(k, dtype=np.float32), "float32")] + residual
+        channel = relax.const(np.arange(k, dtype=np.float32), "float32")
+        return [self.x, self.w, self.bias, self.scale, shift, channel] + residual
 
 
 def _const_scalar(expr, value_of=None) -> float | None:
@@ -923,7 +933,8 @@ def find_convs(main, sm_count: int, smem_per_block: int) -> tuple[list[Claimed],
                                 c_real=xs[3] - _channels_padded(x, value_of))
         kernel = ConvKernel(f"l{len(claimed)}", problem, choose_tile(problem, sm_count, smem_per_block), activation,
                             residual is not None)
-        claimed.append(Claimed(kernel, chain[-1], x, w, bias, residual, tuple(chain[:-1]), {"bias": tuple(shape_of(bias))}))
+        claimed.append(Claimed(kernel, chain[-1], x, w, bias, residual, tuple(chain[:-1]),
+                               {"bias": tuple(shape_of(bias))}))
         taken.update(chain)
     return claimed, left
 
@@ -1199,5 +1210,6 @@ def with_twins(mod, claimed: Sequence[Claimed]):
         for c in claimed:
             if gv.name_hint == f"cutlass_{c.kernel.name}":
                 # opaque to fusion, as the CUTLASS call it stands for
-                functions[gv] = twin_prim_func(c.kernel, c.shapes).with_attrs({"global_symbol": gv.name_hint, "op_pattern": 8})
+                functions[gv] = twin_prim_func(c.kernel, c.shapes).with_attrs(
+                    {"global_symbol": gv.name_hint, "op_pattern": 8})
     return tvm.IRModule(functions)
