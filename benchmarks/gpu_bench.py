@@ -189,15 +189,19 @@ def _run(cmd: list[str], timeout: float, env=None, keep: int = 4000) -> tuple[in
         return 127, f"{cmd[0]}: {e}"
 
 
-def run_bundles(root: Path, results: dict, runs: int) -> None:
+def _loaders(root: Path, names) -> tuple[dict, list[tuple[str, str]]]:
+    """The environment the bundles run in (the carried libcudart.so.12 for the bridge), and (name, edgeq-run) of
+    each of ``names`` unpacked under ``root/bundles``."""
     env = dict(os.environ, EDGEQ_CUDART=str(root / "libcudart.so.12"))
+    exes = [(name, root / "bundles" / name / "runtime" / "edgeq-run") for name in names]
+    return env, [(name, str(exe)) for name, exe in exes if exe.exists()]
+
+
+def run_bundles(root: Path, results: dict, runs: int) -> None:
     names = [f"{p[0]}-{precision}" for p in PROBES for precision in ("fp16", "int8")] + [m[0] for m in MODELS]
-    for name in names:
-        bundle = root / "bundles" / name
-        if not bundle.is_dir():
-            continue
+    env, loaders = _loaders(root, names)
+    for name, exe in loaders:
         row = results["edgeq"].setdefault(name, {})
-        exe = str(bundle / "runtime" / "edgeq-run")
         rc, text = _run([exe, "--self-test"], 300, env)
         row["self_test"] = {"rc": rc, "tail": text[-1500:]}
         print(f"== {name}: self-test rc {rc}\n{text.strip()[-600:]}", flush=True)
@@ -215,32 +219,26 @@ def run_bundles(root: Path, results: dict, runs: int) -> None:
 
 
 def sanitize(root: Path, results: dict) -> None:
-    env = dict(os.environ, EDGEQ_CUDART=str(root / "libcudart.so.12"))
     tool = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
-    for name in SANITIZED:
-        exe = root / "bundles" / name / "runtime" / "edgeq-run"
-        if not exe.exists():
-            continue
-        rc, text = _run([tool, "--tool", "memcheck", "--error-exitcode", "99", "--print-limit", "3", str(exe),
+    env, loaders = _loaders(root, SANITIZED)
+    for name, exe in loaders:
+        rc, text = _run([tool, "--tool", "memcheck", "--error-exitcode", "99", "--print-limit", "3", exe,
                          "--self-test"], 400, env, keep=1 << 20)
         results["memcheck"][name] = {"rc": rc, "head": text[:3000], "tail": text[-1500:]}
         print(f"== memcheck {name}: rc {rc}\n{text.strip()[-500:]}", flush=True)
 
 
-def profile(root: Path, results: dict, launches: int = 60) -> None:
-    """Each kernel's duration (ncu, clocks left alone) in one --self-test of the PROFILED bundles (each distinct
+def profile(root: Path, results: dict, names=PROFILED, launches: int = 60) -> None:
+    """Each kernel's duration (ncu, clocks left alone) in one --self-test of the bundles ``names`` (each distinct
     kernel's fastest launch)."""
     import csv
     import io
 
-    env = dict(os.environ, EDGEQ_CUDART=str(root / "libcudart.so.12"))
     tool = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
-    for name in PROFILED:
-        exe = root / "bundles" / name / "runtime" / "edgeq-run"
-        if not exe.exists():
-            continue
+    env, loaders = _loaders(root, names)
+    for name, exe in loaders:
         rc, text = _run([tool, "--clock-control", "none", "--metrics", "gpu__time_duration.sum", "--csv",
-                         "--launch-count", str(launches), str(exe), "--self-test"], 150, env, keep=1 << 24)
+                         "--launch-count", str(launches), exe, "--self-test"], 150, env, keep=1 << 24)
         rows = [r for r in csv.DictReader(io.StringIO(text[text.find('"ID"'):])) if r.get("Metric Value")]
         kernels: dict[str, list[float]] = {}
         for r in rows:
@@ -257,10 +255,8 @@ def profile_all(root: Path, out: Path, archive: str) -> None:
     with tarfile.open(root / archive) as tar:
         tar.extractall(root / "bundles", filter="fully_trusted")
     names = sorted(p.name for p in (root / "bundles").iterdir() if p.is_dir())
-    global PROFILED
-    PROFILED = tuple(names)
     results: dict = {"date": time.strftime("%Y-%m-%d"), "ncu": {}}
-    profile(root, results, launches=2000)
+    profile(root, results, names, launches=2000)
     for name, row in results["ncu"].items():
         ks = row["kernels_ns"]
         cut = sum(v for k, v in ks.items() if k.startswith("cutlass_"))

@@ -473,21 +473,27 @@ def elf_symbol_sizes(cubin: bytes, prefix: str) -> dict[str, int]:
     return out
 
 
+def _accumulate(p: Conv2dProblem, x: np.ndarray, w: np.ndarray, dtype) -> np.ndarray:
+    """The convolution's sums [N, P, Q, K] in ``dtype`` (float32, or int64: exact for int8): x NHWC, w OHWI, zero
+    padding; bottom/right padding is what the output size reaches (CUTLASS's implicit-GEMM iterators)."""
+    (ph, pw), (sh, sw), (dh, dw) = p.pad, p.stride, p.dilation
+    xp = np.zeros((p.n, p.h + 2 * ph + p.r * dh, p.w + 2 * pw + p.s * dw, p.c), dtype)
+    xp[:, ph:ph + p.h, pw:pw + p.w, :] = x
+    acc = np.zeros((p.n, p.p, p.q, p.k), dtype)
+    wd = w.astype(dtype)
+    for i in range(p.r):
+        for j in range(p.s):
+            patch = xp[:, i * dh:i * dh + sh * (p.p - 1) + 1:sh, j * dw:j * dw + sw * (p.q - 1) + 1:sw, :]
+            acc += np.einsum("npqc,kc->npqk", patch, wd[:, i, j, :], optimize=True)
+    return acc
+
+
 def replay(kernel: ConvKernel, x: np.ndarray, w: np.ndarray, bias: np.ndarray,
            residual: np.ndarray | None = None) -> np.ndarray:
     """What the kernel is asked to compute, on the host in float32 (independent of CUTLASS and TVM): x NHWC
     [N, H, W, C], w OHWI [K, R, S, C] (channels padded), bias [K]; the result rounded to fp16 as the epilogue's
     conversion does. Bottom/right padding is what the output size reaches (CUTLASS's implicit-GEMM iterators)."""
-    p = kernel.problem
-    (ph, pw), (sh, sw), (dh, dw) = p.pad, p.stride, p.dilation
-    xp = np.zeros((p.n, p.h + 2 * ph + p.r * dh, p.w + 2 * pw + p.s * dw, p.c), np.float32)
-    xp[:, ph:ph + p.h, pw:pw + p.w, :] = x.astype(np.float32)
-    acc = np.zeros((p.n, p.p, p.q, p.k), np.float32)
-    wf = w.astype(np.float32)
-    for i in range(p.r):
-        for j in range(p.s):
-            patch = xp[:, i * dh:i * dh + sh * (p.p - 1) + 1:sh, j * dw:j * dw + sw * (p.q - 1) + 1:sw, :]
-            acc += np.einsum("npqc,kc->npqk", patch, wf[:, i, j, :], optimize=True)
+    acc = _accumulate(kernel.problem, x, w, np.float32)
     if residual is not None:
         acc = acc + residual.astype(np.float32)
     z = acc + bias.astype(np.float32)
@@ -502,16 +508,7 @@ def replay_int8(kernel: ConvKernel, x: np.ndarray, w: np.ndarray, bias: np.ndarr
     """What an int8 kernel is asked to compute, on the host (numpy, independent of CUTLASS and TVM): x int8 NHWC,
     w int8 OHWI, bias int32 [K], scale float32 [K]; exact integer accumulation, then the ``Requantize`` epilogue's
     float32 steps, rounding half to even."""
-    p = kernel.problem
-    (ph, pw), (sh, sw), (dh, dw) = p.pad, p.stride, p.dilation
-    xp = np.zeros((p.n, p.h + 2 * ph + p.r * dh, p.w + 2 * pw + p.s * dw, p.c), np.int64)
-    xp[:, ph:ph + p.h, pw:pw + p.w, :] = x
-    acc = np.zeros((p.n, p.p, p.q, p.k), np.int64)
-    wi = w.astype(np.int64)
-    for i in range(p.r):
-        for j in range(p.s):
-            patch = xp[:, i * dh:i * dh + sh * (p.p - 1) + 1:sh, j * dw:j * dw + sw * (p.q - 1) + 1:sw, :]
-            acc += np.einsum("npqc,kc->npqk", patch, wi[:, i, j, :])
+    acc = _accumulate(kernel.problem, x, w, np.int64)
     f32 = np.float32
     v = (acc + bias.reshape(-1).astype(np.int64)).astype(np.int32).astype(f32) * scale.reshape(-1).astype(f32)
     v = v + (f32(0) if shift is None else shift.reshape(-1).astype(f32))
@@ -980,10 +977,6 @@ def _int8_chain(b, value_of, only_reader, params, sm_count: int, smem_per_block:
         size = int(np.prod(shape)) if shape else 1
         return shape if size == 1 or (size == k and shape[-1] == k) else None
 
-    def scalar(expr) -> float | None:
-        v = const_value(expr)
-        return float(v.reshape(-1)[0]) if v is not None and v.size == 1 else None
-
     chain = [b.var]
     add = only_reader(b.var)
     bias = other(add, b.var) if op_of(add) == "relax.add" else None
@@ -1016,7 +1009,7 @@ def _int8_chain(b, value_of, only_reader, params, sm_count: int, smem_per_block:
     # what follows the scale (and shift) up to the int8 cast; where it is not that, the kernel ends at the scale
     # (or shift) with a float32 output and the operators after it stay as they are
     float_chain = list(chain)
-    rest = _requantize_tail(chain, nxt, value_of, only_reader, b.var, op_of, other, scalar)
+    rest = _requantize_tail(chain, nxt, value_of, only_reader, b.var, op_of, other)
     if isinstance(rest, str):
         kernel = ConvKernel(name, problem, tile, "identity", False, "int8", float_out=True)
         return Claimed(kernel, float_chain[-1], x, w, bias, None, tuple(float_chain[:-1]), shapes, scale, shift)
@@ -1028,7 +1021,7 @@ def _int8_chain(b, value_of, only_reader, params, sm_count: int, smem_per_block:
     return Claimed(kernel, chain[-1], x, w, bias, residual, tuple(chain[:-1]), shapes, scale, shift)
 
 
-def _requantize_tail(chain, nxt, value_of, only_reader, conv_var, op_of, other, scalar):
+def _requantize_tail(chain, nxt, value_of, only_reader, conv_var, op_of, other):
     """After an int8 convolution's scale: ``[+ float32(residual int8) * s] -> [activation clamps] -> [/ s] -> round
     -> [max lo] [min hi] -> [astype int32] -> astype int8``, as (chain, residual, residual_scale, act_lo, act_hi,
     out_div, lo, hi); or why not."""
@@ -1039,7 +1032,7 @@ def _requantize_tail(chain, nxt, value_of, only_reader, conv_var, op_of, other, 
     if op_of(nxt) == "relax.add":  # + float32(residual) * s: a dequantized int8 tensor of the output's shape
         r = other(nxt, chain[-1])
         r_cast = value_of[r].args[0] if op_of(r) == "relax.multiply" else None
-        r_scale = scalar(value_of[r].args[1]) if r_cast is not None else None
+        r_scale = _const_scalar(value_of[r].args[1]) if r_cast is not None else None
         if r_scale is None or op_of(r_cast) != "relax.astype" or not _same(only_reader(r), nxt) \
                 or not _same(only_reader(r_cast), r):
             return "an add after it that is no dequantized residual (one scale)"
@@ -1050,14 +1043,14 @@ def _requantize_tail(chain, nxt, value_of, only_reader, conv_var, op_of, other, 
         chain += [r_cast, r, nxt]
         nxt = only_reader(nxt)
     while op_of(nxt) in ("relax.nn.relu", "relax.maximum", "relax.minimum"):  # the activation, in float
-        c = 0.0 if op_of(nxt) == "relax.nn.relu" else scalar(value_of[nxt].args[1])
+        c = 0.0 if op_of(nxt) == "relax.nn.relu" else _const_scalar(value_of[nxt].args[1])
         if c is None:
             return "a clamp by no constant"
         act_lo, act_hi = (max(act_lo, c), act_hi) if op_of(nxt) != "relax.minimum" else (act_lo, min(act_hi, c))
         chain.append(nxt)
         nxt = only_reader(nxt)
     if op_of(nxt) == "relax.divide":
-        d = scalar(value_of[nxt].args[1])
+        d = _const_scalar(value_of[nxt].args[1])
         if d is None or d == 0:
             return "a division after it by no constant"
         out_div = d
@@ -1069,7 +1062,7 @@ def _requantize_tail(chain, nxt, value_of, only_reader, conv_var, op_of, other, 
     nxt = only_reader(nxt)
     lo, hi = -128.0, 127.0
     while op_of(nxt) in ("relax.maximum", "relax.minimum"):
-        c = scalar(value_of[nxt].args[1])
+        c = _const_scalar(value_of[nxt].args[1])
         if c is None:
             return "a clamp by no constant"
         lo, hi = (max(lo, c), hi) if op_of(nxt) == "relax.maximum" else (lo, min(hi, c))
