@@ -148,7 +148,55 @@ def mobilenet_v2(path: Path, size: int = 224, classes: int = 1000, settings=MOBI
     return net.save(path, size, classes, batch)
 
 
-MODELS = {"resnet18": resnet18, "resnet50": resnet50, "mobilenet_v2": mobilenet_v2}
+def bert_encoder(path: Path, seq: int = 128, hidden: int = 384, heads: int = 12, layers: int = 6, ffn: int = 4,
+                 batch: int = 1) -> Path:
+    """A BERT-style encoder as PyTorch's exporter writes one (all-MiniLM-L6-v2's shape by default: 6 layers, hidden
+    384, 12 heads, FFN 1536, 128 tokens): per layer Q/K/V projections (MatMul + Add), heads split by Reshape and
+    Transpose, scaled QK^T, Softmax, times V, the output projection, residual Add and LayerNormalization, then the
+    FFN with GELU (the Erf form) and a second residual and LayerNormalization. Input: hidden states [batch, seq,
+    hidden] (the embeddings' lookup is not a GPU kernel of interest)."""
+    net = Net(7)
+    dh = hidden // heads
+
+    def shape(name, dims):
+        net.inits.append(numpy_helper.from_array(np.array(dims, np.int64), name))
+        return name
+
+    def linear(x, cin, cout):
+        w = net.const("w", net.rng.standard_normal((cin, cout)) / np.sqrt(cin))
+        return net.node("Add", [net.node("MatMul", [x, w]), net.const("b", net.rng.standard_normal(cout) * 0.1)])
+
+    def layer_norm(x):
+        return net.node("LayerNormalization", [x, net.const("g", net.rng.uniform(0.5, 1.5, hidden)),
+                                               net.const("be", net.rng.standard_normal(hidden) * 0.1)],
+                        axis=-1, epsilon=1e-12)
+
+    split, merge = shape("split", [batch, seq, heads, dh]), shape("merge", [batch, seq, hidden])
+    x = "input"
+    for _ in range(layers):
+        q, k, v = (net.node("Transpose", [net.node("Reshape", [linear(x, hidden, hidden), split])], perm=perm)
+                   for perm in ([0, 2, 1, 3], [0, 2, 3, 1], [0, 2, 1, 3]))
+        scores = net.node("Mul", [net.node("MatMul", [q, k]), net.const("c", 1 / np.sqrt(dh))])
+        context = net.node("MatMul", [net.node("Softmax", [scores], axis=-1), v])
+        context = net.node("Reshape", [net.node("Transpose", [context], perm=[0, 2, 1, 3]), merge])
+        x = layer_norm(net.node("Add", [x, linear(context, hidden, hidden)]))
+        h = linear(x, hidden, hidden * ffn)
+        erf = net.node("Erf", [net.node("Mul", [h, net.const("r2", 1 / np.sqrt(2))])])
+        h = net.node("Mul", [net.node("Mul", [h, net.const("half", 0.5)]), net.node("Add", [net.const("one", 1.0), erf])])
+        x = layer_norm(net.node("Add", [x, linear(h, hidden * ffn, hidden)]))
+    net.nodes.append(helper.make_node("Identity", [x], ["hidden"]))
+    graph = helper.make_graph(net.nodes, path.stem,
+                              [helper.make_tensor_value_info("input", TensorProto.FLOAT, [batch, seq, hidden])],
+                              [helper.make_tensor_value_info("hidden", TensorProto.FLOAT, [batch, seq, hidden])],
+                              net.inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="onnx.helper")
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    onnx.save(model, path)
+    return path
+
+
+MODELS = {"resnet18": resnet18, "resnet50": resnet50, "mobilenet_v2": mobilenet_v2, "bert_encoder": bert_encoder}
 
 
 # ------------------------------------------------------------------ measuring a bundle

@@ -401,6 +401,7 @@ def kernel_operands(kernel: ConvKernel, shapes: dict | None = None) -> list[tupl
     def vec(name):
         return tuple(shapes.get(name, (p.k,)))
 
+    ys = tuple(shapes.get("y", ys))
     bs = vec("bias")
     if kernel.precision == "int8":
         ops = [("x", xs, "int8"), ("w", ws, "int8"), ("bias", bs, "int32"), ("scale", vec("scale"), "float32"),
@@ -679,6 +680,7 @@ def prepare_nhwc(graph):
     graph = precompute_weight_ops(type(graph)(mod, graph.weights))
     graph = rewrite(graph, _one_int32_bias)
     graph = rewrite(graph, _one_scale)
+    graph = rewrite(graph, _matmul_as_conv)
 
     def visit(rw, var, value):
         if call_op(value) != "relax.nn.conv2d" or value.attrs.data_layout != "NHWC" or int(value.attrs.groups) != 1:
@@ -694,6 +696,35 @@ def prepare_nhwc(graph):
         return relax.Call(value.op, [x, padded_w], value.attrs)
 
     return rewrite(graph, visit)
+
+
+def _matmul_as_conv(rw, var, value):
+    """A matrix product by a weight, ``matmul(x [..., K], W [K, N])`` (Gemm's ``transB`` seen through), as the 1x1
+    convolution it is: ``reshape(conv2d(reshape(x, [1, 1, M, K]), W^T as OHWI [N, 1, 1, K]), [..., N])`` with M the
+    product of x's other axes. Both reshapes are views; ``find_convs`` sees through the second, so a linear layer
+    and its epilogue go to the CUTLASS convolution kernel (an implicit GEMM of M x N x K). Left as it is where N
+    is not a multiple of 8 (the kernel's output alignment) or x's shape is not static."""
+    from edgeq.graph import call_op
+    from edgeq.graph_passes import dtype_of, fresh_name, shape_of
+    from edgeq.tvm_env import relax
+
+    if call_op(value) != "relax.matmul":
+        return None
+    w_var, transposed = rw.weight_operand(value)
+    w = rw.weight(w_var) if w_var is not None else None
+    x = value.args[0]
+    xs, out_dtype = shape_of(x), dtype_of(var)
+    if w is None or w.ndim != 2 or xs is None or len(xs) < 2 or out_dtype is None:
+        return None
+    k, n = (w.shape[1], w.shape[0]) if transposed else w.shape
+    if xs[-1] != k or n % ALIGNMENT or dtype_of(x) not in ("float32", "float16", "int8"):
+        return None
+    ohwi = np.ascontiguousarray(w if transposed else w.T).reshape(n, 1, 1, k)
+    m = int(np.prod(xs[:-1]))
+    flat = rw.emit(relax.op.reshape(rw.new(x), [1, 1, m, k]))
+    conv = rw.emit(relax.op.nn.conv2d(flat, rw.param(fresh_name(rw, f"{w_var.name}_ohwi"), ohwi),
+                                      data_layout="NHWC", kernel_layout="OHWI", out_dtype=out_dtype))
+    return relax.op.reshape(conv, [*xs[:-1], n])
 
 
 def _qdq_as_elementwise(rw, var, value):
@@ -821,9 +852,10 @@ class Claimed:
         if self.kernel.precision != "int8":
             return [self.x, self.w, self.bias] + residual
         k = self.kernel.problem.k
+        bias = self.bias if self.bias is not None else relax.const(np.zeros(k, np.int32), "int32")
         shift = self.shift if self.shift is not None else relax.const(np.zeros(k, np.float32), "float32")
         channel = relax.const(np.arange(k, dtype=np.float32), "float32")
-        return [self.x, self.w, self.bias, self.scale, shift, channel] + residual
+        return [self.x, self.w, bias, self.scale, shift, channel] + residual
 
 
 def _const_scalar(expr, value_of=None) -> float | None:
@@ -858,13 +890,26 @@ def find_convs(main, sm_count: int, smem_per_block: int) -> tuple[list[Claimed],
         r = readers.get(var, [])
         return r[0] if len(r) == 1 and r[0] is not None else None
 
+    def follow(chain, k):
+        """The only reader of ``chain[-1]``, past reshapes that keep K channels last (views: ``_matmul_as_conv``'s
+        back to the matrix product's shape), which join the chain."""
+        nxt = only_reader(chain[-1])
+        while call_op(value_of.get(nxt)) == "relax.reshape" and (shape_of(nxt) or [None])[-1] == k:
+            chain.append(nxt)
+            nxt = only_reader(nxt)
+        return nxt
+
     claimed, left, taken = [], [], set()
     for b in bindings:
         value = b.value
+        if call_op(value) == "relax.matmul":  # what _matmul_as_conv left a matrix product (its chain goes to dlight)
+            left.append({"conv": b.var.name, "why": _matmul_left(b.var, value, value_of, params)})
+            continue
         if call_op(value) != "relax.nn.conv2d":
             continue
         if dtype_of(value.args[0]) == "int8":
-            found = _int8_chain(b, value_of, only_reader, params, sm_count, smem_per_block, f"l{len(claimed)}")
+            found = _int8_chain(b, value_of, only_reader, follow, params, sm_count, smem_per_block,
+                                f"l{len(claimed)}")
             if isinstance(found, str):
                 left.append({"conv": b.var.name, "why": found})
             else:
@@ -886,30 +931,33 @@ def find_convs(main, sm_count: int, smem_per_block: int) -> tuple[list[Claimed],
         xs, ws = shape_of(x), shape_of(w)
         if why is None and (xs is None or ws is None or xs[3] % ALIGNMENT or ws[0] % ALIGNMENT):
             why = "channels not a multiple of 8"
-        cast = only_reader(b.var)
+        chain = [b.var]
+        cast = follow(chain, ws[0]) if why is None else None
         if why is None and (cast is None or call_op(value_of[cast]) != "relax.astype"
                             or str(value_of[cast].attrs.dtype) != "float16"):
             why = "no fp16 cast after it"
-        add = only_reader(cast) if why is None else None
+        if why is None:
+            chain.append(cast)
+        add = follow(chain, ws[0]) if why is None else None
         if why is None and (add is None or call_op(value_of[add]) != "relax.add"):
             why = "no bias after it"
         bias = None
         if why is None:
-            other = [a for a in value_of[add].args if not a.same_as(cast)]
+            other = [a for a in value_of[add].args if not a.same_as(chain[-1])]
             bias = other[0] if other and other[0] in params else None
             if bias is None or shape_of(bias) is None or int(np.prod(shape_of(bias))) != ws[0] or shape_of(bias)[-1] != ws[0]:
                 why = "no per-channel bias after it"
         if why is not None:
             left.append({"conv": b.var.name, "why": why})
             continue
-        chain = [b.var, cast, add]
+        chain.append(add)
         residual, activation = None, "identity"
         nxt = only_reader(chain[-1])
         if nxt is not None and nxt in taken:  # another chain's residual add: this output is its residual
             nxt = None
         if nxt is not None and call_op(value_of[nxt]) == "relax.add":
             other = [a for a in value_of[nxt].args if not a.same_as(chain[-1])]
-            if other and shape_of(other[0]) == shape_of(b.var) and dtype_of(other[0]) == "float16":
+            if other and shape_of(other[0]) == shape_of(chain[-1]) and dtype_of(other[0]) == "float16":
                 residual = other[0]
                 chain.append(nxt)
                 nxt = only_reader(nxt)
@@ -931,12 +979,38 @@ def find_convs(main, sm_count: int, smem_per_block: int) -> tuple[list[Claimed],
         kernel = ConvKernel(f"l{len(claimed)}", problem, choose_tile(problem, sm_count, smem_per_block), activation,
                             residual is not None)
         claimed.append(Claimed(kernel, chain[-1], x, w, bias, residual, tuple(chain[:-1]),
-                               {"bias": tuple(shape_of(bias))}))
+                               {"bias": tuple(shape_of(bias)), **_output_shape(chain[-1], problem)}))
         taken.update(chain)
     return claimed, left
 
 
-def _int8_chain(b, value_of, only_reader, params, sm_count: int, smem_per_block: int, name: str) -> Claimed | str:
+def _matmul_left(var, value, value_of, params) -> str:
+    """Why a matrix product is still one (``_matmul_as_conv`` made the others convolutions)."""
+    from edgeq.graph import call_op
+    from edgeq.graph_passes import shape_of
+
+    w = value.args[1]
+    if call_op(value_of.get(w)) == "relax.permute_dims":
+        w = value_of[w].args[0]
+    if w not in params:
+        return "a product of two activations (attention): dlight's batched matmul"
+    shape, out = shape_of(w), shape_of(var)
+    if shape is not None and len(shape) == 2 and out is not None and out[-1] % ALIGNMENT:
+        return "output features not a multiple of 8"
+    return "a matrix product with a weight of rank > 2 or a dynamic shape"
+
+
+def _output_shape(out, problem) -> dict:
+    """``{"y": shape}`` where the chain's output has another shape than the problem's NPQK (a reshape the chain went
+    through: the same elements in the same order), else {}."""
+    from edgeq.graph_passes import shape_of
+
+    shape = tuple(int(d) for d in shape_of(out))
+    return {} if shape == (problem.n, problem.p, problem.q, problem.k) else {"y": shape}
+
+
+def _int8_chain(b, value_of, only_reader, follow, params, sm_count: int, smem_per_block: int,
+                name: str) -> Claimed | str:
     """The int8 chain from the conv2d bound by ``b`` as one Claimed kernel, or why it is left to dlight. The chain
     (what ``prepare_nhwc`` leaves of edgeq's requantization and of quantize/dequantize):
     ``conv2d(int8 NHWC, int8 OHWI) -> int32 -> + bias (int32 [K]) -> astype float32 -> * scale (per channel or
@@ -978,25 +1052,29 @@ def _int8_chain(b, value_of, only_reader, params, sm_count: int, smem_per_block:
         return shape if size == 1 or (size == k and shape[-1] == k) else None
 
     chain = [b.var]
-    add = only_reader(b.var)
-    bias = other(add, b.var) if op_of(add) == "relax.add" else None
-    if bias is None or bias not in params or dtype_of(bias) != "int32" or shape_of(bias)[-1] != k \
-            or int(np.prod(shape_of(bias))) != k:
-        return "no int32 per-channel bias after it"
-    cast = only_reader(add)
-    if op_of(cast) != "relax.astype" or str(value_of[cast].attrs.dtype) != "float32":
+    nxt = follow(chain, k)
+    bias = None
+    if op_of(nxt) == "relax.add":  # a linear layer's bias comes after its scales, in float (no int32 bias here)
+        bias = other(nxt, chain[-1])
+        if bias is None or bias not in params or dtype_of(bias) != "int32" or shape_of(bias)[-1] != k \
+                or int(np.prod(shape_of(bias))) != k:
+            return "no int32 per-channel bias after it"
+        chain.append(nxt)
+        nxt = follow(chain, k)
+    if op_of(nxt) != "relax.astype" or str(value_of[nxt].attrs.dtype) != "float32":
         return "no float32 cast after its bias"
-    mul = only_reader(cast)
-    scale = other(mul, cast) if op_of(mul) == "relax.multiply" else None
+    chain.append(nxt)
+    mul = follow(chain, k)
+    scale = other(mul, chain[-1]) if op_of(mul) == "relax.multiply" else None
     scale_shape = per_channel(scale)
     if scale_shape is None or int(np.prod(scale_shape or (1,))) != k:
         return "no per-channel scale after it"
-    chain += [add, cast, mul]
-    shapes = {"bias": tuple(shape_of(bias)), "scale": scale_shape}
+    chain.append(mul)
+    shapes = {"bias": tuple(shape_of(bias)) if bias is not None else (k,), "scale": scale_shape}
     shift = None
-    nxt = only_reader(mul)
+    nxt = follow(chain, k)
     if op_of(nxt) == "relax.add":  # + shift (a folded BatchNorm's), a float32 per-channel constant or weight
-        candidate = other(nxt, mul)
+        candidate = other(nxt, chain[-1])
         shift_shape = per_channel(candidate)
         if shift_shape is not None and int(np.prod(shift_shape or (1,))) == k:
             shift, shapes["shift"] = candidate, shift_shape
@@ -1012,13 +1090,15 @@ def _int8_chain(b, value_of, only_reader, params, sm_count: int, smem_per_block:
     rest = _requantize_tail(chain, nxt, value_of, only_reader, b.var, op_of, other)
     if isinstance(rest, str):
         kernel = ConvKernel(name, problem, tile, "identity", False, "int8", float_out=True)
-        return Claimed(kernel, float_chain[-1], x, w, bias, None, tuple(float_chain[:-1]), shapes, scale, shift)
+        return Claimed(kernel, float_chain[-1], x, w, bias, None, tuple(float_chain[:-1]),
+                       {**shapes, **_output_shape(float_chain[-1], problem)}, scale, shift)
     chain, residual, residual_scale, act_lo, act_hi, out_div, lo, hi = rest
     activation = {(-math.inf, math.inf): "identity", (0.0, math.inf): "relu", (0.0, 6.0): "relu6"}.get(
         (act_lo, act_hi), "clip")
     kernel = ConvKernel(name, problem, tile, activation, residual is not None, "int8", residual_scale, act_lo, act_hi,
                         out_div, lo, hi)
-    return Claimed(kernel, chain[-1], x, w, bias, residual, tuple(chain[:-1]), shapes, scale, shift)
+    return Claimed(kernel, chain[-1], x, w, bias, residual, tuple(chain[:-1]),
+                   {**shapes, **_output_shape(chain[-1], problem)}, scale, shift)
 
 
 def _requantize_tail(chain, nxt, value_of, only_reader, conv_var, op_of, other):
@@ -1037,7 +1117,7 @@ def _requantize_tail(chain, nxt, value_of, only_reader, conv_var, op_of, other):
                 or not _same(only_reader(r_cast), r):
             return "an add after it that is no dequantized residual (one scale)"
         res = value_of[r_cast].args[0]
-        if dtype_of(res) != "int8" or shape_of(res) != shape_of(conv_var):
+        if dtype_of(res) != "int8" or shape_of(res) != shape_of(chain[-1]):
             return "a residual that is not int8 of its shape"
         residual, residual_scale = res, r_scale
         chain += [r_cast, r, nxt]
@@ -1160,13 +1240,28 @@ def twin_prim_func(kernel: ConvKernel, shapes: dict | None = None):
         t = ph_[name]
         return t[(0,) * (len(t.shape) - 1) + (o,)]
 
+    npqk = (p.n, p.p, p.q, p.k)
+    y_shape = tuple(operands["y"][0])
+
+    def reindex(index, shape_from, shape_to):  # the same element of a tensor viewed in another shape
+        if tuple(shape_from) == tuple(shape_to):
+            return tuple(index)
+        flat = 0
+        for i, d in zip(index, shape_from):
+            flat = flat * d + i
+        out = []
+        for d in reversed(shape_to):
+            out.append(flat % d)
+            flat = flat // d
+        return tuple(reversed(out))
+
     def f32(v):
         return tirx.const(v, "float32")
 
     def epilogue_int8(i, y, z, o):
         v = (acc[i, y, z, o] + at("bias", o)).astype("float32") * at("scale", o) + at("shift", o)
         if res is not None:
-            v = v + res[i, y, z, o].astype("float32") * f32(kernel.residual_scale)
+            v = v + res[reindex((i, y, z, o), npqk, y_shape)].astype("float32") * f32(kernel.residual_scale)
         if not math.isinf(kernel.act_lo):
             v = te.max(v, f32(kernel.act_lo))
         if not math.isinf(kernel.act_hi):
@@ -1179,7 +1274,7 @@ def twin_prim_func(kernel: ConvKernel, shapes: dict | None = None):
     def epilogue_fp16(i, y, z, o):
         v = acc[i, y, z, o]
         if res is not None:
-            v = v + res[i, y, z, o].astype("float32")
+            v = v + res[reindex((i, y, z, o), npqk, y_shape)].astype("float32")
         v = v + at("bias", o).astype("float32")
         if kernel.activation == "relu":
             v = te.max(v, f32(0.0))
@@ -1189,7 +1284,10 @@ def twin_prim_func(kernel: ConvKernel, shapes: dict | None = None):
             raise ValueError(f"no host twin for activation {kernel.activation}")
         return v.astype("float16")
 
-    y = te.compute((p.n, p.p, p.q, p.k), epilogue_int8 if int8 else epilogue_fp16, "y")
+    y = te.compute(npqk, epilogue_int8 if int8 else epilogue_fp16, "y")
+    if y_shape != npqk:  # the chain went through a reshape (a view): the output in the graph's shape
+        y4 = y
+        y = te.compute(y_shape, lambda *index: y4[reindex(index, y_shape, npqk)], "y_view")
     return te.create_prim_func([ph_[name] for name in operands if name != "y"] + [y])
 
 
