@@ -343,14 +343,17 @@ def orin_estimate(manifest: dict, device: str = DEVICE) -> dict | None:
     for k in record["kernels"]:
         int8 = k["precision"] == "int8"
         peak = (spec.int8_ops_per_clock_per_sm if int8 else spec.fp16_ops_per_clock_per_sm) * spec.sm_count * clock
-        n, h, w, c = k["problem"]["nhwc"]
-        (r, s_), kk = k["problem"]["rs"], k["problem"]["k"]
         elem = 1 if int8 else 2
-        out_elem = 4 if k.get("requantize") is not None and k["requantize"].get("float_out") else elem
-        gm, gn = k["grid"]
-        m = k["problem"]["output_pixels"]
-        bytes_ = n * h * w * c * elem + kk * r * s_ * c * elem + m * kk * out_elem * (2 if k["residual"] else 1)
-        ctas = gm * gn
+        if "mnk" in k["problem"]:  # a batched GEMM (attention): a, w and y once per batch
+            batch, (m, nn, kk) = k["problem"]["batch"], k["problem"]["mnk"]
+            bytes_ = batch * (m * kk + kk * nn + m * nn) * elem
+        else:
+            n, h, w, c = k["problem"]["nhwc"]
+            (r, s_), kk = k["problem"]["rs"], k["problem"]["k"]
+            out_elem = 4 if k.get("requantize") is not None and k["requantize"].get("float_out") else elem
+            m = k["problem"]["output_pixels"]
+            bytes_ = n * h * w * c * elem + kk * r * s_ * c * elem + m * kk * out_elem * (2 if k["residual"] else 1)
+        ctas = int(np.prod(k["grid"]))
         per_sm = max(1, min(spec.shared_memory_per_sm // max(1, k["shared_bytes"]), 1536 // k["threads"]))
         slots = spec.sm_count * per_sm
         waves = -(-ctas // slots)

@@ -61,6 +61,9 @@ namespace std { using cuda::std::void_t; }  // NVRTC: CUTLASS's bias-elementwise
 #include <cutlass/conv/kernel/default_conv2d_fprop_with_broadcast.h>
 #include <cutlass/epilogue/thread/activation.h>
 #include <cutlass/epilogue/thread/linear_combination_bias_elementwise.h>
+#include <cutlass/epilogue/thread/linear_combination.h>
+#include <cutlass/gemm/kernel/default_gemm.h>
+#include <cutlass/gemm/kernel/gemm_batched.h>
 namespace edgeq_cutlass {
 struct Relu6 {
   CUTLASS_HOST_DEVICE float operator()(float x) const { return x < 0.f ? 0.f : (x > 6.f ? 6.f : x); }
@@ -228,7 +231,7 @@ TILES = (((128, 128, 32), (64, 64, 32)), ((128, 64, 32), (64, 32, 32)), ((64, 64
 TILES_INT8 = (((128, 128, 64), (64, 64, 64)), ((128, 64, 64), (64, 32, 64)), ((64, 64, 64), (32, 32, 64)))
 
 
-def choose_tile(problem: Conv2dProblem, sm_count: int, smem_per_block: int, precision: str = "fp16") -> Tile:
+def choose_tile(problem: Conv2dProblem | GemmProblem, sm_count: int, smem_per_block: int, precision: str = "fp16") -> Tile:
     """The tile table: the largest threadblock tile whose CTAs still fill every SM once (a wave), else the
     smallest; then the most stages (up to 4) whose mainloop fits the profile's shared memory per block."""
     m, n, _ = problem.gemm
@@ -236,7 +239,7 @@ def choose_tile(problem: Conv2dProblem, sm_count: int, smem_per_block: int, prec
     fitting = [t for t in tiles if t[0][1] <= max(64, -(-n // 64) * 64)] or list(tiles)  # no tile wider than N
     chosen = fitting[-1]
     for block, warp in fitting:
-        ctas = -(-m // block[0]) * -(-n // block[1])
+        ctas = -(-m // block[0]) * -(-n // block[1]) * getattr(problem, "batch", 1)
         if ctas >= sm_count:
             chosen = (block, warp)
             break
@@ -303,6 +306,59 @@ class ConvKernel:
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class GemmProblem:
+    """A batch of row-major matrix products ``y[b] = a[b] @ w[b]``: a [M, K], w [K, N], y [M, N] per batch, each
+    operand contiguous (attention's Q K^T and P V, whose second operand is an activation)."""
+
+    batch: int
+    m: int
+    n: int
+    k: int
+
+    @property
+    def gemm(self) -> tuple[int, int, int]:
+        return self.m, self.n, self.k
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.batch * self.m * self.n * self.k
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmKernel:
+    """What edgeq asks one CUTLASS batched GEMM to compute: ``fp16((a @ w) * alpha)`` with fp16 operands and fp32
+    accumulation (``GemmBatched`` over ``DefaultGemm``'s Sm80 mainloop and epilogue, one batch per blockIdx.z)."""
+
+    name: str
+    problem: GemmProblem
+    tile: Tile
+    alpha: float = 1.0  # a scalar the product is multiplied by before rounding (attention's 1/sqrt(d))
+    precision: str = "fp16"
+    activation: str = "identity"
+    residual: bool = False
+    float_out: bool = False
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        m, n, _ = self.problem.gemm
+        return -(-m // self.tile.block[0]), -(-n // self.tile.block[1]), self.problem.batch
+
+    @property
+    def kernel_type(self) -> str:
+        (bm, bn, bk), (wm, wn, wk) = self.tile.block, self.tile.warp
+        return (
+            "typename cutlass::gemm::kernel::DefaultGemm<"
+            f"cutlass::half_t, cutlass::layout::RowMajor, {ALIGNMENT}, cutlass::half_t, cutlass::layout::RowMajor, "
+            f"{ALIGNMENT}, cutlass::half_t, cutlass::layout::RowMajor, float, cutlass::arch::OpClassTensorOp, "
+            f"cutlass::arch::Sm80, cutlass::gemm::GemmShape<{bm}, {bn}, {bk}>, "
+            f"cutlass::gemm::GemmShape<{wm}, {wn}, {wk}>, cutlass::gemm::GemmShape<16, 8, 16>, "
+            f"cutlass::epilogue::thread::LinearCombination<cutlass::half_t, {ALIGNMENT}, float, float>, "
+            f"cutlass::gemm::threadblock::GemmBatchedIdentityThreadblockSwizzle, {self.tile.stages}, false, "
+            "cutlass::arch::OpMultiplyAdd>::GemmKernel"
+        )
+
+
 C_TYPES = {"float16": "half", "int8": "int8_t", "int32": "int32_t", "float32": "float"}
 
 
@@ -321,6 +377,9 @@ def device_source(kernels: Sequence[ConvKernel]) -> str:
     for kern in kernels:
         p = kern.problem
         t = f"Kernel_{kern.name}"
+        if isinstance(kern, GemmKernel):
+            out.append(_gemm_source(kern))
+            continue
         signature = ", ".join(f"{C_TYPES[dtype]}* {name}" for name, _, dtype in kernel_operands(kern))
         source = "residual" if kern.residual else "y"
         if kern.precision == "int8":
@@ -360,6 +419,38 @@ extern "C" __device__ void edgeq_cutlass_{kern.name}({signature}, unsigned char*
     return "".join(out)
 
 
+def _gemm_source(kern: GemmKernel) -> str:
+    """A batched GEMM's device wrapper (as ``device_source``'s convolutions': Params built in shared memory)."""
+    p, t = kern.problem, f"Kernel_{kern.name}"
+    gm, gn, batch = kern.grid
+    return f"""
+namespace edgeq_cutlass {{
+using Default_{kern.name} = {kern.kernel_type};
+using {t} = cutlass::gemm::kernel::GemmBatched<Default_{kern.name}::Mma, Default_{kern.name}::Epilogue,
+                                                 cutlass::gemm::threadblock::GemmBatchedIdentityThreadblockSwizzle>;
+}}
+constexpr size_t edgeq_params_at_{kern.name} = (sizeof(edgeq_cutlass::{t}::SharedStorage) + 15) / 16 * 16;
+__device__ char edgeq_smem_{kern.name}[edgeq_params_at_{kern.name} + sizeof(typename edgeq_cutlass::{t}::Params)];
+extern "C" __device__ void edgeq_cutlass_{kern.name}(half* a, half* w, half* y, unsigned char* smem) {{
+  using namespace cutlass;
+  using K = edgeq_cutlass::{t};
+  auto* params = reinterpret_cast<typename K::Params*>(smem + edgeq_params_at_{kern.name});
+  if (threadIdx.x == 0) {{
+    new (params) typename K::Params(
+        gemm::GemmCoord({p.m}, {p.n}, {p.k}), gemm::GemmCoord({gm}, {gn}, {batch}),
+        {{reinterpret_cast<half_t*>(a), layout::RowMajor({p.k})}}, {p.m * p.k}LL,
+        {{reinterpret_cast<half_t*>(w), layout::RowMajor({p.n})}}, {p.k * p.n}LL,
+        {{reinterpret_cast<half_t*>(y), layout::RowMajor({p.n})}}, {p.m * p.n}LL,
+        {{reinterpret_cast<half_t*>(y), layout::RowMajor({p.n})}}, {p.m * p.n}LL,
+        typename K::OutputOp::Params({_c_float(kern.alpha)}, 0.0f), {batch});
+  }}
+  __syncthreads();
+  K op;
+  op(*params, *reinterpret_cast<typename K::SharedStorage*>(smem));
+}}
+"""
+
+
 def nvrtc_options() -> str:
     """NVRTC options CUTLASS needs beyond TVM's (``TVM_CUDA_NVRTC_EXTRA_OPTS``): C++17 and its include folder."""
     return f"-std=c++17 -DCUTLASS_ENABLE_TENSOR_CORE_MMA=1 -I{cutlass_include()}"
@@ -395,8 +486,12 @@ def kernel_operands(kernel: ConvKernel, shapes: dict | None = None) -> list[tupl
     index, the epilogue's broadcast vector), [residual], y. ``shapes``: the per-channel operands' shapes as the
     graph holds them (K elements; default [K])."""
     p = kernel.problem
-    xs, ws, ys = (p.n, p.h, p.w, p.c), (p.k, p.r, p.s, p.c), (p.n, p.p, p.q, p.k)
     shapes = shapes or {}
+    if isinstance(kernel, GemmKernel):  # a, w, y: [batch, M, K], [batch, K, N], [batch, M, N] or the graph's shapes
+        return [("a", tuple(shapes.get("a", (p.batch, p.m, p.k))), "float16"),
+                ("w", tuple(shapes.get("w", (p.batch, p.k, p.n))), "float16"),
+                ("y", tuple(shapes.get("y", (p.batch, p.m, p.n))), "float16")]
+    xs, ws, ys = (p.n, p.h, p.w, p.c), (p.k, p.r, p.s, p.c), (p.n, p.p, p.q, p.k)
 
     def vec(name):
         return tuple(shapes.get(name, (p.k,)))
@@ -424,7 +519,7 @@ def prim_func(kernel: ConvKernel, smem_bytes: int, shapes: dict | None = None):
     from edgeq.tvm_env import import_tvm
 
     tvm = import_tvm()
-    (gm, gn), threads = kernel.grid, kernel.tile.threads
+    (gm, gn, *gz), threads = kernel.grid, kernel.tile.threads
     smem_bytes = -(-smem_bytes // 16) * 16
     ops = kernel_operands(kernel, shapes)
     buf = {name: f"B_{name}" for name, _, _ in ops}
@@ -441,6 +536,7 @@ def prim_func(kernel: ConvKernel, smem_bytes: int, shapes: dict | None = None):
         '    with T.sblock("root"):',
         f'        for bx in T.thread_binding({gm}, thread="blockIdx.x"):',
         f'            for by in T.thread_binding({gn}, thread="blockIdx.y"):',
+        *([f'              for bz in T.thread_binding({gz[0]}, thread="blockIdx.z"):'] if gz else []),
         f'                for tx in T.thread_binding({threads}, thread="threadIdx.x"):',
         '                    with T.sblock("cutlass"):',
         f'                        T.reads({", ".join(region(n, s) for n, s, _ in inputs)})',
@@ -522,6 +618,15 @@ def replay_int8(kernel: ConvKernel, x: np.ndarray, w: np.ndarray, bias: np.ndarr
     return np.clip(v, kernel.lo, kernel.hi).astype(np.int8)
 
 
+def replay_gemm(kernel: GemmKernel, a: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """What a batched GEMM kernel is asked to compute, on the host (numpy): a [batch, M, K] and w [batch, K, N]
+    fp16, products summed in float32, the result rounded to fp16."""
+    p = kernel.problem
+    a = a.reshape(p.batch, p.m, p.k).astype(np.float32)
+    w = w.reshape(p.batch, p.k, p.n).astype(np.float32)
+    return (np.matmul(a, w) * np.float32(kernel.alpha)).astype(np.float16)
+
+
 def _erf(v: np.ndarray) -> np.ndarray:
     from math import erf
 
@@ -543,6 +648,14 @@ def pad_input(x_nchw: np.ndarray, problem: Conv2dProblem) -> np.ndarray:
 def kernel_record(kernel: ConvKernel, smem_bytes: int) -> dict:
     """What the manifest says of one CUTLASS kernel: template, tile, the problem, the epilogue, FLOPs."""
     p = kernel.problem
+    if isinstance(kernel, GemmKernel):
+        return {
+            "function": f"cutlass_{kernel.name}", "template": "GemmBatched over DefaultGemm (Sm80, fp16, fp32 "
+            "accumulation, row-major A and B)", "tile": list(kernel.tile.block), "warp": list(kernel.tile.warp),
+            "stages": kernel.tile.stages, "threads": kernel.tile.threads, "grid": list(kernel.grid),
+            "shared_bytes": smem_bytes, "problem": {"batch": p.batch, "mnk": [p.m, p.n, p.k]},
+            "alpha": kernel.alpha, "activation": "identity", "residual": False, "precision": kernel.precision, "flops": p.flops,
+        }
     template = ("DefaultConv2dFpropWithBroadcast (Sm80, s8 x s8 -> s32, edgeq's Requantize epilogue)"
                 if kernel.precision == "int8" else "DefaultConv2dFpropWithBroadcast (Sm80, fp16, fp32 accumulation)")
     record = {
@@ -849,6 +962,8 @@ class Claimed:
         from edgeq.tvm_env import relax
 
         residual = [self.residual] if self.residual is not None else []
+        if isinstance(self.kernel, GemmKernel):
+            return [self.x, self.w]
         if self.kernel.precision != "int8":
             return [self.x, self.w, self.bias] + residual
         k = self.kernel.problem.k
@@ -902,8 +1017,13 @@ def find_convs(main, sm_count: int, smem_per_block: int) -> tuple[list[Claimed],
     claimed, left, taken = [], [], set()
     for b in bindings:
         value = b.value
-        if call_op(value) == "relax.matmul":  # what _matmul_as_conv left a matrix product (its chain goes to dlight)
-            left.append({"conv": b.var.name, "why": _matmul_left(b.var, value, value_of, params)})
+        if call_op(value) == "relax.matmul":  # what _matmul_as_conv left a matrix product: attention's, batched
+            found = _batched_gemm(b, value_of, only_reader, params, sm_count, smem_per_block, f"l{len(claimed)}")
+            if isinstance(found, str):
+                left.append({"conv": b.var.name, "why": found})
+            else:
+                claimed.append(found)
+                taken.update(found.chain)
             continue
         if call_op(value) != "relax.nn.conv2d":
             continue
@@ -984,20 +1104,44 @@ def find_convs(main, sm_count: int, smem_per_block: int) -> tuple[list[Claimed],
     return claimed, left
 
 
-def _matmul_left(var, value, value_of, params) -> str:
-    """Why a matrix product is still one (``_matmul_as_conv`` made the others convolutions)."""
+def _batched_gemm(b, value_of, only_reader, params, sm_count: int, smem_per_block: int, name: str) -> Claimed | str:
+    """A matrix product ``_matmul_as_conv`` left (the second operand an activation: attention's Q K^T and P V) as
+    one batched GEMM kernel, ``matmul(fp16 [..., M, K], fp16 [..., K, N], fp32 out) -> astype fp16``; or why it is
+    left to dlight."""
     from edgeq.graph import call_op
-    from edgeq.graph_passes import shape_of
+    from edgeq.graph_passes import dtype_of, shape_of
 
-    w = value.args[1]
-    if call_op(value_of.get(w)) == "relax.permute_dims":
-        w = value_of[w].args[0]
-    if w not in params:
-        return "a product of two activations (attention): dlight's batched matmul"
-    shape, out = shape_of(w), shape_of(var)
-    if shape is not None and len(shape) == 2 and out is not None and out[-1] % ALIGNMENT:
-        return "output features not a multiple of 8"
-    return "a matrix product with a weight of rank > 2 or a dynamic shape"
+    value = b.value
+    a, w = value.args
+    wv = value_of[w].args[0] if call_op(value_of.get(w)) == "relax.permute_dims" else w
+    a_shape, w_shape, out = shape_of(a), shape_of(w), shape_of(b.var)
+    if wv in params:
+        if w_shape is not None and len(w_shape) == 2 and out is not None and out[-1] % ALIGNMENT:
+            return "output features not a multiple of 8"
+        return "a matrix product with a weight of rank > 2 or a dynamic shape"
+    if dtype_of(a) != "float16" or dtype_of(w) != "float16" or dtype_of(b.var) != "float32":
+        return "a product of two activations not fp16 with fp32 accumulation (int8 graphs keep attention in float32)"
+    if a_shape is None or w_shape is None or len(a_shape) != len(w_shape) or len(a_shape) < 2 \
+            or tuple(a_shape[:-2]) != tuple(w_shape[:-2]):
+        return "a product of two activations with broadcast or dynamic batch axes"
+    (m, k), n = a_shape[-2:], w_shape[-1]
+    if k % ALIGNMENT or n % ALIGNMENT:
+        return "a product of two activations with K or N not a multiple of 8"
+    cast = only_reader(b.var)
+    if call_op(value_of.get(cast)) != "relax.astype" or str(value_of[cast].attrs.dtype) != "float16":
+        return "no fp16 cast after it"
+    chain, alpha = [b.var, cast], 1.0
+    scale = only_reader(cast)  # x a scalar constant (attention's 1/sqrt(d)): in the epilogue, before the rounding
+    if call_op(value_of.get(scale)) == "relax.multiply" and value_of[scale].args[0].same_as(cast):
+        c = _const_scalar(value_of[scale].args[1], value_of)
+        if c is not None:
+            chain, alpha = [*chain, scale], c
+    problem = GemmProblem(int(np.prod(a_shape[:-2])) if len(a_shape) > 2 else 1, m, n, k)
+    if problem.batch > 65535:  # one batch per blockIdx.z
+        return "a batched matrix product of more than 65535 matrices"
+    kernel = GemmKernel(name, problem, choose_tile(problem, sm_count, smem_per_block), alpha)
+    shapes = {"a": tuple(a_shape), "w": tuple(w_shape), "y": tuple(shape_of(chain[-1]))}
+    return Claimed(kernel, chain[-1], a, w, None, None, tuple(chain[:-1]), shapes)
 
 
 def _output_shape(out, problem) -> dict:
@@ -1222,6 +1366,17 @@ def twin_prim_func(kernel: ConvKernel, shapes: dict | None = None):
 
     te, tirx = tvm.te, tvm.tirx
     p = kernel.problem
+    if isinstance(kernel, GemmKernel):
+        (_, a_shape, _), (_, w_shape, _), (_, y_shape, _) = kernel_operands(kernel, shapes)
+        a, w = te.placeholder(a_shape, "float16", "a"), te.placeholder(w_shape, "float16", "w")
+        rk = te.reduce_axis((0, p.k), "rk")
+        lead = len(y_shape) - 2
+        y = te.compute(y_shape, lambda *i: te.sum(
+            a[(*i[:lead], i[lead], rk)].astype("float32") * w[(*i[:lead], rk, i[lead + 1])].astype("float32"),
+            axis=rk), "acc")
+        alpha = tirx.const(float(np.float32(kernel.alpha)), "float32")
+        y = te.compute(y_shape, lambda *i: (y[i] * alpha).astype("float16"), "y")
+        return te.create_prim_func([a, w, y])
     (ph, pw), (sh, sw), (dh, dw) = p.pad, p.stride, p.dilation
     int8 = kernel.precision == "int8"
     operands = {name: (shape, dtype) for name, shape, dtype in kernel_operands(kernel, shapes)}

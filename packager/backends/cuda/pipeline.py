@@ -293,6 +293,9 @@ def build(mod, target, report: GpuKernels, cutlass: tuple[int, int] | None = Non
     if cutlass is not None:
         from edgeq.backends.cuda import cutlass as cl
 
+        # one cast of an input read by several layers (ToMixedPrecision casts it once per reader; Q, K and V
+        # read the same hidden states)
+        mod = relax.transform.EliminateCommonSubexpr()(mod)
         claimed, left = cl.find_convs(mod["main"], *cutlass)
         kernels = [c.kernel for c in claimed]
         sizes = cl.smem_sizes(kernels, target.attrs["arch"]) if kernels else {}
