@@ -794,6 +794,8 @@ def prepare_nhwc(graph):
     graph = rewrite(graph, _one_int32_bias)
     graph = rewrite(graph, _one_scale)
     graph = rewrite(graph, _matmul_as_conv)
+    if any(dtype_of(b.var) == "int8" for b in graph.bindings()):
+        graph = rewrite(graph, _float_attention_in_fp16)
 
     def visit(rw, var, value):
         if call_op(value) != "relax.nn.conv2d" or value.attrs.data_layout != "NHWC" or int(value.attrs.groups) != 1:
@@ -838,6 +840,29 @@ def _matmul_as_conv(rw, var, value):
     conv = rw.emit(relax.op.nn.conv2d(flat, rw.param(fresh_name(rw, f"{w_var.name}_ohwi"), ohwi),
                                       data_layout="NHWC", kernel_layout="OHWI", out_dtype=out_dtype))
     return relax.op.reshape(conv, [*xs[:-1], n])
+
+
+def _float_attention_in_fp16(rw, var, value):
+    """In an int8 graph, a float32 product of two activations (attention's Q K^T and P V, which the quantizer keeps
+    in float) in fp16 with fp32 accumulation, as TensorRT runs the layers an int8 engine leaves in float: ``float32(
+    fp16(matmul(fp16(a), fp16(b), fp32 out)))``, the batched GEMM ``find_convs`` claims. Where K or N is not a
+    multiple of 8 or the batch axes differ, the product stays as it is."""
+    from edgeq.graph import call_op
+    from edgeq.graph_passes import dtype_of, shape_of
+    from edgeq.tvm_env import relax
+
+    if call_op(value) != "relax.matmul" or rw.weight_operand(value)[0] is not None:
+        return None
+    a, b = value.args
+    sa, sb = shape_of(a), shape_of(b)
+    if dtype_of(var) != "float32" or dtype_of(a) != "float32" or dtype_of(b) != "float32" or sa is None or sb is None:
+        return None
+    if len(sa) != len(sb) or len(sa) < 2 or tuple(sa[:-2]) != tuple(sb[:-2]) or sa[-1] % ALIGNMENT or sb[-1] % ALIGNMENT:
+        return None
+    a16 = rw.emit(relax.op.astype(rw.new(a), "float16"))
+    b16 = rw.emit(relax.op.astype(rw.new(b), "float16"))
+    product = rw.emit(relax.op.matmul(a16, b16, out_dtype="float32"))
+    return relax.op.astype(rw.emit(relax.op.astype(product, "float16")), "float32")
 
 
 def _qdq_as_elementwise(rw, var, value):
