@@ -42,6 +42,9 @@ MODELS = [
     ("resnet50-b1-int8-cutlass", "resnet50", 1, "int8", "cutlass"),
     ("resnet50-b8-fp16-cutlass", "resnet50", 8, "fp16", "cutlass"),
     ("resnet50-b8-int8-cutlass", "resnet50", 8, "int8", "cutlass"),
+    # gpu_kernels.bert_encoder (all-MiniLM-L6-v2's shape, 128 tokens): linear layers and attention's batched GEMMs
+    ("bert_encoder-b1-fp16-cutlass", "bert_encoder", 1, "fp16", "cutlass"),
+    ("bert_encoder-b1-int8-cutlass", "bert_encoder", 1, "int8", "cutlass"),
 ]
 # probes: (name, batch, in channels, size, out channels, kernel, stride, pad, dilation, residual, activation)
 PROBES = [
@@ -275,9 +278,18 @@ def run_torch(root: Path, results: dict, runs: int, deadline: float, compile_mod
     import torchvision
 
     torch.backends.cudnn.benchmark = True
+    def bert_encoder():  # gpu_kernels.bert_encoder's shape: 6 post-norm layers, hidden 384, 12 heads, GELU FFN 1536
+        layer = torch.nn.TransformerEncoderLayer(384, 12, 1536, dropout=0.0, activation="gelu", batch_first=True)
+        return torch.nn.TransformerEncoder(layer, 6, enable_nested_tensor=False)
+
     builders = {"resnet18": torchvision.models.resnet18, "resnet50": torchvision.models.resnet50,
-                "mobilenet_v2": torchvision.models.mobilenet_v2}
+                "mobilenet_v2": torchvision.models.mobilenet_v2, "bert_encoder": bert_encoder}
     wanted = sorted({(m, b) for name, m, b, _, _ in MODELS if (root / "bundles" / name).is_dir()})
+
+    def example(model_name: str, batch: int):
+        if model_name == "bert_encoder":
+            return torch.randn(batch, 128, 384, device="cuda", dtype=torch.half)
+        return torch.randn(batch, 3, 224, 224, device="cuda", dtype=torch.half).to(memory_format=torch.channels_last)
 
     def timed(fn) -> dict:
         times = []
@@ -292,7 +304,7 @@ def run_torch(root: Path, results: dict, runs: int, deadline: float, compile_mod
 
     for model_name, batch in [] if compile_models else wanted:  # PyTorch fp16 replayed from a captured CUDA graph
         model = builders[model_name]().eval().half().cuda().to(memory_format=torch.channels_last)
-        x = torch.randn(batch, 3, 224, 224, device="cuda", dtype=torch.half).to(memory_format=torch.channels_last)
+        x = example(model_name, batch)
         key = f"{model_name}-b{batch}"
         row = results["torch"].setdefault(key, {})
         with torch.no_grad():
@@ -320,7 +332,7 @@ def run_torch(root: Path, results: dict, runs: int, deadline: float, compile_mod
         try:
             torch._dynamo.reset()
             model = builders[model_name]().eval().half().cuda().to(memory_format=torch.channels_last)
-            x = torch.randn(batch, 3, 224, 224, device="cuda", dtype=torch.half).to(memory_format=torch.channels_last)
+            x = example(model_name, batch)
             compiled = torch.compile(model, mode="reduce-overhead")
             started = time.time()
             with torch.no_grad():

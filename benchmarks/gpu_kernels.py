@@ -148,6 +148,74 @@ def mobilenet_v2(path: Path, size: int = 224, classes: int = 1000, settings=MOBI
     return net.save(path, size, classes, batch)
 
 
+def yolov8n(path: Path, size: int = 640, classes: int = 80, batch: int = 1) -> Path:
+    """A YOLOv8n-style detector as Ultralytics' exporter writes its layers (conv-BatchNorm-SiLU with SiLU as Sigmoid
+    and Mul; BatchNorm left unfolded as the other builders): the n-scale backbone (3x3/2 convs, C2f blocks with
+    residual bottlenecks, SPPF's three 5x5 max pools), the PAN neck (nearest 2x upsampling, concatenations, C2f
+    without shortcuts, 3x3/2 convs) and the anchor-free head (per level a box branch of 3x3, 3x3, 1x1 to 64 and a
+    class branch to ``classes``), the three levels' outputs flattened and concatenated, [batch, 64 + classes,
+    anchors]. The box decoding (DFL, a softmax over 16 bins and a 1x1 conv) is left out: no conv/matmul FLOPs."""
+    net = Net(8)
+
+    def conv(x, cin, cout, k=1, stride=1):
+        y = net.conv_bn(x, cin, cout, k, stride)
+        return net.node("Mul", [y, net.node("Sigmoid", [y])])
+
+    def c2f(x, cin, cout, n, shortcut):
+        c = cout // 2
+        y = conv(x, cin, 2 * c)
+        parts = [net.name("split"), net.name("split")]
+        sizes = net.name("sizes")
+        net.inits.append(numpy_helper.from_array(np.array([c, c], np.int64), sizes))
+        net.nodes.append(helper.make_node("Split", [y, sizes], parts, axis=1))
+        for _ in range(n):
+            b = conv(conv(parts[-1], c, c, 3), c, c, 3)
+            parts.append(net.node("Add", [parts[-1], b]) if shortcut else b)
+        return conv(net.node("Concat", parts, axis=1), (2 + n) * c, cout)
+
+    def up(x):
+        scales = net.const("scales", [1.0, 1.0, 2.0, 2.0])
+        return net.node("Resize", [x, "", scales], mode="nearest")
+
+    x = conv(conv("input", 3, 16, 3, 2), 16, 32, 3, 2)
+    x = c2f(x, 32, 32, 1, True)
+    p3 = c2f(conv(x, 32, 64, 3, 2), 64, 64, 2, True)
+    p4 = c2f(conv(p3, 64, 128, 3, 2), 128, 128, 2, True)
+    x = c2f(conv(p4, 128, 256, 3, 2), 256, 256, 1, True)
+    y = conv(x, 256, 128)  # SPPF
+    pools = [y]
+    for _ in range(3):
+        pools.append(net.node("MaxPool", [pools[-1]], kernel_shape=[5, 5], strides=[1, 1], pads=[2, 2, 2, 2]))
+    p5 = conv(net.node("Concat", pools, axis=1), 512, 256)
+    h4 = c2f(net.node("Concat", [up(p5), p4], axis=1), 384, 128, 1, False)
+    o3 = c2f(net.node("Concat", [up(h4), p3], axis=1), 192, 64, 1, False)
+    o4 = c2f(net.node("Concat", [conv(o3, 64, 64, 3, 2), h4], axis=1), 192, 128, 1, False)
+    o5 = c2f(net.node("Concat", [conv(o4, 128, 128, 3, 2), p5], axis=1), 384, 256, 1, False)
+    outs = []
+    flat = net.name("flat")
+    net.inits.append(numpy_helper.from_array(np.array([batch, 64 + classes, -1], np.int64), flat))
+    for level, c in ((o3, 64), (o4, 128), (o5, 256)):
+        box = conv(conv(level, c, 64, 3), 64, 64, 3)
+        box = net.node("Conv", [box, net.const("w", net.rng.standard_normal((64, 64, 1, 1)) / 8),
+                                net.const("b", net.rng.standard_normal(64) * 0.1)], kernel_shape=[1, 1])
+        c3 = max(c, min(classes, 100))
+        cls = conv(conv(level, c, c3, 3), c3, c3, 3)
+        cls = net.node("Conv", [cls, net.const("w", net.rng.standard_normal((classes, c3, 1, 1)) / np.sqrt(c3)),
+                                net.const("b", net.rng.standard_normal(classes) * 0.1)], kernel_shape=[1, 1])
+        outs.append(net.node("Reshape", [net.node("Concat", [box, cls], axis=1), flat]))
+    net.nodes.append(helper.make_node("Concat", outs, ["output"], axis=2))
+    anchors = sum((size // s) ** 2 for s in (8, 16, 32))
+    graph = helper.make_graph(net.nodes, path.stem,
+                              [helper.make_tensor_value_info("input", TensorProto.FLOAT, [batch, 3, size, size])],
+                              [helper.make_tensor_value_info("output", TensorProto.FLOAT, [batch, 64 + classes, anchors])],
+                              net.inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="onnx.helper")
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    onnx.save(model, path)
+    return path
+
+
 def bert_encoder(path: Path, seq: int = 128, hidden: int = 384, heads: int = 12, layers: int = 6, ffn: int = 4,
                  batch: int = 1) -> Path:
     """A BERT-style encoder as PyTorch's exporter writes one (all-MiniLM-L6-v2's shape by default: 6 layers, hidden
@@ -196,7 +264,8 @@ def bert_encoder(path: Path, seq: int = 128, hidden: int = 384, heads: int = 12,
     return path
 
 
-MODELS = {"resnet18": resnet18, "resnet50": resnet50, "mobilenet_v2": mobilenet_v2, "bert_encoder": bert_encoder}
+MODELS = {"resnet18": resnet18, "resnet50": resnet50, "mobilenet_v2": mobilenet_v2, "yolov8n": yolov8n,
+          "bert_encoder": bert_encoder}
 
 
 # ------------------------------------------------------------------ measuring a bundle
@@ -295,7 +364,9 @@ def _cutlass_part(record: dict | None, sass: dict[str, str], instruction: str | 
     """--gpu-kernels cutlass: its kernels' FLOPs on tensor cores (their SASS has the instruction), and what it left."""
     if record is None:
         return None
-    on_tensor_cores = [k for k in record["kernels"] if instruction and instruction in kernel_sass(k["function"], sass)]
+    # each kernel by its own precision: an int8 bundle's attention GEMMs are fp16 (HMMA)
+    on_tensor_cores = [k for k in record["kernels"] if instruction and re.search(
+        rf"\b{TENSOR_CORE_SASS.get(k['precision'], instruction)}\.", kernel_sass(k["function"], sass))]
     return {"kernels": len(record["kernels"]), "on_tensor_cores": len(on_tensor_cores),
             "flops": sum(k["flops"] for k in on_tensor_cores), "left": record["left"]}
 

@@ -290,9 +290,10 @@ def test_the_rewritten_int8_graph_runs_on_the_host_as_the_graph(tmp_path):
     launches = [b.value for b in Graph(rewritten, prepared.weights).bindings() if call_op_name(b.value) == "relax.call_tir"]
     assert len(launches) == len(claimed)
     twin = Graph(cutlass.with_twins(rewritten, claimed), prepared.weights)
+    run_twin, run_graph = HostRunner(twin), HostRunner(prepared)
     for seed in range(3):
         x = np.random.default_rng(seed).standard_normal((1, 3, 32, 32)).astype(np.float32)
-        np.testing.assert_array_equal(HostRunner(twin)([x])[0], HostRunner(prepared)([x])[0])
+        np.testing.assert_array_equal(run_twin([x])[0], run_graph([x])[0])
 
 
 def call_op_name(value) -> str | None:
@@ -436,8 +437,9 @@ def test_a_bert_style_encoders_linear_layers_run_on_cutlass(precision, tmp_path)
     rewritten = cutlass.claim_convs(prepared.mod, claimed, {c.kernel.name: 49152 for c in claimed})
     twin = Graph(cutlass.with_twins(rewritten, claimed), prepared.weights)
     session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    run_graph, run_twin = HostRunner(prepared), HostRunner(twin)
     for x in xs[:2]:
-        want, got = HostRunner(prepared)([x])[0], HostRunner(twin)([x])[0]
+        want, got = run_graph([x])[0], run_twin([x])[0]
         if precision == "int8":
             np.testing.assert_array_equal(got, want)
         else:
@@ -492,3 +494,57 @@ def test_package_a_bert_style_encoder_with_cutlass(precision, nvrtc, tmp_path):
     inspect = run_cli("inspect", bundle)
     flat = " ".join(re.sub(r"[│┃]", " ", inspect.stdout).split())
     assert "CUTLASS 4.1.0: 8 of 8 convolutions and matrix products" in flat, flat
+
+
+@pytest.mark.parametrize("precision", ["fp16", "int8"])
+def test_a_yolov8n_style_detector_runs_every_convolution_on_cutlass(precision, tmp_path):
+    """The YOLOv8n-style detector (benchmarks/gpu_kernels.py's, at 32x32): all 63 convolutions (C2f blocks, SPPF,
+    the PAN neck's strided convs, both head branches with their biased 1x1s) claimed by CUTLASS kernels; in fp16
+    each conv-BatchNorm-SiLU is one kernel (SiLU, x * sigmoid(x) as the exporter writes it, in the epilogue). The
+    rewritten module with the kernels' TIR twins equals the graph before the rewrite (int8: bit for bit) and is
+    close to ONNX Runtime. (The kernels' compilation is test_kernels_compile_in_a_tvm_module_to_tensor_cores's: 63
+    NVRTC builds would cost minutes here.)"""
+    import onnxruntime as ort
+    from gpu_kernels import yolov8n
+
+    from edgeq.backends import for_profile
+    from edgeq.compile import HostRunner
+    from edgeq.graph import Graph
+    from edgeq.load import load_model
+    from edgeq.relax_import import to_relax
+
+    profile = resolve("jetson-orin-nano")[0]
+    backend = for_profile(profile).with_gpu_kernels("cutlass", profile, precision)
+    model = yolov8n(tmp_path / "yolo.onnx", size=32)
+    loaded = load_model(model, {}, {})
+    graph, _ = to_relax(loaded)
+    xs = [np.random.default_rng(seed).standard_normal((1, 3, 32, 32)).astype(np.float32) for seed in range(12)]
+    if precision == "int8":
+        from edgeq.quantize import QuantizeArgs, quantize
+
+        np.savez(tmp_path / "calib.npz", input=np.concatenate(xs[2:]))
+        graph = quantize(graph, loaded, QuantizeArgs(calibrate=tmp_path / "calib.npz", method="minmax", samples=10),
+                         warn=lambda _: None).graph
+    prepared, _ = backend.prepare(graph, profile.tvm_target())
+    if precision == "fp16":
+        prepared = backend.to_fp16(prepared)
+    claimed, left = cutlass.find_convs(prepared.main, profile.cuda.sm_count, profile.cuda.shared_memory_per_block_optin)
+    convs = sum(1 for n in onnx.load(model).graph.node if n.op_type == "Conv")
+    assert convs == 63 and len(claimed) == convs and left == [], left
+    if precision == "fp16":  # the head's two 1x1 convs of each level have no activation; the other 57 a SiLU
+        assert sorted(c.kernel.activation for c in claimed) == ["identity"] * 6 + ["silu"] * 57
+    else:
+        assert all(c.kernel.precision == "int8" for c in claimed)
+    rewritten = cutlass.claim_convs(prepared.mod, claimed, {c.kernel.name: 49152 for c in claimed})
+    twin = Graph(cutlass.with_twins(rewritten, claimed), prepared.weights)
+    session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    run_graph, run_twin = HostRunner(prepared), HostRunner(twin)
+    for x in xs[:2]:
+        want, got = run_graph([x])[0], run_twin([x])[0]
+        if precision == "int8":
+            np.testing.assert_array_equal(got, want)
+        else:
+            np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
+        reference = session.run(None, {"input": x})[0]
+        error = np.abs(got - reference).max() / np.abs(reference).max()
+        assert error < (0.1 if precision == "int8" else 0.01), error

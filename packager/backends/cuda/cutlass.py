@@ -1010,7 +1010,7 @@ def _const_scalar(expr, value_of=None) -> float | None:
 
 
 def find_convs(main, sm_count: int, smem_per_block: int) -> tuple[list[Claimed], list[dict]]:
-    """The fp16 chains ``conv2d(NHWC, OHWI, fp32 out) -> astype fp16 -> + bias -> [+ residual] -> [relu | relu6]``
+    """The fp16 chains ``conv2d(NHWC, OHWI, fp32 out) -> astype fp16 -> + bias -> [+ residual] -> [relu | relu6 | silu]``
     of ``main`` whose intermediate values have no other reader, as kernels; and the conv2d calls left out, each
     with why (for the manifest)."""
     from edgeq.graph import call_op
@@ -1118,6 +1118,11 @@ def find_convs(main, sm_count: int, smem_per_block: int) -> tuple[list[Claimed],
                     _const_scalar(value_of[after].args[1], value_of) == 6.0:
                 activation = "relu6"
                 chain.append(after)
+        elif nxt is None:
+            silu = _silu_of(chain[-1], readers, value_of, only_reader)
+            if silu is not None:
+                activation = "silu"
+                chain += silu
         problem = Conv2dProblem(xs[0], xs[1], xs[2], xs[3], ws[0], ws[1], ws[2], (pads[0], pads[1]),
                                 tuple(int(s) for s in attrs.strides), tuple(int(d) for d in attrs.dilation),
                                 c_real=xs[3] - _channels_padded(x, value_of))
@@ -1127,6 +1132,24 @@ def find_convs(main, sm_count: int, smem_per_block: int) -> tuple[list[Claimed],
                                {"bias": tuple(shape_of(bias)), **_output_shape(chain[-1], problem)}))
         taken.update(chain)
     return claimed, left
+
+
+def _silu_of(var, readers, value_of, only_reader) -> list | None:
+    """[sigmoid, multiply] where ``var``'s two readers are ``s = sigmoid(var)`` and ``var * s`` (SiLU as exporters
+    write it, x * sigmoid(x)), else None."""
+    from edgeq.graph import call_op
+
+    rs = readers.get(var, [])
+    if len(rs) != 2 or None in rs:
+        return None
+    sig = next((r for r in rs if call_op(value_of[r]) == "relax.sigmoid"), None)
+    mul = next((r for r in rs if call_op(value_of[r]) == "relax.multiply"), None)
+    if sig is None or mul is None or not _same(only_reader(sig), mul):
+        return None
+    args = value_of[mul].args
+    if not ((args[0].same_as(var) and args[1].same_as(sig)) or (args[0].same_as(sig) and args[1].same_as(var))):
+        return None
+    return [sig, mul]
 
 
 def _batched_gemm(b, value_of, only_reader, params, sm_count: int, smem_per_block: int, name: str) -> Claimed | str:
@@ -1460,6 +1483,8 @@ def twin_prim_func(kernel: ConvKernel, shapes: dict | None = None):
             v = te.max(v, f32(0.0))
         elif kernel.activation == "relu6":
             v = te.min(te.max(v, f32(0.0)), f32(6.0))
+        elif kernel.activation == "silu":
+            v = v * te.sigmoid(v)
         elif kernel.activation != "identity":
             raise ValueError(f"no host twin for activation {kernel.activation}")
         return v.astype("float16")
