@@ -182,10 +182,11 @@ def test_kernels_compile_in_a_tvm_module_to_tensor_cores(profile, precision, nvr
         problem = cutlass.problem_from_conv(x_shape, w_shape, pads, strides, dilations, dtype)
         tile = cutlass.choose_tile(problem, spec.sm_count, spec.shared_memory_per_block_optin, precision)
         if precision == "int8":  # the requantizing epilogue: ReLU as a clamp, a residual with its scale; the 1x1
-            # shortcut with a float32 output (a layer no quantize follows)
+            # shortcut with SiLU and a float32 output (a layer no quantize follows)
             kernels.append(cutlass.ConvKernel(name.replace("-", "_"), problem, tile, activation, residual, "int8",
                                               residual_scale=0.5, act_lo=0.0 if activation == "relu" else -np.inf,
-                                              out_div=0.25, lo=-128.0, hi=127.0, float_out=name == "1x1s2"))
+                                              out_div=0.25, lo=-128.0, hi=127.0, float_out=name == "1x1s2",
+                                              silu=name == "1x1s2"))
         else:
             kernels.append(cutlass.ConvKernel(name.replace("-", "_"), problem, tile, activation, residual))
     if precision == "fp16":  # attention's batched GEMM: 12 heads of [128, 64] x [64, 128], scaled
@@ -499,8 +500,9 @@ def test_package_a_bert_style_encoder_with_cutlass(precision, nvrtc, tmp_path):
 @pytest.mark.parametrize("precision", ["fp16", "int8"])
 def test_a_yolov8n_style_detector_runs_every_convolution_on_cutlass(precision, tmp_path):
     """The YOLOv8n-style detector (benchmarks/gpu_kernels.py's, at 32x32): all 63 convolutions (C2f blocks, SPPF,
-    the PAN neck's strided convs, both head branches with their biased 1x1s) claimed by CUTLASS kernels; in fp16
-    each conv-BatchNorm-SiLU is one kernel (SiLU, x * sigmoid(x) as the exporter writes it, in the epilogue). The
+    the PAN neck's strided convs, both head branches with their biased 1x1s) claimed by CUTLASS kernels; each
+    conv-BatchNorm-SiLU is one kernel (SiLU, x * sigmoid(x) as the exporter writes it, in the epilogue; int8: before
+    the requantization). The
     rewritten module with the kernels' TIR twins equals the graph before the rewrite (int8: bit for bit) and is
     close to ONNX Runtime. (The kernels' compilation is test_kernels_compile_in_a_tvm_module_to_tensor_cores's: 63
     NVRTC builds would cost minutes here.)"""
@@ -533,8 +535,10 @@ def test_a_yolov8n_style_detector_runs_every_convolution_on_cutlass(precision, t
     assert convs == 63 and len(claimed) == convs and left == [], left
     if precision == "fp16":  # the head's two 1x1 convs of each level have no activation; the other 57 a SiLU
         assert sorted(c.kernel.activation for c in claimed) == ["identity"] * 6 + ["silu"] * 57
-    else:
+    else:  # int8: SiLU in the epilogue, then the requantization (38 of 63; the others write float32: their
+        # outputs are split, concatenated or summed in float before the next quantize)
         assert all(c.kernel.precision == "int8" for c in claimed)
+        assert sum(c.kernel.silu for c in claimed) == 57 and sum(not c.kernel.float_out for c in claimed) >= 30
     rewritten = cutlass.claim_convs(prepared.mod, claimed, {c.kernel.name: 49152 for c in claimed})
     twin = Graph(cutlass.with_twins(rewritten, claimed), prepared.weights)
     session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])

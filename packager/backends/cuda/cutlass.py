@@ -72,14 +72,15 @@ struct Relu6 {
 // The int8 epilogue (edgeq's: CUTLASS 2.x's convolution epilogues broadcast one per-channel vector, and a
 // requantization needs three, the int32 bias, the float scale and shift). DefaultConv2dFpropWithBroadcast hands
 // it each output element's channel index as its broadcast vector; it reads those channels' constants itself:
-//   v = clamp(float(acc + bias[k]) * scale[k] + shift[k]  [+ float(residual) * residual_scale], act_lo, act_hi)
+//   v = float(acc + bias[k]) * scale[k] + shift[k];  [v = v * sigmoid(v)]  (SiLU)
+//   v = clamp(v  [+ float(residual) * residual_scale], act_lo, act_hi)
 //   v = v / out_div
 //   y = int8(clamp(round half to even(v), lo, hi))
 // Each step rounds as the graph's float32 operators do (no contraction into FMA), so it computes what the
 // requantize chain it replaces computes.
 struct RequantParams {
   int32_t const* bias; float const* scale; float const* shift; float residual_scale; float act_lo; float act_hi;
-  float out_div; float lo; float hi; int residual;
+  float out_div; float lo; float hi; int residual; int silu;
 };
 template <int N, typename Out = int8_t>
 class Requantize {  // Out float: the value before the division, unrounded (an int8 layer whose output is float)
@@ -125,6 +126,7 @@ class Requantize {  // Out float: the value before the division, unrounded (an i
   }
   CUTLASS_DEVICE Out one(int32_t acc_bias, float scale, float shift, float residual) const {
     float x = __fadd_rn(__fmul_rn(float(acc_bias), scale), shift);
+    if (p_.silu) x = __fmul_rn(x, __fdiv_rn(1.f, __fadd_rn(1.f, expf(-x))));
     if (p_.residual) x = __fadd_rn(x, __fmul_rn(residual, p_.residual_scale));
     x = fminf(fmaxf(x, p_.act_lo), p_.act_hi);
     if constexpr (cutlass::platform::is_same<Out, float>::value) {
@@ -253,9 +255,9 @@ def choose_tile(problem: Conv2dProblem | GemmProblem, sm_count: int, smem_per_bl
 @dataclasses.dataclass(frozen=True)
 class ConvKernel:
     """What edgeq asks one CUTLASS convolution to compute. fp16: ``act(conv(x, w) + residual + bias)``. int8 (s8 x s8
-    -> s32, the ``Requantize`` epilogue): ``clamp(round((float(conv + bias) * scale [+ residual x residual_scale])
-    clamped to [act_lo, act_hi]) / out_div), lo, hi)`` to int8, ``bias`` int32 and ``scale`` float32 per output
-    channel."""
+    -> s32, the ``Requantize`` epilogue): ``clamp(round((silu?(float(conv + bias) * scale + shift) [+ residual x
+    residual_scale]) clamped to [act_lo, act_hi]) / out_div), lo, hi)`` to int8, ``bias`` int32 and ``scale`` float32
+    per output channel."""
 
     name: str  # a C identifier, unique in its module (the TVM function is cutlass_<name>)
     problem: Conv2dProblem
@@ -270,6 +272,7 @@ class ConvKernel:
     lo: float = -128.0  # the clamp after rounding
     hi: float = 127.0
     float_out: bool = False  # int8: the output is the float32 value before the division (no quantize follows)
+    silu: bool = False  # int8: v * sigmoid(v) right after the scale and shift (before the residual and clamps)
 
     @property
     def grid(self) -> tuple[int, int]:
@@ -386,7 +389,7 @@ def device_source(kernels: Sequence[ConvKernel]) -> str:
             element, out_element = "int8_t", ("float" if kern.float_out else "int8_t")
             output_op = (f"edgeq_cutlass::RequantParams{{bias, scale, shift, {_c_float(kern.residual_scale)}, "
                          f"{_c_float(kern.act_lo)}, {_c_float(kern.act_hi)}, {_c_float(kern.out_div)}, "
-                         f"{_c_float(kern.lo)}, {_c_float(kern.hi)}, {int(kern.residual)}}}")
+                         f"{_c_float(kern.lo)}, {_c_float(kern.hi)}, {int(kern.residual)}, {int(kern.silu)}}}")
             vector = "channel"
         else:
             element = out_element = "half_t"
@@ -609,6 +612,8 @@ def replay_int8(kernel: ConvKernel, x: np.ndarray, w: np.ndarray, bias: np.ndarr
     f32 = np.float32
     v = (acc + bias.reshape(-1).astype(np.int64)).astype(np.int32).astype(f32) * scale.reshape(-1).astype(f32)
     v = v + (f32(0) if shift is None else shift.reshape(-1).astype(f32))
+    if kernel.silu:
+        v = v * (f32(1) / (f32(1) + np.exp(-v)))
     if residual is not None:
         v = v + residual.astype(f32) * f32(kernel.residual_scale)
     v = np.clip(v, f32(kernel.act_lo), f32(kernel.act_hi))
@@ -669,7 +674,8 @@ def kernel_record(kernel: ConvKernel, smem_bytes: int) -> dict:
     }
     if kernel.precision == "int8":
         record["requantize"] = {
-            "float_out": kernel.float_out, "residual_scale": kernel.residual_scale, "out_div": kernel.out_div,
+            "float_out": kernel.float_out, "silu": kernel.silu, "residual_scale": kernel.residual_scale,
+            "out_div": kernel.out_div,
             "activation_clamp": [None if math.isinf(v) else v for v in (kernel.act_lo, kernel.act_hi)],
             "clamp": [kernel.lo, kernel.hi],
         }
@@ -1053,7 +1059,7 @@ def find_convs(main, sm_count: int, smem_per_block: int) -> tuple[list[Claimed],
         if call_op(value) != "relax.nn.conv2d":
             continue
         if dtype_of(value.args[0]) == "int8":
-            found = _int8_chain(b, value_of, only_reader, follow, params, sm_count, smem_per_block,
+            found = _int8_chain(b, value_of, only_reader, follow, readers, params, sm_count, smem_per_block,
                                 f"l{len(claimed)}")
             if isinstance(found, str):
                 left.append({"conv": b.var.name, "why": found})
@@ -1201,13 +1207,13 @@ def _output_shape(out, problem) -> dict:
     return {} if shape == (problem.n, problem.p, problem.q, problem.k) else {"y": shape}
 
 
-def _int8_chain(b, value_of, only_reader, follow, params, sm_count: int, smem_per_block: int,
+def _int8_chain(b, value_of, only_reader, follow, readers, params, sm_count: int, smem_per_block: int,
                 name: str) -> Claimed | str:
     """The int8 chain from the conv2d bound by ``b`` as one Claimed kernel, or why it is left to dlight. The chain
     (what ``prepare_nhwc`` leaves of edgeq's requantization and of quantize/dequantize):
     ``conv2d(int8 NHWC, int8 OHWI) -> int32 -> + bias (int32 [K]) -> astype float32 -> * scale (per channel or
-    scalar) -> [+ float32(residual int8) * s] -> [relu] -> [/ s] -> round -> [max lo] [min hi] -> [astype int32] ->
-    astype int8``."""
+    scalar) -> [+ shift] -> [x * sigmoid(x) (SiLU)] -> [+ float32(residual int8) * s] -> [relu] -> [/ s] -> round ->
+    [max lo] [min hi] -> [astype int32] -> astype int8``."""
     from edgeq.graph import call_op, const_value
     from edgeq.graph_passes import dtype_of, shape_of
 
@@ -1278,17 +1284,21 @@ def _int8_chain(b, value_of, only_reader, follow, params, sm_count: int, smem_pe
     tile = choose_tile(problem, sm_count, smem_per_block, "int8")
     # what follows the scale (and shift) up to the int8 cast; where it is not that, the kernel ends at the scale
     # (or shift) with a float32 output and the operators after it stay as they are
+    silu = _silu_of(chain[-1], readers, value_of, only_reader) if nxt is None else None
+    if silu is not None:  # SiLU (x * sigmoid(x)) in float, before the rest
+        chain = chain + silu
+        nxt = only_reader(chain[-1])
     float_chain = list(chain)
     rest = _requantize_tail(chain, nxt, value_of, only_reader, b.var, op_of, other)
     if isinstance(rest, str):
-        kernel = ConvKernel(name, problem, tile, "identity", False, "int8", float_out=True)
+        kernel = ConvKernel(name, problem, tile, "identity", False, "int8", float_out=True, silu=silu is not None)
         return Claimed(kernel, float_chain[-1], x, w, bias, None, tuple(float_chain[:-1]),
                        {**shapes, **_output_shape(float_chain[-1], problem)}, scale, shift)
     chain, residual, residual_scale, act_lo, act_hi, out_div, lo, hi = rest
     activation = {(-math.inf, math.inf): "identity", (0.0, math.inf): "relu", (0.0, 6.0): "relu6"}.get(
         (act_lo, act_hi), "clip")
     kernel = ConvKernel(name, problem, tile, activation, residual is not None, "int8", residual_scale, act_lo, act_hi,
-                        out_div, lo, hi)
+                        out_div, lo, hi, silu=silu is not None)
     return Claimed(kernel, chain[-1], x, w, bias, residual, tuple(chain[:-1]),
                    {**shapes, **_output_shape(chain[-1], problem)}, scale, shift)
 
@@ -1463,6 +1473,8 @@ def twin_prim_func(kernel: ConvKernel, shapes: dict | None = None):
 
     def epilogue_int8(i, y, z, o):
         v = (acc[i, y, z, o] + at("bias", o)).astype("float32") * at("scale", o) + at("shift", o)
+        if kernel.silu:
+            v = v * te.sigmoid(v)
         if res is not None:
             v = v + res[reindex((i, y, z, o), npqk, y_shape)].astype("float32") * f32(kernel.residual_scale)
         if not math.isinf(kernel.act_lo):
