@@ -332,7 +332,9 @@ def measure(bundle_dir: Path, precision: str) -> dict:
     sass = sass_by_kernel(Path(bundle_dir, "model.so"))
     gemms = sorted(f for f in kernels["functions"] if is_gemm(f))
     instruction = TENSOR_CORE_SASS.get(precision)
-    tensor_cores = sorted(f for f in gemms if instruction and instruction in kernel_sass(f, sass))
+    # an int8 bundle's fp16 kernels (attention's batched GEMMs on the CUTLASS path) are on tensor cores too
+    accepted = {"fp16": "HMMA", "int8": "IMMA|HMMA"}.get(precision)
+    tensor_cores = sorted(f for f in gemms if accepted and re.search(rf"\b({accepted})\.", kernel_sass(f, sass)))
     launches = kernels["launches"]  # a PrimFunc runs as often as main calls it (same shapes: one function)
     return {
         "precision": precision,
