@@ -9,7 +9,8 @@ took effect (``library.gpu_kernels``), the conv/matmul kernels and how many of t
 SASS, cut out of model.so and disassembled with cuobjdump, has HMMA for fp16 or IMMA for int8), the kernels
 still on dlight's "fallback" rule, the tensor-core schedules that fell back, and the bytes of weights. No GPU
 is needed. The models are written with the onnx helper (random weights, BatchNorm after every conv, as an
-exporter that does not fold it writes them): ResNet-18 and MobileNetV2 at 224x224.
+exporter that does not fold it writes them): ResNet-18, ResNet-50 and MobileNetV2 at 224x224, a YOLOv8n-style
+detector at 640x640 and a BERT-style encoder (all-MiniLM-L6-v2's shape, 128 tokens).
 """
 
 from __future__ import annotations
