@@ -248,7 +248,8 @@ def RecordResult(report: GpuKernels):  # noqa: N802
 
         relax.analysis.post_order_visit(mod["main"], visit_main)
         for gv, func in mod.functions_items():
-            if isinstance(func, relax.Function) and gv.name_hint.endswith("_cuda_graph_capture"):
+            # one function per captured region: main_cuda_graph_capture, main_cuda_graph_capture1, ...
+            if isinstance(func, relax.Function) and re.fullmatch(r".*_cuda_graph_capture\d*", gv.name_hint):
                 relax.analysis.post_order_visit(func, visit_capture)
         report.cuda_graph, report.cuda_graph_kernels = found, captured if found else 0
         names = {gv.name_hint for gv in kernels}
