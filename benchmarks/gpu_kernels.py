@@ -9,8 +9,8 @@ took effect (``library.gpu_kernels``), the conv/matmul kernels and how many of t
 SASS, cut out of model.so and disassembled with cuobjdump, has HMMA for fp16 or IMMA for int8), the kernels
 still on dlight's "fallback" rule, the tensor-core schedules that fell back, and the bytes of weights. No GPU
 is needed. The models are written with the onnx helper (random weights, BatchNorm after every conv, as an
-exporter that does not fold it writes them): ResNet-18, ResNet-50 and MobileNetV2 at 224x224, a YOLOv8n-style
-detector at 640x640 and a BERT-style encoder (all-MiniLM-L6-v2's shape, 128 tokens).
+exporter that does not fold it writes them): ResNet-18, ResNet-50, MobileNetV2 and EfficientNet-B0 at 224x224, a
+YOLOv8n-style detector at 640x640 and a BERT-style encoder (all-MiniLM-L6-v2's shape, 128 tokens).
 """
 
 from __future__ import annotations
@@ -149,6 +149,46 @@ def mobilenet_v2(path: Path, size: int = 224, classes: int = 1000, settings=MOBI
     return net.save(path, size, classes, batch)
 
 
+# torchvision's EfficientNet-B0: (expansion, kernel, first stride, channels, repeats)
+EFFICIENTNET_B0 = ((1, 3, 1, 16, 1), (6, 3, 2, 24, 2), (6, 5, 2, 40, 2), (6, 3, 2, 80, 3), (6, 5, 1, 112, 3),
+                   (6, 5, 2, 192, 4), (6, 3, 1, 320, 1))
+
+
+def efficientnet_b0(path: Path, size: int = 224, classes: int = 1000, batch: int = 1) -> Path:
+    """EfficientNet-B0 (torchvision's layout): MBConv blocks (1x1 expand, depthwise kxk, squeeze-and-excitation with
+    a quarter of the block's input channels, 1x1 project, residual add where the shape allows), SiLU as Sigmoid and
+    Mul, BatchNorm after every conv but the excitation's (which have biases)."""
+    net = Net(3)
+
+    def silu(x):
+        return net.node("Mul", [x, net.node("Sigmoid", [x])])
+
+    def conv(x, cin, cout, k, stride=1, groups=1, bias=False, bn=True):
+        if bn:
+            return net.conv_bn(x, cin, cout, k, stride, groups)
+        w = net.const("w", net.rng.standard_normal((cout, cin // groups, k, k)) / np.sqrt(cin // groups * k * k))
+        b = net.const("b", net.rng.standard_normal(cout) * 0.1)
+        return net.node("Conv", [x, w, b], kernel_shape=[k, k], pads=[k // 2] * 4)
+
+    x = silu(conv("input", 3, 32, 3, 2))
+    cin = 32
+    for t, k, s, c, n in EFFICIENTNET_B0:
+        for i in range(n):
+            stride = s if i == 0 else 1
+            hidden = cin * t
+            y = silu(conv(x, cin, hidden, 1)) if t != 1 else x
+            y = silu(conv(y, hidden, hidden, k, stride, groups=hidden))
+            squeeze = max(1, cin // 4)
+            e = net.node("GlobalAveragePool", [y])
+            e = net.node("Sigmoid", [conv(silu(conv(e, hidden, squeeze, 1, bn=False)), squeeze, hidden, 1, bn=False)])
+            y = conv(net.node("Mul", [y, e]), hidden, c, 1)
+            x = net.node("Add", [x, y]) if stride == 1 and cin == c else y
+            cin = c
+    x = silu(conv(x, cin, 1280, 1))
+    net.classifier(x, 1280, classes)
+    return net.save(path, size, classes, batch)
+
+
 def yolov8n(path: Path, size: int = 640, classes: int = 80, batch: int = 1) -> Path:
     """A YOLOv8n-style detector as Ultralytics' exporter writes its layers (conv-BatchNorm-SiLU with SiLU as Sigmoid
     and Mul; BatchNorm left unfolded as the other builders): the n-scale backbone (3x3/2 convs, C2f blocks with
@@ -208,7 +248,8 @@ def yolov8n(path: Path, size: int = 640, classes: int = 80, batch: int = 1) -> P
     anchors = sum((size // s) ** 2 for s in (8, 16, 32))
     graph = helper.make_graph(net.nodes, path.stem,
                               [helper.make_tensor_value_info("input", TensorProto.FLOAT, [batch, 3, size, size])],
-                              [helper.make_tensor_value_info("output", TensorProto.FLOAT, [batch, 64 + classes, anchors])],
+                              [helper.make_tensor_value_info("output", TensorProto.FLOAT,
+                                                             [batch, 64 + classes, anchors])],
                               net.inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="onnx.helper")
     model.ir_version = 8
@@ -251,7 +292,8 @@ def bert_encoder(path: Path, seq: int = 128, hidden: int = 384, heads: int = 12,
         x = layer_norm(net.node("Add", [x, linear(context, hidden, hidden)]))
         h = linear(x, hidden, hidden * ffn)
         erf = net.node("Erf", [net.node("Mul", [h, net.const("r2", 1 / np.sqrt(2))])])
-        h = net.node("Mul", [net.node("Mul", [h, net.const("half", 0.5)]), net.node("Add", [net.const("one", 1.0), erf])])
+        h = net.node("Mul", [net.node("Mul", [h, net.const("half", 0.5)]),
+                             net.node("Add", [net.const("one", 1.0), erf])])
         x = layer_norm(net.node("Add", [x, linear(h, hidden * ffn, hidden)]))
     net.nodes.append(helper.make_node("Identity", [x], ["hidden"]))
     graph = helper.make_graph(net.nodes, path.stem,
@@ -265,8 +307,8 @@ def bert_encoder(path: Path, seq: int = 128, hidden: int = 384, heads: int = 12,
     return path
 
 
-MODELS = {"resnet18": resnet18, "resnet50": resnet50, "mobilenet_v2": mobilenet_v2, "yolov8n": yolov8n,
-          "bert_encoder": bert_encoder}
+MODELS = {"resnet18": resnet18, "resnet50": resnet50, "mobilenet_v2": mobilenet_v2, "efficientnet_b0": efficientnet_b0,
+          "yolov8n": yolov8n, "bert_encoder": bert_encoder}
 
 
 # ------------------------------------------------------------------ measuring a bundle

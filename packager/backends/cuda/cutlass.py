@@ -659,7 +659,8 @@ def kernel_record(kernel: ConvKernel, smem_bytes: int) -> dict:
             "accumulation, row-major A and B)", "tile": list(kernel.tile.block), "warp": list(kernel.tile.warp),
             "stages": kernel.tile.stages, "threads": kernel.tile.threads, "grid": list(kernel.grid),
             "shared_bytes": smem_bytes, "problem": {"batch": p.batch, "mnk": [p.m, p.n, p.k]},
-            "alpha": kernel.alpha, "activation": "identity", "residual": False, "precision": kernel.precision, "flops": p.flops,
+            "alpha": kernel.alpha, "activation": "identity", "residual": False, "precision": kernel.precision,
+            "flops": p.flops,
         }
     template = ("DefaultConv2dFpropWithBroadcast (Sm80, s8 x s8 -> s32, edgeq's Requantize epilogue)"
                 if kernel.precision == "int8" else "DefaultConv2dFpropWithBroadcast (Sm80, fp16, fp32 accumulation)")
