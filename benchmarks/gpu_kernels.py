@@ -75,10 +75,15 @@ class Net:
               self.const("fcb", self.rng.standard_normal(classes) * 0.1)]
         self.nodes.append(helper.make_node("Gemm", [flat, *fc], ["logits"], transB=1))
 
-    def save(self, path: Path, size: int, classes: int, batch: int = 1) -> Path:
+    def save(self, path: Path, size: int, classes: int, batch: int = 1, input_shape: list | None = None,
+             output: tuple[str, list] | None = None) -> Path:
+        """The graph as an ONNX file: input ``input`` [batch, 3, size, size] (or ``input_shape``), output ``logits``
+        [batch, classes] (or ``output``: name and shape)."""
+        out_name, out_shape = output or ("logits", [batch, classes])
         graph = helper.make_graph(self.nodes, path.stem,
-                                  [helper.make_tensor_value_info("input", TensorProto.FLOAT, [batch, 3, size, size])],
-                                  [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [batch, classes])],
+                                  [helper.make_tensor_value_info("input", TensorProto.FLOAT,
+                                                                 input_shape or [batch, 3, size, size])],
+                                  [helper.make_tensor_value_info(out_name, TensorProto.FLOAT, out_shape)],
                                   self.inits)
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="onnx.helper")
         model.ir_version = 8
@@ -246,16 +251,7 @@ def yolov8n(path: Path, size: int = 640, classes: int = 80, batch: int = 1) -> P
         outs.append(net.node("Reshape", [net.node("Concat", [box, cls], axis=1), flat]))
     net.nodes.append(helper.make_node("Concat", outs, ["output"], axis=2))
     anchors = sum((size // s) ** 2 for s in (8, 16, 32))
-    graph = helper.make_graph(net.nodes, path.stem,
-                              [helper.make_tensor_value_info("input", TensorProto.FLOAT, [batch, 3, size, size])],
-                              [helper.make_tensor_value_info("output", TensorProto.FLOAT,
-                                                             [batch, 64 + classes, anchors])],
-                              net.inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="onnx.helper")
-    model.ir_version = 8
-    onnx.checker.check_model(model)
-    onnx.save(model, path)
-    return path
+    return net.save(path, size, classes, batch, output=("output", [batch, 64 + classes, anchors]))
 
 
 def bert_encoder(path: Path, seq: int = 128, hidden: int = 384, heads: int = 12, layers: int = 6, ffn: int = 4,
@@ -296,15 +292,8 @@ def bert_encoder(path: Path, seq: int = 128, hidden: int = 384, heads: int = 12,
                              net.node("Add", [net.const("one", 1.0), erf])])
         x = layer_norm(net.node("Add", [x, linear(h, hidden * ffn, hidden)]))
     net.nodes.append(helper.make_node("Identity", [x], ["hidden"]))
-    graph = helper.make_graph(net.nodes, path.stem,
-                              [helper.make_tensor_value_info("input", TensorProto.FLOAT, [batch, seq, hidden])],
-                              [helper.make_tensor_value_info("hidden", TensorProto.FLOAT, [batch, seq, hidden])],
-                              net.inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="onnx.helper")
-    model.ir_version = 8
-    onnx.checker.check_model(model)
-    onnx.save(model, path)
-    return path
+    return net.save(path, seq, hidden, batch, input_shape=[batch, seq, hidden],
+                    output=("hidden", [batch, seq, hidden]))
 
 
 MODELS = {"resnet18": resnet18, "resnet50": resnet50, "mobilenet_v2": mobilenet_v2, "efficientnet_b0": efficientnet_b0,

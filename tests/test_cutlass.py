@@ -384,6 +384,30 @@ def test_gpu_kernels_refused_where_it_cannot_apply(device, precision, says, tmp_
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
 
+def _claimed_graph(model, precision: str, calib: np.ndarray, tmp_path):
+    """``model`` as ``--gpu-kernels cutlass`` prepares it for the Orin (int8: minmax-calibrated on ``calib``; fp16:
+    ToMixedPrecision), and what ``find_convs`` claims of it: (prepared graph, claimed, left)."""
+    from edgeq.backends import for_profile
+    from edgeq.load import load_model
+    from edgeq.relax_import import to_relax
+
+    profile = resolve("jetson-orin-nano")[0]
+    backend = for_profile(profile).with_gpu_kernels("cutlass", profile, precision)
+    loaded = load_model(model, {}, {})
+    graph, _ = to_relax(loaded)
+    if precision == "int8":
+        from edgeq.quantize import QuantizeArgs, quantize
+
+        np.savez(tmp_path / "calib.npz", input=calib)
+        graph = quantize(graph, loaded, QuantizeArgs(calibrate=tmp_path / "calib.npz", method="minmax", samples=10),
+                         warn=lambda _: None).graph
+    prepared, _ = backend.prepare(graph, profile.tvm_target())
+    if precision == "fp16":
+        prepared = backend.to_fp16(prepared)
+    claimed, left = cutlass.find_convs(prepared.main, profile.cuda.sm_count, profile.cuda.shared_memory_per_block_optin)
+    return prepared, claimed, left
+
+
 @pytest.mark.parametrize("precision", ["fp16", "int8"])
 def test_a_bert_style_encoders_linear_layers_run_on_cutlass(precision, tmp_path):
     """A BERT-style encoder (benchmarks/gpu_kernels.py's, at 16 tokens and hidden 64): its six linear layers (Q, K,
@@ -396,28 +420,12 @@ def test_a_bert_style_encoders_linear_layers_run_on_cutlass(precision, tmp_path)
     import onnxruntime as ort
     from gpu_kernels import bert_encoder
 
-    from edgeq.backends import for_profile
     from edgeq.compile import HostRunner
     from edgeq.graph import Graph
-    from edgeq.load import load_model
-    from edgeq.relax_import import to_relax
 
-    profile = resolve("jetson-orin-nano")[0]
-    backend = for_profile(profile).with_gpu_kernels("cutlass", profile, precision)
     model = bert_encoder(tmp_path / "bert.onnx", seq=16, hidden=64, heads=2, layers=1)
-    loaded = load_model(model, {}, {})
-    graph, _ = to_relax(loaded)
     xs = [np.random.default_rng(seed).standard_normal((1, 16, 64)).astype(np.float32) for seed in range(12)]
-    if precision == "int8":
-        from edgeq.quantize import QuantizeArgs, quantize
-
-        np.savez(tmp_path / "calib.npz", input=np.stack(xs[2:]))
-        graph = quantize(graph, loaded, QuantizeArgs(calibrate=tmp_path / "calib.npz", method="minmax", samples=10),
-                         warn=lambda _: None).graph
-    prepared, _ = backend.prepare(graph, profile.tvm_target())
-    if precision == "fp16":
-        prepared = backend.to_fp16(prepared)
-    claimed, left = cutlass.find_convs(prepared.main, profile.cuda.sm_count, profile.cuda.shared_memory_per_block_optin)
+    prepared, claimed, left = _claimed_graph(model, precision, np.stack(xs[2:]), tmp_path)
     gemms = [c for c in claimed if isinstance(c.kernel, cutlass.GemmKernel)]
     claimed = [c for c in claimed if c not in gemms]
     # Q K^T: 2 heads of [16, 32] x [32, 16], scaled by 1/sqrt(32) in fp16 (int8: by a weight, after); P V: [16, 16] x
@@ -513,28 +521,12 @@ def test_a_yolov8n_style_detector_runs_every_convolution_on_cutlass(precision, t
     import onnxruntime as ort
     from gpu_kernels import yolov8n
 
-    from edgeq.backends import for_profile
     from edgeq.compile import HostRunner
     from edgeq.graph import Graph
-    from edgeq.load import load_model
-    from edgeq.relax_import import to_relax
 
-    profile = resolve("jetson-orin-nano")[0]
-    backend = for_profile(profile).with_gpu_kernels("cutlass", profile, precision)
     model = yolov8n(tmp_path / "yolo.onnx", size=32)
-    loaded = load_model(model, {}, {})
-    graph, _ = to_relax(loaded)
     xs = [np.random.default_rng(seed).standard_normal((1, 3, 32, 32)).astype(np.float32) for seed in range(12)]
-    if precision == "int8":
-        from edgeq.quantize import QuantizeArgs, quantize
-
-        np.savez(tmp_path / "calib.npz", input=np.concatenate(xs[2:]))
-        graph = quantize(graph, loaded, QuantizeArgs(calibrate=tmp_path / "calib.npz", method="minmax", samples=10),
-                         warn=lambda _: None).graph
-    prepared, _ = backend.prepare(graph, profile.tvm_target())
-    if precision == "fp16":
-        prepared = backend.to_fp16(prepared)
-    claimed, left = cutlass.find_convs(prepared.main, profile.cuda.sm_count, profile.cuda.shared_memory_per_block_optin)
+    prepared, claimed, left = _claimed_graph(model, precision, np.concatenate(xs[2:]), tmp_path)
     convs = sum(1 for n in onnx.load(model).graph.node if n.op_type == "Conv")
     assert convs == 63 and len(claimed) == convs and left == [], left
     if precision == "fp16":  # the head's two 1x1 convs of each level have no activation; the other 57 a SiLU

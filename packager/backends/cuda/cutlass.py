@@ -1049,19 +1049,15 @@ def find_convs(main, sm_count: int, smem_per_block: int) -> tuple[list[Claimed],
     claimed, left, taken = [], [], set()
     for b in bindings:
         value = b.value
+        found = None
         if call_op(value) == "relax.matmul":  # what _matmul_as_conv left a matrix product: attention's, batched
             found = _batched_gemm(b, value_of, only_reader, params, sm_count, smem_per_block, f"l{len(claimed)}")
-            if isinstance(found, str):
-                left.append({"conv": b.var.name, "why": found})
-            else:
-                claimed.append(found)
-                taken.update(found.chain)
+        elif call_op(value) != "relax.nn.conv2d":
             continue
-        if call_op(value) != "relax.nn.conv2d":
-            continue
-        if dtype_of(value.args[0]) == "int8":
+        elif dtype_of(value.args[0]) == "int8":
             found = _int8_chain(b, value_of, only_reader, follow, readers, params, sm_count, smem_per_block,
                                 f"l{len(claimed)}")
+        if found is not None:
             if isinstance(found, str):
                 left.append({"conv": b.var.name, "why": found})
             else:
