@@ -6,6 +6,7 @@ replayed on the host in numpy, equals ONNX Runtime on the same convolution."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import numpy as np
@@ -66,9 +67,9 @@ ONNX_ACT = {"relu": ("Relu", {}), "relu6": ("Clip", {}), "hardswish": ("HardSwis
             "identity": None}
 
 
-def _onnx_conv(x_shape, w, b, pads, strides, dilations, activation, residual_shape):
+def _onnx_conv(x_shape, w, b, pads, strides, dilations, activation, residual_shape, group=1):
     nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], pads=list(pads), strides=list(strides),
-                              dilations=list(dilations))]
+                              dilations=list(dilations), group=group)]
     inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x_shape))]
     last = "c"
     if residual_shape is not None:
@@ -158,6 +159,113 @@ def test_the_int8_replay_equals_onnxruntime_qlinearconv(case):
     assert diff.max() <= 1 and (diff == 0).mean() >= 0.99, (diff.max(), (diff == 0).mean())
 
 
+DEPTHWISE = {  # name: (x shape NCHW, kernel size, pad, stride, dilation, activation, residual)
+    "3x3-relu6": ((1, 32, 13, 11), 3, 1, 1, 1, "relu6", False),
+    "3x3s2-batch2": ((2, 96, 15, 14), 3, 1, 2, 1, "identity", False),
+    "5x5-silu-residual": ((1, 40, 7, 7), 5, 2, 1, 1, "silu", True),
+    "3x3-dilated": ((1, 16, 9, 9), 3, 2, 1, 2, "relu", False),
+}
+
+
+def _depthwise_case(case, precision):
+    (n, c, h, w_), ks, pad, stride, dil, activation, residual = DEPTHWISE[case]
+    problem = cutlass.Conv2dProblem(n, h, w_, c, c, ks, ks, (pad, pad), (stride, stride), (dil, dil), groups=c)
+    if precision == "int8":
+        kernel = cutlass.DepthwiseKernel("k", problem, None, activation, residual, "int8", residual_scale=0.04,
+                                         act_lo=0.0 if activation in ("relu", "relu6") else -np.inf,
+                                         act_hi=6.0 if activation == "relu6" else np.inf, out_div=0.05,
+                                         silu=activation == "silu")
+    else:
+        kernel = cutlass.DepthwiseKernel("k", problem, None, activation, residual)
+    return kernel, (n, c, h, w_), (c, 1, ks, ks)
+
+
+def _run_twin(kernel, operands: dict) -> np.ndarray:
+    """The kernel's TIR before its GPU schedule (``twin_prim_func``), built for this CPU and run on ``operands``."""
+    from edgeq.tvm_env import import_tvm
+
+    tvm = import_tvm()
+    lib = tvm.tirx.build(cutlass.twin_prim_func(kernel), target="llvm")
+    specs = cutlass.kernel_operands(kernel)
+    args = [tvm.runtime.tensor(np.ascontiguousarray(operands[name]).reshape(shape).astype(dtype))
+            for name, shape, dtype in specs[:-1]]
+    y = tvm.runtime.tensor(np.zeros(specs[-1][1], specs[-1][2]))
+    lib(*args, y)
+    return y.numpy()
+
+
+@pytest.mark.parametrize("case", list(DEPTHWISE))
+def test_a_depthwise_kernel_computes_what_onnxruntime_does(case):
+    """A depthwise convolution (groups = channels) with its fused epilogue, fp16: the numpy replay of what the
+    kernel is asked (HWOI weights, NHWC, padding, stride, dilation, bias, residual, activation) against ONNX
+    Runtime's grouped Conv, and the kernel's own TIR (before its GPU schedule, built for this CPU) against the
+    replay."""
+    import onnxruntime as ort
+
+    kernel, x_shape, w_shape = _depthwise_case(case, "fp16")
+    p = kernel.problem
+    rng = np.random.default_rng(len(case))
+    x = rng.standard_normal(x_shape).astype(np.float16).astype(np.float32)
+    w = (rng.standard_normal(w_shape) / p.r).astype(np.float16).astype(np.float32)
+    b = rng.standard_normal(p.k).astype(np.float16).astype(np.float32)
+    out_shape = (p.n, p.k, p.p, p.q)
+    r = rng.standard_normal(out_shape).astype(np.float16).astype(np.float32) if kernel.residual else None
+    pads, strides, dils = (p.pad * 2), p.stride, p.dilation
+    model = _onnx_conv(x_shape, w, b, pads, strides, dils, kernel.activation, out_shape if r is not None else None,
+                       group=p.k)
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, {"x": x, **({"r": r} if r is not None else {})})[0]
+    assert want.shape == out_shape
+    nhwc, hwoi = np.transpose(x, (0, 2, 3, 1)), np.transpose(w, (2, 3, 0, 1))
+    residual = None if r is None else np.transpose(r, (0, 2, 3, 1))
+    got = cutlass.replay(kernel, nhwc, hwoi, b, residual)
+    np.testing.assert_allclose(np.transpose(got, (0, 3, 1, 2)).astype(np.float32), want, rtol=2e-3, atol=2e-3)
+    twin = _run_twin(kernel, {"x": nhwc, "w": hwoi, "bias": b, "residual": residual})
+    np.testing.assert_allclose(twin.astype(np.float32), got.astype(np.float32), rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("case", ["3x3-relu6", "3x3s2-batch2", "5x5-silu-residual"])
+def test_an_int8_depthwise_kernel_computes_what_qlinearconv_does(case):
+    """int8 depthwise (s8 x s8 -> s32 per channel, the requantizing epilogue): the numpy replay against ONNX
+    Runtime's QLinearConv with group = channels (identity epilogue: at most one step apart, >= 99% exact), and the
+    kernel's own TIR built for this CPU against the replay bit for bit (with its activation, SiLU and residual)."""
+    import onnxruntime as ort
+
+    kernel, x_shape, w_shape = _depthwise_case(case, "int8")
+    p = kernel.problem
+    rng = np.random.default_rng(len(case))
+    x = rng.integers(-128, 128, x_shape, dtype=np.int8)
+    w = rng.integers(-127, 128, w_shape, dtype=np.int8)
+    bias = rng.integers(-3000, 3000, p.k, dtype=np.int32)
+    x_scale, y_scale = np.float32(0.02), np.float32(0.05)
+    w_scale = rng.uniform(0.001, 0.004, p.k).astype(np.float32)
+    zero8 = np.int8(0)
+    inits = [numpy_helper.from_array(np.array(x_scale), "xs"), numpy_helper.from_array(np.array(zero8), "xz"),
+             numpy_helper.from_array(w, "w"), numpy_helper.from_array(w_scale, "ws"),
+             numpy_helper.from_array(np.zeros(p.k, np.int8), "wz"), numpy_helper.from_array(np.array(y_scale), "ys"),
+             numpy_helper.from_array(np.array(zero8), "yz"), numpy_helper.from_array(bias, "b")]
+    node = helper.make_node("QLinearConv", ["x", "xs", "xz", "w", "ws", "wz", "ys", "yz", "b"], ["y"],
+                            pads=list(p.pad * 2), strides=list(p.stride), dilations=list(p.dilation), group=p.k)
+    graph = helper.make_graph([node], "qdw", [helper.make_tensor_value_info("x", TensorProto.INT8, list(x_shape))],
+                              [helper.make_tensor_value_info("y", TensorProto.INT8, None)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    nhwc, hwoi = np.transpose(x, (0, 2, 3, 1)), np.transpose(w, (2, 3, 0, 1))
+    scale = (x_scale * w_scale / y_scale).astype(np.float32)  # QLinearConv's multiplier per channel
+    plain = cutlass.DepthwiseKernel("k", p, None, precision="int8")
+    got = np.transpose(cutlass.replay_int8(plain, nhwc, hwoi, bias, scale), (0, 3, 1, 2))
+    diff = np.abs(got.astype(np.int32) - want.astype(np.int32))
+    assert got.shape == want.shape and diff.max() <= 1 and (diff == 0).mean() >= 0.99, (diff.max(), (diff == 0).mean())
+    # the full epilogue: the shift, SiLU or the activation clamp, the residual, the division
+    shift = rng.uniform(-1, 1, p.k).astype(np.float32)
+    residual = rng.integers(-128, 128, (p.n, p.p, p.q, p.k), dtype=np.int8) if kernel.residual else None
+    scale = (x_scale * w_scale).astype(np.float32)
+    replayed = cutlass.replay_int8(kernel, nhwc, hwoi, bias, scale, shift, residual)
+    twin = _run_twin(kernel, {"x": nhwc, "w": hwoi, "bias": bias, "scale": scale, "shift": shift, "residual": residual})
+    assert len(np.unique(replayed)) > 20  # not saturated
+    np.testing.assert_array_equal(twin, replayed)
+
+
 @pytest.fixture(scope="module")
 def nvrtc():
     from edgeq.toolchain import cuda_toolkits
@@ -193,14 +301,24 @@ def test_kernels_compile_in_a_tvm_module_to_tensor_cores(profile, precision, nvr
         gemm = cutlass.GemmProblem(12, 128, 128, 64)
         tile = cutlass.choose_tile(gemm, spec.sm_count, spec.shared_memory_per_block_optin)
         kernels.append(cutlass.GemmKernel("qk", gemm, tile, alpha=0.125))
+    # edgeq's depthwise kernels (TIR through TVM's CUDA codegen, in the same module): MobileNetV2's largest, and a 5x5
+    # with SiLU and a residual
+    depthwise = [_depthwise_case(case, precision)[0] for case in ("3x3s2-batch2", "5x5-silu-residual")]
+    depthwise = [dataclasses.replace(k, name=f"dw{i}") for i, k in enumerate(depthwise)]
     target = tvm.target.Target({"kind": "cuda", "arch": spec.arch, "host": "llvm"})
-    library, sizes = cutlass.build_module(kernels, target, nvrtc, tmp_path)
+    library, sizes = cutlass.build_module(kernels + depthwise, target, nvrtc, tmp_path)
     source = (tmp_path / f"cutlass_{spec.arch}.cu").read_text()
+    reports = {r.name: r for r in cutlass.read_kernels(library, kernels + depthwise, sizes)}
+    for kern in depthwise:  # CUDA cores, 16-byte loads (fp16) / 4-byte loads (int8) of the input, no spills
+        r = reports.pop(kern.name)
+        body = re.search(rf"void __launch_bounds__\(128\) {kern.function}_kernel\(([^)]*)\) {{(.*?)\n}}", source, re.S)
+        assert body and ("*(uint4*)(x_ptr" if precision == "fp16" else "*(int*)(x_ptr") in body.group(2)
+        assert r.mma == 0 and r.local_bytes == 0 and r.stack_bytes == 0 and r.shared_bytes == 0
+        assert r.threads == 128 and r.grid == kern.grid and r.registers <= 255
     for kern in kernels:  # the block's own dynamic shared memory, not a buffer passed in (which ran as an illegal
         # instruction on the H200: CUTLASS's cp.async and ldmatrix took a global address for a shared one)
         body = re.search(rf"void __launch_bounds__\(\d+\) cutlass_{kern.name}_kernel\(([^)]*)\) {{(.*?)\n}}", source, re.S)
         assert body and "smem" not in body.group(1) and "extern __shared__" in body.group(2), body and body.group(0)
-    reports = {r.name: r for r in cutlass.read_kernels(library, kernels, sizes)}
     assert set(reports) == {k.name for k in kernels}
     for kern in kernels:
         r = reports[kern.name]

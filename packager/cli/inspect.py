@@ -40,7 +40,11 @@ def _gpu_kernels(info) -> str:
     cutlass = info.get("cutlass")
     if cutlass is not None:  # --gpu-kernels cutlass: which convolutions it took, and why it left the others
         taken, left = len(cutlass.get("kernels", [])), cutlass.get("left", [])
-        text += f"; CUTLASS {cutlass.get('version', '?')}: {taken} of {taken + len(left)} convolutions and matrix products"
+        depthwise = len(cutlass.get("depthwise", []))
+        text += (f"; CUTLASS {cutlass.get('version', '?')}: {taken} of {taken + depthwise + len(left)} convolutions "
+                 "and matrix products")
+        if depthwise:
+            text += f", {depthwise} depthwise on edgeq's kernel"
         if left:
             text += " (the rest on dlight: " + "; ".join(f"{x['conv']}: {x['why']}" for x in left[:5]) + \
                     (", ..." if len(left) > 5 else "") + ")"

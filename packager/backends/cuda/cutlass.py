@@ -177,6 +177,7 @@ class Conv2dProblem:
     stride: tuple[int, int] = (1, 1)
     dilation: tuple[int, int] = (1, 1)
     c_real: int = 0  # the model's input channels before padding (0: c)
+    groups: int = 1  # c (= k): a depthwise convolution (``DepthwiseKernel``), weights HWOI [R, S, K, 1]
 
     @property
     def p(self) -> int:
@@ -188,13 +189,13 @@ class Conv2dProblem:
 
     @property
     def gemm(self) -> tuple[int, int, int]:
-        """Implicit GEMM (M, N, K): output pixels, output channels, the reduction."""
-        return self.n * self.p * self.q, self.k, self.r * self.s * self.c
+        """Implicit GEMM (M, N, K): output pixels, output channels, the reduction (per group)."""
+        return self.n * self.p * self.q, self.k, self.r * self.s * self.c // self.groups
 
     @property
     def flops(self) -> int:
         m, n, _ = self.gemm
-        return 2 * m * n * self.r * self.s * (self.c_real or self.c)
+        return 2 * m * n * self.r * self.s * (self.c_real or self.c) // self.groups
 
 
 def problem_from_conv(x_shape: Sequence[int], w_shape: Sequence[int], pads: Sequence[int], strides: Sequence[int],
@@ -275,6 +276,15 @@ class ConvKernel:
     silu: bool = False  # int8: v * sigmoid(v) right after the scale and shift (before the residual and clamps)
 
     @property
+    def function(self) -> str:
+        """The name of its TVM function (and, with ``_kernel``, of its CUDA kernel)."""
+        return f"cutlass_{self.name}"
+
+    @property
+    def threads(self) -> int:
+        return self.tile.threads
+
+    @property
     def grid(self) -> tuple[int, int]:
         """(CTAs along M, CTAs along N): GemmIdentityThreadblockSwizzle<1>, no split-K."""
         m, n, _ = self.problem.gemm
@@ -309,6 +319,42 @@ class ConvKernel:
         )
 
 
+DEPTHWISE_LANES = 8  # channels per thread: one 16-byte load of fp16 (int8: two 4-byte loads)
+DEPTHWISE_THREADS = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class DepthwiseKernel(ConvKernel):
+    """A depthwise convolution (groups = channels, one filter per channel; weights HWOI [R, S, K, 1]) with the same
+    fused epilogue as ``ConvKernel`` (fp16: bias, activation, residual; int8: the requantization), on edgeq's own
+    kernel, not CUTLASS's: ``twin_prim_func``'s TIR scheduled by ``depthwise_prim_func`` (one thread computes 8
+    consecutive channels of one output pixel with fp32 / int32 accumulators, 16-byte loads of the input and the
+    weights, the zero padding as a predicate). Why not CUTLASS: its depthwise kernels are SIMT as well (no tensor
+    core takes a per-channel reduction of R x S), and its epilogue interface hands the output functor no channel
+    index, which edgeq's int8 requantization needs for its three per-channel vectors; one kernel for both
+    precisions keeps one epilogue. A depthwise layer moves its input and output once and computes little: it is
+    memory-bound, and the loads are what the schedule is for."""
+
+    tile: Tile | None = None
+
+    @property
+    def function(self) -> str:
+        return f"depthwise_{self.name}"
+
+    @property
+    def threads(self) -> int:
+        return DEPTHWISE_THREADS
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        p = self.problem
+        return -(-(p.n * p.p * p.q * p.k // DEPTHWISE_LANES) // DEPTHWISE_THREADS), 1
+
+    @property
+    def kernel_type(self) -> str:
+        raise TypeError("a depthwise kernel is TIR, not a CUTLASS template")
+
+
 @dataclasses.dataclass(frozen=True)
 class GemmProblem:
     """A batch of row-major matrix products ``y[b] = a[b] @ w[b]``: a [M, K], w [K, N], y [M, N] per batch, each
@@ -341,6 +387,14 @@ class GemmKernel:
     activation: str = "identity"
     residual: bool = False
     float_out: bool = False
+
+    @property
+    def function(self) -> str:
+        return f"cutlass_{self.name}"
+
+    @property
+    def threads(self) -> int:
+        return self.tile.threads
 
     @property
     def grid(self) -> tuple[int, int, int]:
@@ -378,6 +432,8 @@ def device_source(kernels: Sequence[ConvKernel]) -> str:
     and Params (``smem_sizes`` reads it from the cubin's symbol table)."""
     out = [PREAMBLE]
     for kern in kernels:
+        if isinstance(kern, DepthwiseKernel):  # TIR: TVM writes its CUDA
+            continue
         p = kern.problem
         t = f"Kernel_{kern.name}"
         if isinstance(kern, GemmKernel):
@@ -486,7 +542,7 @@ def wrappers_in_module(kernels: Sequence[ConvKernel]) -> Iterator[None]:
 def kernel_operands(kernel: ConvKernel, shapes: dict | None = None) -> list[tuple[str, tuple, str]]:
     """(name, shape, dtype) of the kernel's operands in the order its PrimFunc and device wrapper take them:
     fp16: x, w, bias, [residual], y; int8: x, w, bias (int32), scale, shift, channel (float32: the output channel's
-    index, the epilogue's broadcast vector), [residual], y. ``shapes``: the per-channel operands' shapes as the
+    index, the epilogue's broadcast vector; not for a depthwise kernel), [residual], y. ``shapes``: the per-channel operands' shapes as the
     graph holds them (K elements; default [K])."""
     p = kernel.problem
     shapes = shapes or {}
@@ -495,6 +551,8 @@ def kernel_operands(kernel: ConvKernel, shapes: dict | None = None) -> list[tupl
                 ("w", tuple(shapes.get("w", (p.batch, p.k, p.n))), "float16"),
                 ("y", tuple(shapes.get("y", (p.batch, p.m, p.n))), "float16")]
     xs, ws, ys = (p.n, p.h, p.w, p.c), (p.k, p.r, p.s, p.c), (p.n, p.p, p.q, p.k)
+    if p.groups > 1:  # depthwise: HWOI
+        ws = (p.r, p.s, p.k, p.c // p.groups)
 
     def vec(name):
         return tuple(shapes.get(name, (p.k,)))
@@ -503,7 +561,9 @@ def kernel_operands(kernel: ConvKernel, shapes: dict | None = None) -> list[tupl
     bs = vec("bias")
     if kernel.precision == "int8":
         ops = [("x", xs, "int8"), ("w", ws, "int8"), ("bias", bs, "int32"), ("scale", vec("scale"), "float32"),
-               ("shift", vec("shift"), "float32"), ("channel", (p.k,), "float32")]
+               ("shift", vec("shift"), "float32")]
+        if not isinstance(kernel, DepthwiseKernel):  # CUTLASS's epilogue: the channel index as broadcast vector
+            ops.append(("channel", (p.k,), "float32"))
         act = "float32" if kernel.float_out else "int8"
     else:
         ops = [("x", xs, "float16"), ("w", ws, "float16"), ("bias", bs, "float16")]
@@ -517,12 +577,14 @@ def prim_func(kernel: ConvKernel, smem_bytes: int, shapes: dict | None = None):
     """The scheduled TIR function TVM launches for ``kernel``: its grid and block, ``smem_bytes`` of dynamic shared
     memory, and one call of the device wrapper with the operands of ``kernel_operands`` (TVMScript, written out
     for this kernel's operands and parsed)."""
+    if isinstance(kernel, DepthwiseKernel):
+        return depthwise_prim_func(kernel, shapes)
     from tvm.script import tirx as T
 
     from edgeq.tvm_env import import_tvm
 
     tvm = import_tvm()
-    (gm, gn, *gz), threads = kernel.grid, kernel.tile.threads
+    (gm, gn, *gz), threads = kernel.grid, kernel.threads
     smem_bytes = -(-smem_bytes // 16) * 16
     ops = kernel_operands(kernel, shapes)
     buf = {name: f"B_{name}" for name, _, _ in ops}
@@ -551,7 +613,44 @@ def prim_func(kernel: ConvKernel, smem_bytes: int, shapes: dict | None = None):
     ])
     func = tvm.script.from_source(text, extra_vars={"T": T})
     # op_pattern 8 (opaque): never fused
-    return func.with_attrs({"global_symbol": f"cutlass_{kernel.name}", "tirx.is_scheduled": True, "op_pattern": 8})
+    return func.with_attrs({"global_symbol": kernel.function, "tirx.is_scheduled": True, "op_pattern": 8})
+
+
+def depthwise_prim_func(kernel: DepthwiseKernel, shapes: dict | None = None):
+    """A depthwise kernel's TIR: ``twin_prim_func``'s computation (the host twin is this function before its
+    schedule) scheduled for the GPU: output pixels x channel groups of DEPTHWISE_LANES over the threads, per thread
+    the accumulators, the padded input's and the weights' lanes and the epilogue's outputs in registers (loads and
+    the store vectorized), the R x S taps unrolled."""
+    from edgeq.tvm_env import Schedule, import_tvm
+
+    tvm = import_tvm()
+    sch = Schedule(tvm.IRModule({"main": twin_prim_func(kernel, shapes)}))
+    sch.cache_write(sch.get_sblock("y"), 0, "local")
+    epilogue, store, acc, padded = (sch.get_sblock(n) for n in ("y", "y_local", "acc", "xp"))
+    n, p, q, k = sch.get_loops(store)
+    k_outer, lanes = sch.split(k, [None, DEPTHWISE_LANES])
+    bx, tx = sch.split(sch.fuse(n, p, q, k_outer), [None, DEPTHWISE_THREADS])
+    sch.bind(bx, "blockIdx.x")
+    sch.bind(tx, "threadIdx.x")
+    sch.vectorize(lanes)
+    sch.compute_at(epilogue, tx)
+    sch.compute_at(acc, tx)
+    sch.set_scope(acc, 0, "local")
+    channel, ry, rx = sch.get_loops(acc)[-3:]
+    sch.reorder(ry, rx, channel)
+    init = sch.decompose_reduction(acc, ry)
+    weights = sch.cache_read(acc, "w", "local")
+    sch.compute_at(padded, rx)
+    sch.set_scope(padded, 0, "local")
+    # int8: 4-byte loads (TVM 0.27 writes an 8-lane int8 zero as make_int2 of 8 chars, which NVRTC refuses)
+    outer, inner = sch.split(sch.get_loops(padded)[-1], [None, 4 if kernel.precision == "int8" else DEPTHWISE_LANES])
+    sch.vectorize(inner)
+    sch.unroll(outer)
+    sch.compute_at(weights, rx)
+    sch.vectorize(sch.get_loops(weights)[-1])
+    for loop in (sch.get_loops(init)[-1], ry, rx, channel, sch.get_loops(epilogue)[-1]):
+        sch.unroll(loop)
+    return sch.mod["main"].with_attrs({"global_symbol": kernel.function, "tirx.is_scheduled": True, "op_pattern": 8})
 
 
 def elf_symbol_sizes(cubin: bytes, prefix: str) -> dict[str, int]:
@@ -574,8 +673,9 @@ def elf_symbol_sizes(cubin: bytes, prefix: str) -> dict[str, int]:
 
 
 def _accumulate(p: Conv2dProblem, x: np.ndarray, w: np.ndarray, dtype) -> np.ndarray:
-    """The convolution's sums [N, P, Q, K] in ``dtype`` (float32, or int64: exact for int8): x NHWC, w OHWI, zero
-    padding; bottom/right padding is what the output size reaches (CUTLASS's implicit-GEMM iterators)."""
+    """The convolution's sums [N, P, Q, K] in ``dtype`` (float32, or int64: exact for int8): x NHWC, w OHWI (a
+    depthwise problem's HWOI [R, S, K, 1]), zero padding; bottom/right padding is what the output size reaches
+    (CUTLASS's implicit-GEMM iterators)."""
     (ph, pw), (sh, sw), (dh, dw) = p.pad, p.stride, p.dilation
     xp = np.zeros((p.n, p.h + 2 * ph + p.r * dh, p.w + 2 * pw + p.s * dw, p.c), dtype)
     xp[:, ph:ph + p.h, pw:pw + p.w, :] = x
@@ -584,7 +684,10 @@ def _accumulate(p: Conv2dProblem, x: np.ndarray, w: np.ndarray, dtype) -> np.nda
     for i in range(p.r):
         for j in range(p.s):
             patch = xp[:, i * dh:i * dh + sh * (p.p - 1) + 1:sh, j * dw:j * dw + sw * (p.q - 1) + 1:sw, :]
-            acc += np.einsum("npqc,kc->npqk", patch, wd[:, i, j, :], optimize=True)
+            if p.groups > 1:  # one filter per channel
+                acc += patch * wd[i, j, :, 0]
+            else:
+                acc += np.einsum("npqc,kc->npqk", patch, wd[:, i, j, :], optimize=True)
     return acc
 
 
@@ -651,28 +754,39 @@ def pad_input(x_nchw: np.ndarray, problem: Conv2dProblem) -> np.ndarray:
 
 
 def kernel_record(kernel: ConvKernel, smem_bytes: int) -> dict:
-    """What the manifest says of one CUTLASS kernel: template, tile, the problem, the epilogue, FLOPs."""
+    """What the manifest says of one kernel: template (or edgeq's depthwise), tile, the problem, the epilogue,
+    FLOPs."""
     p = kernel.problem
     if isinstance(kernel, GemmKernel):
         return {
-            "function": f"cutlass_{kernel.name}", "template": "GemmBatched over DefaultGemm (Sm80, fp16, fp32 "
+            "function": kernel.function, "template": "GemmBatched over DefaultGemm (Sm80, fp16, fp32 "
             "accumulation, row-major A and B)", "tile": list(kernel.tile.block), "warp": list(kernel.tile.warp),
             "stages": kernel.tile.stages, "threads": kernel.tile.threads, "grid": list(kernel.grid),
             "shared_bytes": smem_bytes, "problem": {"batch": p.batch, "mnk": [p.m, p.n, p.k]},
             "alpha": kernel.alpha, "activation": "identity", "residual": False, "precision": kernel.precision,
             "flops": p.flops,
         }
-    template = ("DefaultConv2dFpropWithBroadcast (Sm80, s8 x s8 -> s32, edgeq's Requantize epilogue)"
-                if kernel.precision == "int8" else "DefaultConv2dFpropWithBroadcast (Sm80, fp16, fp32 accumulation)")
-    record = {
-        "function": f"cutlass_{kernel.name}", "template": template,
-        "tile": list(kernel.tile.block), "warp": list(kernel.tile.warp), "stages": kernel.tile.stages,
-        "threads": kernel.tile.threads, "grid": list(kernel.grid), "shared_bytes": smem_bytes,
-        "problem": {"nhwc": [p.n, p.h, p.w, p.c], "k": p.k, "rs": [p.r, p.s], "pad": list(p.pad),
-                    "stride": list(p.stride), "dilation": list(p.dilation), "output_pixels": p.n * p.p * p.q},
+    problem = {"nhwc": [p.n, p.h, p.w, p.c], "k": p.k, "rs": [p.r, p.s], "pad": list(p.pad), "stride": list(p.stride),
+               "dilation": list(p.dilation), "output_pixels": p.n * p.p * p.q}
+    if isinstance(kernel, DepthwiseKernel):
+        record = {
+            "function": kernel.function, "template": f"edgeq depthwise (TIR: {DEPTHWISE_LANES} channels of an output "
+            f"pixel per thread, {'int32' if kernel.precision == 'int8' else 'fp32'} accumulation)",
+            "threads": kernel.threads, "grid": list(kernel.grid), "shared_bytes": 0,
+            "problem": {**problem, "groups": p.groups},
+        }
+    else:
+        template = ("DefaultConv2dFpropWithBroadcast (Sm80, s8 x s8 -> s32, edgeq's Requantize epilogue)"
+                    if kernel.precision == "int8" else "DefaultConv2dFpropWithBroadcast (Sm80, fp16, fp32 accumulation)")
+        record = {
+            "function": kernel.function, "template": template,
+            "tile": list(kernel.tile.block), "warp": list(kernel.tile.warp), "stages": kernel.tile.stages,
+            "threads": kernel.tile.threads, "grid": list(kernel.grid), "shared_bytes": smem_bytes, "problem": problem,
+        }
+    record.update({
         "activation": kernel.activation, "residual": kernel.residual, "precision": kernel.precision,
         "flops": p.flops,
-    }
+    })
     if kernel.precision == "int8":
         record["requantize"] = {
             "float_out": kernel.float_out, "silu": kernel.silu, "residual_scale": kernel.residual_scale,
@@ -702,12 +816,16 @@ class KernelReport:
 
 
 def smem_sizes(kernels: Sequence[ConvKernel], arch: str) -> dict[str, int]:
-    """sizeof(SharedStorage) of each kernel, read from a cubin of its wrapper (NVRTC, no GPU)."""
+    """sizeof(SharedStorage) of each kernel, read from a cubin of its wrapper (NVRTC, no GPU); 0 for depthwise
+    kernels (TIR, no shared memory)."""
     from tvm.support import nvcc
 
+    sizes = {k.name: 0 for k in kernels if isinstance(k, DepthwiseKernel)}
+    if len(sizes) == len(kernels):
+        return sizes
     with _nvrtc_include():
         cubin = bytes(nvcc.compile_cuda(device_source(kernels), target_format="cubin", arch=arch))
-    return elf_symbol_sizes(cubin, "edgeq_smem_")
+    return {**elf_symbol_sizes(cubin, "edgeq_smem_"), **sizes}
 
 
 @contextlib.contextmanager
@@ -735,7 +853,7 @@ def build_module(kernels: Sequence[ConvKernel], target, toolkit, folder: Path) -
     arch = target.attrs["arch"]
     with toolkit.active():
         sizes = smem_sizes(kernels, arch)
-        mod = tvm.IRModule({f"cutlass_{k.name}": prim_func(k, sizes[k.name]) for k in kernels})
+        mod = tvm.IRModule({k.function: prim_func(k, sizes[k.name]) for k in kernels})
         with wrappers_in_module(kernels), target:
             lib = tvm.tirx.build(mod, target=target)
     library = folder / f"cutlass_{arch}.so"
@@ -765,14 +883,14 @@ def read_kernels(library: Path, kernels: Sequence[ConvKernel], sizes: dict[str, 
         functions = dict(re.findall(r"Function ([\w$]+):\s*\n\s*(REG:.*)", usage))
         bodies = dict(re.findall(r"Function : ([\w$]+)\n(.*?)(?=\n\s*Function : |\Z)", sass, re.S))
         for kern in kernels:
-            symbol = next((f for f in functions if f.startswith(f"cutlass_{kern.name}_kernel")), None)
+            symbol = next((f for f in functions if f.startswith(f"{kern.function}_kernel")), None)
             if symbol is None:
                 continue
             fields = dict(re.findall(r"(\w+):(\d+)", functions[symbol]))
             mma = "IMMA" if kern.precision == "int8" else "HMMA"
             reports.append(KernelReport(kern.name, image.arch, len(re.findall(rf"\b{mma}\.", bodies.get(symbol, ""))),
                                         int(fields.get("REG", 0)), int(fields.get("STACK", 0)),
-                                        int(fields.get("LOCAL", 0)), sizes[kern.name], kern.tile.threads, kern.grid))
+                                        int(fields.get("LOCAL", 0)), sizes[kern.name], kern.threads, kern.grid))
     return reports
 
 
@@ -801,6 +919,7 @@ def prepare_nhwc(graph):
     graph = rewrite(graph, _one_int32_bias)
     graph = rewrite(graph, _one_scale)
     graph = rewrite(graph, _matmul_as_conv)
+    graph = rewrite(graph, _depthwise_hwoi)
     if any(dtype_of(b.var) == "int8" for b in graph.bindings()):
         graph = rewrite(graph, _float_attention_in_fp16)
 
@@ -818,6 +937,30 @@ def prepare_nhwc(graph):
         return relax.Call(value.op, [x, padded_w], value.attrs)
 
     return rewrite(graph, visit)
+
+
+def _depthwise_hwoi(rw, var, value):
+    """A depthwise convolution (NHWC, groups = input channels = output channels, a multiple of DEPTHWISE_LANES) with
+    its OHWI weights [K, R, S, 1] as HWOI [R, S, K, 1], done now: the channels a depthwise kernel's thread reads for
+    one tap are then consecutive. Relax legalizes either layout, so the graph still builds for any target."""
+    from edgeq.graph import call_op
+    from edgeq.graph_passes import fresh_name, shape_of
+    from edgeq.tvm_env import relax
+
+    if call_op(value) != "relax.nn.conv2d":
+        return None
+    attrs = value.attrs
+    groups = int(attrs.groups)
+    w = rw.weight(value.args[1])
+    xs = shape_of(value.args[0])
+    if attrs.data_layout != "NHWC" or attrs.kernel_layout != "OHWI" or groups == 1 or w is None or xs is None:
+        return None
+    if w.ndim != 4 or w.shape[3] != 1 or w.shape[0] != groups or xs[3] != groups or groups % DEPTHWISE_LANES:
+        return None
+    hwoi = rw.param(fresh_name(rw, f"{value.args[1].name}_hwoi"), np.ascontiguousarray(np.transpose(w, (1, 2, 0, 3))))
+    return relax.op.nn.conv2d(rw.new(value.args[0]), hwoi, strides=attrs.strides, padding=attrs.padding,
+                              dilation=attrs.dilation, groups=groups, data_layout="NHWC", kernel_layout="HWOI",
+                              out_layout=attrs.out_layout, out_dtype=attrs.out_dtype)
 
 
 def _matmul_as_conv(rw, var, value):
@@ -1001,6 +1144,8 @@ class Claimed:
         k = self.kernel.problem.k
         bias = self.bias if self.bias is not None else relax.const(np.zeros(k, np.int32), "int32")
         shift = self.shift if self.shift is not None else relax.const(np.zeros(k, np.float32), "float32")
+        if isinstance(self.kernel, DepthwiseKernel):
+            return [self.x, self.w, bias, self.scale, shift] + residual
         channel = relax.const(np.arange(k, dtype=np.float32), "float32")
         return [self.x, self.w, bias, self.scale, shift, channel] + residual
 
@@ -1067,7 +1212,9 @@ def find_convs(main, sm_count: int, smem_per_block: int) -> tuple[list[Claimed],
         attrs = value.attrs
         why = None
         x, w = value.args
-        if attrs.data_layout != "NHWC" or attrs.kernel_layout != "OHWI" or int(attrs.groups) != 1:
+        xs, ws = shape_of(x), shape_of(w)
+        depthwise = _depthwise(attrs, xs, ws)
+        if attrs.data_layout != "NHWC" or (attrs.kernel_layout != "OHWI" or int(attrs.groups) != 1) and not depthwise:
             why = f"{attrs.data_layout}/{attrs.kernel_layout}, groups {int(attrs.groups)}"
         elif dtype_of(b.var) != "float32" or dtype_of(x) != "float16":
             why = "not fp16 with fp32 accumulation"
@@ -1076,24 +1223,24 @@ def find_convs(main, sm_count: int, smem_per_block: int) -> tuple[list[Claimed],
         pads = [int(p) for p in attrs.padding]
         if why is None and (pads[0] != pads[2] or pads[1] != pads[3]):
             why = "asymmetric padding"
-        xs, ws = shape_of(x), shape_of(w)
-        if why is None and (xs is None or ws is None or xs[3] % ALIGNMENT or ws[0] % ALIGNMENT):
+        k, kr, ks = (ws[2], ws[0], ws[1]) if depthwise else (ws[0], ws[1], ws[2]) if ws is not None else (0, 0, 0)
+        if why is None and (xs is None or ws is None or xs[3] % ALIGNMENT or k % ALIGNMENT):
             why = "channels not a multiple of 8"
         chain = [b.var]
-        cast = follow(chain, ws[0]) if why is None else None
+        cast = follow(chain, k) if why is None else None
         if why is None and (cast is None or call_op(value_of[cast]) != "relax.astype"
                             or str(value_of[cast].attrs.dtype) != "float16"):
             why = "no fp16 cast after it"
         if why is None:
             chain.append(cast)
-        add = follow(chain, ws[0]) if why is None else None
+        add = follow(chain, k) if why is None else None
         if why is None and (add is None or call_op(value_of[add]) != "relax.add"):
             why = "no bias after it"
         bias = None
         if why is None:
             other = [a for a in value_of[add].args if not a.same_as(chain[-1])]
             bias = other[0] if other and other[0] in params else None
-            if bias is None or shape_of(bias) is None or int(np.prod(shape_of(bias))) != ws[0] or shape_of(bias)[-1] != ws[0]:
+            if bias is None or shape_of(bias) is None or int(np.prod(shape_of(bias))) != k or shape_of(bias)[-1] != k:
                 why = "no per-channel bias after it"
         if why is not None:
             left.append({"conv": b.var.name, "why": why})
@@ -1126,15 +1273,29 @@ def find_convs(main, sm_count: int, smem_per_block: int) -> tuple[list[Claimed],
             if silu is not None:
                 activation = "silu"
                 chain += silu
-        problem = Conv2dProblem(xs[0], xs[1], xs[2], xs[3], ws[0], ws[1], ws[2], (pads[0], pads[1]),
-                                tuple(int(s) for s in attrs.strides), tuple(int(d) for d in attrs.dilation),
-                                c_real=xs[3] - _channels_padded(x, value_of))
-        kernel = ConvKernel(f"l{len(claimed)}", problem, choose_tile(problem, sm_count, smem_per_block), activation,
-                            residual is not None)
+        problem = Conv2dProblem(xs[0], xs[1], xs[2], xs[3], k, kr, ks, (pads[0], pads[1]),
+                                tuple(int(v) for v in attrs.strides), tuple(int(d) for d in attrs.dilation),
+                                c_real=xs[3] - _channels_padded(x, value_of), groups=k if depthwise else 1)
+        if depthwise:
+            if _output_shape(chain[-1], problem):
+                left.append({"conv": b.var.name, "why": "a depthwise output seen through a reshape"})
+                continue
+            kernel = DepthwiseKernel(f"l{len(claimed)}", problem, None, activation, residual is not None)
+        else:
+            kernel = ConvKernel(f"l{len(claimed)}", problem, choose_tile(problem, sm_count, smem_per_block),
+                                activation, residual is not None)
         claimed.append(Claimed(kernel, chain[-1], x, w, bias, residual, tuple(chain[:-1]),
                                {"bias": tuple(shape_of(bias)), **_output_shape(chain[-1], problem)}))
         taken.update(chain)
     return claimed, left
+
+
+def _depthwise(attrs, xs, ws) -> bool:
+    """Whether a conv2d is one ``DepthwiseKernel`` takes: NHWC, HWOI weights [R, S, K, 1] (``_depthwise_hwoi``),
+    groups = input channels = output channels."""
+    groups = int(attrs.groups)
+    return (attrs.data_layout == "NHWC" and attrs.kernel_layout == "HWOI" and groups > 1 and xs is not None
+            and ws is not None and ws[3] == 1 and ws[2] == groups == xs[3])
 
 
 def _silu_of(var, readers, value_of, only_reader) -> list | None:
@@ -1217,7 +1378,9 @@ def _int8_chain(b, value_of, only_reader, follow, readers, params, sm_count: int
     value = b.value
     attrs = value.attrs
     x, w = value.args
-    if attrs.data_layout != "NHWC" or attrs.kernel_layout != "OHWI" or int(attrs.groups) != 1:
+    xs, ws = shape_of(x), shape_of(w)
+    depthwise = _depthwise(attrs, xs, ws)
+    if attrs.data_layout != "NHWC" or (attrs.kernel_layout != "OHWI" or int(attrs.groups) != 1) and not depthwise:
         return f"{attrs.data_layout}/{attrs.kernel_layout}, groups {int(attrs.groups)}"
     if dtype_of(b.var) != "int32" or dtype_of(w) != "int8":
         return "not int8 x int8 -> int32"
@@ -1226,10 +1389,9 @@ def _int8_chain(b, value_of, only_reader, follow, readers, params, sm_count: int
     pads = [int(v) for v in attrs.padding]
     if pads[0] != pads[2] or pads[1] != pads[3]:
         return "asymmetric padding"
-    xs, ws = shape_of(x), shape_of(w)
-    if xs is None or ws is None or xs[3] % ALIGNMENT_INT8 or ws[0] % ALIGNMENT:
+    k, kr, ks = (ws[2], ws[0], ws[1]) if depthwise else (ws[0], ws[1], ws[2]) if ws is not None else (0, 0, 0)
+    if xs is None or ws is None or xs[3] % (ALIGNMENT if depthwise else ALIGNMENT_INT8) or k % ALIGNMENT:
         return "input channels not a multiple of 16 or output channels of 8"
-    k = ws[0]
 
     def op_of(var):
         return call_op(value_of.get(var)) if var is not None else None
@@ -1275,10 +1437,11 @@ def _int8_chain(b, value_of, only_reader, follow, readers, params, sm_count: int
             shift, shapes["shift"] = candidate, shift_shape
             chain.append(nxt)
             nxt = only_reader(nxt)
-    problem = Conv2dProblem(xs[0], xs[1], xs[2], xs[3], k, ws[1], ws[2], (pads[0], pads[1]),
+    problem = Conv2dProblem(xs[0], xs[1], xs[2], xs[3], k, kr, ks, (pads[0], pads[1]),
                             tuple(int(v) for v in attrs.strides), tuple(int(v) for v in attrs.dilation),
-                            c_real=xs[3] - _channels_padded(x, value_of))
-    tile = choose_tile(problem, sm_count, smem_per_block, "int8")
+                            c_real=xs[3] - _channels_padded(x, value_of), groups=k if depthwise else 1)
+    kind = DepthwiseKernel if depthwise else ConvKernel
+    tile = None if depthwise else choose_tile(problem, sm_count, smem_per_block, "int8")
     # what follows the scale (and shift) up to the int8 cast; where it is not that, the kernel ends at the scale
     # (or shift) with a float32 output and the operators after it stay as they are
     silu = _silu_of(chain[-1], readers, value_of, only_reader) if nxt is None else None
@@ -1287,15 +1450,17 @@ def _int8_chain(b, value_of, only_reader, follow, readers, params, sm_count: int
         nxt = only_reader(chain[-1])
     float_chain = list(chain)
     rest = _requantize_tail(chain, nxt, value_of, only_reader, b.var, op_of, other)
+    if depthwise and _output_shape((rest[0] if not isinstance(rest, str) else float_chain)[-1], problem):
+        return "a depthwise output seen through a reshape"
     if isinstance(rest, str):
-        kernel = ConvKernel(name, problem, tile, "identity", False, "int8", float_out=True, silu=silu is not None)
+        kernel = kind(name, problem, tile, "identity", False, "int8", float_out=True, silu=silu is not None)
         return Claimed(kernel, float_chain[-1], x, w, bias, None, tuple(float_chain[:-1]),
                        {**shapes, **_output_shape(float_chain[-1], problem)}, scale, shift)
     chain, residual, residual_scale, act_lo, act_hi, out_div, lo, hi = rest
     activation = {(-math.inf, math.inf): "identity", (0.0, math.inf): "relu", (0.0, 6.0): "relu6"}.get(
         (act_lo, act_hi), "clip")
-    kernel = ConvKernel(name, problem, tile, activation, residual is not None, "int8", residual_scale, act_lo, act_hi,
-                        out_div, lo, hi, silu=silu is not None)
+    kernel = kind(name, problem, tile, activation, residual is not None, "int8", residual_scale, act_lo, act_hi,
+                  out_div, lo, hi, silu=silu is not None)
     return Claimed(kernel, chain[-1], x, w, bias, residual, tuple(chain[:-1]),
                    {**shapes, **_output_shape(chain[-1], problem)}, scale, shift)
 
@@ -1393,7 +1558,7 @@ def claim_convs(mod, claimed: Sequence[Claimed], sizes: dict[str, int]):
     by_output = {c.output: c for c in claimed}
     dropped = {var for c in claimed for var in c.chain}
     bb = relax.BlockBuilder(mod)
-    gvars = {c.kernel.name: bb.add_func(prim_func(c.kernel, sizes[c.kernel.name], c.shapes), f"cutlass_{c.kernel.name}")
+    gvars = {c.kernel.name: bb.add_func(prim_func(c.kernel, sizes[c.kernel.name], c.shapes), c.kernel.function)
              for c in claimed}
     functions = dict(bb.get().functions)
     blocks = []
@@ -1441,10 +1606,16 @@ def twin_prim_func(kernel: ConvKernel, shapes: dict | None = None):
     zero = tirx.const(0, x.dtype)
     xp = te.compute((p.n, p.h + 2 * ph, p.w + 2 * pw, p.c), lambda i, y, z, c: tirx.if_then_else(
         tirx.all(y >= ph, y < p.h + ph, z >= pw, z < p.w + pw), x[i, y - ph, z - pw, c], zero), "xp")
-    rc, ry, rx = te.reduce_axis((0, p.c), "rc"), te.reduce_axis((0, p.r), "ry"), te.reduce_axis((0, p.s), "rx")
-    acc = te.compute((p.n, p.p, p.q, p.k), lambda i, y, z, o: te.sum(
-        xp[i, y * sh + ry * dh, z * sw + rx * dw, rc].astype(acc_dtype) * w[o, ry, rx, rc].astype(acc_dtype),
-        axis=[ry, rx, rc]), "acc")
+    ry, rx = te.reduce_axis((0, p.r), "ry"), te.reduce_axis((0, p.s), "rx")
+    if p.groups > 1:  # depthwise, weights HWOI
+        acc = te.compute((p.n, p.p, p.q, p.k), lambda i, y, z, o: te.sum(
+            xp[i, y * sh + ry * dh, z * sw + rx * dw, o].astype(acc_dtype) * w[ry, rx, o, 0].astype(acc_dtype),
+            axis=[ry, rx]), "acc")
+    else:
+        rc = te.reduce_axis((0, p.c), "rc")
+        acc = te.compute((p.n, p.p, p.q, p.k), lambda i, y, z, o: te.sum(
+            xp[i, y * sh + ry * dh, z * sw + rx * dw, rc].astype(acc_dtype) * w[o, ry, rx, rc].astype(acc_dtype),
+            axis=[ry, rx, rc]), "acc")
 
     def at(name, o):  # a per-channel operand, [K] or [1, 1, 1, K]
         t = ph_[name]
@@ -1513,7 +1684,7 @@ def with_twins(mod, claimed: Sequence[Claimed]):
     functions = dict(mod.functions)
     for gv in list(functions):
         for c in claimed:
-            if gv.name_hint == f"cutlass_{c.kernel.name}":
+            if gv.name_hint == c.kernel.function:
                 # opaque to fusion, as the CUTLASS call it stands for
                 functions[gv] = twin_prim_func(c.kernel, c.shapes).with_attrs(
                     {"global_symbol": gv.name_hint, "op_pattern": 8})

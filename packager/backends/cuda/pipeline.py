@@ -192,6 +192,8 @@ def ScheduleKernels(target, report: GpuKernels, check_all: bool = False):  # noq
         for gv, func in sorted(mod.functions_items(), key=lambda item: item[0].name_hint):
             if isinstance(func, tvm.tirx.PrimFunc) and gv.name_hint.startswith("cutlass_"):
                 report.functions[gv.name_hint] = "cutlass"
+            elif isinstance(func, tvm.tirx.PrimFunc) and gv.name_hint.startswith("depthwise_"):
+                report.functions[gv.name_hint] = "edgeq depthwise"
             if not isinstance(func, tvm.tirx.PrimFunc) or int((func.attrs or {}).get("tirx.is_scheduled", 0) or 0) == 1:
                 continue
             scheduled, rule, fallbacks = schedule_function(gv.name_hint, func, target, check_all)
@@ -302,7 +304,10 @@ def build(mod, target, report: GpuKernels, cutlass: tuple[int, int] | None = Non
         sizes = cl.smem_sizes(kernels, target.attrs["arch"]) if kernels else {}
         mod = cl.claim_convs(mod, claimed, sizes)
         wrappers = cl.wrappers_in_module(kernels)
-        report.cutlass = {"version": cl.cutlass_version(), "kernels": [cl.kernel_record(k, sizes[k.name]) for k in kernels],
+        records = {k.name: cl.kernel_record(k, sizes[k.name]) for k in kernels}
+        report.cutlass = {"version": cl.cutlass_version(),
+                          "kernels": [records[k.name] for k in kernels if not isinstance(k, cl.DepthwiseKernel)],
+                          "depthwise": [records[k.name] for k in kernels if isinstance(k, cl.DepthwiseKernel)],
                           "left": left}
     with wrappers:
         return _build(mod, target, report)
