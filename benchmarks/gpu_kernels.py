@@ -335,8 +335,9 @@ def kernel_sass(function: str, sass: dict[str, str]) -> str:
 
 
 def is_gemm(function: str) -> bool:
-    """A conv/matmul kernel (FuseOps names a fused function after its operators; CUTLASS's are cutlass_*)."""
-    return function.startswith("cutlass_") or any(op in function for op in ("conv2d", "matmul", "dense"))
+    """A conv/matmul kernel (FuseOps names a fused function after its operators; CUTLASS's are cutlass_*, edgeq's
+    depthwise kernels depthwise_*)."""
+    return function.startswith(("cutlass_", "depthwise_")) or any(op in function for op in ("conv2d", "matmul", "dense"))
 
 
 def model_flops(model: Path) -> int:

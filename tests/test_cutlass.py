@@ -666,3 +666,81 @@ def test_a_yolov8n_style_detector_runs_every_convolution_on_cutlass(precision, t
         reference = session.run(None, {"input": x})[0]
         error = np.abs(got - reference).max() / np.abs(reference).max()
         assert error < (0.1 if precision == "int8" else 0.01), error
+
+
+MOBILENET = ((1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 1, 2))  # MobileNetV2's first blocks: t, c, n, s
+
+
+@pytest.mark.parametrize("precision", ["fp16", "int8"])
+def test_a_mobilenet_v2_runs_its_depthwise_convolutions_on_edgeqs_kernel(precision, tmp_path):
+    """A MobileNetV2 (benchmarks/gpu_kernels.py's, its first blocks at 32x32): every 1x1 and the stem on CUTLASS,
+    every depthwise 3x3 (stride 1 and 2) on edgeq's depthwise kernel with its BatchNorm, ReLU6 (int8: and the
+    requantization) fused, nothing left to dlight. The rewritten module with the kernels' TIR twins equals the graph
+    before the rewrite (int8: bit for bit) and is close to ONNX Runtime."""
+    import onnxruntime as ort
+    from gpu_kernels import mobilenet_v2
+
+    from edgeq.compile import HostRunner
+    from edgeq.graph import Graph
+
+    model = mobilenet_v2(tmp_path / "m.onnx", size=32, classes=16, settings=MOBILENET, last=64)
+    xs = [np.random.default_rng(seed).standard_normal((1, 3, 32, 32)).astype(np.float32) for seed in range(12)]
+    prepared, claimed, left = _claimed_graph(model, precision, np.concatenate(xs[2:]), tmp_path)
+    convs = [n for n in onnx.load(model).graph.node if n.op_type == "Conv"]
+    groups = [next((a.i for a in n.attribute if a.name == "group"), 1) for n in convs]
+    depthwise = [c for c in claimed if isinstance(c.kernel, cutlass.DepthwiseKernel)]
+    assert left == [] and len(claimed) == len(convs) + 1  # the classifier: a matrix product as a 1x1
+    assert sorted(c.kernel.problem.k for c in depthwise) == sorted(g for g in groups if g > 1)
+    assert {c.kernel.problem.stride for c in depthwise} == {(1, 1), (2, 2)}
+    if precision == "int8":
+        assert all(c.kernel.activation == "relu6" and not c.kernel.float_out for c in depthwise)
+    else:
+        assert all(c.kernel.activation == "relu6" and c.shapes["bias"][-1] == c.kernel.problem.k for c in depthwise)
+    rewritten = cutlass.claim_convs(prepared.mod, claimed, {c.kernel.name: 49152 for c in claimed})
+    twin = Graph(cutlass.with_twins(rewritten, claimed), prepared.weights)
+    session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    run_graph, run_twin = HostRunner(prepared), HostRunner(twin)
+    for x in xs[:2]:
+        want, got = run_graph([x])[0], run_twin([x])[0]
+        if precision == "int8":
+            np.testing.assert_array_equal(got, want)
+        else:
+            np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
+        reference = session.run(None, {"input": x})[0]
+        error = np.abs(got - reference).max() / np.abs(reference).max()
+        assert error < (0.05 if precision == "int8" else 0.01), error
+
+
+def test_package_an_int8_mobilenet_v2_with_depthwise_kernels(nvrtc, tmp_path):
+    """``edgeq package --precision int8 --gpu-kernels cutlass`` of the small MobileNetV2 for the Orin: the
+    reference check passes, the manifest lists the depthwise layers apart from CUTLASS's (edgeq's template, no
+    shared memory, their FLOPs), their sm_87 code has no spills, the kernels are captured in the CUDA graph, and
+    ``inspect`` says how the convolutions were taken."""
+    import json
+    from pathlib import Path
+
+    from conftest import run_cli
+    from gpu_kernels import mobilenet_v2, model_flops, sass_by_kernel
+
+    model = mobilenet_v2(tmp_path / "m.onnx", size=32, classes=16, settings=MOBILENET, last=64)
+    np.savez(tmp_path / "calib.npz", input=np.random.default_rng(0).standard_normal((10, 3, 32, 32)).astype(np.float32))
+    res = run_cli("package", model, "--device", "jetson-orin-nano", "--precision", "int8", "--gpu-kernels", "cutlass",
+                  "--calibrate", tmp_path / "calib.npz", "-o", tmp_path / "out", "-q", "--json")
+    assert res.code == 0, res.stderr
+    bundle = Path(json.loads(res.stdout)["bundle_dir"])
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    assert manifest["reference_check"]["result"] == "passed"
+    gpu = manifest["library"]["gpu_kernels"]
+    record = gpu["cutlass"]
+    assert len(record["kernels"]) == 10 and len(record["depthwise"]) == 4 and record["left"] == []  # 9 convs, the fc
+    assert all(k["template"].startswith("edgeq depthwise") and k["shared_bytes"] == 0 and k["precision"] == "int8"
+               and k["requantize"]["activation_clamp"] == [0.0, 6.0] for k in record["depthwise"])
+    assert sum(k["flops"] for k in record["kernels"] + record["depthwise"]) == model_flops(model)
+    assert all(gpu["functions"][k["function"]] == "edgeq depthwise" for k in record["depthwise"])
+    sass = sass_by_kernel(bundle / "model.so")
+    assert all(re.search(r"\bIMMA\.", sass[k["function"] + "_kernel"]) for k in record["kernels"])
+    assert all(k["function"] + "_kernel" in sass for k in record["depthwise"])
+    assert gpu["cuda_graph"] and gpu["cuda_graph_kernels"] >= gpu["kernels_per_inference"] - 2, gpu
+    inspect = run_cli("inspect", bundle)
+    flat = " ".join(re.sub(r"[│┃]", " ", inspect.stdout).split())
+    assert "CUTLASS 4.1.0: 10 of 14 convolutions and matrix products, 4 depthwise on edgeq's kernel" in flat, flat
