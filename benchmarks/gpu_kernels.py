@@ -403,7 +403,8 @@ def _cutlass_part(record: dict | None, sass: dict[str, str], instruction: str | 
     on_tensor_cores = [k for k in record["kernels"] if instruction and re.search(
         rf"\b{TENSOR_CORE_SASS.get(k['precision'], instruction)}\.", kernel_sass(k["function"], sass))]
     return {"kernels": len(record["kernels"]), "on_tensor_cores": len(on_tensor_cores),
-            "flops": sum(k["flops"] for k in on_tensor_cores), "left": record["left"]}
+            "flops": sum(k["flops"] for k in on_tensor_cores), "depthwise": len(record.get("depthwise", [])),
+            "depthwise_flops": sum(k["flops"] for k in record.get("depthwise", [])), "left": record["left"]}
 
 
 def package_and_measure(model: Path, precision: str, out: Path, calib: Path | None = None,
@@ -427,12 +428,17 @@ def package_and_measure(model: Path, precision: str, out: Path, calib: Path | No
     return {**row, "gpu_kernels": gpu_kernels}
 
 
+# an Ampere SM's CUDA cores (the Orin's GA10B as the GA10x whitepaper's SM: 128 FP32 lanes, 64 INT32 lanes), a
+# multiply-add counted as 2 operations: what edgeq's depthwise kernels run on
+SIMT_FP32_OPS_PER_CLOCK_PER_SM = 256
+SIMT_INT32_OPS_PER_CLOCK_PER_SM = 128
 LAUNCH_US = 3.0  # what a kernel costs beyond its roofline time inside a CUDA graph (an estimate's assumption)
 
 
 def orin_estimate(manifest: dict, device: str = DEVICE) -> dict | None:
     """The roofline time of one inference on the profile's GPU (jetson-orin-nano: the Orin Nano 8GB at MAXN_SUPER,
-    numbers and sources in its targets/*.toml): each CUTLASS kernel at max(FLOPs / (peak x wave efficiency),
+    numbers and sources in its targets/*.toml): each CUTLASS kernel (and edgeq's depthwise kernels, at the CUDA cores'
+    rate) at max(FLOPs / (peak x wave efficiency),
     bytes / bandwidth), its CTAs against the SMs (blocks per SM by shared memory and threads), plus LAUNCH_US for
     every kernel launch in the CUDA graph; the kernels CUTLASS did not take are counted by that launch cost only
     (element-wise and pooling kernels move little; a conv/matmul left to dlight is listed). An estimate, not a
@@ -446,9 +452,13 @@ def orin_estimate(manifest: dict, device: str = DEVICE) -> dict | None:
         return None
     clock = spec.clock_mhz * 1e6
     kernels, total_us = [], 0.0
-    for k in record["kernels"]:
+    for k in record["kernels"] + record.get("depthwise", []):
         int8 = k["precision"] == "int8"
-        peak = (spec.int8_ops_per_clock_per_sm if int8 else spec.fp16_ops_per_clock_per_sm) * spec.sm_count * clock
+        if "groups" in k["problem"]:  # edgeq's depthwise kernel: CUDA cores, not tensor cores
+            per_sm = SIMT_INT32_OPS_PER_CLOCK_PER_SM if int8 else SIMT_FP32_OPS_PER_CLOCK_PER_SM
+        else:
+            per_sm = spec.int8_ops_per_clock_per_sm if int8 else spec.fp16_ops_per_clock_per_sm
+        peak = per_sm * spec.sm_count * clock
         elem = 1 if int8 else 2
         if "mnk" in k["problem"]:  # a batched GEMM (attention): a, w and y once per batch
             batch, (m, nn, kk) = k["problem"]["batch"], k["problem"]["mnk"]
@@ -458,7 +468,8 @@ def orin_estimate(manifest: dict, device: str = DEVICE) -> dict | None:
             (r, s_), kk = k["problem"]["rs"], k["problem"]["k"]
             out_elem = 4 if k.get("requantize") is not None and k["requantize"].get("float_out") else elem
             m = k["problem"]["output_pixels"]
-            bytes_ = n * h * w * c * elem + kk * r * s_ * c * elem + m * kk * out_elem * (2 if k["residual"] else 1)
+            per_filter = c // k["problem"].get("groups", 1)
+            bytes_ = n * h * w * c * elem + kk * r * s_ * per_filter * elem + m * kk * out_elem * (2 if k["residual"] else 1)
         ctas = int(np.prod(k["grid"]))
         per_sm = max(1, min(spec.shared_memory_per_sm // max(1, k["shared_bytes"]), 1536 // k["threads"]))
         slots = spec.sm_count * per_sm
@@ -531,6 +542,8 @@ def table(rows: list[dict]) -> str:
             c = r["cutlass"]
             share += (f"; CUTLASS: {c['on_tensor_cores']}/{c['kernels']} kernels, "
                       f"{100 * (c.get('tensor_core_flops_share') or 0):.1f}% of FLOPs on tensor cores")
+            if c.get("depthwise"):
+                share += f", {c['depthwise']} depthwise on edgeq's kernel"
         if r.get("orin_estimate"):
             e = r["orin_estimate"]
             share += f"; Orin Nano estimate {e['ms']:.2f} ms (CUTLASS kernels {e['cutlass_us'] / 1e3:.2f} ms)"
