@@ -23,7 +23,8 @@ How it reaches a TVM module:
 ``prepare_nhwc`` makes the graph NHWC and pads channels, ``find_convs`` finds the chains a kernel can take and
 ``claim_convs`` puts the kernels' calls in their place. ``replay``/``replay_int8`` are the independent host
 implementations (numpy) of what a kernel is asked to compute, ``twin_prim_func`` a plain TIR one the rewritten
-graph runs with on the host. Not here yet: GEMM, depthwise, split-K. docs/architecture.md says where this stands.
+graph runs with on the host. Depthwise convolutions get edgeq's own TIR kernel (``DepthwiseKernel``) with the same
+epilogue. Not here yet: split-K. docs/architecture.md says where this stands.
 """
 
 from __future__ import annotations
@@ -638,7 +639,8 @@ def depthwise_prim_func(kernel: DepthwiseKernel, shapes: dict | None = None):
     sch.set_scope(acc, 0, "local")
     channel, ry, rx = sch.get_loops(acc)[-3:]
     sch.reorder(ry, rx, channel)
-    init = sch.decompose_reduction(acc, ry)
+    # (no decompose_reduction: for some shapes TVM's simplified thread bindings are not quasi-affine, which it
+    # refuses; the init stays a `ry == 0 and rx == 0` branch that unrolling folds away)
     weights = sch.cache_read(acc, "w", "local")
     sch.compute_at(padded, rx)
     sch.set_scope(padded, 0, "local")
@@ -648,7 +650,7 @@ def depthwise_prim_func(kernel: DepthwiseKernel, shapes: dict | None = None):
     sch.unroll(outer)
     sch.compute_at(weights, rx)
     sch.vectorize(sch.get_loops(weights)[-1])
-    for loop in (sch.get_loops(init)[-1], ry, rx, channel, sch.get_loops(epilogue)[-1]):
+    for loop in (ry, rx, channel, sch.get_loops(epilogue)[-1]):
         sch.unroll(loop)
     return sch.mod["main"].with_attrs({"global_symbol": kernel.function, "tirx.is_scheduled": True, "op_pattern": 8})
 
