@@ -45,6 +45,12 @@ MODELS = [
     # gpu_kernels.bert_encoder (all-MiniLM-L6-v2's shape, 128 tokens): linear layers and attention's batched GEMMs
     ("bert_encoder-b1-fp16-cutlass", "bert_encoder", 1, "fp16", "cutlass"),
     ("bert_encoder-b1-int8-cutlass", "bert_encoder", 1, "int8", "cutlass"),
+    # depthwise on edgeq's kernel (MBConv, squeeze-and-excitation, SiLU); the YOLOv8n-style detector at 640x640 (no
+    # PyTorch peer here: the image has no ultralytics)
+    ("efficientnet_b0-b1-fp16-cutlass", "efficientnet_b0", 1, "fp16", "cutlass"),
+    ("efficientnet_b0-b1-int8-cutlass", "efficientnet_b0", 1, "int8", "cutlass"),
+    ("yolov8n-b1-fp16-cutlass", "yolov8n", 1, "fp16", "cutlass"),
+    ("yolov8n-b1-int8-cutlass", "yolov8n", 1, "int8", "cutlass"),
 ]
 # probes: (name, batch, in channels, size, out channels, kernel, stride, pad, dilation, residual, activation)
 PROBES = [
@@ -283,8 +289,9 @@ def run_torch(root: Path, results: dict, runs: int, deadline: float, compile_mod
         return torch.nn.TransformerEncoder(layer, 6, enable_nested_tensor=False)
 
     builders = {"resnet18": torchvision.models.resnet18, "resnet50": torchvision.models.resnet50,
-                "mobilenet_v2": torchvision.models.mobilenet_v2, "bert_encoder": bert_encoder}
-    wanted = sorted({(m, b) for name, m, b, _, _ in MODELS if (root / "bundles" / name).is_dir()})
+                "mobilenet_v2": torchvision.models.mobilenet_v2, "efficientnet_b0": torchvision.models.efficientnet_b0,
+                "bert_encoder": bert_encoder}
+    wanted = sorted({(m, b) for name, m, b, _, _ in MODELS if (root / "bundles" / name).is_dir() and m in builders})
 
     def example(model_name: str, batch: int):
         if model_name == "bert_encoder":
