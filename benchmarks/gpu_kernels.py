@@ -159,7 +159,8 @@ EFFICIENTNET_B0 = ((1, 3, 1, 16, 1), (6, 3, 2, 24, 2), (6, 5, 2, 40, 2), (6, 3, 
                    (6, 5, 2, 192, 4), (6, 3, 1, 320, 1))
 
 
-def efficientnet_b0(path: Path, size: int = 224, classes: int = 1000, batch: int = 1) -> Path:
+def efficientnet_b0(path: Path, size: int = 224, classes: int = 1000, batch: int = 1, settings=EFFICIENTNET_B0,
+                    last: int = 1280) -> Path:
     """EfficientNet-B0 (torchvision's layout): MBConv blocks (1x1 expand, depthwise kxk, squeeze-and-excitation with
     a quarter of the block's input channels, 1x1 project, residual add where the shape allows), SiLU as Sigmoid and
     Mul, BatchNorm after every conv but the excitation's (which have biases)."""
@@ -177,7 +178,7 @@ def efficientnet_b0(path: Path, size: int = 224, classes: int = 1000, batch: int
 
     x = silu(conv("input", 3, 32, 3, 2))
     cin = 32
-    for t, k, s, c, n in EFFICIENTNET_B0:
+    for t, k, s, c, n in settings:
         for i in range(n):
             stride = s if i == 0 else 1
             hidden = cin * t
@@ -189,8 +190,8 @@ def efficientnet_b0(path: Path, size: int = 224, classes: int = 1000, batch: int
             y = conv(net.node("Mul", [y, e]), hidden, c, 1)
             x = net.node("Add", [x, y]) if stride == 1 and cin == c else y
             cin = c
-    x = silu(conv(x, cin, 1280, 1))
-    net.classifier(x, 1280, classes)
+    x = silu(conv(x, cin, last, 1))
+    net.classifier(x, last, classes)
     return net.save(path, size, classes, batch)
 
 

@@ -762,3 +762,47 @@ def test_package_an_int8_mobilenet_v2_with_depthwise_kernels(nvrtc, tmp_path):
     inspect = run_cli("inspect", bundle)
     flat = " ".join(re.sub(r"[│┃]", " ", inspect.stdout).split())
     assert "CUTLASS 4.1.0: 10 of 14 convolutions and matrix products, 4 depthwise on edgeq's kernel" in flat, flat
+
+
+EFFICIENTNET = ((1, 3, 1, 16, 1), (6, 3, 2, 24, 2), (6, 5, 2, 40, 1))  # EfficientNet-B0's first stages: t, k, s, c, n
+
+
+@pytest.mark.parametrize("precision", ["fp16", "int8"])
+def test_an_efficientnet_b0_runs_its_depthwise_convolutions_with_silu_on_edgeqs_kernel(precision, tmp_path):
+    """An EfficientNet-B0 (benchmarks/gpu_kernels.py's, its first three stages at 32x32): the 3x3 and 5x5 depthwise
+    convolutions (stride 1 and 2) on edgeq's depthwise kernel with their BatchNorm and SiLU fused (int8: and the
+    requantization); the 1x1s, the stem and the excitation 1x1s on CUTLASS but the squeeze 1x1s whose 4 and 6 output
+    channels are no multiple of 8 (left to dlight, with why). The rewritten module with the kernels' TIR twins
+    equals the graph before the rewrite (int8: bit for bit) and is close to ONNX Runtime."""
+    import onnxruntime as ort
+    from gpu_kernels import efficientnet_b0
+
+    from edgeq.compile import HostRunner
+    from edgeq.graph import Graph
+
+    model = efficientnet_b0(tmp_path / "e.onnx", size=32, classes=16, settings=EFFICIENTNET, last=64)
+    xs = [np.random.default_rng(seed).standard_normal((1, 3, 32, 32)).astype(np.float32) for seed in range(12)]
+    prepared, claimed, left = _claimed_graph(model, precision, np.concatenate(xs[2:]), tmp_path)
+    convs = [n for n in onnx.load(model).graph.node if n.op_type == "Conv"]
+    depthwise = [c for c in claimed if isinstance(c.kernel, cutlass.DepthwiseKernel)]
+    assert len(claimed) + len(left) == len(convs) + 1 and len(left) == 3  # + the classifier
+    assert all("multiple" in x["why"] for x in left), left
+    assert sorted((c.kernel.problem.k, c.kernel.problem.r, c.kernel.problem.stride[0]) for c in depthwise) == [
+        (32, 3, 1), (96, 3, 2), (144, 3, 1), (144, 5, 2)]
+    if precision == "int8":
+        assert all(c.kernel.silu and c.kernel.precision == "int8" for c in depthwise)
+    else:
+        assert all(c.kernel.activation == "silu" for c in depthwise)
+    rewritten = cutlass.claim_convs(prepared.mod, claimed, {c.kernel.name: 49152 for c in claimed})
+    twin = Graph(cutlass.with_twins(rewritten, claimed), prepared.weights)
+    session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    run_graph, run_twin = HostRunner(prepared), HostRunner(twin)
+    for x in xs[:2]:
+        want, got = run_graph([x])[0], run_twin([x])[0]
+        if precision == "int8":
+            np.testing.assert_array_equal(got, want)
+        else:
+            np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
+        reference = session.run(None, {"input": x})[0]
+        error = np.abs(got - reference).max() / np.abs(reference).max()
+        assert error < (0.05 if precision == "int8" else 0.01), error
