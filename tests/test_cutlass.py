@@ -175,7 +175,7 @@ def _depthwise_case(case, precision):
         kernel = cutlass.DepthwiseKernel("k", problem, None, activation, residual, "int8", residual_scale=0.04,
                                          act_lo=0.0 if activation in ("relu", "relu6") else -np.inf,
                                          act_hi=6.0 if activation == "relu6" else np.inf, out_div=0.05,
-                                         silu=activation == "silu")
+                                         silu=activation == "silu", post=True)
     else:
         kernel = cutlass.DepthwiseKernel("k", problem, None, activation, residual)
     return kernel, (n, c, h, w_), (c, 1, ks, ks)
@@ -257,12 +257,15 @@ def test_an_int8_depthwise_kernel_computes_what_qlinearconv_does(case):
     got = np.transpose(cutlass.replay_int8(plain, nhwc, hwoi, bias, scale), (0, 3, 1, 2))
     diff = np.abs(got.astype(np.int32) - want.astype(np.int32))
     assert got.shape == want.shape and diff.max() <= 1 and (diff == 0).mean() >= 0.99, (diff.max(), (diff == 0).mean())
-    # the full epilogue: the shift, SiLU or the activation clamp, the residual, the division
+    # the full epilogue: the shift, SiLU or the activation clamp, the residual, the per-channel multiplier (the next
+    # depthwise layer's input channel scale), the division
     shift = rng.uniform(-1, 1, p.k).astype(np.float32)
     residual = rng.integers(-128, 128, (p.n, p.p, p.q, p.k), dtype=np.int8) if kernel.residual else None
     scale = (x_scale * w_scale).astype(np.float32)
-    replayed = cutlass.replay_int8(kernel, nhwc, hwoi, bias, scale, shift, residual)
-    twin = _run_twin(kernel, {"x": nhwc, "w": hwoi, "bias": bias, "scale": scale, "shift": shift, "residual": residual})
+    post = rng.uniform(0.5, 2.0, p.k).astype(np.float32)
+    replayed = cutlass.replay_int8(kernel, nhwc, hwoi, bias, scale, shift, residual, post)
+    twin = _run_twin(kernel, {"x": nhwc, "w": hwoi, "bias": bias, "scale": scale, "shift": shift,
+                              "residual": residual, "post": post})
     assert len(np.unique(replayed)) > 20  # not saturated
     np.testing.assert_array_equal(twin, replayed)
 
@@ -312,7 +315,7 @@ def test_kernels_compile_in_a_tvm_module_to_tensor_cores(profile, precision, nvr
             kernels.append(cutlass.ConvKernel(name.replace("-", "_"), problem, tile, activation, residual, "int8",
                                               residual_scale=0.5, act_lo=0.0 if activation == "relu" else -np.inf,
                                               out_div=0.25, lo=-128.0, hi=127.0, float_out=name == "1x1s2",
-                                              silu=name == "1x1s2"))
+                                              silu=name == "1x1s2", post=name == "stem7x7s2"))
         else:
             kernels.append(cutlass.ConvKernel(name.replace("-", "_"), problem, tile, activation, residual))
     if precision == "fp16":  # attention's batched GEMM: 12 heads of [128, 64] x [64, 128], scaled
@@ -712,6 +715,9 @@ def test_a_mobilenet_v2_runs_its_depthwise_convolutions_on_edgeqs_kernel(precisi
     assert {c.kernel.problem.stride for c in depthwise} == {(1, 1), (2, 2)}
     if precision == "int8":
         assert all(c.kernel.activation == "relu6" and not c.kernel.float_out for c in depthwise)
+        # each depthwise layer reads its input per channel: the conv before it (the stem, the expansions) ends with
+        # that channel scale and the requantization, int8 out
+        assert sum(c.kernel.post and not c.kernel.float_out for c in claimed) == len(depthwise)
     else:
         assert all(c.kernel.activation == "relu6" and c.shapes["bias"][-1] == c.kernel.problem.k for c in depthwise)
     rewritten = cutlass.claim_convs(prepared.mod, claimed, {c.kernel.name: 49152 for c in claimed})

@@ -75,13 +75,14 @@ struct Relu6 {
 // it each output element's channel index as its broadcast vector; it reads those channels' constants itself:
 //   v = float(acc + bias[k]) * scale[k] + shift[k];  [v = v * sigmoid(v)]  (SiLU)
 //   v = clamp(v  [+ float(residual) * residual_scale], act_lo, act_hi)
+//   [v = v * post[k]]  (a per-channel multiplier: the next depthwise layer's input channel scale)
 //   v = v / out_div
 //   y = int8(clamp(round half to even(v), lo, hi))
 // Each step rounds as the graph's float32 operators do (no contraction into FMA), so it computes what the
 // requantize chain it replaces computes.
 struct RequantParams {
   int32_t const* bias; float const* scale; float const* shift; float residual_scale; float act_lo; float act_hi;
-  float out_div; float lo; float hi; int residual; int silu;
+  float out_div; float lo; float hi; int residual; int silu; float const* post;
 };
 template <int N, typename Out = int8_t>
 class Requantize {  // Out float: the value before the division, unrounded (an int8 layer whose output is float)
@@ -120,16 +121,18 @@ class Requantize {  // Out float: the value before the division, unrounded (an i
     int4 b = __ldg(reinterpret_cast<int4 const*>(p_.bias + k0 + i));
     float4 s = __ldg(reinterpret_cast<float4 const*>(p_.scale + k0 + i));
     float4 h = __ldg(reinterpret_cast<float4 const*>(p_.shift + k0 + i));
-    z[i] = one(acc[i] + b.x, s.x, h.x, c ? float((*c)[i]) : 0.f);
-    z[i + 1] = one(acc[i + 1] + b.y, s.y, h.y, c ? float((*c)[i + 1]) : 0.f);
-    z[i + 2] = one(acc[i + 2] + b.z, s.z, h.z, c ? float((*c)[i + 2]) : 0.f);
-    z[i + 3] = one(acc[i + 3] + b.w, s.w, h.w, c ? float((*c)[i + 3]) : 0.f);
+    float4 m = p_.post ? __ldg(reinterpret_cast<float4 const*>(p_.post + k0 + i)) : make_float4(1.f, 1.f, 1.f, 1.f);
+    z[i] = one(acc[i] + b.x, s.x, h.x, c ? float((*c)[i]) : 0.f, m.x);
+    z[i + 1] = one(acc[i + 1] + b.y, s.y, h.y, c ? float((*c)[i + 1]) : 0.f, m.y);
+    z[i + 2] = one(acc[i + 2] + b.z, s.z, h.z, c ? float((*c)[i + 2]) : 0.f, m.z);
+    z[i + 3] = one(acc[i + 3] + b.w, s.w, h.w, c ? float((*c)[i + 3]) : 0.f, m.w);
   }
-  CUTLASS_DEVICE Out one(int32_t acc_bias, float scale, float shift, float residual) const {
+  CUTLASS_DEVICE Out one(int32_t acc_bias, float scale, float shift, float residual, float post) const {
     float x = __fadd_rn(__fmul_rn(float(acc_bias), scale), shift);
     if (p_.silu) x = __fmul_rn(x, __fdiv_rn(1.f, __fadd_rn(1.f, expf(-x))));
     if (p_.residual) x = __fadd_rn(x, __fmul_rn(residual, p_.residual_scale));
     x = fminf(fmaxf(x, p_.act_lo), p_.act_hi);
+    if (p_.post) x = __fmul_rn(x, post);
     if constexpr (cutlass::platform::is_same<Out, float>::value) {
       return x;
     } else {
@@ -258,7 +261,7 @@ def choose_tile(problem: Conv2dProblem | GemmProblem, sm_count: int, smem_per_bl
 class ConvKernel:
     """What edgeq asks one CUTLASS convolution to compute. fp16: ``act(conv(x, w) + residual + bias)``. int8 (s8 x s8
     -> s32, the ``Requantize`` epilogue): ``clamp(round((silu?(float(conv + bias) * scale + shift) [+ residual x
-    residual_scale]) clamped to [act_lo, act_hi]) / out_div), lo, hi)`` to int8, ``bias`` int32 and ``scale`` float32
+    residual_scale]) clamped to [act_lo, act_hi] [x post]) / out_div), lo, hi)`` to int8, ``bias`` int32 and ``scale`` float32
     per output channel."""
 
     name: str  # a C identifier, unique in its module (the TVM function is cutlass_<name>)
@@ -275,6 +278,7 @@ class ConvKernel:
     hi: float = 127.0
     float_out: bool = False  # int8: the output is the float32 value before the division (no quantize follows)
     silu: bool = False  # int8: v * sigmoid(v) right after the scale and shift (before the residual and clamps)
+    post: bool = False  # int8: v * post[k] (a per-channel float32 operand) after the clamps, before the division
 
     @property
     def function(self) -> str:
@@ -446,7 +450,8 @@ def device_source(kernels: Sequence[ConvKernel]) -> str:
             element, out_element = "int8_t", ("float" if kern.float_out else "int8_t")
             output_op = (f"edgeq_cutlass::RequantParams{{bias, scale, shift, {_c_float(kern.residual_scale)}, "
                          f"{_c_float(kern.act_lo)}, {_c_float(kern.act_hi)}, {_c_float(kern.out_div)}, "
-                         f"{_c_float(kern.lo)}, {_c_float(kern.hi)}, {int(kern.residual)}, {int(kern.silu)}}}")
+                         f"{_c_float(kern.lo)}, {_c_float(kern.hi)}, {int(kern.residual)}, {int(kern.silu)}, "
+                         f"{'post' if kern.post else 'nullptr'}}}")
             vector = "channel"
         else:
             element = out_element = "half_t"
@@ -542,7 +547,7 @@ def wrappers_in_module(kernels: Sequence[ConvKernel]) -> Iterator[None]:
 
 def kernel_operands(kernel: ConvKernel, shapes: dict | None = None) -> list[tuple[str, tuple, str]]:
     """(name, shape, dtype) of the kernel's operands in the order its PrimFunc and device wrapper take them:
-    fp16: x, w, bias, [residual], y; int8: x, w, bias (int32), scale, shift, channel (float32: the output channel's
+    fp16: x, w, bias, [residual], y; int8: x, w, bias (int32), scale, shift, [post], channel (float32: the output channel's
     index, the epilogue's broadcast vector; not for a depthwise kernel), [residual], y. ``shapes``: the per-channel operands' shapes as the
     graph holds them (K elements; default [K])."""
     p = kernel.problem
@@ -563,6 +568,8 @@ def kernel_operands(kernel: ConvKernel, shapes: dict | None = None) -> list[tupl
     if kernel.precision == "int8":
         ops = [("x", xs, "int8"), ("w", ws, "int8"), ("bias", bs, "int32"), ("scale", vec("scale"), "float32"),
                ("shift", vec("shift"), "float32")]
+        if kernel.post:
+            ops.append(("post", vec("post"), "float32"))
         if not isinstance(kernel, DepthwiseKernel):  # CUTLASS's epilogue: the channel index as broadcast vector
             ops.append(("channel", (p.k,), "float32"))
         act = "float32" if kernel.float_out else "int8"
@@ -709,7 +716,8 @@ def replay(kernel: ConvKernel, x: np.ndarray, w: np.ndarray, bias: np.ndarray,
 
 
 def replay_int8(kernel: ConvKernel, x: np.ndarray, w: np.ndarray, bias: np.ndarray, scale: np.ndarray,
-                shift: np.ndarray | None = None, residual: np.ndarray | None = None) -> np.ndarray:
+                shift: np.ndarray | None = None, residual: np.ndarray | None = None,
+                post: np.ndarray | None = None) -> np.ndarray:
     """What an int8 kernel is asked to compute, on the host (numpy, independent of CUTLASS and TVM): x int8 NHWC,
     w int8 OHWI, bias int32 [K], scale float32 [K]; exact integer accumulation, then the ``Requantize`` epilogue's
     float32 steps, rounding half to even."""
@@ -722,6 +730,8 @@ def replay_int8(kernel: ConvKernel, x: np.ndarray, w: np.ndarray, bias: np.ndarr
     if residual is not None:
         v = v + residual.astype(f32) * f32(kernel.residual_scale)
     v = np.clip(v, f32(kernel.act_lo), f32(kernel.act_hi))
+    if post is not None:
+        v = v * post.reshape(-1).astype(f32)
     if kernel.float_out:
         return v.astype(f32)
     v = np.rint(v / f32(kernel.out_div))
@@ -791,7 +801,8 @@ def kernel_record(kernel: ConvKernel, smem_bytes: int) -> dict:
     })
     if kernel.precision == "int8":
         record["requantize"] = {
-            "float_out": kernel.float_out, "silu": kernel.silu, "residual_scale": kernel.residual_scale,
+            "float_out": kernel.float_out, "silu": kernel.silu, "post_scale": kernel.post,
+            "residual_scale": kernel.residual_scale,
             "out_div": kernel.out_div,
             "activation_clamp": [None if math.isinf(v) else v for v in (kernel.act_lo, kernel.act_hi)],
             "clamp": [kernel.lo, kernel.hi],
@@ -1133,6 +1144,7 @@ class Claimed:
     shapes: dict  # the per-channel operands' shapes as the graph holds them: {"bias": (1, 1, 1, K), ...}
     scale: object = None  # int8: the per-channel float32 scale and shift (a constant or a weight; shift may be None)
     shift: object = None
+    post: object = None  # int8: the per-channel multiplier after the clamps (``ConvKernel.post``)
 
     def operands(self) -> list:
         """The Relax arguments of the kernel's call, in ``kernel_operands`` order (without y)."""
@@ -1146,10 +1158,11 @@ class Claimed:
         k = self.kernel.problem.k
         bias = self.bias if self.bias is not None else relax.const(np.zeros(k, np.int32), "int32")
         shift = self.shift if self.shift is not None else relax.const(np.zeros(k, np.float32), "float32")
+        post = [self.post] if self.kernel.post else []
         if isinstance(self.kernel, DepthwiseKernel):
-            return [self.x, self.w, bias, self.scale, shift] + residual
+            return [self.x, self.w, bias, self.scale, shift] + post + residual
         channel = relax.const(np.arange(k, dtype=np.float32), "float32")
-        return [self.x, self.w, bias, self.scale, shift, channel] + residual
+        return [self.x, self.w, bias, self.scale, shift] + post + [channel] + residual
 
 
 def _const_scalar(expr, value_of=None) -> float | None:
@@ -1451,26 +1464,40 @@ def _int8_chain(b, value_of, only_reader, follow, readers, params, sm_count: int
         chain = chain + silu
         nxt = only_reader(chain[-1])
     float_chain = list(chain)
-    rest = _requantize_tail(chain, nxt, value_of, only_reader, b.var, op_of, other)
+    rest = _requantize_tail(chain, nxt, value_of, only_reader, op_of, other, per_channel)
     if depthwise and _output_shape((rest[0] if not isinstance(rest, str) else float_chain)[-1], problem):
         return "a depthwise output seen through a reshape"
-    if isinstance(rest, str):
-        kernel = kind(name, problem, tile, "identity", False, "int8", float_out=True, silu=silu is not None)
+    if isinstance(rest, str):  # float32 out, with the activation clamps that follow (a ReLU6 before a global pool)
+        act_lo, act_hi = -math.inf, math.inf
+        nxt = only_reader(float_chain[-1])
+        while op_of(nxt) in ("relax.nn.relu", "relax.maximum", "relax.minimum"):
+            c = 0.0 if op_of(nxt) == "relax.nn.relu" else _const_scalar(value_of[nxt].args[1])
+            if c is None or not value_of[nxt].args[0].same_as(float_chain[-1]):
+                break
+            act_lo, act_hi = (max(act_lo, c), act_hi) if op_of(nxt) != "relax.minimum" else (act_lo, min(act_hi, c))
+            float_chain.append(nxt)
+            nxt = only_reader(nxt)
+        activation = {(-math.inf, math.inf): "identity", (0.0, math.inf): "relu", (0.0, 6.0): "relu6"}.get(
+            (act_lo, act_hi), "clip")
+        kernel = kind(name, problem, tile, activation, False, "int8", act_lo=act_lo, act_hi=act_hi, float_out=True,
+                      silu=silu is not None)
         return Claimed(kernel, float_chain[-1], x, w, bias, None, tuple(float_chain[:-1]),
                        {**shapes, **_output_shape(float_chain[-1], problem)}, scale, shift)
-    chain, residual, residual_scale, act_lo, act_hi, out_div, lo, hi = rest
+    chain, residual, residual_scale, act_lo, act_hi, out_div, lo, hi, post = rest
     activation = {(-math.inf, math.inf): "identity", (0.0, math.inf): "relu", (0.0, 6.0): "relu6"}.get(
         (act_lo, act_hi), "clip")
     kernel = kind(name, problem, tile, activation, residual is not None, "int8", residual_scale, act_lo, act_hi,
-                  out_div, lo, hi, silu=silu is not None)
+                  out_div, lo, hi, silu=silu is not None, post=post is not None)
+    if post is not None:
+        shapes["post"] = per_channel(post)
     return Claimed(kernel, chain[-1], x, w, bias, residual, tuple(chain[:-1]),
-                   {**shapes, **_output_shape(chain[-1], problem)}, scale, shift)
+                   {**shapes, **_output_shape(chain[-1], problem)}, scale, shift, post)
 
 
-def _requantize_tail(chain, nxt, value_of, only_reader, conv_var, op_of, other):
-    """After an int8 convolution's scale: ``[+ float32(residual int8) * s] -> [activation clamps] -> [/ s] -> round
-    -> [max lo] [min hi] -> [astype int32] -> astype int8``, as (chain, residual, residual_scale, act_lo, act_hi,
-    out_div, lo, hi); or why not."""
+def _requantize_tail(chain, nxt, value_of, only_reader, op_of, other, per_channel):
+    """After an int8 convolution's scale: ``[+ float32(residual int8) * s] -> [activation clamps] -> [* post (per
+    channel: a depthwise layer's input channel scale)] -> [/ s] -> round -> [max lo] [min hi] -> [astype int32] ->
+    astype int8``, as (chain, residual, residual_scale, act_lo, act_hi, out_div, lo, hi, post); or why not."""
     from edgeq.graph_passes import dtype_of, shape_of
 
     chain = list(chain)
@@ -1493,6 +1520,15 @@ def _requantize_tail(chain, nxt, value_of, only_reader, conv_var, op_of, other):
         if c is None:
             return "a clamp by no constant"
         act_lo, act_hi = (max(act_lo, c), act_hi) if op_of(nxt) != "relax.minimum" else (act_lo, min(act_hi, c))
+        chain.append(nxt)
+        nxt = only_reader(nxt)
+    post = None
+    if op_of(nxt) == "relax.multiply":  # x a per-channel constant of K elements (one element: a scalar is no post)
+        candidate = other(nxt, chain[-1])
+        shape = per_channel(candidate)
+        if shape is None or int(np.prod(shape or (1,))) == 1:
+            return "a multiply after its activation by no per-channel constant"
+        post = candidate
         chain.append(nxt)
         nxt = only_reader(nxt)
     if op_of(nxt) == "relax.divide":
@@ -1520,7 +1556,7 @@ def _requantize_tail(chain, nxt, value_of, only_reader, conv_var, op_of, other):
     if op_of(nxt) != "relax.astype" or str(value_of[nxt].attrs.dtype) != "int8":
         return "no int8 cast at the end"
     chain.append(nxt)
-    return chain, residual, residual_scale, act_lo, act_hi, out_div, lo, hi
+    return chain, residual, residual_scale, act_lo, act_hi, out_div, lo, hi, post
 
 
 def _same(a, b) -> bool:
@@ -1651,6 +1687,8 @@ def twin_prim_func(kernel: ConvKernel, shapes: dict | None = None):
             v = te.max(v, f32(kernel.act_lo))
         if not math.isinf(kernel.act_hi):
             v = te.min(v, f32(kernel.act_hi))
+        if kernel.post:
+            v = v * at("post", o)
         if kernel.float_out:
             return v
         v = tirx.round(v / f32(kernel.out_div))
