@@ -139,7 +139,9 @@ def one(path: Path, work: Path, int8: bool, jetson: bool, speed: bool, repeat: i
             if built is not None:
                 record = built.manifest.library.gpu_kernels.get("cutlass") or {}
                 taken, left = len(record.get("kernels", [])), len(record.get("left", []))
-                row[f"cutlass_{precision}"] = f"built: {taken} of {taken + left} convolutions and matrix products on CUTLASS"
+                depthwise = len(record.get("depthwise", []))
+                row[f"cutlass_{precision}"] = (f"built: {taken} of {taken + depthwise + left} convolutions and matrix "
+                                               f"products on CUTLASS, {depthwise} depthwise on edgeq's kernel")
     if profile:
         if fp32_model is not None:
             row["fp32_kernels"] = kernel_breakdown(fp32_model, {spec.name: x}, top=profile)
