@@ -55,6 +55,7 @@ SUDO=""
 need=()
 command -v aarch64-linux-gnu-g++ >/dev/null || need+=(g++-aarch64-linux-gnu)
 command -v cc >/dev/null || need+=(gcc)
+command -v g++ >/dev/null || need+=(g++)  # tests: TVM-written CUDA kernels run on the host (tests/cuda_on_host.py)
 command -v readelf >/dev/null || need+=(binutils)         # ELF checks of every file in a bundle
 if [ -n "$TESTS" ]; then  # what only the tests use
     [ -x /usr/sbin/sshd ] || need+=(openssh-server)   # the fleet tests run real sshd hosts on loopback

@@ -812,3 +812,49 @@ def test_an_efficientnet_b0_runs_its_depthwise_convolutions_with_silu_on_edgeqs_
         reference = session.run(None, {"input": x})[0]
         error = np.abs(got - reference).max() / np.abs(reference).max()
         assert error < (0.05 if precision == "int8" else 0.01), error
+
+
+def test_the_depthwise_kernels_cuda_source_runs_on_this_cpu_as_the_replay(nvrtc, tmp_path):
+    """The CUDA source TVM writes for the depthwise kernels (the module built for sm_87), compiled by g++ for this
+    CPU and run over each kernel's whole grid (cuda_on_host.py), equals the numpy replay: the index arithmetic, the
+    padding predicates, the 16-byte (fp16) and 4-byte (int8) loads and stores, the tail of a grid that does not
+    divide into blocks, and the epilogue. fp16 within a half's rounding; int8 bit for bit but where SiLU's expf
+    rounds differently (at most one step, rarely)."""
+    from cuda_on_host import HostKernels
+
+    from edgeq.tvm_env import import_tvm
+
+    tvm = import_tvm()
+    kernels = [dataclasses.replace(_depthwise_case(case, precision)[0], name=f"{precision}_{i}")
+               for i, case in enumerate(DEPTHWISE) for precision in ("fp16", "int8")]
+    assert any(k.problem.n * k.problem.p * k.problem.q * k.problem.k // 8 % 128 for k in kernels)  # a partial block
+    target = tvm.target.Target({"kind": "cuda", "arch": "sm_87", "host": "llvm"})
+    _, sizes = cutlass.build_module(kernels, target, nvrtc, tmp_path)
+    host = HostKernels((tmp_path / "cutlass_sm_87.cu").read_text(), [f"{k.function}_kernel" for k in kernels], tmp_path)
+    rng = np.random.default_rng(7)
+    for kern in kernels:
+        arrays = {}
+        for name, shape, dtype in cutlass.kernel_operands(kern):
+            if dtype == "int8":
+                arrays[name] = rng.integers(-128, 128, shape, dtype=np.int8)
+            elif dtype == "int32":
+                arrays[name] = rng.integers(-2000, 2000, shape, dtype=np.int32)
+            elif dtype == "float16":
+                arrays[name] = (rng.standard_normal(shape) * (0.3 if name == "w" else 1.0)).astype(np.float16)
+            else:  # the int8 epilogue's per-channel scale, shift and multiplier
+                low, high = {"scale": (0.001, 0.004), "post": (0.5, 2.0)}.get(name, (-1.0, 1.0))
+                arrays[name] = rng.uniform(low, high, shape).astype(np.float32)
+        arrays["y"] = np.zeros_like(arrays["y"])
+        host.run(f"{kern.function}_kernel", kern.grid[0], kern.threads, arrays)
+        got = arrays["y"]
+        if kern.precision == "int8":
+            want = cutlass.replay_int8(kern, arrays["x"], arrays["w"], arrays["bias"], arrays["scale"], arrays["shift"],
+                                       arrays.get("residual"), arrays["post"])
+            diff = np.abs(got.astype(np.int32) - want.astype(np.int32))
+            assert len(np.unique(want)) > 20 and diff.max() <= (1 if kern.silu else 0), (kern.name, diff.max())
+            assert (diff == 0).mean() >= 0.999
+        else:
+            want = cutlass.replay(kern, arrays["x"].astype(np.float32), arrays["w"].astype(np.float32),
+                                  arrays["bias"], arrays.get("residual"))
+            np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), rtol=2e-3, atol=2e-3)
+            assert np.abs(want.astype(np.float32)).max() > 1

@@ -726,7 +726,8 @@ def replay_int8(kernel: ConvKernel, x: np.ndarray, w: np.ndarray, bias: np.ndarr
     v = (acc + bias.reshape(-1).astype(np.int64)).astype(np.int32).astype(f32) * scale.reshape(-1).astype(f32)
     v = v + (f32(0) if shift is None else shift.reshape(-1).astype(f32))
     if kernel.silu:
-        v = v * (f32(1) / (f32(1) + np.exp(-v)))
+        with np.errstate(over="ignore"):  # exp(-v) of a large negative v: inf, and v * 0 as SiLU is there
+            v = v * (f32(1) / (f32(1) + np.exp(-v)))
     if residual is not None:
         v = v + residual.astype(f32) * f32(kernel.residual_scale)
     v = np.clip(v, f32(kernel.act_lo), f32(kernel.act_hi))
