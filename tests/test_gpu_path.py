@@ -18,6 +18,7 @@ from conftest import read_golden, run_cli
 from edgeq.backends.cuda import pipeline as gpu
 from edgeq.compile import HostRunner, build, lower_graph, toolchain_for
 from edgeq.graph import call_op
+from edgeq.graph_passes import dtype_of
 from edgeq.load import load_model
 from edgeq.relax_import import to_relax
 from edgeq.targets import profiles
@@ -314,6 +315,59 @@ def test_fp16_graph_keeps_fp16_weights_and_matches_onnxruntime_fp32(small):
     expected = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"input": x})[0]
     got = HostRunner(fp16)([x])[0]
     assert got.dtype == np.float32 and cosine(got, expected) >= 0.999
+
+
+def test_fp16_global_pool_reads_fp16_in_one_kernel_with_what_follows(small, monkeypatch):
+    """ToMixedPrecision keeps the global average pool in fp32 behind a cast of its input, which FuseOps cannot fuse
+    into the mean (it fuses it into the producer, where it can): the pool reads the fp16 tensor itself (``pools_read_fp16``), and its fp16 cast fuses after it."""
+    _, graph = small
+    prepared = gpu.prepare_graph(graph)
+    fp16 = gpu.to_fp16(prepared)
+    assert "relax.mean" not in ops(fp16)
+    [pool] = [b.value for b in fp16.bindings() if call_op(b.value) == "relax.call_tir"]
+    assert pool.args[0].name_hint == "mean_fp16" and dtype_of(pool.args[1].fields[0]) == "float16"
+    report = scheduled(fp16)
+    # 6 convolutions, the pool with its cast, the classifier, and the input's cast to fp16: nothing else
+    assert report.kernels_per_inference == 9, report.launches
+    assert [f for f in report.launches if "mean" in f] == ["fused_mean_fp16_cast3"], report.launches
+    monkeypatch.setattr(gpu, "pools_read_fp16", lambda g: g)
+    plain = gpu.to_fp16(prepared)
+    # dlight fuses that cast into the last convolution, which then writes fp32 (twice the bytes); a CUTLASS kernel
+    # takes no such cast, so there it was a kernel of its own (tests/test_cutlass.py)
+    assert "relax.mean" in ops(plain) and scheduled(plain).kernels_per_inference == 9
+    x = np.random.default_rng(2).standard_normal((1, 3, 32, 32)).astype(np.float32)
+    np.testing.assert_allclose(HostRunner(fp16)([x])[0], HostRunner(plain)([x])[0], rtol=1e-6, atol=1e-6)
+
+
+def test_reshapes_after_a_pool_sink_below_its_quantization_and_vanish():
+    """``mean(keepdims) -> transpose -> reshape [1, C] -> quantize -> reshape [1, 1, 1, C]`` (a global pool before a
+    classifier that runs as a 1x1 convolution) becomes ``mean -> quantize``: FuseOps fuses it into one kernel."""
+    from tvm.script import ir as I
+    from tvm.script import relax as R
+
+    from edgeq.graph import Graph
+
+    @I.ir_module
+    class Pool:
+        @R.function
+        def main(x: R.Tensor((1, 7, 7, 64), "float32")):
+            R.func_attr({"num_input": 1})
+            with R.dataflow():
+                m = R.mean(x, axis=[1, 2], keepdims=True)
+                t = R.permute_dims(m, axes=[0, 3, 1, 2])
+                f = R.reshape(t, R.shape([1, 64]))
+                q = R.round(R.divide(f, R.const(0.25, "float32")))
+                c = R.astype(R.minimum(R.maximum(q, R.const(-128.0, "float32")), R.const(127.0, "float32")), "int8")
+                out = R.reshape(c, R.shape([1, 1, 1, 64]))
+                R.output(out)
+            return out
+
+    graph = Graph(Pool, {})
+    sunk = gpu.views_collapsed(graph)
+    assert ops(sunk) == {"relax.mean", "relax.divide", "relax.round", "relax.maximum", "relax.minimum", "relax.astype"}
+    x = np.random.default_rng(3).standard_normal((1, 7, 7, 64)).astype(np.float32) * 8
+    np.testing.assert_array_equal(HostRunner(sunk)([x])[0], HostRunner(graph)([x])[0])
+    assert scheduled(sunk).kernels_per_inference == 1 and scheduled(graph).kernels_per_inference == 2
 
 
 def test_fp16_is_refused_for_cpu_profiles(small, tmp_path):

@@ -52,6 +52,118 @@ def prepare_graph(graph: Graph) -> Graph:
     return precompute_weight_ops(fold_batch_norm(graph))
 
 
+# element-wise operators that commute with a reshape when their other operands are scalars
+_ELEMENTWISE = ("relax.astype", "relax.add", "relax.subtract", "relax.multiply", "relax.divide", "relax.round",
+                "relax.maximum", "relax.minimum", "relax.clip", "relax.nn.relu", "relax.sigmoid", "relax.tanh",
+                "relax.exp", "relax.negative", "relax.abs", "relax.floor", "relax.ceil")
+
+
+def _memory_view(value) -> bool:
+    """A reshape, or a permute_dims that moves only axes of extent 1: the same bytes in another shape."""
+    from edgeq.graph_passes import shape_of
+
+    op = call_op(value)
+    if op == "relax.reshape":
+        return True
+    if op != "relax.permute_dims":
+        return False
+    shape = shape_of(value.args[0])
+    if shape is None:
+        return False
+    axes = [int(a) for a in value.attrs.axes] if value.attrs.axes is not None else list(range(len(shape)))[::-1]
+    moved = [a for a in axes if shape[a] != 1]
+    return moved == sorted(moved)
+
+
+def views_collapsed(graph: Graph) -> Graph:
+    """Reshapes (and transposes of size-1 axes) sunk below the element-wise operators with scalar operands that
+    follow them, merged, and dropped where they end in the shape they started from. A global pool's
+    ``mean(keepdims) -> transpose -> reshape [N, C] -> (quantize) -> reshape [N, 1, 1, C]`` before a classifier
+    (a 1x1 convolution on the CUTLASS path) becomes ``mean -> (quantize)``, which FuseOps makes one kernel: a
+    reshape between a reduction and what follows it would keep them apart (FuseOps fuses only element-wise
+    operators after a reduction; a reshape is injective), and the element-wise operators after it would be a
+    kernel of their own."""
+    from edgeq.graph_passes import shape_of
+
+    base: dict = {}  # input-graph var -> the output-graph var holding the same elements in another shape
+
+    def scalar(expr) -> bool:
+        shape = shape_of(expr)
+        return shape is not None and all(d == 1 for d in shape)
+
+    def visit(rw: Rewriter, var, value):
+        if not isinstance(value, relax.Call) or not value.args:
+            return None
+        src = value.args[0]
+        if _memory_view(value) and dtype_of(var) is not None:
+            root = base.get(src, rw.new(src))
+            shape = shape_of(var)
+            if shape is not None and shape == shape_of(root):
+                return root  # back in the shape it started from: no operator at all
+            base[var] = root
+            return relax.op.reshape(root, shape) if shape is not None else None
+        if call_op(value) in _ELEMENTWISE and src in base and all(scalar(a) for a in value.args[1:]):
+            root = base[src]
+            rank = len(shape_of(root) or ())
+            if all(len(shape_of(a)) <= rank for a in value.args[1:]):
+                inner = rw.emit(relax.Call(value.op, [root, *(rw.new(a) for a in value.args[1:])], value.attrs,
+                                           value.ty_args))
+                base[var] = inner
+                return relax.op.reshape(inner, shape_of(var))
+        return None
+
+    return rewrite(graph, visit)
+
+
+def pools_read_fp16(graph: Graph) -> Graph:
+    """``mean(astype(x fp16, float32))`` (ToMixedPrecision keeps a reduction in fp32 and casts its input) as one
+    TIR function that reads x in fp16 and accumulates in fp32: FuseOps keeps the cast apart (a mean is a sum
+    and a division, "out-element-wise fusable": it fuses what follows it, not what it reads), which would be
+    a kernel writing the whole fp32 tensor (an EfficientNet has one before each of its 16 squeeze-and-excitation
+    pools). The fp16 cast after the mean still fuses into it."""
+    from edgeq.graph_passes import shape_of
+
+    def visit(rw: Rewriter, var, value):
+        if call_op(value) != "relax.mean" or dtype_of(var) != "float32":
+            return None
+        cast = rw.value(value.args[0])
+        if call_op(cast) != "relax.astype" or dtype_of(cast.args[0]) != "float16" or rw.uses(value.args[0]) != 1:
+            return None
+        shape = shape_of(cast.args[0])
+        if shape is None or shape_of(var) is None:
+            return None
+        axes = sorted({int(a) % len(shape) for a in value.attrs.axis} if value.attrs.axis is not None
+                      else set(range(len(shape))))
+        keepdims = bool(value.attrs.keepdims)
+        return rw.bb.call_te(_mean_of_fp16, rw.new(cast.args[0]), axes, keepdims, primfunc_name_hint="mean_fp16")
+
+    return rewrite(graph, visit)
+
+
+def _mean_of_fp16(x, axes, keepdims):
+    """TE: the mean over ``axes`` of fp16 ``x`` in fp32 (each element cast as it is read)."""
+    from tvm import te
+
+    shape = [int(d) for d in x.shape]
+    reduce = [te.reduce_axis((0, shape[a]), name=f"r{a}") for a in axes]
+    count = int(np.prod([shape[a] for a in axes]))
+    kept = [i for i in range(len(shape)) if i not in axes]
+    out_shape = [1 if i in axes else shape[i] for i in range(len(shape))] if keepdims else [shape[i] for i in kept]
+
+    def index(idx):
+        out, it = [], iter(reduce)
+        for i in range(len(shape)):
+            if i in axes:
+                out.append(next(it))
+            else:
+                out.append(idx[i] if keepdims else idx[kept.index(i)])
+        return out
+
+    total = te.compute(out_shape, lambda *idx: te.sum(x[tuple(index(idx))].astype("float32"), axis=reduce),
+                       name="sum")
+    return te.compute(out_shape, lambda *idx: total(*idx) / np.float32(count), name="mean")
+
+
 # ------------------------------------------------------------------ scheduling
 
 
@@ -350,7 +462,7 @@ def to_fp16(graph: Graph) -> Graph:
     except Exception as err:  # noqa: BLE001 - TVM's InternalError
         raise ModelError(f"--precision fp16: TVM's ToMixedPrecision cannot convert this graph ({_first_line(err)}); "
                          "package it in fp32") from None
-    return _lift_constants(Graph(mixed, {}))
+    return views_collapsed(pools_read_fp16(_lift_constants(Graph(mixed, {}))))
 
 
 def _clips_as_max_min(graph: Graph) -> Graph:
