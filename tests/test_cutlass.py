@@ -316,8 +316,9 @@ def test_kernels_compile_in_a_tvm_module_to_tensor_cores(profile, precision, nvr
                                               residual_scale=0.5, act_lo=0.0 if activation == "relu" else -np.inf,
                                               out_div=0.25, lo=-128.0, hi=127.0, float_out=name == "1x1s2",
                                               silu=name == "1x1s2", post=name == "stem7x7s2"))
-        else:
-            kernels.append(cutlass.ConvKernel(name.replace("-", "_"), problem, tile, activation, residual))
+        else:  # the 1x1 shortcut writes float32 (a classifier whose logits the graph casts to float32)
+            kernels.append(cutlass.ConvKernel(name.replace("-", "_"), problem, tile, activation, residual,
+                                              float_out=name == "1x1s2"))
     if precision == "fp16":  # attention's batched GEMM: 12 heads of [128, 64] x [64, 128], scaled
         gemm = cutlass.GemmProblem(12, 128, 128, 64)
         tile = cutlass.choose_tile(gemm, spec.sm_count, spec.shared_memory_per_block_optin)
@@ -341,7 +342,9 @@ def test_kernels_compile_in_a_tvm_module_to_tensor_cores(profile, precision, nvr
         body = re.search(rf"void __launch_bounds__\(\d+\) cutlass_{kern.name}_kernel\(([^)]*)\) {{(.*?)\n}}", source, re.S)
         assert body and "smem" not in body.group(1) and "extern __shared__" in body.group(2), body and body.group(0)
     assert set(reports) == {k.name for k in kernels}
-    for kern in kernels:
+    for kern in kernels:  # a float32 output is written as float32 by the epilogue (its ElementOutput)
+        wrapper = re.search(rf"void edgeq_cutlass_{kern.name}\(([^)]*)\)", source)
+        assert wrapper and ("float* y" if kern.float_out else "* y") in wrapper.group(1), kern.name
         r = reports[kern.name]
         assert r.arch == spec.arch
         assert r.mma > 0  # HMMA (fp16) / IMMA (int8): on the tensor cores
@@ -354,10 +357,12 @@ def test_kernels_compile_in_a_tvm_module_to_tensor_cores(profile, precision, nvr
 TEN_CLASSES = "output features not a multiple of 8"  # the test ResNets' classifier (10 classes) stays on dlight
 
 
-def test_the_rewritten_graph_runs_on_the_host_as_the_graph(tmp_path):
+@pytest.mark.parametrize("classes", [10, 16])
+def test_the_rewritten_graph_runs_on_the_host_as_the_graph(classes, tmp_path):
     """``--gpu-kernels cutlass``'s graph: every convolution of a ResNet (stem on 3 channels, residual adds, ReLU
     and ReLU6, a strided 1x1 shortcut) claimed by a CUTLASS kernel; the rewritten module, with each kernel's plain
-    TIR twin in its place, run on this machine equals the graph before the rewrite (and ONNX Runtime)."""
+    TIR twin in its place, run on this machine equals the graph before the rewrite (and ONNX Runtime). With 16
+    classes the classifier is a CUTLASS kernel too, and writes the float32 logits itself."""
     import onnxruntime as ort
 
     from test_gpu_path import resnet
@@ -365,18 +370,26 @@ def test_the_rewritten_graph_runs_on_the_host_as_the_graph(tmp_path):
     from edgeq.backends import for_profile
     from edgeq.compile import HostRunner
     from edgeq.graph import Graph
+    from edgeq.graph_passes import dtype_of
     from edgeq.load import load_model
     from edgeq.relax_import import to_relax
 
     profile = resolve("jetson-orin-nano")[0]
     backend = for_profile(profile).with_gpu_kernels("cutlass", profile, "fp16")
-    model = resnet(tmp_path / "r.onnx", size=32, widths=(8, 16), blocks=1, stem=3, activations=("Relu", "Relu6"))
+    model = resnet(tmp_path / "r.onnx", size=32, widths=(8, 16), blocks=1, stem=3, activations=("Relu", "Relu6"),
+                   classes=classes)
     graph, _ = to_relax(load_model(model, {}, {}))
     prepared, _ = backend.prepare(graph, profile.tvm_target())
     fp16 = backend.to_fp16(prepared)
     claimed, left = cutlass.find_convs(fp16.main, profile.cuda.sm_count, profile.cuda.shared_memory_per_block_optin)
     convs = sum(1 for n in onnx.load(model).graph.node if n.op_type == "Conv")
-    assert len(claimed) == convs and [x["why"] for x in left] == [TEN_CLASSES], left
+    if classes == 10:
+        assert len(claimed) == convs and [x["why"] for x in left] == [TEN_CLASSES], left
+        assert not any(c.kernel.float_out for c in claimed)
+    else:  # the classifier: a 1x1 convolution on the pooled features, float32 out (the graph's output)
+        assert len(claimed) == convs + 1 and left == [], left
+        assert [c.kernel.float_out for c in claimed] == [False] * convs + [True]
+        assert dtype_of(claimed[-1].output) == "float32"
     kinds = {(c.kernel.activation, c.kernel.residual) for c in claimed}
     assert ("relu", True) in kinds or ("relu6", True) in kinds  # a residual block's second conv took the add
     assert claimed[0].kernel.problem.c == 8 and claimed[0].kernel.problem.c_real == 3  # the stem, padded in the graph

@@ -276,7 +276,8 @@ class ConvKernel:
     out_div: float = 1.0
     lo: float = -128.0  # the clamp after rounding
     hi: float = 127.0
-    float_out: bool = False  # int8: the output is the float32 value before the division (no quantize follows)
+    float_out: bool = False  # float32 output. int8: the value before the division (no quantize follows); fp16: the
+    # epilogue's value unrounded (the graph casts the layer's output to float32: a classifier's logits)
     silu: bool = False  # int8: v * sigmoid(v) right after the scale and shift (before the residual and clamps)
     post: bool = False  # int8: v * post[k] (a per-channel float32 operand) after the clamps, before the division
 
@@ -310,14 +311,15 @@ class ConvKernel:
                 "cutlass::arch::OpMultiplyAddSaturate, cutlass::conv::IteratorAlgorithm::kOptimized, "
                 "cutlass::conv::StrideSupport::kStrided>::Kernel"
             )
+        out, lanes = ("float", 4) if self.float_out else ("cutlass::half_t", ALIGNMENT)  # 16-byte stores
         return (
             "typename cutlass::conv::kernel::DefaultConv2dFpropWithBroadcast<"
             "cutlass::half_t, cutlass::layout::TensorNHWC, cutlass::half_t, cutlass::layout::TensorNHWC, "
-            "cutlass::half_t, cutlass::layout::TensorNHWC, float, cutlass::arch::OpClassTensorOp, cutlass::arch::Sm80, "
+            f"{out}, cutlass::layout::TensorNHWC, float, cutlass::arch::OpClassTensorOp, cutlass::arch::Sm80, "
             f"cutlass::gemm::GemmShape<{bm}, {bn}, {bk}>, cutlass::gemm::GemmShape<{wm}, {wn}, {wk}>, "
             "cutlass::gemm::GemmShape<16, 8, 16>, "
-            "cutlass::epilogue::thread::LinearCombinationBiasElementwise<cutlass::half_t, float, float, cutlass::half_t, "
-            f"cutlass::half_t, {ALIGNMENT}, {ACTIVATIONS[self.activation]}, cutlass::plus<float>, false, cutlass::half_t>, "
+            f"cutlass::epilogue::thread::LinearCombinationBiasElementwise<{out}, float, float, {out}, "
+            f"{out}, {lanes}, {ACTIVATIONS[self.activation]}, cutlass::plus<float>, false, cutlass::half_t>, "
             f"cutlass::gemm::threadblock::GemmIdentityThreadblockSwizzle<1>, {self.tile.stages}, "
             "cutlass::arch::OpMultiplyAdd, cutlass::conv::IteratorAlgorithm::kOptimized, "
             "cutlass::conv::StrideSupport::kStrided>::Kernel"
@@ -454,7 +456,7 @@ def device_source(kernels: Sequence[ConvKernel]) -> str:
                          f"{'post' if kern.post else 'nullptr'}}}")
             vector = "channel"
         else:
-            element = out_element = "half_t"
+            element, out_element = "half_t", ("float" if kern.float_out else "half_t")
             output_op = f"{{1.0f, {'1.0f' if kern.residual else '0.0f'}}}"
             vector = "reinterpret_cast<half_t*>(bias)"
         out.append(f"""
@@ -575,7 +577,7 @@ def kernel_operands(kernel: ConvKernel, shapes: dict | None = None) -> list[tupl
         act = "float32" if kernel.float_out else "int8"
     else:
         ops = [("x", xs, "float16"), ("w", ws, "float16"), ("bias", bs, "float16")]
-        act = "float16"
+        act = "float32" if kernel.float_out else "float16"
     if kernel.residual:
         ops.append(("residual", ys, act))
     return ops + [("y", ys, act)]
@@ -704,7 +706,7 @@ def replay(kernel: ConvKernel, x: np.ndarray, w: np.ndarray, bias: np.ndarray,
            residual: np.ndarray | None = None) -> np.ndarray:
     """What the kernel is asked to compute, on the host in float32 (independent of CUTLASS and TVM): x NHWC
     [N, H, W, C], w OHWI [K, R, S, C] (channels padded), bias [K]; the result rounded to fp16 as the epilogue's
-    conversion does. Bottom/right padding is what the output size reaches (CUTLASS's implicit-GEMM iterators)."""
+    conversion does (float32 unrounded for a ``float_out`` kernel). Bottom/right padding is what the output size reaches (CUTLASS's implicit-GEMM iterators)."""
     acc = _accumulate(kernel.problem, x, w, np.float32)
     if residual is not None:
         acc = acc + residual.astype(np.float32)
@@ -712,7 +714,7 @@ def replay(kernel: ConvKernel, x: np.ndarray, w: np.ndarray, bias: np.ndarray,
     z = {"identity": lambda v: v, "relu": lambda v: np.maximum(v, 0), "relu6": lambda v: np.clip(v, 0, 6),
          "silu": lambda v: v / (1 + np.exp(-v)), "hardswish": lambda v: v * np.clip(v + 3, 0, 6) / 6,
          "gelu": lambda v: 0.5 * v * (1 + _erf(v / np.sqrt(2.0)))}[kernel.activation](z)
-    return z.astype(np.float16)
+    return z.astype(np.float32 if kernel.float_out else np.float16)
 
 
 def replay_int8(kernel: ConvKernel, x: np.ndarray, w: np.ndarray, bias: np.ndarray, scale: np.ndarray,
@@ -798,6 +800,7 @@ def kernel_record(kernel: ConvKernel, smem_bytes: int) -> dict:
         }
     record.update({
         "activation": kernel.activation, "residual": kernel.residual, "precision": kernel.precision,
+        "output": "float32" if kernel.float_out else "int8" if kernel.precision == "int8" else "float16",
         "flops": p.flops,
     })
     if kernel.precision == "int8":
@@ -1178,7 +1181,8 @@ def _const_scalar(expr, value_of=None) -> float | None:
 
 
 def find_convs(main, sm_count: int, smem_per_block: int) -> tuple[list[Claimed], list[dict]]:
-    """The fp16 chains ``conv2d(NHWC, OHWI, fp32 out) -> astype fp16 -> + bias -> [+ residual] -> [relu | relu6 | silu]``
+    """The fp16 chains ``conv2d(NHWC, OHWI, fp32 out) -> astype fp16 -> + bias -> [+ residual] -> [relu | relu6 | silu]
+    -> [astype float32]``
     of ``main`` whose intermediate values have no other reader, as kernels; and the conv2d calls left out, each
     with why (for the manifest)."""
     from edgeq.graph import call_op
@@ -1289,6 +1293,12 @@ def find_convs(main, sm_count: int, smem_per_block: int) -> tuple[list[Claimed],
             if silu is not None:
                 activation = "silu"
                 chain += silu
+        # the graph's cast of the output to float32 (a classifier's logits): the kernel writes float32 unrounded
+        to_float = only_reader(chain[-1])
+        float_out = (residual is None and not depthwise and to_float is not None and to_float not in taken
+                     and call_op(value_of[to_float]) == "relax.astype" and dtype_of(to_float) == "float32")
+        if float_out:
+            chain.append(to_float)
         problem = Conv2dProblem(xs[0], xs[1], xs[2], xs[3], k, kr, ks, (pads[0], pads[1]),
                                 tuple(int(v) for v in attrs.strides), tuple(int(d) for d in attrs.dilation),
                                 c_real=xs[3] - _channels_padded(x, value_of), groups=k if depthwise else 1)
@@ -1299,7 +1309,7 @@ def find_convs(main, sm_count: int, smem_per_block: int) -> tuple[list[Claimed],
             kernel = DepthwiseKernel(f"l{len(claimed)}", problem, None, activation, residual is not None)
         else:
             kernel = ConvKernel(f"l{len(claimed)}", problem, choose_tile(problem, sm_count, smem_per_block),
-                                activation, residual is not None)
+                                activation, residual is not None, float_out=float_out)
         claimed.append(Claimed(kernel, chain[-1], x, w, bias, residual, tuple(chain[:-1]),
                                {"bias": tuple(shape_of(bias)), **_output_shape(chain[-1], problem)}))
         taken.update(chain)
@@ -1708,7 +1718,7 @@ def twin_prim_func(kernel: ConvKernel, shapes: dict | None = None):
             v = v * te.sigmoid(v)
         elif kernel.activation != "identity":
             raise ValueError(f"no host twin for activation {kernel.activation}")
-        return v.astype("float16")
+        return v if kernel.float_out else v.astype("float16")
 
     y = te.compute(npqk, epilogue_int8 if int8 else epilogue_fp16, "y")
     if y_shape != npqk:  # the chain went through a reshape (a view): the output in the graph's shape
