@@ -369,6 +369,23 @@ def test_reshapes_after_a_pool_sink_below_its_quantization_and_vanish():
     np.testing.assert_array_equal(HostRunner(sunk)([x])[0], HostRunner(graph)([x])[0])
     assert scheduled(sunk).kernels_per_inference == 1 and scheduled(graph).kernels_per_inference == 2
 
+    @I.ir_module
+    class Tokens:  # a transformer's per-token quantization: the reshape before abs fuses with it, and stays
+        @R.function
+        def main(x: R.Tensor((1, 128, 64), "float32")):
+            R.func_attr({"num_input": 1})
+            with R.dataflow():
+                v = R.reshape(x, R.shape([1, 1, 128, 64]))
+                m = R.max(R.abs(v), axis=[-1], keepdims=True)
+                out = R.reshape(R.divide(m, R.const(127.0, "float32")), R.shape([128, 1]))
+                R.output(out)
+            return out
+
+    tokens = Graph(Tokens, {})
+    kept = gpu.views_collapsed(tokens)
+    assert [call_op(b.value) for b in kept.bindings()][:3] == ["relax.reshape", "relax.abs", "relax.max"]
+    assert scheduled(kept).launches == scheduled(tokens).launches, (scheduled(kept).launches, scheduled(tokens).launches)
+
 
 def test_fp16_is_refused_for_cpu_profiles(small, tmp_path):
     path, _ = small

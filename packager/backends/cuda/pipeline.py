@@ -76,40 +76,50 @@ def _memory_view(value) -> bool:
 
 
 def views_collapsed(graph: Graph) -> Graph:
-    """Reshapes (and transposes of size-1 axes) sunk below the element-wise operators with scalar operands that
-    follow them, merged, and dropped where they end in the shape they started from. A global pool's
+    """Reshapes (and transposes of size-1 axes) after a reduction sunk below the element-wise operators with scalar
+    operands that follow them, merged, and dropped where they end in the shape they started from. A global pool's
     ``mean(keepdims) -> transpose -> reshape [N, C] -> (quantize) -> reshape [N, 1, 1, C]`` before a classifier
     (a 1x1 convolution on the CUTLASS path) becomes ``mean -> (quantize)``, which FuseOps makes one kernel: a
     reshape between a reduction and what follows it would keep them apart (FuseOps fuses only element-wise
     operators after a reduction; a reshape is injective), and the element-wise operators after it would be a
-    kernel of their own."""
+    kernel of their own. Only after a reduction: elsewhere a reshape at the head of element-wise operators fuses
+    with them, and sinking it could split them from a reduction that follows (a transformer's ``abs -> max``). A
+    chain of views alone that ends in the shape it started from is dropped wherever it is."""
     from edgeq.graph_passes import shape_of
 
-    base: dict = {}  # input-graph var -> the output-graph var holding the same elements in another shape
+    sunk: dict = {}  # input-graph var -> the output-graph var holding its elements in another shape (after a reduction)
+    views: dict = {}  # the same for chains of views alone
 
     def scalar(expr) -> bool:
         shape = shape_of(expr)
         return shape is not None and all(d == 1 for d in shape)
 
+    def reduction(expr) -> bool:
+        value = expr if isinstance(expr, relax.Call) else None
+        op = call_op(value)
+        return op in ("relax.mean", "relax.sum", "relax.max", "relax.min") or (
+            op == "relax.call_tir" and value.args[0].name_hint.startswith("mean_fp16"))
+
     def visit(rw: Rewriter, var, value):
         if not isinstance(value, relax.Call) or not value.args:
             return None
         src = value.args[0]
-        if _memory_view(value) and dtype_of(var) is not None:
-            root = base.get(src, rw.new(src))
-            shape = shape_of(var)
-            if shape is not None and shape == shape_of(root):
+        shape = shape_of(var)
+        if _memory_view(value) and shape is not None:
+            after_reduction = src in sunk or reduction(rw.value(src))
+            root = sunk.get(src, views.get(src, rw.new(src)))
+            if shape == shape_of(root):
                 return root  # back in the shape it started from: no operator at all
-            base[var] = root
-            return relax.op.reshape(root, shape) if shape is not None else None
-        if call_op(value) in _ELEMENTWISE and src in base and all(scalar(a) for a in value.args[1:]):
-            root = base[src]
+            (sunk if after_reduction else views)[var] = root
+            return relax.op.reshape(root, shape) if after_reduction or src in views else None
+        if call_op(value) in _ELEMENTWISE and src in sunk and all(scalar(a) for a in value.args[1:]):
+            root = sunk[src]
             rank = len(shape_of(root) or ())
             if all(len(shape_of(a)) <= rank for a in value.args[1:]):
                 inner = rw.emit(relax.Call(value.op, [root, *(rw.new(a) for a in value.args[1:])], value.attrs,
                                            value.ty_args))
-                base[var] = inner
-                return relax.op.reshape(inner, shape_of(var))
+                sunk[var] = inner
+                return relax.op.reshape(inner, shape)
         return None
 
     return rewrite(graph, visit)
