@@ -211,7 +211,7 @@ def problem_from_conv(x_shape: Sequence[int], w_shape: Sequence[int], pads: Sequ
     if c_w != c or len(pads) != 4 or pads[0] != pads[2] or pads[1] != pads[3] or c < 3:
         return None
     align = alignment(dtype)
-    padded = -(-c // align) * align
+    padded = c if dtype == "int8" and c % ALIGNMENT == 0 else -(-c // align) * align  # int8: 64-bit loads there
     return Conv2dProblem(n, h, w, padded, k, r, s, (pads[0], pads[1]), tuple(strides), tuple(dilations), c_real=c)
 
 
@@ -297,6 +297,14 @@ class ConvKernel:
         return -(-m // self.tile.block[0]), -(-n // self.tile.block[1])
 
     @property
+    def input_alignment(self) -> int:
+        """Elements per global load of x and w: 16 (128 bits) for int8, 8 (64 bits) where the input channels are a
+        multiple of 8 and not of 16 (24, 40, 56 ...: no pad kernel before the layer)."""
+        if self.precision != "int8":
+            return ALIGNMENT
+        return ALIGNMENT_INT8 if self.problem.c % ALIGNMENT_INT8 == 0 else ALIGNMENT
+
+    @property
     def kernel_type(self) -> str:
         (bm, bn, bk), (wm, wn, wk) = self.tile.block, self.tile.warp
         if self.precision == "int8":
@@ -309,7 +317,7 @@ class ConvKernel:
                 f"cutlass::gemm::GemmShape<16, 8, 32>, edgeq_cutlass::Requantize<{4 if self.float_out else 8}, {out}>, "
                 f"cutlass::gemm::threadblock::GemmIdentityThreadblockSwizzle<1>, {self.tile.stages}, "
                 "cutlass::arch::OpMultiplyAddSaturate, cutlass::conv::IteratorAlgorithm::kOptimized, "
-                "cutlass::conv::StrideSupport::kStrided>::Kernel"
+                f"cutlass::conv::StrideSupport::kStrided, {self.input_alignment}, {self.input_alignment}>::Kernel"
             )
         out, lanes = ("float", 4) if self.float_out else ("cutlass::half_t", ALIGNMENT)  # 16-byte stores
         return (
@@ -407,6 +415,14 @@ class GemmKernel:
     def grid(self) -> tuple[int, int, int]:
         m, n, _ = self.problem.gemm
         return -(-m // self.tile.block[0]), -(-n // self.tile.block[1]), self.problem.batch
+
+    @property
+    def input_alignment(self) -> int:
+        """Elements per global load of x and w: 16 (128 bits) for int8, 8 (64 bits) where the input channels are a
+        multiple of 8 and not of 16 (24, 40, 56 ...: no pad kernel before the layer)."""
+        if self.precision != "int8":
+            return ALIGNMENT
+        return ALIGNMENT_INT8 if self.problem.c % ALIGNMENT_INT8 == 0 else ALIGNMENT
 
     @property
     def kernel_type(self) -> str:
@@ -917,7 +933,8 @@ def prepare_nhwc(graph):
     """The CUDA graph for CUTLASS: every convolution NHWC with OHWI weights (Relax's ConvertLayout, which carries
     NHWC through the element-wise operators between them: one transpose at each end), the weights' transposes
     done now, and input channels that are not a multiple of the kernel's alignment (``alignment``) padded (zero
-    weights, and the activation padded with zeros by a pad before the convolution). int8: quantize/dequantize
+    weights, and the activation padded with zeros by a pad before the convolution; int8 channels that are a
+    multiple of 8 are not: their kernel loads 8 at a time). int8: quantize/dequantize
     with zero points of 0 written as the element-wise operators they compute (ConvertLayout carries NHWC through
     those, not through their axis), and a convolution's two int32 bias adds (the bias and its correction) made
     one. Plain Relax: it builds for any target, so the golden outputs check this layout and padding on the build
@@ -945,7 +962,8 @@ def prepare_nhwc(graph):
             return None
         w = rw.weight(value.args[1])
         align = alignment(dtype_of(value.args[0]) or "float16")
-        if w is None or w.ndim != 4 or w.shape[3] % align == 0 or w.shape[3] < 3:
+        # int8 channels that are a multiple of 8 take 64-bit loads instead (ConvKernel.input_alignment): no pad
+        if w is None or w.ndim != 4 or w.shape[3] % align == 0 or w.shape[3] % ALIGNMENT == 0 or w.shape[3] < 3:
             return None
         extra = -w.shape[3] % align
         padded_w = rw.param(fresh_name(rw, f"{value.args[1].name}_c{w.shape[3] + extra}"),
@@ -1416,8 +1434,8 @@ def _int8_chain(b, value_of, only_reader, follow, readers, params, sm_count: int
     if pads[0] != pads[2] or pads[1] != pads[3]:
         return "asymmetric padding"
     k, kr, ks = (ws[2], ws[0], ws[1]) if depthwise else (ws[0], ws[1], ws[2]) if ws is not None else (0, 0, 0)
-    if xs is None or ws is None or xs[3] % (ALIGNMENT if depthwise else ALIGNMENT_INT8) or k % ALIGNMENT:
-        return "input channels not a multiple of 16 or output channels of 8"
+    if xs is None or ws is None or xs[3] % ALIGNMENT or k % ALIGNMENT:  # 64-bit loads where not a multiple of 16
+        return "input or output channels not a multiple of 8"
 
     def op_of(var):
         return call_op(value_of.get(var)) if var is not None else None
