@@ -319,7 +319,8 @@ def test_fp16_graph_keeps_fp16_weights_and_matches_onnxruntime_fp32(small):
 
 def test_fp16_global_pool_reads_fp16_in_one_kernel_with_what_follows(small, monkeypatch):
     """ToMixedPrecision keeps the global average pool in fp32 behind a cast of its input, which FuseOps cannot fuse
-    into the mean (it fuses it into the producer, where it can): the pool reads the fp16 tensor itself (``pools_read_fp16``), and its fp16 cast fuses after it."""
+    into the mean (it fuses it into the producer, where it can): the pool reads the fp16 tensor itself
+    (``pools_read_fp16``), and its fp16 cast fuses after it."""
     _, graph = small
     prepared = gpu.prepare_graph(graph)
     fp16 = gpu.to_fp16(prepared)
@@ -384,7 +385,8 @@ def test_reshapes_after_a_pool_sink_below_its_quantization_and_vanish():
     tokens = Graph(Tokens, {})
     kept = gpu.views_collapsed(tokens)
     assert [call_op(b.value) for b in kept.bindings()][:3] == ["relax.reshape", "relax.abs", "relax.max"]
-    assert scheduled(kept).launches == scheduled(tokens).launches, (scheduled(kept).launches, scheduled(tokens).launches)
+    before, after = scheduled(tokens).launches, scheduled(kept).launches
+    assert after == before, (after, before)
 
 
 def test_fp16_is_refused_for_cpu_profiles(small, tmp_path):

@@ -417,14 +417,6 @@ class GemmKernel:
         return -(-m // self.tile.block[0]), -(-n // self.tile.block[1]), self.problem.batch
 
     @property
-    def input_alignment(self) -> int:
-        """Elements per global load of x and w: 16 (128 bits) for int8, 8 (64 bits) where the input channels are a
-        multiple of 8 and not of 16 (24, 40, 56 ...: no pad kernel before the layer)."""
-        if self.precision != "int8":
-            return ALIGNMENT
-        return ALIGNMENT_INT8 if self.problem.c % ALIGNMENT_INT8 == 0 else ALIGNMENT
-
-    @property
     def kernel_type(self) -> str:
         (bm, bn, bk), (wm, wn, wk) = self.tile.block, self.tile.warp
         return (
@@ -722,7 +714,8 @@ def replay(kernel: ConvKernel, x: np.ndarray, w: np.ndarray, bias: np.ndarray,
            residual: np.ndarray | None = None) -> np.ndarray:
     """What the kernel is asked to compute, on the host in float32 (independent of CUTLASS and TVM): x NHWC
     [N, H, W, C], w OHWI [K, R, S, C] (channels padded), bias [K]; the result rounded to fp16 as the epilogue's
-    conversion does (float32 unrounded for a ``float_out`` kernel). Bottom/right padding is what the output size reaches (CUTLASS's implicit-GEMM iterators)."""
+    conversion does (float32 unrounded for a ``float_out`` kernel). Bottom/right padding is what the output size
+    reaches (CUTLASS's implicit-GEMM iterators)."""
     acc = _accumulate(kernel.problem, x, w, np.float32)
     if residual is not None:
         acc = acc + residual.astype(np.float32)
