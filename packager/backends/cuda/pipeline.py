@@ -32,7 +32,7 @@ import numpy as np
 
 from edgeq.errors import ModelError
 from edgeq.graph import Graph, Rewriter, call_op, const_value, rewrite
-from edgeq.graph_passes import dtype_of, fold_batch_norm, fresh_name, precompute_weight_ops
+from edgeq.graph_passes import dtype_of, fold_batch_norm, fresh_name, precompute_weight_ops, shape_of
 from edgeq.tvm_env import dlight as dl, relax, tvm
 
 
@@ -60,8 +60,6 @@ _ELEMENTWISE = ("relax.astype", "relax.add", "relax.subtract", "relax.multiply",
 
 def _memory_view(value) -> bool:
     """A reshape, or a permute_dims that moves only axes of extent 1: the same bytes in another shape."""
-    from edgeq.graph_passes import shape_of
-
     op = call_op(value)
     if op == "relax.reshape":
         return True
@@ -85,8 +83,6 @@ def views_collapsed(graph: Graph) -> Graph:
     kernel of their own. Only after a reduction: elsewhere a reshape at the head of element-wise operators fuses
     with them, and sinking it could split them from a reduction that follows (a transformer's ``abs -> max``). A
     chain of views alone that ends in the shape it started from is dropped wherever it is."""
-    from edgeq.graph_passes import shape_of
-
     sunk: dict = {}  # input-graph var -> the output-graph var holding its elements in another shape (after a reduction)
     views: dict = {}  # the same for chains of views alone
 
@@ -131,8 +127,6 @@ def pools_read_fp16(graph: Graph) -> Graph:
     and a division, "out-element-wise fusable": it fuses what follows it, not what it reads), which would be
     a kernel writing the whole fp32 tensor (an EfficientNet has one before each of its 16 squeeze-and-excitation
     pools). The fp16 cast after the mean still fuses into it."""
-    from edgeq.graph_passes import shape_of
-
     def visit(rw: Rewriter, var, value):
         if call_op(value) != "relax.mean" or dtype_of(var) != "float32":
             return None
