@@ -50,6 +50,8 @@ def export(names: list[str], out_dir: Path, size: int) -> dict[str, Path]:
                            "--size", str(size), *names], capture_output=True, text=True)
     paths = {}
     for line in done.stdout.splitlines():
+        if not line.startswith("{"):  # torch.onnx prints the graph it failed on to stdout
+            continue
         row = json.loads(line)
         paths[row["name"]] = Path(row["path"])
     if done.returncode != 0:

@@ -34,6 +34,10 @@ FAMILIES = [
 ]
 # Builders whose input size is fixed by the architecture (ViT's position embedding, MaxViT's windows).
 FIXED_SIZE = {"vit_b_16": 224, "vit_b_32": 224, "vit_l_16": 224, "vit_l_32": 224, "vit_h_14": 224, "maxvit_t": 224}
+# AlexNet's and VGG's adaptive average pool (to 6x6, 7x7) exports only when its input is that size already (the
+# exporter refuses an output size that does not divide the input's): their features are 6x6 and 7x7 at 224.
+FIXED_SIZE |= {name: 224 for name in ("alexnet", "vgg11", "vgg11_bn", "vgg13", "vgg13_bn", "vgg16", "vgg16_bn",
+                                      "vgg19", "vgg19_bn")}
 MIN_SIZE = {"inception_v3": 75, "googlenet": 32}
 # Segmentation builders: the smallest of each head (ASPP, LR-ASPP), what `--segmentation` exports.
 SEGMENTATION = ["deeplabv3_mobilenet_v3_large", "lraspp_mobilenet_v3_large"]

@@ -410,6 +410,80 @@ def test_the_rewritten_graph_runs_on_the_host_as_the_graph(classes, tmp_path):
     np.testing.assert_allclose(got, reference, rtol=5e-2, atol=5e-2)
 
 
+def _densenet(path, size: int = 16):
+    """A DenseNet in small (torchvision's ``densenet121`` order): a biased stem, one dense layer (BatchNorm -> ReLU
+    -> 1x1 conv without bias -> BatchNorm -> ReLU -> 3x3 conv without bias, concatenated to its input), a
+    transition (BatchNorm -> ReLU -> 1x1 conv without bias -> 2x2 average pool), the pooled 16-class classifier.
+    The dense layer's 3x3 and the transition's 1x1 are followed by no BatchNorm: nothing gives them a bias."""
+    rng = np.random.default_rng(3)
+    inits, nodes = [], []
+
+    def weight(name, shape, scale=0.2):
+        inits.append(numpy_helper.from_array((rng.standard_normal(shape) * scale).astype(np.float32), name))
+        return name
+
+    def bn(x, c, out):
+        names = [weight(f"{out}_{p}", (c,)) for p in ("g", "b", "m")]
+        inits.append(numpy_helper.from_array(rng.uniform(0.5, 1.5, c).astype(np.float32), f"{out}_v"))
+        nodes.append(helper.make_node("BatchNormalization", [x, *names, f"{out}_v"], [out]))
+        return out
+
+    def conv(x, cin, cout, k, out, bias=False):
+        args = [x, weight(f"{out}_w", (cout, cin, k, k))] + ([weight(f"{out}_b", (cout,))] if bias else [])
+        nodes.append(helper.make_node("Conv", args, [out], pads=[k // 2] * 4))
+        return out
+
+    def relu(x, out):
+        nodes.append(helper.make_node("Relu", [x], [out]))
+        return out
+
+    stem = relu(conv("input", 3, 16, 3, "stem", bias=True), "stem_r")
+    grow = conv(relu(bn(conv(relu(bn(stem, 16, "bn1"), "r1"), 16, 32, 1, "c1"), 32, "bn2"), "r2"), 32, 16, 3, "c2")
+    nodes.append(helper.make_node("Concat", [stem, grow], ["cat"], axis=1))
+    trans = conv(relu(bn("cat", 32, "bn3"), "r3"), 32, 16, 1, "c3")
+    nodes += [helper.make_node("AveragePool", [trans], ["pool"], kernel_shape=[2, 2], strides=[2, 2]),
+              helper.make_node("GlobalAveragePool", ["pool"], ["gap"]),
+              helper.make_node("Flatten", ["gap"], ["flat"]),
+              helper.make_node("Gemm", ["flat", weight("fc_w", (16, 16)), weight("fc_b", (16,))], ["output"],
+                               transB=1)]
+    graph = helper.make_graph(nodes, "densenet", [helper.make_tensor_value_info("input", TensorProto.FLOAT,
+                                                                                 [1, 3, size, size])],
+                              [helper.make_tensor_value_info("output", TensorProto.FLOAT, [1, 16])], inits)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path
+
+
+@pytest.mark.parametrize("precision", ["fp16", "int8"])
+def test_convolutions_without_a_bias_run_on_cutlass(precision, tmp_path):
+    """DenseNet's convolutions into its concatenations and transitions have no bias (no BatchNorm follows them):
+    the fp16 kernel takes them with a zero bias, as the int8 one does; all four convolutions and the classifier
+    claimed, and the rewritten module with the kernels' TIR twins equals the graph (int8: bit for bit) and is close
+    to ONNX Runtime."""
+    import onnxruntime as ort
+
+    from edgeq.compile import HostRunner
+    from edgeq.graph import Graph
+
+    model = _densenet(tmp_path / "densenet.onnx")
+    xs = [np.random.default_rng(seed).standard_normal((1, 3, 16, 16)).astype(np.float32) for seed in range(12)]
+    prepared, claimed, left = _claimed_graph(model, precision, np.concatenate(xs[2:]), tmp_path)
+    assert len(claimed) == 5 and left == [], left
+    if precision == "fp16":
+        assert sum(c.bias is None for c in claimed) == 2  # c2 and c3 (c1 has its BatchNorm folded in)
+    rewritten = cutlass.claim_convs(prepared.mod, claimed, {c.kernel.name: 49152 for c in claimed})
+    twin = Graph(cutlass.with_twins(rewritten, claimed), prepared.weights)
+    session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    for x in xs[:2]:
+        want, got = HostRunner(prepared)([x])[0], HostRunner(twin)([x])[0]
+        if precision == "int8":
+            np.testing.assert_array_equal(got, want)
+        else:
+            np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
+        reference = session.run(None, {"input": x})[0]
+        error = np.abs(got - reference).max() / np.abs(reference).max()
+        assert error < (0.1 if precision == "int8" else 0.01), error
+
+
 def test_the_rewritten_int8_graph_runs_on_the_host_as_the_graph(tmp_path):
     """``--gpu-kernels cutlass`` on an int8 ResNet (edgeq's calibration, BatchNorm folded after quantization as
     the CUDA path does): every convolution claimed by an int8 CUTLASS kernel, its requantizing chain (bias, scale,

@@ -317,6 +317,36 @@ def test_fp16_graph_keeps_fp16_weights_and_matches_onnxruntime_fp32(small):
     assert got.dtype == np.float32 and cosine(got, expected) >= 0.999
 
 
+def test_fp16_converts_a_swin_window_padding(tmp_path):
+    """Swin pads its feature map to whole windows (``F.pad`` -> ONNX Pad with constant pads, and a pad of nothing
+    where the map fits). TVM's Pad converter made that a TE function (``call_tir``), on which ToMixedPrecision
+    stopped ("Expected TensorType, but got R.Callable"): Swin-T was refused in fp16. edgeq imports it as Relax's
+    ``nn.pad`` (the pad of nothing as its input), which converts; fp16 equals ONNX Runtime's fp32."""
+    import onnxruntime as ort
+
+    rng = np.random.default_rng(5)
+    inits = [numpy_helper.from_array(np.array([0, 0, 0, 0, 0, 1, 1, 0], np.int64), "pads"),
+             numpy_helper.from_array(np.zeros(8, np.int64), "none"),
+             numpy_helper.from_array((rng.standard_normal((16, 16)) * 0.2).astype(np.float32), "w"),
+             numpy_helper.from_array(rng.standard_normal(16).astype(np.float32), "b")]
+    nodes = [helper.make_node("MatMul", ["input", "w"], ["first"]),  # the pad reads fp16, as Swin's (a norm's)
+             helper.make_node("Pad", ["first", "none"], ["same"]),
+             helper.make_node("Pad", ["same", "pads"], ["padded"]),
+             helper.make_node("MatMul", ["padded", "w"], ["mm"]), helper.make_node("Add", ["mm", "b"], ["output"])]
+    graph = helper.make_graph(nodes, "windows", [helper.make_tensor_value_info("input", TensorProto.FLOAT, [1, 6, 6, 16])],
+                              [helper.make_tensor_value_info("output", TensorProto.FLOAT, [1, 7, 7, 16])], inits)
+    path = tmp_path / "windows.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    imported, _ = to_relax(load_model(path, {}, {}))
+    assert "relax.nn.pad" in ops(imported) and "relax.call_tir" not in ops(imported)
+    assert sum(call_op(b.value) == "relax.nn.pad" for b in imported.bindings()) == 1
+    fp16 = gpu.to_fp16(gpu.prepare_graph(imported))
+    x = rng.standard_normal((1, 6, 6, 16)).astype(np.float32)
+    expected = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"input": x})[0]
+    got = HostRunner(fp16)([x])[0]
+    assert got.shape == (1, 7, 7, 16) and cosine(got, expected) >= 0.999
+
+
 def test_fp16_global_pool_reads_fp16_in_one_kernel_with_what_follows(small, monkeypatch):
     """ToMixedPrecision keeps the global average pool in fp32 behind a cast of its input, which FuseOps cannot fuse
     into the mean (it fuses it into the producer, where it can): the pool reads the fp16 tensor itself

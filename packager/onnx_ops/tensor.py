@@ -201,10 +201,12 @@ def one_hot(ctx, inputs, attr):
 
 
 def pad(ctx, inputs, attr):
-    """Pad whose constant value is computed at run time: pad with zeros, then put the value where the
-    (build-time) mask of the padding says."""
+    """Constant-mode Pad as Relax's own ``nn.pad`` (TVM's converter emits a TE function, a ``call_tir`` that
+    later passes cannot see into: ToMixedPrecision stops on it, which refused Swin's window padding in fp16); a
+    pad of nothing is its input. A pad value computed at run time: pad with zeros, then put the value where the
+    (build-time) mask of the padding says. Other modes and negative pads: TVM's converter."""
     value = inputs[2] if len(inputs) > 2 else None
-    if ctx.opset < 11 or value is None or ctx.const(value) is not None or attr.get("mode", b"constant") != b"constant":
+    if ctx.opset < 11 or attr.get("mode", b"constant") != b"constant" or ctx.const(inputs[1]) is None:
         return ctx.tvm(inputs, attr)
     x = inputs[0]
     shape = _shape(x)
@@ -214,6 +216,14 @@ def pad(ctx, inputs, attr):
     before, after = [0] * len(shape), [0] * len(shape)
     for i, axis in enumerate(axes):
         before[axis], after[axis] = pads[i], pads[i + len(axes)]
+    constant = ctx.const(value) if value is not None else np.zeros(())
+    if constant is not None:
+        if min(before + after) < 0:
+            return ctx.tvm(inputs, attr)
+        if max(before + after) == 0:
+            return x
+        widths = [w for pair in zip(before, after) for w in pair]
+        return relax.op.nn.pad(x, widths, "constant", float(constant.reshape(-1)[0]) if constant.size else 0.0)
     if min(before + after) < 0:
         ctx.refuse("negative pads with a run-time pad value", "make the pad value a constant")
     padded = ctx.bb.emit_te(topi.nn.pad, x, before, after, 0.0)

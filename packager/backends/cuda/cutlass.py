@@ -1168,9 +1168,10 @@ class Claimed:
         residual = [self.residual] if self.residual is not None else []
         if isinstance(self.kernel, GemmKernel):
             return [self.x, self.w]
-        if self.kernel.precision != "int8":
-            return [self.x, self.w, self.bias] + residual
         k = self.kernel.problem.k
+        if self.kernel.precision != "int8":
+            bias = self.bias if self.bias is not None else relax.const(np.zeros(k, np.float16), "float16")
+            return [self.x, self.w, bias] + residual
         bias = self.bias if self.bias is not None else relax.const(np.zeros(k, np.int32), "int32")
         shift = self.shift if self.shift is not None else relax.const(np.zeros(k, np.float32), "float32")
         post = [self.post] if self.kernel.post else []
@@ -1264,19 +1265,19 @@ def find_convs(main, sm_count: int, smem_per_block: int) -> tuple[list[Claimed],
             why = "no fp16 cast after it"
         if why is None:
             chain.append(cast)
-        add = follow(chain, k) if why is None else None
-        if why is None and (add is None or call_op(value_of[add]) != "relax.add"):
-            why = "no bias after it"
-        bias = None
-        if why is None:
-            other = [a for a in value_of[add].args if not a.same_as(chain[-1])]
-            bias = other[0] if other and other[0] in params else None
-            if bias is None or shape_of(bias) is None or int(np.prod(shape_of(bias))) != k or shape_of(bias)[-1] != k:
-                why = "no per-channel bias after it"
         if why is not None:
             left.append({"conv": b.var.name, "why": why})
             continue
-        chain.append(add)
+        # the bias: a per-channel weight added after the cast; a convolution without one (DenseNet's, into its
+        # concatenations) gets zeros, and what follows it is matched as after a bias
+        add = follow(chain, k)
+        bias = None
+        if add is not None and call_op(value_of[add]) == "relax.add":
+            other = [a for a in value_of[add].args if not a.same_as(chain[-1])]
+            shape = shape_of(other[0]) if other and other[0] in params else None
+            if shape is not None and int(np.prod(shape)) == k and shape[-1] == k:
+                bias = other[0]
+                chain.append(add)
         residual, activation = None, "identity"
         nxt = only_reader(chain[-1])
         if nxt is not None and nxt in taken:  # another chain's residual add: this output is its residual
@@ -1322,7 +1323,8 @@ def find_convs(main, sm_count: int, smem_per_block: int) -> tuple[list[Claimed],
             kernel = ConvKernel(f"l{len(claimed)}", problem, choose_tile(problem, sm_count, smem_per_block),
                                 activation, residual is not None, float_out=float_out)
         claimed.append(Claimed(kernel, chain[-1], x, w, bias, residual, tuple(chain[:-1]),
-                               {"bias": tuple(shape_of(bias)), **_output_shape(chain[-1], problem)}))
+                               {"bias": tuple(shape_of(bias)) if bias is not None else (k,),
+                                **_output_shape(chain[-1], problem)}))
         taken.update(chain)
     return claimed, left
 
