@@ -320,8 +320,10 @@ def test_kernels_compile_in_a_tvm_module_to_tensor_cores(profile, precision, nvr
                                               residual_scale=0.5, act_lo=0.0 if activation == "relu" else -np.inf,
                                               out_div=0.25, lo=-128.0, hi=127.0, float_out=name == "1x1s2",
                                               silu=name == "1x1s2", post=name == "stem7x7s2"))
-        else:  # the 1x1 shortcut writes float32 (a classifier whose logits the graph casts to float32)
-            kernels.append(cutlass.ConvKernel(name.replace("-", "_"), problem, tile, activation, residual,
+        else:  # the 1x1 shortcut writes float32 (a classifier whose logits the graph casts to float32), after a
+            # GELU (a transformer FFN's: CUTLASS's GELU<float>, erff)
+            kernels.append(cutlass.ConvKernel(name.replace("-", "_"), problem, tile,
+                                              "gelu" if name == "1x1s2" else activation, residual,
                                               float_out=name == "1x1s2"))
     if precision == "fp16":  # attention's batched GEMM: 12 heads of [128, 64] x [64, 128], scaled
         gemm = cutlass.GemmProblem(12, 128, 128, 64)
@@ -482,6 +484,45 @@ def test_convolutions_without_a_bias_run_on_cutlass(precision, tmp_path):
         reference = session.run(None, {"input": x})[0]
         error = np.abs(got - reference).max() / np.abs(reference).max()
         assert error < (0.1 if precision == "int8" else 0.01), error
+
+
+@pytest.mark.parametrize("form", ["Gelu", "erf"])
+def test_an_fp16_kernel_takes_the_gelu_after_it(form, tmp_path):
+    """GELU after a convolution in the fp16 epilogue (CUTLASS's GELU<float>): ONNX's Gelu (opset 20) and the erf
+    form PyTorch's exporter writes before it (x / sqrt(2) -> Erf -> + 1 -> * x -> * 0.5). One kernel each, and the
+    rewritten graph with the kernel's twin equals the graph and ONNX Runtime."""
+    import onnxruntime as ort
+
+    from edgeq.compile import HostRunner
+    from edgeq.graph import Graph
+
+    rng = np.random.default_rng(4)
+    inits = [numpy_helper.from_array((rng.standard_normal((16, 16, 3, 3)) * 0.2).astype(np.float32), "w"),
+             numpy_helper.from_array(rng.standard_normal(16).astype(np.float32), "b")]
+    nodes = [helper.make_node("Conv", ["input", "w", "b"], ["c"], pads=[1, 1, 1, 1])]
+    if form == "Gelu":
+        nodes.append(helper.make_node("Gelu", ["c"], ["output"]))
+    else:
+        inits += [numpy_helper.from_array(np.float32(np.sqrt(2)), "sqrt2"), numpy_helper.from_array(np.float32(1), "one"),
+                  numpy_helper.from_array(np.float32(0.5), "half")]
+        nodes += [helper.make_node("Div", ["c", "sqrt2"], ["d"]), helper.make_node("Erf", ["d"], ["e"]),
+                  helper.make_node("Add", ["e", "one"], ["a"]), helper.make_node("Mul", ["c", "a"], ["m"]),
+                  helper.make_node("Mul", ["m", "half"], ["output"])]
+    graph = helper.make_graph(nodes, "gelu", [helper.make_tensor_value_info("input", TensorProto.FLOAT, [1, 16, 8, 8])],
+                              [helper.make_tensor_value_info("output", TensorProto.FLOAT, [1, 16, 8, 8])], inits)
+    model = tmp_path / "gelu.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)]), model)
+    prepared, claimed, left = _claimed_graph(model, "fp16", None, tmp_path)
+    assert left == [] and [c.kernel.activation for c in claimed] == ["gelu"]
+    rewritten = cutlass.claim_convs(prepared.mod, claimed, {c.kernel.name: 49152 for c in claimed})
+    launches = [b for b in Graph(rewritten, prepared.weights).bindings() if call_op_name(b.value) == "relax.call_tir"]
+    assert [b.value.args[0].name_hint for b in launches] == [claimed[0].kernel.function]  # nothing after it
+    twin = Graph(cutlass.with_twins(rewritten, claimed), prepared.weights)
+    x = rng.standard_normal((1, 16, 8, 8)).astype(np.float32)
+    got = HostRunner(twin)([x])[0]
+    np.testing.assert_allclose(got, HostRunner(prepared)([x])[0], rtol=1e-2, atol=1e-2)
+    reference = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"]).run(None, {"input": x})[0]
+    np.testing.assert_allclose(got, reference, rtol=2e-2, atol=2e-2)
 
 
 def test_the_rewritten_int8_graph_runs_on_the_host_as_the_graph(tmp_path):
@@ -671,8 +712,10 @@ def test_a_bert_style_encoders_linear_layers_run_on_cutlass(precision, tmp_path)
     assert all(c.shapes["y"] == (1, 16, c.kernel.problem.k) for c in claimed)  # the output in the graph's shape
     if precision == "int8":
         assert all(c.kernel.float_out and c.bias is None for c in claimed)
-    else:
+    else:  # the FFN's first layer takes its GELU (the exporter's erf form) in the epilogue: CUTLASS's GELU<float>
         assert all(c.bias is not None for c in claimed)
+        assert sorted(c.kernel.activation for c in claimed) == ["gelu"] + ["identity"] * 5
+        assert next(c for c in claimed if c.kernel.activation == "gelu").kernel.problem.k == 256
     claimed += gemms
     rewritten = cutlass.claim_convs(prepared.mod, claimed, {c.kernel.name: 49152 for c in claimed})
     twin = Graph(cutlass.with_twins(rewritten, claimed), prepared.weights)

@@ -17,7 +17,7 @@ import gpu_kernels  # benchmarks/ (pyproject: pythonpath)
 from conftest import read_golden, run_cli
 from edgeq.backends.cuda import pipeline as gpu
 from edgeq.compile import HostRunner, build, lower_graph, toolchain_for
-from edgeq.graph import call_op
+from edgeq.graph import Graph, call_op
 from edgeq.graph_passes import dtype_of
 from edgeq.load import load_model
 from edgeq.relax_import import to_relax
@@ -210,8 +210,6 @@ def test_int8_model_whose_tensor_core_schedule_fails_still_packages(tmp_path):
 
 def _bn_graph(conv: bool):
     """x -> [conv2d(x, w) + b ->] batch_norm, with weights as parameters (as the ONNX import makes them)."""
-    from edgeq.graph import Graph
-
     rng = np.random.default_rng(2)
     weights = {"w": rng.standard_normal((4, 3, 3, 3)).astype(np.float32), "b": rng.standard_normal(4).astype(np.float32),
                "g": rng.uniform(0.5, 1.5, 4).astype(np.float32), "be": rng.standard_normal(4).astype(np.float32),
@@ -345,6 +343,24 @@ def test_fp16_converts_a_swin_window_padding(tmp_path):
     expected = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"input": x})[0]
     got = HostRunner(fp16)([x])[0]
     assert got.shape == (1, 7, 7, 16) and cosine(got, expected) >= 0.999
+
+
+def test_fp16_erf_on_the_build_host_is_erf():
+    """The golden outputs of an fp16 GPU bundle are computed on the build host (edgeq's CPU pipeline, which makes
+    erf TVM's ``fast_erf``). Its float16 form returns 1.041 for x >= 4 (a GELU on a pre-activation over 5.7 was 4%
+    off, and the device, right, would have failed its self-test): fp16 erf runs in float32 there."""
+    from math import erf
+
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, 256), "float16"))
+    with bb.function("main", [x], attrs={"num_input": 1}):
+        with bb.dataflow():
+            y = bb.emit_output(relax.op.erf(x))
+        bb.emit_func_output(y)
+    xs = np.linspace(-8, 8, 256, dtype=np.float16).reshape(1, 256)
+    got = HostRunner(Graph(bb.get(), {}))([xs])[0].astype(np.float64)
+    want = np.vectorize(erf)(xs.astype(np.float64))
+    assert np.abs(got - want).max() < 2e-3  # float16's rounding of values near 1 (fast_erf's float16: 0.041)
 
 
 def test_fp16_global_pool_reads_fp16_in_one_kernel_with_what_follows(small, monkeypatch):

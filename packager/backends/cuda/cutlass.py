@@ -1300,11 +1300,18 @@ def find_convs(main, sm_count: int, smem_per_block: int) -> tuple[list[Claimed],
                     _const_scalar(value_of[after].args[1], value_of) == 6.0:
                 activation = "relu6"
                 chain.append(after)
+        elif nxt is not None and call_op(value_of[nxt]) == "relax.nn.gelu" and not depthwise:
+            activation = "gelu"
+            chain.append(nxt)
         elif nxt is None:
             silu = _silu_of(chain[-1], readers, value_of, only_reader)
+            gelu = _gelu_of(chain[-1], readers, value_of, only_reader) if not depthwise else None
             if silu is not None:
                 activation = "silu"
                 chain += silu
+            elif gelu is not None:
+                activation = "gelu"
+                chain += gelu
         # the graph's cast of the output to float32 (a classifier's logits): the kernel writes float32 unrounded
         to_float = only_reader(chain[-1])
         float_out = (residual is None and not depthwise and to_float is not None and to_float not in taken
@@ -1353,6 +1360,48 @@ def _silu_of(var, readers, value_of, only_reader) -> list | None:
     if not ((args[0].same_as(var) and args[1].same_as(sig)) or (args[0].same_as(sig) and args[1].same_as(var))):
         return None
     return [sig, mul]
+
+
+def _gelu_of(var, readers, value_of, only_reader) -> list | None:
+    """The bindings of GELU's erf form on ``var`` (x * 0.5 * (1 + erf(x / sqrt(2))) as exporters write it: PyTorch's
+    ``nn.GELU``, BERT's FFN), else None: ``var``'s two readers are the erf branch, ``x * (1/sqrt(2))`` or ``x /
+    sqrt(2)`` -> erf -> + 1, and the half, ``x * 0.5`` times that branch or ``x`` times it then times 0.5."""
+    from edgeq.graph import call_op
+
+    def scalar(expr, want):
+        got = _const_scalar(expr, value_of)
+        return got is not None and abs(got - want) <= 1e-3 * abs(want)
+
+    def other(call, this):
+        args = [a for a in value_of[call].args if not a.same_as(this)]
+        return args[0] if len(args) == 1 else None
+
+    def reader(v, op):
+        r = only_reader(v)
+        return r if r is not None and call_op(value_of[r]) == op else None
+
+    rs = readers.get(var, [])
+    if len(rs) != 2 or None in rs:
+        return None
+    for scaled, half in (rs, rs[::-1]):
+        op = call_op(value_of[scaled])
+        if not (op == "relax.multiply" and scalar(other(scaled, var), 1 / math.sqrt(2))
+                or op == "relax.divide" and value_of[scaled].args[0].same_as(var)
+                and scalar(value_of[scaled].args[1], math.sqrt(2))):
+            continue
+        erf = reader(scaled, "relax.erf")
+        one_plus = reader(erf, "relax.add") if erf is not None else None
+        if one_plus is None or not scalar(other(one_plus, erf), 1.0) or call_op(value_of[half]) != "relax.multiply":
+            continue
+        if scalar(other(half, var), 0.5):  # (x * 0.5) * (1 + erf)
+            final = reader(half, "relax.multiply")
+            if final is not None and _same(only_reader(one_plus), final) and other(final, half).same_as(one_plus):
+                return [scaled, erf, one_plus, half, final]
+        elif other(half, var) is not None and other(half, var).same_as(one_plus):  # (x * (1 + erf)) * 0.5
+            final = reader(half, "relax.multiply")
+            if final is not None and scalar(other(final, half), 0.5):
+                return [scaled, erf, one_plus, half, final]
+    return None
 
 
 def _batched_gemm(b, value_of, only_reader, params, sm_count: int, smem_per_block: int, name: str) -> Claimed | str:
@@ -1729,6 +1778,8 @@ def twin_prim_func(kernel: ConvKernel, shapes: dict | None = None):
             v = te.min(te.max(v, f32(0.0)), f32(6.0))
         elif kernel.activation == "silu":
             v = v * te.sigmoid(v)
+        elif kernel.activation == "gelu":
+            v = f32(0.5) * v * (f32(1.0) + tirx.erf(v * f32(1 / math.sqrt(2))))
         elif kernel.activation != "identity":
             raise ValueError(f"no host twin for activation {kernel.activation}")
         return v if kernel.float_out else v.astype("float16")
