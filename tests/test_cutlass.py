@@ -325,10 +325,15 @@ def test_kernels_compile_in_a_tvm_module_to_tensor_cores(profile, precision, nvr
             kernels.append(cutlass.ConvKernel(name.replace("-", "_"), problem, tile,
                                               "gelu" if name == "1x1s2" else activation, residual,
                                               float_out=name == "1x1s2"))
-    if precision == "fp16":  # attention's batched GEMM: 12 heads of [128, 64] x [64, 128], scaled
+    if precision == "fp16":  # attention's batched GEMMs: 12 heads of [128, 64] x [64, 128], scaled, Q and K read
+        # in place from [1, 128, 12, 64] (K^T as column-major); P V with the context written back in place
         gemm = cutlass.GemmProblem(12, 128, 128, 64)
         tile = cutlass.choose_tile(gemm, spec.sm_count, spec.shared_memory_per_block_optin)
-        kernels.append(cutlass.GemmKernel("qk", gemm, tile, alpha=0.125))
+        kernels.append(cutlass.GemmKernel("qk", gemm, tile, alpha=0.125, a_view=(768, 64), b_view=(768, 64),
+                                          b_column_major=True))
+        gemm = cutlass.GemmProblem(12, 128, 64, 128)
+        tile = cutlass.choose_tile(gemm, spec.sm_count, spec.shared_memory_per_block_optin)
+        kernels.append(cutlass.GemmKernel("pv", gemm, tile, y_view=(768, 64)))
     # edgeq's depthwise kernels (TIR through TVM's CUDA codegen, in the same module): MobileNetV2's largest, and a 5x5
     # with SiLU and a residual
     depthwise = [_depthwise_case(case, precision)[0] for case in ("3x3s2-batch2", "5x5-silu-residual")]
@@ -705,7 +710,15 @@ def test_a_bert_style_encoders_linear_layers_run_on_cutlass(precision, tmp_path)
     scaled = pytest.approx(1 / np.sqrt(32), rel=1e-3) if precision == "fp16" else 1.0
     assert left == [] and [(g.kernel.problem, g.kernel.alpha) for g in gemms] == [
         (cutlass.GemmProblem(2, 16, 16, 32), scaled), (cutlass.GemmProblem(2, 16, 32, 16), 1.0)], gemms
-    assert gemms[0].shapes == {"a": (1, 2, 16, 32), "w": (1, 2, 32, 16), "y": (1, 2, 16, 16)}
+    if precision == "fp16":  # the heads' transposes read and written in place: Q, K (as K^T, column-major) and V
+        # from [1, 16, 2, 32] with a leading dimension of 64 and a batch stride of 32; the context written back there
+        assert gemms[0].shapes == {"a": (1, 16, 2, 32), "w": (1, 16, 2, 32), "y": (1, 2, 16, 16)}
+        assert (gemms[0].kernel.a_view, gemms[0].kernel.b_view, gemms[0].kernel.y_view) == ((64, 32), (64, 32), None)
+        assert gemms[0].kernel.b_column_major and not gemms[1].kernel.b_column_major
+        assert gemms[1].shapes == {"a": (1, 2, 16, 16), "w": (1, 16, 2, 32), "y": (1, 16, 2, 32)}
+        assert (gemms[1].kernel.a_view, gemms[1].kernel.b_view, gemms[1].kernel.y_view) == (None, (64, 32), (64, 32))
+    else:  # int8: the operands are casts of the transposes (attention in fp16 of a float graph): contiguous
+        assert gemms[0].shapes == {"a": (1, 2, 16, 32), "w": (1, 2, 32, 16), "y": (1, 2, 16, 16)}
     problems = sorted((c.kernel.problem.w, c.kernel.problem.c, c.kernel.problem.k) for c in claimed)
     assert problems == [(16, 64, 64)] * 4 + [(16, 64, 256), (16, 256, 64)], problems
     assert all(c.kernel.problem.n == c.kernel.problem.h == c.kernel.problem.r == 1 for c in claimed)
@@ -739,8 +752,19 @@ def test_a_bert_style_encoders_linear_layers_run_on_cutlass(precision, tmp_path)
         lib = tvm.tirx.build(cutlass.twin_prim_func(g.kernel, g.shapes), target="llvm")
         y = tvm.runtime.tensor(np.zeros(g.shapes["y"], np.float16))
         lib(tvm.runtime.tensor(a), tvm.runtime.tensor(w), y)
-        want = cutlass.replay_gemm(g.kernel, a, w).reshape(g.shapes["y"])
+        want = cutlass.replay_gemm(g.kernel, a, w).reshape(g.shapes["y"])  # written through the view, too
         np.testing.assert_allclose(y.numpy().astype(np.float32), want.astype(np.float32), rtol=2e-3, atol=2e-3)
+    if precision == "fp16":  # the views against numpy's own transposes of the graph's tensors
+        rng = np.random.default_rng(5)
+        q, k = (rng.standard_normal((1, 16, 2, 32)).astype(np.float16) for _ in range(2))
+        scores = cutlass.replay_gemm(gemms[0].kernel, q, k)
+        want = np.matmul(q.transpose(0, 2, 1, 3).astype(np.float32), k.transpose(0, 2, 3, 1).astype(np.float32))
+        np.testing.assert_allclose(scores.astype(np.float32).reshape(want.shape), want * gemms[0].kernel.alpha,
+                                   rtol=2e-3, atol=2e-3)
+        p_ = rng.standard_normal((1, 2, 16, 16)).astype(np.float16)
+        context = cutlass.replay_gemm(gemms[1].kernel, p_, k)
+        want = np.matmul(p_.astype(np.float32), k.transpose(0, 2, 1, 3).astype(np.float32)).transpose(0, 2, 1, 3)
+        np.testing.assert_allclose(context.astype(np.float32).reshape(want.shape), want, rtol=2e-3, atol=2e-3)
 
 
 @pytest.mark.parametrize("precision", ["fp16", "int8"])

@@ -402,6 +402,22 @@ class GemmKernel:
     activation: str = "identity"
     residual: bool = False
     float_out: bool = False
+    # Operands read or written in place of a head transpose (``_head_view``): (leading dimension, batch stride) in
+    # elements, None where the operand is contiguous. Attention's heads, [1, S, H, D] seen as H matrices [S, D]:
+    # (H * D, D). ``b_column_major``: w[b] is read as the transpose of a row-major [N, K] (K^T, from K's heads).
+    a_view: tuple[int, int] | None = None
+    b_view: tuple[int, int] | None = None
+    y_view: tuple[int, int] | None = None
+    b_column_major: bool = False
+
+    @property
+    def strides(self) -> dict[str, tuple[int, int]]:
+        """Per operand, (leading dimension, batch stride) in elements: what CUTLASS's ``GemmBatched`` is given."""
+        p = self.problem
+        contiguous = {"a": (p.k, p.m * p.k), "w": ((p.k if self.b_column_major else p.n), p.k * p.n),
+                      "y": (p.n, p.m * p.n)}
+        views = {"a": self.a_view, "w": self.b_view, "y": self.y_view}
+        return {name: tuple(views[name] or contiguous[name]) for name in contiguous}
 
     @property
     def function(self) -> str:
@@ -417,11 +433,15 @@ class GemmKernel:
         return -(-m // self.tile.block[0]), -(-n // self.tile.block[1]), self.problem.batch
 
     @property
+    def b_layout(self) -> str:
+        return "ColumnMajor" if self.b_column_major else "RowMajor"
+
+    @property
     def kernel_type(self) -> str:
         (bm, bn, bk), (wm, wn, wk) = self.tile.block, self.tile.warp
         return (
             "typename cutlass::gemm::kernel::DefaultGemm<"
-            f"cutlass::half_t, cutlass::layout::RowMajor, {ALIGNMENT}, cutlass::half_t, cutlass::layout::RowMajor, "
+            f"cutlass::half_t, cutlass::layout::RowMajor, {ALIGNMENT}, cutlass::half_t, cutlass::layout::{self.b_layout}, "
             f"{ALIGNMENT}, cutlass::half_t, cutlass::layout::RowMajor, float, cutlass::arch::OpClassTensorOp, "
             f"cutlass::arch::Sm80, cutlass::gemm::GemmShape<{bm}, {bn}, {bk}>, "
             f"cutlass::gemm::GemmShape<{wm}, {wn}, {wk}>, cutlass::gemm::GemmShape<16, 8, 16>, "
@@ -498,6 +518,7 @@ def _gemm_source(kern: GemmKernel) -> str:
     """A batched GEMM's device wrapper (as ``device_source``'s convolutions': Params built in shared memory)."""
     p, t = kern.problem, f"Kernel_{kern.name}"
     gm, gn, batch = kern.grid
+    (lda, bsa), (ldb, bsb), (ldc, bsc) = (kern.strides[name] for name in ("a", "w", "y"))
     return f"""
 namespace edgeq_cutlass {{
 using Default_{kern.name} = {kern.kernel_type};
@@ -513,10 +534,10 @@ extern "C" __device__ void edgeq_cutlass_{kern.name}(half* a, half* w, half* y, 
   if (threadIdx.x == 0) {{
     new (params) typename K::Params(
         gemm::GemmCoord({p.m}, {p.n}, {p.k}), gemm::GemmCoord({gm}, {gn}, {batch}),
-        {{reinterpret_cast<half_t*>(a), layout::RowMajor({p.k})}}, {p.m * p.k}LL,
-        {{reinterpret_cast<half_t*>(w), layout::RowMajor({p.n})}}, {p.k * p.n}LL,
-        {{reinterpret_cast<half_t*>(y), layout::RowMajor({p.n})}}, {p.m * p.n}LL,
-        {{reinterpret_cast<half_t*>(y), layout::RowMajor({p.n})}}, {p.m * p.n}LL,
+        {{reinterpret_cast<half_t*>(a), layout::RowMajor({lda})}}, {bsa}LL,
+        {{reinterpret_cast<half_t*>(w), layout::{kern.b_layout}({ldb})}}, {bsb}LL,
+        {{reinterpret_cast<half_t*>(y), layout::RowMajor({ldc})}}, {bsc}LL,
+        {{reinterpret_cast<half_t*>(y), layout::RowMajor({ldc})}}, {bsc}LL,
         typename K::OutputOp::Params({_c_float(kern.alpha)}, 0.0f), {batch});
   }}
   __syncthreads();
@@ -752,11 +773,25 @@ def replay_int8(kernel: ConvKernel, x: np.ndarray, w: np.ndarray, bias: np.ndarr
 
 def replay_gemm(kernel: GemmKernel, a: np.ndarray, w: np.ndarray) -> np.ndarray:
     """What a batched GEMM kernel is asked to compute, on the host (numpy): a [batch, M, K] and w [batch, K, N]
-    fp16, products summed in float32, the result rounded to fp16."""
-    p = kernel.problem
-    a = a.reshape(p.batch, p.m, p.k).astype(np.float32)
-    w = w.reshape(p.batch, p.k, p.n).astype(np.float32)
-    return (np.matmul(a, w) * np.float32(kernel.alpha)).astype(np.float16)
+    fp16, products summed in float32, the result rounded to fp16.
+    Operands read through a head view (``GemmKernel.strides``) are read as the kernel reads them, and the result
+    is written into an array of y's size as the kernel writes it (returned flat in that case)."""
+    p, st = kernel.problem, kernel.strides
+
+    def view(array, shape, name, column_major=False):
+        ld, batch = st[name]
+        flat = np.ascontiguousarray(array).reshape(-1)
+        strides = (batch, 1, ld) if column_major else (batch, ld, 1)
+        return np.lib.stride_tricks.as_strided(flat, shape, [s * flat.itemsize for s in strides])
+
+    product = np.matmul(view(a, (p.batch, p.m, p.k), "a").astype(np.float32),
+                        view(w, (p.batch, p.k, p.n), "w", kernel.b_column_major).astype(np.float32))
+    y = (product * np.float32(kernel.alpha)).astype(np.float16)
+    if kernel.y_view is None:
+        return y
+    out = np.zeros(p.batch * p.m * p.n, np.float16)
+    view(out, (p.batch, p.m, p.n), "y")[...] = y
+    return out
 
 
 def _erf(v: np.ndarray) -> np.ndarray:
@@ -784,9 +819,13 @@ def kernel_record(kernel: ConvKernel, smem_bytes: int) -> dict:
     if isinstance(kernel, GemmKernel):
         return {
             "function": kernel.function, "template": "GemmBatched over DefaultGemm (Sm80, fp16, fp32 "
-            "accumulation, row-major A and B)", "tile": list(kernel.tile.block), "warp": list(kernel.tile.warp),
+            f"accumulation, row-major A, {kernel.b_layout.replace('Major', '-major').lower()} B)",
+            "tile": list(kernel.tile.block), "warp": list(kernel.tile.warp),
             "stages": kernel.tile.stages, "threads": kernel.tile.threads, "grid": list(kernel.grid),
             "shared_bytes": smem_bytes, "problem": {"batch": p.batch, "mnk": [p.m, p.n, p.k]},
+            "strides": {name: list(v) for name, v in kernel.strides.items()},
+            "head_views": [name for name, v in (("a", kernel.a_view), ("w", kernel.b_view), ("y", kernel.y_view))
+                           if v is not None],
             "alpha": kernel.alpha, "activation": "identity", "residual": False, "precision": kernel.precision,
             "flops": p.flops,
         }
@@ -1439,9 +1478,48 @@ def _batched_gemm(b, value_of, only_reader, params, sm_count: int, smem_per_bloc
     problem = GemmProblem(int(np.prod(a_shape[:-2])) if len(a_shape) > 2 else 1, m, n, k)
     if problem.batch > 65535:  # one batch per blockIdx.z
         return "a batched matrix product of more than 65535 matrices"
-    kernel = GemmKernel(name, problem, choose_tile(problem, sm_count, smem_per_block), alpha)
-    shapes = {"a": tuple(a_shape), "w": tuple(w_shape), "y": tuple(shape_of(chain[-1]))}
-    return Claimed(kernel, chain[-1], a, w, None, None, tuple(chain[:-1]), shapes)
+    # the heads' transposes around attention's products, read and written in place (no kernel of their own)
+    views, dropped = {}, []
+    for operand, which, axes in ((a, "a", [(0, 2, 1, 3)]), (w, "w", [(0, 2, 1, 3), (0, 2, 3, 1)])):
+        seen = _head_view(operand, value_of, only_reader, b.var)
+        if seen is not None and seen[2] in axes:
+            views[which] = seen
+            dropped.append(operand)
+    back = only_reader(chain[-1])  # the context's heads back to [1, S, H, D]: written there
+    seen = _head_view(back, value_of, only_reader, None) if back is not None else None
+    if seen is not None and seen[2] == (0, 2, 1, 3):
+        s_, h_, d_ = shape_of(back)[1:]
+        views["y"] = (back, (h_ * d_, d_), seen[2])
+        chain.append(back)
+    kernel = GemmKernel(name, problem, choose_tile(problem, sm_count, smem_per_block), alpha,
+                        a_view=views["a"][1] if "a" in views else None,
+                        b_view=views["w"][1] if "w" in views else None,
+                        y_view=views["y"][1] if "y" in views else None,
+                        b_column_major="w" in views and views["w"][2] == (0, 2, 3, 1))
+    a = views["a"][0] if "a" in views else a
+    w = views["w"][0] if "w" in views else w
+    shapes = {"a": tuple(shape_of(a)), "w": tuple(shape_of(w)), "y": tuple(shape_of(chain[-1]))}
+    return Claimed(kernel, chain[-1], a, w, None, None, tuple(dropped) + tuple(chain[:-1]), shapes)
+
+
+def _head_view(var, value_of, only_reader, reader) -> tuple | None:
+    """Where ``var`` is a head transpose of one batch, ``permute_dims(t, [0, 2, 1, 3])`` (or ``[0, 2, 3, 1]``, K's
+    transposed heads) of t [1, S, H, D], read only by ``reader`` (None: the one it has): (t, (H * D, D), axes), the
+    view a batched GEMM reads in its place (``GemmKernel.strides``); else None. (For the output's transpose back,
+    the caller takes H and D from the transpose's own shape.)"""
+    from edgeq.graph import call_op
+    from edgeq.graph_passes import dtype_of, shape_of
+
+    value = value_of.get(var)
+    if call_op(value) != "relax.permute_dims" or (reader is not None and not _same(only_reader(var), reader)):
+        return None
+    axes = tuple(int(a) for a in value.attrs.axes) if value.attrs.axes is not None else None
+    t = value.args[0]
+    shape = shape_of(t)
+    if axes not in ((0, 2, 1, 3), (0, 2, 3, 1)) or shape is None or len(shape) != 4 or shape[0] != 1 \
+            or dtype_of(t) != "float16" or shape[3] % ALIGNMENT:
+        return None
+    return t, (shape[2] * shape[3], shape[3]), axes
 
 
 def _output_shape(out, problem) -> dict:
@@ -1697,17 +1775,34 @@ def twin_prim_func(kernel: ConvKernel, shapes: dict | None = None):
 
     te, tirx = tvm.te, tvm.tirx
     p = kernel.problem
-    if isinstance(kernel, GemmKernel):
+    if isinstance(kernel, GemmKernel):  # the product over (batch, M, N), each operand read at its flat offset
         (_, a_shape, _), (_, w_shape, _), (_, y_shape, _) = kernel_operands(kernel, shapes)
         a, w = te.placeholder(a_shape, "float16", "a"), te.placeholder(w_shape, "float16", "w")
+        st = kernel.strides
+
+        def at(tensor, offset):  # element ``offset`` of a row-major tensor
+            index = []
+            for d in reversed(tensor.shape):
+                index.append(offset % d)
+                offset = offset // d
+            return tensor[tuple(reversed(index))]
+
         rk = te.reduce_axis((0, p.k), "rk")
-        lead = len(y_shape) - 2
-        y = te.compute(y_shape, lambda *i: te.sum(
-            a[(*i[:lead], i[lead], rk)].astype("float32") * w[(*i[:lead], rk, i[lead + 1])].astype("float32"),
+        (lda, bsa), (ldb, bsb) = st["a"], st["w"]
+        acc = te.compute((p.batch, p.m, p.n), lambda z, i, j: te.sum(
+            at(a, z * bsa + i * lda + rk).astype("float32")
+            * at(w, z * bsb + (j * ldb + rk if kernel.b_column_major else rk * ldb + j)).astype("float32"),
             axis=rk), "acc")
         alpha = tirx.const(float(np.float32(kernel.alpha)), "float32")
-        y = te.compute(y_shape, lambda *i: (y[i] * alpha).astype("float16"), "y")
-        return te.create_prim_func([a, w, y])
+        (ldc, bsc) = st["y"]
+
+        def out(*index):  # the (batch, row, column) the kernel writes at this element of y
+            flat = 0
+            for i, d in zip(index, y_shape):
+                flat = flat * d + i
+            return (acc[(flat // bsc) % p.batch, (flat // ldc) % p.m, flat % p.n] * alpha).astype("float16")
+
+        return te.create_prim_func([a, w, te.compute(y_shape, out, "y")])
     (ph, pw), (sh, sw), (dh, dw) = p.pad, p.stride, p.dilation
     int8 = kernel.precision == "int8"
     operands = {name: (shape, dtype) for name, shape, dtype in kernel_operands(kernel, shapes)}
