@@ -325,12 +325,15 @@ def test_kernels_compile_in_a_tvm_module_to_tensor_cores(profile, precision, nvr
             kernels.append(cutlass.ConvKernel(name.replace("-", "_"), problem, tile,
                                               "gelu" if name == "1x1s2" else activation, residual,
                                               float_out=name == "1x1s2"))
+            if name == "1x1s2":  # and with a float32 residual (a transformer's residual stream), float32 out
+                kernels.append(cutlass.ConvKernel("float_residual", problem, tile, "identity", True, float_out=True))
     if precision == "fp16":  # attention's batched GEMMs: 12 heads of [128, 64] x [64, 128], scaled, Q and K read
-        # in place from [1, 128, 12, 64] (K^T as column-major); P V with the context written back in place
+        # in place from [1, 128, 12, 64] (K^T as column-major), the scores written as float32; P V with the context
+        # written back in place
         gemm = cutlass.GemmProblem(12, 128, 128, 64)
         tile = cutlass.choose_tile(gemm, spec.sm_count, spec.shared_memory_per_block_optin)
         kernels.append(cutlass.GemmKernel("qk", gemm, tile, alpha=0.125, a_view=(768, 64), b_view=(768, 64),
-                                          b_column_major=True))
+                                          b_column_major=True, float_out=True))
         gemm = cutlass.GemmProblem(12, 128, 64, 128)
         tile = cutlass.choose_tile(gemm, spec.sm_count, spec.shared_memory_per_block_optin)
         kernels.append(cutlass.GemmKernel("pv", gemm, tile, y_view=(768, 64)))
@@ -715,10 +718,14 @@ def test_a_bert_style_encoders_linear_layers_run_on_cutlass(precision, tmp_path)
         assert gemms[0].shapes == {"a": (1, 16, 2, 32), "w": (1, 16, 2, 32), "y": (1, 2, 16, 16)}
         assert (gemms[0].kernel.a_view, gemms[0].kernel.b_view, gemms[0].kernel.y_view) == ((64, 32), (64, 32), None)
         assert gemms[0].kernel.b_column_major and not gemms[1].kernel.b_column_major
+        # the scores are written as float32 for the softmax, which ToMixedPrecision keeps in float32 (no cast kernel)
+        assert gemms[0].kernel.float_out and not gemms[1].kernel.float_out
         assert gemms[1].shapes == {"a": (1, 2, 16, 16), "w": (1, 16, 2, 32), "y": (1, 16, 2, 32)}
         assert (gemms[1].kernel.a_view, gemms[1].kernel.b_view, gemms[1].kernel.y_view) == (None, (64, 32), (64, 32))
-    else:  # int8: the operands are casts of the transposes (attention in fp16 of a float graph): contiguous
+    else:  # int8: the operands are casts of the transposes (attention in fp16 of a float graph): contiguous; the
+        # scores rounded to fp16 as the graph has them (its 1/sqrt(d) is a multiply after the cast to float32)
         assert gemms[0].shapes == {"a": (1, 2, 16, 32), "w": (1, 2, 32, 16), "y": (1, 2, 16, 16)}
+        assert not any(g.kernel.float_out for g in gemms)
     problems = sorted((c.kernel.problem.w, c.kernel.problem.c, c.kernel.problem.k) for c in claimed)
     assert problems == [(16, 64, 64)] * 4 + [(16, 64, 256), (16, 256, 64)], problems
     assert all(c.kernel.problem.n == c.kernel.problem.h == c.kernel.problem.r == 1 for c in claimed)
@@ -729,6 +736,10 @@ def test_a_bert_style_encoders_linear_layers_run_on_cutlass(precision, tmp_path)
         assert all(c.bias is not None for c in claimed)
         assert sorted(c.kernel.activation for c in claimed) == ["gelu"] + ["identity"] * 5
         assert next(c for c in claimed if c.kernel.activation == "gelu").kernel.problem.k == 256
+        # the output projection and the FFN's second layer add the float32 residual stream (their input's) in the
+        # epilogue and write float32 for the layer norm
+        assert sorted((c.kernel.residual, c.kernel.float_out) for c in claimed) == [(False, False)] * 4 + [(True, True)] * 2
+        assert all(c.residual is not None for c in claimed if c.kernel.residual)
     claimed += gemms
     rewritten = cutlass.claim_convs(prepared.mod, claimed, {c.kernel.name: 49152 for c in claimed})
     twin = Graph(cutlass.with_twins(rewritten, claimed), prepared.weights)
@@ -750,7 +761,7 @@ def test_a_bert_style_encoders_linear_layers_run_on_cutlass(precision, tmp_path)
         a = rng.standard_normal(g.shapes["a"]).astype(np.float16)
         w = rng.standard_normal(g.shapes["w"]).astype(np.float16)
         lib = tvm.tirx.build(cutlass.twin_prim_func(g.kernel, g.shapes), target="llvm")
-        y = tvm.runtime.tensor(np.zeros(g.shapes["y"], np.float16))
+        y = tvm.runtime.tensor(np.zeros(g.shapes["y"], np.float32 if g.kernel.float_out else np.float16))
         lib(tvm.runtime.tensor(a), tvm.runtime.tensor(w), y)
         want = cutlass.replay_gemm(g.kernel, a, w).reshape(g.shapes["y"])  # written through the view, too
         np.testing.assert_allclose(y.numpy().astype(np.float32), want.astype(np.float32), rtol=2e-3, atol=2e-3)

@@ -433,6 +433,14 @@ class GemmKernel:
         return -(-m // self.tile.block[0]), -(-n // self.tile.block[1]), self.problem.batch
 
     @property
+    def out_type(self) -> str:  # float32 out: the scores a softmax reads in float32 (no cast kernel between)
+        return "float" if self.float_out else "cutlass::half_t"
+
+    @property
+    def out_lanes(self) -> int:  # 16-byte stores
+        return 4 if self.float_out else ALIGNMENT
+
+    @property
     def b_layout(self) -> str:
         return "ColumnMajor" if self.b_column_major else "RowMajor"
 
@@ -442,10 +450,10 @@ class GemmKernel:
         return (
             "typename cutlass::gemm::kernel::DefaultGemm<"
             f"cutlass::half_t, cutlass::layout::RowMajor, {ALIGNMENT}, cutlass::half_t, cutlass::layout::{self.b_layout}, "
-            f"{ALIGNMENT}, cutlass::half_t, cutlass::layout::RowMajor, float, cutlass::arch::OpClassTensorOp, "
+            f"{ALIGNMENT}, {self.out_type}, cutlass::layout::RowMajor, float, cutlass::arch::OpClassTensorOp, "
             f"cutlass::arch::Sm80, cutlass::gemm::GemmShape<{bm}, {bn}, {bk}>, "
             f"cutlass::gemm::GemmShape<{wm}, {wn}, {wk}>, cutlass::gemm::GemmShape<16, 8, 16>, "
-            f"cutlass::epilogue::thread::LinearCombination<cutlass::half_t, {ALIGNMENT}, float, float>, "
+            f"cutlass::epilogue::thread::LinearCombination<{self.out_type}, {self.out_lanes}, float, float>, "
             f"cutlass::gemm::threadblock::GemmBatchedIdentityThreadblockSwizzle, {self.tile.stages}, false, "
             "cutlass::arch::OpMultiplyAdd>::GemmKernel"
         )
@@ -519,6 +527,7 @@ def _gemm_source(kern: GemmKernel) -> str:
     p, t = kern.problem, f"Kernel_{kern.name}"
     gm, gn, batch = kern.grid
     (lda, bsa), (ldb, bsb), (ldc, bsc) = (kern.strides[name] for name in ("a", "w", "y"))
+    out, element = ("float", "float") if kern.float_out else ("half", "half_t")
     return f"""
 namespace edgeq_cutlass {{
 using Default_{kern.name} = {kern.kernel_type};
@@ -527,7 +536,7 @@ using {t} = cutlass::gemm::kernel::GemmBatched<Default_{kern.name}::Mma, Default
 }}
 constexpr size_t edgeq_params_at_{kern.name} = (sizeof(edgeq_cutlass::{t}::SharedStorage) + 15) / 16 * 16;
 __device__ char edgeq_smem_{kern.name}[edgeq_params_at_{kern.name} + sizeof(typename edgeq_cutlass::{t}::Params)];
-extern "C" __device__ void edgeq_cutlass_{kern.name}(half* a, half* w, half* y, unsigned char* smem) {{
+extern "C" __device__ void edgeq_cutlass_{kern.name}(half* a, half* w, {out}* y, unsigned char* smem) {{
   using namespace cutlass;
   using K = edgeq_cutlass::{t};
   auto* params = reinterpret_cast<typename K::Params*>(smem + edgeq_params_at_{kern.name});
@@ -536,8 +545,8 @@ extern "C" __device__ void edgeq_cutlass_{kern.name}(half* a, half* w, half* y, 
         gemm::GemmCoord({p.m}, {p.n}, {p.k}), gemm::GemmCoord({gm}, {gn}, {batch}),
         {{reinterpret_cast<half_t*>(a), layout::RowMajor({lda})}}, {bsa}LL,
         {{reinterpret_cast<half_t*>(w), layout::{kern.b_layout}({ldb})}}, {bsb}LL,
-        {{reinterpret_cast<half_t*>(y), layout::RowMajor({ldc})}}, {bsc}LL,
-        {{reinterpret_cast<half_t*>(y), layout::RowMajor({ldc})}}, {bsc}LL,
+        {{reinterpret_cast<{element}*>(y), layout::RowMajor({ldc})}}, {bsc}LL,
+        {{reinterpret_cast<{element}*>(y), layout::RowMajor({ldc})}}, {bsc}LL,
         typename K::OutputOp::Params({_c_float(kern.alpha)}, 0.0f), {batch});
   }}
   __syncthreads();
@@ -586,7 +595,7 @@ def kernel_operands(kernel: ConvKernel, shapes: dict | None = None) -> list[tupl
     if isinstance(kernel, GemmKernel):  # a, w, y: [batch, M, K], [batch, K, N], [batch, M, N] or the graph's shapes
         return [("a", tuple(shapes.get("a", (p.batch, p.m, p.k))), "float16"),
                 ("w", tuple(shapes.get("w", (p.batch, p.k, p.n))), "float16"),
-                ("y", tuple(shapes.get("y", (p.batch, p.m, p.n))), "float16")]
+                ("y", tuple(shapes.get("y", (p.batch, p.m, p.n))), "float32" if kernel.float_out else "float16")]
     xs, ws, ys = (p.n, p.h, p.w, p.c), (p.k, p.r, p.s, p.c), (p.n, p.p, p.q, p.k)
     if p.groups > 1:  # depthwise: HWOI
         ws = (p.r, p.s, p.k, p.c // p.groups)
@@ -773,7 +782,7 @@ def replay_int8(kernel: ConvKernel, x: np.ndarray, w: np.ndarray, bias: np.ndarr
 
 def replay_gemm(kernel: GemmKernel, a: np.ndarray, w: np.ndarray) -> np.ndarray:
     """What a batched GEMM kernel is asked to compute, on the host (numpy): a [batch, M, K] and w [batch, K, N]
-    fp16, products summed in float32, the result rounded to fp16.
+    fp16, products summed in float32, the result rounded to fp16 (float32 unrounded for ``float_out``).
     Operands read through a head view (``GemmKernel.strides``) are read as the kernel reads them, and the result
     is written into an array of y's size as the kernel writes it (returned flat in that case)."""
     p, st = kernel.problem, kernel.strides
@@ -786,10 +795,10 @@ def replay_gemm(kernel: GemmKernel, a: np.ndarray, w: np.ndarray) -> np.ndarray:
 
     product = np.matmul(view(a, (p.batch, p.m, p.k), "a").astype(np.float32),
                         view(w, (p.batch, p.k, p.n), "w", kernel.b_column_major).astype(np.float32))
-    y = (product * np.float32(kernel.alpha)).astype(np.float16)
+    y = (product * np.float32(kernel.alpha)).astype(np.float32 if kernel.float_out else np.float16)
     if kernel.y_view is None:
         return y
-    out = np.zeros(p.batch * p.m * p.n, np.float16)
+    out = np.zeros(p.batch * p.m * p.n, y.dtype)
     view(out, (p.batch, p.m, p.n), "y")[...] = y
     return out
 
@@ -827,7 +836,7 @@ def kernel_record(kernel: ConvKernel, smem_bytes: int) -> dict:
             "head_views": [name for name, v in (("a", kernel.a_view), ("w", kernel.b_view), ("y", kernel.y_view))
                            if v is not None],
             "alpha": kernel.alpha, "activation": "identity", "residual": False, "precision": kernel.precision,
-            "flops": p.flops,
+            "output": "float32" if kernel.float_out else "float16", "flops": p.flops,
         }
     problem = {"nhwc": [p.n, p.h, p.w, p.c], "k": p.k, "rs": [p.r, p.s], "pad": list(p.pad), "stride": list(p.stride),
                "dilation": list(p.dilation), "output_pixels": p.n * p.p * p.q}
@@ -1357,6 +1366,16 @@ def find_convs(main, sm_count: int, smem_per_block: int) -> tuple[list[Claimed],
                      and call_op(value_of[to_float]) == "relax.astype" and dtype_of(to_float) == "float32")
         if float_out:
             chain.append(to_float)
+            # a float32 residual added to it (a transformer's residual stream, which ToMixedPrecision keeps in
+            # float32): in the epilogue, whose source has the output's type. Before the bias there, after it in the
+            # graph: only without an activation between them
+            after = only_reader(to_float)
+            if activation == "identity" and after is not None and after not in taken \
+                    and call_op(value_of[after]) == "relax.add":
+                other = [a for a in value_of[after].args if not a.same_as(to_float)]
+                if other and shape_of(other[0]) == shape_of(to_float) and dtype_of(other[0]) == "float32":
+                    residual = other[0]
+                    chain.append(after)
         problem = Conv2dProblem(xs[0], xs[1], xs[2], xs[3], k, kr, ks, (pads[0], pads[1]),
                                 tuple(int(v) for v in attrs.strides), tuple(int(d) for d in attrs.dilation),
                                 c_real=xs[3] - _channels_padded(x, value_of), groups=k if depthwise else 1)
@@ -1491,7 +1510,14 @@ def _batched_gemm(b, value_of, only_reader, params, sm_count: int, smem_per_bloc
         s_, h_, d_ = shape_of(back)[1:]
         views["y"] = (back, (h_ * d_, d_), seen[2])
         chain.append(back)
-    kernel = GemmKernel(name, problem, choose_tile(problem, sm_count, smem_per_block), alpha,
+    # the graph's cast of the product to float32 (attention's scores, before the softmax ToMixedPrecision keeps in
+    # float32): written as float32, unrounded
+    to_float = only_reader(chain[-1])
+    float_out = to_float is not None and call_op(value_of[to_float]) == "relax.astype" \
+        and dtype_of(to_float) == "float32" and call_op(value_of.get(only_reader(to_float))) == "relax.nn.softmax"
+    if float_out:
+        chain.append(to_float)
+    kernel = GemmKernel(name, problem, choose_tile(problem, sm_count, smem_per_block), alpha, float_out=float_out,
                         a_view=views["a"][1] if "a" in views else None,
                         b_view=views["w"][1] if "w" in views else None,
                         y_view=views["y"][1] if "y" in views else None,
@@ -1800,7 +1826,8 @@ def twin_prim_func(kernel: ConvKernel, shapes: dict | None = None):
             flat = 0
             for i, d in zip(index, y_shape):
                 flat = flat * d + i
-            return (acc[(flat // bsc) % p.batch, (flat // ldc) % p.m, flat % p.n] * alpha).astype("float16")
+            v = acc[(flat // bsc) % p.batch, (flat // ldc) % p.m, flat % p.n] * alpha
+            return v if kernel.float_out else v.astype("float16")
 
         return te.create_prim_func([a, w, te.compute(y_shape, out, "y")])
     (ph, pw), (sh, sw), (dh, dw) = p.pad, p.stride, p.dilation
