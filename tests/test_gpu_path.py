@@ -435,6 +435,38 @@ def test_reshapes_after_a_pool_sink_below_its_quantization_and_vanish():
     assert after == before, (after, before)
 
 
+def test_an_int8_transformers_token_scales_are_one_kernel_each():
+    """A per-token scale (``where(amax > 0, amax / 127, 1)``, ``amax = max(abs(x))`` over a row: an int8
+    transformer's linear layers quantize their input so) was two kernels, the max and the scale after it (FuseOps
+    fuses nothing after a plain reduction): ``row_scales_in_one_kernel`` makes it one TIR function, bit for bit,
+    an all-zero row included."""
+    from tvm.script import ir as I
+    from tvm.script import relax as R
+
+    @I.ir_module
+    class Rows:
+        @R.function
+        def main(x: R.Tensor((1, 16, 64), "float32")):
+            R.func_attr({"num_input": 1})
+            with R.dataflow():
+                amax = R.max(R.abs(x), axis=[-1], keepdims=True)
+                scale = R.where(R.greater(amax, R.const(0.0, "float32")), R.divide(amax, R.const(127.0, "float32")),
+                                R.const(1.0, "float32"))
+                q = R.astype(R.clip(R.round(R.divide(x, scale)), -127, 127), "int8")
+                out = (q, scale)
+                R.output(out)
+            return out
+
+    graph = Graph(Rows, {})
+    fused = gpu.row_scales_in_one_kernel(graph)
+    assert "relax.max" not in ops(fused) and "relax.call_tir" in ops(fused)
+    x = np.random.default_rng(4).standard_normal((1, 16, 64)).astype(np.float32) * 3
+    x[0, 5] = 0.0
+    for got, want in zip(HostRunner(fused)([x]), HostRunner(graph)([x])):
+        np.testing.assert_array_equal(got, want)
+    assert scheduled(fused).kernels_per_inference == scheduled(graph).kernels_per_inference - 1
+
+
 def test_fp16_is_refused_for_cpu_profiles(small, tmp_path):
     path, _ = small
     res = run_cli("package", path, "--device", "host", "--precision", "fp16", "-o", tmp_path)

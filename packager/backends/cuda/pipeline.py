@@ -121,6 +121,56 @@ def views_collapsed(graph: Graph) -> Graph:
     return rewrite(graph, visit)
 
 
+def row_scales_in_one_kernel(graph: Graph) -> Graph:
+    """A per-token scale, ``where(amax > 0, amax / q, 1)`` with ``amax = max(abs(x), axis=-1, keepdims)`` (how an
+    int8 transformer's linear layers quantize their input, ``edgeq.quantize.quantize_ops._quantize_rows``), as one
+    TIR function: FuseOps fuses nothing after a max (a plain reduction; a mean, sum and division, takes what
+    follows it), so the scale was a kernel of its own after each of them (four a layer). The same operations in the
+    same order: bit for bit."""
+    def scalar(expr, want=None):
+        value = const_value(expr)
+        if value is None or value.size != 1:
+            return None
+        value = float(value.reshape(-1)[0])
+        return value if want is None or value == want else None
+
+    def visit(rw: Rewriter, var, value):
+        if call_op(value) != "relax.where" or dtype_of(var) != "float32":
+            return None
+        cond, high, low = (rw.value(a) if isinstance(a, relax.Var) else None for a in value.args)
+        if call_op(cond) != "relax.greater" or call_op(high) != "relax.divide" or scalar(value.args[2], 1.0) is None:
+            return None
+        amax = cond.args[0]
+        q = scalar(high.args[1])
+        if not (amax.same_as(high.args[0]) and scalar(cond.args[1], 0.0) is not None and q is not None
+                and rw.uses(value.args[0]) == 1 and rw.uses(value.args[1]) == 1 and rw.uses(amax) == 2):
+            return None
+        reduce = rw.value(amax)
+        if call_op(reduce) != "relax.max" or not bool(reduce.attrs.keepdims) or reduce.attrs.axis is None:
+            return None
+        absolute = rw.value(reduce.args[0])
+        x = absolute.args[0] if call_op(absolute) == "relax.abs" else None
+        shape = shape_of(x) if x is not None else None
+        if shape is None or rw.uses(reduce.args[0]) != 1 or dtype_of(x) != "float32" \
+                or [int(a) % len(shape) for a in reduce.attrs.axis] != [len(shape) - 1]:
+            return None
+        return rw.bb.call_te(_row_scale, rw.new(x), q, primfunc_name_hint="row_scale")
+
+    return rewrite(graph, visit)
+
+
+def _row_scale(x, q: float):
+    """TE: ``where(max|x| > 0, max|x| / q, 1)`` over the last axis of ``x`` (keepdims)."""
+    from tvm import te, tirx
+
+    shape = [int(d) for d in x.shape]
+    r = te.reduce_axis((0, shape[-1]), name="r")
+    amax = te.compute(shape[:-1] + [1], lambda *i: te.max(te.abs(x[(*i[:-1], r)]), axis=r), name="amax")
+    return te.compute(amax.shape, lambda *i: tirx.Select(amax(*i) > tirx.const(0.0, "float32"),
+                                                         amax(*i) / tirx.const(q, "float32"),
+                                                         tirx.const(1.0, "float32")), name="scale")
+
+
 def pools_read_fp16(graph: Graph) -> Graph:
     """``mean(astype(x fp16, float32))`` (ToMixedPrecision keeps a reduction in fp32 and casts its input) as one
     TIR function that reads x in fp16 and accumulates in fp32: FuseOps keeps the cast apart (a mean is a sum
