@@ -319,12 +319,14 @@ def test_kernels_compile_in_a_tvm_module_to_tensor_cores(profile, precision, nvr
             kernels.append(cutlass.ConvKernel(name.replace("-", "_"), problem, tile, activation, residual, "int8",
                                               residual_scale=0.5, act_lo=0.0 if activation == "relu" else -np.inf,
                                               out_div=0.25, lo=-128.0, hi=127.0, float_out=name == "1x1s2",
-                                              silu=name == "1x1s2", post=name == "stem7x7s2"))
+                                              silu=name == "1x1s2", post=name == "stem7x7s2",
+                                              x_view=(16, 32) if name == "3x3-residual" else None))
         else:  # the 1x1 shortcut writes float32 (a classifier whose logits the graph casts to float32), after a
             # GELU (a transformer FFN's: CUTLASS's GELU<float>, erff)
             kernels.append(cutlass.ConvKernel(name.replace("-", "_"), problem, tile,
                                               "gelu" if name == "1x1s2" else activation, residual,
-                                              float_out=name == "1x1s2"))
+                                              float_out=name == "1x1s2",
+                                              x_view=(16, 32) if name == "3x3-residual" else None))
             if name == "1x1s2":  # and with a float32 residual (a transformer's residual stream), float32 out
                 kernels.append(cutlass.ConvKernel("float_residual", problem, tile, "identity", True, float_out=True))
     if precision == "fp16":  # attention's batched GEMMs: 12 heads of [128, 64] x [64, 128], scaled, Q and K read
@@ -356,6 +358,10 @@ def test_kernels_compile_in_a_tvm_module_to_tensor_cores(profile, precision, nvr
         body = re.search(rf"void __launch_bounds__\(\d+\) cutlass_{kern.name}_kernel\(([^)]*)\) {{(.*?)\n}}", source, re.S)
         assert body and "smem" not in body.group(1) and "extern __shared__" in body.group(2), body and body.group(0)
     assert set(reports) == {k.name for k in kernels}
+    for kern in kernels:  # the 3x3 reads channels 16-31 of a 32-channel tensor in place (one part of a split)
+        if getattr(kern, "x_view", None):
+            assert f"reinterpret_cast<{'int8_t' if precision == 'int8' else 'half_t'}*>(x) + 16, " \
+                   "layout::TensorNHWC(32, 320, 3840)" in source, kern.name
     for kern in kernels:  # a float32 output is written as float32 by the epilogue (its ElementOutput)
         wrapper = re.search(rf"void edgeq_cutlass_{kern.name}\(([^)]*)\)", source)
         assert wrapper and ("float* y" if kern.float_out else "* y") in wrapper.group(1), kern.name
@@ -840,6 +846,10 @@ def test_a_yolov8n_style_detector_runs_every_convolution_on_cutlass(precision, t
     assert convs == 63 and len(claimed) == convs and left == [], left
     if precision == "fp16":  # the head's two 1x1 convs of each level have no activation; the other 57 a SiLU
         assert sorted(c.kernel.activation for c in claimed) == ["identity"] * 6 + ["silu"] * 57
+        # each C2f block's first bottleneck reads the second half of its split in place (the split is two slices;
+        # the other half fuses into the concatenation): channels [C/2, C) of the C-channel output
+        assert sorted(c.kernel.x_view for c in claimed if c.kernel.x_view) == sorted(
+            [(16, 32), (32, 64), (64, 128), (128, 256), (64, 128), (32, 64), (64, 128), (128, 256)])
     else:  # int8: SiLU in the epilogue, then the requantization (38 of 63; the others write float32: their
         # outputs are split, concatenated or summed in float before the next quantize)
         assert all(c.kernel.precision == "int8" for c in claimed)

@@ -467,6 +467,35 @@ def test_an_int8_transformers_token_scales_are_one_kernel_each():
     assert scheduled(fused).kernels_per_inference == scheduled(graph).kernels_per_inference - 1
 
 
+def test_a_channel_split_becomes_slices_that_fuse_into_their_readers():
+    """A split along the channels (YOLO's C2f) as strided slices of its input, equal sections and explicit indices
+    alike, bit for bit: the parts fuse into their element-wise readers and concatenations as the split did here (a
+    split after a CUTLASS convolution whose parts a CUTLASS convolution also reads was a kernel of its own: the
+    YOLOv8n-style test in test_cutlass.py holds those convolutions reading their part in place)."""
+    from tvm.script import ir as I
+    from tvm.script import relax as R
+
+    @I.ir_module
+    class Split:
+        @R.function
+        def main(x: R.Tensor((1, 4, 4, 48), "float32")):
+            R.func_attr({"num_input": 1})
+            with R.dataflow():
+                halves = R.split(x, 2, axis=3)
+                parts = R.split(x, [8, 40], axis=-1)
+                a = R.add(halves[1], R.const(1.0, "float32"))
+                out = R.concat([halves[0], a, parts[0], parts[2]], axis=3)
+                R.output(out)
+            return out
+
+    graph = Graph(Split, {})
+    sliced = gpu.splits_as_slices(graph)
+    assert "relax.split" not in ops(sliced) and "relax.strided_slice" in ops(sliced)
+    x = np.random.default_rng(6).standard_normal((1, 4, 4, 48)).astype(np.float32)
+    np.testing.assert_array_equal(HostRunner(sliced)([x])[0], HostRunner(graph)([x])[0])
+    assert scheduled(sliced).kernels_per_inference == scheduled(graph).kernels_per_inference == 1
+
+
 def test_fp16_is_refused_for_cpu_profiles(small, tmp_path):
     path, _ = small
     res = run_cli("package", path, "--device", "host", "--precision", "fp16", "-o", tmp_path)

@@ -280,6 +280,14 @@ class ConvKernel:
     # epilogue's value unrounded (the graph casts the layer's output to float32: a classifier's logits)
     silu: bool = False  # int8: v * sigmoid(v) right after the scale and shift (before the residual and clamps)
     post: bool = False  # int8: v * post[k] (a per-channel float32 operand) after the clamps, before the division
+    # x read in place from a wider tensor (a channel slice: one part of a split, ``pipeline.splits_as_slices``):
+    # (first channel, channels of the tensor); the problem's C is the slice's
+    x_view: tuple[int, int] | None = None
+
+    @property
+    def x_channels(self) -> int:
+        """Channels of the tensor x is read from."""
+        return self.x_view[1] if self.x_view else self.problem.c
 
     @property
     def function(self) -> str:
@@ -302,7 +310,8 @@ class ConvKernel:
         multiple of 8 and not of 16 (24, 40, 56 ...: no pad kernel before the layer)."""
         if self.precision != "int8":
             return ALIGNMENT
-        return ALIGNMENT_INT8 if self.problem.c % ALIGNMENT_INT8 == 0 else ALIGNMENT
+        channels = (self.problem.c, *(self.x_view or ()))
+        return ALIGNMENT_INT8 if all(c % ALIGNMENT_INT8 == 0 for c in channels) else ALIGNMENT
 
     @property
     def kernel_type(self) -> str:
@@ -484,6 +493,10 @@ def device_source(kernels: Sequence[ConvKernel]) -> str:
             continue
         signature = ", ".join(f"{C_TYPES[dtype]}* {name}" for name, _, dtype in kernel_operands(kern))
         source = "residual" if kern.residual else "y"
+        ct = kern.x_channels  # a channel slice of a wider tensor: its first channel, the tensor's strides
+        x_offset = f" + {kern.x_view[0]}" if kern.x_view else ""
+        x_layout = (f"layout::TensorNHWC({ct}, {p.w * ct}, {p.h * p.w * ct})" if kern.x_view
+                    else f"layout::TensorNHWC::packed({{{p.n}, {p.h}, {p.w}, {p.c}}})")
         if kern.precision == "int8":
             element, out_element = "int8_t", ("float" if kern.float_out else "int8_t")
             output_op = (f"edgeq_cutlass::RequantParams{{bias, scale, shift, {_c_float(kern.residual_scale)}, "
@@ -508,7 +521,7 @@ extern "C" __device__ void edgeq_cutlass_{kern.name}({signature}, unsigned char*
                                   conv::Mode::kCrossCorrelation, 1);
   layout::TensorNHWC out_layout = layout::TensorNHWC::packed({{{p.n}, {p.p}, {p.q}, {p.k}}});
   typename K::Arguments args(
-      problem, {{reinterpret_cast<{element}*>(x), layout::TensorNHWC::packed({{{p.n}, {p.h}, {p.w}, {p.c}}})}},
+      problem, {{reinterpret_cast<{element}*>(x){x_offset}, {x_layout}}},
       {{reinterpret_cast<{element}*>(w), layout::TensorNHWC::packed({{{p.k}, {p.r}, {p.s}, {p.c}}})}},
       {{reinterpret_cast<{out_element}*>({source}), out_layout}}, {{reinterpret_cast<{out_element}*>(y), out_layout}},
       {output_op}, conv::SplitKMode::kSerial, {vector}, nullptr, 0, 0);
@@ -596,7 +609,7 @@ def kernel_operands(kernel: ConvKernel, shapes: dict | None = None) -> list[tupl
         return [("a", tuple(shapes.get("a", (p.batch, p.m, p.k))), "float16"),
                 ("w", tuple(shapes.get("w", (p.batch, p.k, p.n))), "float16"),
                 ("y", tuple(shapes.get("y", (p.batch, p.m, p.n))), "float32" if kernel.float_out else "float16")]
-    xs, ws, ys = (p.n, p.h, p.w, p.c), (p.k, p.r, p.s, p.c), (p.n, p.p, p.q, p.k)
+    xs, ws, ys = (p.n, p.h, p.w, kernel.x_channels), (p.k, p.r, p.s, p.c), (p.n, p.p, p.q, p.k)
     if p.groups > 1:  # depthwise: HWOI
         ws = (p.r, p.s, p.k, p.c // p.groups)
 
@@ -721,6 +734,14 @@ def elf_symbol_sizes(cubin: bytes, prefix: str) -> dict[str, int]:
     return out
 
 
+def _x_slice(kernel, x: np.ndarray) -> np.ndarray:
+    """The channels of x a kernel reads (``ConvKernel.x_view``: a slice of a wider tensor)."""
+    if getattr(kernel, "x_view", None) is None:
+        return x
+    c0 = kernel.x_view[0]
+    return x[..., c0:c0 + kernel.problem.c]
+
+
 def _accumulate(p: Conv2dProblem, x: np.ndarray, w: np.ndarray, dtype) -> np.ndarray:
     """The convolution's sums [N, P, Q, K] in ``dtype`` (float32, or int64: exact for int8): x NHWC, w OHWI (a
     depthwise problem's HWOI [R, S, K, 1]), zero padding; bottom/right padding is what the output size reaches
@@ -746,7 +767,7 @@ def replay(kernel: ConvKernel, x: np.ndarray, w: np.ndarray, bias: np.ndarray,
     [N, H, W, C], w OHWI [K, R, S, C] (channels padded), bias [K]; the result rounded to fp16 as the epilogue's
     conversion does (float32 unrounded for a ``float_out`` kernel). Bottom/right padding is what the output size
     reaches (CUTLASS's implicit-GEMM iterators)."""
-    acc = _accumulate(kernel.problem, x, w, np.float32)
+    acc = _accumulate(kernel.problem, _x_slice(kernel, x), w, np.float32)
     if residual is not None:
         acc = acc + residual.astype(np.float32)
     z = acc + bias.astype(np.float32)
@@ -762,7 +783,7 @@ def replay_int8(kernel: ConvKernel, x: np.ndarray, w: np.ndarray, bias: np.ndarr
     """What an int8 kernel is asked to compute, on the host (numpy, independent of CUTLASS and TVM): x int8 NHWC,
     w int8 OHWI, bias int32 [K], scale float32 [K]; exact integer accumulation, then the ``Requantize`` epilogue's
     float32 steps, rounding half to even."""
-    acc = _accumulate(kernel.problem, x, w, np.int64)
+    acc = _accumulate(kernel.problem, _x_slice(kernel, x), w, np.int64)
     f32 = np.float32
     v = (acc + bias.reshape(-1).astype(np.int64)).astype(np.int32).astype(f32) * scale.reshape(-1).astype(f32)
     v = v + (f32(0) if shift is None else shift.reshape(-1).astype(f32))
@@ -840,6 +861,8 @@ def kernel_record(kernel: ConvKernel, smem_bytes: int) -> dict:
         }
     problem = {"nhwc": [p.n, p.h, p.w, p.c], "k": p.k, "rs": [p.r, p.s], "pad": list(p.pad), "stride": list(p.stride),
                "dilation": list(p.dilation), "output_pixels": p.n * p.p * p.q}
+    if getattr(kernel, "x_view", None):  # channels [first, first + C) of an input with more
+        problem["input_channels"] = {"first": kernel.x_view[0], "of": kernel.x_view[1]}
     if isinstance(kernel, DepthwiseKernel):
         record = {
             "function": kernel.function, "template": f"edgeq depthwise (TIR: {DEPTHWISE_LANES} channels of an output "
@@ -1391,7 +1414,35 @@ def find_convs(main, sm_count: int, smem_per_block: int) -> tuple[list[Claimed],
                                {"bias": tuple(shape_of(bias)) if bias is not None else (k,),
                                 **_output_shape(chain[-1], problem)}))
         taken.update(chain)
-    return claimed, left
+    return [_read_in_place(c, value_of) for c in claimed], left
+
+
+def _read_in_place(c: Claimed, value_of) -> Claimed:
+    """A CUTLASS convolution whose input is a channel slice (``strided_slice`` on the last axis of an NHWC tensor,
+    step 1; ``pipeline.splits_as_slices``) reads those channels of the wider tensor in place (``x_view``) where the
+    first channel and the tensor's channels keep its loads aligned; else ``c`` as it is."""
+    from edgeq.graph import call_op
+    from edgeq.graph_passes import shape_of
+
+    kern = c.kernel
+    value = value_of.get(c.x)
+    if type(kern) is not ConvKernel or call_op(value) != "relax.strided_slice":
+        return c
+    def ints(expr):  # strided_slice's axes, begin, end and strides: tuples of PrimValues
+        fields = getattr(expr, "fields", expr)
+        return [int(getattr(f, "value", f)) for f in fields]
+
+    t, axes, begin = value.args[0], ints(value.args[1]), ints(value.args[2])
+    shape = shape_of(t)
+    if shape is None or len(shape) != 4 or [a % 4 for a in axes] != [3] or (
+            len(value.args) > 4 and any(v != 1 for v in ints(value.args[4]))):
+        return c
+    first = begin[0]
+    first = first + shape[3] if first < 0 else first
+    viewed = dataclasses.replace(kern, x_view=(first, shape[3]))
+    if first + kern.problem.c > shape[3] or first % viewed.input_alignment or shape[3] % viewed.input_alignment:
+        return c
+    return dataclasses.replace(c, kernel=viewed, x=t)
 
 
 def _depthwise(attrs, xs, ws) -> bool:
@@ -1837,8 +1888,9 @@ def twin_prim_func(kernel: ConvKernel, shapes: dict | None = None):
     x, w, res = ph_["x"], ph_["w"], ph_.get("residual")
     acc_dtype = "int32" if int8 else "float32"
     zero = tirx.const(0, x.dtype)
+    c0 = kernel.x_view[0] if kernel.x_view else 0  # the channel slice x is read from
     xp = te.compute((p.n, p.h + 2 * ph, p.w + 2 * pw, p.c), lambda i, y, z, c: tirx.if_then_else(
-        tirx.all(y >= ph, y < p.h + ph, z >= pw, z < p.w + pw), x[i, y - ph, z - pw, c], zero), "xp")
+        tirx.all(y >= ph, y < p.h + ph, z >= pw, z < p.w + pw), x[i, y - ph, z - pw, c + c0], zero), "xp")
     ry, rx = te.reduce_axis((0, p.r), "ry"), te.reduce_axis((0, p.s), "rx")
     if p.groups > 1:  # depthwise, weights HWOI
         acc = te.compute((p.n, p.p, p.q, p.k), lambda i, y, z, o: te.sum(

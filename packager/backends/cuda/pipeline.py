@@ -121,6 +121,34 @@ def views_collapsed(graph: Graph) -> Graph:
     return rewrite(graph, visit)
 
 
+def splits_as_slices(graph: Graph) -> Graph:
+    """Each part of a split along the channels (the last axis of an NHWC tensor: YOLO's C2f splits its first
+    convolution's output in two) as a ``strided_slice`` of the split's input. A split is a kernel of its own writing
+    every part; a slice is injective, so it fuses into an element-wise reader or a concatenation, and a CUTLASS
+    convolution reads its channels in place (``ConvKernel.x_view``): the split's kernel goes."""
+    def visit(rw: Rewriter, var, value):
+        if not isinstance(value, relax.TupleGetItem) or not isinstance(value.tuple_value, relax.Var):
+            return None
+        split = rw.value(value.tuple_value)
+        if call_op(split) != "relax.split":
+            return None
+        x = split.args[0]
+        shape = shape_of(x)
+        if shape is None or len(shape) != 4 or int(split.attrs.axis) % 4 != 3:
+            return None
+        sections = split.attrs.indices_or_sections
+        if isinstance(sections, (int, tvm.tirx.IntImm)):
+            step = shape[3] // int(sections)
+            cuts = [step * i for i in range(1, int(sections))]
+        else:
+            cuts = [int(c) for c in sections]
+        bounds = [0, *cuts, shape[3]]
+        i = int(value.index)
+        return relax.op.strided_slice(rw.new(x), axes=[3], begin=[bounds[i]], end=[bounds[i + 1]])
+
+    return rewrite(graph, visit)
+
+
 def row_scales_in_one_kernel(graph: Graph) -> Graph:
     """A per-token scale, ``where(amax > 0, amax / q, 1)`` with ``amax = max(abs(x), axis=-1, keepdims)`` (how an
     int8 transformer's linear layers quantize their input, ``edgeq.quantize.quantize_ops._quantize_rows``), as one
