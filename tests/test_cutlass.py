@@ -426,6 +426,29 @@ def test_the_rewritten_graph_runs_on_the_host_as_the_graph(classes, tmp_path):
     np.testing.assert_allclose(got, reference, rtol=5e-2, atol=5e-2)
 
 
+def _twin_matches_graph_and_onnxruntime(model, prepared, claimed, xs, precision: str) -> None:
+    """The rewritten module with the kernels' TIR twins equals the graph before the rewrite (int8: bit for bit;
+    fp16 within 2e-2) on each of ``xs``, and ONNX Runtime within 10% (int8) / 1% (fp16) of its largest output."""
+    import onnxruntime as ort
+
+    from edgeq.compile import HostRunner
+    from edgeq.graph import Graph
+
+    rewritten = cutlass.claim_convs(prepared.mod, claimed, {c.kernel.name: 49152 for c in claimed})
+    twin = Graph(cutlass.with_twins(rewritten, claimed), prepared.weights)
+    session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    run_graph, run_twin = HostRunner(prepared), HostRunner(twin)
+    for x in xs:
+        want, got = run_graph([x])[0], run_twin([x])[0]
+        if precision == "int8":
+            np.testing.assert_array_equal(got, want)
+        else:
+            np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
+        reference = session.run(None, {"input": x})[0]
+        error = np.abs(got - reference).max() / np.abs(reference).max()
+        assert error < (0.1 if precision == "int8" else 0.01), error
+
+
 def _densenet(path, size: int = 16):
     """A DenseNet in small (torchvision's ``densenet121`` order): a biased stem, one dense layer (BatchNorm -> ReLU
     -> 1x1 conv without bias -> BatchNorm -> ReLU -> 3x3 conv without bias, concatenated to its input), a
@@ -475,10 +498,7 @@ def test_convolutions_without_a_bias_run_on_cutlass(precision, tmp_path):
     the fp16 kernel takes them with a zero bias, as the int8 one does; all four convolutions and the classifier
     claimed, and the rewritten module with the kernels' TIR twins equals the graph (int8: bit for bit) and is close
     to ONNX Runtime."""
-    import onnxruntime as ort
 
-    from edgeq.compile import HostRunner
-    from edgeq.graph import Graph
 
     model = _densenet(tmp_path / "densenet.onnx")
     xs = [np.random.default_rng(seed).standard_normal((1, 3, 16, 16)).astype(np.float32) for seed in range(12)]
@@ -486,18 +506,7 @@ def test_convolutions_without_a_bias_run_on_cutlass(precision, tmp_path):
     assert len(claimed) == 5 and left == [], left
     if precision == "fp16":
         assert sum(c.bias is None for c in claimed) == 2  # c2 and c3 (c1 has its BatchNorm folded in)
-    rewritten = cutlass.claim_convs(prepared.mod, claimed, {c.kernel.name: 49152 for c in claimed})
-    twin = Graph(cutlass.with_twins(rewritten, claimed), prepared.weights)
-    session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
-    for x in xs[:2]:
-        want, got = HostRunner(prepared)([x])[0], HostRunner(twin)([x])[0]
-        if precision == "int8":
-            np.testing.assert_array_equal(got, want)
-        else:
-            np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
-        reference = session.run(None, {"input": x})[0]
-        error = np.abs(got - reference).max() / np.abs(reference).max()
-        assert error < (0.1 if precision == "int8" else 0.01), error
+    _twin_matches_graph_and_onnxruntime(model, prepared, claimed, xs[:2], precision)
 
 
 @pytest.mark.parametrize("form", ["Gelu", "erf"])
@@ -833,11 +842,8 @@ def test_a_yolov8n_style_detector_runs_every_convolution_on_cutlass(precision, t
     rewritten module with the kernels' TIR twins equals the graph before the rewrite (int8: bit for bit) and is
     close to ONNX Runtime. (The kernels' compilation is test_kernels_compile_in_a_tvm_module_to_tensor_cores's: 63
     NVRTC builds would cost minutes here.)"""
-    import onnxruntime as ort
     from gpu_kernels import yolov8n
 
-    from edgeq.compile import HostRunner
-    from edgeq.graph import Graph
 
     model = yolov8n(tmp_path / "yolo.onnx", size=32)
     xs = [np.random.default_rng(seed).standard_normal((1, 3, 32, 32)).astype(np.float32) for seed in range(12)]
@@ -854,19 +860,7 @@ def test_a_yolov8n_style_detector_runs_every_convolution_on_cutlass(precision, t
         # outputs are split, concatenated or summed in float before the next quantize)
         assert all(c.kernel.precision == "int8" for c in claimed)
         assert sum(c.kernel.silu for c in claimed) == 57 and sum(not c.kernel.float_out for c in claimed) >= 30
-    rewritten = cutlass.claim_convs(prepared.mod, claimed, {c.kernel.name: 49152 for c in claimed})
-    twin = Graph(cutlass.with_twins(rewritten, claimed), prepared.weights)
-    session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
-    run_graph, run_twin = HostRunner(prepared), HostRunner(twin)
-    for x in xs[:2]:
-        want, got = run_graph([x])[0], run_twin([x])[0]
-        if precision == "int8":
-            np.testing.assert_array_equal(got, want)
-        else:
-            np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
-        reference = session.run(None, {"input": x})[0]
-        error = np.abs(got - reference).max() / np.abs(reference).max()
-        assert error < (0.1 if precision == "int8" else 0.01), error
+    _twin_matches_graph_and_onnxruntime(model, prepared, claimed, xs[:2], precision)
 
 
 MOBILENET = ((1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 1, 2))  # MobileNetV2's first blocks: t, c, n, s
