@@ -345,6 +345,41 @@ def test_fp16_converts_a_swin_window_padding(tmp_path):
     assert got.shape == (1, 7, 7, 16) and cosine(got, expected) >= 0.999
 
 
+@pytest.mark.parametrize("equation, shapes, products", [
+    ("bghid,bghjd->bghij", [(1, 2, 2, 9, 8), (1, 2, 2, 9, 8)], 1),  # MaxViT's attention scores
+    ("bghij,bghjd->bghid", [(1, 2, 2, 9, 9), (1, 2, 2, 9, 8)], 1),  # and its context
+    ("bij,jk->bik", [(2, 4, 8), (8, 6)], 1),  # rows of two axes, flattened
+    ("ikj,jlk->li", [(3, 5, 4), (4, 2, 5)], 1),  # two contracted axes, a transposed output
+    ("bij,bkj->bik", [(2, 4, 8), (2, 6, 8)], 1),  # the second operand transposed
+    ("ij,ij->i", [(4, 8), (4, 8)], 1),  # rows of dot products: a batch of 1x1 products
+    ("ii->i", [(5, 5)], 0),  # a diagonal: Relax's einsum
+    ("bij,bjk,bkl->bil", [(2, 4, 8), (2, 8, 3), (2, 3, 5)], 0),  # three operands: Relax's einsum
+])
+def test_einsum_is_a_matmul_where_it_is_a_matrix_product(tmp_path, equation, shapes, products):
+    """MaxViT's attention is two Einsums. TVM's converter made each a TE function (``call_tir``), on which
+    ToMixedPrecision stopped (MaxViT-T was refused in fp16) and which no GPU kernel could claim. edgeq imports an
+    Einsum that is a (batched) matrix product as transposes, reshapes and one ``matmul``, and any other as Relax's
+    ``einsum``; fp32 and fp16 both equal ONNX Runtime."""
+    import onnxruntime as ort
+
+    rng = np.random.default_rng(6)
+    names = [f"x{i}" for i in range(len(shapes))]
+    node = helper.make_node("Einsum", names, ["y"], equation=equation)
+    graph = helper.make_graph([node], "einsum", [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in zip(names, shapes)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, np.einsum(equation, *map(np.zeros, shapes)).shape)])
+    path = tmp_path / "einsum.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    imported, _ = to_relax(load_model(path, {}, {}))
+    assert "relax.call_tir" not in ops(imported)
+    assert sum(call_op(b.value) == "relax.matmul" for b in imported.bindings()) == products
+    assert ("relax.einsum" in ops(imported)) == (products == 0)
+    xs = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    expected = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, dict(zip(names, xs)))[0]
+    assert np.allclose(HostRunner(imported)(xs)[0], expected, rtol=1e-5, atol=1e-5)
+    got = HostRunner(gpu.to_fp16(gpu.prepare_graph(imported)))(xs)[0]
+    assert got.shape == expected.shape and cosine(got, expected) >= 0.999
+
+
 def test_fp16_erf_on_the_build_host_is_erf():
     """The golden outputs of an fp16 GPU bundle are computed on the build host (edgeq's CPU pipeline, which makes
     erf TVM's ``fast_erf``). Its float16 form returns 1.041 for x >= 4 (a GELU on a pre-activation over 5.7 was 4%

@@ -31,7 +31,7 @@ from edgeq.onnx_ops.nn import attention, causal_conv_with_state, celu, layer_nor
 from edgeq.onnx_ops.qdq import conv_integer, qgemm, qlinear_conv, qlinear_matmul
 from edgeq.onnx_ops.recurrent import recurrent
 from edgeq.onnx_ops.refused import data_dependent, non_max_suppression, sequence_output
-from edgeq.onnx_ops.tensor import bit_cast, center_crop_pad, col2im, constant_window, cum_prod, det, dft, expand, indices_in_range, one_hot, pad, reduce_bool, reverse_sequence, tensor_scatter, upsample
+from edgeq.onnx_ops.tensor import bit_cast, center_crop_pad, col2im, constant_window, cum_prod, det, dft, einsum, expand, indices_in_range, one_hot, pad, reduce_bool, reverse_sequence, tensor_scatter, upsample
 from edgeq.onnx_ops.context import _TVM_CONVERT_MAP, Context, ConversionError, Refused, _runtime_operands
 
 
@@ -67,6 +67,7 @@ CONVERTERS: dict[str, Callable] = {
     "LSTM": recurrent,
     # overrides of TVM's converters
     "Mish": mish,
+    "Einsum": einsum,
     "LayerNormalization": layer_normalization,
     "RMSNormalization": rms_normalization,
     "NonMaxSuppression": non_max_suppression,
@@ -104,7 +105,8 @@ OVERRIDES = {
     "OneHot": "TVM needs the on/off values constant",
     "ReduceMax": "bool inputs (any): TVM has no min value for bool",
     "ReduceMin": "bool inputs (all): TVM has no max value for bool",
-    "Pad": "TVM needs the pad value constant",
+    "Pad": "TVM needs the pad value constant, and its TE function stops ToMixedPrecision (fp16)",
+    "Einsum": "TVM's TE function stops ToMixedPrecision (fp16) and no GPU kernel claims it: a matrix product becomes matmul",
     "Upsample": "TVM's converter fails when the scales are an input (opset 9)",
 }
 

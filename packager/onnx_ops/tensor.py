@@ -318,3 +318,68 @@ def indices_in_range(ctx, inputs, attr):
         index = relax.op.where(relax.op.less(index, _c(0, dt)), relax.op.add(index, _c(dim, dt)), index)
     index = ctx.bb.emit(relax.op.clip(index, 0, max(dim - 1, 0)))
     return ctx.tvm(onnx_frontend.onnx_input([data, index, *inputs[2:]]), attr)
+
+
+def einsum(ctx, inputs, attr):
+    """Einsum of two operands that is a (batched) matrix product, as transposes, reshapes and one Relax
+    ``matmul`` (TVM's converter emits a TE function, a ``call_tir`` on which ToMixedPrecision stops and
+    which no GPU kernel claims: MaxViT's attention, ``bghid,bghjd->bghij``). Each letter is a batch axis
+    (in both operands and the output), a row (first operand and output), a column (second operand and
+    output) or contracted (both operands, not the output). Any other equation (one operand, three,
+    ellipses, a letter repeated in an operand or summed in one operand alone): Relax's ``einsum``."""
+    equation = attr["equation"].decode() if isinstance(attr["equation"], bytes) else attr["equation"]
+    product = _as_matmul(equation.replace(" ", ""), [_shape(x) for x in inputs])
+    if product is None:
+        return relax.op.einsum(inputs, equation)
+    a_axes, b_axes, a_shape, b_shape, out_shape, out_axes = product
+    a = _reshape(_permute(inputs[0], a_axes), [_shape(inputs[0])[i] for i in a_axes], a_shape)
+    b = _reshape(_permute(inputs[1], b_axes), [_shape(inputs[1])[i] for i in b_axes], b_shape)
+    return _permute(_reshape(relax.op.matmul(a, b), a_shape[:-1] + b_shape[-1:], out_shape), out_axes)
+
+
+def _permute(x, axes):
+    return x if list(axes) == list(range(len(axes))) else relax.op.permute_dims(x, list(axes))
+
+
+def _reshape(x, shape, to):
+    return x if list(shape) == list(to) else relax.op.reshape(x, to)
+
+
+def _as_matmul(equation: str, shapes):
+    """The plan of a two-operand Einsum as ``matmul``: (first operand's axes as batch+rows+contracted, the
+    second's as batch+contracted+columns, the two shapes they are reshaped to, the product's shape unflattened
+    as batch+rows+columns, and the permutation from that to the output), or None where it is no such product."""
+    if "->" not in equation or "." in equation or len(shapes) != 2:
+        return None
+    operands, out = equation.split("->")
+    terms = operands.split(",")
+    if len(terms) != 2 or any(len(set(t)) != len(t) for t in (*terms, out)):
+        return None
+    a, b = terms
+    if len(a) != len(shapes[0]) or len(b) != len(shapes[1]):
+        return None
+    size = {}
+    for term, shape in zip(terms, shapes):
+        for letter, extent in zip(term, shape):
+            if size.setdefault(letter, extent) != extent:
+                return None  # broadcasting of a size-1 axis: leave it to einsum
+    if any(letter not in a and letter not in b for letter in out):
+        return None
+    if any(letter not in out and letter not in (b if term is a else a) for term in terms for letter in term):
+        return None  # summed in one operand alone
+    batch = [c for c in out if c in a and c in b]
+    rows = [c for c in a if c in out and c not in b]
+    cols = [c for c in b if c in out and c not in a]
+    inner = [c for c in a if c not in out]
+
+    def prod(letters):
+        return int(np.prod([size[c] for c in letters], dtype=np.int64))
+
+    lead = [size[c] for c in batch]
+    a_axes = [a.index(c) for c in batch + rows + inner]
+    b_axes = [b.index(c) for c in batch + inner + cols]
+    a_shape = lead + [prod(rows), prod(inner)]
+    b_shape = lead + [prod(inner), prod(cols)]
+    order = batch + rows + cols
+    out_shape = [size[c] for c in order]
+    return a_axes, b_axes, a_shape, b_shape, out_shape, [order.index(c) for c in out]
