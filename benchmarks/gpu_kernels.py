@@ -455,7 +455,7 @@ def orin_estimate(manifest: dict, device: str = DEVICE) -> dict | None:
     kernels, total_us = [], 0.0
     for k in record["kernels"] + record.get("depthwise", []):
         int8 = k["precision"] == "int8"
-        if "groups" in k["problem"]:  # edgeq's depthwise kernel: CUDA cores, not tensor cores
+        if k["template"].startswith("edgeq depthwise"):  # CUDA cores, not tensor cores
             per_sm = SIMT_INT32_OPS_PER_CLOCK_PER_SM if int8 else SIMT_FP32_OPS_PER_CLOCK_PER_SM
         else:
             per_sm = spec.int8_ops_per_clock_per_sm if int8 else spec.fp16_ops_per_clock_per_sm
@@ -476,7 +476,8 @@ def orin_estimate(manifest: dict, device: str = DEVICE) -> dict | None:
         slots = spec.sm_count * per_sm
         waves = -(-ctas // slots)
         efficiency = ctas / (waves * slots)
-        compute_us = k["flops"] / (peak * efficiency) * 1e6
+        # a grouped kernel's tensor cores also multiply the zeros of the groups it does not compute
+        compute_us = k["flops"] * k.get("tensor_core_work", 1) / (peak * efficiency) * 1e6
         memory_us = bytes_ / (spec.memory_bandwidth_gbs * 1e9) * 1e6
         us = max(compute_us, memory_us)
         total_us += us

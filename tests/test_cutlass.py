@@ -227,6 +227,45 @@ def test_a_depthwise_kernel_computes_what_onnxruntime_does(case):
     np.testing.assert_allclose(twin.astype(np.float32), got.astype(np.float32), rtol=1e-3, atol=1e-3)
 
 
+GROUPED = {  # name: (x shape NCHW, output channels, groups, stride, activation)
+    "regnet-16-a-group": ((1, 64, 9, 9), 64, 4, 1, "relu"),  # RegNetX's groups of 16: four a CTA
+    "regnet-s2-batch2": ((2, 32, 11, 10), 32, 2, 2, "relu6"),
+    "32-a-group": ((1, 64, 7, 7), 64, 2, 1, "identity"),  # ResNeXt's widest: one group a CTA
+    "hardswish-8-a-group": ((1, 32, 6, 6), 32, 4, 1, "hardswish"),  # groups of 8 channels: 4-element loads
+}
+
+
+@pytest.mark.parametrize("case", list(GROUPED))
+def test_a_grouped_kernel_computes_what_onnxruntime_does(case):
+    """A grouped convolution (RegNet's, ResNeXt's) on CUTLASS's DefaultConv2dGroupFprop, fp16: the numpy replay of
+    what the kernel is asked (OHWI weights of C / groups channels, each output channel reading its group) against
+    ONNX Runtime's grouped Conv, the kernel's own TIR twin against the replay, and the group mode and the tensor
+    cores' work that edgeq's tile choice gives."""
+    import onnxruntime as ort
+
+    (n, c, h, w_), k, groups, stride, activation = GROUPED[case]
+    problem = cutlass.Conv2dProblem(n, h, w_, c, k, 3, 3, (1, 1), (stride, stride), (1, 1), groups=groups)
+    tile = cutlass.group_tile(problem, 8, 166912)
+    kernel = cutlass.GroupConvKernel("k", problem, tile, activation)
+    cg, kg = c // groups, k // groups
+    assert kernel.group_mode == ("kSingleGroup" if kg % tile.block[1] == 0 else "kMultipleGroup")
+    assert kernel.input_alignment == (8 if cg % 8 == 0 else 4)
+    assert kernel.work == (tile.block[1] // kg if kernel.group_mode == "kMultipleGroup" else 1) * max(1, 32 // cg)
+    rng = np.random.default_rng(len(case))
+    x = rng.standard_normal((n, c, h, w_)).astype(np.float16).astype(np.float32)
+    w = (rng.standard_normal((k, cg, 3, 3)) / np.sqrt(9 * cg)).astype(np.float16).astype(np.float32)
+    b = rng.standard_normal(k).astype(np.float16).astype(np.float32)
+    model = _onnx_conv((n, c, h, w_), w, b, (1, 1, 1, 1), (stride, stride), (1, 1), activation, None, group=groups)
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    assert want.shape == (n, k, problem.p, problem.q)
+    nhwc, ohwi = np.transpose(x, (0, 2, 3, 1)), np.transpose(w, (0, 2, 3, 1))
+    assert tuple(cutlass.kernel_operands(kernel)[1][1]) == ohwi.shape
+    got = cutlass.replay(kernel, nhwc, ohwi, b)
+    np.testing.assert_allclose(np.transpose(got, (0, 3, 1, 2)).astype(np.float32), want, rtol=2e-3, atol=2e-3)
+    twin = _run_twin(kernel, {"x": nhwc, "w": ohwi, "bias": b})
+    np.testing.assert_allclose(twin.astype(np.float32), got.astype(np.float32), rtol=1e-3, atol=1e-3)
+
+
 @pytest.mark.parametrize("case", ["3x3-relu6", "3x3s2-batch2", "5x5-silu-residual"])
 def test_an_int8_depthwise_kernel_computes_what_qlinearconv_does(case):
     """int8 depthwise (s8 x s8 -> s32 per channel, the requantizing epilogue): the numpy replay against ONNX
@@ -339,6 +378,18 @@ def test_kernels_compile_in_a_tvm_module_to_tensor_cores(profile, precision, nvr
         gemm = cutlass.GemmProblem(12, 128, 64, 128)
         tile = cutlass.choose_tile(gemm, spec.sm_count, spec.shared_memory_per_block_optin)
         kernels.append(cutlass.GemmKernel("pv", gemm, tile, y_view=(768, 64)))
+        # a window's attention (Swin, MaxViT: 49 tokens): one-element loads, CUTLASS's two-stage mainloop
+        for name, gemm in (("win_qk", cutlass.GemmProblem(16, 49, 49, 32)), ("win_pv", cutlass.GemmProblem(16, 49, 32, 49))):
+            kern = cutlass.GemmKernel(name, gemm, cutlass.choose_tile(gemm, spec.sm_count, spec.shared_memory_per_block_optin),
+                                      float_out=name == "win_qk")
+            kernels.append(dataclasses.replace(kern, tile=cutlass.gemm_tile(kern.tile, kern.alignment)))
+            assert (kernels[-1].alignment, kernels[-1].tile.stages) == (1, 2)
+        # grouped convolutions (CUTLASS's DefaultConv2dGroupFprop): RegNet's groups of 16, several a CTA, and groups
+        # of 32, one a CTA, the bias read as a zero-stride source
+        for name, groups in (("grouped_many", 4), ("grouped_one", 2)):
+            problem = cutlass.Conv2dProblem(1, 14, 14, 64, 64, 3, 3, (1, 1), (1, 1), (1, 1), groups=groups)
+            tile = cutlass.group_tile(problem, spec.sm_count, spec.shared_memory_per_block_optin)
+            kernels.append(cutlass.GroupConvKernel(name, problem, tile, "relu"))
     # edgeq's depthwise kernels (TIR through TVM's CUDA codegen, in the same module): MobileNetV2's largest, and a 5x5
     # with SiLU and a residual
     depthwise = [_depthwise_case(case, precision)[0] for case in ("3x3s2-batch2", "5x5-silu-residual")]
@@ -362,6 +413,9 @@ def test_kernels_compile_in_a_tvm_module_to_tensor_cores(profile, precision, nvr
         if getattr(kern, "x_view", None):
             assert f"reinterpret_cast<{'int8_t' if precision == 'int8' else 'half_t'}*>(x) + 16, " \
                    "layout::TensorNHWC(32, 320, 3840)" in source, kern.name
+    if precision == "fp16":
+        assert "GroupMode::kMultipleGroup" in source and "GroupMode::kSingleGroup" in source
+        assert source.count("reinterpret_cast<half_t*>(bias), layout::TensorNHWC(0, 0, 0)") == 2
     for kern in kernels:  # a float32 output is written as float32 by the epilogue (its ElementOutput)
         wrapper = re.search(rf"void edgeq_cutlass_{kern.name}\(([^)]*)\)", source)
         assert wrapper and ("float* y" if kern.float_out else "* y") in wrapper.group(1), kern.name
@@ -506,6 +560,68 @@ def test_convolutions_without_a_bias_run_on_cutlass(precision, tmp_path):
     assert len(claimed) == 5 and left == [], left
     if precision == "fp16":
         assert sum(c.bias is None for c in claimed) == 2  # c2 and c3 (c1 has its BatchNorm folded in)
+    _twin_matches_graph_and_onnxruntime(model, prepared, claimed, xs[:2], precision)
+
+
+def _regnet(path, size: int = 16):
+    """A RegNetX in small (torchvision's ``regnet_x_*`` block): a stem (3x3 s2, BatchNorm, ReLU), then two X blocks,
+    each 1x1 -> BatchNorm -> ReLU -> grouped 3x3 -> BatchNorm -> ReLU -> 1x1 -> BatchNorm, added to its input and
+    ReLU'd; the first block's groups have 16 channels (RegNetX's), the second's 4 (too narrow for the tensor cores:
+    ResNeXt's first stage); pooled, a 16-class classifier."""
+    rng = np.random.default_rng(4)
+    inits, nodes = [], []
+
+    def weight(name, shape, scale=0.2):
+        inits.append(numpy_helper.from_array((rng.standard_normal(shape) * scale).astype(np.float32), name))
+        return name
+
+    def conv_bn(x, cin, cout, k, out, stride=1, group=1, relu=True):
+        nodes.append(helper.make_node("Conv", [x, weight(f"{out}_w", (cout, cin // group, k, k))], [f"{out}_c"],
+                                      pads=[k // 2] * 4, strides=[stride] * 2, group=group))
+        names = [weight(f"{out}_{p}", (cout,)) for p in ("g", "b", "m")]
+        inits.append(numpy_helper.from_array(rng.uniform(0.5, 1.5, cout).astype(np.float32), f"{out}_v"))
+        nodes.append(helper.make_node("BatchNormalization", [f"{out}_c", *names, f"{out}_v"], [f"{out}_bn"]))
+        if relu:
+            nodes.append(helper.make_node("Relu", [f"{out}_bn"], [out]))
+            return out
+        return f"{out}_bn"
+
+    x = conv_bn("input", 3, 32, 3, "stem", stride=2)
+    for block, group in (("a", 2), ("b", 8)):
+        y = conv_bn(conv_bn(conv_bn(x, 32, 32, 1, f"{block}1"), 32, 32, 3, f"{block}2", group=group), 32, 32, 1,
+                    f"{block}3", relu=False)
+        nodes += [helper.make_node("Add", [x, y], [f"{block}_sum"]), helper.make_node("Relu", [f"{block}_sum"], [f"{block}_out"])]
+        x = f"{block}_out"
+    nodes += [helper.make_node("GlobalAveragePool", [x], ["gap"]), helper.make_node("Flatten", ["gap"], ["flat"]),
+              helper.make_node("Gemm", ["flat", weight("fc_w", (16, 32)), weight("fc_b", (16,))], ["output"], transB=1)]
+    graph = helper.make_graph(nodes, "regnet", [helper.make_tensor_value_info("input", TensorProto.FLOAT,
+                                                                               [1, 3, size, size])],
+                              [helper.make_tensor_value_info("output", TensorProto.FLOAT, [1, 16])], inits)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path
+
+
+@pytest.mark.parametrize("precision", ["fp16", "int8"])
+def test_grouped_convolutions_run_on_cutlass_where_the_tensor_cores_gain(precision, tmp_path):
+    """RegNet's grouped 3x3s (groups of 16 channels) take CUTLASS's grouped kernel in fp16, with their bias and
+    ReLU; groups of 4 channels would make the tensor cores multiply 32x more zeros than values and stay on dlight,
+    saying so, as int8 grouped convolutions do (CUTLASS's grouped kernel has the standard epilogue only). The
+    rewritten module with the kernels' TIR twins equals the graph and is close to ONNX Runtime."""
+    model = _regnet(tmp_path / "regnet.onnx")
+    xs = [np.random.default_rng(seed).standard_normal((1, 3, 16, 16)).astype(np.float32) for seed in range(12)]
+    prepared, claimed, left = _claimed_graph(model, precision, np.concatenate(xs[2:]), tmp_path)
+    grouped = [c for c in claimed if isinstance(c.kernel, cutlass.GroupConvKernel)]
+    whys = [x["why"] for x in left]
+    if precision == "fp16":
+        assert len(grouped) == 1 and len(claimed) == 7, [type(c.kernel).__name__ for c in claimed]
+        kern = grouped[0].kernel
+        # two groups of 16 output channels a 32-wide tile, 16 channels a tile's K of 32: 4x the useful work
+        assert (kern.problem.groups, kern.channels_per_group, kern.activation, kern.group_mode, kern.tile.block[1],
+                kern.work) == (2, 16, "relu", "kMultipleGroup", 32, 4.0)
+        assert whys == ["groups of 4 channels: 64x the useful work on the tensor cores (over 8x: zeros of the other "
+                        "groups)"], whys
+    else:
+        assert grouped == [] and len(claimed) == 6 and sorted(whys) == ["NHWC/OHWI, groups 2", "NHWC/OHWI, groups 8"]
     _twin_matches_graph_and_onnxruntime(model, prepared, claimed, xs[:2], precision)
 
 
@@ -791,6 +907,36 @@ def test_a_bert_style_encoders_linear_layers_run_on_cutlass(precision, tmp_path)
         context = cutlass.replay_gemm(gemms[1].kernel, p_, k)
         want = np.matmul(p_.astype(np.float32), k.transpose(0, 2, 1, 3).astype(np.float32)).transpose(0, 2, 1, 3)
         np.testing.assert_allclose(context.astype(np.float32).reshape(want.shape), want, rtol=2e-3, atol=2e-3)
+
+
+def test_attention_over_a_window_of_49_tokens_runs_on_cutlass(tmp_path):
+    """Swin's and MaxViT's attention is over 7x7 windows: 49 tokens, so Q K^T has N = 49 and P V has K = 49, and no
+    access of 8 (or 4, or 2) fp16 elements stays inside a row. These products were left to dlight; now they are
+    CUTLASS GEMMs that load one element at a time, which cp.async cannot (it copies 4, 8 or 16 bytes), so they have
+    CUTLASS's two-stage mainloop with plain loads (``MmaPipelined``). The rewritten module with the kernels' TIR
+    twins equals the graph and ONNX Runtime, and a kernel's numpy replay equals its twin."""
+    from gpu_kernels import bert_encoder
+
+    from edgeq.tvm_env import import_tvm
+
+    model = bert_encoder(tmp_path / "window.onnx", seq=49, hidden=64, heads=2, layers=1)
+    xs = [np.random.default_rng(seed).standard_normal((1, 49, 64)).astype(np.float32) for seed in range(2)]
+    prepared, claimed, left = _claimed_graph(model, "fp16", None, tmp_path)
+    gemms = [c.kernel for c in claimed if isinstance(c.kernel, cutlass.GemmKernel)]
+    assert left == [] and [g.problem for g in gemms] == [cutlass.GemmProblem(2, 49, 49, 32),
+                                                          cutlass.GemmProblem(2, 49, 32, 49)], left
+    assert [(g.alignment, g.tile.stages, g.out_lanes) for g in gemms] == [(1, 2, 1)] * 2
+    _twin_matches_graph_and_onnxruntime(model, prepared, claimed, xs, "fp16")
+    tvm = import_tvm()
+    for c in (c for c in claimed if isinstance(c.kernel, cutlass.GemmKernel)):
+        rng = np.random.default_rng(3)
+        a = rng.standard_normal(c.shapes["a"]).astype(np.float16)
+        w = rng.standard_normal(c.shapes["w"]).astype(np.float16)
+        lib = tvm.tirx.build(cutlass.twin_prim_func(c.kernel, c.shapes), target="llvm")
+        y = tvm.runtime.tensor(np.zeros(c.shapes["y"], np.float32 if c.kernel.float_out else np.float16))
+        lib(tvm.runtime.tensor(a), tvm.runtime.tensor(w), y)
+        want = cutlass.replay_gemm(c.kernel, a, w).reshape(c.shapes["y"])
+        np.testing.assert_allclose(y.numpy().astype(np.float32), want.astype(np.float32), rtol=2e-3, atol=2e-3)
 
 
 @pytest.mark.parametrize("precision", ["fp16", "int8"])

@@ -60,6 +60,8 @@ PREAMBLE = r"""
 namespace std { using cuda::std::void_t; }  // NVRTC: CUTLASS's bias-elementwise epilogue names std::void_t
 #include <cutlass/cutlass.h>
 #include <cutlass/conv/kernel/default_conv2d_fprop_with_broadcast.h>
+#include <cutlass/conv/kernel/default_conv2d_group_fprop.h>
+#include <cutlass/epilogue/thread/linear_combination_generic.h>
 #include <cutlass/epilogue/thread/activation.h>
 #include <cutlass/epilogue/thread/linear_combination_bias_elementwise.h>
 #include <cutlass/epilogue/thread/linear_combination.h>
@@ -68,6 +70,19 @@ namespace std { using cuda::std::void_t; }  // NVRTC: CUTLASS's bias-elementwise
 namespace edgeq_cutlass {
 struct Relu6 {
   CUTLASS_HOST_DEVICE float operator()(float x) const { return x < 0.f ? 0.f : (x > 6.f ? 6.f : x); }
+};
+template <typename T>  // for LinearCombinationGeneric, which takes the activation as a template of its fragment
+struct Relu6T {
+  CUTLASS_HOST_DEVICE T operator()(T x) const { return Relu6()(x); }
+};
+template <typename T, int N>
+struct Relu6T<cutlass::Array<T, N>> {
+  CUTLASS_HOST_DEVICE cutlass::Array<T, N> operator()(cutlass::Array<T, N> const& v) const {
+    cutlass::Array<T, N> out;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < N; ++i) out[i] = Relu6()(v[i]);
+    return out;
+  }
 };
 
 // The int8 epilogue (edgeq's: CUTLASS 2.x's convolution epilogues broadcast one per-channel vector, and a
@@ -181,7 +196,12 @@ class Conv2dProblem:
     stride: tuple[int, int] = (1, 1)
     dilation: tuple[int, int] = (1, 1)
     c_real: int = 0  # the model's input channels before padding (0: c)
-    groups: int = 1  # c (= k): a depthwise convolution (``DepthwiseKernel``), weights HWOI [R, S, K, 1]
+    groups: int = 1  # c (= k): a depthwise convolution (``DepthwiseKernel``), weights HWOI [R, S, K, 1]; between 1
+    # and c: a grouped convolution (``GroupConvKernel``), weights OHWI [K, R, S, C / groups]
+
+    @property
+    def depthwise(self) -> bool:
+        return self.groups > 1 and self.groups == self.c
 
     @property
     def p(self) -> int:
@@ -379,6 +399,94 @@ class DepthwiseKernel(ConvKernel):
         raise TypeError("a depthwise kernel is TIR, not a CUTLASS template")
 
 
+ACTIVATION_TEMPLATES = {  # name -> the activation as LinearCombinationGeneric takes it (a template on the type)
+    "identity": "cutlass::epilogue::thread::Identity",
+    "relu": "cutlass::epilogue::thread::ReLu",
+    "relu6": "edgeq_cutlass::Relu6T",
+    "silu": "cutlass::epilogue::thread::SiLu",
+    "hardswish": "cutlass::epilogue::thread::HardSwish",
+    "gelu": "cutlass::epilogue::thread::GELU",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupConvKernel(ConvKernel):
+    """A grouped convolution (1 < groups < channels: RegNet's and ResNeXt's 3x3s), fp16: CUTLASS's
+    ``DefaultConv2dGroupFprop`` (Sm80 tensor cores, analytic iterators; weights OHWI [K, R, S, C / groups]) with
+    ``act(conv + bias)``. One CTA computes one group's tile of output channels (``kSingleGroup``: K / groups a
+    multiple of the tile's N) or several whole groups (``kMultipleGroup``: the tile's N a multiple of K / groups;
+    CUTLASS's filter iterator zeroes the weights of the other groups). Its epilogue is CUTLASS's standard one,
+    which has no broadcast vector: the bias comes in as the source C read with a row stride of 0 (every output pixel
+    reads the same K values), which leaves no room for a residual (none of those models adds one there) and none
+    for edgeq's int8 requantization (int8 grouped convolutions stay on dlight)."""
+
+    @property
+    def channels_per_group(self) -> int:
+        return self.problem.c // self.problem.groups
+
+    @property
+    def group_mode(self) -> str:
+        kg = self.problem.k // self.problem.groups
+        return "kSingleGroup" if kg % self.tile.block[1] == 0 else "kMultipleGroup"
+
+    @property
+    def work(self) -> float:
+        """The tensor cores' work over the useful work: a tile's K of 32 over a group's channels, times the groups
+        a CTA computes with the other groups' weights zero (``kMultipleGroup``)."""
+        cg, kg, (_, bn, bk) = self.channels_per_group, self.problem.k // self.problem.groups, self.tile.block
+        groups_per_cta = bn // kg if self.group_mode == "kMultipleGroup" else 1
+        return groups_per_cta * (-(-cg // bk) * bk) / cg
+
+    @property
+    def input_alignment(self) -> int:
+        """Elements per load of x and w: the largest of 8, 4, 2 dividing the channels of a group."""
+        return next(a for a in (8, 4, 2) if self.channels_per_group % a == 0)
+
+    @property
+    def kernel_type(self) -> str:
+        (bm, bn, bk), (wm, wn, wk) = self.tile.block, self.tile.warp
+        a = self.input_alignment
+        return (
+            "typename cutlass::conv::kernel::DefaultConv2dGroupFprop<"
+            "cutlass::half_t, cutlass::layout::TensorNHWC, cutlass::half_t, cutlass::layout::TensorNHWC, "
+            "cutlass::half_t, cutlass::layout::TensorNHWC, float, cutlass::arch::OpClassTensorOp, cutlass::arch::Sm80, "
+            f"cutlass::gemm::GemmShape<{bm}, {bn}, {bk}>, cutlass::gemm::GemmShape<{wm}, {wn}, {wk}>, "
+            "cutlass::gemm::GemmShape<16, 8, 16>, "
+            f"cutlass::epilogue::thread::LinearCombinationGeneric<{ACTIVATION_TEMPLATES[self.activation]}, "
+            f"cutlass::half_t, {ALIGNMENT}, float, float>, "
+            f"cutlass::gemm::threadblock::GemmIdentityThreadblockSwizzle<1>, {self.tile.stages}, "
+            f"cutlass::arch::OpMultiplyAdd, cutlass::conv::GroupMode::{self.group_mode}, "
+            f"cutlass::conv::IteratorAlgorithm::kAnalytic, cutlass::conv::StrideSupport::kStrided, {a}, {a}>::Kernel"
+        )
+
+
+def group_tile(problem: Conv2dProblem, sm_count: int, smem_per_block: int) -> Tile | None:
+    """``choose_tile`` among the tiles a grouped convolution can take: N a multiple of K / groups (several groups a
+    CTA) or K / groups a multiple of N (one); None where no tile fits. Several groups a CTA multiply the tensor
+    core's work by the groups in a tile (the other groups' weights are zeros), so the narrowest such tile."""
+    kg = problem.k // problem.groups
+    fits = [t for t in TILES if kg % t[0][1] == 0] or [t for t in GROUP_TILES if t[0][1] % kg == 0][-1:]
+    if not fits:
+        return None
+    tile = choose_tile(problem, sm_count, smem_per_block)
+    if (tile.block, tile.warp) in fits:
+        return tile
+    stages = 4
+    while stages > 2 and Tile(*fits[-1], stages).mainloop_bytes() > smem_per_block:
+        stages -= 1
+    return Tile(*fits[-1], stages)
+
+
+def gemm_tile(tile: Tile, alignment: int) -> Tile:
+    """``tile`` for a GEMM whose operands allow accesses of ``alignment`` fp16 elements: cp.async copies 4, 8 or 16
+    bytes, so one element (2 bytes) takes CUTLASS's two-stage mainloop (``MmaPipelined``, plain loads)."""
+    return dataclasses.replace(tile, stages=2) if alignment * 2 < 4 else tile
+
+
+GROUP_TILES = TILES + (((64, 32, 32), (32, 32, 32)),)  # several groups a CTA: the narrowest tile wastes least
+MAX_GROUP_WORK = 8  # tensor-core work over useful work a grouped kernel may do (beyond it, CUDA cores do better)
+
+
 @dataclasses.dataclass(frozen=True)
 class GemmProblem:
     """A batch of row-major matrix products ``y[b] = a[b] @ w[b]``: a [M, K], w [K, N], y [M, N] per batch, each
@@ -446,8 +554,17 @@ class GemmKernel:
         return "float" if self.float_out else "cutlass::half_t"
 
     @property
-    def out_lanes(self) -> int:  # 16-byte stores
-        return 4 if self.float_out else ALIGNMENT
+    def alignment(self) -> int:
+        """Elements per global access of a, w and y: the largest of 8, 4, 2, 1 dividing every contiguous extent,
+        leading dimension and batch stride (a window's 49 tokens: 1, which cp.async cannot load, so such a kernel has
+        CUTLASS's two-stage mainloop with plain loads, ``gemm_tile``)."""
+        p = self.problem
+        extents = [p.k, p.k if self.b_column_major else p.n, p.n, *(v for pair in self.strides.values() for v in pair)]
+        return next(a for a in (8, 4, 2, 1) if all(e % a == 0 for e in extents))
+
+    @property
+    def out_lanes(self) -> int:  # 16-byte stores where the alignment allows
+        return min(4 if self.float_out else ALIGNMENT, self.alignment)
 
     @property
     def b_layout(self) -> str:
@@ -458,8 +575,9 @@ class GemmKernel:
         (bm, bn, bk), (wm, wn, wk) = self.tile.block, self.tile.warp
         return (
             "typename cutlass::gemm::kernel::DefaultGemm<"
-            f"cutlass::half_t, cutlass::layout::RowMajor, {ALIGNMENT}, cutlass::half_t, cutlass::layout::{self.b_layout}, "
-            f"{ALIGNMENT}, {self.out_type}, cutlass::layout::RowMajor, float, cutlass::arch::OpClassTensorOp, "
+            f"cutlass::half_t, cutlass::layout::RowMajor, {self.alignment}, cutlass::half_t, "
+            f"cutlass::layout::{self.b_layout}, {self.alignment}, {self.out_type}, cutlass::layout::RowMajor, float, "
+            "cutlass::arch::OpClassTensorOp, "
             f"cutlass::arch::Sm80, cutlass::gemm::GemmShape<{bm}, {bn}, {bk}>, "
             f"cutlass::gemm::GemmShape<{wm}, {wn}, {wk}>, cutlass::gemm::GemmShape<16, 8, 16>, "
             f"cutlass::epilogue::thread::LinearCombination<{self.out_type}, {self.out_lanes}, float, float>, "
@@ -492,6 +610,9 @@ def device_source(kernels: Sequence[ConvKernel]) -> str:
             out.append(_gemm_source(kern))
             continue
         signature = ", ".join(f"{C_TYPES[dtype]}* {name}" for name, _, dtype in kernel_operands(kern))
+        if isinstance(kern, GroupConvKernel):
+            out.append(_group_source(kern, signature))
+            continue
         source = "residual" if kern.residual else "y"
         ct = kern.x_channels  # a channel slice of a wider tensor: its first channel, the tensor's strides
         x_offset = f" + {kern.x_view[0]}" if kern.x_view else ""
@@ -533,6 +654,37 @@ extern "C" __device__ void edgeq_cutlass_{kern.name}({signature}, unsigned char*
 }}
 """)
     return "".join(out)
+
+
+def _group_source(kern: GroupConvKernel, signature: str) -> str:
+    """A grouped convolution's device wrapper (as ``device_source``'s convolutions': Params built in shared memory);
+    the bias is the epilogue's source C with every stride 0."""
+    p, t = kern.problem, f"Kernel_{kern.name}"
+    return f"""
+namespace edgeq_cutlass {{ using {t} = {kern.kernel_type}; }}
+constexpr size_t edgeq_params_at_{kern.name} = (sizeof(edgeq_cutlass::{t}::SharedStorage) + 15) / 16 * 16;
+__device__ char edgeq_smem_{kern.name}[edgeq_params_at_{kern.name} + sizeof(typename edgeq_cutlass::{t}::Params)];
+extern "C" __device__ void edgeq_cutlass_{kern.name}({signature}, unsigned char* smem) {{
+  using namespace cutlass;
+  using K = edgeq_cutlass::{t};
+  conv::Conv2dProblemSize problem({p.n}, {p.h}, {p.w}, {p.c}, {p.k}, {p.r}, {p.s}, {p.p}, {p.q}, {p.pad[0]}, {p.pad[1]},
+                                  {p.stride[0]}, {p.stride[1]}, {p.dilation[0]}, {p.dilation[1]},
+                                  conv::Mode::kCrossCorrelation, 1, {p.groups});
+  auto* params = reinterpret_cast<typename K::Params*>(smem + edgeq_params_at_{kern.name});
+  if (threadIdx.x == 0) {{
+    typename K::Arguments args(
+        problem, {{reinterpret_cast<half_t*>(x), layout::TensorNHWC::packed({{{p.n}, {p.h}, {p.w}, {p.c}}})}},
+        {{reinterpret_cast<half_t*>(w), layout::TensorNHWC::packed({{{p.k}, {p.r}, {p.s}, {kern.channels_per_group}}})}},
+        {{reinterpret_cast<half_t*>(bias), layout::TensorNHWC(0, 0, 0)}},
+        {{reinterpret_cast<half_t*>(y), layout::TensorNHWC::packed({{{p.n}, {p.p}, {p.q}, {p.k}}})}},
+        {{1.0f, 1.0f}});
+    new (params) typename K::Params(args);
+  }}
+  __syncthreads();
+  K op;
+  op(*params, *reinterpret_cast<typename K::SharedStorage*>(smem));
+}}
+"""
 
 
 def _gemm_source(kern: GemmKernel) -> str:
@@ -610,8 +762,10 @@ def kernel_operands(kernel: ConvKernel, shapes: dict | None = None) -> list[tupl
                 ("w", tuple(shapes.get("w", (p.batch, p.k, p.n))), "float16"),
                 ("y", tuple(shapes.get("y", (p.batch, p.m, p.n))), "float32" if kernel.float_out else "float16")]
     xs, ws, ys = (p.n, p.h, p.w, kernel.x_channels), (p.k, p.r, p.s, p.c), (p.n, p.p, p.q, p.k)
-    if p.groups > 1:  # depthwise: HWOI
-        ws = (p.r, p.s, p.k, p.c // p.groups)
+    if p.depthwise:  # HWOI
+        ws = (p.r, p.s, p.k, 1)
+    elif p.groups > 1:  # grouped: each output channel's filter sees its group's C / groups channels
+        ws = (p.k, p.r, p.s, p.c // p.groups)
 
     def vec(name):
         return tuple(shapes.get(name, (p.k,)))
@@ -754,8 +908,13 @@ def _accumulate(p: Conv2dProblem, x: np.ndarray, w: np.ndarray, dtype) -> np.nda
     for i in range(p.r):
         for j in range(p.s):
             patch = xp[:, i * dh:i * dh + sh * (p.p - 1) + 1:sh, j * dw:j * dw + sw * (p.q - 1) + 1:sw, :]
-            if p.groups > 1:  # one filter per channel
+            if p.depthwise:  # one filter per channel
                 acc += patch * wd[i, j, :, 0]
+            elif p.groups > 1:  # group g: output channels [g kg, (g + 1) kg) from input channels [g cg, (g + 1) cg)
+                kg, cg = p.k // p.groups, p.c // p.groups
+                for g in range(p.groups):
+                    acc[..., g * kg:(g + 1) * kg] += np.einsum("npqc,kc->npqk", patch[..., g * cg:(g + 1) * cg],
+                                                               wd[g * kg:(g + 1) * kg, i, j, :], optimize=True)
             else:
                 acc += np.einsum("npqc,kc->npqk", patch, wd[:, i, j, :], optimize=True)
     return acc
@@ -873,11 +1032,17 @@ def kernel_record(kernel: ConvKernel, smem_bytes: int) -> dict:
     else:
         template = ("DefaultConv2dFpropWithBroadcast (Sm80, s8 x s8 -> s32, edgeq's Requantize epilogue)"
                     if kernel.precision == "int8" else "DefaultConv2dFpropWithBroadcast (Sm80, fp16, fp32 accumulation)")
+        if isinstance(kernel, GroupConvKernel):
+            template = (f"DefaultConv2dGroupFprop (Sm80, fp16, fp32 accumulation, {kernel.group_mode}, bias as a "
+                        "zero-stride source)")
+            problem["groups"] = p.groups
         record = {
             "function": kernel.function, "template": template,
             "tile": list(kernel.tile.block), "warp": list(kernel.tile.warp), "stages": kernel.tile.stages,
             "threads": kernel.tile.threads, "grid": list(kernel.grid), "shared_bytes": smem_bytes, "problem": problem,
         }
+        if isinstance(kernel, GroupConvKernel):  # the tensor cores' work over the useful work
+            record["tensor_core_work"] = kernel.work
     record.update({
         "activation": kernel.activation, "residual": kernel.residual, "precision": kernel.precision,
         "output": "float32" if kernel.float_out else "int8" if kernel.precision == "int8" else "float16",
@@ -1317,8 +1482,11 @@ def find_convs(main, sm_count: int, smem_per_block: int) -> tuple[list[Claimed],
         x, w = value.args
         xs, ws = shape_of(x), shape_of(w)
         depthwise = _depthwise(attrs, xs, ws)
-        if attrs.data_layout != "NHWC" or (attrs.kernel_layout != "OHWI" or int(attrs.groups) != 1) and not depthwise:
-            why = f"{attrs.data_layout}/{attrs.kernel_layout}, groups {int(attrs.groups)}"
+        groups = int(attrs.groups)
+        grouped = (not depthwise and attrs.data_layout == "NHWC" and attrs.kernel_layout == "OHWI" and groups > 1
+                   and xs is not None and ws is not None and xs[3] == ws[3] * groups)
+        if attrs.data_layout != "NHWC" or (attrs.kernel_layout != "OHWI" or groups != 1) and not (depthwise or grouped):
+            why = f"{attrs.data_layout}/{attrs.kernel_layout}, groups {groups}"
         elif dtype_of(b.var) != "float32" or dtype_of(x) != "float16":
             why = "not fp16 with fp32 accumulation"
         elif w not in params:
@@ -1327,8 +1495,9 @@ def find_convs(main, sm_count: int, smem_per_block: int) -> tuple[list[Claimed],
         if why is None and (pads[0] != pads[2] or pads[1] != pads[3]):
             why = "asymmetric padding"
         k, kr, ks = (ws[2], ws[0], ws[1]) if depthwise else (ws[0], ws[1], ws[2]) if ws is not None else (0, 0, 0)
-        if why is None and (xs is None or ws is None or xs[3] % ALIGNMENT or k % ALIGNMENT):
-            why = "channels not a multiple of 8"
+        if why is None and (xs is None or ws is None or (ws[3] % 2 if grouped else xs[3] % ALIGNMENT) or k % ALIGNMENT):
+            why = "channels per group odd, or output channels not a multiple of 8" if grouped else \
+                "channels not a multiple of 8"
         chain = [b.var]
         cast = follow(chain, k) if why is None else None
         if why is None and (cast is None or call_op(value_of[cast]) != "relax.astype"
@@ -1353,7 +1522,8 @@ def find_convs(main, sm_count: int, smem_per_block: int) -> tuple[list[Claimed],
         nxt = only_reader(chain[-1])
         if nxt is not None and nxt in taken:  # another chain's residual add: this output is its residual
             nxt = None
-        if nxt is not None and call_op(value_of[nxt]) == "relax.add":
+        if nxt is not None and call_op(value_of[nxt]) == "relax.add" and not grouped:  # (its epilogue's source is
+            # the bias)
             other = [a for a in value_of[nxt].args if not a.same_as(chain[-1])]
             if other and shape_of(other[0]) == shape_of(chain[-1]) and dtype_of(other[0]) == "float16":
                 residual = other[0]
@@ -1385,7 +1555,7 @@ def find_convs(main, sm_count: int, smem_per_block: int) -> tuple[list[Claimed],
                 chain += gelu
         # the graph's cast of the output to float32 (a classifier's logits): the kernel writes float32 unrounded
         to_float = only_reader(chain[-1])
-        float_out = (residual is None and not depthwise and to_float is not None and to_float not in taken
+        float_out = (residual is None and not depthwise and not grouped and to_float is not None and to_float not in taken
                      and call_op(value_of[to_float]) == "relax.astype" and dtype_of(to_float) == "float32")
         if float_out:
             chain.append(to_float)
@@ -1401,8 +1571,18 @@ def find_convs(main, sm_count: int, smem_per_block: int) -> tuple[list[Claimed],
                     chain.append(after)
         problem = Conv2dProblem(xs[0], xs[1], xs[2], xs[3], k, kr, ks, (pads[0], pads[1]),
                                 tuple(int(v) for v in attrs.strides), tuple(int(d) for d in attrs.dilation),
-                                c_real=xs[3] - _channels_padded(x, value_of), groups=k if depthwise else 1)
-        if depthwise:
+                                c_real=xs[3] - _channels_padded(x, value_of),
+                                groups=k if depthwise else groups if grouped else 1)
+        if grouped:
+            tile = group_tile(problem, sm_count, smem_per_block)
+            kernel = GroupConvKernel(f"l{len(claimed)}", problem, tile, activation) if tile else None
+            if kernel is None or kernel.work > MAX_GROUP_WORK:
+                why = (f"no tile takes {k // groups} output channels a group" if kernel is None else
+                       f"groups of {ws[3]} channels: {kernel.work:g}x the useful work on the tensor cores (over "
+                       f"{MAX_GROUP_WORK}x: zeros of the other groups)")
+                left.append({"conv": b.var.name, "why": why})
+                continue
+        elif depthwise:
             if _output_shape(chain[-1], problem):
                 left.append({"conv": b.var.name, "why": "a depthwise output seen through a reshape"})
                 continue
@@ -1534,8 +1714,6 @@ def _batched_gemm(b, value_of, only_reader, params, sm_count: int, smem_per_bloc
             or tuple(a_shape[:-2]) != tuple(w_shape[:-2]):
         return "a product of two activations with broadcast or dynamic batch axes"
     (m, k), n = a_shape[-2:], w_shape[-1]
-    if k % ALIGNMENT or n % ALIGNMENT:
-        return "a product of two activations with K or N not a multiple of 8"
     cast = only_reader(b.var)
     if call_op(value_of.get(cast)) != "relax.astype" or str(value_of[cast].attrs.dtype) != "float16":
         return "no fp16 cast after it"
@@ -1573,6 +1751,7 @@ def _batched_gemm(b, value_of, only_reader, params, sm_count: int, smem_per_bloc
                         b_view=views["w"][1] if "w" in views else None,
                         y_view=views["y"][1] if "y" in views else None,
                         b_column_major="w" in views and views["w"][2] == (0, 2, 3, 1))
+    kernel = dataclasses.replace(kernel, tile=gemm_tile(kernel.tile, kernel.alignment))
     a = views["a"][0] if "a" in views else a
     w = views["w"][0] if "w" in views else w
     shapes = {"a": tuple(shape_of(a)), "w": tuple(shape_of(w)), "y": tuple(shape_of(chain[-1]))}
@@ -1892,10 +2071,16 @@ def twin_prim_func(kernel: ConvKernel, shapes: dict | None = None):
     xp = te.compute((p.n, p.h + 2 * ph, p.w + 2 * pw, p.c), lambda i, y, z, c: tirx.if_then_else(
         tirx.all(y >= ph, y < p.h + ph, z >= pw, z < p.w + pw), x[i, y - ph, z - pw, c + c0], zero), "xp")
     ry, rx = te.reduce_axis((0, p.r), "ry"), te.reduce_axis((0, p.s), "rx")
-    if p.groups > 1:  # depthwise, weights HWOI
+    if p.depthwise:  # weights HWOI
         acc = te.compute((p.n, p.p, p.q, p.k), lambda i, y, z, o: te.sum(
             xp[i, y * sh + ry * dh, z * sw + rx * dw, o].astype(acc_dtype) * w[ry, rx, o, 0].astype(acc_dtype),
             axis=[ry, rx]), "acc")
+    elif p.groups > 1:  # grouped: output channel o reads its group's channels
+        kg, cg = p.k // p.groups, p.c // p.groups
+        rc = te.reduce_axis((0, cg), "rc")
+        acc = te.compute((p.n, p.p, p.q, p.k), lambda i, y, z, o: te.sum(
+            xp[i, y * sh + ry * dh, z * sw + rx * dw, o // kg * cg + rc].astype(acc_dtype)
+            * w[o, ry, rx, rc].astype(acc_dtype), axis=[ry, rx, rc]), "acc")
     else:
         rc = te.reduce_axis((0, p.c), "rc")
         acc = te.compute((p.n, p.p, p.q, p.k), lambda i, y, z, o: te.sum(
@@ -1954,6 +2139,8 @@ def twin_prim_func(kernel: ConvKernel, shapes: dict | None = None):
             v = v * te.sigmoid(v)
         elif kernel.activation == "gelu":
             v = f32(0.5) * v * (f32(1.0) + tirx.erf(v * f32(1 / math.sqrt(2))))
+        elif kernel.activation == "hardswish":  # CUTLASS's HardSwish<float>: x * relu6(x + 3) / 6
+            v = v * te.min(te.max(v + f32(3.0), f32(0.0)), f32(6.0)) / f32(6.0)
         elif kernel.activation != "identity":
             raise ValueError(f"no host twin for activation {kernel.activation}")
         return v if kernel.float_out else v.astype("float16")
