@@ -134,6 +134,8 @@ def _model() -> onnx.ModelProto:
         n("ScatterElements", ["seq", "se_idx", "se_upd"], ["scattered_el"], axis=0, reduction="add"),
         n("OneHot", ["hot_idx", "depth", "hot_values"], ["onehot"], axis=1),
         n("Pad", ["x", "pads", "pad_value"], ["padded"]),
+        n("Einsum", ["k", "v"], ["einsum_product"], equation="bhid,bhjd->bhij"),  # a matmul (MaxViT's attention)
+        n("Einsum", ["m"], ["einsum_diagonal"], equation="bii->bi"),  # not a product: Relax's einsum
         n("ReduceMax", ["flags", "flag_axes"], ["any_flag"], keepdims=0),  # bool: any
         n("ReduceMin", ["flags", "flag_axes"], ["all_flags"], keepdims=1),  # bool: all
         n("QLinearConv", ["qx", "qx_s", "qx_zp", "qw", "qw_s", "qw_zp", "qy_s", "qy_zp", "qb"], ["qconv"],
@@ -174,7 +176,7 @@ def _model() -> onnx.ModelProto:
 OUTPUTS = ["swish", "celu", "mish", "l2norm", "l1norm", "cumprod", "hann", "hamming", "blackman", "det", "col2im",
            "ln", "ln_mean", "ln_inv", "rms", "crop", "reversed", "scattered", "rotary", "attn", "bits", "expanded",
            "gathered", "gathered_el", "scattered_el",
-           "onehot", "padded", "qconv", "convint", "qmatmul", "nll", "sce", "sce_log_prob", "mel", "rfft", "ifft",
+           "onehot", "padded", "einsum_product", "einsum_diagonal", "qconv", "convint", "qmatmul", "nll", "sce", "sce_log_prob", "mel", "rfft", "ifft",
            "cc_y", "cc_next", "la_y", "la_next", "rnn_y", "rnn_h", "gru_y", "gru_h", "lstm_y", "lstm_h", "lstm_c", "lstm1_h"]
 
 
