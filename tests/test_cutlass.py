@@ -909,24 +909,27 @@ def test_a_bert_style_encoders_linear_layers_run_on_cutlass(precision, tmp_path)
         np.testing.assert_allclose(context.astype(np.float32).reshape(want.shape), want, rtol=2e-3, atol=2e-3)
 
 
-def test_attention_over_a_window_of_49_tokens_runs_on_cutlass(tmp_path):
+@pytest.mark.parametrize("precision", ["fp16", "int8"])
+def test_attention_over_a_window_of_49_tokens_runs_on_cutlass(precision, tmp_path):
     """Swin's and MaxViT's attention is over 7x7 windows: 49 tokens, so Q K^T has N = 49 and P V has K = 49, and no
-    access of 8 (or 4, or 2) fp16 elements stays inside a row. These products were left to dlight; now they are
-    CUTLASS GEMMs that load one element at a time, which cp.async cannot (it copies 4, 8 or 16 bytes), so they have
-    CUTLASS's two-stage mainloop with plain loads (``MmaPipelined``). The rewritten module with the kernels' TIR
-    twins equals the graph and ONNX Runtime, and a kernel's numpy replay equals its twin."""
+    access of 8 (or 4, or 2) fp16 elements stays inside a row. These products were left to dlight (in int8 graphs,
+    in float32); now they are CUTLASS GEMMs (fp16, in int8 graphs too) that load one element at a time, which
+    cp.async cannot (it copies 4, 8 or 16 bytes), so they have CUTLASS's two-stage mainloop with plain loads
+    (``MmaPipelined``). The rewritten module with the kernels' TIR twins equals the graph (int8: bit for bit) and
+    ONNX Runtime, and a kernel's numpy replay equals its twin."""
     from gpu_kernels import bert_encoder
 
     from edgeq.tvm_env import import_tvm
 
     model = bert_encoder(tmp_path / "window.onnx", seq=49, hidden=64, heads=2, layers=1)
-    xs = [np.random.default_rng(seed).standard_normal((1, 49, 64)).astype(np.float32) for seed in range(2)]
-    prepared, claimed, left = _claimed_graph(model, "fp16", None, tmp_path)
+    xs = [np.random.default_rng(seed).standard_normal((1, 49, 64)).astype(np.float32) for seed in range(12)]
+    prepared, claimed, left = _claimed_graph(model, precision, np.stack(xs[2:]), tmp_path)
+    xs = xs[:2]
     gemms = [c.kernel for c in claimed if isinstance(c.kernel, cutlass.GemmKernel)]
     assert left == [] and [g.problem for g in gemms] == [cutlass.GemmProblem(2, 49, 49, 32),
                                                           cutlass.GemmProblem(2, 49, 32, 49)], left
     assert [(g.alignment, g.tile.stages, g.out_lanes) for g in gemms] == [(1, 2, 1)] * 2
-    _twin_matches_graph_and_onnxruntime(model, prepared, claimed, xs, "fp16")
+    _twin_matches_graph_and_onnxruntime(model, prepared, claimed, xs, precision)
     tvm = import_tvm()
     for c in (c for c in claimed if isinstance(c.kernel, cutlass.GemmKernel)):
         rng = np.random.default_rng(3)

@@ -1259,8 +1259,8 @@ def _matmul_as_conv(rw, var, value):
 def _float_attention_in_fp16(rw, var, value):
     """In an int8 graph, a float32 product of two activations (attention's Q K^T and P V, which the quantizer keeps
     in float) in fp16 with fp32 accumulation, as TensorRT runs the layers an int8 engine leaves in float: ``float32(
-    fp16(matmul(fp16(a), fp16(b), fp32 out)))``, the batched GEMM ``find_convs`` claims. Where K or N is not a
-    multiple of 8 or the batch axes differ, the product stays as it is."""
+    fp16(matmul(fp16(a), fp16(b), fp32 out)))``, the batched GEMM ``find_convs`` claims (of any alignment: a
+    window's 49 tokens load one element at a time). Where the batch axes differ, the product stays as it is."""
     from edgeq.graph import call_op
     from edgeq.graph_passes import dtype_of, shape_of
     from edgeq.tvm_env import relax
@@ -1271,7 +1271,7 @@ def _float_attention_in_fp16(rw, var, value):
     sa, sb = shape_of(a), shape_of(b)
     if dtype_of(var) != "float32" or dtype_of(a) != "float32" or dtype_of(b) != "float32" or sa is None or sb is None:
         return None
-    if len(sa) != len(sb) or len(sa) < 2 or tuple(sa[:-2]) != tuple(sb[:-2]) or sa[-1] % ALIGNMENT or sb[-1] % ALIGNMENT:
+    if len(sa) != len(sb) or len(sa) < 2 or tuple(sa[:-2]) != tuple(sb[:-2]):
         return None
     a16 = rw.emit(relax.op.astype(rw.new(a), "float16"))
     b16 = rw.emit(relax.op.astype(rw.new(b), "float16"))
