@@ -564,41 +564,19 @@ def test_convolutions_without_a_bias_run_on_cutlass(precision, tmp_path):
 
 
 def _regnet(path, size: int = 16):
-    """A RegNetX in small (torchvision's ``regnet_x_*`` block): a stem (3x3 s2, BatchNorm, ReLU), then two X blocks,
-    each 1x1 -> BatchNorm -> ReLU -> grouped 3x3 -> BatchNorm -> ReLU -> 1x1 -> BatchNorm, added to its input and
-    ReLU'd; the first block's groups have 16 channels (RegNetX's), the second's 4 (too narrow for the tensor cores:
-    ResNeXt's first stage); pooled, a 16-class classifier."""
-    rng = np.random.default_rng(4)
-    inits, nodes = [], []
+    """A RegNetX in small (torchvision's ``regnet_x_*`` block), with gpu_kernels.py's ``Net``: a stem (3x3 s2,
+    BatchNorm, ReLU), then two X blocks, each 1x1 -> BatchNorm -> ReLU -> grouped 3x3 -> BatchNorm -> ReLU -> 1x1 ->
+    BatchNorm, added to its input and ReLU'd; the first block's groups have 16 channels (RegNetX's), the second's 4
+    (too narrow for the tensor cores: ResNeXt's first stage); pooled, a 16-class classifier."""
+    from gpu_kernels import Net
 
-    def weight(name, shape, scale=0.2):
-        inits.append(numpy_helper.from_array((rng.standard_normal(shape) * scale).astype(np.float32), name))
-        return name
-
-    def conv_bn(x, cin, cout, k, out, stride=1, group=1, relu=True):
-        nodes.append(helper.make_node("Conv", [x, weight(f"{out}_w", (cout, cin // group, k, k))], [f"{out}_c"],
-                                      pads=[k // 2] * 4, strides=[stride] * 2, group=group))
-        names = [weight(f"{out}_{p}", (cout,)) for p in ("g", "b", "m")]
-        inits.append(numpy_helper.from_array(rng.uniform(0.5, 1.5, cout).astype(np.float32), f"{out}_v"))
-        nodes.append(helper.make_node("BatchNormalization", [f"{out}_c", *names, f"{out}_v"], [f"{out}_bn"]))
-        if relu:
-            nodes.append(helper.make_node("Relu", [f"{out}_bn"], [out]))
-            return out
-        return f"{out}_bn"
-
-    x = conv_bn("input", 3, 32, 3, "stem", stride=2)
-    for block, group in (("a", 2), ("b", 8)):
-        y = conv_bn(conv_bn(conv_bn(x, 32, 32, 1, f"{block}1"), 32, 32, 3, f"{block}2", group=group), 32, 32, 1,
-                    f"{block}3", relu=False)
-        nodes += [helper.make_node("Add", [x, y], [f"{block}_sum"]), helper.make_node("Relu", [f"{block}_sum"], [f"{block}_out"])]
-        x = f"{block}_out"
-    nodes += [helper.make_node("GlobalAveragePool", [x], ["gap"]), helper.make_node("Flatten", ["gap"], ["flat"]),
-              helper.make_node("Gemm", ["flat", weight("fc_w", (16, 32)), weight("fc_b", (16,))], ["output"], transB=1)]
-    graph = helper.make_graph(nodes, "regnet", [helper.make_tensor_value_info("input", TensorProto.FLOAT,
-                                                                               [1, 3, size, size])],
-                              [helper.make_tensor_value_info("output", TensorProto.FLOAT, [1, 16])], inits)
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
-    return path
+    net = Net(4)
+    x = net.node("Relu", [net.conv_bn("input", 3, 32, 3, 2)])
+    for groups in (2, 8):
+        y = net.node("Relu", [net.conv_bn(net.node("Relu", [net.conv_bn(x, 32, 32, 1)]), 32, 32, 3, groups=groups)])
+        x = net.node("Relu", [net.node("Add", [x, net.conv_bn(y, 32, 32, 1)])])
+    net.classifier(x, 32, 16)
+    return net.save(path, size, 16)
 
 
 @pytest.mark.parametrize("precision", ["fp16", "int8"])
