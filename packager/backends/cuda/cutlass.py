@@ -629,96 +629,78 @@ def device_source(kernels: Sequence[ConvKernel]) -> str:
             element, out_element = "half_t", ("float" if kern.float_out else "half_t")
             output_op = f"{{1.0f, {'1.0f' if kern.residual else '0.0f'}}}"
             vector = "reinterpret_cast<half_t*>(bias)"
-        out.append(f"""
-namespace edgeq_cutlass {{ using {t} = {kern.kernel_type}; }}
+        out.append(_wrapper(kern.name, f"using {t} = {kern.kernel_type};", signature, f"""
+    conv::Conv2dProblemSize problem({p.n}, {p.h}, {p.w}, {p.c}, {p.k}, {p.r}, {p.s}, {p.p}, {p.q}, {p.pad[0]}, {p.pad[1]},
+                                    {p.stride[0]}, {p.stride[1]}, {p.dilation[0]}, {p.dilation[1]},
+                                    conv::Mode::kCrossCorrelation, 1);
+    layout::TensorNHWC out_layout = layout::TensorNHWC::packed({{{p.n}, {p.p}, {p.q}, {p.k}}});
+    typename K::Arguments args(
+        problem, {{reinterpret_cast<{element}*>(x){x_offset}, {x_layout}}},
+        {{reinterpret_cast<{element}*>(w), layout::TensorNHWC::packed({{{p.k}, {p.r}, {p.s}, {p.c}}})}},
+        {{reinterpret_cast<{out_element}*>({source}), out_layout}}, {{reinterpret_cast<{out_element}*>(y), out_layout}},
+        {output_op}, conv::SplitKMode::kSerial, {vector}, nullptr, 0, 0);
+    new (params) typename K::Params(args);"""))
+    return "".join(out)
+
+
+def _wrapper(name: str, types: str, signature: str, build: str) -> str:
+    """The device wrapper of one CUTLASS kernel: ``types`` (C++ in namespace edgeq_cutlass that defines
+    ``Kernel_<name>``), an array as large as the kernel's shared storage and its Params (``smem_sizes`` reads its size
+    from the cubin), and ``edgeq_cutlass_<name>(signature..., smem)``, in which thread 0 runs ``build`` (C++ that
+    constructs the kernel's Params at ``params``, in shared memory after its storage: no thread keeps them on its
+    stack) and the block then runs the kernel."""
+    t = f"Kernel_{name}"
+    return f"""
+namespace edgeq_cutlass {{ {types} }}
 // the kernel's shared storage, then its Params (built once per block, by thread 0)
-constexpr size_t edgeq_params_at_{kern.name} = (sizeof(edgeq_cutlass::{t}::SharedStorage) + 15) / 16 * 16;
-__device__ char edgeq_smem_{kern.name}[edgeq_params_at_{kern.name} + sizeof(typename edgeq_cutlass::{t}::Params)];
-extern "C" __device__ void edgeq_cutlass_{kern.name}({signature}, unsigned char* smem) {{
+constexpr size_t edgeq_params_at_{name} = (sizeof(edgeq_cutlass::{t}::SharedStorage) + 15) / 16 * 16;
+__device__ char edgeq_smem_{name}[edgeq_params_at_{name} + sizeof(typename edgeq_cutlass::{t}::Params)];
+extern "C" __device__ void edgeq_cutlass_{name}({signature}, unsigned char* smem) {{
   using namespace cutlass;
   using K = edgeq_cutlass::{t};
-  conv::Conv2dProblemSize problem({p.n}, {p.h}, {p.w}, {p.c}, {p.k}, {p.r}, {p.s}, {p.p}, {p.q}, {p.pad[0]}, {p.pad[1]},
-                                  {p.stride[0]}, {p.stride[1]}, {p.dilation[0]}, {p.dilation[1]},
-                                  conv::Mode::kCrossCorrelation, 1);
-  layout::TensorNHWC out_layout = layout::TensorNHWC::packed({{{p.n}, {p.p}, {p.q}, {p.k}}});
-  typename K::Arguments args(
-      problem, {{reinterpret_cast<{element}*>(x){x_offset}, {x_layout}}},
-      {{reinterpret_cast<{element}*>(w), layout::TensorNHWC::packed({{{p.k}, {p.r}, {p.s}, {p.c}}})}},
-      {{reinterpret_cast<{out_element}*>({source}), out_layout}}, {{reinterpret_cast<{out_element}*>(y), out_layout}},
-      {output_op}, conv::SplitKMode::kSerial, {vector}, nullptr, 0, 0);
-  auto* params = reinterpret_cast<typename K::Params*>(smem + edgeq_params_at_{kern.name});
-  if (threadIdx.x == 0) new (params) typename K::Params(args);
+  auto* params = reinterpret_cast<typename K::Params*>(smem + edgeq_params_at_{name});
+  if (threadIdx.x == 0) {{{build}
+  }}
   __syncthreads();
   K op;
   op(*params, *reinterpret_cast<typename K::SharedStorage*>(smem));
 }}
-""")
-    return "".join(out)
+"""
 
 
 def _group_source(kern: GroupConvKernel, signature: str) -> str:
     """A grouped convolution's device wrapper (as ``device_source``'s convolutions': Params built in shared memory);
     the bias is the epilogue's source C with every stride 0."""
-    p, t = kern.problem, f"Kernel_{kern.name}"
-    return f"""
-namespace edgeq_cutlass {{ using {t} = {kern.kernel_type}; }}
-constexpr size_t edgeq_params_at_{kern.name} = (sizeof(edgeq_cutlass::{t}::SharedStorage) + 15) / 16 * 16;
-__device__ char edgeq_smem_{kern.name}[edgeq_params_at_{kern.name} + sizeof(typename edgeq_cutlass::{t}::Params)];
-extern "C" __device__ void edgeq_cutlass_{kern.name}({signature}, unsigned char* smem) {{
-  using namespace cutlass;
-  using K = edgeq_cutlass::{t};
-  conv::Conv2dProblemSize problem({p.n}, {p.h}, {p.w}, {p.c}, {p.k}, {p.r}, {p.s}, {p.p}, {p.q}, {p.pad[0]}, {p.pad[1]},
-                                  {p.stride[0]}, {p.stride[1]}, {p.dilation[0]}, {p.dilation[1]},
-                                  conv::Mode::kCrossCorrelation, 1, {p.groups});
-  auto* params = reinterpret_cast<typename K::Params*>(smem + edgeq_params_at_{kern.name});
-  if (threadIdx.x == 0) {{
+    p = kern.problem
+    return _wrapper(kern.name, f"using Kernel_{kern.name} = {kern.kernel_type};", signature, f"""
+    conv::Conv2dProblemSize problem({p.n}, {p.h}, {p.w}, {p.c}, {p.k}, {p.r}, {p.s}, {p.p}, {p.q}, {p.pad[0]}, {p.pad[1]},
+                                    {p.stride[0]}, {p.stride[1]}, {p.dilation[0]}, {p.dilation[1]},
+                                    conv::Mode::kCrossCorrelation, 1, {p.groups});
     typename K::Arguments args(
         problem, {{reinterpret_cast<half_t*>(x), layout::TensorNHWC::packed({{{p.n}, {p.h}, {p.w}, {p.c}}})}},
         {{reinterpret_cast<half_t*>(w), layout::TensorNHWC::packed({{{p.k}, {p.r}, {p.s}, {kern.channels_per_group}}})}},
         {{reinterpret_cast<half_t*>(bias), layout::TensorNHWC(0, 0, 0)}},
         {{reinterpret_cast<half_t*>(y), layout::TensorNHWC::packed({{{p.n}, {p.p}, {p.q}, {p.k}}})}},
         {{1.0f, 1.0f}});
-    new (params) typename K::Params(args);
-  }}
-  __syncthreads();
-  K op;
-  op(*params, *reinterpret_cast<typename K::SharedStorage*>(smem));
-}}
-"""
+    new (params) typename K::Params(args);""")
 
 
 def _gemm_source(kern: GemmKernel) -> str:
     """A batched GEMM's device wrapper (as ``device_source``'s convolutions': Params built in shared memory)."""
-    p, t = kern.problem, f"Kernel_{kern.name}"
+    p, kn = kern.problem, kern.name
     gm, gn, batch = kern.grid
     (lda, bsa), (ldb, bsb), (ldc, bsc) = (kern.strides[name] for name in ("a", "w", "y"))
     out, element = ("float", "float") if kern.float_out else ("half", "half_t")
-    return f"""
-namespace edgeq_cutlass {{
-using Default_{kern.name} = {kern.kernel_type};
-using {t} = cutlass::gemm::kernel::GemmBatched<Default_{kern.name}::Mma, Default_{kern.name}::Epilogue,
-                                                 cutlass::gemm::threadblock::GemmBatchedIdentityThreadblockSwizzle>;
-}}
-constexpr size_t edgeq_params_at_{kern.name} = (sizeof(edgeq_cutlass::{t}::SharedStorage) + 15) / 16 * 16;
-__device__ char edgeq_smem_{kern.name}[edgeq_params_at_{kern.name} + sizeof(typename edgeq_cutlass::{t}::Params)];
-extern "C" __device__ void edgeq_cutlass_{kern.name}(half* a, half* w, {out}* y, unsigned char* smem) {{
-  using namespace cutlass;
-  using K = edgeq_cutlass::{t};
-  auto* params = reinterpret_cast<typename K::Params*>(smem + edgeq_params_at_{kern.name});
-  if (threadIdx.x == 0) {{
+    types = (f"using Default_{kn} = {kern.kernel_type};\nusing Kernel_{kn} = cutlass::gemm::kernel::GemmBatched<"
+             f"Default_{kn}::Mma, Default_{kn}::Epilogue, cutlass::gemm::threadblock::GemmBatchedIdentityThreadblockSwizzle>;")
+    return _wrapper(kn, types, f"half* a, half* w, {out}* y", f"""
     new (params) typename K::Params(
         gemm::GemmCoord({p.m}, {p.n}, {p.k}), gemm::GemmCoord({gm}, {gn}, {batch}),
         {{reinterpret_cast<half_t*>(a), layout::RowMajor({lda})}}, {bsa}LL,
         {{reinterpret_cast<half_t*>(w), layout::{kern.b_layout}({ldb})}}, {bsb}LL,
         {{reinterpret_cast<{element}*>(y), layout::RowMajor({ldc})}}, {bsc}LL,
         {{reinterpret_cast<{element}*>(y), layout::RowMajor({ldc})}}, {bsc}LL,
-        typename K::OutputOp::Params({_c_float(kern.alpha)}, 0.0f), {batch});
-  }}
-  __syncthreads();
-  K op;
-  op(*params, *reinterpret_cast<typename K::SharedStorage*>(smem));
-}}
-"""
+        typename K::OutputOp::Params({_c_float(kern.alpha)}, 0.0f), {batch});""")
 
 
 def nvrtc_options() -> str:
