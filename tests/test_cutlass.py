@@ -369,12 +369,12 @@ def test_kernels_compile_in_a_tvm_module_to_tensor_cores(profile, precision, nvr
             if name == "1x1s2":  # and with a float32 residual (a transformer's residual stream), float32 out
                 kernels.append(cutlass.ConvKernel("float_residual", problem, tile, "identity", True, float_out=True))
     if precision == "fp16":  # attention's batched GEMMs: 12 heads of [128, 64] x [64, 128], scaled, Q and K read
-        # in place from [1, 128, 12, 64] (K^T as column-major), the scores written as float32; P V with the context
-        # written back in place
+        # in place from one [1, 128, 3 x 768] projection (K^T as column-major, from column 768), the scores written
+        # as float32; P V with the context written back in place
         gemm = cutlass.GemmProblem(12, 128, 128, 64)
         tile = cutlass.choose_tile(gemm, spec.sm_count, spec.shared_memory_per_block_optin)
-        kernels.append(cutlass.GemmKernel("qk", gemm, tile, alpha=0.125, a_view=(768, 64), b_view=(768, 64),
-                                          b_column_major=True, float_out=True))
+        kernels.append(cutlass.GemmKernel("qk", gemm, tile, alpha=0.125, a_view=(2304, 64), b_view=(2304, 64),
+                                          b_column_major=True, float_out=True, b_offset=768))
         gemm = cutlass.GemmProblem(12, 128, 64, 128)
         tile = cutlass.choose_tile(gemm, spec.sm_count, spec.shared_memory_per_block_optin)
         kernels.append(cutlass.GemmKernel("pv", gemm, tile, y_view=(768, 64)))
@@ -809,6 +809,7 @@ def test_a_bert_style_encoders_linear_layers_run_on_cutlass(precision, tmp_path)
     import onnxruntime as ort
     from gpu_kernels import bert_encoder
 
+    from edgeq.backends.cuda import layer_norm
     from edgeq.compile import HostRunner
     from edgeq.graph import Graph
 
@@ -822,36 +823,47 @@ def test_a_bert_style_encoders_linear_layers_run_on_cutlass(precision, tmp_path)
     scaled = pytest.approx(1 / np.sqrt(32), rel=1e-3) if precision == "fp16" else 1.0
     assert left == [] and [(g.kernel.problem, g.kernel.alpha) for g in gemms] == [
         (cutlass.GemmProblem(2, 16, 16, 32), scaled), (cutlass.GemmProblem(2, 16, 32, 16), 1.0)], gemms
-    if precision == "fp16":  # the heads' transposes read and written in place: Q, K (as K^T, column-major) and V
-        # from [1, 16, 2, 32] with a leading dimension of 64 and a batch stride of 32; the context written back there
-        assert gemms[0].shapes == {"a": (1, 16, 2, 32), "w": (1, 16, 2, 32), "y": (1, 2, 16, 16)}
-        assert (gemms[0].kernel.a_view, gemms[0].kernel.b_view, gemms[0].kernel.y_view) == ((64, 32), (64, 32), None)
+    if precision == "fp16":  # Q, K and V are one projection of width 192 (``_projections_as_one``); the heads'
+        # transposes are read in place from it: Q at column 0, K (as K^T, column-major) at 64, V at 128, each with a
+        # leading dimension of 192 and a batch stride of 32; the context written back to [1, 16, 2, 32] (ld 64)
+        assert gemms[0].shapes == {"a": (1, 16, 192), "w": (1, 16, 192), "y": (1, 2, 16, 16)}
+        assert (gemms[0].kernel.a_view, gemms[0].kernel.b_view, gemms[0].kernel.y_view) == ((192, 32), (192, 32), None)
+        assert (gemms[0].kernel.a_offset, gemms[0].kernel.b_offset) == (0, 64)
         assert gemms[0].kernel.b_column_major and not gemms[1].kernel.b_column_major
         # the scores are written as float32 for the softmax, which ToMixedPrecision keeps in float32 (no cast kernel)
         assert gemms[0].kernel.float_out and not gemms[1].kernel.float_out
-        assert gemms[1].shapes == {"a": (1, 2, 16, 16), "w": (1, 16, 2, 32), "y": (1, 16, 2, 32)}
-        assert (gemms[1].kernel.a_view, gemms[1].kernel.b_view, gemms[1].kernel.y_view) == (None, (64, 32), (64, 32))
+        assert gemms[1].shapes == {"a": (1, 2, 16, 16), "w": (1, 16, 192), "y": (1, 16, 2, 32)}
+        assert (gemms[1].kernel.a_view, gemms[1].kernel.b_view, gemms[1].kernel.y_view) == (None, (192, 32), (64, 32))
+        assert (gemms[1].kernel.a_offset, gemms[1].kernel.b_offset) == (0, 128)
+        assert gemms[0].x.same_as(gemms[0].w) and gemms[1].w.same_as(gemms[0].x)  # the one wide tensor
     else:  # int8: the operands are casts of the transposes (attention in fp16 of a float graph): contiguous; the
         # scores rounded to fp16 as the graph has them (its 1/sqrt(d) is a multiply after the cast to float32)
         assert gemms[0].shapes == {"a": (1, 2, 16, 32), "w": (1, 2, 32, 16), "y": (1, 2, 16, 16)}
         assert not any(g.kernel.float_out for g in gemms)
     problems = sorted((c.kernel.problem.w, c.kernel.problem.c, c.kernel.problem.k) for c in claimed)
-    assert problems == [(16, 64, 64)] * 4 + [(16, 64, 256), (16, 256, 64)], problems
+    # fp16: Q, K and V as one GEMM of 3 x 64 outputs; int8: three (each its own requantization)
+    projections = [(16, 64, 192)] if precision == "fp16" else [(16, 64, 64)] * 3
+    assert problems == sorted([(16, 64, 64)] + projections + [(16, 64, 256), (16, 256, 64)]), problems
     assert all(c.kernel.problem.n == c.kernel.problem.h == c.kernel.problem.r == 1 for c in claimed)
     assert all(c.shapes["y"] == (1, 16, c.kernel.problem.k) for c in claimed)  # the output in the graph's shape
     if precision == "int8":
         assert all(c.kernel.float_out and c.bias is None for c in claimed)
     else:  # the FFN's first layer takes its GELU (the exporter's erf form) in the epilogue: CUTLASS's GELU<float>
         assert all(c.bias is not None for c in claimed)
-        assert sorted(c.kernel.activation for c in claimed) == ["gelu"] + ["identity"] * 5
+        assert sorted(c.kernel.activation for c in claimed) == ["gelu"] + ["identity"] * 3
         assert next(c for c in claimed if c.kernel.activation == "gelu").kernel.problem.k == 256
         # the output projection and the FFN's second layer add the float32 residual stream (their input's) in the
         # epilogue and write float32 for the layer norm
-        assert sorted((c.kernel.residual, c.kernel.float_out) for c in claimed) == [(False, False)] * 4 + [(True, True)] * 2
+        assert sorted((c.kernel.residual, c.kernel.float_out) for c in claimed) == [(False, False)] * 2 + [(True, True)] * 2
         assert all(c.residual is not None for c in claimed if c.kernel.residual)
     claimed += gemms
     rewritten = cutlass.claim_convs(prepared.mod, claimed, {c.kernel.name: 49152 for c in claimed})
-    twin = Graph(cutlass.with_twins(rewritten, claimed), prepared.weights)
+    # fp16: the first layer norm's output is also read in fp16 (the FFN's input): one kernel writes both (its host
+    # twin here); the last one is the model's output. int8: a quantize reads them, no fp16 cast
+    norms = layer_norm.find_layer_norms(rewritten["main"])
+    assert [n.kernel.shape for n in norms] == ([(1, 16, 64)] if precision == "fp16" else [])
+    twin = Graph(layer_norm.claim_layer_norms(cutlass.with_twins(rewritten, claimed), norms, twins=True),
+                 prepared.weights)
     session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
     run_graph, run_twin = HostRunner(prepared), HostRunner(twin)
     for x in xs[:2]:
@@ -876,14 +888,15 @@ def test_a_bert_style_encoders_linear_layers_run_on_cutlass(precision, tmp_path)
         np.testing.assert_allclose(y.numpy().astype(np.float32), want.astype(np.float32), rtol=2e-3, atol=2e-3)
     if precision == "fp16":  # the views against numpy's own transposes of the graph's tensors
         rng = np.random.default_rng(5)
-        q, k = (rng.standard_normal((1, 16, 2, 32)).astype(np.float16) for _ in range(2))
-        scores = cutlass.replay_gemm(gemms[0].kernel, q, k)
+        qkv = rng.standard_normal((1, 16, 192)).astype(np.float16)
+        q, k, v = (qkv[..., i * 64:(i + 1) * 64].reshape(1, 16, 2, 32) for i in range(3))
+        scores = cutlass.replay_gemm(gemms[0].kernel, qkv, qkv)
         want = np.matmul(q.transpose(0, 2, 1, 3).astype(np.float32), k.transpose(0, 2, 3, 1).astype(np.float32))
         np.testing.assert_allclose(scores.astype(np.float32).reshape(want.shape), want * gemms[0].kernel.alpha,
                                    rtol=2e-3, atol=2e-3)
         p_ = rng.standard_normal((1, 2, 16, 16)).astype(np.float16)
-        context = cutlass.replay_gemm(gemms[1].kernel, p_, k)
-        want = np.matmul(p_.astype(np.float32), k.transpose(0, 2, 1, 3).astype(np.float32)).transpose(0, 2, 1, 3)
+        context = cutlass.replay_gemm(gemms[1].kernel, p_, qkv)
+        want = np.matmul(p_.astype(np.float32), v.transpose(0, 2, 1, 3).astype(np.float32)).transpose(0, 2, 1, 3)
         np.testing.assert_allclose(context.astype(np.float32).reshape(want.shape), want, rtol=2e-3, atol=2e-3)
 
 
@@ -947,7 +960,9 @@ def test_package_a_bert_style_encoder_with_cutlass(precision, nvrtc, tmp_path):
     # residual add) or write its output (the last layer norm)
     assert gpu["cuda_graph"] and gpu["cuda_graph_kernels"] >= gpu["kernels_per_inference"] - 4, gpu
     record = gpu["cutlass"]
-    assert len(record["kernels"]) == 8 and record["left"] == []
+    # fp16: Q, K and V as one GEMM (``_projections_as_one``); int8: three, each with its own requantization
+    kernels = 6 if precision == "fp16" else 8
+    assert len(record["kernels"]) == kernels and record["left"] == []
     gemms = [k for k in record["kernels"] if "mnk" in k["problem"]]
     assert [k["problem"] for k in gemms] == [{"batch": 2, "mnk": [16, 16, 32]}, {"batch": 2, "mnk": [16, 32, 16]}]
     sass = sass_by_kernel(bundle / "model.so")
@@ -955,9 +970,18 @@ def test_package_a_bert_style_encoder_with_cutlass(precision, nvrtc, tmp_path):
     assert all(re.search(rf"\b{mma}\.", kernel_sass(k["function"], sass)) for k in record["kernels"] if k not in gemms)
     assert all(re.search(r"\bHMMA\.", kernel_sass(k["function"], sass)) for k in gemms)
     assert sum(k["flops"] for k in record["kernels"]) == model_flops(model)
+    if precision == "fp16":  # the first layer norm writes the float32 residual stream and the fp16 input of the FFN
+        # in one kernel (warp shuffles); the last one is the model's output, read by nothing in fp16: TVM's
+        norms = record["layer_norms"]
+        assert [(n["shape"], n["outputs"]) for n in norms] == [([1, 16, 64], ["float32", "float16"])]
+        assert gpu["functions"][norms[0]["function"]] == "edgeq layer norm"
+        assert re.search(r"\bSHFL\.", kernel_sass(norms[0]["function"], sass))
+        # per inference: 6 CUTLASS kernels, the two layer norms, the softmax, the input's cast to fp16
+        assert gpu["kernels_per_inference"] == 10, gpu["launches"]
     inspect = run_cli("inspect", bundle)
     flat = " ".join(re.sub(r"[│┃]", " ", inspect.stdout).split())
-    assert "CUTLASS 4.1.0: 8 of 8 convolutions and matrix products" in flat, flat
+    assert f"CUTLASS 4.1.0: {kernels} of {kernels} convolutions and matrix products" in flat, flat
+    assert ("1 layer norm(s) writing float32 and fp16 in one kernel" in flat) == (precision == "fp16"), flat
 
 
 @pytest.mark.parametrize("precision", ["fp16", "int8"])
@@ -1159,3 +1183,56 @@ def test_the_depthwise_kernels_cuda_source_runs_on_this_cpu_as_the_replay(nvrtc,
                                   arrays["bias"], arrays.get("residual"))
             np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), rtol=2e-3, atol=2e-3)
             assert np.abs(want.astype(np.float32)).max() > 1
+
+
+LAYER_NORMS = [((1, 16, 64), 1e-12), ((2, 5, 100), 1e-5), ((1, 7, 768), 1e-6), ((3, 1024), 1e-5)]
+
+
+@pytest.mark.parametrize("shape,eps", LAYER_NORMS)
+def test_a_layer_norm_and_its_fp16_cast_are_one_kernel(shape, eps, nvrtc, tmp_path):
+    """edgeq's layer-norm kernel (``layer_norm.LayerNormKernel``: the fp16 path's float32 layer norm and its fp16
+    cast in one): its host twin equals ONNX Runtime's LayerNormalization in float32 and writes that value's fp16
+    rounding as the second output; its GPU schedule (a row a block, the reductions across a warp or, for 768 and
+    1024 channels, several) builds for sm_87 to one kernel whose SASS reduces with warp shuffles, spills nothing and
+    stores both outputs. Rows of 100 (not a multiple of the 32 threads) and rank 2 included."""
+    import onnxruntime as ort
+
+    from edgeq.backends.cuda import layer_norm
+    from edgeq.tvm_env import import_tvm
+
+    tvm = import_tvm()
+    c = shape[-1]
+    rng = np.random.default_rng(11)
+    x = (rng.standard_normal(shape) * 3 + 1).astype(np.float32)
+    gamma, beta = rng.uniform(0.5, 1.5, c).astype(np.float32), rng.standard_normal(c).astype(np.float32)
+    node = helper.make_node("LayerNormalization", ["x", "g", "b"], ["y"], axis=-1, epsilon=eps)
+    graph = helper.make_graph([node], "ln", [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)],
+                              [numpy_helper.from_array(gamma, "g"), numpy_helper.from_array(beta, "b")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+
+    kernel = layer_norm.LayerNormKernel("t", shape, eps, shape)
+    lib = tvm.tirx.build(layer_norm.twin_prim_func(kernel), target="llvm")
+    y = tvm.runtime.tensor(np.zeros(shape, np.float32))
+    y16 = tvm.runtime.tensor(np.zeros(shape, np.float16))
+    lib(*(tvm.runtime.tensor(a) for a in (x, gamma, beta)), y, y16)
+    np.testing.assert_allclose(y.numpy(), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(y16.numpy(), y.numpy().astype(np.float16))
+
+    assert kernel.threads == {768: 96, 1024: 128}.get(c, 32) and kernel.grid == (int(np.prod(shape[:-1])), 1)
+    target = tvm.target.Target({"kind": "cuda", "arch": "sm_87", "host": "llvm"})
+    from tvm.support import nvcc  # noqa: F401 - registers TVM's CUDA compile callback
+
+    with nvrtc.active(), target:
+        built = tvm.tirx.build(tvm.IRModule({kernel.function: layer_norm.prim_func(kernel)}), target=target)
+    source = built.imports[0].inspect_source()
+    kernels = set(re.findall(r"__global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\(", source))
+    assert kernels == {f"{kernel.function}_kernel"} and "__shfl_down_sync" in source, kernels
+    built.export_library(str(tmp_path / "ln.so"))
+    from gpu_kernels import kernel_sass, sass_by_kernel
+
+    sass = kernel_sass(kernel.function, sass_by_kernel(tmp_path / "ln.so"))
+    assert re.search(r"\bSHFL\.", sass) and not re.search(r"\b(LDL|STL)\b", sass)
+    stores = re.findall(r"\bSTG\.E(\.\w+)*", sass)
+    assert any(".U16" in s for s in stores) and any(not s or ".U16" not in s for s in stores), stores

@@ -526,6 +526,10 @@ class GemmKernel:
     b_view: tuple[int, int] | None = None
     y_view: tuple[int, int] | None = None
     b_column_major: bool = False
+    # where a and w start in the tensors they are read from, in elements: a head view of one part of several
+    # projections computed as one (``_projections_as_one``: Q, K and V side by side in one [S, 3 x H x D] tensor)
+    a_offset: int = 0
+    b_offset: int = 0
 
     @property
     def strides(self) -> dict[str, tuple[int, int]]:
@@ -559,7 +563,8 @@ class GemmKernel:
         leading dimension and batch stride (a window's 49 tokens: 1, which cp.async cannot load, so such a kernel has
         CUTLASS's two-stage mainloop with plain loads, ``gemm_tile``)."""
         p = self.problem
-        extents = [p.k, p.k if self.b_column_major else p.n, p.n, *(v for pair in self.strides.values() for v in pair)]
+        extents = [p.k, p.k if self.b_column_major else p.n, p.n, self.a_offset, self.b_offset,
+                   *(v for pair in self.strides.values() for v in pair)]
         return next(a for a in (8, 4, 2, 1) if all(e % a == 0 for e in extents))
 
     @property
@@ -696,8 +701,8 @@ def _gemm_source(kern: GemmKernel) -> str:
     return _wrapper(kn, types, f"half* a, half* w, {out}* y", f"""
     new (params) typename K::Params(
         gemm::GemmCoord({p.m}, {p.n}, {p.k}), gemm::GemmCoord({gm}, {gn}, {batch}),
-        {{reinterpret_cast<half_t*>(a), layout::RowMajor({lda})}}, {bsa}LL,
-        {{reinterpret_cast<half_t*>(w), layout::{kern.b_layout}({ldb})}}, {bsb}LL,
+        {{reinterpret_cast<half_t*>(a) + {kern.a_offset}, layout::RowMajor({lda})}}, {bsa}LL,
+        {{reinterpret_cast<half_t*>(w) + {kern.b_offset}, layout::{kern.b_layout}({ldb})}}, {bsb}LL,
         {{reinterpret_cast<{element}*>(y), layout::RowMajor({ldc})}}, {bsc}LL,
         {{reinterpret_cast<{element}*>(y), layout::RowMajor({ldc})}}, {bsc}LL,
         typename K::OutputOp::Params({_c_float(kern.alpha)}, 0.0f), {batch});""")
@@ -949,14 +954,14 @@ def replay_gemm(kernel: GemmKernel, a: np.ndarray, w: np.ndarray) -> np.ndarray:
     is written into an array of y's size as the kernel writes it (returned flat in that case)."""
     p, st = kernel.problem, kernel.strides
 
-    def view(array, shape, name, column_major=False):
+    def view(array, shape, name, column_major=False, offset=0):
         ld, batch = st[name]
-        flat = np.ascontiguousarray(array).reshape(-1)
+        flat = np.ascontiguousarray(array).reshape(-1)[offset:]
         strides = (batch, 1, ld) if column_major else (batch, ld, 1)
         return np.lib.stride_tricks.as_strided(flat, shape, [s * flat.itemsize for s in strides])
 
-    product = np.matmul(view(a, (p.batch, p.m, p.k), "a").astype(np.float32),
-                        view(w, (p.batch, p.k, p.n), "w", kernel.b_column_major).astype(np.float32))
+    product = np.matmul(view(a, (p.batch, p.m, p.k), "a", offset=kernel.a_offset).astype(np.float32),
+                        view(w, (p.batch, p.k, p.n), "w", kernel.b_column_major, kernel.b_offset).astype(np.float32))
     y = (product * np.float32(kernel.alpha)).astype(np.float32 if kernel.float_out else np.float16)
     if kernel.y_view is None:
         return y
@@ -997,6 +1002,7 @@ def kernel_record(kernel: ConvKernel, smem_bytes: int) -> dict:
             "strides": {name: list(v) for name, v in kernel.strides.items()},
             "head_views": [name for name, v in (("a", kernel.a_view), ("w", kernel.b_view), ("y", kernel.y_view))
                            if v is not None],
+            "offsets": {"a": kernel.a_offset, "w": kernel.b_offset},
             "alpha": kernel.alpha, "activation": "identity", "residual": False, "precision": kernel.precision,
             "output": "float32" if kernel.float_out else "float16", "flops": p.flops,
         }
@@ -1163,6 +1169,8 @@ def prepare_nhwc(graph):
     graph = precompute_weight_ops(type(graph)(mod, graph.weights))
     graph = rewrite(graph, _one_int32_bias)
     graph = rewrite(graph, _one_scale)
+    if not any(dtype_of(b.var) == "int8" for b in graph.bindings()):
+        graph = _projections_as_one(graph)
     graph = rewrite(graph, _matmul_as_conv)
     graph = rewrite(graph, _depthwise_hwoi)
     if any(dtype_of(b.var) == "int8" for b in graph.bindings()):
@@ -1236,6 +1244,82 @@ def _matmul_as_conv(rw, var, value):
     conv = rw.emit(relax.op.nn.conv2d(flat, rw.param(fresh_name(rw, f"{w_var.name}_ohwi"), ohwi),
                                       data_layout="NHWC", kernel_layout="OHWI", out_dtype=out_dtype))
     return relax.op.reshape(conv, [*xs[:-1], n])
+
+
+def _projections_as_one(graph):
+    """The projections of one tensor that feed attention's products, ``matmul(x, W_i) + b_i`` each read through a
+    head split (reshape to [1, S, H, D], transpose, matrix product: Q, K and V of a transformer's layer), as one
+    ``matmul(x, [W_1 .. W_n]) + [b_1 .. b_n]`` and a slice of its last axis per projection (TensorRT's fused QKV):
+    one GEMM of n x the width instead of n launches, each product's output element the same dot product. The
+    batched GEMMs read their heads from the wide tensor in place (``_head_view``), so the slices cost nothing.
+    Float graphs only (an int8 graph's projections each carry their own requantization)."""
+    from edgeq.graph import call_op, rewrite
+    from edgeq.graph_passes import dtype_of, fresh_name, shape_of
+    from edgeq.tvm_env import relax
+
+    bindings = graph.bindings()
+    value_of = {b.var: b.value for b in bindings}
+    readers = graph.readers()
+    weights = {p: graph.weights[p.name] for p in graph.weight_params}
+
+    def only_reader(var):
+        r = readers.get(var, [])
+        return r[0] if len(r) == 1 else None
+
+    def weight_of(expr):  # (W as [K, N], its parameter) of a matmul's second operand, or None
+        if expr in weights:
+            return weights[expr], expr
+        inner = value_of.get(expr)
+        if call_op(inner) == "relax.permute_dims" and inner.args[0] in weights and weights[inner.args[0]].ndim == 2:
+            return weights[inner.args[0]].T, inner.args[0]
+        return None
+
+    def into_attention(out) -> bool:  # reshape to heads -> transpose -> matrix product of two activations
+        split = only_reader(out)
+        turn = only_reader(split) if split is not None else None
+        product = only_reader(turn) if turn is not None else None
+        shape = shape_of(split) if split is not None else None
+        return (call_op(value_of.get(split)) == "relax.reshape" and shape is not None and len(shape) == 4
+                and call_op(value_of.get(turn)) == "relax.permute_dims"
+                and call_op(value_of.get(product)) == "relax.matmul" and weight_of(value_of[product].args[1]) is None)
+
+    groups: dict = {}
+    for b in bindings:
+        value = b.value
+        if call_op(value) != "relax.matmul" or dtype_of(b.var) != "float32":
+            continue
+        x, found = value.args[0], weight_of(value.args[1])
+        add = only_reader(b.var)
+        if found is None or found[0].ndim != 2 or found[0].dtype != np.float32 or found[0].shape[1] % ALIGNMENT \
+                or call_op(value_of.get(add)) != "relax.add" or shape_of(x) is None:
+            continue
+        bias = [a for a in value_of[add].args if not a.same_as(b.var)]
+        if len(bias) != 1 or bias[0] not in weights or weights[bias[0]].shape != (found[0].shape[1],) \
+                or not into_attention(add):
+            continue
+        groups.setdefault(x, []).append((add, found[0], weights[bias[0]], found[1].name))
+    groups = {x: members for x, members in groups.items() if len(members) > 1}
+    if not groups:
+        return graph
+    part_of = {add: (x, i) for x, members in groups.items() for i, (add, *_rest) in enumerate(members)}
+    merged: dict = {}
+
+    def visit(rw, var, value):
+        if var not in part_of:
+            return None
+        x, i = part_of[var]
+        members = groups[x]
+        if x not in merged:
+            w = np.concatenate([m[1] for m in members], axis=1)
+            bias = np.concatenate([m[2] for m in members])
+            name = "_".join(m[3] for m in members)
+            product = rw.emit(relax.op.matmul(rw.new(x), rw.param(fresh_name(rw, f"{name}_as_one"), w)))
+            merged[x] = rw.emit(relax.op.add(product, rw.param(fresh_name(rw, f"{name}_bias_as_one"), bias)))
+        first = sum(m[1].shape[1] for m in members[:i])
+        axis = len(shape_of(var)) - 1
+        return relax.op.strided_slice(merged[x], [axis], [first], [first + members[i][1].shape[1]])
+
+    return rewrite(graph, visit)
 
 
 def _float_attention_in_fp16(rw, var, value):
@@ -1714,7 +1798,7 @@ def _batched_gemm(b, value_of, only_reader, params, sm_count: int, smem_per_bloc
         seen = _head_view(operand, value_of, only_reader, b.var)
         if seen is not None and seen[2] in axes:
             views[which] = seen
-            dropped.append(operand)
+            dropped += [operand, *seen[4]]
     back = only_reader(chain[-1])  # the context's heads back to [1, S, H, D]: written there
     seen = _head_view(back, value_of, only_reader, None) if back is not None else None
     if seen is not None and seen[2] == (0, 2, 1, 3):
@@ -1732,7 +1816,8 @@ def _batched_gemm(b, value_of, only_reader, params, sm_count: int, smem_per_bloc
                         a_view=views["a"][1] if "a" in views else None,
                         b_view=views["w"][1] if "w" in views else None,
                         y_view=views["y"][1] if "y" in views else None,
-                        b_column_major="w" in views and views["w"][2] == (0, 2, 3, 1))
+                        b_column_major="w" in views and views["w"][2] == (0, 2, 3, 1),
+                        a_offset=views["a"][3] if "a" in views else 0, b_offset=views["w"][3] if "w" in views else 0)
     kernel = dataclasses.replace(kernel, tile=gemm_tile(kernel.tile, kernel.alignment))
     a = views["a"][0] if "a" in views else a
     w = views["w"][0] if "w" in views else w
@@ -1742,9 +1827,12 @@ def _batched_gemm(b, value_of, only_reader, params, sm_count: int, smem_per_bloc
 
 def _head_view(var, value_of, only_reader, reader) -> tuple | None:
     """Where ``var`` is a head transpose of one batch, ``permute_dims(t, [0, 2, 1, 3])`` (or ``[0, 2, 3, 1]``, K's
-    transposed heads) of t [1, S, H, D], read only by ``reader`` (None: the one it has): (t, (H * D, D), axes), the
-    view a batched GEMM reads in its place (``GemmKernel.strides``); else None. (For the output's transpose back,
-    the caller takes H and D from the transpose's own shape.)"""
+    transposed heads) of t [1, S, H, D], read only by ``reader`` (None: the one it has): (t, (H * D, D), axes, 0, ()),
+    the view a batched GEMM reads in its place (``GemmKernel.strides``); else None. Where t is the heads of a slice
+    of a wider tensor, ``reshape(strided_slice(T [1, S, F], last axis, [b, b + H x D)))`` (one of the projections
+    ``_projections_as_one`` computed as one), read only by the transpose: (T, (F, D), axes, b, (t, the slice)), the
+    slice and the reshape read in place too. (For the output's transpose back, the caller takes H and D from the
+    transpose's own shape.)"""
     from edgeq.graph import call_op
     from edgeq.graph_passes import dtype_of, shape_of
 
@@ -1757,7 +1845,40 @@ def _head_view(var, value_of, only_reader, reader) -> tuple | None:
     if axes not in ((0, 2, 1, 3), (0, 2, 3, 1)) or shape is None or len(shape) != 4 or shape[0] != 1 \
             or dtype_of(t) != "float16" or shape[3] % ALIGNMENT:
         return None
-    return t, (shape[2] * shape[3], shape[3]), axes
+    sliced = value_of.get(t)
+    if call_op(sliced) == "relax.reshape" and _same(only_reader(t), var):
+        part = sliced.args[0]
+        cut = _last_axis_slice(part, value_of)
+        whole = shape_of(cut[0]) if cut is not None else None
+        if cut is not None and _same(only_reader(part), t) and whole is not None and len(whole) == 3 \
+                and list(whole[:2]) == list(shape[:2]) and cut[2] - cut[1] == shape[2] * shape[3] \
+                and cut[1] % ALIGNMENT == 0 and whole[2] % ALIGNMENT == 0:
+            return cut[0], (whole[2], shape[3]), axes, cut[1], (t, part)
+    return t, (shape[2] * shape[3], shape[3]), axes, 0, ()
+
+
+def _last_axis_slice(var, value_of) -> tuple | None:
+    """(T, begin, end) where ``var`` is ``strided_slice(T, [last axis], [begin], [end])`` with step 1 and
+    0 <= begin < end <= T's last extent; else None."""
+    from edgeq.graph import call_op
+    from edgeq.graph_passes import shape_of
+
+    value = value_of.get(var)
+    if call_op(value) != "relax.strided_slice":
+        return None
+
+    def ints(expr):  # strided_slice's axes, begin, end and strides: tuples of PrimValues
+        fields = getattr(expr, "fields", expr)
+        return [int(getattr(f, "value", f)) for f in fields]
+
+    t, axes, begin, end = value.args[0], ints(value.args[1]), ints(value.args[2]), ints(value.args[3])
+    shape = shape_of(t)
+    if shape is None or len(axes) != 1 or axes[0] % len(shape) != len(shape) - 1 or (
+            len(value.args) > 4 and any(v != 1 for v in ints(value.args[4]))):
+        return None
+    first, last = (v + shape[-1] if v < 0 else v for v in (begin[0], end[0]))
+    last = min(last, shape[-1])
+    return (t, first, last) if 0 <= first < last else None
 
 
 def _output_shape(out, problem) -> dict:
@@ -2028,8 +2149,8 @@ def twin_prim_func(kernel: ConvKernel, shapes: dict | None = None):
         rk = te.reduce_axis((0, p.k), "rk")
         (lda, bsa), (ldb, bsb) = st["a"], st["w"]
         acc = te.compute((p.batch, p.m, p.n), lambda z, i, j: te.sum(
-            at(a, z * bsa + i * lda + rk).astype("float32")
-            * at(w, z * bsb + (j * ldb + rk if kernel.b_column_major else rk * ldb + j)).astype("float32"),
+            at(a, kernel.a_offset + z * bsa + i * lda + rk).astype("float32")
+            * at(w, kernel.b_offset + z * bsb + (j * ldb + rk if kernel.b_column_major else rk * ldb + j)).astype("float32"),
             axis=rk), "acc")
         alpha = tirx.const(float(np.float32(kernel.alpha)), "float32")
         (ldc, bsc) = st["y"]
