@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from edgeq.errors import RemoteError, UsageError
 from edgeq.rpc.session import DAY_S, Remote, _no_retry_warnings, bounded, parse_addr, with_deadline
 from edgeq.records import Records, prepare
-from edgeq.tvm_env import import_tvm
+from edgeq.tvm_env import cheap_script_stacks, import_tvm
 
 if TYPE_CHECKING:
     from edgeq.stage_records import FrontEndArgs
@@ -190,7 +190,8 @@ def _runner(host: str, port: int, key: str, seconds: float, devices: int = 1, no
     evaluator_config = ms.runner.EvaluatorConfig(number=3, repeat=1, min_repeat_ms=0, enable_cpu_cache_flush=False)
     steps = (_create_session, functools.partial(_upload_module, seconds), functools.partial(_alloc_argument, seconds),
              functools.partial(_run_evaluator, seconds), functools.partial(_cleanup, seconds))
-    pool = PopenPoolExecutor(max_workers=max(1, devices), timeout=MEASUREMENT_STEPS * seconds)
+    pool = PopenPoolExecutor(max_workers=max(1, devices), timeout=MEASUREMENT_STEPS * seconds,
+                             initializer=cheap_script_stacks)
     failure: list[str] = []
     measured: dict[str, int] = {}
     dropped: set[str] = set()
@@ -367,7 +368,8 @@ def tune(args: TuneArgs, note=lambda _: None, tick=lambda *_: None, progress=Non
             rt_mod.export_library(path, fcompile=cc.cross_compiler(toolchain.cxx))
             return path
 
-        builder = ms.builder.LocalBuilder(f_export=export, max_workers=jobs, timeout_sec=BUILD_TIMEOUT_S)
+        builder = ms.builder.LocalBuilder(f_export=export, max_workers=jobs, timeout_sec=BUILD_TIMEOUT_S,
+                                          initializer=cheap_script_stacks)
         _unnamed_handlers_removed()
         with contextlib.redirect_stdout(io.StringIO()):  # its console handler binds to the stdout of this moment
             contexts, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(extracted, work)
