@@ -47,7 +47,7 @@ def _gpu_kernels(info) -> str:
             text += f", {depthwise} depthwise on edgeq's kernel"
         norms = len(cutlass.get("layer_norms", []))
         if norms:
-            text += f"; {norms} layer norm(s) writing float32 and fp16 in one kernel (edgeq's)"
+            text += f"; {norms} layer norm(s) writing the next layer's fp16 or int8 input in the same kernel (edgeq's)"
         if left:
             text += " (the rest on dlight: " + "; ".join(f"{x['conv']}: {x['why']}" for x in left[:5]) + \
                     (", ..." if len(left) > 5 else "") + ")"

@@ -24,7 +24,9 @@ How it reaches a TVM module:
 ``claim_convs`` puts the kernels' calls in their place. ``replay``/``replay_int8`` are the independent host
 implementations (numpy) of what a kernel is asked to compute, ``twin_prim_func`` a plain TIR one the rewritten
 graph runs with on the host. Depthwise convolutions get edgeq's own TIR kernel (``DepthwiseKernel``) with the same
-epilogue. Not here yet: split-K. docs/architecture.md says where this stands.
+epilogue. A transformer's Q, K and V projections are one GEMM (``_projections_as_one``) whose output the attention
+GEMMs read in place; its layer norms are edgeq's kernel (``layer_norm.py``). Not here yet: split-K.
+docs/architecture.md says where this stands.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""A transformer's layer norm with both of the outputs an fp16 graph reads, in one kernel (#42).
+"""A transformer's layer norm with the outputs the next layers read (float32, and fp16 or per-token int8), in one
+kernel (#42).
 
 On the fp16 CUDA path ToMixedPrecision keeps a layer norm in float32: its output is the residual stream (float32,
 which the next output projection or FFN adds in its CUTLASS epilogue) and, cast to fp16, the input of the next
@@ -9,6 +10,11 @@ normalizes one row (the sum and the sum of squared deviations as warp shuffles, 
 and each thread writes its elements in float32 and in fp16. The arithmetic is TVM's own legalization of
 ``R.nn.layer_norm`` (mean, then the variance of the deviations, ``rsqrt(var / C + eps)``), so the float32 output
 is the graph's; the fp16 one is its cast.
+
+In an int8 graph the next linear layer reads the layer norm's output quantized per token: a row-scale kernel
+(``max|y|``) and a quantize kernel followed the layer norm. The same kernel takes both in: after y, the threads
+reduce ``max|y|`` (each over the elements it wrote), and write the row's scale and the int8 row, as the graph's
+functions compute them. Three kernels become one.
 
 ``find_layer_norms`` finds them, ``claim_layer_norms`` puts the kernels' calls in their place, ``twin_prim_func``
 is the function before its schedule (the host runs it: ``with_twins``), ``prim_func`` the scheduled one.
@@ -26,12 +32,16 @@ MAX_WARPS = 8  # threads a row: a warp per 256 elements, up to 8 warps
 @dataclasses.dataclass(frozen=True)
 class LayerNormKernel:
     """``y = (x - mean) * rsqrt(var + eps) * gamma + beta`` over the last axis of x (float32), written as float32 and
-    as fp16 (``y16``, in the shape the graph's cast has: a view of the same elements)."""
+    as what the next layer reads: fp16 (its cast), or, with ``quantize`` (an int8 graph's per-token input), the
+    row's scale ``where(max|y| > 0, max|y| / q, 1)`` ([..., 1]) and ``int8(clamp(round(y / scale), lo, hi))``. The
+    second output in the shape the graph has it (``second_shape``: a view of the same elements)."""
 
     name: str
     shape: tuple[int, ...]  # x's and y's
     epsilon: float
-    y16_shape: tuple[int, ...]
+    second_shape: tuple[int, ...]
+    quantize: float | None = None  # q of the per-token scale (int8), None: an fp16 cast
+    clamp: tuple[float, float] = (-127.0, 127.0)
 
     @property
     def function(self) -> str:
@@ -56,7 +66,8 @@ class LayerNormKernel:
 @dataclasses.dataclass(frozen=True)
 class ClaimedLayerNorm:
     """A layer norm the kernel took: the Relax variables of its operands, its float32 output (the layer norm's own
-    variable), the graph's fp16 cast of it, and the reshape between them (or None)."""
+    variable), the graph's fp16 cast of it or its int8 quantize (``cast``), the per-token scale (int8), and the
+    bindings between them that go (a reshape; the division, rounding and clamps)."""
 
     kernel: LayerNormKernel
     x: object
@@ -64,7 +75,8 @@ class ClaimedLayerNorm:
     beta: object
     output: object
     cast: object
-    between: object | None
+    between: tuple = ()
+    scale: object = None
 
 
 def twin_prim_func(kernel: LayerNormKernel):
@@ -85,8 +97,19 @@ def twin_prim_func(kernel: LayerNormKernel):
                      "x_var_sum")
     y = te.compute(kernel.shape, lambda *i: (x[i] - mean[i[:-1]]) * tirx.rsqrt(
         var[i[:-1]] / width + tirx.const(kernel.epsilon, "float32")) * gamma[i[-1]] + beta[i[-1]], "y")
-    y16 = te.compute(kernel.shape, lambda *i: y[i].astype("float16"), "y16")
-    return te.create_prim_func([x, gamma, beta, y, y16])
+    if kernel.quantize is None:
+        y16 = te.compute(kernel.shape, lambda *i: y[i].astype("float16"), "y16")
+        return te.create_prim_func([x, gamma, beta, y, y16])
+    # the per-token scale as pipeline._row_scale computes it, and the quantize as the graph writes it
+    f32 = lambda v: tirx.const(v, "float32")  # noqa: E731
+    k3 = te.reduce_axis((0, c), "k3")
+    amax = te.compute((*lead, 1), lambda *i: te.max(te.abs(y[(*i[:-1], k3)]), axis=k3), "amax")
+    scale = te.compute((*lead, 1), lambda *i: tirx.Select(amax[i] > f32(0.0), amax[i] / f32(kernel.quantize),
+                                                          f32(1.0)), "scale")
+    lo, hi = kernel.clamp
+    q8 = te.compute(kernel.shape, lambda *i: te.min(te.max(tirx.round(y[i] / scale[(*i[:-1], 0)]), f32(lo)),
+                                                    f32(hi)).astype("int8"), "q8")
+    return te.create_prim_func([x, gamma, beta, y, scale, q8])
 
 
 def prim_func(kernel: LayerNormKernel):
@@ -96,13 +119,23 @@ def prim_func(kernel: LayerNormKernel):
 
     tvm = import_tvm()
     sch = Schedule(tvm.IRModule({"main": twin_prim_func(kernel)}))
-    y, y16 = sch.get_sblock("y"), sch.get_sblock("y16")
+    y = sch.get_sblock("y")
     loops = sch.get_loops(y)
     row = sch.fuse(*loops[:-1]) if len(loops) > 2 else loops[0]
     _, tx = sch.split(loops[-1], [None, kernel.threads])
     sch.bind(row, "blockIdx.x")
     sch.bind(tx, "threadIdx.x")
-    sch.reverse_compute_at(y16, tx)
+    if kernel.quantize is None:
+        sch.reverse_compute_at(sch.get_sblock("y16"), tx)
+    else:  # after y: max|y| across the threads (each reads the elements it wrote), the scale, the quantize
+        for name in ("amax", "scale", "q8"):
+            block = sch.get_sblock(name)
+            sch.reverse_compute_at(block, row)
+            if name == "amax":
+                sch.set_scope(block, 0, "shared")
+            if name != "scale":
+                _, t = sch.split(sch.get_loops(block)[-1], [None, kernel.threads])
+                sch.bind(t, "threadIdx.x")
     for name in ("x_var_sum", "x_mean", "x_sum"):
         block = sch.get_sblock(name)
         sch.compute_at(block, row)
@@ -115,24 +148,65 @@ def prim_func(kernel: LayerNormKernel):
 
 def kernel_record(kernel: LayerNormKernel) -> dict:
     """What the manifest says of one layer-norm kernel."""
+    outputs = ["float32", "float16"] if kernel.quantize is None else ["float32", "float32 per-token scale", "int8"]
     return {"function": kernel.function, "template": "edgeq layer norm (TIR: a row a block, warp-shuffle "
-            "reductions, float32 and fp16 outputs)", "threads": kernel.threads, "grid": list(kernel.grid),
-            "shape": list(kernel.shape), "epsilon": kernel.epsilon, "outputs": ["float32", "float16"]}
+            f"reductions, {', '.join(outputs)} outputs)", "threads": kernel.threads, "grid": list(kernel.grid),
+            "shape": list(kernel.shape), "epsilon": kernel.epsilon, "outputs": outputs}
 
 
-def find_layer_norms(main) -> list[ClaimedLayerNorm]:
-    """The float32 ``layer_norm`` calls of ``main`` over the last axis (with scale and shift weights) whose output
-    is also read as fp16: ``astype(y, float16)``, maybe through a reshape."""
-    from edgeq.graph import call_op
+def find_layer_norms(mod) -> list[ClaimedLayerNorm]:
+    """The float32 ``layer_norm`` calls of ``mod``'s main over the last axis (with scale and shift weights) whose
+    output the next layer also reads as fp16, ``astype(y, float16)`` (maybe through a reshape), or as int8 with a
+    per-token scale: ``s = row_scale(y)`` (``pipeline.row_scales_in_one_kernel``'s function) and ``astype(minimum(
+    maximum(round(y / s), lo), hi), int8)``."""
+    from edgeq.backends.cuda.pipeline import ROW_SCALE_ATTR
+    from edgeq.graph import call_op, const_value
     from edgeq.graph_passes import dtype_of, shape_of
 
+    main = mod["main"]
     bindings = [b for block in main.body.blocks for b in block.bindings]
     value_of = {b.var: b.value for b in bindings}
     readers: dict = {}
     for b in bindings:
         for v in set(_free_vars(b.value)):
             readers.setdefault(v, []).append(b.var)
+    for v in _free_vars(main.body.body):
+        readers.setdefault(v, []).append(None)
     params = set(main.params[int(main.attrs["num_input"]):])
+
+    def only_reader(var, op):
+        r = readers.get(var, [])
+        return r[0] if len(r) == 1 and r[0] is not None and call_op(value_of[r[0]]) == op else None
+
+    def scalar(expr):
+        value = const_value(expr)
+        return float(value.reshape(-1)[0]) if value is not None and value.size == 1 else None
+
+    def row_scale_q(var) -> float | None:
+        value = value_of.get(var)
+        if call_op(value) != "relax.call_tir" or len(value.args[1].fields) != 1:
+            return None
+        func = mod.functions.get(value.args[0]) if value.args[0] in mod.functions else None
+        q = (func.attrs or {}).get(ROW_SCALE_ATTR) if func is not None else None
+        return float(q) if q is not None else None
+
+    def quantized(var):  # (scale, [the bindings between], int8 var, (lo, hi), q) or None
+        scale = next((r for r in readers.get(var, []) if r is not None and row_scale_q(r) is not None), None)
+        divide = next((r for r in readers.get(var, []) if r is not None and call_op(value_of[r]) == "relax.divide"
+                       and value_of[r].args[0].same_as(var) and value_of[r].args[1].same_as(scale)), None)
+        if scale is None or divide is None:
+            return None
+        rounded = only_reader(divide, "relax.round")
+        low = only_reader(rounded, "relax.maximum") if rounded is not None else None
+        high = only_reader(low, "relax.minimum") if low is not None else None
+        cast = only_reader(high, "relax.astype") if high is not None else None
+        if cast is None or dtype_of(cast) != "int8":
+            return None
+        lo, hi = scalar(value_of[low].args[1]), scalar(value_of[high].args[1])
+        if lo is None or hi is None or not -128 <= lo <= hi <= 127:
+            return None
+        return scale, (divide, rounded, low, high), cast, (lo, hi), row_scale_q(scale)
+
     found = []
     for b in bindings:
         value = b.value
@@ -146,21 +220,27 @@ def find_layer_norms(main) -> list[ClaimedLayerNorm]:
                 or gamma not in params or beta not in params or shape_of(gamma) != [shape[-1]] \
                 or shape_of(beta) != [shape[-1]] or dtype_of(x) != "float32":
             continue
-        cast = between = None
+        name = f"n{len(found)}"
+        int8 = quantized(b.var)
+        if int8 is not None:
+            scale, between, cast, clamp, q = int8
+            kernel = LayerNormKernel(name, tuple(shape), float(attrs.epsilon), tuple(shape_of(cast)), q, clamp)
+            found.append(ClaimedLayerNorm(kernel, x, gamma, beta, b.var, cast, between, scale))
+            continue
+        cast, between = None, ()
         for r in readers.get(b.var, []):
-            rv = value_of[r]
+            rv = value_of.get(r)
             if call_op(rv) == "relax.astype" and dtype_of(r) == "float16":
                 cast = r
-            elif call_op(rv) == "relax.reshape" and len(readers.get(r, [])) == 1:
-                after = readers[r][0]
-                if call_op(value_of[after]) == "relax.astype" and dtype_of(after) == "float16":
-                    cast, between = after, r
+            elif call_op(rv) == "relax.reshape":
+                after = only_reader(r, "relax.astype")
+                if after is not None and dtype_of(after) == "float16":
+                    cast, between = after, (r,)
             if cast is not None:
                 break
-        if cast is None:
-            continue
-        kernel = LayerNormKernel(f"n{len(found)}", tuple(shape), float(attrs.epsilon), tuple(shape_of(cast)))
-        found.append(ClaimedLayerNorm(kernel, x, gamma, beta, b.var, cast, between))
+        if cast is not None:
+            kernel = LayerNormKernel(name, tuple(shape), float(attrs.epsilon), tuple(shape_of(cast)))
+            found.append(ClaimedLayerNorm(kernel, x, gamma, beta, b.var, cast, between))
     return found
 
 
@@ -186,8 +266,9 @@ def claim_layer_norms(mod, claimed: Sequence[ClaimedLayerNorm], twins: bool = Fa
     functions = dict(bb.get().functions)
     by_output = {c.output: c for c in claimed}
     by_cast = {c.cast: c for c in claimed}
-    dropped = {c.between for c in claimed if c.between is not None}
-    pairs = {}
+    by_scale = {c.scale: c for c in claimed if c.scale is not None}
+    dropped = {var for c in claimed for var in c.between}
+    outputs = {}
     blocks = []
     for block in main.body.blocks:
         new = []
@@ -197,16 +278,22 @@ def claim_layer_norms(mod, claimed: Sequence[ClaimedLayerNorm], twins: bool = Fa
             c = by_output.get(b.var)
             if c is not None:
                 k = c.kernel
-                out = [relax.TensorType(list(k.shape), "float32"), relax.TensorType(list(k.shape), "float16")]
-                pair = relax.Var(f"{b.var.name}_pair", relax.TupleType(out))
-                call = relax.call_tir(gvars[k.name], relax.Tuple([c.x, c.gamma, c.beta]), out)
-                new.append(relax.VarBinding(pair, call))
-                pairs[c.kernel.name] = pair
-                b = relax.VarBinding(b.var, relax.TupleGetItem(pair, 0))
+                second = [relax.TensorType(list(k.shape), "float16")] if k.quantize is None else [
+                    relax.TensorType([*k.shape[:-1], 1], "float32"), relax.TensorType(list(k.shape), "int8")]
+                out = [relax.TensorType(list(k.shape), "float32"), *second]
+                tup = relax.Var(f"{b.var.name}_outputs", relax.TupleType(out))
+                new.append(relax.VarBinding(tup, relax.call_tir(gvars[k.name], relax.Tuple([c.x, c.gamma, c.beta]),
+                                                                out)))
+                outputs[k.name] = tup
+                b = relax.VarBinding(b.var, relax.TupleGetItem(tup, 0))
+            c = by_scale.get(b.var)
+            if c is not None:
+                b = relax.VarBinding(b.var, relax.TupleGetItem(outputs[c.kernel.name], 1))
             c = by_cast.get(b.var)
             if c is not None:
-                half = relax.TupleGetItem(pairs[c.kernel.name], 1)
-                value = half if c.kernel.y16_shape == c.kernel.shape else relax.op.reshape(half, list(c.kernel.y16_shape))
+                k = c.kernel
+                last = relax.TupleGetItem(outputs[k.name], 1 if k.quantize is None else 2)
+                value = last if k.second_shape == k.shape else relax.op.reshape(last, list(k.second_shape))
                 b = relax.VarBinding(b.var, value)
             new.append(b)
         blocks.append(type(block)(new))

@@ -149,6 +149,9 @@ def splits_as_slices(graph: Graph) -> Graph:
     return rewrite(graph, visit)
 
 
+ROW_SCALE_ATTR = "edgeq.row_scale_q"  # on a row-scale PrimFunc: its q (the layer-norm kernel takes the scale in)
+
+
 def row_scales_in_one_kernel(graph: Graph) -> Graph:
     """A per-token scale, ``where(amax > 0, amax / q, 1)`` with ``amax = max(abs(x), axis=-1, keepdims)`` (how an
     int8 transformer's linear layers quantize their input, ``edgeq.quantize.quantize_ops._quantize_rows``), as one
@@ -182,7 +185,8 @@ def row_scales_in_one_kernel(graph: Graph) -> Graph:
         if shape is None or rw.uses(reduce.args[0]) != 1 or dtype_of(x) != "float32" \
                 or [int(a) % len(shape) for a in reduce.attrs.axis] != [len(shape) - 1]:
             return None
-        return rw.bb.call_te(_row_scale, rw.new(x), q, primfunc_name_hint="row_scale")
+        return rw.bb.call_te(_row_scale, rw.new(x), q, primfunc_name_hint="row_scale",
+                             primfunc_attrs={ROW_SCALE_ATTR: q})
 
     return rewrite(graph, visit)
 
@@ -500,7 +504,7 @@ def build(mod, target, report: GpuKernels, cutlass: tuple[int, int] | None = Non
         kernels = [c.kernel for c in claimed]
         sizes = cl.smem_sizes(kernels, target.attrs["arch"]) if kernels else {}
         mod = cl.claim_convs(mod, claimed, sizes)
-        norms = layer_norm.find_layer_norms(mod["main"])  # each with its fp16 cast: one kernel
+        norms = layer_norm.find_layer_norms(mod)  # each with its fp16 cast or int8 quantize: one kernel
         mod = layer_norm.claim_layer_norms(mod, norms)
         wrappers = cl.wrappers_in_module(kernels)
         records = {k.name: cl.kernel_record(k, sizes[k.name]) for k in kernels}
