@@ -23,6 +23,7 @@ is the function before its schedule (the host runs it: ``with_twins``), ``prim_f
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 WARP = 32
@@ -49,10 +50,7 @@ class LayerNormKernel:
 
     @property
     def rows(self) -> int:
-        out = 1
-        for d in self.shape[:-1]:
-            out *= d
-        return out
+        return math.prod(self.shape[:-1])
 
     @property
     def threads(self) -> int:
