@@ -370,7 +370,7 @@ def test_tune_goes_on_when_a_device_of_the_pool_dies(tmp_path):
     try:
         model = _conv_model(tmp_path / "conv.onnx")
         proc = subprocess.Popen([sys.executable, "-m", "edgeq", "tune", str(model), "--device", "host", "--rpc", addr,
-                                 "--key", "pool-die", "--trials", "24", "--records", str(tmp_path / "tuning.json"),
+                                 "--key", "pool-die", "--trials", "16", "--records", str(tmp_path / "tuning.json"),
                                  "--timeout", "20", "--cost-model", "random", "--json"],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         lines: list[str] = []

@@ -26,6 +26,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
+ROW_SCALE_ATTR = "edgeq.row_scale_q"  # on pipeline.row_scales_in_one_kernel's PrimFunc: its q
 WARP = 32
 MAX_WARPS = 8  # threads a row: a warp per 256 elements, up to 8 warps
 
@@ -157,7 +158,6 @@ def find_layer_norms(mod) -> list[ClaimedLayerNorm]:
     output the next layer also reads as fp16, ``astype(y, float16)`` (maybe through a reshape), or as int8 with a
     per-token scale: ``s = row_scale(y)`` (``pipeline.row_scales_in_one_kernel``'s function) and ``astype(minimum(
     maximum(round(y / s), lo), hi), int8)``."""
-    from edgeq.backends.cuda.pipeline import ROW_SCALE_ATTR
     from edgeq.graph import call_op, const_value
     from edgeq.graph_passes import dtype_of, shape_of
 

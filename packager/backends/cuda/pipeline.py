@@ -149,9 +149,6 @@ def splits_as_slices(graph: Graph) -> Graph:
     return rewrite(graph, visit)
 
 
-ROW_SCALE_ATTR = "edgeq.row_scale_q"  # on a row-scale PrimFunc: its q (the layer-norm kernel takes the scale in)
-
-
 def row_scales_in_one_kernel(graph: Graph) -> Graph:
     """A per-token scale, ``where(amax > 0, amax / q, 1)`` with ``amax = max(abs(x), axis=-1, keepdims)`` (how an
     int8 transformer's linear layers quantize their input, ``edgeq.quantize.quantize_ops._quantize_rows``), as one
@@ -185,6 +182,8 @@ def row_scales_in_one_kernel(graph: Graph) -> Graph:
         if shape is None or rw.uses(reduce.args[0]) != 1 or dtype_of(x) != "float32" \
                 or [int(a) % len(shape) for a in reduce.attrs.axis] != [len(shape) - 1]:
             return None
+        from edgeq.backends.cuda.layer_norm import ROW_SCALE_ATTR
+
         return rw.bb.call_te(_row_scale, rw.new(x), q, primfunc_name_hint="row_scale",
                              primfunc_attrs={ROW_SCALE_ATTR: q})
 
