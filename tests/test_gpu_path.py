@@ -574,7 +574,7 @@ def test_resnet18_fp32_fp16_int8_builds_for_orin(tmp_path):
 
 
 @pytest.mark.slow
-def test_mobilenet_v2_fp32_fp16_int8_builds_for_orin(tmp_path):
+def test_mobilenet_v2_fp16_int8_builds_for_orin(tmp_path):
     """MobileNetV2, 224x224: 35 1x1 convolutions, 17 depthwise ones (no GEMM: never tensor cores), the stem, the
     classifier. The 1x1 convolutions of the 96-channel stage (14x14, 96 <-> 576 channels) are the ones whose
     M, N and K are all over 64. fp16 and int8 (the fp32 build of the same path: the ResNet-18 test)."""
