@@ -1496,14 +1496,9 @@ def _const_scalar(expr, value_of=None) -> float | None:
     return float(value.reshape(-1)[0]) if value is not None and value.size == 1 else None
 
 
-def find_convs(main, sm_count: int, smem_per_block: int) -> tuple[list[Claimed], list[dict]]:
-    """The fp16 chains ``conv2d(NHWC, OHWI, fp32 out) -> astype fp16 -> + bias -> [+ residual] -> [relu | relu6 | silu]
-    -> [astype float32]``
-    of ``main`` whose intermediate values have no other reader, as kernels; and the conv2d calls left out, each
-    with why (for the manifest)."""
-    from edgeq.graph import call_op
-    from edgeq.graph_passes import dtype_of, shape_of
-
+def main_index(main) -> tuple[list, dict, dict, set]:
+    """What a pass matching chains in ``main`` looks up: its bindings in order, {var: bound value}, {var: the vars
+    of the bindings that read it, None for main's output}, and its weight parameters."""
     bindings = [b for block in main.body.blocks for b in block.bindings]
     value_of = {b.var: b.value for b in bindings}
     readers: dict = {}
@@ -1512,7 +1507,18 @@ def find_convs(main, sm_count: int, smem_per_block: int) -> tuple[list[Claimed],
             readers.setdefault(v, []).append(b.var)
     for v in _free_vars(main.body.body):
         readers.setdefault(v, []).append(None)
-    params = set(main.params[int(main.attrs["num_input"]):])
+    return bindings, value_of, readers, set(main.params[int(main.attrs["num_input"]):])
+
+
+def find_convs(main, sm_count: int, smem_per_block: int) -> tuple[list[Claimed], list[dict]]:
+    """The fp16 chains ``conv2d(NHWC, OHWI, fp32 out) -> astype fp16 -> + bias -> [+ residual] -> [relu | relu6 | silu]
+    -> [astype float32]``
+    of ``main`` whose intermediate values have no other reader, as kernels; and the conv2d calls left out, each
+    with why (for the manifest)."""
+    from edgeq.graph import call_op
+    from edgeq.graph_passes import dtype_of, shape_of
+
+    bindings, value_of, readers, params = main_index(main)
 
     def only_reader(var):
         r = readers.get(var, [])
@@ -2102,30 +2108,36 @@ def _free_vars(expr):
 def claim_convs(mod, claimed: Sequence[Claimed], sizes: dict[str, int]):
     """``mod`` with each claimed chain replaced by one ``call_tir`` of its kernel's PrimFunc (added to the module):
     the chain's last binding becomes the call, its other bindings go."""
+    from edgeq.tvm_env import relax
+
+    by_output = {c.output: c for c in claimed}
+    dropped = {var for c in claimed for var in c.chain}
+
+    def rebind(b, gvars):
+        if b.var in dropped:
+            return []
+        c = by_output.get(b.var)
+        if c is None:
+            return [b]
+        return [relax.VarBinding(b.var, relax.call_tir(gvars[c.kernel.function], relax.Tuple(c.operands()),
+                                                       _ty(b.var)))]
+
+    return rebuild_main(mod, {c.kernel.function: prim_func(c.kernel, sizes[c.kernel.name], c.shapes)
+                              for c in claimed}, rebind)
+
+
+def rebuild_main(mod, functions: dict, rebind):
+    """``mod`` with ``functions`` ({name: PrimFunc}) added and each binding of main replaced by the bindings
+    ``rebind(binding, {name: GlobalVar})`` returns (none: the binding goes)."""
     from edgeq.tvm_env import relax, tvm
 
     main = mod["main"]
-    by_output = {c.output: c for c in claimed}
-    dropped = {var for c in claimed for var in c.chain}
     bb = relax.BlockBuilder(mod)
-    gvars = {c.kernel.name: bb.add_func(prim_func(c.kernel, sizes[c.kernel.name], c.shapes), c.kernel.function)
-             for c in claimed}
-    functions = dict(bb.get().functions)
-    blocks = []
-    for block in main.body.blocks:
-        new = []
-        for b in block.bindings:
-            if b.var in dropped:
-                continue
-            c = by_output.get(b.var)
-            if c is not None:
-                call = relax.call_tir(gvars[c.kernel.name], relax.Tuple(c.operands()), _ty(b.var))
-                b = relax.VarBinding(b.var, call)
-            new.append(b)
-        blocks.append(type(block)(new))
-    body = relax.SeqExpr(blocks, main.body.body)
-    out = tvm.IRModule(functions)
-    out["main"] = relax.Function(main.params, body, main.ret_ty, main.is_pure, main.attrs)
+    gvars = {name: bb.add_func(func, name) for name, func in functions.items()}
+    blocks = [type(block)([new for b in block.bindings for new in rebind(b, gvars)]) for block in main.body.blocks]
+    out = tvm.IRModule(dict(bb.get().functions))
+    out["main"] = relax.Function(main.params, relax.SeqExpr(blocks, main.body.body), main.ret_ty, main.is_pure,
+                                 main.attrs)
     return out
 
 

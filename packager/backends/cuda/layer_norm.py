@@ -158,33 +158,21 @@ def find_layer_norms(mod) -> list[ClaimedLayerNorm]:
     output the next layer also reads as fp16, ``astype(y, float16)`` (maybe through a reshape), or as int8 with a
     per-token scale: ``s = row_scale(y)`` (``pipeline.row_scales_in_one_kernel``'s function) and ``astype(minimum(
     maximum(round(y / s), lo), hi), int8)``."""
-    from edgeq.graph import call_op, const_value
+    from edgeq.backends.cuda.cutlass import _const_scalar, main_index
+    from edgeq.graph import call_op
     from edgeq.graph_passes import dtype_of, shape_of
 
-    main = mod["main"]
-    bindings = [b for block in main.body.blocks for b in block.bindings]
-    value_of = {b.var: b.value for b in bindings}
-    readers: dict = {}
-    for b in bindings:
-        for v in set(_free_vars(b.value)):
-            readers.setdefault(v, []).append(b.var)
-    for v in _free_vars(main.body.body):
-        readers.setdefault(v, []).append(None)
-    params = set(main.params[int(main.attrs["num_input"]):])
+    bindings, value_of, readers, params = main_index(mod["main"])
 
     def only_reader(var, op):
         r = readers.get(var, [])
         return r[0] if len(r) == 1 and r[0] is not None and call_op(value_of[r[0]]) == op else None
 
-    def scalar(expr):
-        value = const_value(expr)
-        return float(value.reshape(-1)[0]) if value is not None and value.size == 1 else None
-
     def row_scale_q(var) -> float | None:
         value = value_of.get(var)
         if call_op(value) != "relax.call_tir" or len(value.args[1].fields) != 1:
             return None
-        func = mod.functions.get(value.args[0]) if value.args[0] in mod.functions else None
+        func = mod.functions.get(value.args[0])
         q = (func.attrs or {}).get(ROW_SCALE_ATTR) if func is not None else None
         return float(q) if q is not None else None
 
@@ -200,7 +188,7 @@ def find_layer_norms(mod) -> list[ClaimedLayerNorm]:
         cast = only_reader(high, "relax.astype") if high is not None else None
         if cast is None or dtype_of(cast) != "int8":
             return None
-        lo, hi = scalar(value_of[low].args[1]), scalar(value_of[high].args[1])
+        lo, hi = _const_scalar(value_of[low].args[1]), _const_scalar(value_of[high].args[1])
         if lo is None or hi is None or not -128 <= lo <= hi <= 127:
             return None
         return scale, (divide, rounded, low, high), cast, (lo, hi), row_scale_q(scale)
@@ -242,60 +230,46 @@ def find_layer_norms(mod) -> list[ClaimedLayerNorm]:
     return found
 
 
-def _free_vars(expr):
-    from edgeq.tvm_env import relax
-
-    return relax.analysis.free_vars(expr)
-
-
 def claim_layer_norms(mod, claimed: Sequence[ClaimedLayerNorm], twins: bool = False):
     """``mod`` with each claimed layer norm one call of its kernel (``twins``: of its host twin) returning both
     outputs: the layer norm's variable is the first, the cast's the second (reshaped to the cast's shape: a view),
     the reshape between them goes."""
-    from edgeq.tvm_env import relax, tvm
+    from edgeq.backends.cuda.cutlass import rebuild_main
+    from edgeq.tvm_env import relax
 
-    main = mod["main"]
-    bb = relax.BlockBuilder(mod)
-    gvars = {}
-    for c in claimed:
-        func = (twin_prim_func(c.kernel).with_attrs({"global_symbol": c.kernel.function, "op_pattern": 8})
-                if twins else prim_func(c.kernel))
-        gvars[c.kernel.name] = bb.add_func(func, c.kernel.function)
-    functions = dict(bb.get().functions)
     by_output = {c.output: c for c in claimed}
     by_cast = {c.cast: c for c in claimed}
     by_scale = {c.scale: c for c in claimed if c.scale is not None}
     dropped = {var for c in claimed for var in c.between}
     outputs = {}
-    blocks = []
-    for block in main.body.blocks:
+
+    def rebind(b, gvars):
+        if b.var in dropped:
+            return []
         new = []
-        for b in block.bindings:
-            if b.var in dropped:
-                continue
-            c = by_output.get(b.var)
-            if c is not None:
-                k = c.kernel
-                second = [relax.TensorType(list(k.shape), "float16")] if k.quantize is None else [
-                    relax.TensorType([*k.shape[:-1], 1], "float32"), relax.TensorType(list(k.shape), "int8")]
-                out = [relax.TensorType(list(k.shape), "float32"), *second]
-                tup = relax.Var(f"{b.var.name}_outputs", relax.TupleType(out))
-                new.append(relax.VarBinding(tup, relax.call_tir(gvars[k.name], relax.Tuple([c.x, c.gamma, c.beta]),
-                                                                out)))
-                outputs[k.name] = tup
-                b = relax.VarBinding(b.var, relax.TupleGetItem(tup, 0))
-            c = by_scale.get(b.var)
-            if c is not None:
-                b = relax.VarBinding(b.var, relax.TupleGetItem(outputs[c.kernel.name], 1))
-            c = by_cast.get(b.var)
-            if c is not None:
-                k = c.kernel
-                last = relax.TupleGetItem(outputs[k.name], 1 if k.quantize is None else 2)
-                value = last if k.second_shape == k.shape else relax.op.reshape(last, list(k.second_shape))
-                b = relax.VarBinding(b.var, value)
-            new.append(b)
-        blocks.append(type(block)(new))
-    body = relax.SeqExpr(blocks, main.body.body)
-    out = tvm.IRModule(functions)
-    out["main"] = relax.Function(main.params, body, main.ret_ty, main.is_pure, main.attrs)
-    return out
+        c = by_output.get(b.var)
+        if c is not None:
+            k = c.kernel
+            second = [relax.TensorType(list(k.shape), "float16")] if k.quantize is None else [
+                relax.TensorType([*k.shape[:-1], 1], "float32"), relax.TensorType(list(k.shape), "int8")]
+            out = [relax.TensorType(list(k.shape), "float32"), *second]
+            tup = relax.Var(f"{b.var.name}_outputs", relax.TupleType(out))
+            new.append(relax.VarBinding(tup, relax.call_tir(gvars[k.function], relax.Tuple([c.x, c.gamma, c.beta]),
+                                                            out)))
+            outputs[k.name] = tup
+            b = relax.VarBinding(b.var, relax.TupleGetItem(tup, 0))
+        c = by_scale.get(b.var)
+        if c is not None:
+            b = relax.VarBinding(b.var, relax.TupleGetItem(outputs[c.kernel.name], 1))
+        c = by_cast.get(b.var)
+        if c is not None:
+            k = c.kernel
+            last = relax.TupleGetItem(outputs[k.name], 1 if k.quantize is None else 2)
+            value = last if k.second_shape == k.shape else relax.op.reshape(last, list(k.second_shape))
+            b = relax.VarBinding(b.var, value)
+        return [*new, b]
+
+    functions = {c.kernel.function: (twin_prim_func(c.kernel).with_attrs({"global_symbol": c.kernel.function,
+                                                                          "op_pattern": 8})
+                                     if twins else prim_func(c.kernel)) for c in claimed}
+    return rebuild_main(mod, functions, rebind)
