@@ -360,6 +360,13 @@ def test_kernels_compile_in_a_tvm_module_to_tensor_cores(profile, precision, nvr
                                               out_div=0.25, lo=-128.0, hi=127.0, float_out=name == "1x1s2",
                                               silu=name == "1x1s2", post=name == "stem7x7s2",
                                               x_view=(16, 32) if name == "3x3-residual" else None))
+            if name == "3x3-residual":  # a downsampling block's second conv, which adds the shortcut's float32
+                # output (the epilogue's source float, the int8 output through its second output, T); the last block
+                # before a global pool: an int8 residual, float32 out
+                kernels.append(cutlass.ConvKernel("f32_residual", problem, tile, "relu", True, "int8", 1.0, 0.0,
+                                                  out_div=0.25, residual_dtype="float32"))
+                kernels.append(cutlass.ConvKernel("int8_residual_f32_out", problem, tile, "relu", True, "int8", 0.5,
+                                                  0.0, float_out=True, residual_dtype="int8"))
         else:  # the 1x1 shortcut writes float32 (a classifier whose logits the graph casts to float32), after a
             # GELU (a transformer FFN's: CUTLASS's GELU<float>, erff)
             kernels.append(cutlass.ConvKernel(name.replace("-", "_"), problem, tile,
@@ -416,6 +423,12 @@ def test_kernels_compile_in_a_tvm_module_to_tensor_cores(profile, precision, nvr
     if precision == "fp16":
         assert "GroupMode::kMultipleGroup" in source and "GroupMode::kSingleGroup" in source
         assert source.count("reinterpret_cast<half_t*>(bias), layout::TensorNHWC(0, 0, 0)") == 2
+    if precision == "int8":  # a residual of another type than the output: the source has its type, y is T
+        for name, res, out in (("f32_residual", "float", "int8_t"), ("int8_residual_f32_out", "int8_t", "float")):
+            wrapper = re.search(rf"void edgeq_cutlass_{name}\(([^)]*)\)", source).group(1)
+            assert f"{res}* residual" in wrapper and f"{out}* y" in wrapper, wrapper
+            assert f"Requantize<4, {out}, {res}>" in source
+        assert source.count("conv::SplitKMode::kSerial, channel, y, 0, 16)") == 2
     for kern in kernels:  # a float32 output is written as float32 by the epilogue (its ElementOutput)
         wrapper = re.search(rf"void edgeq_cutlass_{kern.name}\(([^)]*)\)", source)
         assert wrapper and ("float* y" if kern.float_out else "* y") in wrapper.group(1), kern.name
@@ -646,9 +659,10 @@ def test_the_rewritten_int8_graph_runs_on_the_host_as_the_graph(tmp_path):
     """``--gpu-kernels cutlass`` on an int8 ResNet (edgeq's calibration, BatchNorm folded after quantization as
     the CUDA path does): every convolution claimed by an int8 CUTLASS kernel, its requantizing chain (bias, scale,
     the BatchNorm's shift, a dequantized residual, ReLU and ReLU6 before the output's quantize) in the epilogue, or,
-    where no quantize follows (two float branches summed, the last layer), a float32 output; the rewritten module
-    with each kernel's plain TIR twin in its place, run on this machine, equals the graph before the rewrite bit for
-    bit."""
+    where no quantize follows, a float32 output. The downsampling block's two branches, float32 and summed: the
+    shortcut writes float32 and the second conv adds it in its epilogue and quantizes (no add kernel after them);
+    the last block (before the global pool) adds its int8 residual and writes float32. The rewritten module with each
+    kernel's plain TIR twin in its place, run on this machine, equals the graph before the rewrite bit for bit."""
     from test_gpu_path import resnet
 
     from edgeq.backends import for_profile
@@ -660,7 +674,7 @@ def test_the_rewritten_int8_graph_runs_on_the_host_as_the_graph(tmp_path):
 
     profile = resolve("jetson-orin-nano")[0]
     backend = for_profile(profile).with_gpu_kernels("cutlass", profile, "int8")
-    model = resnet(tmp_path / "r.onnx", size=32, widths=(16, 32), blocks=1, stem=3, activations=("Relu", "Relu6"))
+    model = resnet(tmp_path / "r.onnx", size=32, widths=(16, 32), blocks=2, stem=3, activations=("Relu", "Relu6"))
     loaded = load_model(model, {}, {})
     graph, _ = to_relax(loaded)
     calib = tmp_path / "calib.npz"
@@ -673,12 +687,20 @@ def test_the_rewritten_int8_graph_runs_on_the_host_as_the_graph(tmp_path):
     assert all(c.kernel.precision == "int8" for c in claimed)
     kinds = {(c.kernel.activation, c.kernel.residual, c.kernel.float_out) for c in claimed}
     assert ("relu6", True, False) in kinds and ("relu", False, False) in kinds, kinds
-    # the downsampling block's two branches (float32, summed after) and the last conv: float32 out, unrounded
-    assert ("identity", False, True) in kinds, kinds
+    # (residual's dtype, output's dtype) of the kernels with a residual: int8 blocks, the downsampling block's
+    # second conv (the shortcut's float32 output: the shortcut's kernel writes float32, unrounded), the last block
+    residuals = [(c.kernel.residual_type, c.kernel.output_dtype) for c in claimed if c.kernel.residual]
+    assert residuals == [("int8", "int8")] * 2 + [("float32", "int8"), ("int8", "float32")], residuals
+    shortcut = next(c for c in claimed if c.kernel.residual_type == "float32").residual
+    assert [c.kernel.float_out for c in claimed if c.output.same_as(shortcut)] == [True]
     assert claimed[0].kernel.problem.c == 16 and claimed[0].kernel.problem.c_real == 3  # the stem, padded to 16
     rewritten = cutlass.claim_convs(prepared.mod, claimed, {c.kernel.name: 49152 for c in claimed})
     launches = [b.value for b in Graph(rewritten, prepared.weights).bindings() if call_op_name(b.value) == "relax.call_tir"]
     assert len(launches) == len(claimed)
+    ops = [call_op_name(b.value) for b in Graph(rewritten, prepared.weights).bindings()]
+    # between the input's quantize and the global pool only kernels: every residual add and requantize is in one
+    body = ops[ops.index("relax.call_tir"):ops.index("relax.mean")]
+    assert body == ["relax.call_tir"] * len(claimed), ops
     twin = Graph(cutlass.with_twins(rewritten, claimed), prepared.weights)
     run_twin, run_graph = HostRunner(twin), HostRunner(prepared)
     for seed in range(3):

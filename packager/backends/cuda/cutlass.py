@@ -101,40 +101,57 @@ struct RequantParams {
   int32_t const* bias; float const* scale; float const* shift; float residual_scale; float act_lo; float act_hi;
   float out_div; float lo; float hi; int residual; int silu; float const* post;
 };
-template <int N, typename Out = int8_t>
+// Res: the residual's type where it is not the output's (an int8 output with the float32 residual of another int8
+// layer whose output is float, a ResNet's downsampling shortcut; a float output with an int8 residual, the last
+// block before a global pool). The epilogue's source C (and its unused Z) then has the residual's type and the
+// output goes out through the epilogue's second output, T (Out, row stride ldt).
+template <int N, typename Out = int8_t, typename Res = Out>
 class Requantize {  // Out float: the value before the division, unrounded (an int8 layer whose output is float)
  public:
-  using ElementOutput = Out; using ElementD = Out; using ElementC = Out;
+  static bool const kSame = cutlass::platform::is_same<Out, Res>::value;
+  using ElementOutput = Res; using ElementD = Res; using ElementC = Res;
   using ElementAccumulator = int32_t; using ElementCompute = float; using ElementScalar = float;
-  using ElementZ = Out; using ElementT = Out; using ElementVector = float;
+  using ElementZ = Res; using ElementT = Out; using ElementVector = float;
   static int const kElementsPerAccess = N; static int const kCount = N;
   static bool const IsEltActSupported = true; static bool const kIsSingleSource = true;
   using FragmentAccumulator = cutlass::Array<int32_t, N>; using FragmentCompute = cutlass::Array<float, N>;
-  using FragmentC = cutlass::Array<Out, N>; using FragmentZ = cutlass::Array<Out, N>;
+  using FragmentC = cutlass::Array<Res, N>; using FragmentZ = cutlass::Array<Res, N>;
   using FragmentT = cutlass::Array<Out, N>; using FragmentSource = FragmentC; using FragmentOutput = FragmentZ;
   using ElementBias = float; using FragmentBias = cutlass::Array<float, N>;
-  static bool const kIsHeavy = false; static bool const kStoreZ = true; static bool const kStoreT = false;
+  static bool const kIsHeavy = false; static bool const kStoreZ = kSame; static bool const kStoreT = !kSame;
   using Params = RequantParams;
   CUTLASS_HOST_DEVICE Requantize(Params const& p) : p_(p) {}
   CUTLASS_HOST_DEVICE bool is_source_needed() const { return p_.residual != 0; }
   CUTLASS_HOST_DEVICE void set_k_partition(int, int) {}
   // An access is N consecutive output channels from channel[0] (a multiple of N: K is padded to 8): the
   // per-channel constants come in as 16-byte vector loads, once per access
-  CUTLASS_DEVICE void operator()(FragmentZ& z, FragmentT&, FragmentAccumulator const& acc, FragmentC const& c,
+  CUTLASS_DEVICE void operator()(FragmentZ& z, FragmentT& t, FragmentAccumulator const& acc, FragmentC const& c,
                                  FragmentCompute const& channel) const {
     int k0 = int(channel[0]);
+    cutlass::Array<Out, N> out;
     CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < N; i += 4) quad(z, acc, k0, i, &c);
+    for (int i = 0; i < N; i += 4) quad(out, acc, k0, i, &c);
+    store(z, t, out);
   }
-  CUTLASS_DEVICE void operator()(FragmentZ& z, FragmentT&, FragmentAccumulator const& acc,
+  CUTLASS_DEVICE void operator()(FragmentZ& z, FragmentT& t, FragmentAccumulator const& acc,
                                  FragmentCompute const& channel) const {
     int k0 = int(channel[0]);
+    cutlass::Array<Out, N> out;
     CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < N; i += 4) quad(z, acc, k0, i, static_cast<FragmentC const*>(nullptr));
+    for (int i = 0; i < N; i += 4) quad(out, acc, k0, i, static_cast<FragmentC const*>(nullptr));
+    store(z, t, out);
   }
 
  private:
-  CUTLASS_DEVICE void quad(FragmentZ& z, FragmentAccumulator const& acc, int k0, int i, FragmentC const* c) const {
+  CUTLASS_DEVICE void store(FragmentZ& z, FragmentT& t, cutlass::Array<Out, N> const& out) const {
+    if constexpr (kSame) {
+      z = out;
+    } else {
+      t = out;
+    }
+  }
+  CUTLASS_DEVICE void quad(cutlass::Array<Out, N>& z, FragmentAccumulator const& acc, int k0, int i,
+                           FragmentC const* c) const {
     int4 b = __ldg(reinterpret_cast<int4 const*>(p_.bias + k0 + i));
     float4 s = __ldg(reinterpret_cast<float4 const*>(p_.scale + k0 + i));
     float4 h = __ldg(reinterpret_cast<float4 const*>(p_.shift + k0 + i));
@@ -305,6 +322,20 @@ class ConvKernel:
     # x read in place from a wider tensor (a channel slice: one part of a split, ``pipeline.splits_as_slices``):
     # (first channel, channels of the tensor); the problem's C is the slice's
     x_view: tuple[int, int] | None = None
+    # int8: the residual's dtype where it is not the output's ("float32": another int8 layer's float output, a
+    # downsampling shortcut's; "int8" into a float output); "": the output's
+    residual_dtype: str = ""
+
+    @property
+    def residual_type(self) -> str:
+        """The residual operand's dtype."""
+        return self.residual_dtype or self.output_dtype
+
+    @property
+    def output_dtype(self) -> str:
+        if self.float_out:
+            return "float32"
+        return "int8" if self.precision == "int8" else "float16"
 
     @property
     def x_channels(self) -> int:
@@ -339,13 +370,14 @@ class ConvKernel:
     def kernel_type(self) -> str:
         (bm, bn, bk), (wm, wn, wk) = self.tile.block, self.tile.warp
         if self.precision == "int8":
-            out = "float" if self.float_out else "int8_t"
+            out, res = C_TYPES[self.output_dtype], C_TYPES[self.residual_type]
+            lanes = 4 if "float" in (out, res) else 8  # 16-byte accesses of the widest
             return (
                 "typename cutlass::conv::kernel::DefaultConv2dFpropWithBroadcast<"
                 "int8_t, cutlass::layout::TensorNHWC, int8_t, cutlass::layout::TensorNHWC, "
-                f"{out}, cutlass::layout::TensorNHWC, int32_t, cutlass::arch::OpClassTensorOp, cutlass::arch::Sm80, "
+                f"{res}, cutlass::layout::TensorNHWC, int32_t, cutlass::arch::OpClassTensorOp, cutlass::arch::Sm80, "
                 f"cutlass::gemm::GemmShape<{bm}, {bn}, {bk}>, cutlass::gemm::GemmShape<{wm}, {wn}, {wk}>, "
-                f"cutlass::gemm::GemmShape<16, 8, 32>, edgeq_cutlass::Requantize<{4 if self.float_out else 8}, {out}>, "
+                f"cutlass::gemm::GemmShape<16, 8, 32>, edgeq_cutlass::Requantize<{lanes}, {out}, {res}>, "
                 f"cutlass::gemm::threadblock::GemmIdentityThreadblockSwizzle<1>, {self.tile.stages}, "
                 "cutlass::arch::OpMultiplyAddSaturate, cutlass::conv::IteratorAlgorithm::kOptimized, "
                 f"cutlass::conv::StrideSupport::kStrided, {self.input_alignment}, {self.input_alignment}>::Kernel"
@@ -625,6 +657,13 @@ def device_source(kernels: Sequence[ConvKernel]) -> str:
         x_offset = f" + {kern.x_view[0]}" if kern.x_view else ""
         x_layout = (f"layout::TensorNHWC({ct}, {p.w * ct}, {p.h * p.w * ct})" if kern.x_view
                     else f"layout::TensorNHWC::packed({{{p.n}, {p.h}, {p.w}, {p.c}}})")
+        out_layout = f"layout::TensorNHWC::packed({{{p.n}, {p.p}, {p.q}, {p.k}}})"
+        c_ref, d_ref, tensor = f"{{reinterpret_cast<OUT*>({source}), out_layout}}", \
+            "{reinterpret_cast<OUT*>(y), out_layout}", "nullptr, 0, 0"
+        if kern.precision == "int8" and kern.residual_type != kern.output_dtype:  # out through T (row stride K)
+            res = C_TYPES[kern.residual_type]
+            c_ref = d_ref = f"{{reinterpret_cast<{res}*>(residual), out_layout}}"
+            tensor = f"y, 0, {p.k}"
         if kern.precision == "int8":
             element, out_element = "int8_t", ("float" if kern.float_out else "int8_t")
             output_op = (f"edgeq_cutlass::RequantParams{{bias, scale, shift, {_c_float(kern.residual_scale)}, "
@@ -640,12 +679,12 @@ def device_source(kernels: Sequence[ConvKernel]) -> str:
     conv::Conv2dProblemSize problem({p.n}, {p.h}, {p.w}, {p.c}, {p.k}, {p.r}, {p.s}, {p.p}, {p.q}, {p.pad[0]}, {p.pad[1]},
                                     {p.stride[0]}, {p.stride[1]}, {p.dilation[0]}, {p.dilation[1]},
                                     conv::Mode::kCrossCorrelation, 1);
-    layout::TensorNHWC out_layout = layout::TensorNHWC::packed({{{p.n}, {p.p}, {p.q}, {p.k}}});
+    layout::TensorNHWC out_layout = {out_layout};
     typename K::Arguments args(
         problem, {{reinterpret_cast<{element}*>(x){x_offset}, {x_layout}}},
         {{reinterpret_cast<{element}*>(w), layout::TensorNHWC::packed({{{p.k}, {p.r}, {p.s}, {p.c}}})}},
-        {{reinterpret_cast<{out_element}*>({source}), out_layout}}, {{reinterpret_cast<{out_element}*>(y), out_layout}},
-        {output_op}, conv::SplitKMode::kSerial, {vector}, nullptr, 0, 0);
+        {c_ref.replace("OUT", out_element)}, {d_ref.replace("OUT", out_element)},
+        {output_op}, conv::SplitKMode::kSerial, {vector}, {tensor});
     new (params) typename K::Params(args);"""))
     return "".join(out)
 
@@ -773,7 +812,7 @@ def kernel_operands(kernel: ConvKernel, shapes: dict | None = None) -> list[tupl
         ops = [("x", xs, "float16"), ("w", ws, "float16"), ("bias", bs, "float16")]
         act = "float32" if kernel.float_out else "float16"
     if kernel.residual:
-        ops.append(("residual", ys, act))
+        ops.append(("residual", ys, kernel.residual_type))
     return ops + [("y", ys, act)]
 
 
@@ -1038,6 +1077,8 @@ def kernel_record(kernel: ConvKernel, smem_bytes: int) -> dict:
         "output": "float32" if kernel.float_out else "int8" if kernel.precision == "int8" else "float16",
         "flops": p.flops,
     })
+    if kernel.residual:
+        record["residual_dtype"] = kernel.residual_type
     if kernel.precision == "int8":
         record["requantize"] = {
             "float_out": kernel.float_out, "silu": kernel.silu, "post_scale": kernel.post,
@@ -1543,7 +1584,7 @@ def find_convs(main, sm_count: int, smem_per_block: int) -> tuple[list[Claimed],
             continue
         elif dtype_of(value.args[0]) == "int8":
             found = _int8_chain(b, value_of, only_reader, follow, readers, params, sm_count, smem_per_block,
-                                f"l{len(claimed)}")
+                                f"l{len(claimed)}", taken)
         if found is not None:
             if isinstance(found, str):
                 left.append({"conv": b.var.name, "why": found})
@@ -1899,7 +1940,7 @@ def _output_shape(out, problem) -> dict:
 
 
 def _int8_chain(b, value_of, only_reader, follow, readers, params, sm_count: int, smem_per_block: int,
-                name: str) -> Claimed | str:
+                name: str, taken=frozenset()) -> Claimed | str:
     """The int8 chain from the conv2d bound by ``b`` as one Claimed kernel, or why it is left to dlight. The chain
     (what ``prepare_nhwc`` leaves of edgeq's requantization and of quantize/dequantize):
     ``conv2d(int8 NHWC, int8 OHWI) -> int32 -> + bias (int32 [K]) -> astype float32 -> * scale (per channel or
@@ -1982,12 +2023,20 @@ def _int8_chain(b, value_of, only_reader, follow, readers, params, sm_count: int
         chain = chain + silu
         nxt = only_reader(chain[-1])
     float_chain = list(chain)
-    rest = _requantize_tail(chain, nxt, value_of, only_reader, op_of, other, per_channel)
+    rest = ("its output is another kernel's residual" if nxt is not None and nxt in taken else
+            _requantize_tail(chain, nxt, value_of, only_reader, op_of, other, per_channel, taken, not depthwise))
     if depthwise and _output_shape((rest[0] if not isinstance(rest, str) else float_chain)[-1], problem):
         return "a depthwise output seen through a reshape"
-    if isinstance(rest, str):  # float32 out, with the activation clamps that follow (a ReLU6 before a global pool)
+    if isinstance(rest, str):  # float32 out, with the residual and the activation clamps that follow (a ReLU6 or
+        # a last residual block before a global pool)
         act_lo, act_hi = -math.inf, math.inf
         nxt = only_reader(float_chain[-1])
+        found = None if depthwise else _residual_of(float_chain, nxt, value_of, only_reader, op_of, other, taken, True)
+        residual, residual_scale = None, 0.0
+        if found is not None and not isinstance(found, str):
+            residual, residual_scale, joined = found
+            float_chain += joined
+            nxt = only_reader(nxt)
         while op_of(nxt) in ("relax.nn.relu", "relax.maximum", "relax.minimum"):
             c = 0.0 if op_of(nxt) == "relax.nn.relu" else _const_scalar(value_of[nxt].args[1])
             if c is None or not value_of[nxt].args[0].same_as(float_chain[-1]):
@@ -1997,22 +2046,50 @@ def _int8_chain(b, value_of, only_reader, follow, readers, params, sm_count: int
             nxt = only_reader(nxt)
         activation = {(-math.inf, math.inf): "identity", (0.0, math.inf): "relu", (0.0, 6.0): "relu6"}.get(
             (act_lo, act_hi), "clip")
-        kernel = kind(name, problem, tile, activation, False, "int8", act_lo=act_lo, act_hi=act_hi, float_out=True,
-                      silu=silu is not None)
-        return Claimed(kernel, float_chain[-1], x, w, bias, None, tuple(float_chain[:-1]),
+        res_dtype = dtype_of(residual) if residual is not None and dtype_of(residual) != "float32" else ""
+        kernel = kind(name, problem, tile, activation, residual is not None, "int8", residual_scale, act_lo=act_lo,
+                      act_hi=act_hi, float_out=True, silu=silu is not None, residual_dtype=res_dtype)
+        return Claimed(kernel, float_chain[-1], x, w, bias, residual, tuple(float_chain[:-1]),
                        {**shapes, **_output_shape(float_chain[-1], problem)}, scale, shift)
     chain, residual, residual_scale, act_lo, act_hi, out_div, lo, hi, post = rest
     activation = {(-math.inf, math.inf): "identity", (0.0, math.inf): "relu", (0.0, 6.0): "relu6"}.get(
         (act_lo, act_hi), "clip")
+    res_dtype = "float32" if residual is not None and dtype_of(residual) == "float32" else ""
     kernel = kind(name, problem, tile, activation, residual is not None, "int8", residual_scale, act_lo, act_hi,
-                  out_div, lo, hi, silu=silu is not None, post=post is not None)
+                  out_div, lo, hi, silu=silu is not None, post=post is not None, residual_dtype=res_dtype)
     if post is not None:
         shapes["post"] = per_channel(post)
     return Claimed(kernel, chain[-1], x, w, bias, residual, tuple(chain[:-1]),
                    {**shapes, **_output_shape(chain[-1], problem)}, scale, shift, post)
 
 
-def _requantize_tail(chain, nxt, value_of, only_reader, op_of, other, per_channel):
+def _residual_of(chain, nxt, value_of, only_reader, op_of, other, taken, allow_float: bool):
+    """Where ``nxt`` is ``add(chain[-1], r)`` (and no other kernel's): (the residual operand, its scale, the vars
+    that join the chain). r is a dequantized int8 tensor of the output's shape, ``float32(res) * s`` (res, s), or,
+    with ``allow_float``, a float32 tensor of that shape (r, 1.0: another int8 layer's float output, a ResNet's
+    downsampling shortcut, which the epilogue adds as it is). None where ``nxt`` is no such add's; a str: why not."""
+    from edgeq.graph_passes import dtype_of, shape_of
+
+    if op_of(nxt) != "relax.add" or nxt in taken:
+        return None
+    r = other(nxt, chain[-1])
+    if r is None:
+        return "an add of its output with itself"
+    r_cast = value_of[r].args[0] if op_of(r) == "relax.multiply" else None
+    r_scale = _const_scalar(value_of[r].args[1]) if r_cast is not None else None
+    if r_scale is not None and op_of(r_cast) == "relax.astype" and _same(only_reader(r), nxt) \
+            and _same(only_reader(r_cast), r):
+        res = value_of[r_cast].args[0]
+        if dtype_of(res) == "int8" and shape_of(res) == shape_of(chain[-1]):
+            return res, r_scale, [r_cast, r, nxt]
+    if allow_float and dtype_of(r) == "float32" and shape_of(r) == shape_of(chain[-1]) and r not in taken \
+            and not any(_same(r, v) for v in chain):
+        return r, 1.0, [nxt]
+    return "an add after it of no dequantized int8 residual (one scale) nor float32 tensor of its shape"
+
+
+def _requantize_tail(chain, nxt, value_of, only_reader, op_of, other, per_channel, taken=frozenset(),
+                     allow_float=False):
     """After an int8 convolution's scale: ``[+ float32(residual int8) * s] -> [activation clamps] -> [* post (per
     channel: a depthwise layer's input channel scale)] -> [/ s] -> round -> [max lo] [min hi] -> [astype int32] ->
     astype int8``, as (chain, residual, residual_scale, act_lo, act_hi, out_div, lo, hi, post); or why not."""
@@ -2020,18 +2097,12 @@ def _requantize_tail(chain, nxt, value_of, only_reader, op_of, other, per_channe
 
     chain = list(chain)
     residual, residual_scale, act_lo, act_hi, out_div = None, 0.0, -math.inf, math.inf, 1.0
-    if op_of(nxt) == "relax.add":  # + float32(residual) * s: a dequantized int8 tensor of the output's shape
-        r = other(nxt, chain[-1])
-        r_cast = value_of[r].args[0] if op_of(r) == "relax.multiply" else None
-        r_scale = _const_scalar(value_of[r].args[1]) if r_cast is not None else None
-        if r_scale is None or op_of(r_cast) != "relax.astype" or not _same(only_reader(r), nxt) \
-                or not _same(only_reader(r_cast), r):
-            return "an add after it that is no dequantized residual (one scale)"
-        res = value_of[r_cast].args[0]
-        if dtype_of(res) != "int8" or shape_of(res) != shape_of(chain[-1]):
-            return "a residual that is not int8 of its shape"
-        residual, residual_scale = res, r_scale
-        chain += [r_cast, r, nxt]
+    found = _residual_of(chain, nxt, value_of, only_reader, op_of, other, taken, allow_float)
+    if isinstance(found, str):
+        return found
+    if found is not None:
+        residual, residual_scale, joined = found
+        chain += joined
         nxt = only_reader(nxt)
     while op_of(nxt) in ("relax.nn.relu", "relax.maximum", "relax.minimum"):  # the activation, in float
         c = 0.0 if op_of(nxt) == "relax.nn.relu" else _const_scalar(value_of[nxt].args[1])
