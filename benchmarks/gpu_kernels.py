@@ -337,8 +337,9 @@ def kernel_sass(function: str, sass: dict[str, str]) -> str:
 
 def is_gemm(function: str) -> bool:
     """A conv/matmul kernel (FuseOps names a fused function after its operators; CUTLASS's are cutlass_*, edgeq's
-    depthwise kernels depthwise_*)."""
-    return function.startswith(("cutlass_", "depthwise_")) or any(op in function for op in ("conv2d", "matmul", "dense"))
+    depthwise kernels depthwise_*, its global pool + classifier kernels poolfc_*)."""
+    return function.startswith(("cutlass_", "depthwise_", "poolfc_")) or any(
+        op in function for op in ("conv2d", "matmul", "dense"))
 
 
 def model_flops(model: Path) -> int:
@@ -483,6 +484,22 @@ def orin_estimate(manifest: dict, device: str = DEVICE) -> dict | None:
         total_us += us
         kernels.append({"function": k["function"], "flops": k["flops"], "bytes": int(bytes_), "ctas": ctas,
                         "ctas_per_sm": per_sm, "waves": waves, "wave_efficiency": round(efficiency, 3),
+                        "compute_us": round(compute_us, 2), "memory_us": round(memory_us, 2), "us": round(us, 2),
+                        "bound": "compute" if compute_us >= memory_us else "memory"})
+    for k in record.get("pool_classifiers", []):  # CUDA cores; every block reads the whole feature map (counted
+        # as DRAM traffic, though the last convolution just wrote it to L2), the classifier's weights once
+        int8 = k["precision"] == "int8"
+        n, h, w, c = k["pooled"]
+        bytes_ = k["grid"][0] * n * h * w * c * (4 if k["input"] == "float32" else 2) \
+            + k["classes"] * c * (1 if int8 else 2) + n * k["classes"] * 4
+        per_sm = SIMT_INT32_OPS_PER_CLOCK_PER_SM if int8 else SIMT_FP32_OPS_PER_CLOCK_PER_SM
+        efficiency = k["grid"][0] / spec.sm_count
+        compute_us = k["flops"] / (per_sm * spec.sm_count * clock * efficiency) * 1e6
+        memory_us = bytes_ / (spec.memory_bandwidth_gbs * 1e9) * 1e6
+        us = max(compute_us, memory_us)
+        total_us += us
+        kernels.append({"function": k["function"], "flops": k["flops"], "bytes": int(bytes_), "ctas": k["grid"][0],
+                        "ctas_per_sm": 1, "waves": 1, "wave_efficiency": round(efficiency, 3),
                         "compute_us": round(compute_us, 2), "memory_us": round(memory_us, 2), "us": round(us, 2),
                         "bound": "compute" if compute_us >= memory_us else "memory"})
     launches = gpu["kernels_per_inference"]

@@ -1280,3 +1280,80 @@ def test_a_layer_norm_and_its_fp16_cast_are_one_kernel(shape, eps, second, nvrtc
     stores = re.findall(r"\bSTG\.E((?:\.\w+)*)", sass)
     narrow = ".U16" if second == "fp16" else ".U8"  # (a signed byte is stored as U8)
     assert any(narrow in s for s in stores) and any(s == "" for s in stores), stores  # and the 32-bit floats
+
+
+@pytest.mark.parametrize("precision", ["fp16", "int8"])
+def test_a_global_pool_and_the_batch_1_classifier_are_one_kernel(precision, nvrtc, tmp_path):
+    """A ResNet's global average pool and its classifier (16 classes) as one kernel (``pool_classifier``): found
+    after the int8 quantize or the fp16 cast of the pooled features; the rewritten module with its host twin (and
+    the CUTLASS kernels' twins) equals the graph before the rewrite bit for bit, and nothing runs between the last
+    convolution and the logits. Built for sm_87: one kernel of 8 warps on at most the SMs, reducing with warp
+    shuffles, no local memory."""
+    from test_gpu_path import resnet
+
+    from edgeq.backends import for_profile
+    from edgeq.backends.cuda import pool_classifier
+    from edgeq.compile import HostRunner
+    from edgeq.graph import Graph
+    from edgeq.load import load_model
+    from edgeq.quantize import QuantizeArgs, quantize
+    from edgeq.relax_import import to_relax
+    from edgeq.tvm_env import import_tvm
+
+    tvm = import_tvm()
+    profile = resolve("jetson-orin-nano")[0]
+    backend = for_profile(profile).with_gpu_kernels("cutlass", profile, precision)
+    model = resnet(tmp_path / "r.onnx", size=32, widths=(16, 32), blocks=1, stem=3, classes=16)
+    loaded = load_model(model, {}, {})
+    graph, _ = to_relax(loaded)
+    if precision == "int8":
+        calib = tmp_path / "calib.npz"
+        np.savez(calib, input=np.random.default_rng(1).standard_normal((10, 3, 32, 32)).astype(np.float32))
+        graph = quantize(graph, loaded, QuantizeArgs(calibrate=calib, method="minmax", samples=10),
+                         warn=lambda _: None).graph
+    prepared, _ = backend.prepare(graph, profile.tvm_target())
+    if precision == "fp16":
+        prepared = backend.to_fp16(prepared)
+    sms = profile.cuda.sm_count
+    claimed, left = cutlass.find_convs(prepared.main, sms, profile.cuda.shared_memory_per_block_optin)
+    pools = pool_classifier.find_pool_classifiers(prepared.main, claimed, sms)
+    assert left == [] and len(pools) == 1
+    kernel = pools[0].kernel
+    assert kernel.shape == (1, 16, 16, 32) and kernel.fc.problem.k == 16 and kernel.fc is claimed[-1].kernel
+    assert kernel.dtype == ("float32" if precision == "int8" else "float16")
+    assert (kernel.quantize is not None) == (precision == "int8") and kernel.blocks == 2  # 16 rows, 8 a block
+    rest = claimed[:-1]
+    rewritten = cutlass.claim_convs(prepared.mod, rest, {c.kernel.name: 49152 for c in rest})
+    twins = pool_classifier.claim_pool_classifiers(cutlass.with_twins(rewritten, rest), pools, twins=True)
+    ops = [call_op_name(b.value) for b in Graph(twins, prepared.weights).bindings()]
+    assert ops[-len(claimed):] == ["relax.call_tir"] * len(claimed), ops  # the last conv, then the logits
+    # against the graph with every layer on its CUTLASS kernel's twin (the classifier too, which writes the
+    # unrounded float32 logits as the pool kernel does), and, int8, against the graph itself: bit for bit
+    everything = cutlass.with_twins(cutlass.claim_convs(prepared.mod, claimed, {c.kernel.name: 49152 for c in claimed}),
+                                    claimed)
+    run_twin, run_cutlass = HostRunner(Graph(twins, prepared.weights)), HostRunner(Graph(everything, prepared.weights))
+    run_graph = HostRunner(prepared)
+    for seed in range(3):
+        x = np.random.default_rng(seed).standard_normal((1, 3, 32, 32)).astype(np.float32)
+        got = run_twin([x])[0]
+        np.testing.assert_array_equal(got, run_cutlass([x])[0])
+        if precision == "int8":
+            np.testing.assert_array_equal(got, run_graph([x])[0])
+        else:
+            np.testing.assert_allclose(got, run_graph([x])[0], rtol=2e-3, atol=2e-3)
+    target = tvm.target.Target({"kind": "cuda", "arch": "sm_87", "host": "llvm"})
+    from tvm.support import nvcc  # noqa: F401 - registers TVM's CUDA compile callback
+
+    with nvrtc.active(), target:
+        built = tvm.tirx.build(tvm.IRModule({kernel.function: pool_classifier.prim_func(kernel)}), target=target)
+    source = built.imports[0].inspect_source()
+    kernels = set(re.findall(r"__global__ void (?:__launch_bounds__\((\d+)\) )?(\w+)\(", source))
+    assert kernels == {("256", f"{kernel.function}_kernel")} and "__shfl_down_sync" in source, kernels
+    assert "__shared__" in source and "__syncthreads()" in source  # the pooled features, shared by the warps
+    built.export_library(str(tmp_path / "p.so"))
+    from gpu_kernels import kernel_sass, sass_by_kernel
+
+    sass = kernel_sass(kernel.function, sass_by_kernel(tmp_path / "p.so"))
+    assert re.search(r"\bSHFL\.", sass) and not re.search(r"\b(LDL|STL)\b", sass)
+    record = pool_classifier.kernel_record(kernel)
+    assert record["grid"] == [2, 1] and record["flops"] == 16 * 16 * 32 + 2 * 16 * 32

@@ -41,10 +41,13 @@ def _gpu_kernels(info) -> str:
     if cutlass is not None:  # --gpu-kernels cutlass: which convolutions it took, and why it left the others
         taken, left = len(cutlass.get("kernels", [])), cutlass.get("left", [])
         depthwise = len(cutlass.get("depthwise", []))
-        text += (f"; CUTLASS {cutlass.get('version', '?')}: {taken} of {taken + depthwise + len(left)} convolutions "
-                 "and matrix products")
+        pools = len(cutlass.get("pool_classifiers", []))
+        text += (f"; CUTLASS {cutlass.get('version', '?')}: {taken} of {taken + depthwise + pools + len(left)} "
+                 "convolutions and matrix products")
         if depthwise:
             text += f", {depthwise} depthwise on edgeq's kernel"
+        if pools:
+            text += f", {pools} batch-1 classifier(s) with the global pool before it in one kernel (edgeq's)"
         norms = len(cutlass.get("layer_norms", []))
         if norms:
             text += f"; {norms} layer norm(s) writing the next layer's fp16 or int8 input in the same kernel (edgeq's)"

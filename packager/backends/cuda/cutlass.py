@@ -2248,10 +2248,26 @@ def twin_prim_func(kernel: ConvKernel, shapes: dict | None = None):
             return v if kernel.float_out else v.astype("float16")
 
         return te.create_prim_func([a, w, te.compute(y_shape, out, "y")])
+    args, y = twin_tensors(kernel, shapes)
+    return te.create_prim_func(args + [y])
+
+
+def twin_tensors(kernel: ConvKernel, shapes: dict | None = None, x=None) -> tuple[list, object]:
+    """The TE of a convolution's ``twin_prim_func``: (its operands but y, in ``kernel_operands`` order, y). ``x``: a
+    TE tensor computed in front of the kernel (``pool_classifier``'s pooled features) in the operand's place, which
+    then is not among the operands."""
+    from edgeq.tvm_env import tvm
+
+    te, tirx = tvm.te, tvm.tirx
+    p = kernel.problem
     (ph, pw), (sh, sw), (dh, dw) = p.pad, p.stride, p.dilation
     int8 = kernel.precision == "int8"
     operands = {name: (shape, dtype) for name, shape, dtype in kernel_operands(kernel, shapes)}
-    ph_ = {name: te.placeholder(shape, dtype, name) for name, (shape, dtype) in operands.items() if name != "y"}
+    ph_ = {name: te.placeholder(shape, dtype, name) for name, (shape, dtype) in operands.items()
+           if name != "y" and (name != "x" or x is None)}
+    given = x is not None
+    if given:
+        ph_["x"] = x
     x, w, res = ph_["x"], ph_["w"], ph_.get("residual")
     acc_dtype = "int32" if int8 else "float32"
     zero = tirx.const(0, x.dtype)
@@ -2337,7 +2353,7 @@ def twin_prim_func(kernel: ConvKernel, shapes: dict | None = None):
     if y_shape != npqk:  # the chain went through a reshape (a view): the output in the graph's shape
         y4 = y
         y = te.compute(y_shape, lambda *index: y4[reindex(index, y_shape, npqk)], "y_view")
-    return te.create_prim_func([ph_[name] for name in operands if name != "y"] + [y])
+    return [ph_[name] for name in operands if name != "y" and not (given and name == "x")], y
 
 
 def with_twins(mod, claimed: Sequence[Claimed]):

@@ -393,6 +393,8 @@ def ScheduleKernels(target, report: GpuKernels, check_all: bool = False):  # noq
                 report.functions[gv.name_hint] = "edgeq depthwise"
             elif isinstance(func, tvm.tirx.PrimFunc) and gv.name_hint.startswith("layernorm_"):
                 report.functions[gv.name_hint] = "edgeq layer norm"
+            elif isinstance(func, tvm.tirx.PrimFunc) and gv.name_hint.startswith("poolfc_"):
+                report.functions[gv.name_hint] = "edgeq pool + classifier"
             if not isinstance(func, tvm.tirx.PrimFunc) or int((func.attrs or {}).get("tirx.is_scheduled", 0) or 0) == 1:
                 continue
             scheduled, rule, fallbacks = schedule_function(gv.name_hint, func, target, check_all)
@@ -494,23 +496,29 @@ def build(mod, target, report: GpuKernels, cutlass: tuple[int, int] | None = Non
     wrappers = contextlib.nullcontext()
     if cutlass is not None:
         from edgeq.backends.cuda import cutlass as cl
-        from edgeq.backends.cuda import layer_norm
+        from edgeq.backends.cuda import layer_norm, pool_classifier
 
         # one cast of an input read by several layers (ToMixedPrecision casts it once per reader; Q, K and V
         # read the same hidden states)
         mod = relax.transform.EliminateCommonSubexpr()(mod)
         claimed, left = cl.find_convs(mod["main"], *cutlass)
+        # a batch-1 classifier after a global pool: the pool and the classifier, one kernel (instead of its CUTLASS
+        # kernel and a pool kernel)
+        pools = pool_classifier.find_pool_classifiers(mod["main"], claimed, cutlass[0])
+        claimed = [c for c in claimed if not any(c is p.fc for p in pools)]
         kernels = [c.kernel for c in claimed]
         sizes = cl.smem_sizes(kernels, target.attrs["arch"]) if kernels else {}
         mod = cl.claim_convs(mod, claimed, sizes)
         norms = layer_norm.find_layer_norms(mod)  # each with its fp16 cast or int8 quantize: one kernel
         mod = layer_norm.claim_layer_norms(mod, norms)
+        mod = pool_classifier.claim_pool_classifiers(mod, pools)
         wrappers = cl.wrappers_in_module(kernels)
         records = {k.name: cl.kernel_record(k, sizes[k.name]) for k in kernels}
         report.cutlass = {"version": cl.cutlass_version(),
                           "kernels": [records[k.name] for k in kernels if not isinstance(k, cl.DepthwiseKernel)],
                           "depthwise": [records[k.name] for k in kernels if isinstance(k, cl.DepthwiseKernel)],
                           "layer_norms": [layer_norm.kernel_record(c.kernel) for c in norms],
+                          "pool_classifiers": [pool_classifier.kernel_record(p.kernel) for p in pools],
                           "left": left}
     with wrappers:
         return _build(mod, target, report)
