@@ -494,7 +494,7 @@ def orin_estimate(manifest: dict, device: str = DEVICE) -> dict | None:
             + k["classes"] * c * (1 if int8 else 2) + n * k["classes"] * 4
         per_sm = SIMT_INT32_OPS_PER_CLOCK_PER_SM if int8 else SIMT_FP32_OPS_PER_CLOCK_PER_SM
         efficiency = k["grid"][0] / spec.sm_count
-        compute_us = k["flops"] / (per_sm * spec.sm_count * clock * efficiency) * 1e6
+        compute_us = (k["flops"] + k["pool_adds"]) / (per_sm * spec.sm_count * clock * efficiency) * 1e6
         memory_us = bytes_ / (spec.memory_bandwidth_gbs * 1e9) * 1e6
         us = max(compute_us, memory_us)
         total_us += us

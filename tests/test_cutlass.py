@@ -1109,10 +1109,14 @@ def test_package_an_int8_mobilenet_v2_with_depthwise_kernels(nvrtc, tmp_path):
     assert manifest["reference_check"]["result"] == "passed"
     gpu = manifest["library"]["gpu_kernels"]
     record = gpu["cutlass"]
-    assert len(record["kernels"]) == 10 and len(record["depthwise"]) == 4 and record["left"] == []  # 9 convs, the fc
+    assert len(record["kernels"]) == 9 and len(record["depthwise"]) == 4 and record["left"] == []  # 9 convs
+    [pool] = record["pool_classifiers"]  # the global pool and the classifier (16 classes), one kernel of edgeq's
+    assert pool["classes"] == 16 and pool["pooled"] == [1, 1, 1, 64] and pool["input"] == "float32"
+    assert gpu["functions"][pool["function"]] == "edgeq pool + classifier" and pool["function"] + "_kernel" in \
+        sass_by_kernel(bundle / "model.so")
     assert all(k["template"].startswith("edgeq depthwise") and k["shared_bytes"] == 0 and k["precision"] == "int8"
                and k["requantize"]["activation_clamp"] == [0.0, 6.0] for k in record["depthwise"])
-    assert sum(k["flops"] for k in record["kernels"] + record["depthwise"]) == model_flops(model)
+    assert sum(k["flops"] for k in record["kernels"] + record["depthwise"] + [pool]) == model_flops(model)
     assert all(gpu["functions"][k["function"]] == "edgeq depthwise" for k in record["depthwise"])
     sass = sass_by_kernel(bundle / "model.so")
     assert all(re.search(r"\bIMMA\.", sass[k["function"] + "_kernel"]) for k in record["kernels"])
@@ -1120,7 +1124,8 @@ def test_package_an_int8_mobilenet_v2_with_depthwise_kernels(nvrtc, tmp_path):
     assert gpu["cuda_graph"] and gpu["cuda_graph_kernels"] >= gpu["kernels_per_inference"] - 2, gpu
     inspect = run_cli("inspect", bundle)
     flat = " ".join(re.sub(r"[│┃]", " ", inspect.stdout).split())
-    assert "CUTLASS 4.1.0: 10 of 14 convolutions and matrix products, 4 depthwise on edgeq's kernel" in flat, flat
+    assert ("CUTLASS 4.1.0: 9 of 14 convolutions and matrix products, 4 depthwise on edgeq's kernel, 1 batch-1 "
+            "classifier(s) with the global pool before it in one kernel (edgeq's)") in flat, flat
 
 
 EFFICIENTNET = ((1, 3, 1, 16, 1), (6, 3, 2, 24, 2), (6, 5, 2, 40, 1))  # EfficientNet-B0's first stages: t, k, s, c, n
@@ -1344,16 +1349,25 @@ def test_a_global_pool_and_the_batch_1_classifier_are_one_kernel(precision, nvrt
     target = tvm.target.Target({"kind": "cuda", "arch": "sm_87", "host": "llvm"})
     from tvm.support import nvcc  # noqa: F401 - registers TVM's CUDA compile callback
 
+    # and ResNet's: 7x7x512 pooled, 1000 classes as the graph's [1, 1000], 8 blocks (the Orin Nano's SMs)
+    fc = cutlass.ConvKernel("fc", cutlass.Conv2dProblem(1, 1, 1, 512, 1000, 1, 1), None, precision=precision,
+                            float_out=True)
+    big = pool_classifier.PoolClassifierKernel("big", (1, 7, 7, 512), kernel.dtype, fc, {"y": (1, 1000)},
+                                               kernel.quantize, pool_classifier.blocks_for(1000, sms))
+    assert big.blocks == sms == 8
     with nvrtc.active(), target:
-        built = tvm.tirx.build(tvm.IRModule({kernel.function: pool_classifier.prim_func(kernel)}), target=target)
+        built = tvm.tirx.build(tvm.IRModule({k.function: pool_classifier.prim_func(k) for k in (kernel, big)}),
+                               target=target)
     source = built.imports[0].inspect_source()
     kernels = set(re.findall(r"__global__ void (?:__launch_bounds__\((\d+)\) )?(\w+)\(", source))
-    assert kernels == {("256", f"{kernel.function}_kernel")} and "__shfl_down_sync" in source, kernels
+    assert kernels == {("256", f"{k.function}_kernel") for k in (kernel, big)} and "__shfl_down_sync" in source
     assert "__shared__" in source and "__syncthreads()" in source  # the pooled features, shared by the warps
     built.export_library(str(tmp_path / "p.so"))
     from gpu_kernels import kernel_sass, sass_by_kernel
 
-    sass = kernel_sass(kernel.function, sass_by_kernel(tmp_path / "p.so"))
-    assert re.search(r"\bSHFL\.", sass) and not re.search(r"\b(LDL|STL)\b", sass)
+    for k in (kernel, big):  # no local memory (an epilogue indexed through the logits' view once made a
+        # thread-local array of 1000)
+        sass = kernel_sass(k.function, sass_by_kernel(tmp_path / "p.so"))
+        assert re.search(r"\bSHFL\.", sass) and not re.search(r"\b(LDL|STL)\b", sass), k.name
     record = pool_classifier.kernel_record(kernel)
-    assert record["grid"] == [2, 1] and record["flops"] == 16 * 16 * 32 + 2 * 16 * 32
+    assert record["grid"] == [2, 1] and record["flops"] == 2 * 16 * 32 and record["pool_adds"] == 16 * 16 * 32

@@ -20,6 +20,7 @@ kernels' calls in their place, ``twin_prim_func`` is the computation before its 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 WARPS = 8
@@ -55,8 +56,13 @@ class PoolClassifierKernel:
 
     @property
     def flops(self) -> int:
+        """The classifier's (a multiply-add counted as 2), as the other kernels' records count a layer's."""
+        return self.fc.problem.flops
+
+    @property
+    def pool_adds(self) -> int:
         n, h, w, c = self.shape
-        return n * h * w * c + self.fc.problem.flops
+        return n * h * w * c
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +102,12 @@ def twin_prim_func(kernel: PoolClassifierKernel):
         d, lo, hi = kernel.quantize
         pooled = te.compute((n, 1, 1, c), lambda *i: te.min(te.max(tirx.round(total[i] / f32(float(h * w)) / f32(d)),
                                                                    f32(lo)), f32(hi)).astype("int8"), "pooled")
-    args, y = cutlass.twin_tensors(kernel.fc, kernel.fc_shapes, x=pooled)
+    shapes = {name: shape for name, shape in kernel.fc_shapes.items() if name != "y"}
+    args, y = cutlass.twin_tensors(kernel.fc, shapes, x=pooled)
+    y_shape = tuple(kernel.fc_shapes.get("y", y.shape))
+    if tuple(int(d) for d in y.shape) != y_shape:  # the logits as the graph has them, [1, K] (batch 1: the last axis)
+        y4 = y
+        y = te.compute(y_shape, lambda *i: y4[0, 0, 0, i[-1]], "y_view")
     return te.create_prim_func([x, *args, y])
 
 
@@ -119,9 +130,11 @@ def prim_func(kernel: PoolClassifierKernel):
     sch.bind(bx, "blockIdx.x")
     sch.bind(ty, "threadIdx.y")
     sch.bind(tx, "threadIdx.x")
-    for name in ("y", "y_view"):
-        if _has(sch, name):
-            sch.reverse_compute_at(sch.get_sblock(name), ty)
+    out = "y"
+    if _has(sch, "y_view"):  # the logits in the graph's shape [N, K]: the epilogue computed where it is written
+        sch.compute_inline(sch.get_sblock("y"))
+        out = "y_view"
+    sch.reverse_compute_at(sch.get_sblock(out), ty)
     pooled = sch.get_sblock("pooled")
     sch.compute_at(pooled, bx)
     sch.set_scope(pooled, 0, "shared")
@@ -133,8 +146,6 @@ def prim_func(kernel: PoolClassifierKernel):
     sch.compute_at(total, px)
     sch.set_scope(total, 0, "local")
     sch.set_scope(acc, 0, "local")
-    if _has(sch, "y_view"):
-        sch.set_scope(sch.get_sblock("y"), 0, "local")
     return sch.mod["main"].with_attrs({"global_symbol": kernel.function, "tirx.is_scheduled": True, "op_pattern": 8})
 
 
@@ -153,6 +164,7 @@ def kernel_record(kernel: PoolClassifierKernel) -> dict:
             "memory, a warp a row, warp-shuffle reductions)", "threads": kernel.threads, "grid": [kernel.blocks, 1],
             "pooled": list(kernel.shape), "input": kernel.dtype, "classes": p.k, "precision": kernel.fc.precision,
             "quantize": list(kernel.quantize) if kernel.quantize else None, "flops": kernel.flops,
+            "pool_adds": kernel.pool_adds,
             "replaces": kernel.fc.function}
 
 
@@ -232,7 +244,9 @@ def find_pool_classifiers(main, claimed: Sequence, sm_count: int) -> list[Claime
             continue
         x, between, quantize = pool
         shape = tuple(int(v) for v in shape_of(x))
-        if shape[0] != p.n or shape[3] != p.c or (quantize is None) != (k.precision != "int8"):
+        y_shape = c.shapes.get("y", (1, 1, 1, p.k))
+        if shape[0] != p.n or shape[3] != p.c or (quantize is None) != (k.precision != "int8") \
+                or y_shape[-1] != p.k or math.prod(y_shape) != p.k:
             continue
         rows = p.n * p.k
         kernel = PoolClassifierKernel(f"p{len(found)}", shape, dtype_of(x), k, dict(c.shapes), quantize,
