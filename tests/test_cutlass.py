@@ -1111,7 +1111,7 @@ def test_package_an_int8_mobilenet_v2_with_depthwise_kernels(nvrtc, tmp_path):
     record = gpu["cutlass"]
     assert len(record["kernels"]) == 9 and len(record["depthwise"]) == 4 and record["left"] == []  # 9 convs
     [pool] = record["pool_classifiers"]  # the global pool and the classifier (16 classes), one kernel of edgeq's
-    assert pool["classes"] == 16 and pool["pooled"] == [1, 1, 1, 64] and pool["input"] == "float32"
+    assert pool["classes"] == 16 and pool["pooled"] == [1, 4, 4, 64] and pool["input"] == "float32"
     assert gpu["functions"][pool["function"]] == "edgeq pool + classifier" and pool["function"] + "_kernel" in \
         sass_by_kernel(bundle / "model.so")
     assert all(k["template"].startswith("edgeq depthwise") and k["shared_bytes"] == 0 and k["precision"] == "int8"
