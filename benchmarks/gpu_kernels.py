@@ -337,8 +337,9 @@ def kernel_sass(function: str, sass: dict[str, str]) -> str:
 
 def is_gemm(function: str) -> bool:
     """A conv/matmul kernel (FuseOps names a fused function after its operators; CUTLASS's are cutlass_*, edgeq's
-    depthwise kernels depthwise_*, its global pool + classifier kernels poolfc_*)."""
-    return function.startswith(("cutlass_", "depthwise_", "poolfc_")) or any(
+    depthwise kernels depthwise_*, its global pool + classifier kernels poolfc_*, its squeeze-and-excitation kernels
+    se_*)."""
+    return function.startswith(("cutlass_", "depthwise_", "poolfc_", "se_")) or any(
         op in function for op in ("conv2d", "matmul", "dense"))
 
 
@@ -500,6 +501,20 @@ def orin_estimate(manifest: dict, device: str = DEVICE) -> dict | None:
         total_us += us
         kernels.append({"function": k["function"], "flops": k["flops"], "bytes": int(bytes_), "ctas": k["grid"][0],
                         "ctas_per_sm": 1, "waves": 1, "wave_efficiency": round(efficiency, 3),
+                        "compute_us": round(compute_us, 2), "memory_us": round(memory_us, 2), "us": round(us, 2),
+                        "bound": "compute" if compute_us >= memory_us else "memory"})
+    for k in record.get("squeeze_excitations", []):  # CUDA cores: x read and the product written once, the gate's
+        # multiply-adds in every block
+        n, h, w, c = k["x"]
+        size = {"float32": 4, "float16": 2, "int8": 1}
+        bytes_ = n * h * w * c * (size[k["input"]] + size[k["output"]])
+        ctas = k["grid"][0]
+        compute_us = 2 * k["gate_macs"] * ctas / (SIMT_FP32_OPS_PER_CLOCK_PER_SM * spec.sm_count * clock) * 1e6
+        memory_us = bytes_ / (spec.memory_bandwidth_gbs * 1e9) * 1e6
+        us = max(compute_us, memory_us)
+        total_us += us
+        kernels.append({"function": k["function"], "flops": k["flops"], "bytes": int(bytes_), "ctas": ctas,
+                        "ctas_per_sm": None, "waves": None, "wave_efficiency": None,
                         "compute_us": round(compute_us, 2), "memory_us": round(memory_us, 2), "us": round(us, 2),
                         "bound": "compute" if compute_us >= memory_us else "memory"})
     launches = gpu["kernels_per_inference"]

@@ -1371,3 +1371,78 @@ def test_a_global_pool_and_the_batch_1_classifier_are_one_kernel(precision, nvrt
         assert re.search(r"\bSHFL\.", sass) and not re.search(r"\b(LDL|STL)\b", sass), k.name
     record = pool_classifier.kernel_record(kernel)
     assert record["grid"] == [2, 1] and record["flops"] == 2 * 16 * 32 and record["pool_adds"] == 16 * 16 * 32
+
+
+@pytest.mark.parametrize("precision", ["fp16", "int8"])
+def test_a_squeeze_and_excitation_is_one_kernel_after_its_pool(precision, nvrtc, tmp_path):
+    """EfficientNet-B0's squeeze-and-excitation (its first three stages at 32x32; int8: with the product's quantize)
+    as one kernel after its pool (``squeeze_excite``): every block found, outlined into a primitive function that
+    TVM fuses into one PrimFunc; the module with them equals the graph bit for bit on the host (they are the
+    graph's own operators). For sm_87: each schedules and builds to one kernel with no local memory, the squeezes
+    over 144 channels reduce with warp shuffles."""
+    from gpu_kernels import efficientnet_b0
+
+    from edgeq.backends import for_profile
+    from edgeq.backends.cuda import squeeze_excite
+    from edgeq.compile import HostRunner
+    from edgeq.graph import Graph
+    from edgeq.load import load_model
+    from edgeq.quantize import QuantizeArgs, quantize
+    from edgeq.relax_import import to_relax
+    from edgeq.tvm_env import import_tvm, relax
+
+    tvm = import_tvm()
+    profile = resolve("jetson-orin-nano")[0]
+    backend = for_profile(profile).with_gpu_kernels("cutlass", profile, precision)
+    model = efficientnet_b0(tmp_path / "e.onnx", size=32, classes=16, settings=EFFICIENTNET)
+    loaded = load_model(model, {}, {})
+    graph, _ = to_relax(loaded)
+    if precision == "int8":
+        calib = tmp_path / "calib.npz"
+        np.savez(calib, input=np.random.default_rng(1).standard_normal((10, 3, 32, 32)).astype(np.float32))
+        graph = quantize(graph, loaded, QuantizeArgs(calibrate=calib, method="minmax", samples=10),
+                         warn=lambda _: None).graph
+    prepared, _ = backend.prepare(graph, profile.tvm_target())
+    if precision == "fp16":
+        prepared = backend.to_fp16(prepared)
+    found = squeeze_excite.find_squeeze_excitations(prepared.main)
+    blocks = sum(n for *_, n in EFFICIENTNET)  # one squeeze-and-excitation a block
+    assert [se.shape for se in found] == [(1, 16, 16, 32), (1, 8, 8, 96), (1, 8, 8, 144), (1, 4, 4, 144)][:blocks]
+    assert [se.gate_macs for se in found] == [2 * 32 * 8, 96 * 4 + 96 * 8, 144 * 6 + 144 * 8, 144 * 6 + 144 * 8] \
+        if precision == "fp16" else all(se.gate_macs > 0 for se in found)
+    outlined = squeeze_excite.outline(prepared.mod, found)
+    calls = [b.value for b in Graph(outlined, prepared.weights).bindings()
+             if isinstance(b.value, relax.Call) and getattr(b.value.op, "name_hint", "").startswith("se_")]
+    assert len(calls) == len(found)
+    from edgeq.graph_passes import shape_of
+
+    one_pixel = [b.var for b in Graph(outlined, prepared.weights).bindings()
+                 if call_op_name(b.value) == "relax.nn.conv2d" and shape_of(b.var)[1:3] == [1, 1]]
+    assert len(one_pixel) == 1  # the classifier: the squeezes and excitations are inside the functions
+    # fused as the CUDA pipeline fuses it (FuseTIR: each function one PrimFunc; TVM's FastMathTransform, in the
+    # host pipeline, cannot read a call of a Relax function)
+    fused = tvm.transform.Sequential([relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(),
+                                      relax.transform.FuseOps(), relax.transform.FuseTIR()])(outlined)
+    assert all(isinstance(fused[se.function], tvm.tirx.PrimFunc) for se in found)
+    run_outlined, run_graph = HostRunner(Graph(fused, prepared.weights)), HostRunner(prepared)
+    for seed in range(2):
+        x = np.random.default_rng(seed).standard_normal((1, 3, 32, 32)).astype(np.float32)
+        np.testing.assert_array_equal(run_outlined([x])[0], run_graph([x])[0])
+    functions = {se.function: squeeze_excite.schedule(fused[se.function]).with_attr("global_symbol", se.function)
+                 for se in found}
+    target = tvm.target.Target({"kind": "cuda", "arch": "sm_87", "host": "llvm"})
+    from tvm.support import nvcc  # noqa: F401 - registers TVM's CUDA compile callback
+
+    with nvrtc.active(), target:
+        built = tvm.tirx.build(tvm.IRModule(functions), target=target)
+    source = built.imports[0].inspect_source()
+    kernels = set(re.findall(r"__global__ void __launch_bounds__\(256\) (\w+)\(", source))
+    assert kernels == {f"{se.function}_kernel" for se in found}, kernels
+    built.export_library(str(tmp_path / "se.so"))
+    from gpu_kernels import kernel_sass, sass_by_kernel
+
+    sass = sass_by_kernel(tmp_path / "se.so")
+    for se in found:
+        code = kernel_sass(se.function, sass)
+        assert not re.search(r"\b(LDL|STL)\b", code), se.name
+        assert bool(re.search(r"\bSHFL\.", code)) == (se.shape[3] >= squeeze_excite.WIDE), se.name

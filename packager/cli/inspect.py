@@ -48,6 +48,10 @@ def _gpu_kernels(info) -> str:
             text += f", {depthwise} depthwise on edgeq's kernel"
         if pools:
             text += f", {pools} batch-1 classifier(s) with the global pool before it in one kernel (edgeq's)"
+        excitations = len(cutlass.get("squeeze_excitations", []))
+        if excitations:
+            text += (f"; {excitations} squeeze-and-excitation gate(s) with their product in one kernel each (edgeq's; "
+                     f"{2 * excitations} one-pixel convolutions)")
         norms = len(cutlass.get("layer_norms", []))
         if norms:
             text += f"; {norms} layer norm(s) writing the next layer's fp16 or int8 input in the same kernel (edgeq's)"

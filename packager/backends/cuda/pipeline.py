@@ -33,6 +33,7 @@ import numpy as np
 from edgeq.errors import ModelError
 from edgeq.graph import Graph, Rewriter, call_op, const_value, rewrite
 from edgeq.graph_passes import dtype_of, fold_batch_norm, fresh_name, precompute_weight_ops, shape_of
+from edgeq.backends.cuda import squeeze_excite
 from edgeq.tvm_env import dlight as dl, relax, tvm
 
 
@@ -395,6 +396,12 @@ def ScheduleKernels(target, report: GpuKernels, check_all: bool = False):  # noq
                 report.functions[gv.name_hint] = "edgeq layer norm"
             elif isinstance(func, tvm.tirx.PrimFunc) and gv.name_hint.startswith("poolfc_"):
                 report.functions[gv.name_hint] = "edgeq pool + classifier"
+            elif isinstance(func, tvm.tirx.PrimFunc) and gv.name_hint.startswith(squeeze_excite.PREFIX) \
+                    and not int((func.attrs or {}).get("tirx.is_scheduled", 0) or 0):
+                scheduled = _squeeze_excite(gv.name_hint, func, target, report, check_all)
+                if scheduled is not None:
+                    updates[gv] = scheduled
+                    continue
             if not isinstance(func, tvm.tirx.PrimFunc) or int((func.attrs or {}).get("tirx.is_scheduled", 0) or 0) == 1:
                 continue
             scheduled, rule, fallbacks = schedule_function(gv.name_hint, func, target, check_all)
@@ -407,6 +414,23 @@ def ScheduleKernels(target, report: GpuKernels, check_all: bool = False):  # noq
         return mod
 
     return _pass
+
+
+def _squeeze_excite(name: str, func, target, report: GpuKernels, check_all: bool):
+    """edgeq's schedule of an outlined squeeze-and-excitation (with ``check_all``, checked by a build alone, as
+    ``schedule_function`` checks); None where it does not take or build (dlight's rules then schedule it, as any
+    other function)."""
+    try:
+        scheduled = squeeze_excite.schedule(func)
+    except Exception as err:  # noqa: BLE001 - a function of another shape: dlight's
+        report.fallbacks.append({"function": name, "rule": "edgeq squeeze-excite", "error": _first_line(err)})
+        return None
+    err = _builds(name, scheduled, target) if check_all else None
+    if err is not None:
+        report.fallbacks.append({"function": name, "rule": "edgeq squeeze-excite", "error": _first_line(err)})
+        return None
+    report.functions[name] = "edgeq squeeze-excite"
+    return scheduled
 
 
 def CountKernels(report: GpuKernels):  # noqa: N802
@@ -496,11 +520,14 @@ def build(mod, target, report: GpuKernels, cutlass: tuple[int, int] | None = Non
     wrappers = contextlib.nullcontext()
     if cutlass is not None:
         from edgeq.backends.cuda import cutlass as cl
-        from edgeq.backends.cuda import layer_norm, pool_classifier
+        from edgeq.backends.cuda import layer_norm, pool_classifier, squeeze_excite
 
         # one cast of an input read by several layers (ToMixedPrecision casts it once per reader; Q, K and V
         # read the same hidden states)
         mod = relax.transform.EliminateCommonSubexpr()(mod)
+        # each squeeze-and-excitation after its pool: one function, one kernel (its two 1x1s are not CUTLASS's)
+        excitations = squeeze_excite.find_squeeze_excitations(mod["main"])
+        mod = squeeze_excite.outline(mod, excitations)
         claimed, left = cl.find_convs(mod["main"], *cutlass)
         # a batch-1 classifier after a global pool: the pool and the classifier, one kernel (instead of its CUTLASS
         # kernel and a pool kernel)
@@ -519,6 +546,7 @@ def build(mod, target, report: GpuKernels, cutlass: tuple[int, int] | None = Non
                           "depthwise": [records[k.name] for k in kernels if isinstance(k, cl.DepthwiseKernel)],
                           "layer_norms": [layer_norm.kernel_record(c.kernel) for c in norms],
                           "pool_classifiers": [pool_classifier.kernel_record(p.kernel) for p in pools],
+                          "squeeze_excitations": [se.record() for se in excitations],
                           "left": left}
     with wrappers:
         return _build(mod, target, report)
