@@ -1446,3 +1446,36 @@ def test_a_squeeze_and_excitation_is_one_kernel_after_its_pool(precision, nvrtc,
         code = kernel_sass(se.function, sass)
         assert not re.search(r"\b(LDL|STL)\b", code), se.name
         assert bool(re.search(r"\bSHFL\.", code)) == (se.shape[3] >= squeeze_excite.WIDE), se.name
+
+
+def test_package_an_efficientnet_b0_with_its_squeeze_excitations_and_classifier_as_edgeqs_kernels(nvrtc, tmp_path):
+    """``edgeq package --gpu-kernels cutlass`` (fp16) of the small EfficientNet-B0: the reference check passes;
+    each squeeze-and-excitation is one kernel of edgeq's after its pool, the classifier one with the last pool; the
+    kernels per inference are within the goal (conv/matmul layers + 2), and ``inspect`` says so."""
+    import json
+    from pathlib import Path
+
+    from conftest import run_cli
+    from gpu_kernels import efficientnet_b0, sass_by_kernel
+
+    model = efficientnet_b0(tmp_path / "e.onnx", size=32, classes=16, settings=EFFICIENTNET)
+    res = run_cli("package", model, "--device", "jetson-orin-nano", "--precision", "fp16", "--gpu-kernels", "cutlass",
+                  "-o", tmp_path / "out", "-q", "--json")
+    assert res.code == 0, res.stderr
+    bundle = Path(json.loads(res.stdout)["bundle_dir"])
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    assert manifest["reference_check"]["result"] == "passed"
+    gpu = manifest["library"]["gpu_kernels"]
+    record = gpu["cutlass"]
+    layers = sum(1 for n in onnx.load(model).graph.node if n.op_type in ("Conv", "Gemm", "MatMul"))
+    excitations = record["squeeze_excitations"]
+    assert len(excitations) == 4 and len(record["pool_classifiers"]) == 1 and record["left"] == []
+    assert len(record["kernels"]) + len(record["depthwise"]) + 2 * len(excitations) + 1 == layers
+    assert all(gpu["functions"][e["function"]] == "edgeq squeeze-excite" for e in excitations)
+    assert gpu["fallbacks"] == [] and gpu["kernels_per_inference"] <= layers + 2, gpu["launches"]
+    sass = sass_by_kernel(bundle / "model.so")
+    assert all(e["function"] + "_kernel" in sass for e in excitations)
+    inspect = run_cli("inspect", bundle)
+    flat = " ".join(re.sub(r"[│┃]", " ", inspect.stdout).split())
+    assert "4 squeeze-and-excitation gate(s) with their product in one kernel each (edgeq's; 8 one-pixel " \
+           "convolutions)" in flat, flat
