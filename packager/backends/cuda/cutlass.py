@@ -2093,7 +2093,6 @@ def _requantize_tail(chain, nxt, value_of, only_reader, op_of, other, per_channe
     """After an int8 convolution's scale: ``[+ float32(residual int8) * s] -> [activation clamps] -> [* post (per
     channel: a depthwise layer's input channel scale)] -> [/ s] -> round -> [max lo] [min hi] -> [astype int32] ->
     astype int8``, as (chain, residual, residual_scale, act_lo, act_hi, out_div, lo, hi, post); or why not."""
-    from edgeq.graph_passes import dtype_of, shape_of
 
     chain = list(chain)
     residual, residual_scale, act_lo, act_hi, out_div = None, 0.0, -math.inf, math.inf, 1.0

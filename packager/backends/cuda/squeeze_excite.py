@@ -176,7 +176,7 @@ def _is_constant(expr) -> bool:
 def outline(mod, found: list[SqueezeExcite]):
     """``mod`` with each squeeze-and-excitation's bindings one call of a Relax function of its own (``Primitive``:
     LegalizeOps and FuseTIR make it one PrimFunc named ``se_<name>``)."""
-    from edgeq.backends.cuda.cutlass import _ty, rebuild_main
+    from edgeq.backends.cuda.cutlass import rebuild_main
 
     functions = {se.function: _function(se) for se in found}
     by_output = {se.output: se for se in found}
