@@ -30,10 +30,10 @@ from typing import Any
 
 import numpy as np
 
+from edgeq.backends.cuda import squeeze_excite
 from edgeq.errors import ModelError
 from edgeq.graph import Graph, Rewriter, call_op, const_value, rewrite
 from edgeq.graph_passes import dtype_of, fold_batch_norm, fresh_name, precompute_weight_ops, shape_of
-from edgeq.backends.cuda import squeeze_excite
 from edgeq.tvm_env import dlight as dl, relax, tvm
 
 
@@ -520,7 +520,7 @@ def build(mod, target, report: GpuKernels, cutlass: tuple[int, int] | None = Non
     wrappers = contextlib.nullcontext()
     if cutlass is not None:
         from edgeq.backends.cuda import cutlass as cl
-        from edgeq.backends.cuda import layer_norm, pool_classifier, squeeze_excite
+        from edgeq.backends.cuda import layer_norm, pool_classifier
 
         # one cast of an input read by several layers (ToMixedPrecision casts it once per reader; Q, K and V
         # read the same hidden states)
