@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 WARPS = 8
 WARP = 32
+VECTOR = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +115,8 @@ def twin_prim_func(kernel: PoolClassifierKernel):
 def prim_func(kernel: PoolClassifierKernel):
     """``twin_prim_func`` scheduled for the GPU: ``blocks`` blocks of 8 warps; in each, the pooled features in shared
     memory (a thread a channel, its sum in a register), then a warp a classifier row, its lanes across the channels
-    (a warp-shuffle reduction), the epilogue by the warp."""
+    (runs of ``VECTOR`` channels a lane where C is a multiple of 128: the weights as one vector load), a warp-shuffle
+    reduction, the epilogue by the warp."""
     from edgeq.tvm_env import Schedule, import_tvm
 
     tvm = import_tvm()
@@ -126,10 +128,16 @@ def prim_func(kernel: PoolClassifierKernel):
     row = sch.fuse(*spatial)
     per_warp = -(-kernel.rows // (kernel.blocks * WARPS))
     bx, serial, ty = sch.split(row, [kernel.blocks, per_warp, WARPS])
-    _, tx = sch.split(rc, [None, WARP])
+    # a lane's channels in runs of VECTOR (one 4-byte load of int8 weights, 8 bytes of fp16) where C allows
+    vector = VECTOR if kernel.shape[3] % (WARP * VECTOR) == 0 else 1
+    ro, tx, _ = sch.split(rc, [None, WARP, vector])
     sch.bind(bx, "blockIdx.x")
     sch.bind(ty, "threadIdx.y")
     sch.bind(tx, "threadIdx.x")
+    if vector > 1:  # the weights through a register, one vector load a run
+        weights = sch.cache_read(acc, _read_index(sch, acc, "w"), "local")
+        sch.compute_at(weights, tx)
+        sch.vectorize(sch.get_loops(weights)[-1])
     out = "y"
     if _has(sch, "y_view"):  # the logits in the graph's shape [N, K]: the epilogue computed where it is written
         sch.compute_inline(sch.get_sblock("y"))
@@ -147,6 +155,12 @@ def prim_func(kernel: PoolClassifierKernel):
     sch.set_scope(total, 0, "local")
     sch.set_scope(acc, 0, "local")
     return sch.mod["main"].with_attrs({"global_symbol": kernel.function, "tirx.is_scheduled": True, "op_pattern": 8})
+
+
+def _read_index(sch, block, name: str) -> int:
+    """The position of buffer ``name`` among the block's reads."""
+    reads = sch.get(block).reads
+    return next(i for i, r in enumerate(reads) if getattr(getattr(r, "buffer", None) or r.source, "name", None) == name)
 
 
 def _has(sch, name: str) -> bool:
