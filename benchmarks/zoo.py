@@ -142,8 +142,12 @@ def one(path: Path, work: Path, int8: bool, jetson: bool, speed: bool, repeat: i
                 record = built.manifest.library.gpu_kernels.get("cutlass") or {}
                 taken, left = len(record.get("kernels", [])), len(record.get("left", []))
                 depthwise = len(record.get("depthwise", []))
-                row[f"cutlass_{precision}"] = (f"built: {taken} of {taken + depthwise + left} convolutions and matrix "
-                                               f"products on CUTLASS, {depthwise} depthwise on edgeq's kernel")
+                pools = len(record.get("pool_classifiers", []))  # a classifier with its pool on edgeq's kernel
+                gates = 2 * len(record.get("squeeze_excitations", []))  # each squeeze-and-excitation's two 1x1s
+                row[f"cutlass_{precision}"] = (
+                    f"built: {taken} of {taken + depthwise + pools + gates + left} convolutions and matrix products "
+                    f"on CUTLASS, {depthwise} depthwise, {pools} classifier and {gates} squeeze-and-excitation "
+                    "1x1s on edgeq's kernels")
     if profile:
         if fp32_model is not None:
             row["fp32_kernels"] = kernel_breakdown(fp32_model, {spec.name: x}, top=profile)
