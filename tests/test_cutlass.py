@@ -1477,5 +1477,6 @@ def test_package_an_efficientnet_b0_with_its_squeeze_excitations_and_classifier_
     assert all(e["function"] + "_kernel" in sass for e in excitations)
     inspect = run_cli("inspect", bundle)
     flat = " ".join(re.sub(r"[│┃]", " ", inspect.stdout).split())
+    assert f"CUTLASS 4.1.0: {len(record['kernels'])} of {layers} convolutions and matrix products" in flat, flat
     assert "4 squeeze-and-excitation gate(s) with their product in one kernel each (edgeq's; 8 one-pixel " \
            "convolutions)" in flat, flat

@@ -42,13 +42,13 @@ def _gpu_kernels(info) -> str:
         taken, left = len(cutlass.get("kernels", [])), cutlass.get("left", [])
         depthwise = len(cutlass.get("depthwise", []))
         pools = len(cutlass.get("pool_classifiers", []))
-        text += (f"; CUTLASS {cutlass.get('version', '?')}: {taken} of {taken + depthwise + pools + len(left)} "
-                 "convolutions and matrix products")
+        excitations = len(cutlass.get("squeeze_excitations", []))
+        total = taken + depthwise + pools + 2 * excitations + len(left)
+        text += f"; CUTLASS {cutlass.get('version', '?')}: {taken} of {total} convolutions and matrix products"
         if depthwise:
             text += f", {depthwise} depthwise on edgeq's kernel"
         if pools:
             text += f", {pools} batch-1 classifier(s) with the global pool before it in one kernel (edgeq's)"
-        excitations = len(cutlass.get("squeeze_excitations", []))
         if excitations:
             text += (f"; {excitations} squeeze-and-excitation gate(s) with their product in one kernel each (edgeq's; "
                      f"{2 * excitations} one-pixel convolutions)")
