@@ -160,10 +160,11 @@ EFFICIENTNET_B0 = ((1, 3, 1, 16, 1), (6, 3, 2, 24, 2), (6, 5, 2, 40, 2), (6, 3, 
 
 
 def efficientnet_b0(path: Path, size: int = 224, classes: int = 1000, batch: int = 1, settings=EFFICIENTNET_B0,
-                    last: int = 1280) -> Path:
+                    last: int = 1280, gate: str = "Sigmoid") -> Path:
     """EfficientNet-B0 (torchvision's layout): MBConv blocks (1x1 expand, depthwise kxk, squeeze-and-excitation with
     a quarter of the block's input channels, 1x1 project, residual add where the shape allows), SiLU as Sigmoid and
-    Mul, BatchNorm after every conv but the excitation's (which have biases)."""
+    Mul, BatchNorm after every conv but the excitation's (which have biases). ``gate="HardSigmoid"``: the
+    excitation's gate as MobileNetV3's (``relu6(x + 3) / 6``)."""
     net = Net(3)
 
     def silu(x):
@@ -186,7 +187,8 @@ def efficientnet_b0(path: Path, size: int = 224, classes: int = 1000, batch: int
             y = silu(conv(y, hidden, hidden, k, stride, groups=hidden))
             squeeze = max(1, cin // 4)
             e = net.node("GlobalAveragePool", [y])
-            e = net.node("Sigmoid", [conv(silu(conv(e, hidden, squeeze, 1, bn=False)), squeeze, hidden, 1, bn=False)])
+            e = conv(silu(conv(e, hidden, squeeze, 1, bn=False)), squeeze, hidden, 1, bn=False)
+            e = net.node(gate, [e], **({"alpha": 1 / 6, "beta": 0.5} if gate == "HardSigmoid" else {}))
             y = conv(net.node("Mul", [y, e]), hidden, c, 1)
             x = net.node("Add", [x, y]) if stride == 1 and cin == c else y
             cin = c

@@ -1373,9 +1373,10 @@ def test_a_global_pool_and_the_batch_1_classifier_are_one_kernel(precision, nvrt
     assert record["grid"] == [2, 1] and record["flops"] == 2 * 16 * 32 and record["pool_adds"] == 16 * 16 * 32
 
 
-@pytest.mark.parametrize("precision", ["fp16", "int8"])
-def test_a_squeeze_and_excitation_is_one_kernel_after_its_pool(precision, nvrtc, tmp_path):
-    """EfficientNet-B0's squeeze-and-excitation (its first three stages at 32x32; int8: with the product's quantize)
+@pytest.mark.parametrize("precision,gate", [("fp16", "Sigmoid"), ("int8", "Sigmoid"), ("fp16", "HardSigmoid")])
+def test_a_squeeze_and_excitation_is_one_kernel_after_its_pool(precision, gate, nvrtc, tmp_path):
+    """EfficientNet-B0's squeeze-and-excitation (its first three stages at 32x32; int8: with the product's quantize;
+    with MobileNetV3's hard sigmoid, whose fp16 constants are scalar casts in the graph)
     as one kernel after its pool (``squeeze_excite``): every block found, outlined into a primitive function that
     TVM fuses into one PrimFunc; the module with them equals the graph bit for bit on the host (they are the
     graph's own operators). For sm_87: each schedules and builds to one kernel with no local memory, the squeezes
@@ -1394,7 +1395,7 @@ def test_a_squeeze_and_excitation_is_one_kernel_after_its_pool(precision, nvrtc,
     tvm = import_tvm()
     profile = resolve("jetson-orin-nano")[0]
     backend = for_profile(profile).with_gpu_kernels("cutlass", profile, precision)
-    model = efficientnet_b0(tmp_path / "e.onnx", size=32, classes=16, settings=EFFICIENTNET)
+    model = efficientnet_b0(tmp_path / "e.onnx", size=32, classes=16, settings=EFFICIENTNET, gate=gate)
     loaded = load_model(model, {}, {})
     graph, _ = to_relax(loaded)
     if precision == "int8":

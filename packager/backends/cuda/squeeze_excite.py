@@ -103,6 +103,8 @@ def find_squeeze_excitations(main) -> list[SqueezeExcite]:
                 pool = var
                 continue
             shape = shape_of(var)
+            if shape is not None and len(shape) == 0:  # a scalar (fp16's cast of a constant: hardsigmoid's 1/6), an
+                continue  # input of the function
             if shape is None or len(shape) != 4 or shape[1] * shape[2] != 1:
                 ok = False
                 break
@@ -138,7 +140,8 @@ def find_squeeze_excitations(main) -> list[SqueezeExcite]:
             for arg in _var_args(value_of[v]) + _tensor_constants(value_of[v]):
                 if arg not in inside and not any(arg.same_as(i) for i in inputs):
                     inputs.append(arg)
-        if any(not (a.same_as(head) or a.same_as(x) or a in params or _is_constant(a)) for a in inputs):
+        if any(not (a.same_as(head) or a.same_as(x) or a in params or _is_constant(a) or shape_of(a) == [])
+               for a in inputs):
             continue
         macs = sum(math.prod(int(d) for d in shape_of(value_of[v].args[1])) for v in cone
                    if call_op(value_of[v]) == "relax.nn.conv2d")
