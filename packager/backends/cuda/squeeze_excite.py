@@ -1,14 +1,14 @@
 """A squeeze-and-excitation gate and its product as one kernel (#42).
 
-EfficientNet's (and MobileNetV3's, RegNetY's) squeeze-and-excitation: ``x * sigmoid(excite(act(squeeze(mean(x)))))``,
-where squeeze and excite are 1x1 convolutions on one pixel ([N, 1, 1, C] -> [N, 1, 1, C / 24] -> [N, 1, 1, C]). On
-the CUDA path that was four kernels for two layers: the pool, the squeeze (dlight: its 4 to 48 output channels are
-no multiple of 8), the excitation (CUTLASS, M = 1) and the product (with, in int8, the next layer's quantize). Two
-are left: the pool (TVM's reduction rule, with its cast or quantize), and one kernel for the rest. Each of its
-blocks computes the whole gate from the pooled vector into shared memory (the squeeze a thread an output channel,
-the excitation a thread a channel, each sum in the graph's order), then multiplies its part of x. The gate is
-computed again by every block: C x C/24 x 2 multiply-adds (110 thousand for EfficientNet-B0's widest, 1152
-channels), against a kernel launch and the gate's round trip through memory.
+EfficientNet's (and MobileNetV3's, RegNetY's) squeeze-and-excitation: ``x * sigmoid(excite(act(squeeze(mean(x)))))``
+(or a hard sigmoid), where squeeze and excite are 1x1 convolutions on one pixel ([N, 1, 1, C] -> [N, 1, 1, C / 24]
+-> [N, 1, 1, C]). On the CUDA path that was four kernels for two layers: the pool, the squeeze (dlight where its 4
+to 48 output channels are no multiple of 8), the excitation (CUTLASS, M = 1) and the product (with, in int8, the
+next layer's quantize). Two are left: the pool (TVM's reduction rule, with its cast or quantize), and one kernel for
+the rest. Each of its blocks computes the whole gate from the pooled vector into shared memory (``schedule``), then
+multiplies its part of x. The gate is computed again by every block: C x C/24 x 2 multiply-adds (110 thousand for
+EfficientNet-B0's widest, 1152 channels), so a wide gate gets few blocks, each thread more of the product
+(``per_thread``), against a kernel launch and the gate's round trip through memory saved.
 
 The computation is the graph's own: the bindings from the pool's output to the product's (and its quantize's) are
 outlined into a Relax function marked ``Primitive``, which TVM's LegalizeOps and FuseTIR make one PrimFunc, so the
