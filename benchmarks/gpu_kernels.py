@@ -457,6 +457,16 @@ def orin_estimate(manifest: dict, device: str = DEVICE) -> dict | None:
         return None
     clock = spec.clock_mhz * 1e6
     kernels, total_us = [], 0.0
+
+    def row(k, bytes_, ctas, per_sm, waves, efficiency, compute_us) -> float:
+        """One kernel's row: the larger of its compute and its memory time (returned, in us)."""
+        memory_us = bytes_ / (spec.memory_bandwidth_gbs * 1e9) * 1e6
+        us = max(compute_us, memory_us)
+        kernels.append({"function": k["function"], "flops": k["flops"], "bytes": int(bytes_), "ctas": ctas,
+                        "ctas_per_sm": per_sm, "waves": waves, "wave_efficiency": efficiency,
+                        "compute_us": round(compute_us, 2), "memory_us": round(memory_us, 2), "us": round(us, 2),
+                        "bound": "compute" if compute_us >= memory_us else "memory"})
+        return us
     for k in record["kernels"] + record.get("depthwise", []):
         int8 = k["precision"] == "int8"
         if k["template"].startswith("edgeq depthwise"):  # CUDA cores, not tensor cores
@@ -482,13 +492,7 @@ def orin_estimate(manifest: dict, device: str = DEVICE) -> dict | None:
         efficiency = ctas / (waves * slots)
         # a grouped kernel's tensor cores also multiply the zeros of the groups it does not compute
         compute_us = k["flops"] * k.get("tensor_core_work", 1) / (peak * efficiency) * 1e6
-        memory_us = bytes_ / (spec.memory_bandwidth_gbs * 1e9) * 1e6
-        us = max(compute_us, memory_us)
-        total_us += us
-        kernels.append({"function": k["function"], "flops": k["flops"], "bytes": int(bytes_), "ctas": ctas,
-                        "ctas_per_sm": per_sm, "waves": waves, "wave_efficiency": round(efficiency, 3),
-                        "compute_us": round(compute_us, 2), "memory_us": round(memory_us, 2), "us": round(us, 2),
-                        "bound": "compute" if compute_us >= memory_us else "memory"})
+        total_us += row(k, bytes_, ctas, per_sm, waves, round(efficiency, 3), compute_us)
     for k in record.get("pool_classifiers", []):  # CUDA cores; every block reads the whole feature map (counted
         # as DRAM traffic, though the last convolution just wrote it to L2), the classifier's weights once
         int8 = k["precision"] == "int8"
@@ -498,13 +502,7 @@ def orin_estimate(manifest: dict, device: str = DEVICE) -> dict | None:
         per_sm = SIMT_INT32_OPS_PER_CLOCK_PER_SM if int8 else SIMT_FP32_OPS_PER_CLOCK_PER_SM
         efficiency = k["grid"][0] / spec.sm_count
         compute_us = (k["flops"] + k["pool_adds"]) / (per_sm * spec.sm_count * clock * efficiency) * 1e6
-        memory_us = bytes_ / (spec.memory_bandwidth_gbs * 1e9) * 1e6
-        us = max(compute_us, memory_us)
-        total_us += us
-        kernels.append({"function": k["function"], "flops": k["flops"], "bytes": int(bytes_), "ctas": k["grid"][0],
-                        "ctas_per_sm": 1, "waves": 1, "wave_efficiency": round(efficiency, 3),
-                        "compute_us": round(compute_us, 2), "memory_us": round(memory_us, 2), "us": round(us, 2),
-                        "bound": "compute" if compute_us >= memory_us else "memory"})
+        total_us += row(k, bytes_, k["grid"][0], 1, 1, round(efficiency, 3), compute_us)
     for k in record.get("squeeze_excitations", []):  # CUDA cores: x read and the product written once, the gate's
         # multiply-adds in every block
         n, h, w, c = k["x"]
@@ -512,13 +510,7 @@ def orin_estimate(manifest: dict, device: str = DEVICE) -> dict | None:
         bytes_ = n * h * w * c * (size[k["input"]] + size[k["output"]])
         ctas = k["grid"][0]
         compute_us = 2 * k["gate_macs"] * ctas / (SIMT_FP32_OPS_PER_CLOCK_PER_SM * spec.sm_count * clock) * 1e6
-        memory_us = bytes_ / (spec.memory_bandwidth_gbs * 1e9) * 1e6
-        us = max(compute_us, memory_us)
-        total_us += us
-        kernels.append({"function": k["function"], "flops": k["flops"], "bytes": int(bytes_), "ctas": ctas,
-                        "ctas_per_sm": None, "waves": None, "wave_efficiency": None,
-                        "compute_us": round(compute_us, 2), "memory_us": round(memory_us, 2), "us": round(us, 2),
-                        "bound": "compute" if compute_us >= memory_us else "memory"})
+        total_us += row(k, bytes_, ctas, None, None, None, compute_us)
     launches = gpu["kernels_per_inference"]
     total_us += launches * LAUNCH_US
     return {"device": device, "clock_mhz": spec.clock_mhz, "sms": spec.sm_count, "cutlass_us": round(sum(

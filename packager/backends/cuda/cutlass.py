@@ -2178,22 +2178,25 @@ def _free_vars(expr):
 def claim_convs(mod, claimed: Sequence[Claimed], sizes: dict[str, int]):
     """``mod`` with each claimed chain replaced by one ``call_tir`` of its kernel's PrimFunc (added to the module):
     the chain's last binding becomes the call, its other bindings go."""
-    from edgeq.tvm_env import relax
+    return claim_calls(mod, {c.kernel.function: prim_func(c.kernel, sizes[c.kernel.name], c.shapes) for c in claimed},
+                       {c.output: (c.kernel.function, c.operands()) for c in claimed},
+                       {var for c in claimed for var in c.chain})
 
-    by_output = {c.output: c for c in claimed}
-    dropped = {var for c in claimed for var in c.chain}
+
+def claim_calls(mod, functions: dict, calls: dict, dropped: set):
+    """``mod`` with ``functions`` ({name: PrimFunc}) added, each variable of ``calls`` ({var: (function name, Relax
+    operands)}) bound to a ``call_tir`` of its function instead, and the bindings of ``dropped`` gone."""
+    from edgeq.tvm_env import relax
 
     def rebind(b, gvars):
         if b.var in dropped:
             return []
-        c = by_output.get(b.var)
-        if c is None:
+        if b.var not in calls:
             return [b]
-        return [relax.VarBinding(b.var, relax.call_tir(gvars[c.kernel.function], relax.Tuple(c.operands()),
-                                                       _ty(b.var)))]
+        name, operands = calls[b.var]
+        return [relax.VarBinding(b.var, relax.call_tir(gvars[name], relax.Tuple(list(operands)), _ty(b.var)))]
 
-    return rebuild_main(mod, {c.kernel.function: prim_func(c.kernel, sizes[c.kernel.name], c.shapes)
-                              for c in claimed}, rebind)
+    return rebuild_main(mod, functions, rebind)
 
 
 def rebuild_main(mod, functions: dict, rebind):

@@ -396,14 +396,13 @@ def ScheduleKernels(target, report: GpuKernels, check_all: bool = False):  # noq
                 report.functions[gv.name_hint] = "edgeq layer norm"
             elif isinstance(func, tvm.tirx.PrimFunc) and gv.name_hint.startswith("poolfc_"):
                 report.functions[gv.name_hint] = "edgeq pool + classifier"
-            elif isinstance(func, tvm.tirx.PrimFunc) and gv.name_hint.startswith(squeeze_excite.PREFIX) \
-                    and not int((func.attrs or {}).get("tirx.is_scheduled", 0) or 0):
+            if not isinstance(func, tvm.tirx.PrimFunc) or int((func.attrs or {}).get("tirx.is_scheduled", 0) or 0) == 1:
+                continue
+            if gv.name_hint.startswith(squeeze_excite.PREFIX):
                 scheduled = _squeeze_excite(gv.name_hint, func, target, report, check_all)
                 if scheduled is not None:
                     updates[gv] = scheduled
                     continue
-            if not isinstance(func, tvm.tirx.PrimFunc) or int((func.attrs or {}).get("tirx.is_scheduled", 0) or 0) == 1:
-                continue
             scheduled, rule, fallbacks = schedule_function(gv.name_hint, func, target, check_all)
             report.functions[gv.name_hint] = rule
             report.fallbacks.extend(fallbacks)

@@ -188,7 +188,7 @@ def find_pool_classifiers(main, claimed: Sequence, sm_count: int) -> list[Claime
     mean(x, [1, 2], keepdims) / d), lo), hi), int8)``; fp16, ``astype(mean_fp16(x), float16)`` (``pipeline.
     pools_read_fp16``'s function)."""
     from edgeq.backends.cuda import cutlass
-    from edgeq.backends.cuda.cutlass import _const_scalar, main_index
+    from edgeq.backends.cuda.cutlass import _const_scalar, _same, main_index
     from edgeq.graph import call_op
     from edgeq.graph_passes import dtype_of, shape_of
 
@@ -203,10 +203,9 @@ def find_pool_classifiers(main, claimed: Sequence, sm_count: int) -> list[Claime
         if call_op(value) == "relax.astype" and dtype_of(var) == "float16":  # fp16: the cast of mean_fp16's
             mean = value.args[0]
             call = value_of.get(mean)
-            if call_op(call) != "relax.call_tir" or not call.args[0].name_hint.startswith("mean_fp16") \
-                    or not _same(only_reader(mean), var):
+            x = pooled_input(call) if call_op(call) == "relax.call_tir" else None
+            if x is None or not _same(only_reader(mean), var):
                 return None
-            x = call.args[1].fields[0]
             shape, out = shape_of(x), shape_of(mean)
             if shape is None or len(shape) != 4 or dtype_of(x) != "float16" or out != [shape[0], 1, 1, shape[3]]:
                 return None
@@ -269,29 +268,26 @@ def find_pool_classifiers(main, claimed: Sequence, sm_count: int) -> list[Claime
     return found
 
 
-def _same(a, b) -> bool:
-    return a is not None and b is not None and a.same_as(b)
+def pooled_input(value):
+    """x where ``value`` is a global pool of x: ``R.mean`` or ``pipeline.pools_read_fp16``'s function (a call_tir of
+    ``mean_fp16*``); else None."""
+    from edgeq.graph import call_op
+
+    op = call_op(value)
+    if op == "relax.mean":
+        return value.args[0]
+    if op == "relax.call_tir" and value.args[0].name_hint.startswith("mean_fp16"):
+        return value.args[1].fields[0]
+    return None
 
 
 def claim_pool_classifiers(mod, claimed: Sequence[ClaimedPoolClassifier], twins: bool = False):
     """``mod`` (its classifiers not claimed by ``cutlass.claim_convs``) with each pool and classifier one call of its
     kernel (``twins``: of its host twin) in the classifier's output's binding; the bindings from the pool to it go."""
-    from edgeq.backends.cuda.cutlass import _ty, rebuild_main
-    from edgeq.tvm_env import relax
-
-    by_output = {c.fc.output: c for c in claimed}
-    dropped = {var for c in claimed for var in (*c.between, *c.fc.chain)}
-
-    def rebind(b, gvars):
-        if b.var in dropped:
-            return []
-        c = by_output.get(b.var)
-        if c is None:
-            return [b]
-        operands = [c.x, *c.fc.operands()[1:]]
-        return [relax.VarBinding(b.var, relax.call_tir(gvars[c.kernel.function], relax.Tuple(operands), _ty(b.var)))]
+    from edgeq.backends.cuda.cutlass import claim_calls
 
     functions = {c.kernel.function: (twin_prim_func(c.kernel).with_attrs({"global_symbol": c.kernel.function,
                                                                           "op_pattern": 8})
                                      if twins else prim_func(c.kernel)) for c in claimed}
-    return rebuild_main(mod, functions, rebind)
+    return claim_calls(mod, functions, {c.fc.output: (c.kernel.function, [c.x, *c.fc.operands()[1:]]) for c in claimed},
+                       {var for c in claimed for var in (*c.between, *c.fc.chain)})

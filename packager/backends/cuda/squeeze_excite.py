@@ -60,6 +60,7 @@ def find_squeeze_excitations(main) -> list[SqueezeExcite]:
     from a global pool of x (``mean(x, [1, 2])`` or ``pipeline.pools_read_fp16``'s function, with its cast or
     quantize) through one-pixel operators only, among them at least one convolution, each read by nothing else."""
     from edgeq.backends.cuda.cutlass import main_index
+    from edgeq.backends.cuda.pool_classifier import pooled_input
     from edgeq.graph import call_op
     from edgeq.graph_passes import dtype_of, shape_of
 
@@ -69,15 +70,6 @@ def find_squeeze_excitations(main) -> list[SqueezeExcite]:
     def only_reader(var):
         r = readers.get(var, [])
         return r[0] if len(r) == 1 and r[0] is not None else None
-
-    def pool_input(var):
-        value = value_of.get(var)
-        op = call_op(value)
-        if op == "relax.mean":
-            return value.args[0]
-        if op == "relax.call_tir" and value.args[0].name_hint.startswith("mean_fp16"):
-            return value.args[1].fields[0]
-        return None
 
     found = []
     for b in bindings:
@@ -97,7 +89,7 @@ def find_squeeze_excitations(main) -> list[SqueezeExcite]:
             var = stack.pop()
             if var in cone or var in params or var not in value_of:
                 continue
-            src = pool_input(var)
+            src = pooled_input(value_of[var])
             if src is not None:
                 ok = pool is None and src.same_as(x)
                 pool = var
@@ -132,13 +124,13 @@ def find_squeeze_excitations(main) -> list[SqueezeExcite]:
             tail.append(nxt)
             end = nxt
         group = cone | {b.var, *tail}
-        inside = {v for v in group}
-        if any(r is None or r not in inside for v in cone for r in readers.get(v, [])):
+        if any(r is None or r not in group for v in cone for r in readers.get(v, [])):
             continue  # a gate value read elsewhere
+        ordered = sorted(group, key=position.get)
         inputs = []
-        for v in sorted(group, key=position.get):
+        for v in ordered:
             for arg in _var_args(value_of[v]) + _tensor_constants(value_of[v]):
-                if arg not in inside and not any(arg.same_as(i) for i in inputs):
+                if arg not in group and not any(arg.same_as(i) for i in inputs):
                     inputs.append(arg)
         if any(not (a.same_as(head) or a.same_as(x) or a in params or _is_constant(a) or shape_of(a) == [])
                for a in inputs):
@@ -146,7 +138,7 @@ def find_squeeze_excitations(main) -> list[SqueezeExcite]:
         macs = sum(math.prod(int(d) for d in shape_of(value_of[v].args[1])) for v in cone
                    if call_op(value_of[v]) == "relax.nn.conv2d")
         found.append(SqueezeExcite(f"e{len(found)}", tuple(int(d) for d in shape_of(x)),
-                                   tuple(bindings[position[v]] for v in sorted(group, key=position.get)),
+                                   tuple(bindings[position[v]] for v in ordered),
                                    tuple(inputs), end, (dtype_of(x), dtype_of(end)), macs))
     return found
 
