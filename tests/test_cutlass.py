@@ -665,23 +665,12 @@ def test_the_rewritten_int8_graph_runs_on_the_host_as_the_graph(tmp_path):
     kernel's plain TIR twin in its place, run on this machine, equals the graph before the rewrite bit for bit."""
     from test_gpu_path import resnet
 
-    from edgeq.backends import for_profile
     from edgeq.compile import HostRunner
     from edgeq.graph import Graph
-    from edgeq.load import load_model
-    from edgeq.quantize import QuantizeArgs, quantize
-    from edgeq.relax_import import to_relax
 
-    profile = resolve("jetson-orin-nano")[0]
-    backend = for_profile(profile).with_gpu_kernels("cutlass", profile, "int8")
     model = resnet(tmp_path / "r.onnx", size=32, widths=(16, 32), blocks=2, stem=3, activations=("Relu", "Relu6"))
-    loaded = load_model(model, {}, {})
-    graph, _ = to_relax(loaded)
-    calib = tmp_path / "calib.npz"
-    np.savez(calib, input=np.random.default_rng(1).standard_normal((10, 3, 32, 32)).astype(np.float32))
-    quantized = quantize(graph, loaded, QuantizeArgs(calibrate=calib, method="minmax", samples=10), warn=lambda _: None)
-    prepared, _ = backend.prepare(quantized.graph, profile.tvm_target())
-    claimed, left = cutlass.find_convs(prepared.main, profile.cuda.sm_count, profile.cuda.shared_memory_per_block_optin)
+    calib = np.random.default_rng(1).standard_normal((10, 3, 32, 32)).astype(np.float32)
+    prepared, claimed, left = _claimed_graph(model, "int8", calib, tmp_path)
     convs = sum(1 for n in onnx.load(model).graph.node if n.op_type == "Conv")
     assert len(claimed) == convs and [x["why"] for x in left] == [TEN_CLASSES], left
     assert all(c.kernel.precision == "int8" for c in claimed)
@@ -1296,31 +1285,16 @@ def test_a_global_pool_and_the_batch_1_classifier_are_one_kernel(precision, nvrt
     shuffles, no local memory."""
     from test_gpu_path import resnet
 
-    from edgeq.backends import for_profile
     from edgeq.backends.cuda import pool_classifier
     from edgeq.compile import HostRunner
     from edgeq.graph import Graph
-    from edgeq.load import load_model
-    from edgeq.quantize import QuantizeArgs, quantize
-    from edgeq.relax_import import to_relax
     from edgeq.tvm_env import import_tvm
 
     tvm = import_tvm()
-    profile = resolve("jetson-orin-nano")[0]
-    backend = for_profile(profile).with_gpu_kernels("cutlass", profile, precision)
     model = resnet(tmp_path / "r.onnx", size=32, widths=(16, 32), blocks=1, stem=3, classes=16)
-    loaded = load_model(model, {}, {})
-    graph, _ = to_relax(loaded)
-    if precision == "int8":
-        calib = tmp_path / "calib.npz"
-        np.savez(calib, input=np.random.default_rng(1).standard_normal((10, 3, 32, 32)).astype(np.float32))
-        graph = quantize(graph, loaded, QuantizeArgs(calibrate=calib, method="minmax", samples=10),
-                         warn=lambda _: None).graph
-    prepared, _ = backend.prepare(graph, profile.tvm_target())
-    if precision == "fp16":
-        prepared = backend.to_fp16(prepared)
-    sms = profile.cuda.sm_count
-    claimed, left = cutlass.find_convs(prepared.main, sms, profile.cuda.shared_memory_per_block_optin)
+    calib = np.random.default_rng(1).standard_normal((10, 3, 32, 32)).astype(np.float32)
+    prepared, claimed, left = _claimed_graph(model, precision, calib, tmp_path)
+    sms = resolve("jetson-orin-nano")[0].cuda.sm_count
     pools = pool_classifier.find_pool_classifiers(prepared.main, claimed, sms)
     assert left == [] and len(pools) == 1
     kernel = pools[0].kernel
@@ -1383,29 +1357,15 @@ def test_a_squeeze_and_excitation_is_one_kernel_after_its_pool(precision, gate, 
     over 144 channels reduce with warp shuffles."""
     from gpu_kernels import efficientnet_b0
 
-    from edgeq.backends import for_profile
     from edgeq.backends.cuda import squeeze_excite
     from edgeq.compile import HostRunner
     from edgeq.graph import Graph
-    from edgeq.load import load_model
-    from edgeq.quantize import QuantizeArgs, quantize
-    from edgeq.relax_import import to_relax
     from edgeq.tvm_env import import_tvm, relax
 
     tvm = import_tvm()
-    profile = resolve("jetson-orin-nano")[0]
-    backend = for_profile(profile).with_gpu_kernels("cutlass", profile, precision)
     model = efficientnet_b0(tmp_path / "e.onnx", size=32, classes=16, settings=EFFICIENTNET, gate=gate)
-    loaded = load_model(model, {}, {})
-    graph, _ = to_relax(loaded)
-    if precision == "int8":
-        calib = tmp_path / "calib.npz"
-        np.savez(calib, input=np.random.default_rng(1).standard_normal((10, 3, 32, 32)).astype(np.float32))
-        graph = quantize(graph, loaded, QuantizeArgs(calibrate=calib, method="minmax", samples=10),
-                         warn=lambda _: None).graph
-    prepared, _ = backend.prepare(graph, profile.tvm_target())
-    if precision == "fp16":
-        prepared = backend.to_fp16(prepared)
+    calib = np.random.default_rng(1).standard_normal((10, 3, 32, 32)).astype(np.float32)
+    prepared, _, _ = _claimed_graph(model, precision, calib, tmp_path)
     found = squeeze_excite.find_squeeze_excitations(prepared.main)
     blocks = sum(n for *_, n in EFFICIENTNET)  # one squeeze-and-excitation a block
     assert [se.shape for se in found] == [(1, 16, 16, 32), (1, 8, 8, 96), (1, 8, 8, 144), (1, 4, 4, 144)][:blocks]
