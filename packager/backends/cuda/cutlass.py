@@ -176,6 +176,40 @@ class Requantize {  // Out float: the value before the division, unrounded (an i
   }
   Params p_;
 };
+
+// The fp16 epilogue of a residual added after the activation (CUTLASS's bias-elementwise epilogue adds its source
+// before it): z = half(act(acc + bias[k]) + float(residual)), the bias the broadcast vector (YOLO's bottleneck,
+// x + SiLU(conv(x))).
+template <int N, typename Act>
+class BiasActResidual {
+ public:
+  using ElementOutput = cutlass::half_t; using ElementD = cutlass::half_t; using ElementC = cutlass::half_t;
+  using ElementAccumulator = float; using ElementCompute = float; using ElementScalar = float;
+  using ElementZ = cutlass::half_t; using ElementT = cutlass::half_t; using ElementVector = cutlass::half_t;
+  static int const kElementsPerAccess = N; static int const kCount = N;
+  static bool const IsEltActSupported = true; static bool const kIsSingleSource = true;
+  using FragmentAccumulator = cutlass::Array<float, N>; using FragmentCompute = cutlass::Array<float, N>;
+  using FragmentC = cutlass::Array<cutlass::half_t, N>; using FragmentZ = FragmentC; using FragmentT = FragmentC;
+  using FragmentSource = FragmentC; using FragmentOutput = FragmentZ;
+  using ElementBias = cutlass::half_t; using FragmentBias = cutlass::Array<cutlass::half_t, N>;
+  static bool const kIsHeavy = false; static bool const kStoreZ = true; static bool const kStoreT = false;
+  struct Params {};
+  CUTLASS_HOST_DEVICE BiasActResidual(Params const&) {}
+  CUTLASS_HOST_DEVICE bool is_source_needed() const { return true; }
+  CUTLASS_HOST_DEVICE void set_k_partition(int, int) {}
+  CUTLASS_DEVICE void operator()(FragmentZ& z, FragmentT&, FragmentAccumulator const& acc, FragmentC const& c,
+                                 FragmentCompute const& bias) const {
+    Act act;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < N; ++i) z[i] = cutlass::half_t(act(acc[i] + bias[i]) + float(c[i]));
+  }
+  CUTLASS_DEVICE void operator()(FragmentZ& z, FragmentT&, FragmentAccumulator const& acc,
+                                 FragmentCompute const& bias) const {
+    Act act;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < N; ++i) z[i] = cutlass::half_t(act(acc[i] + bias[i]));
+  }
+};
 }  // namespace edgeq_cutlass
 """
 
@@ -325,6 +359,15 @@ class ConvKernel:
     # int8: the residual's dtype where it is not the output's ("float32": another int8 layer's float output, a
     # downsampling shortcut's; "int8" into a float output); "": the output's
     residual_dtype: str = ""
+    # fp16: the residual added after the activation, ``act(conv + bias) + residual`` (YOLO's bottleneck,
+    # ``x + SiLU(conv(x))``; edgeq's ``BiasActResidual`` epilogue), not before it
+    residual_after: bool = False
+    # y written in place into a wider tensor (a channel slice of a concatenation, ``concat_in_place``): (first
+    # channel, channels of the tensor); the problem's K is the slice's. ``out_in_place``: the tensor comes in as the
+    # y operand, already holding other parts (``call_tir_inplace``); else the call allocates it
+    out_view: tuple[int, int] | None = None
+    out_in_place: bool = False
+    residual_view: tuple[int, int] | None = None  # the residual read in place from a wider tensor, as x_view
 
     @property
     def residual_type(self) -> str:
@@ -367,6 +410,11 @@ class ConvKernel:
         return ALIGNMENT_INT8 if all(c % ALIGNMENT_INT8 == 0 for c in channels) else ALIGNMENT
 
     @property
+    def out_channels(self) -> int:
+        """Channels of the tensor y is written into."""
+        return self.out_view[1] if self.out_view else self.problem.k
+
+    @property
     def kernel_type(self) -> str:
         (bm, bn, bk), (wm, wn, wk) = self.tile.block, self.tile.warp
         if self.precision == "int8":
@@ -383,14 +431,15 @@ class ConvKernel:
                 f"cutlass::conv::StrideSupport::kStrided, {self.input_alignment}, {self.input_alignment}>::Kernel"
             )
         out, lanes = ("float", 4) if self.float_out else ("cutlass::half_t", ALIGNMENT)  # 16-byte stores
+        epilogue = (f"edgeq_cutlass::BiasActResidual<{lanes}, {ACTIVATIONS[self.activation]}>" if self.residual_after
+                    else f"cutlass::epilogue::thread::LinearCombinationBiasElementwise<{out}, float, float, {out}, "
+                    f"{out}, {lanes}, {ACTIVATIONS[self.activation]}, cutlass::plus<float>, false, cutlass::half_t>")
         return (
             "typename cutlass::conv::kernel::DefaultConv2dFpropWithBroadcast<"
             "cutlass::half_t, cutlass::layout::TensorNHWC, cutlass::half_t, cutlass::layout::TensorNHWC, "
             f"{out}, cutlass::layout::TensorNHWC, float, cutlass::arch::OpClassTensorOp, cutlass::arch::Sm80, "
             f"cutlass::gemm::GemmShape<{bm}, {bn}, {bk}>, cutlass::gemm::GemmShape<{wm}, {wn}, {wk}>, "
-            "cutlass::gemm::GemmShape<16, 8, 16>, "
-            f"cutlass::epilogue::thread::LinearCombinationBiasElementwise<{out}, float, float, {out}, "
-            f"{out}, {lanes}, {ACTIVATIONS[self.activation]}, cutlass::plus<float>, false, cutlass::half_t>, "
+            f"cutlass::gemm::GemmShape<16, 8, 16>, {epilogue}, "
             f"cutlass::gemm::threadblock::GemmIdentityThreadblockSwizzle<1>, {self.tile.stages}, "
             "cutlass::arch::OpMultiplyAdd, cutlass::conv::IteratorAlgorithm::kOptimized, "
             "cutlass::conv::StrideSupport::kStrided>::Kernel"
@@ -657,9 +706,15 @@ def device_source(kernels: Sequence[ConvKernel]) -> str:
         x_offset = f" + {kern.x_view[0]}" if kern.x_view else ""
         x_layout = (f"layout::TensorNHWC({ct}, {p.w * ct}, {p.h * p.w * ct})" if kern.x_view
                     else f"layout::TensorNHWC::packed({{{p.n}, {p.h}, {p.w}, {p.c}}})")
-        out_layout = f"layout::TensorNHWC::packed({{{p.n}, {p.p}, {p.q}, {p.k}}})"
-        c_ref, d_ref, tensor = f"{{reinterpret_cast<OUT*>({source}), out_layout}}", \
-            "{reinterpret_cast<OUT*>(y), out_layout}", "nullptr, 0, 0"
+        out_layout = _nhwc_layout(p.n, p.p, p.q, kern.out_channels)  # y: a slice of a concatenation's channels
+        y_offset = f" + {kern.out_view[0]}" if kern.out_view else ""
+        if kern.residual:  # the residual: maybe a slice of a wider tensor's channels
+            first, channels = kern.residual_view or (0, p.k)
+            c_ref = (f"{{reinterpret_cast<OUT*>(residual){f' + {first}' if first else ''}, "
+                     f"{_nhwc_layout(p.n, p.p, p.q, channels)}}}")
+        else:
+            c_ref = f"{{reinterpret_cast<OUT*>({source}){'' if kern.residual else y_offset}, out_layout}}"
+        d_ref, tensor = f"{{reinterpret_cast<OUT*>(y){y_offset}, out_layout}}", "nullptr, 0, 0"
         if kern.precision == "int8" and kern.residual_type != kern.output_dtype:  # out through T (row stride K)
             res = C_TYPES[kern.residual_type]
             c_ref = d_ref = f"{{reinterpret_cast<{res}*>(residual), out_layout}}"
@@ -671,6 +726,9 @@ def device_source(kernels: Sequence[ConvKernel]) -> str:
                          f"{_c_float(kern.lo)}, {_c_float(kern.hi)}, {int(kern.residual)}, {int(kern.silu)}, "
                          f"{'post' if kern.post else 'nullptr'}}}")
             vector = "channel"
+        elif kern.residual_after:
+            element, out_element, output_op = "half_t", "half_t", "{}"
+            vector = "reinterpret_cast<half_t*>(bias)"
         else:
             element, out_element = "half_t", ("float" if kern.float_out else "half_t")
             output_op = f"{{1.0f, {'1.0f' if kern.residual else '0.0f'}}}"
@@ -687,6 +745,11 @@ def device_source(kernels: Sequence[ConvKernel]) -> str:
         {output_op}, conv::SplitKMode::kSerial, {vector}, {tensor});
     new (params) typename K::Params(args);"""))
     return "".join(out)
+
+
+def _nhwc_layout(n: int, h: int, w: int, channels: int) -> str:
+    """CUTLASS's NHWC layout of an [n, h, w, channels] tensor, as its strides (a slice of its channels keeps them)."""
+    return f"layout::TensorNHWC({channels}, {w * channels}, {h * w * channels})"
 
 
 def _wrapper(name: str, types: str, signature: str, build: str) -> str:
@@ -798,7 +861,7 @@ def kernel_operands(kernel: ConvKernel, shapes: dict | None = None) -> list[tupl
     def vec(name):
         return tuple(shapes.get(name, (p.k,)))
 
-    ys = tuple(shapes.get("y", ys))
+    ys = (p.n, p.p, p.q, kernel.out_channels) if kernel.out_view else tuple(shapes.get("y", ys))
     bs = vec("bias")
     if kernel.precision == "int8":
         ops = [("x", xs, "int8"), ("w", ws, "int8"), ("bias", bs, "int32"), ("scale", vec("scale"), "float32"),
@@ -812,7 +875,9 @@ def kernel_operands(kernel: ConvKernel, shapes: dict | None = None) -> list[tupl
         ops = [("x", xs, "float16"), ("w", ws, "float16"), ("bias", bs, "float16")]
         act = "float32" if kernel.float_out else "float16"
     if kernel.residual:
-        ops.append(("residual", ys, kernel.residual_type))
+        rs = (p.n, p.p, p.q, kernel.residual_view[1]) if kernel.residual_view else (p.n, p.p, p.q, p.k) \
+            if kernel.out_view else ys
+        ops.append(("residual", rs, kernel.residual_type))
     return ops + [("y", ys, act)]
 
 
@@ -839,7 +904,9 @@ def prim_func(kernel: ConvKernel, smem_bytes: int, shapes: dict | None = None):
     text = "\n".join([
         "@T.prim_func(s_tir=True)",
         f"def func({', '.join(f'{name}: T.handle' for name, _, _ in ops)}):",
-        '    T.func_attr({"tirx.noalias": True})',
+        # (a kernel writing a slice of a concatenation may read another slice of it: its operands may alias)
+        f'    T.func_attr({{"tirx.noalias": {not kernel.out_view}}})' if isinstance(kernel, ConvKernel)
+        else '    T.func_attr({"tirx.noalias": True})',
         *(f'    {buf[name]} = T.match_buffer({name}, {tuple(shape)}, "{dtype}")' for name, shape, dtype in ops),
         '    with T.sblock("root"):',
         f'        for bx in T.thread_binding({gm}, thread="blockIdx.x"):',
@@ -1051,6 +1118,11 @@ def kernel_record(kernel: ConvKernel, smem_bytes: int) -> dict:
                "dilation": list(p.dilation), "output_pixels": p.n * p.p * p.q}
     if getattr(kernel, "x_view", None):  # channels [first, first + C) of an input with more
         problem["input_channels"] = {"first": kernel.x_view[0], "of": kernel.x_view[1]}
+    if getattr(kernel, "out_view", None):  # channels [first, first + K) of a concatenation
+        problem["output_channels"] = {"first": kernel.out_view[0], "of": kernel.out_view[1],
+                                      "in_place": kernel.out_in_place}
+    if getattr(kernel, "residual_view", None):
+        problem["residual_channels"] = {"first": kernel.residual_view[0], "of": kernel.residual_view[1]}
     if isinstance(kernel, DepthwiseKernel):
         record = {
             "function": kernel.function, "template": f"edgeq depthwise (TIR: {DEPTHWISE_LANES} channels of an output "
@@ -1079,6 +1151,7 @@ def kernel_record(kernel: ConvKernel, smem_bytes: int) -> dict:
     })
     if kernel.residual:
         record["residual_dtype"] = kernel.residual_type
+        record["residual_after_activation"] = getattr(kernel, "residual_after", False)
     if kernel.precision == "int8":
         record["requantize"] = {
             "float_out": kernel.float_out, "silu": kernel.silu, "post_scale": kernel.post,
@@ -1505,6 +1578,7 @@ class Claimed:
     scale: object = None  # int8: the per-channel float32 scale and shift (a constant or a weight; shift may be None)
     shift: object = None
     post: object = None  # int8: the per-channel multiplier after the clamps (``ConvKernel.post``)
+    y_in: object = None  # ``ConvKernel.out_in_place``: the tensor the kernel writes its channels of, as it comes in
 
     def operands(self) -> list:
         """The Relax arguments of the kernel's call, in ``kernel_operands`` order (without y)."""
@@ -1668,6 +1742,16 @@ def find_convs(main, sm_count: int, smem_per_block: int) -> tuple[list[Claimed],
             elif gelu is not None:
                 activation = "gelu"
                 chain += gelu
+        # a residual added after the activation (YOLO's bottleneck, x + SiLU(conv(x))): edgeq's epilogue
+        # (``ConvKernel.residual_after``)
+        residual_after = False
+        after = only_reader(chain[-1]) if residual is None and activation != "identity" and not depthwise \
+            and not grouped else None
+        if after is not None and after not in taken and call_op(value_of[after]) == "relax.add":
+            other = [a for a in value_of[after].args if not a.same_as(chain[-1])]
+            if other and shape_of(other[0]) == shape_of(chain[-1]) and dtype_of(other[0]) == "float16":
+                residual, residual_after = other[0], True
+                chain.append(after)
         # the graph's cast of the output to float32 (a classifier's logits): the kernel writes float32 unrounded
         to_float = only_reader(chain[-1])
         float_out = (residual is None and not depthwise and not grouped and to_float is not None and to_float not in taken
@@ -1704,7 +1788,7 @@ def find_convs(main, sm_count: int, smem_per_block: int) -> tuple[list[Claimed],
             kernel = DepthwiseKernel(f"l{len(claimed)}", problem, None, activation, residual is not None)
         else:
             kernel = ConvKernel(f"l{len(claimed)}", problem, choose_tile(problem, sm_count, smem_per_block),
-                                activation, residual is not None, float_out=float_out)
+                                activation, residual is not None, float_out=float_out, residual_after=residual_after)
         claimed.append(Claimed(kernel, chain[-1], x, w, bias, residual, tuple(chain[:-1]),
                                {"bias": tuple(shape_of(bias)) if bias is not None else (k,),
                                 **_output_shape(chain[-1], problem)}))
@@ -2175,12 +2259,43 @@ def _free_vars(expr):
     return relax.analysis.free_vars(expr)
 
 
-def claim_convs(mod, claimed: Sequence[Claimed], sizes: dict[str, int]):
+def claim_convs(mod, claimed: Sequence[Claimed], sizes: dict[str, int], placements: Sequence = ()):
     """``mod`` with each claimed chain replaced by one ``call_tir`` of its kernel's PrimFunc (added to the module):
-    the chain's last binding becomes the call, its other bindings go."""
-    return claim_calls(mod, {c.kernel.function: prim_func(c.kernel, sizes[c.kernel.name], c.shapes) for c in claimed},
-                       {c.output: (c.kernel.function, c.operands()) for c in claimed},
-                       {var for c in claimed for var in c.chain})
+    the chain's last binding becomes the call, its other bindings go. ``placements``
+    (``concat_in_place.find_placements``, the claims ``concat_in_place.place``'s): a placed part's call binds the
+    concatenation (the first part's allocates it, a later part's writes it in place) and the part's variable becomes
+    a slice of it; the concatenation's binding becomes the tensor after its last part."""
+    from edgeq.tvm_env import relax
+
+    functions = {c.kernel.function: prim_func(c.kernel, sizes[c.kernel.name], c.shapes) for c in claimed}
+    dropped = {var for c in claimed for var in c.chain}
+    by_output = {c.output: c for c in claimed}
+    version = {var: (pl, i) for pl in placements for i, (var, _) in enumerate(pl.parts)}
+    concats = {pl.concat: pl for pl in placements}
+
+    def rebind(b, gvars):
+        if b.var in dropped:
+            return []
+        if b.var in concats:
+            return [relax.VarBinding(b.var, concats[b.var].versions[-1])]
+        c = by_output.get(b.var)
+        if c is None:
+            return [b]
+        gv, operands = gvars[c.kernel.function], relax.Tuple(list(c.operands()))
+        if b.var not in version:
+            return [relax.VarBinding(b.var, relax.call_tir(gv, operands, _ty(b.var)))]
+        pl, i = version[b.var]
+        ty, tensor = _ty(pl.concat), pl.versions[i]
+        if c.kernel.out_in_place:
+            operands = relax.Tuple([*operands.fields, c.y_in])
+            call = relax.call_tir_inplace(gv, operands, [len(operands.fields) - 1], ty)
+        else:
+            call = relax.call_tir(gv, operands, ty)
+        first = c.kernel.out_view[0]
+        return [relax.VarBinding(tensor, call), relax.VarBinding(b.var, relax.op.strided_slice(
+            tensor, axes=[3], begin=[first], end=[first + c.kernel.problem.k]))]
+
+    return rebuild_main(mod, functions, rebind)
 
 
 def claim_calls(mod, functions: dict, calls: dict, dropped: set):
@@ -2251,7 +2366,10 @@ def twin_prim_func(kernel: ConvKernel, shapes: dict | None = None):
 
         return te.create_prim_func([a, w, te.compute(y_shape, out, "y")])
     args, y = twin_tensors(kernel, shapes)
-    return te.create_prim_func(args + [y])
+    func = te.create_prim_func(args + [y])
+    if getattr(kernel, "out_in_place", False):  # y is the tensor that came in (``call_tir_inplace``)
+        func = func.specialize({func.params[-1]: func.params[-2]})
+    return func
 
 
 def twin_tensors(kernel: ConvKernel, shapes: dict | None = None, x=None) -> tuple[list, object]:
@@ -2315,12 +2433,17 @@ def twin_tensors(kernel: ConvKernel, shapes: dict | None = None, x=None) -> tupl
     def f32(v):
         return tirx.const(v, "float32")
 
+    def residual(i, y, z, o):  # the residual's element of output (i, y, z, o)
+        if kernel.residual_view:
+            return res[i, y, z, o + kernel.residual_view[0]]
+        return res[reindex((i, y, z, o), npqk, npqk if kernel.out_view else y_shape)]
+
     def epilogue_int8(i, y, z, o):
         v = (acc[i, y, z, o] + at("bias", o)).astype("float32") * at("scale", o) + at("shift", o)
         if kernel.silu:
             v = v * te.sigmoid(v)
         if res is not None:
-            v = v + res[reindex((i, y, z, o), npqk, y_shape)].astype("float32") * f32(kernel.residual_scale)
+            v = v + residual(i, y, z, o).astype("float32") * f32(kernel.residual_scale)
         if not math.isinf(kernel.act_lo):
             v = te.max(v, f32(kernel.act_lo))
         if not math.isinf(kernel.act_hi):
@@ -2334,8 +2457,8 @@ def twin_tensors(kernel: ConvKernel, shapes: dict | None = None, x=None) -> tupl
 
     def epilogue_fp16(i, y, z, o):
         v = acc[i, y, z, o]
-        if res is not None:
-            v = v + res[reindex((i, y, z, o), npqk, y_shape)].astype("float32")
+        if res is not None and not kernel.residual_after:
+            v = v + residual(i, y, z, o).astype("float32")
         v = v + at("bias", o).astype("float32")
         if kernel.activation == "relu":
             v = te.max(v, f32(0.0))
@@ -2349,13 +2472,24 @@ def twin_tensors(kernel: ConvKernel, shapes: dict | None = None, x=None) -> tupl
             v = v * te.min(te.max(v + f32(3.0), f32(0.0)), f32(6.0)) / f32(6.0)
         elif kernel.activation != "identity":
             raise ValueError(f"no host twin for activation {kernel.activation}")
+        if res is not None and kernel.residual_after:
+            v = v + residual(i, y, z, o).astype("float32")
         return v if kernel.float_out else v.astype("float16")
 
     y = te.compute(npqk, epilogue_int8 if int8 else epilogue_fp16, "y")
-    if y_shape != npqk:  # the chain went through a reshape (a view): the output in the graph's shape
+    args = [ph_[name] for name in operands if name != "y" and not (given and name == "x")]
+    if kernel.out_view:  # channels [first, first + K) of the tensor; the others as they came in (or zeros)
+        first, y4 = kernel.out_view[0], y
+        old = te.placeholder(y_shape, y4.dtype, "y_in") if kernel.out_in_place else None
+        if old is not None:
+            args.append(old)
+        y = te.compute(y_shape, lambda i, a, b, c: tirx.if_then_else(
+            tirx.all(c >= first, c < first + p.k), y4[i, a, b, tirx.max(c - first, 0)],
+            old[i, a, b, c] if old is not None else tirx.const(0, y4.dtype)), "y_placed")
+    elif y_shape != npqk:  # the chain went through a reshape (a view): the output in the graph's shape
         y4 = y
         y = te.compute(y_shape, lambda *index: y4[reindex(index, y_shape, npqk)], "y_view")
-    return [ph_[name] for name in operands if name != "y" and not (given and name == "x")], y
+    return args, y
 
 
 def with_twins(mod, claimed: Sequence[Claimed]):

@@ -518,8 +518,8 @@ def build(mod, target, report: GpuKernels, cutlass: tuple[int, int] | None = Non
 
     wrappers = contextlib.nullcontext()
     if cutlass is not None:
+        from edgeq.backends.cuda import concat_in_place, layer_norm, pool_classifier
         from edgeq.backends.cuda import cutlass as cl
-        from edgeq.backends.cuda import layer_norm, pool_classifier
 
         # one cast of an input read by several layers (ToMixedPrecision casts it once per reader; Q, K and V
         # read the same hidden states)
@@ -532,9 +532,12 @@ def build(mod, target, report: GpuKernels, cutlass: tuple[int, int] | None = Non
         # kernel and a pool kernel)
         pools = pool_classifier.find_pool_classifiers(mod["main"], claimed, cutlass[0])
         claimed = [c for c in claimed if not any(c is p.fc for p in pools)]
+        # concatenations whose parts the kernels write in place (no concatenation kernel)
+        placements = concat_in_place.find_placements(mod["main"], claimed)
+        claimed = concat_in_place.place(mod["main"], claimed, placements)
         kernels = [c.kernel for c in claimed]
         sizes = cl.smem_sizes(kernels, target.attrs["arch"]) if kernels else {}
-        mod = cl.claim_convs(mod, claimed, sizes)
+        mod = cl.claim_convs(mod, claimed, sizes, placements)
         norms = layer_norm.find_layer_norms(mod)  # each with its fp16 cast or int8 quantize: one kernel
         mod = layer_norm.claim_layer_norms(mod, norms)
         mod = pool_classifier.claim_pool_classifiers(mod, pools)
@@ -546,6 +549,7 @@ def build(mod, target, report: GpuKernels, cutlass: tuple[int, int] | None = Non
                           "layer_norms": [layer_norm.kernel_record(c.kernel) for c in norms],
                           "pool_classifiers": [pool_classifier.kernel_record(p.kernel) for p in pools],
                           "squeeze_excitations": [se.record() for se in excitations],
+                          "concatenations_in_place": [pl.record() for pl in placements],
                           "left": left}
     with wrappers:
         return _build(mod, target, report)
