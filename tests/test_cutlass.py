@@ -15,7 +15,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from edgeq.backends.cuda import cutlass
+from edgeq.backends.cuda import concat_in_place, cutlass
 from edgeq.backends.cuda.cubin import cuda_tool
 from edgeq.targets import resolve
 
@@ -375,6 +375,11 @@ def test_kernels_compile_in_a_tvm_module_to_tensor_cores(profile, precision, nvr
                                               x_view=(16, 32) if name == "3x3-residual" else None))
             if name == "1x1s2":  # and with a float32 residual (a transformer's residual stream), float32 out
                 kernels.append(cutlass.ConvKernel("float_residual", problem, tile, "identity", True, float_out=True))
+            if name == "3x3-residual":  # a YOLO bottleneck's second conv: SiLU, then the residual (edgeq's
+                # BiasActResidual epilogue), read from channels 16-31 of a 64-channel concatenation and written into
+                # channels 32-47 of it, in place
+                kernels.append(cutlass.ConvKernel("placed", problem, tile, "silu", True, residual_after=True,
+                                                  out_view=(32, 64), out_in_place=True, residual_view=(16, 64)))
     if precision == "fp16":  # attention's batched GEMMs: 12 heads of [128, 64] x [64, 128], scaled, Q and K read
         # in place from one [1, 128, 3 x 768] projection (K^T as column-major, from column 768), the scores written
         # as float32; P V with the context written back in place
@@ -422,6 +427,11 @@ def test_kernels_compile_in_a_tvm_module_to_tensor_cores(profile, precision, nvr
                    "layout::TensorNHWC(32, 320, 3840)" in source, kern.name
     if precision == "fp16":
         assert "GroupMode::kMultipleGroup" in source and "GroupMode::kSingleGroup" in source
+        # the placed kernel: its output and residual rows 64 channels apart, from channel 32 and 16
+        assert "BiasActResidual<8, cutlass::epilogue::thread::SiLu<float>>" in source
+        placed = source[source.index("void edgeq_cutlass_placed("):]
+        assert "reinterpret_cast<half_t*>(residual) + 16, layout::TensorNHWC(64, " in placed
+        assert "reinterpret_cast<half_t*>(y) + 32, out_layout}" in placed and "layout::TensorNHWC(64, " in placed
         assert source.count("reinterpret_cast<half_t*>(bias), layout::TensorNHWC(0, 0, 0)") == 2
     if precision == "int8":  # a residual of another type than the output: the source has its type, y is T
         for name, res, out in (("f32_residual", "float", "int8_t"), ("int8_residual_f32_out", "int8_t", "float")):
@@ -493,15 +503,16 @@ def test_the_rewritten_graph_runs_on_the_host_as_the_graph(classes, tmp_path):
     np.testing.assert_allclose(got, reference, rtol=5e-2, atol=5e-2)
 
 
-def _twin_matches_graph_and_onnxruntime(model, prepared, claimed, xs, precision: str) -> None:
+def _twin_matches_graph_and_onnxruntime(model, prepared, claimed, xs, precision: str, placements=()):
     """The rewritten module with the kernels' TIR twins equals the graph before the rewrite (int8: bit for bit;
-    fp16 within 2e-2) on each of ``xs``, and ONNX Runtime within 10% (int8) / 1% (fp16) of its largest output."""
+    fp16 within 2e-2) on each of ``xs``, and ONNX Runtime within 10% (int8) / 1% (fp16) of its largest output.
+    Returns the rewritten module's main."""
     import onnxruntime as ort
 
     from edgeq.compile import HostRunner
     from edgeq.graph import Graph
 
-    rewritten = cutlass.claim_convs(prepared.mod, claimed, {c.kernel.name: 49152 for c in claimed})
+    rewritten = cutlass.claim_convs(prepared.mod, claimed, {c.kernel.name: 49152 for c in claimed}, placements)
     twin = Graph(cutlass.with_twins(rewritten, claimed), prepared.weights)
     session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
     run_graph, run_twin = HostRunner(prepared), HostRunner(twin)
@@ -514,6 +525,7 @@ def _twin_matches_graph_and_onnxruntime(model, prepared, claimed, xs, precision:
         reference = session.run(None, {"input": x})[0]
         error = np.abs(got - reference).max() / np.abs(reference).max()
         assert error < (0.1 if precision == "int8" else 0.01), error
+    return rewritten["main"]
 
 
 def _densenet(path, size: int = 16):
@@ -1024,11 +1036,30 @@ def test_a_yolov8n_style_detector_runs_every_convolution_on_cutlass(precision, t
         # the other half fuses into the concatenation): channels [C/2, C) of the C-channel output
         assert sorted(c.kernel.x_view for c in claimed if c.kernel.x_view) == sorted(
             [(16, 32), (32, 64), (64, 128), (128, 256), (64, 128), (32, 64), (64, 128), (128, 256)])
+        # each bottleneck with a shortcut adds it after its SiLU, in the epilogue: 6 (1 + 2 + 2 + 1 in the backbone)
+        assert sum(c.kernel.residual_after for c in claimed) == 6
     else:  # int8: SiLU in the epilogue, then the requantization (38 of 63; the others write float32: their
         # outputs are split, concatenated or summed in float before the next quantize)
         assert all(c.kernel.precision == "int8" for c in claimed)
         assert sum(c.kernel.silu for c in claimed) == 57 and sum(not c.kernel.float_out for c in claimed) >= 30
-    _twin_matches_graph_and_onnxruntime(model, prepared, claimed, xs[:2], precision)
+    placements = concat_in_place.find_placements(prepared.main, claimed)
+    claimed = concat_in_place.place(prepared.main, claimed, placements)
+    main = _twin_matches_graph_and_onnxruntime(model, prepared, claimed, xs[:2], precision, placements)
+    if precision == "fp16":
+        # written in place by their convolutions: the 8 C2f blocks' concatenations (the first convolution's output,
+        # both halves of its split, then each bottleneck's), the neck's two of convolution outputs, the head's three
+        # (box and class branch); left: SPPF's (pools) and the two after an upsampling, and the head's last (reshapes)
+        assert len(placements) == 13 and main.script().count("R.concat(") == 4
+        assert sorted(len(pl.parts) for pl in placements) == [2] * 11 + [3] * 2  # C2f blocks of 2 bottlenecks: 3
+        placed = [c.kernel for c in claimed if c.kernel.out_view]
+        assert len(placed) == sum(len(pl.parts) for pl in placements)
+        assert sum(k.out_in_place for k in placed) == len(placed) - len(placements)  # the first part allocates
+        # every bottleneck reads its input and residual in place, from its block's concatenation
+        assert sum(1 for c in claimed if c.kernel.residual_view) == 6
+        assert sum(1 for c in claimed if c.kernel.x_view and c.x.name.split("_in_place")[0] in
+                   {pl.concat.name for pl in placements}) >= 8
+    else:  # int8: the convolutions before a concatenation write float32, quantized per reader (not in place yet)
+        assert placements == []
 
 
 MOBILENET = ((1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 1, 2))  # MobileNetV2's first blocks: t, c, n, s

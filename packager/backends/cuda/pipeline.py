@@ -433,15 +433,15 @@ def _squeeze_excite(name: str, func, target, report: GpuKernels, check_all: bool
 
 
 def CountKernels(report: GpuKernels):  # noqa: N802
-    """Kernel launches per inference, in all and per PrimFunc: main's call_tir calls once reshapes have become
-    views."""
+    """Kernel launches per inference, in all and per PrimFunc: main's call_tir (and call_tir_inplace: a kernel
+    writing its part of a concatenation) calls once reshapes have become views."""
 
     @tvm.transform.module_pass(opt_level=0, name="edgeq.CountKernels")
     def _pass(mod, _ctx):
         launches: dict[str, int] = {}
 
         def visit(expr):
-            if call_op(expr) == "relax.call_tir":
+            if call_op(expr) in ("relax.call_tir", "relax.call_tir_inplace"):
                 name = expr.args[0].name_hint
                 launches[name] = launches.get(name, 0) + 1
 
