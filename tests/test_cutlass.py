@@ -1048,12 +1048,15 @@ def test_a_yolov8n_style_detector_runs_every_convolution_on_cutlass(precision, t
     if precision == "fp16":
         # written in place by their convolutions: the 8 C2f blocks' concatenations (the first convolution's output,
         # both halves of its split, then each bottleneck's), the neck's two of convolution outputs, the head's three
-        # (box and class branch); left: SPPF's (pools) and the two after an upsampling, and the head's last (reshapes)
-        assert len(placements) == 13 and main.script().count("R.concat(") == 4
-        assert sorted(len(pl.parts) for pl in placements) == [2] * 11 + [3] * 2  # C2f blocks of 2 bottlenecks: 3
+        # (box and class branch), SPPF's (its conv's, then its three pools by one kernel); left: the two after an
+        # upsampling and the head's last (reshapes)
+        assert len(placements) == 14 and main.script().count("R.concat(") == 3
+        assert sum(pl.pools is not None for pl in placements) == 1 and "max_pool2d" not in main.script()
+        assert sorted(len(pl.parts) for pl in placements) == [1] + [2] * 11 + [3] * 2  # C2f blocks of 2 bottlenecks: 3
         placed = [c.kernel for c in claimed if c.kernel.out_view]
         assert len(placed) == sum(len(pl.parts) for pl in placements)
         assert sum(k.out_in_place for k in placed) == len(placed) - len(placements)  # the first part allocates
+        assert main.script().count("call_tir_inplace") == len(placed) - len(placements) + 1  # + SPPF's pools
         # every bottleneck reads its input and residual in place, from its block's concatenation
         assert sum(1 for c in claimed if c.kernel.residual_view) == 6
         assert sum(1 for c in claimed if c.kernel.x_view and c.x.name.split("_in_place")[0] in
@@ -1472,3 +1475,46 @@ def test_package_an_efficientnet_b0_with_its_squeeze_excitations_and_classifier_
     assert f"CUTLASS 4.1.0: {len(record['kernels'])} of {layers} convolutions and matrix products" in flat, flat
     assert "4 squeeze-and-excitation gate(s) with their product in one kernel each (edgeq's; 8 one-pixel " \
            "convolutions)" in flat, flat
+
+
+def test_sppf_pools_and_its_concatenation_are_one_kernel_written_in_place(nvrtc, tmp_path):
+    """YOLOv8's SPPF on a 12x10 map (fp16): a 1x1 conv-SiLU, three chained 5x5 max pools of it, the four
+    concatenated, a 1x1 conv. The first conv writes channels [0, 16) of the concatenation; one kernel of edgeq's
+    writes the three pools into [16, 64) in place (a 5x5, 9x9 and 13x13 max over the conv's channels: what the
+    chained pools compute); no concatenation and no pool is left in the graph. The rewritten module with the kernels'
+    twins equals the graph and ONNX Runtime; the pool kernel's GPU schedule builds for sm_87 with no local memory."""
+    from gpu_kernels import Net, kernel_sass, sass_by_kernel
+
+    from edgeq.tvm_env import import_tvm
+
+    tvm = import_tvm()
+    net = Net(5)
+    y = net.conv_bn("input", 8, 16, 1)
+    pools = [net.node("Mul", [y, net.node("Sigmoid", [y])])]
+    for _ in range(3):
+        pools.append(net.node("MaxPool", [pools[-1]], kernel_shape=[5, 5], strides=[1, 1], pads=[2, 2, 2, 2]))
+    out = net.conv_bn(net.node("Concat", pools, axis=1), 64, 16, 1)
+    net.nodes.append(onnx.helper.make_node("Identity", [out], ["out"]))
+    model = net.save(tmp_path / "sppf.onnx", 0, 0, input_shape=[1, 8, 12, 10], output=("out", [1, 16, 12, 10]))
+    xs = [np.random.default_rng(seed).standard_normal((1, 8, 12, 10)).astype(np.float32) for seed in range(2)]
+    prepared, claimed, left = _claimed_graph(model, "fp16", None, tmp_path)
+    placements = concat_in_place.find_placements(prepared.main, claimed)
+    assert len(claimed) == 2 and left == [] and len(placements) == 1
+    pools = placements[0].pools
+    assert (pools.first, pools.channels, pools.source, pools.radii) == (16, 16, 0, (2, 4, 6))
+    claimed = concat_in_place.place(prepared.main, claimed, placements)
+    assert claimed[0].kernel.out_view == (0, 64) and not claimed[0].kernel.out_in_place
+    main = _twin_matches_graph_and_onnxruntime(model, prepared, claimed, xs, "fp16", placements)
+    text = main.script()
+    assert "R.concat(" not in text and "max_pool2d" not in text and text.count("call_tir_inplace") == 1
+    func = concat_in_place.schedule(concat_in_place.pool_prim_func(placements[0]))
+    target = tvm.target.Target({"kind": "cuda", "arch": "sm_87", "host": "llvm"})
+    from tvm.support import nvcc  # noqa: F401 - registers TVM's CUDA compile callback
+
+    with nvrtc.active(), target:
+        built = tvm.tirx.build(tvm.IRModule({pools.function: func.with_attr("global_symbol", pools.function)}),
+                               target=target)
+    built.export_library(str(tmp_path / "pools.so"))
+    code = kernel_sass(pools.function, sass_by_kernel(tmp_path / "pools.so"))
+    assert re.search(r"\bLDG\.", code) and re.search(r"\bSTG\.", code)  # one kernel reading and writing global
+    assert not re.search(r"\b(LDL|STL)\b", code)  # the max in a register

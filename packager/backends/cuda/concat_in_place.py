@@ -24,6 +24,7 @@ concatenation a kernel.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Sequence
 
 from edgeq.backends.cuda import cutlass
@@ -32,20 +33,45 @@ STORE = cutlass.ALIGNMENT  # elements of the epilogue's 16-byte store (fp16; int
 
 
 @dataclasses.dataclass
+class Pools:
+    """SPPF's parts after its convolution's: max pools (stride 1, "same" padding) of one part, each pooling the one
+    before it, written by one kernel into consecutive slices of the concatenation (from channel ``first``, each
+    ``channels`` wide): part i is the max over a square of radius ``radii[i]`` of the source's channels (from
+    ``source``), clipped at the map's edges, which is what i + 1 chained pools of radius r compute (radius (i + 1) r)."""
+
+    first: int
+    channels: int
+    source: int
+    radii: tuple[int, ...]
+    pooled: tuple  # the pools' variables (their bindings go)
+
+    @property
+    def function(self) -> str:
+        return f"{PREFIX}{self.first}_{self.channels}"
+
+
+PREFIX = "concat_pools_"
+
+
+@dataclasses.dataclass
 class Placement:
     """One concatenation written in place: its variable, its channels and its parts in the order their kernels
     run, each (the claimed output variable, its first channel), with the variable each kernel's call binds (the
-    tensor after that part is written)."""
+    tensor after that part is written); ``pools``: parts a pool kernel writes last (SPPF)."""
 
     concat: object
     channels: int
     parts: list[tuple[object, int]]
     versions: list[object]
+    pools: Pools | None = None
 
     def record(self) -> dict:
-        return {"concat": self.concat.name, "channels": self.channels,
-                "parts": [{"first": first, "channels": _channels(var)} for var, first in
-                          sorted(self.parts, key=lambda part: part[1])]}
+        parts = [{"first": first, "channels": _channels(var)} for var, first in sorted(self.parts, key=lambda p: p[1])]
+        if self.pools is not None:
+            parts += [{"first": self.pools.first + i * self.pools.channels, "channels": self.pools.channels,
+                       "max_pool_of_channels": self.pools.source, "window": 2 * r + 1}
+                      for i, r in enumerate(self.pools.radii)]
+        return {"concat": self.concat.name, "channels": self.channels, "parts": parts}
 
 
 def _channels(var) -> int:
@@ -94,7 +120,7 @@ def find_placements(main, claimed: Sequence) -> list[Placement]:
     from edgeq.graph_passes import shape_of
     from edgeq.tvm_env import relax
 
-    bindings, value_of, _, _ = cutlass.main_index(main)
+    bindings, value_of, readers, _ = cutlass.main_index(main)
     order = {b.var: i for i, b in enumerate(bindings)}
     by_output = {c.output: c for c in claimed}
     placements, used = [], set()
@@ -117,23 +143,76 @@ def find_placements(main, claimed: Sequence) -> list[Placement]:
                 groups.append(list(src))
         if not groups:
             continue
-        parts, first = [], 0
+        parts, first, pools = [], 0, []
         for t, begin, end in groups:
+            pooled = _pool_chain(t, value_of, readers)
+            if pooled is not None and begin == 0 and end == _channels(t) and first % STORE == 0:
+                pools.append((first, *pooled))
+                first += end
+                continue
             c = by_output.get(t)
             if c is None or begin != 0 or end != _channels(t) or not _placeable(c) or t in used or first % STORE \
-                    or any(t.same_as(q) for q, _ in parts):
+                    or any(t.same_as(q) for q, _ in parts) or pools:
                 parts = None
                 break
             parts.append((t, first))
             first += end
         if not parts:
             continue
+        pool = _pools(pools, parts, b.var, readers) if pools else None
+        if pools and pool is None:
+            continue
         parts.sort(key=lambda part: order[part[0]])
         ty = cutlass._ty(b.var)
         versions = [relax.DataflowVar(f"{b.var.name}_in_place{i}", ty) for i in range(len(parts))]
         used.update(t for t, _ in parts)
-        placements.append(Placement(b.var, shape[3], parts, versions))
+        placements.append(Placement(b.var, shape[3], parts, versions, pool))
     return placements
+
+
+def _pool_chain(var, value_of, readers) -> tuple | None:
+    """(source, radius, pools) where ``var`` is a chain of max pools (stride 1, no dilation, a square window of
+    odd size padded by its radius, NHWC) of ``source``, radius the chain's, pools its variables, each read by the
+    next only (and by the concatenation), else None."""
+    from edgeq.graph import call_op
+
+    chain, radius = [], 0
+    while call_op(value_of.get(var)) == "relax.nn.max_pool2d":
+        a = value_of[var].attrs
+        size = [int(v) for v in a.pool_size]
+        if (a.layout != "NHWC" or [int(v) for v in a.strides] != [1, 1] or [int(v) for v in a.dilation] != [1, 1]
+                or bool(a.ceil_mode) or size[0] != size[1] or size[0] % 2 == 0
+                or [int(v) for v in a.padding] != [size[0] // 2] * 4):
+            return None
+        chain.append(var)
+        radius += size[0] // 2
+        var = value_of[var].args[0]
+    return (var, radius, tuple(chain)) if chain else None
+
+
+def _pools(pools: list, parts: list, concat, readers) -> Pools | None:
+    """The parts of ``pools`` [(first channel, source, radius, pool variables)] as one ``Pools`` where they follow
+    each other, are as wide, pool one placed part (each its predecessor's pools and a pool more), and their pools
+    have no reader but each other and the concatenation."""
+    from edgeq.graph_passes import shape_of
+
+    def same(a, b) -> bool:
+        return len(a) == len(b) and all(x.same_as(y) for x, y in zip(a, b))
+
+    first, source = pools[0][0], pools[0][1]
+    width = _channels(source)
+    src_first = next((f for var, f in parts if var.same_as(source)), None)
+    if src_first is None:
+        return None
+    for i, (f, src, _, chain) in enumerate(pools):
+        if f != first + i * width or not src.same_as(source) or len(chain) != i + 1 \
+                or tuple(shape_of(chain[0])) != tuple(shape_of(source)) or (i and not same(chain[1:], pools[i - 1][3])):
+            return None
+    pooled = pools[-1][3]
+    for var in pooled:
+        if any(r is None or not (r.same_as(concat) or any(r.same_as(q) for q in pooled)) for r in readers.get(var, [])):
+            return None
+    return Pools(first, width, src_first, tuple(r for _, _, r, _ in pools), pooled)
 
 
 def place(main, claimed: Sequence, placements: Sequence[Placement]) -> list:
@@ -191,3 +270,92 @@ def place(main, claimed: Sequence, placements: Sequence[Placement]) -> list:
             c = dataclasses.replace(c, kernel=dataclasses.replace(kern, **changes), **claim)
         out.append(c)
     return out
+
+
+def pool_prim_func(pl: Placement):
+    """The TIR of a placement's pool parts, in place (the concatenation its only operand, as it comes in): each
+    output channel's max over its part's square, clipped at the map's edges (the max pool pads with the lowest value
+    of the type, which never wins), in one loop nest over the largest square. Unscheduled: the host runs it as it is,
+    ``schedule`` makes it the GPU's (the same arithmetic; its parameters ride along as the attribute
+    ``edgeq.pools``)."""
+    from edgeq.graph_passes import dtype_of, shape_of
+
+    pools = pl.pools
+    spec = {"shape": [int(d) for d in shape_of(pl.concat)], "dtype": dtype_of(pl.concat), "channels": pools.channels,
+            "source": pools.source, "first": pools.first, "radii": list(pools.radii)}
+    func = _pool_func(spec, scheduled=False)
+    return func.with_attrs({"global_symbol": pools.function, "op_pattern": 8, "edgeq.pools": json.dumps(spec)})
+
+
+THREADS = 128
+
+
+def schedule(func):
+    """``pool_prim_func``'s function for the GPU: a thread an output element (the concatenation's channels
+    innermost: neighbouring threads read neighbouring channels), its max in a register. Written out (TVM's
+    schedule primitives refuse a block that reads the buffer another block writes)."""
+    spec = json.loads(str(func.attrs["edgeq.pools"]))
+    return _pool_func(spec, scheduled=True).with_attrs({
+        "global_symbol": func.attrs["global_symbol"], "op_pattern": 8, "edgeq.pools": func.attrs["edgeq.pools"]})
+
+
+def _pool_func(spec: dict, scheduled: bool):
+    from edgeq.tvm_env import import_tvm
+    from tvm.script import tirx as T
+
+    tvm = import_tvm()
+    (n, h, w, ct), dtype = spec["shape"], spec["dtype"]
+    c, s0, f0, radii = spec["channels"], spec["source"], spec["first"], spec["radii"]
+    parts, big = len(radii), max(radii)
+    width = parts * c
+    radius = str(radii[-1])
+    for i in range(parts - 2, -1, -1):  # the radius of output channel vc's part
+        radius = f"T.if_then_else(vc < {(i + 1) * c}, {radii[i]}, {radius})"
+    low = f'T.min_value("{dtype}")'
+    dy, dx = f"(vy - {big})", f"(vx - {big})"
+    inside = (f"T.abs({dy}) <= {radius} and T.abs({dx}) <= {radius} and 0 <= vh + {dy} and vh + {dy} < {h} "
+              f"and 0 <= vw + {dx} and vw + {dx} < {w}")
+    tap = f"B[vn, vh + {dy}, vw + {dx}, {s0} + vc % {c}]"
+    head = ["@T.prim_func(s_tir=True)", "def func(b: T.handle):", '    T.func_attr({"tirx.noalias": False})',
+            f'    B = T.match_buffer(b, ({n}, {h}, {w}, {ct}), "{dtype}")']
+    if scheduled:
+        total = n * h * w * width
+        lines = head + [
+            '    with T.sblock("root"):',
+            f'        for bx in T.thread_binding({-(-total // THREADS)}, thread="blockIdx.x"):',
+            f'            for tx in T.thread_binding({THREADS}, thread="threadIdx.x"):',
+            '                with T.sblock("pool"):',
+            f"                    T.reads(B[0:{n}, 0:{h}, 0:{w}, {s0}:{s0 + c}])",
+            f"                    T.writes(B[0:{n}, 0:{h}, 0:{w}, {f0}:{f0 + width}])",
+            f'                    m = T.alloc_buffer((1,), "{dtype}", scope="local")',
+            f"                    if bx * {THREADS} + tx < {total}:",
+            f"                        vc = (bx * {THREADS} + tx) % {width}",
+            f"                        vw = (bx * {THREADS} + tx) // {width} % {w}",
+            f"                        vh = (bx * {THREADS} + tx) // {width * w} % {h}",
+            f"                        vn = (bx * {THREADS} + tx) // {width * w * h}",
+            f"                        m[0] = {low}",
+            f"                        for vy, vx in T.grid({2 * big + 1}, {2 * big + 1}):",
+            f"                            if {inside}:",
+            f"                                m[0] = T.max(m[0], {tap})",
+            f"                        B[vn, vh, vw, {f0} + vc] = m[0]",
+        ]
+    else:
+        lines = head + [
+            f'    acc = T.alloc_buffer(({n}, {h}, {w}, {width}), "{dtype}")',
+            f"    for n, h, w, c, dy, dx in T.grid({n}, {h}, {w}, {width}, {2 * big + 1}, {2 * big + 1}):",
+            '        with T.sblock("acc"):',
+            '            vn, vh, vw, vc, vy, vx = T.axis.remap("SSSSRR", [n, h, w, c, dy, dx])',
+            f"            T.reads(B[vn, 0:{h}, 0:{w}, {s0}:{s0 + c}])",
+            "            T.writes(acc[vn, vh, vw, vc])",
+            "            with T.init():",
+            f"                acc[vn, vh, vw, vc] = {low}",
+            f"            acc[vn, vh, vw, vc] = T.max(acc[vn, vh, vw, vc], T.if_then_else({inside}, {tap}, {low}))",
+            f"    for n, h, w, c in T.grid({n}, {h}, {w}, {width}):",
+            '        with T.sblock("out"):',
+            '            vn, vh, vw, vc = T.axis.remap("SSSS", [n, h, w, c])',
+            "            T.reads(acc[vn, vh, vw, vc])",
+            f"            T.writes(B[vn, vh, vw, {f0} + vc])",
+            f"            B[vn, vh, vw, {f0} + vc] = acc[vn, vh, vw, vc]",
+        ]
+    func = tvm.script.from_source("\n".join(lines), extra_vars={"T": T})
+    return func.with_attr("tirx.is_scheduled", True) if scheduled else func

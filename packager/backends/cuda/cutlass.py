@@ -2267,8 +2267,11 @@ def claim_convs(mod, claimed: Sequence[Claimed], sizes: dict[str, int], placemen
     a slice of it; the concatenation's binding becomes the tensor after its last part."""
     from edgeq.tvm_env import relax
 
+    from edgeq.backends.cuda import concat_in_place
+
     functions = {c.kernel.function: prim_func(c.kernel, sizes[c.kernel.name], c.shapes) for c in claimed}
-    dropped = {var for c in claimed for var in c.chain}
+    functions.update({pl.pools.function: concat_in_place.pool_prim_func(pl) for pl in placements if pl.pools})
+    dropped = {var for c in claimed for var in c.chain} | {v for pl in placements if pl.pools for v in pl.pools.pooled}
     by_output = {c.output: c for c in claimed}
     version = {var: (pl, i) for pl in placements for i, (var, _) in enumerate(pl.parts)}
     concats = {pl.concat: pl for pl in placements}
@@ -2276,8 +2279,12 @@ def claim_convs(mod, claimed: Sequence[Claimed], sizes: dict[str, int], placemen
     def rebind(b, gvars):
         if b.var in dropped:
             return []
-        if b.var in concats:
-            return [relax.VarBinding(b.var, concats[b.var].versions[-1])]
+        if b.var in concats:  # the tensor after its last part (SPPF: after its pool kernel, in place)
+            pl = concats[b.var]
+            if pl.pools is None:
+                return [relax.VarBinding(b.var, pl.versions[-1])]
+            return [relax.VarBinding(b.var, relax.call_tir_inplace(
+                gvars[pl.pools.function], relax.Tuple([pl.versions[-1]]), [0], _ty(b.var)))]
         c = by_output.get(b.var)
         if c is None:
             return [b]

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from edgeq.backends.cuda import squeeze_excite
+from edgeq.backends.cuda import concat_in_place, squeeze_excite
 from edgeq.errors import ModelError
 from edgeq.graph import Graph, Rewriter, call_op, const_value, rewrite
 from edgeq.graph_passes import dtype_of, fold_batch_norm, fresh_name, precompute_weight_ops, shape_of
@@ -398,6 +398,10 @@ def ScheduleKernels(target, report: GpuKernels, check_all: bool = False):  # noq
                 report.functions[gv.name_hint] = "edgeq pool + classifier"
             if not isinstance(func, tvm.tirx.PrimFunc) or int((func.attrs or {}).get("tirx.is_scheduled", 0) or 0) == 1:
                 continue
+            if gv.name_hint.startswith(concat_in_place.PREFIX):  # SPPF's pools into its concatenation
+                updates[gv] = concat_in_place.schedule(func)
+                report.functions[gv.name_hint] = "edgeq concatenated pools"
+                continue
             if gv.name_hint.startswith(squeeze_excite.PREFIX):
                 scheduled = _squeeze_excite(gv.name_hint, func, target, report, check_all)
                 if scheduled is not None:
@@ -518,7 +522,7 @@ def build(mod, target, report: GpuKernels, cutlass: tuple[int, int] | None = Non
 
     wrappers = contextlib.nullcontext()
     if cutlass is not None:
-        from edgeq.backends.cuda import concat_in_place, layer_norm, pool_classifier
+        from edgeq.backends.cuda import layer_norm, pool_classifier
         from edgeq.backends.cuda import cutlass as cl
 
         # one cast of an input read by several layers (ToMixedPrecision casts it once per reader; Q, K and V
