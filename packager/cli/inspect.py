@@ -52,6 +52,12 @@ def _gpu_kernels(info) -> str:
         if excitations:
             text += (f"; {excitations} squeeze-and-excitation gate(s) with their product in one kernel each (edgeq's; "
                      f"{2 * excitations} one-pixel convolutions)")
+        concats = cutlass.get("concatenations_in_place", [])
+        if concats:
+            pooled = sum(1 for c in concats if any("window" in part for part in c["parts"]))
+            text += (f"; {len(concats)} concatenation(s) written in place by the kernels of their parts (no "
+                     "concatenation kernel" + (f"; {pooled} with its max pools in one kernel (edgeq's)" if pooled else "")
+                     + ")")
         norms = len(cutlass.get("layer_norms", []))
         if norms:
             text += f"; {norms} layer norm(s) writing the next layer's fp16 or int8 input in the same kernel (edgeq's)"
