@@ -367,6 +367,10 @@ def test_kernels_compile_in_a_tvm_module_to_tensor_cores(profile, precision, nvr
                                                   out_div=0.25, residual_dtype="float32"))
                 kernels.append(cutlass.ConvKernel("int8_residual_f32_out", problem, tile, "relu", True, "int8", 0.5,
                                                   0.0, float_out=True, residual_dtype="int8"))
+                # written into channels 32-47 of a 64-channel concatenation in place, its residual from 16-31
+                kernels.append(cutlass.ConvKernel("placed", problem, tile, "relu", True, "int8", 0.5, 0.0,
+                                                  out_div=0.25, out_view=(32, 64), out_in_place=True,
+                                                  residual_view=(16, 64)))
         else:  # the 1x1 shortcut writes float32 (a classifier whose logits the graph casts to float32), after a
             # GELU (a transformer FFN's: CUTLASS's GELU<float>, erff)
             kernels.append(cutlass.ConvKernel(name.replace("-", "_"), problem, tile,
@@ -433,6 +437,10 @@ def test_kernels_compile_in_a_tvm_module_to_tensor_cores(profile, precision, nvr
         assert "reinterpret_cast<half_t*>(residual) + 16, layout::TensorNHWC(64, " in placed
         assert "reinterpret_cast<half_t*>(y) + 32, out_layout}" in placed and "layout::TensorNHWC(64, " in placed
         assert source.count("reinterpret_cast<half_t*>(bias), layout::TensorNHWC(0, 0, 0)") == 2
+    if precision == "int8":  # the placed kernel: its output and residual rows 64 channels apart
+        placed = source[source.index("void edgeq_cutlass_placed("):]
+        assert "reinterpret_cast<int8_t*>(residual) + 16, layout::TensorNHWC(64, " in placed
+        assert "reinterpret_cast<int8_t*>(y) + 32, out_layout}" in placed
     if precision == "int8":  # a residual of another type than the output: the source has its type, y is T
         for name, res, out in (("f32_residual", "float", "int8_t"), ("int8_residual_f32_out", "int8_t", "float")):
             wrapper = re.search(rf"void edgeq_cutlass_{name}\(([^)]*)\)", source).group(1)
@@ -1518,3 +1526,42 @@ def test_sppf_pools_and_its_concatenation_are_one_kernel_written_in_place(nvrtc,
     code = kernel_sass(pools.function, sass_by_kernel(tmp_path / "pools.so"))
     assert re.search(r"\bLDG\.", code) and re.search(r"\bSTG\.", code)  # one kernel reading and writing global
     assert not re.search(r"\b(LDL|STL)\b", code)  # the max in a register
+
+
+@pytest.mark.parametrize("precision", ["fp16", "int8"])
+def test_an_inception_blocks_concatenation_is_written_in_place(precision, tmp_path):
+    """GoogLeNet's inception block (fp16 and int8: the concatenation's quantize is hoisted into its parts, so each
+    branch's kernel writes int8 at the concatenation's scale): four branches (a 1x1; 1x1 -> 3x3; 1x1 -> 3x3; a 3x3 max pool -> 1x1), each
+    ending in a conv-BatchNorm-ReLU, concatenated and read by the next conv; and SqueezeNet's fire module (a 1x1
+    squeeze, then 1x1 and 3x3 expands concatenated). Every branch's last conv writes its channels of the
+    concatenation (the first allocates it, the others in place); no concatenation kernel is left; the rewritten module
+    with the kernels' twins equals the graph and ONNX Runtime."""
+    from gpu_kernels import Net
+
+    net = Net(6)
+
+    def conv(x, cin, cout, k):
+        return net.node("Relu", [net.conv_bn(x, cin, cout, k)])
+
+    x = conv("input", 8, 16, 3)
+    pool = net.node("MaxPool", [x], kernel_shape=[3, 3], strides=[1, 1], pads=[1, 1, 1, 1])
+    branches = [conv(x, 16, 16, 1), conv(conv(x, 16, 8, 1), 8, 16, 3), conv(conv(x, 16, 8, 1), 8, 8, 3),
+                conv(pool, 16, 8, 1)]
+    inception = net.node("Concat", branches, axis=1)  # 48 channels
+    squeeze = conv(inception, 48, 8, 1)
+    fire = net.node("Concat", [conv(squeeze, 8, 16, 1), conv(squeeze, 8, 16, 3)], axis=1)
+    out = net.conv_bn(fire, 32, 16, 1)
+    net.nodes.append(onnx.helper.make_node("Identity", [out], ["out"]))
+    model = net.save(tmp_path / "inception.onnx", 0, 0, input_shape=[1, 8, 10, 12], output=("out", [1, 16, 10, 12]))
+    xs = [np.random.default_rng(seed).standard_normal((1, 8, 10, 12)).astype(np.float32) for seed in range(2)]
+    calib = np.concatenate([np.random.default_rng(seed).standard_normal((1, 8, 10, 12)).astype(np.float32)
+                            for seed in range(2, 12)])
+    prepared, claimed, left = _claimed_graph(model, precision, calib, tmp_path)
+    assert len(claimed) == 11 and left == []
+    placements = concat_in_place.find_placements(prepared.main, claimed)
+    assert sorted((pl.channels, len(pl.parts)) for pl in placements) == [(32, 2), (48, 4)]
+    claimed = concat_in_place.place(prepared.main, claimed, placements)
+    placed = sorted(c.kernel.out_view for c in claimed if c.kernel.out_view)
+    assert placed == [(0, 32), (0, 48), (16, 32), (16, 48), (32, 48), (40, 48)], placed
+    main = _twin_matches_graph_and_onnxruntime(model, prepared, claimed, xs, precision, placements)
+    assert "R.concat(" not in main.script() and main.script().count("call_tir_inplace") == 4
