@@ -65,6 +65,10 @@ class Placement:
     versions: list[object]
     pools: Pools | None = None
 
+    def pool_prim_func(self):
+        """``pool_prim_func`` of this placement (``cutlass.claim_convs`` adds it to the module)."""
+        return pool_prim_func(self)
+
     def record(self) -> dict:
         parts = [{"first": first, "channels": _channels(var)} for var, first in sorted(self.parts, key=lambda p: p[1])]
         if self.pools is not None:

@@ -2267,10 +2267,8 @@ def claim_convs(mod, claimed: Sequence[Claimed], sizes: dict[str, int], placemen
     a slice of it; the concatenation's binding becomes the tensor after its last part."""
     from edgeq.tvm_env import relax
 
-    from edgeq.backends.cuda import concat_in_place
-
     functions = {c.kernel.function: prim_func(c.kernel, sizes[c.kernel.name], c.shapes) for c in claimed}
-    functions.update({pl.pools.function: concat_in_place.pool_prim_func(pl) for pl in placements if pl.pools})
+    functions.update({pl.pools.function: pl.pool_prim_func() for pl in placements if pl.pools})
     dropped = {var for c in claimed for var in c.chain} | {v for pl in placements if pl.pools for v in pl.pools.pooled}
     by_output = {c.output: c for c in claimed}
     version = {var: (pl, i) for pl in placements for i, (var, _) in enumerate(pl.parts)}
