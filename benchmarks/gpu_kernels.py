@@ -340,8 +340,8 @@ def kernel_sass(function: str, sass: dict[str, str]) -> str:
 def is_gemm(function: str) -> bool:
     """A conv/matmul kernel (FuseOps names a fused function after its operators; CUTLASS's are cutlass_*, edgeq's
     depthwise kernels depthwise_*, its global pool + classifier kernels poolfc_*, its squeeze-and-excitation kernels
-    se_*)."""
-    return function.startswith(("cutlass_", "depthwise_", "poolfc_", "se_")) or any(
+    se_*, its attention scores + softmax kernels attn_*)."""
+    return function.startswith(("cutlass_", "depthwise_", "poolfc_", "se_", "attn_")) or any(
         op in function for op in ("conv2d", "matmul", "dense"))
 
 
@@ -510,6 +510,13 @@ def orin_estimate(manifest: dict, device: str = DEVICE) -> dict | None:
         bytes_ = n * h * w * c * (size[k["input"]] + size[k["output"]])
         ctas = k["grid"][0]
         compute_us = 2 * k["gate_macs"] * ctas / (SIMT_FP32_OPS_PER_CLOCK_PER_SM * spec.sm_count * clock) * 1e6
+        total_us += row(k, bytes_, ctas, None, None, None, compute_us)
+    for k in record.get("attention_scores", []):  # CUDA cores: Q and K read (fp16) by every row's warp from L2,
+        # counted once from DRAM, the fp16 probabilities written
+        b, heads, rows, keys = k["scores"]
+        bytes_ = b * heads * (rows + keys) * k["head_dim"] * 2 + b * heads * rows * keys * 2
+        ctas = k["grid"][0]
+        compute_us = k["flops"] / (SIMT_FP32_OPS_PER_CLOCK_PER_SM * spec.sm_count * clock) * 1e6
         total_us += row(k, bytes_, ctas, None, None, None, compute_us)
     launches = gpu["kernels_per_inference"]
     total_us += launches * LAUNCH_US

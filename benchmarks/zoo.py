@@ -144,10 +144,11 @@ def one(path: Path, work: Path, int8: bool, jetson: bool, speed: bool, repeat: i
                 depthwise = len(record.get("depthwise", []))
                 pools = len(record.get("pool_classifiers", []))  # a classifier with its pool on edgeq's kernel
                 gates = 2 * len(record.get("squeeze_excitations", []))  # each squeeze-and-excitation's two 1x1s
+                scores = len(record.get("attention_scores", []))  # attention's Q K^T with its softmax
                 row[f"cutlass_{precision}"] = (
-                    f"built: {taken} of {taken + depthwise + pools + gates + left} convolutions and matrix products "
-                    f"on CUTLASS, {depthwise} depthwise, {pools} classifier and {gates} squeeze-and-excitation "
-                    "1x1s on edgeq's kernels")
+                    f"built: {taken} of {taken + depthwise + pools + gates + scores + left} convolutions and matrix "
+                    f"products on CUTLASS, {depthwise} depthwise, {pools} classifier, {gates} squeeze-and-excitation "
+                    f"1x1s and {scores} attention score products on edgeq's kernels")
     if profile:
         if fp32_model is not None:
             row["fp32_kernels"] = kernel_breakdown(fp32_model, {spec.name: x}, top=profile)

@@ -68,7 +68,7 @@ class Graph:
 
 def const_value(expr) -> np.ndarray | None:
     """The array of a Relax constant, None for anything else."""
-    if isinstance(expr, tvm.ir.expr.Constant):
+    if isinstance(expr, tvm.ir.expr.Constant) and hasattr(expr.value, "numpy"):  # (not a PrimValue's int)
         return expr.value.numpy()
     return None
 

@@ -970,8 +970,9 @@ def test_attention_over_a_window_of_49_tokens_runs_on_cutlass(precision, tmp_pat
 @pytest.mark.parametrize("precision", ["fp16", "int8"])
 def test_package_a_bert_style_encoder_with_cutlass(precision, nvrtc, tmp_path):
     """``edgeq package`` of the BERT-style encoder for the Orin with ``--gpu-kernels cutlass``: the reference check
-    passes, every matmul FLOP is in a CUTLASS kernel whose sm_87 SASS has IMMA (int8 linear layers) or HMMA (fp16,
-    and the attention products' batched GEMMs in both)."""
+    passes, every matmul FLOP but attention's Q K^T is in a CUTLASS kernel whose sm_87 SASS has IMMA (int8 linear
+    layers) or HMMA (fp16, and attention's P V batched GEMM in both); Q K^T is in one kernel of edgeq's with its
+    softmax (CUDA cores, warp shuffles)."""
     import json
     from pathlib import Path
 
@@ -995,15 +996,20 @@ def test_package_a_bert_style_encoder_with_cutlass(precision, nvrtc, tmp_path):
     assert gpu["cuda_graph"] and gpu["cuda_graph_kernels"] >= gpu["kernels_per_inference"] - 4, gpu
     record = gpu["cutlass"]
     # fp16: Q, K and V as one GEMM (``_projections_as_one``); int8: three, each with its own requantization
-    kernels = 6 if precision == "fp16" else 8
+    kernels = 5 if precision == "fp16" else 7
     assert len(record["kernels"]) == kernels and record["left"] == []
     gemms = [k for k in record["kernels"] if "mnk" in k["problem"]]
-    assert [k["problem"] for k in gemms] == [{"batch": 2, "mnk": [16, 16, 32]}, {"batch": 2, "mnk": [16, 32, 16]}]
+    assert [k["problem"] for k in gemms] == [{"batch": 2, "mnk": [16, 32, 16]}]  # P V
+    (scores,) = record["attention_scores"]
+    assert scores["scores"] == [1, 2, 16, 16] and scores["head_dim"] == 32 and scores["flops"] == 2 * 2 * 16 * 16 * 32
+    assert gpu["functions"][scores["function"]] == "edgeq attention scores + softmax"
     sass = sass_by_kernel(bundle / "model.so")
     mma = "IMMA" if precision == "int8" else "HMMA"
     assert all(re.search(rf"\b{mma}\.", kernel_sass(k["function"], sass)) for k in record["kernels"] if k not in gemms)
     assert all(re.search(r"\bHMMA\.", kernel_sass(k["function"], sass)) for k in gemms)
-    assert sum(k["flops"] for k in record["kernels"]) == model_flops(model)
+    assert sum(k["flops"] for k in record["kernels"]) + scores["flops"] == model_flops(model)
+    assert re.search(r"\bSHFL\.", kernel_sass(scores["function"], sass))
+    assert not re.search(r"\b(LDL|STL)\b", kernel_sass(scores["function"], sass))
     # the first layer norm writes the float32 residual stream and the FFN's input (fp16; int8: quantized per token,
     # with the row's scale) in one kernel (warp shuffles); the last one is the model's output: TVM's
     norms = record["layer_norms"]
@@ -1011,13 +1017,15 @@ def test_package_a_bert_style_encoder_with_cutlass(precision, nvrtc, tmp_path):
     assert [(n["shape"], n["outputs"]) for n in norms] == [([1, 16, 64], ["float32", *second])]
     assert gpu["functions"][norms[0]["function"]] == "edgeq layer norm"
     assert re.search(r"\bSHFL\.", kernel_sass(norms[0]["function"], sass))
-    if precision == "fp16":  # per inference: 6 CUTLASS kernels, the two layer norms, the softmax, the input's cast
-        assert gpu["kernels_per_inference"] == 10, gpu["launches"]
+    if precision == "fp16":  # per inference: 5 CUTLASS kernels, Q K^T with the softmax, the two layer norms, the
+        # input's cast
+        assert gpu["kernels_per_inference"] == 9, gpu["launches"]
     else:  # per-token scales of the input, the context and the GELU's output; the layer norm's is in its kernel
         assert sum(n for f, n in gpu["launches"].items() if f.startswith("row_scale")) == 3, gpu["launches"]
     inspect = run_cli("inspect", bundle)
     flat = " ".join(re.sub(r"[│┃]", " ", inspect.stdout).split())
-    assert f"CUTLASS 4.1.0: {kernels} of {kernels} convolutions and matrix products" in flat, flat
+    assert f"CUTLASS 4.1.0: {kernels} of {kernels + 1} convolutions and matrix products" in flat, flat
+    assert "1 attention score product(s) with their softmax in one kernel each" in flat, flat
     assert "1 layer norm(s) writing the next layer's fp16 or int8 input in the same kernel" in flat, flat
 
 
@@ -1565,3 +1573,44 @@ def test_an_inception_blocks_concatenation_is_written_in_place(precision, tmp_pa
     assert placed == [(0, 32), (0, 48), (16, 32), (16, 48), (32, 48), (40, 48)], placed
     main = _twin_matches_graph_and_onnxruntime(model, prepared, claimed, xs, precision, placements)
     assert "R.concat(" not in main.script() and main.script().count("call_tir_inplace") == 4
+
+
+def test_attention_scores_and_their_softmax_are_one_kernel(nvrtc, tmp_path):
+    """A BERT-style layer (fp16; 16 tokens, 2 heads of 32): Q K^T, its scale and casts, the softmax and its fp16 cast
+    are one function of the graph's own operators (outlined; the P V product stays a CUTLASS GEMM), which on the host
+    equals the graph bit for bit; its GPU schedule builds for sm_87 as one kernel with no local memory, the row max
+    and sum as warp shuffles."""
+    from gpu_kernels import bert_encoder, kernel_sass, sass_by_kernel
+
+    from edgeq.backends.cuda import attention, squeeze_excite
+    from edgeq.compile import HostRunner
+    from edgeq.graph import Graph
+    from edgeq.tvm_env import import_tvm
+
+    tvm = import_tvm()
+    relax = tvm.relax
+    model = bert_encoder(tmp_path / "bert.onnx", seq=16, hidden=64, heads=2, layers=1)
+    prepared, claimed, _ = _claimed_graph(model, "fp16", None, tmp_path)
+    found = attention.find_attention_scores(prepared.main, claimed)
+    assert len(found) == 1 and found[0].shape == (1, 2, 16, 16) and found[0].head_dim == 32
+    gemms = [c for c in claimed if isinstance(c.kernel, cutlass.GemmKernel)]
+    assert found[0].gemm is gemms[0] and len(gemms) == 2  # Q K^T replaced; P V stays
+    outlined = squeeze_excite.outline(prepared.mod, found)
+    fused = relax.transform.FuseTIR()(relax.transform.LegalizeOps()(outlined))
+    run_graph, run_outlined = HostRunner(prepared), HostRunner(Graph(fused, prepared.weights))
+    for seed in range(2):
+        x = np.random.default_rng(seed).standard_normal((1, 16, 64)).astype(np.float32)
+        np.testing.assert_array_equal(run_outlined([x])[0], run_graph([x])[0])
+    name = found[0].function
+    func = attention.schedule(fused[name]).with_attr("global_symbol", name)
+    target = tvm.target.Target({"kind": "cuda", "arch": "sm_87", "host": "llvm"})
+    from tvm.support import nvcc  # noqa: F401 - registers TVM's CUDA compile callback
+
+    with nvrtc.active(), target:
+        built = tvm.tirx.build(tvm.IRModule({name: func}), target=target)
+    source = built.imports[0].inspect_source()
+    # 8 rows a block, 16 lanes across the 16 keys
+    assert set(re.findall(r"__global__ void __launch_bounds__\(128\) (\w+)\(", source)) == {f"{name}_kernel"}
+    built.export_library(str(tmp_path / "attn.so"))
+    code = kernel_sass(name, sass_by_kernel(tmp_path / "attn.so"))
+    assert re.search(r"\bSHFL\.", code) and not re.search(r"\b(LDL|STL)\b", code)

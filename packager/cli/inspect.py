@@ -43,7 +43,8 @@ def _gpu_kernels(info) -> str:
         depthwise = len(cutlass.get("depthwise", []))
         pools = len(cutlass.get("pool_classifiers", []))
         excitations = len(cutlass.get("squeeze_excitations", []))
-        total = taken + depthwise + pools + 2 * excitations + len(left)
+        scores = len(cutlass.get("attention_scores", []))
+        total = taken + depthwise + pools + 2 * excitations + scores + len(left)
         text += f"; CUTLASS {cutlass.get('version', '?')}: {taken} of {total} convolutions and matrix products"
         if depthwise:
             text += f", {depthwise} depthwise on edgeq's kernel"
@@ -58,6 +59,9 @@ def _gpu_kernels(info) -> str:
             text += (f"; {len(concats)} concatenation(s) written in place by the kernels of their parts (no "
                      "concatenation kernel" + (f"; {pooled} with its max pools in one kernel (edgeq's)" if pooled else "")
                      + ")")
+        if scores:
+            text += (f"; {scores} attention score product(s) with their softmax in one kernel each (edgeq's, CUDA "
+                     "cores)")
         norms = len(cutlass.get("layer_norms", []))
         if norms:
             text += f"; {norms} layer norm(s) writing the next layer's fp16 or int8 input in the same kernel (edgeq's)"

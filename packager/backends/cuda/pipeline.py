@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from edgeq.backends.cuda import concat_in_place, squeeze_excite
+from edgeq.backends.cuda import attention, concat_in_place, squeeze_excite
 from edgeq.errors import ModelError
 from edgeq.graph import Graph, Rewriter, call_op, const_value, rewrite
 from edgeq.graph_passes import dtype_of, fold_batch_norm, fresh_name, precompute_weight_ops, shape_of
@@ -403,7 +403,14 @@ def ScheduleKernels(target, report: GpuKernels, check_all: bool = False):  # noq
                 report.functions[gv.name_hint] = "edgeq concatenated pools"
                 continue
             if gv.name_hint.startswith(squeeze_excite.PREFIX):
-                scheduled = _squeeze_excite(gv.name_hint, func, target, report, check_all)
+                scheduled = _edgeq_schedule(gv.name_hint, func, target, report, check_all,
+                                            squeeze_excite.schedule, "edgeq squeeze-excite")
+                if scheduled is not None:
+                    updates[gv] = scheduled
+                    continue
+            if gv.name_hint.startswith(attention.PREFIX):
+                scheduled = _edgeq_schedule(gv.name_hint, func, target, report, check_all,
+                                            attention.schedule, "edgeq attention scores + softmax")
                 if scheduled is not None:
                     updates[gv] = scheduled
                     continue
@@ -419,20 +426,20 @@ def ScheduleKernels(target, report: GpuKernels, check_all: bool = False):  # noq
     return _pass
 
 
-def _squeeze_excite(name: str, func, target, report: GpuKernels, check_all: bool):
-    """edgeq's schedule of an outlined squeeze-and-excitation (with ``check_all``, checked by a build alone, as
-    ``schedule_function`` checks); None where it does not take or build (dlight's rules then schedule it, as any
-    other function)."""
+def _edgeq_schedule(name: str, func, target, report: GpuKernels, check_all: bool, schedule, rule: str):
+    """edgeq's ``schedule`` of an outlined function (a squeeze-and-excitation, attention's scores; with
+    ``check_all``, checked by a build alone, as ``schedule_function`` checks); None where it does not take or build
+    (dlight's rules then schedule it, as any other function)."""
     try:
-        scheduled = squeeze_excite.schedule(func)
+        scheduled = schedule(func)
     except Exception as err:  # noqa: BLE001 - a function of another shape: dlight's
-        report.fallbacks.append({"function": name, "rule": "edgeq squeeze-excite", "error": _first_line(err)})
+        report.fallbacks.append({"function": name, "rule": rule, "error": _first_line(err)})
         return None
     err = _builds(name, scheduled, target) if check_all else None
     if err is not None:
-        report.fallbacks.append({"function": name, "rule": "edgeq squeeze-excite", "error": _first_line(err)})
+        report.fallbacks.append({"function": name, "rule": rule, "error": _first_line(err)})
         return None
-    report.functions[name] = "edgeq squeeze-excite"
+    report.functions[name] = rule
     return scheduled
 
 
@@ -536,6 +543,10 @@ def build(mod, target, report: GpuKernels, cutlass: tuple[int, int] | None = Non
         # kernel and a pool kernel)
         pools = pool_classifier.find_pool_classifiers(mod["main"], claimed, cutlass[0])
         claimed = [c for c in claimed if not any(c is p.fc for p in pools)]
+        # attention's Q K^T with its softmax: one kernel of edgeq's (instead of the GEMM's and the softmax's)
+        scores = attention.find_attention_scores(mod["main"], claimed)
+        claimed = [c for c in claimed if not any(c is s.gemm for s in scores)]
+        mod = squeeze_excite.outline(mod, scores)
         # concatenations whose parts the kernels write in place (no concatenation kernel)
         placements = concat_in_place.find_placements(mod["main"], claimed)
         claimed = concat_in_place.place(mod["main"], claimed, placements)
@@ -554,6 +565,7 @@ def build(mod, target, report: GpuKernels, cutlass: tuple[int, int] | None = Non
                           "pool_classifiers": [pool_classifier.kernel_record(p.kernel) for p in pools],
                           "squeeze_excitations": [se.record() for se in excitations],
                           "concatenations_in_place": [pl.record() for pl in placements],
+                          "attention_scores": [a.record() for a in scores],
                           "left": left}
     with wrappers:
         return _build(mod, target, report)
