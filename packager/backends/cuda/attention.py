@@ -24,6 +24,7 @@ import math
 PREFIX = "attn_"
 SCALE = ("relax.astype", "relax.multiply", "relax.divide")  # between the product and the softmax
 ROWS = 8  # rows of scores a block (a warp each)
+MIN_LANES = 8  # keys a power of two of at least this divides (else the rows' lanes would idle)
 WARP = 32
 
 
@@ -92,6 +93,8 @@ def find_attention_scores(main, claimed) -> list[AttentionScores]:
         cast = only_reader(soft)
         if cast is None or call_op(value_of[cast]) != "relax.astype" or dtype_of(cast) != "float16":
             continue
+        if math.prod(int(d) for d in shape[:-1]) % ROWS or lanes_for(int(shape[-1])) < MIN_LANES:
+            continue  # (ViT's 197 tokens: the GEMM and the softmax as they were)
         group = set(c.chain) | {c.output, *scale, soft, cast}
         if any(r is None or r not in group for v in group - {cast} for r in readers.get(v, [])):
             continue
