@@ -14,8 +14,9 @@ into it.
 Taken: a concatenation on the last axis of an NHWC tensor all of whose parts are outputs of CUTLASS convolutions
 (``cutlass.ConvKernel``: fp16 or int8 out, no reshape after) or slices of one that together cover it in order (a
 split's parts), each part in one concatenation only, its first channel and the tensor's channels a multiple of the
-epilogue's 16-byte store (8 elements). Any other part (an upsampled map, a pool, a graph input) keeps the
-concatenation a kernel.
+epilogue's 16-byte store (8 elements). SPPF's parts after its convolution's, chained max pools of it, are written
+by one kernel of edgeq's after the convolutions (``Pools``, ``pool_prim_func``). Any other part (an upsampled map, a
+graph input) keeps the concatenation a kernel.
 
 ``find_placements`` finds them; ``place`` rewrites the claims (their kernels' views and in-place operands);
 ``cutlass.claim_convs`` writes the calls.
