@@ -1614,3 +1614,69 @@ def test_attention_scores_and_their_softmax_are_one_kernel(nvrtc, tmp_path):
     built.export_library(str(tmp_path / "attn.so"))
     code = kernel_sass(name, sass_by_kernel(tmp_path / "attn.so"))
     assert re.search(r"\bSHFL\.", code) and not re.search(r"\b(LDL|STL)\b", code)
+
+
+def test_package_a_c2f_block_and_sppf_with_their_concatenations_in_place(nvrtc, tmp_path):
+    """``edgeq package --gpu-kernels cutlass`` (fp16) of a small YOLOv8 backbone piece: a strided conv, a C2f block
+    (its first conv split in two, a bottleneck whose shortcut is added after its SiLU, the concatenation), SPPF (a
+    conv, three chained 5x5 max pools, the concatenation, a conv). The reference check passes (the CUDA module built,
+    the same graph run on the host); both concatenations are written in place, SPPF's pools by one kernel of edgeq's;
+    the kernels per inference are the 7 convolutions, the pools, the input's transpose and the output's (no
+    concatenation, split or add kernel); the placed kernels' SASS has HMMA and no local memory; ``inspect`` says so."""
+    import json
+    from pathlib import Path
+
+    from conftest import run_cli
+    from gpu_kernels import Net, kernel_sass, sass_by_kernel
+
+    net = Net(9)
+
+    def conv(x, cin, cout, k=1, stride=1):
+        y = net.conv_bn(x, cin, cout, k, stride)
+        return net.node("Mul", [y, net.node("Sigmoid", [y])])
+
+    x = conv("input", 8, 32, 3, 2)
+    y = conv(x, 32, 32)  # C2f: split in two halves of 16, one bottleneck with its shortcut
+    parts = [net.name("split"), net.name("split")]
+    sizes = net.name("sizes")
+    net.inits.append(numpy_helper.from_array(np.array([16, 16], np.int64), sizes))
+    net.nodes.append(onnx.helper.make_node("Split", [y, sizes], parts, axis=1))
+    parts.append(net.node("Add", [parts[1], conv(conv(parts[1], 16, 16, 3), 16, 16, 3)]))
+    x = conv(net.node("Concat", parts, axis=1), 48, 32)
+    pools = [conv(x, 32, 16)]  # SPPF
+    for _ in range(3):
+        pools.append(net.node("MaxPool", [pools[-1]], kernel_shape=[5, 5], strides=[1, 1], pads=[2, 2, 2, 2]))
+    out = conv(net.node("Concat", pools, axis=1), 64, 32)
+    net.nodes.append(onnx.helper.make_node("Identity", [out], ["out"]))
+    model = net.save(tmp_path / "c2f.onnx", 0, 0, input_shape=[1, 8, 24, 20], output=("out", [1, 32, 12, 10]))
+    res = run_cli("package", model, "--device", "jetson-orin-nano", "--precision", "fp16", "--gpu-kernels", "cutlass",
+                  "-o", tmp_path / "out", "-q", "--json")
+    assert res.code == 0, res.stderr
+    bundle = Path(json.loads(res.stdout)["bundle_dir"])
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    assert manifest["reference_check"]["result"] == "passed"
+    gpu = manifest["library"]["gpu_kernels"]
+    record = gpu["cutlass"]
+    assert len(record["kernels"]) == 7 and record["left"] == [] and gpu["fallbacks"] == []
+    concats = record["concatenations_in_place"]
+    assert [[(p["first"], p["channels"]) for p in c["parts"]] for c in concats] == [
+        [(0, 32), (32, 16)], [(0, 16), (16, 16), (32, 16), (48, 16)]]
+    assert [p.get("window") for p in concats[1]["parts"]] == [None, 5, 9, 13]
+    pools = [f for f, rule in gpu["functions"].items() if rule == "edgeq concatenated pools"]
+    assert len(pools) == 1 and gpu["launches"][pools[0]] == 1
+    assert gpu["kernels_per_inference"] == 7 + 1 + 2, gpu["launches"]
+    # the in-place calls are captured in the CUDA graph with the others (all but the input's and output's kernels)
+    assert gpu["cuda_graph"] and gpu["cuda_graph_kernels"] >= gpu["kernels_per_inference"] - 2, gpu
+    placed = [k for k in record["kernels"] if "output_channels" in k["problem"]]
+    # the C2f block's first conv (allocates), its bottleneck (in place), SPPF's conv (allocates; its pools follow)
+    assert len(placed) == 3 and sum(k["problem"]["output_channels"]["in_place"] for k in placed) == 1
+    (bottleneck,) = [k for k in record["kernels"] if k.get("residual_after_activation")]
+    assert bottleneck["problem"]["residual_channels"] == {"first": 16, "of": 48}
+    sass = sass_by_kernel(bundle / "model.so")
+    for k in placed:
+        code = kernel_sass(k["function"], sass)
+        assert re.search(r"\bHMMA\.", code) and not re.search(r"\b(LDL|STL)\b", code), k["function"]
+    inspect = run_cli("inspect", bundle)
+    flat = " ".join(re.sub(r"[│┃]", " ", inspect.stdout).split())
+    assert "2 concatenation(s) written in place by the kernels of their parts (no concatenation kernel; 1 with its " \
+           "max pools in one kernel (edgeq's))" in flat, flat
