@@ -85,28 +85,13 @@ def _channels(var) -> int:
     return int(shape_of(var)[3])
 
 
-def _ints(expr) -> list[int]:  # strided_slice's axes, begin, end and strides: tuples of PrimValues
-    fields = getattr(expr, "fields", expr)
-    return [int(getattr(f, "value", f)) for f in fields]
-
-
 def channel_slice(var, value_of) -> tuple[object, int, int] | None:
     """(tensor, first, end) where ``var`` is a ``strided_slice`` of the channels (last axis, step 1) of a 4-D
     tensor, else None."""
-    from edgeq.graph import call_op
     from edgeq.graph_passes import shape_of
 
-    value = value_of.get(var)
-    if call_op(value) != "relax.strided_slice":
-        return None
-    t = value.args[0]
-    shape = shape_of(t)
-    axes, begin, end = (_ints(a) for a in value.args[1:4])
-    if shape is None or len(shape) != 4 or [a % 4 for a in axes] != [3] or (
-            len(value.args) > 4 and any(v != 1 for v in _ints(value.args[4]))):
-        return None
-    first = begin[0] + shape[3] if begin[0] < 0 else begin[0]
-    return t, first, first + _channels(var)
+    found = cutlass._last_axis_slice(var, value_of)
+    return found if found is not None and len(shape_of(found[0])) == 4 else None
 
 
 def _placeable(c) -> bool:

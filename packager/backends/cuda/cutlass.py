@@ -1800,26 +1800,16 @@ def _read_in_place(c: Claimed, value_of) -> Claimed:
     """A CUTLASS convolution whose input is a channel slice (``strided_slice`` on the last axis of an NHWC tensor,
     step 1; ``pipeline.splits_as_slices``) reads those channels of the wider tensor in place (``x_view``) where the
     first channel and the tensor's channels keep its loads aligned; else ``c`` as it is."""
-    from edgeq.graph import call_op
     from edgeq.graph_passes import shape_of
 
     kern = c.kernel
-    value = value_of.get(c.x)
-    if type(kern) is not ConvKernel or call_op(value) != "relax.strided_slice":
+    found = _last_axis_slice(c.x, value_of) if type(kern) is ConvKernel else None
+    if found is None or len(shape_of(found[0])) != 4:
         return c
-    def ints(expr):  # strided_slice's axes, begin, end and strides: tuples of PrimValues
-        fields = getattr(expr, "fields", expr)
-        return [int(getattr(f, "value", f)) for f in fields]
-
-    t, axes, begin = value.args[0], ints(value.args[1]), ints(value.args[2])
-    shape = shape_of(t)
-    if shape is None or len(shape) != 4 or [a % 4 for a in axes] != [3] or (
-            len(value.args) > 4 and any(v != 1 for v in ints(value.args[4]))):
-        return c
-    first = begin[0]
-    first = first + shape[3] if first < 0 else first
-    viewed = dataclasses.replace(kern, x_view=(first, shape[3]))
-    if first + kern.problem.c > shape[3] or first % viewed.input_alignment or shape[3] % viewed.input_alignment:
+    t, first, _ = found
+    channels = shape_of(t)[3]
+    viewed = dataclasses.replace(kern, x_view=(first, channels))
+    if first + kern.problem.c > channels or first % viewed.input_alignment or channels % viewed.input_alignment:
         return c
     return dataclasses.replace(c, kernel=viewed, x=t)
 
