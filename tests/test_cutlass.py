@@ -728,7 +728,6 @@ def test_package_with_cutlass_kernels(precision, nvrtc, tmp_path):
     """``edgeq package --gpu-kernels cutlass`` for the Orin: every convolution on a CUTLASS kernel (HMMA/IMMA in its
     SASS), the manifest saying which kernel each layer got, the reference check passed on the NHWC graph, and the
     roofline estimate of the Orin Nano."""
-    import json
     import os
     import re
     import subprocess
@@ -745,13 +744,8 @@ def test_package_with_cutlass_kernels(precision, nvrtc, tmp_path):
     if precision == "int8":
         np.savez(tmp_path / "calib.npz", input=np.random.default_rng(0).standard_normal((10, 3, 32, 32)).astype(np.float32))
         extra = ["--calibrate", tmp_path / "calib.npz"]
-    res = run_cli("package", model, "--device", "jetson-orin-nano", "--precision", precision, "--gpu-kernels", "cutlass",
-                  *extra, "-o", tmp_path / "out", "-q", "--json")
-    assert res.code == 0, res.stderr
-    bundle = Path(json.loads(res.stdout)["bundle_dir"])
-    manifest = json.loads((bundle / "manifest.json").read_text())
+    bundle, manifest = _package_for_orin(model, precision, tmp_path, *extra)
     assert manifest["build"]["args"]["gpu_kernels"] == "cutlass"
-    assert manifest["reference_check"]["result"] == "passed"
     gpu = manifest["library"]["gpu_kernels"]
     record = gpu["cutlass"]
     convs = sum(1 for n in onnx.load(model).graph.node if n.op_type == "Conv")
@@ -802,6 +796,23 @@ def test_gpu_kernels_refused_where_it_cannot_apply(device, precision, says, tmp_
                   "-o", tmp_path / "out")
     assert res.code == 2 and says in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def _package_for_orin(model, precision: str, tmp_path, *extra):
+    """``edgeq package MODEL --device jetson-orin-nano --precision PRECISION --gpu-kernels cutlass EXTRA...`` into
+    ``tmp_path / "out"``: it succeeds and its reference check passes. (bundle folder, manifest)."""
+    import json
+    from pathlib import Path
+
+    from conftest import run_cli
+
+    res = run_cli("package", model, "--device", "jetson-orin-nano", "--precision", precision, "--gpu-kernels", "cutlass",
+                  *extra, "-o", tmp_path / "out", "-q", "--json")
+    assert res.code == 0, res.stderr
+    bundle = Path(json.loads(res.stdout)["bundle_dir"])
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    assert manifest["reference_check"]["result"] == "passed"
+    return bundle, manifest
 
 
 def _claimed_graph(model, precision: str, calib: np.ndarray, tmp_path):
@@ -973,8 +984,6 @@ def test_package_a_bert_style_encoder_with_cutlass(precision, nvrtc, tmp_path):
     passes, every matmul FLOP but attention's Q K^T is in a CUTLASS kernel whose sm_87 SASS has IMMA (int8 linear
     layers) or HMMA (fp16, and attention's P V batched GEMM in both); Q K^T is in one kernel of edgeq's with its
     softmax (CUDA cores, warp shuffles)."""
-    import json
-    from pathlib import Path
 
     from conftest import run_cli
     from gpu_kernels import bert_encoder, kernel_sass, model_flops, sass_by_kernel
@@ -984,12 +993,7 @@ def test_package_a_bert_style_encoder_with_cutlass(precision, nvrtc, tmp_path):
     if precision == "int8":
         np.savez(tmp_path / "calib.npz", input=np.random.default_rng(0).standard_normal((10, 1, 16, 64)).astype(np.float32))
         extra = ["--calibrate", tmp_path / "calib.npz"]
-    res = run_cli("package", model, "--device", "jetson-orin-nano", "--precision", precision, "--gpu-kernels", "cutlass",
-                  *extra, "-o", tmp_path / "out", "-q", "--json")
-    assert res.code == 0, res.stderr
-    bundle = Path(json.loads(res.stdout)["bundle_dir"])
-    manifest = json.loads((bundle / "manifest.json").read_text())
-    assert manifest["reference_check"]["result"] == "passed"
+    bundle, manifest = _package_for_orin(model, precision, tmp_path, *extra)
     gpu = manifest["library"]["gpu_kernels"]
     # captured in CUDA graphs (several regions) but the kernels that read the graph's input (its cast, the first
     # residual add) or write its output (the last layer norm)
@@ -1132,20 +1136,13 @@ def test_package_an_int8_mobilenet_v2_with_depthwise_kernels(nvrtc, tmp_path):
     reference check passes, the manifest lists the depthwise layers apart from CUTLASS's (edgeq's template, no
     shared memory, their FLOPs), their sm_87 code has no spills, the kernels are captured in the CUDA graph, and
     ``inspect`` says how the convolutions were taken."""
-    import json
-    from pathlib import Path
 
     from conftest import run_cli
     from gpu_kernels import mobilenet_v2, model_flops, sass_by_kernel
 
     model = mobilenet_v2(tmp_path / "m.onnx", size=32, classes=16, settings=MOBILENET, last=64)
     np.savez(tmp_path / "calib.npz", input=np.random.default_rng(0).standard_normal((10, 3, 32, 32)).astype(np.float32))
-    res = run_cli("package", model, "--device", "jetson-orin-nano", "--precision", "int8", "--gpu-kernels", "cutlass",
-                  "--calibrate", tmp_path / "calib.npz", "-o", tmp_path / "out", "-q", "--json")
-    assert res.code == 0, res.stderr
-    bundle = Path(json.loads(res.stdout)["bundle_dir"])
-    manifest = json.loads((bundle / "manifest.json").read_text())
-    assert manifest["reference_check"]["result"] == "passed"
+    bundle, manifest = _package_for_orin(model, "int8", tmp_path, "--calibrate", tmp_path / "calib.npz")
     gpu = manifest["library"]["gpu_kernels"]
     record = gpu["cutlass"]
     assert len(record["kernels"]) == 9 and len(record["depthwise"]) == 4 and record["left"] == []  # 9 convs
@@ -1463,19 +1460,12 @@ def test_package_an_efficientnet_b0_with_its_squeeze_excitations_and_classifier_
     """``edgeq package --gpu-kernels cutlass`` (fp16) of the small EfficientNet-B0: the reference check passes;
     each squeeze-and-excitation is one kernel of edgeq's after its pool, the classifier one with the last pool; the
     kernels per inference are within the goal (conv/matmul layers + 2), and ``inspect`` says so."""
-    import json
-    from pathlib import Path
 
     from conftest import run_cli
     from gpu_kernels import efficientnet_b0, sass_by_kernel
 
     model = efficientnet_b0(tmp_path / "e.onnx", size=32, classes=16, settings=EFFICIENTNET)
-    res = run_cli("package", model, "--device", "jetson-orin-nano", "--precision", "fp16", "--gpu-kernels", "cutlass",
-                  "-o", tmp_path / "out", "-q", "--json")
-    assert res.code == 0, res.stderr
-    bundle = Path(json.loads(res.stdout)["bundle_dir"])
-    manifest = json.loads((bundle / "manifest.json").read_text())
-    assert manifest["reference_check"]["result"] == "passed"
+    bundle, manifest = _package_for_orin(model, "fp16", tmp_path)
     gpu = manifest["library"]["gpu_kernels"]
     record = gpu["cutlass"]
     layers = sum(1 for n in onnx.load(model).graph.node if n.op_type in ("Conv", "Gemm", "MatMul"))
@@ -1623,8 +1613,6 @@ def test_package_a_c2f_block_and_sppf_with_their_concatenations_in_place(nvrtc, 
     the same graph run on the host); both concatenations are written in place, SPPF's pools by one kernel of edgeq's;
     the kernels per inference are the 7 convolutions, the pools, the input's transpose and the output's (no
     concatenation, split or add kernel); the placed kernels' SASS has HMMA and no local memory; ``inspect`` says so."""
-    import json
-    from pathlib import Path
 
     from conftest import run_cli
     from gpu_kernels import Net, kernel_sass, sass_by_kernel
@@ -1649,12 +1637,7 @@ def test_package_a_c2f_block_and_sppf_with_their_concatenations_in_place(nvrtc, 
     out = conv(net.node("Concat", pools, axis=1), 64, 32)
     net.nodes.append(onnx.helper.make_node("Identity", [out], ["out"]))
     model = net.save(tmp_path / "c2f.onnx", 0, 0, input_shape=[1, 8, 24, 20], output=("out", [1, 32, 12, 10]))
-    res = run_cli("package", model, "--device", "jetson-orin-nano", "--precision", "fp16", "--gpu-kernels", "cutlass",
-                  "-o", tmp_path / "out", "-q", "--json")
-    assert res.code == 0, res.stderr
-    bundle = Path(json.loads(res.stdout)["bundle_dir"])
-    manifest = json.loads((bundle / "manifest.json").read_text())
-    assert manifest["reference_check"]["result"] == "passed"
+    bundle, manifest = _package_for_orin(model, "fp16", tmp_path)
     gpu = manifest["library"]["gpu_kernels"]
     record = gpu["cutlass"]
     assert len(record["kernels"]) == 7 and record["left"] == [] and gpu["fallbacks"] == []

@@ -46,18 +46,19 @@ class AttentionScores:
         return f"{PREFIX}{self.name}"
 
     @property
+    def rows(self) -> int:
+        """Rows of scores: batch x heads x queries."""
+        return math.prod(self.shape[:-1])
+
+    @property
     def flops(self) -> int:
-        rows = 1
-        for d in self.shape[:-1]:
-            rows *= d
-        return 2 * rows * self.shape[-1] * self.head_dim
+        return 2 * self.rows * self.shape[-1] * self.head_dim
 
     def record(self) -> dict:
-        rows = self.flops // (2 * self.shape[-1] * self.head_dim)
         return {"function": self.function, "template": "edgeq attention scores + softmax (TIR: a warp a query row, "
                 "the scores in shared memory, fp32 accumulation on CUDA cores)", "scores": list(self.shape),
                 "replaces": self.gemm.kernel.function if self.gemm is not None else None,
-                "head_dim": self.head_dim, "threads": ROWS * lanes_for(self.shape[-1]), "grid": [-(-rows // ROWS), 1],
+                "head_dim": self.head_dim, "threads": ROWS * lanes_for(self.shape[-1]), "grid": [-(-self.rows // ROWS), 1],
                 "flops": self.flops}
 
 
@@ -66,7 +67,7 @@ def find_attention_scores(main, claimed) -> list[AttentionScores]:
     scale) only a softmax over the last axis reads, and only an fp16 cast reads that: the GEMM's chain, its output,
     the casts and scale, the softmax and the cast, as one ``AttentionScores``."""
     from edgeq.backends.cuda import cutlass
-    from edgeq.backends.cuda.squeeze_excite import _is_constant, _tensor_constants, _var_args
+    from edgeq.backends.cuda.squeeze_excite import _is_constant, outline_inputs
     from edgeq.graph import call_op
     from edgeq.graph_passes import dtype_of, shape_of
     from edgeq.tvm_env import relax
@@ -98,12 +99,7 @@ def find_attention_scores(main, claimed) -> list[AttentionScores]:
         group = set(c.chain) | {c.output, *scale, soft, cast}
         if any(r is None or r not in group for v in group - {cast} for r in readers.get(v, [])):
             continue
-        ordered = sorted(group, key=position.get)
-        inputs = []
-        for v in ordered:
-            for arg in _var_args(value_of[v]) + _tensor_constants(value_of[v]):
-                if arg not in group and not any(arg.same_as(i) for i in inputs):
-                    inputs.append(arg)
+        ordered, inputs = outline_inputs(group, value_of, position)
         if any(not (isinstance(a, relax.Var) or _is_constant(a)) for a in inputs):
             continue
         found.append(AttentionScores(f"a{len(found)}", tuple(int(d) for d in shape),

@@ -212,12 +212,11 @@ def place(main, claimed: Sequence, placements: Sequence[Placement]) -> list:
     where its loads stay aligned."""
     _, value_of, _, _ = cutlass.main_index(main)
     where = {}  # placed var -> (the tensor after its write, its first channel, the tensor's channels)
-    written = {}  # placed var -> (the tensor it comes into or None, the tensor it becomes)
+    comes_into = {}  # placed var -> the tensor its kernel writes into (the one before it), None for the first
     for pl in placements:
-        firsts = dict((id(var), first) for var, first in pl.parts)
-        for i, (var, _) in enumerate(pl.parts):
-            where[var] = (pl.versions[i], firsts[id(var)], pl.channels)
-            written[var] = (pl.versions[i - 1] if i else None, pl.versions[i])
+        for i, (var, first) in enumerate(pl.parts):
+            where[var] = (pl.versions[i], first, pl.channels)
+            comes_into[var] = pl.versions[i - 1] if i else None
 
     def view(var):
         """(tensor, first channel, its channels) that ``var``'s channels are in place in, or None."""
@@ -238,7 +237,7 @@ def place(main, claimed: Sequence, placements: Sequence[Placement]) -> list:
             continue
         changes, claim = {}, {}
         if c.output in where:
-            y_in, _ = written[c.output]
+            y_in = comes_into[c.output]
             _, first, channels = where[c.output]
             changes.update(out_view=(first, channels), out_in_place=y_in is not None)
             claim["y_in"] = y_in

@@ -701,20 +701,18 @@ def device_source(kernels: Sequence[ConvKernel]) -> str:
         if isinstance(kern, GroupConvKernel):
             out.append(_group_source(kern, signature))
             continue
-        source = "residual" if kern.residual else "y"
         ct = kern.x_channels  # a channel slice of a wider tensor: its first channel, the tensor's strides
         x_offset = f" + {kern.x_view[0]}" if kern.x_view else ""
-        x_layout = (f"layout::TensorNHWC({ct}, {p.w * ct}, {p.h * p.w * ct})" if kern.x_view
+        x_layout = (_nhwc_layout(p.n, p.h, p.w, ct) if kern.x_view
                     else f"layout::TensorNHWC::packed({{{p.n}, {p.h}, {p.w}, {p.c}}})")
         out_layout = _nhwc_layout(p.n, p.p, p.q, kern.out_channels)  # y: a slice of a concatenation's channels
         y_offset = f" + {kern.out_view[0]}" if kern.out_view else ""
+        d_ref, tensor = f"{{reinterpret_cast<OUT*>(y){y_offset}, out_layout}}", "nullptr, 0, 0"
+        c_ref = d_ref  # no residual: the source is y (unread)
         if kern.residual:  # the residual: maybe a slice of a wider tensor's channels
             first, channels = kern.residual_view or (0, p.k)
             c_ref = (f"{{reinterpret_cast<OUT*>(residual){f' + {first}' if first else ''}, "
                      f"{_nhwc_layout(p.n, p.p, p.q, channels)}}}")
-        else:
-            c_ref = f"{{reinterpret_cast<OUT*>({source}){'' if kern.residual else y_offset}, out_layout}}"
-        d_ref, tensor = f"{{reinterpret_cast<OUT*>(y){y_offset}, out_layout}}", "nullptr, 0, 0"
         if kern.precision == "int8" and kern.residual_type != kern.output_dtype:  # out through T (row stride K)
             res = C_TYPES[kern.residual_type]
             c_ref = d_ref = f"{{reinterpret_cast<{res}*>(residual), out_layout}}"

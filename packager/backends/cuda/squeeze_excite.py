@@ -126,12 +126,7 @@ def find_squeeze_excitations(main) -> list[SqueezeExcite]:
         group = cone | {b.var, *tail}
         if any(r is None or r not in group for v in cone for r in readers.get(v, [])):
             continue  # a gate value read elsewhere
-        ordered = sorted(group, key=position.get)
-        inputs = []
-        for v in ordered:
-            for arg in _var_args(value_of[v]) + _tensor_constants(value_of[v]):
-                if arg not in group and not any(arg.same_as(i) for i in inputs):
-                    inputs.append(arg)
+        ordered, inputs = outline_inputs(group, value_of, position)
         if any(not (a.same_as(head) or a.same_as(x) or a in params or _is_constant(a) or shape_of(a) == [])
                for a in inputs):
             continue
@@ -141,6 +136,18 @@ def find_squeeze_excitations(main) -> list[SqueezeExcite]:
                                    tuple(bindings[position[v]] for v in ordered),
                                    tuple(inputs), end, (dtype_of(x), dtype_of(end)), macs))
     return found
+
+
+def outline_inputs(group: set, value_of: dict, position: dict) -> tuple[list, list]:
+    """The bindings of ``group`` in main's order and what they read from outside it (variables and tensor
+    constants, each once): the bindings and the parameters of the function they are outlined into (``outline``)."""
+    ordered = sorted(group, key=position.get)
+    inputs = []
+    for v in ordered:
+        for arg in _var_args(value_of[v]) + _tensor_constants(value_of[v]):
+            if arg not in group and not any(arg.same_as(i) for i in inputs):
+                inputs.append(arg)
+    return ordered, inputs
 
 
 def _var_args(value) -> list:
