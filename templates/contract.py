@@ -382,7 +382,9 @@ class LayerRow(Record):
     # calibrated int8 layers
     calibration: dict | None = _field(_Opt(OBJECT), omit_if_none=True)  # the activation statistics
     activation_scale: float | None = _field(_Opt(NUM), omit_if_none=True)
-    activation_threshold: float | None = _field(_Opt(NUM), omit_if_none=True)
+    activation_threshold: float | None = _field(_Opt(NUM), omit_if_none=True)  # the layer's own, calibrated
+    # the layers whose input scale this one's is (a concatenation and its parts: edgeq.quantize.shared_scales)
+    shared_scale_with: list | None = _field(_Opt(_List(STR)), omit_if_none=True)
     weight_scale_min: float | None = _field(_Opt(NUM), omit_if_none=True)
     weight_scale_max: float | None = _field(_Opt(NUM), omit_if_none=True)
     # pre-quantized layers

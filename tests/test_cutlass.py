@@ -1058,31 +1058,32 @@ def test_a_yolov8n_style_detector_runs_every_convolution_on_cutlass(precision, t
             [(16, 32), (32, 64), (64, 128), (128, 256), (64, 128), (32, 64), (64, 128), (128, 256)])
         # each bottleneck with a shortcut adds it after its SiLU, in the epilogue: 6 (1 + 2 + 2 + 1 in the backbone)
         assert sum(c.kernel.residual_after for c in claimed) == 6
-    else:  # int8: SiLU in the epilogue, then the requantization (38 of 63; the others write float32: their
-        # outputs are split, concatenated or summed in float before the next quantize)
+    else:  # int8: SiLU in the epilogue, then the requantization; only the head's 6 last convolutions write float32
+        # (every part of a concatenation is read at its scale: quantize.shared_scales)
         assert all(c.kernel.precision == "int8" for c in claimed)
-        assert sum(c.kernel.silu for c in claimed) == 57 and sum(not c.kernel.float_out for c in claimed) >= 30
+        assert sum(c.kernel.silu for c in claimed) == 57 and sum(c.kernel.float_out for c in claimed) == 6
+        assert sorted(c.kernel.x_view for c in claimed if c.kernel.x_view) == sorted(
+            [(16, 32), (32, 64), (64, 128), (128, 256), (64, 128), (32, 64), (64, 128), (128, 256)])
     placements = concat_in_place.find_placements(prepared.main, claimed)
     claimed = concat_in_place.place(prepared.main, claimed, placements)
     main = _twin_matches_graph_and_onnxruntime(model, prepared, claimed, xs[:2], precision, placements)
-    if precision == "fp16":
-        # written in place by their convolutions: the 8 C2f blocks' concatenations (the first convolution's output,
-        # both halves of its split, then each bottleneck's), the neck's two of convolution outputs, the head's three
-        # (box and class branch), SPPF's (its conv's, then its three pools by one kernel); left: the two after an
-        # upsampling and the head's last (reshapes)
-        assert len(placements) == 14 and main.script().count("R.concat(") == 3
-        assert sum(pl.pools is not None for pl in placements) == 1 and "max_pool2d" not in main.script()
-        assert sorted(len(pl.parts) for pl in placements) == [1] + [2] * 11 + [3] * 2  # C2f blocks of 2 bottlenecks: 3
-        placed = [c.kernel for c in claimed if c.kernel.out_view]
-        assert len(placed) == sum(len(pl.parts) for pl in placements)
-        assert sum(k.out_in_place for k in placed) == len(placed) - len(placements)  # the first part allocates
-        assert main.script().count("call_tir_inplace") == len(placed) - len(placements) + 1  # + SPPF's pools
-        # every bottleneck reads its input and residual in place, from its block's concatenation
-        assert sum(1 for c in claimed if c.kernel.residual_view) == 6
-        assert sum(1 for c in claimed if c.kernel.x_view and c.x.name.split("_in_place")[0] in
-                   {pl.concat.name for pl in placements}) >= 8
-    else:  # int8: the convolutions before a concatenation write float32, quantized per reader (not in place yet)
-        assert placements == []
+    # written in place by their convolutions: the 8 C2f blocks' concatenations (the first convolution's output,
+    # both halves of its split, then each bottleneck's), the neck's two of convolution outputs, SPPF's (its conv's,
+    # then its three pools by one kernel), and in fp16 the head's three (box and class branch; int8 writes those
+    # float32, concatenated with the reshapes of the head's output); left: the two after an upsampling and the head's
+    head = 3 if precision == "fp16" else 0
+    assert len(placements) == 11 + head and main.script().count("R.concat(") == 6 - head
+    assert sum(pl.pools is not None for pl in placements) == 1 and "max_pool2d" not in main.script()
+    assert sorted(len(pl.parts) for pl in placements) == [1] + [2] * (8 + head) + [3] * 2  # 2 bottlenecks: 3
+    placed = [c.kernel for c in claimed if c.kernel.out_view]
+    assert len(placed) == sum(len(pl.parts) for pl in placements)
+    assert sum(k.out_in_place for k in placed) == len(placed) - len(placements)  # the first part allocates
+    assert main.script().count("call_tir_inplace") == len(placed) - len(placements) + 1  # + SPPF's pools
+    # every bottleneck reads its input and residual in place, from its block's concatenation (int8: the int8 parts)
+    assert sum(1 for c in claimed if c.kernel.residual_view) == 6
+    assert all(c.kernel.residual_dtype == "" for c in claimed if c.kernel.residual)
+    assert sum(1 for c in claimed if c.kernel.x_view and c.x.name.split("_in_place")[0] in
+               {pl.concat.name for pl in placements}) >= 8
 
 
 MOBILENET = ((1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 1, 2))  # MobileNetV2's first blocks: t, c, n, s

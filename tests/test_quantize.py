@@ -267,6 +267,81 @@ def test_inception_block_concatenates_and_pools_int8(random_data, tmp_path):
         assert float(got @ want / np.linalg.norm(got) / np.linalg.norm(want)) >= 0.995
 
 
+def _c2f_model(path: Path, concat_is_an_output: bool = False) -> Path:
+    """YOLOv8's C2f block (small, as Ultralytics exports it: conv-SiLU as Conv, Sigmoid, Mul): a 1x1 conv, its output
+    split in two halves, a bottleneck (two 3x3 conv-SiLU) on the second half with its residual add, the halves and
+    the bottleneck's output concatenated and a 1x1 conv over them. The second half is read by the bottleneck, the
+    residual add and the concatenation; the bottleneck's output by the concatenation only."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(7)
+    shapes = dict(stem=(8, 3, 3, 3), cv1=(8, 8, 1, 1), m1=(4, 4, 3, 3), m2=(4, 4, 3, 3), cv2=(8, 12, 1, 1))
+    inits = [numpy_helper.from_array((rng.standard_normal(s) * (2 / np.prod(s[1:])) ** 0.5).astype(np.float32), k)
+             for k, s in shapes.items()]
+    inits += [numpy_helper.from_array(rng.uniform(-0.5, 0.5, s[0]).astype(np.float32), f"{k}_b")
+              for k, s in shapes.items()]
+    inits[3] = numpy_helper.from_array(numpy_helper.to_array(inits[3]) * 3, "m2")  # the sum outgrows the halves
+    inits.append(numpy_helper.from_array(np.array([4, 4], np.int64), "halves"))
+
+    def conv(x, w, y, pad=0):
+        return [helper.make_node("Conv", [x, w, f"{w}_b"], [f"{y}_c"], pads=[pad] * 4),
+                helper.make_node("Sigmoid", [f"{y}_c"], [f"{y}_s"]), helper.make_node("Mul", [f"{y}_c", f"{y}_s"], [y])]
+
+    nodes = [*conv("input", "stem", "x", 1), *conv("x", "cv1", "y"),
+             helper.make_node("Split", ["y", "halves"], ["y0", "y1"], axis=1),
+             *conv("y1", "m1", "b1", 1), *conv("b1", "m2", "b2", 1), helper.make_node("Add", ["y1", "b2"], ["p2"]),
+             helper.make_node("Concat", ["y0", "y1", "p2"], ["cat"], axis=1), *conv("cat", "cv2", "out")]
+    outputs = [helper.make_tensor_value_info("out", TensorProto.FLOAT, [1, 8, 32, 32])]
+    if concat_is_an_output:
+        outputs.append(helper.make_tensor_value_info("cat", TensorProto.FLOAT, [1, 12, 32, 32]))
+    graph = helper.make_graph(nodes, "c2f", [helper.make_tensor_value_info("input", TensorProto.FLOAT, [1, 3, 32, 32])],
+                              outputs, inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    path.write_bytes(model.SerializeToString())
+    return path
+
+
+def test_a_c2f_blocks_concatenation_and_its_parts_share_one_scale(random_data, tmp_path):
+    """The layers reading a C2f block's concatenation and those reading its parts (the bottleneck's first conv reads
+    the second half of the split) read at one scale, the larger of their calibrated ones (TensorRT's concatenation
+    rule: quantize.shared_scales); then every part is quantized once where it is made (hoist_quantize through the
+    split and the concatenation), the split and the concatenation run on int8, and the residual add reads the int8
+    half. Where the concatenation is also read in float (a graph output), nothing is shared."""
+    import onnxruntime as ort
+
+    from edgeq.compile import HostRunner
+
+    path = _c2f_model(tmp_path / "c2f.onnx")
+    result = _quantized_graph(path, random_data["calib"], method="minmax")
+    rows = {r.weight: r for r in result.report.layers}
+    assert rows["m1"].shared_scale_with == [rows["cv2"].name] and rows["cv2"].shared_scale_with == [rows["m1"].name]
+    assert all(rows[w].shared_scale_with is None for w in ("stem", "cv1", "m2"))
+    scales = {w: result.scales[f"{rows[w].name}/activation_scale"] for w in ("m1", "cv2")}
+    top = max(rows["m1"].activation_threshold, rows["cv2"].activation_threshold)
+    assert scales["m1"] == scales["cv2"] and scales["m1"] == pytest.approx(top / 127, rel=1e-5)
+    assert rows["m1"].activation_threshold != rows["cv2"].activation_threshold  # (else the test shows nothing)
+    ops = [call_op(b.value) for b in result.graph.bindings()]
+    moved = [b.value for b in result.graph.bindings() if call_op(b.value) in ("relax.concat", "relax.split")]
+    assert len(moved) == 2 and all("int8" in str(v.ty) for v in moved), moved
+    # quantized once each, where made: the model's input and the four SiLU outputs read by a layer (the stem's, the
+    # cv1's that is split on int8, the bottleneck's inner one) or summed (p2); the SiLU ones are in the graph's float
+    # form here, the GPU backend's epilogues or the CPU's fused kernels compute them
+    quantized = [b.value.args[0] for b in result.graph.bindings() if call_op(b.value) == "relax.quantize"]
+    assert len(quantized) == 5 and len(set(quantized)) == 5, ops
+    x = np.load(random_data["eval"])["input"][:8]
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    runner = HostRunner(result.graph)
+    for sample in x:
+        want = session.run(None, {"input": sample[None]})[0].ravel()
+        got = runner([sample[None]])[0].ravel()
+        assert float(got @ want / np.linalg.norm(got) / np.linalg.norm(want)) >= 0.995
+
+    apart = _quantized_graph(_c2f_model(tmp_path / "c2f-out.onnx", True), random_data["calib"], method="minmax")
+    assert all(r.shared_scale_with is None for r in apart.report.layers)
+    concat = next(b.value for b in apart.graph.bindings() if call_op(b.value) == "relax.concat")
+    assert "float32" in str(concat.ty)
+
+
 def test_a_switchable_graph_runs_any_mix_of_int8_and_float_layers(models, random_data):
     """The accuracy budget's search compiles one graph whose layers are int8 or float by a parameter
     (quantize_ops(..., switches=...)): all on computes what the plain int8 rewrite computes, all off the float

@@ -331,3 +331,56 @@ def test_hoist_quantize_residual_add_reads_the_int8_copy():
     (q0, r0), (q1, r1) = HostRunner(Graph(Before, {}))([x, acc]), HostRunner(out)([x, acc])
     np.testing.assert_array_equal(q0, q1)
     assert np.abs(r1 - r0).max() <= S2 / 2 * 1.0001  # the residual now carries its int8 rounding, no more
+
+
+def test_hoist_quantize_sees_through_a_split_and_a_concatenations_part():
+    """C2f's pattern: a tensor split in halves, the second half read by a layer (quantized), a residual add and,
+    with the first half and the sum, a concatenation quantized at the same scale. Each is quantized once where it is
+    made: the split runs on int8 and the concatenation takes the int8 halves and the int8 sum; the quantized values
+    are the graph's bit for bit (quantize commutes with moving values), the sum carries the half's rounding."""
+    from edgeq.compile import HostRunner
+    from edgeq.quantize.hoist_quantize import hoist_quantize
+
+    q = dict(axis=-1, out_dtype="int8")
+
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(y: R.Tensor((1, 4, 4, 4), "float32"), b: R.Tensor((1, 2, 4, 4), "float32")):
+            R.func_attr({"num_input": 2})
+            with R.dataflow():
+                z = R.nn.relu(y)
+                halves = R.split(z, indices_or_sections=2, axis=1)
+                y0 = halves[0]
+                y1 = halves[1]
+                q1 = R.quantize(y1, R.const(S2, "float32"), R.const(0, "int8"), **q)
+                r = R.nn.relu(b)  # (a computed tensor: the bottleneck's output)
+                p = R.add(y1, r)
+                cat = R.concat((y0, y1, p), axis=1)
+                qc = R.quantize(cat, R.const(S2, "float32"), R.const(0, "int8"), **q)
+                out = (q1, qc)
+                R.output(out)
+            return out
+
+    out = hoist_quantize(Graph(Before, {}))
+    bindings = out.main.body.blocks[0].bindings
+    quantized = [b.value.args[0] for b in bindings if isinstance(b.value, relax_call()) and
+                 b.value.op.name == "relax.quantize"]
+    names = {b.var: b.value for b in bindings}
+    # quantized: z (before the split) and the sum p, nothing else
+    assert len(quantized) == 2 and [names[v].op.name for v in quantized] == ["relax.nn.relu", "relax.add"]
+    split = next(b.value for b in bindings if isinstance(b.value, relax_call()) and b.value.op.name == "relax.split")
+    concat = next(b.value for b in bindings if isinstance(b.value, relax_call()) and b.value.op.name == "relax.concat")
+    assert "int8" in str(split.args[0].ty) and all("int8" in str(f.ty) for f in concat.args[0].fields)
+    rng = np.random.default_rng(2)
+    inputs = [rng.normal(0, 3, (1, 4, 4, 4)).astype(np.float32), rng.normal(0, 3, (1, 2, 4, 4)).astype(np.float32)]
+    (q1a, qca), (q1b, qcb) = HostRunner(Graph(Before, {}))(inputs), HostRunner(out)(inputs)
+    np.testing.assert_array_equal(q1a, q1b)
+    np.testing.assert_array_equal(qca[:, :4], qcb[:, :4])  # the halves: exact
+    assert np.abs(qca[:, 4:].astype(int) - qcb[:, 4:]).max() <= 1  # the sum: its half's rounding, one step at most
+
+
+def relax_call():
+    from edgeq.tvm_env import relax
+
+    return relax.Call

@@ -31,7 +31,7 @@ from edgeq.quantize.calibrate import collect
 from edgeq.quantize.calibrators import CALIBRATORS
 from edgeq.quantize.data import Dataset, Preprocess, load_data
 from edgeq.quantize.fold_bias import fold_bias
-from edgeq.quantize import bias_correction, judge, smooth
+from edgeq.quantize import bias_correction, judge, shared_scales, smooth
 from edgeq.quantize.hoist_quantize import hoist_quantize
 from edgeq.quantize.notes import PassNotes
 from edgeq.quantize.commute_qdq import commute_qdq
@@ -272,7 +272,11 @@ def quantize(graph: Graph, model: LoadedModel, args: QuantizeArgs, note: Callabl
     stats = collect(graph, layers, lambda: calib.batches(specs), calibrator.needs_histogram,
                     (lambda phase, i: tick(phase, i, runs)) if tick else None)
     thresholds = {l.weight: calibrator.threshold(st, percentile=args.percentile) for l, st in zip(layers, stats)}
-    act_scales = {w: (t if t > 0 else 1.0) / QMAX for w, t in thresholds.items()}
+    shared = shared_scales.groups(graph, layers)  # a concatenation and its parts: one scale (TensorRT's rule)
+    act_scales = {w: (t if t > 0 else 1.0) / QMAX for w, t in shared_scales.share(shared, thresholds).items()}
+    if shared:
+        note(f"{sum(map(len, shared))} layers in {len(shared)} group(s) read a concatenation or its parts at one "
+             "scale (each part written int8 into it)")
 
     bad = [w for w, t in thresholds.items() if not np.isfinite(t) or t < 0]
     if bad:
@@ -321,6 +325,9 @@ def quantize(graph: Graph, model: LoadedModel, args: QuantizeArgs, note: Callabl
                 scales[f"{layer.name}/activation_scale"] = np.float32(act_scales[layer.weight])
                 row.update(activation_scale=significant(act_scales[layer.weight], 6),
                            activation_threshold=significant(thresholds[layer.weight], 6))
+            group = next((g for g in shared if layer in g), None)
+            if group is not None:
+                row["shared_scale_with"] = [l.name for l in group if l is not layer]
         layer_rows.append(row)
     report = Report(
         kind="calibrated",
@@ -339,6 +346,10 @@ def quantize(graph: Graph, model: LoadedModel, args: QuantizeArgs, note: Callabl
         scheme={"activations": "int8, symmetric (zero point 0): per-tensor, calibrated; per-channel for depthwise "
                                "convolutions (ranges moved into the weights); per-token at run time for MatMul/Gemm "
                                "reading a sequence (layers[].activation)",
+                "shared_scales": ("the layers reading a concatenation and those reading its parts (or a split, "
+                                  "slice, max-pool or nearest resize of them) read at one scale, the largest of "
+                                  "their calibrated ones, so that each part is made in int8 and written into the "
+                                  "concatenation (layers[].shared_scale_with)"),
                 "weights": "int8, per-output-channel, symmetric",
                 "accumulation": "int32, bias added in int32, requantized or dequantized in the epilogue",
                 "bias_correction": ("each int8 layer with a calibrated input scale adds the mean output shift of its "
