@@ -1607,13 +1607,16 @@ def test_attention_scores_and_their_softmax_are_one_kernel(nvrtc, tmp_path):
     assert re.search(r"\bSHFL\.", code) and not re.search(r"\b(LDL|STL)\b", code)
 
 
-def test_package_a_c2f_block_and_sppf_with_their_concatenations_in_place(nvrtc, tmp_path):
-    """``edgeq package --gpu-kernels cutlass`` (fp16) of a small YOLOv8 backbone piece: a strided conv, a C2f block
-    (its first conv split in two, a bottleneck whose shortcut is added after its SiLU, the concatenation), SPPF (a
-    conv, three chained 5x5 max pools, the concatenation, a conv). The reference check passes (the CUDA module built,
-    the same graph run on the host); both concatenations are written in place, SPPF's pools by one kernel of edgeq's;
+@pytest.mark.parametrize("precision", ["fp16", "int8"])
+def test_package_a_c2f_block_and_sppf_with_their_concatenations_in_place(precision, nvrtc, tmp_path):
+    """``edgeq package --gpu-kernels cutlass`` of a small YOLOv8 backbone piece: a strided conv, a C2f block (its
+    first conv split in two, a bottleneck whose shortcut is added after its SiLU, the concatenation), SPPF (a conv,
+    three chained 5x5 max pools, the concatenation, a conv). The reference check passes (the CUDA module built, the
+    same graph run on the host); both concatenations are written in place, SPPF's pools by one kernel of edgeq's;
     the kernels per inference are the 7 convolutions, the pools, the input's transpose and the output's (no
-    concatenation, split or add kernel); the placed kernels' SASS has HMMA and no local memory; ``inspect`` says so."""
+    concatenation, split, add or quantize kernel); the placed kernels' SASS has HMMA (int8: IMMA) and no local
+    memory; ``inspect`` says so. int8: the split halves, the bottleneck and both concatenations' readers share one
+    scale per concatenation (quantize.shared_scales), so every part is written int8 into it."""
 
     from conftest import run_cli
     from gpu_kernels import Net, kernel_sass, sass_by_kernel
@@ -1638,10 +1641,20 @@ def test_package_a_c2f_block_and_sppf_with_their_concatenations_in_place(nvrtc, 
     out = conv(net.node("Concat", pools, axis=1), 64, 32)
     net.nodes.append(onnx.helper.make_node("Identity", [out], ["out"]))
     model = net.save(tmp_path / "c2f.onnx", 0, 0, input_shape=[1, 8, 24, 20], output=("out", [1, 32, 12, 10]))
-    bundle, manifest = _package_for_orin(model, "fp16", tmp_path)
+    extra = ()
+    if precision == "int8":
+        np.savez(tmp_path / "calib.npz", input=np.random.default_rng(3).standard_normal((4, 8, 24, 20)).astype(np.float32))
+        extra = ("--calibrate", tmp_path / "calib.npz", "--calibration", "minmax")
+    bundle, manifest = _package_for_orin(model, precision, tmp_path, *extra)
     gpu = manifest["library"]["gpu_kernels"]
     record = gpu["cutlass"]
     assert len(record["kernels"]) == 7 and record["left"] == [] and gpu["fallbacks"] == []
+    if precision == "int8":  # every kernel writes int8 but the last (the model's float output)
+        assert [k["output"] for k in record["kernels"]] == ["int8"] * 6 + ["float32"]
+        shared = {r["name"]: r.get("shared_scale_with") for r in manifest["quantization"]["layers"]}
+        # C2f's: its bottleneck's first conv (reads the split's second half) and its last (reads the concatenation);
+        # SPPF's concatenation has one reader, its pools' input none of its own: nothing to share
+        assert sorted(len(v) for v in shared.values() if v) == [1, 1], shared
     concats = record["concatenations_in_place"]
     assert [[(p["first"], p["channels"]) for p in c["parts"]] for c in concats] == [
         [(0, 32), (32, 16)], [(0, 16), (16, 16), (32, 16), (48, 16)]]
@@ -1654,12 +1667,14 @@ def test_package_a_c2f_block_and_sppf_with_their_concatenations_in_place(nvrtc, 
     placed = [k for k in record["kernels"] if "output_channels" in k["problem"]]
     # the C2f block's first conv (allocates), its bottleneck (in place), SPPF's conv (allocates; its pools follow)
     assert len(placed) == 3 and sum(k["problem"]["output_channels"]["in_place"] for k in placed) == 1
-    (bottleneck,) = [k for k in record["kernels"] if k.get("residual_after_activation")]
+    (bottleneck,) = [k for k in record["kernels"] if k["residual"]]  # (int8: the SiLU comes before it anyway)
     assert bottleneck["problem"]["residual_channels"] == {"first": 16, "of": 48}
+    assert bottleneck.get("residual_after_activation", False) == (precision == "fp16")
     sass = sass_by_kernel(bundle / "model.so")
+    mma = "HMMA" if precision == "fp16" else "IMMA"
     for k in placed:
         code = kernel_sass(k["function"], sass)
-        assert re.search(r"\bHMMA\.", code) and not re.search(r"\b(LDL|STL)\b", code), k["function"]
+        assert re.search(rf"\b{mma}\.", code) and not re.search(r"\b(LDL|STL)\b", code), k["function"]
     inspect = run_cli("inspect", bundle)
     flat = " ".join(re.sub(r"[│┃]", " ", inspect.stdout).split())
     assert "2 concatenation(s) written in place by the kernels of their parts (no concatenation kernel; 1 with its " \
