@@ -323,6 +323,7 @@ def test_a_c2f_blocks_concatenation_and_its_parts_share_one_scale(random_data, t
     ops = [call_op(b.value) for b in result.graph.bindings()]
     moved = [b.value for b in result.graph.bindings() if call_op(b.value) in ("relax.concat", "relax.split")]
     assert len(moved) == 2 and all("int8" in str(v.ty) for v in moved), moved
+    assert "relax.concat" not in result.report.float_ops, result.report.float_ops
     # quantized once each, where made: the model's input and the four SiLU outputs read by a layer (the stem's, the
     # cv1's that is split on int8, the bottleneck's inner one) or summed (p2); the SiLU ones are in the graph's float
     # form here, the GPU backend's epilogues or the CPU's fused kernels compute them
@@ -339,7 +340,7 @@ def test_a_c2f_blocks_concatenation_and_its_parts_share_one_scale(random_data, t
     apart = _quantized_graph(_c2f_model(tmp_path / "c2f-out.onnx", True), random_data["calib"], method="minmax")
     assert all(r.shared_scale_with is None for r in apart.report.layers)
     concat = next(b.value for b in apart.graph.bindings() if call_op(b.value) == "relax.concat")
-    assert "float32" in str(concat.ty)
+    assert "float32" in str(concat.ty) and apart.report.float_ops["relax.concat"] == 1
 
 
 def test_a_switchable_graph_runs_any_mix_of_int8_and_float_layers(models, random_data):

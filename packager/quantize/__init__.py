@@ -438,7 +438,8 @@ def _float_ops(graph: Graph) -> dict[str, int]:
     counts: dict[str, int] = {}
     for b in graph.bindings():
         op = call_op(b.value)
-        if op not in FLOAT_OPS or (op in FLOAT_OPS[:2] and not str(b.value.args[0].ty.dtype).startswith("float")):
+        if op not in FLOAT_OPS or not str((b.value.args[0] if op in FLOAT_OPS[:2] else b.value).ty.dtype).startswith(
+                "float"):  # (a concatenation of int8 parts, hoist_quantize's, moves int8)
             continue
         counts[op] = counts.get(op, 0) + 1
     return counts

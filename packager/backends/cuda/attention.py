@@ -75,9 +75,7 @@ def find_attention_scores(main, claimed) -> list[AttentionScores]:
     bindings, value_of, readers, _ = cutlass.main_index(main)
     position = {b.var: i for i, b in enumerate(bindings)}
 
-    def only_reader(var):
-        r = readers.get(var, [])
-        return r[0] if len(r) == 1 and r[0] is not None else None
+    only_reader = cutlass.only_reader_of(readers)
 
     found = []
     for c in claimed:

@@ -1376,9 +1376,7 @@ def _projections_as_one(graph):
     readers = graph.readers()
     weights = {p: graph.weights[p.name] for p in graph.weight_params}
 
-    def only_reader(var):
-        r = readers.get(var, [])
-        return r[0] if len(r) == 1 else None
+    only_reader = only_reader_of(readers)
 
     def weight_of(expr):  # (W as [K, N], its parameter) of a matmul's second operand, or None
         if expr in weights:
@@ -1623,6 +1621,16 @@ def main_index(main) -> tuple[list, dict, dict, set]:
     return bindings, value_of, readers, set(main.params[int(main.attrs["num_input"]):])
 
 
+def only_reader_of(readers: dict):
+    """``only_reader(var)`` over ``readers`` ({var: the vars of the bindings that read it, None for the function's
+    output}: ``main_index``'s or ``Graph.readers``): the one binding that reads ``var``, None where several do or
+    the output does."""
+    def only_reader(var):
+        r = readers.get(var, [])
+        return r[0] if len(r) == 1 and r[0] is not None else None
+    return only_reader
+
+
 def find_convs(main, sm_count: int, smem_per_block: int) -> tuple[list[Claimed], list[dict]]:
     """The fp16 chains ``conv2d(NHWC, OHWI, fp32 out) -> astype fp16 -> + bias -> [+ residual] -> [relu | relu6 | silu]
     -> [astype float32]``
@@ -1633,9 +1641,7 @@ def find_convs(main, sm_count: int, smem_per_block: int) -> tuple[list[Claimed],
 
     bindings, value_of, readers, params = main_index(main)
 
-    def only_reader(var):
-        r = readers.get(var, [])
-        return r[0] if len(r) == 1 and r[0] is not None else None
+    only_reader = only_reader_of(readers)
 
     def follow(chain, k):
         """The only reader of ``chain[-1]``, past reshapes that keep K channels last (views: ``_matmul_as_conv``'s

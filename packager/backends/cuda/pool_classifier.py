@@ -188,15 +188,13 @@ def find_pool_classifiers(main, claimed: Sequence, sm_count: int) -> list[Claime
     mean(x, [1, 2], keepdims) / d), lo), hi), int8)``; fp16, ``astype(mean_fp16(x), float16)`` (``pipeline.
     pools_read_fp16``'s function)."""
     from edgeq.backends.cuda import cutlass
-    from edgeq.backends.cuda.cutlass import _const_scalar, _same, main_index
+    from edgeq.backends.cuda.cutlass import _const_scalar, _same, main_index, only_reader_of
     from edgeq.graph import call_op
     from edgeq.graph_passes import dtype_of, shape_of
 
     bindings, value_of, readers, params = main_index(main)
 
-    def only_reader(var):
-        r = readers.get(var, [])
-        return r[0] if len(r) == 1 and r[0] is not None else None
+    only_reader = only_reader_of(readers)
 
     def pool_of(var):  # (x, [bindings from the pool to var]) or None
         value = value_of.get(var)

@@ -59,7 +59,7 @@ def find_squeeze_excitations(main) -> list[SqueezeExcite]:
     """The squeeze-and-excitation blocks of ``main``: ``multiply(x [N, H, W, C], g [N, 1, 1, C])`` where g is computed
     from a global pool of x (``mean(x, [1, 2])`` or ``pipeline.pools_read_fp16``'s function, with its cast or
     quantize) through one-pixel operators only, among them at least one convolution, each read by nothing else."""
-    from edgeq.backends.cuda.cutlass import main_index
+    from edgeq.backends.cuda.cutlass import main_index, only_reader_of
     from edgeq.backends.cuda.pool_classifier import pooled_input
     from edgeq.graph import call_op
     from edgeq.graph_passes import dtype_of, shape_of
@@ -67,9 +67,7 @@ def find_squeeze_excitations(main) -> list[SqueezeExcite]:
     bindings, value_of, readers, params = main_index(main)
     position = {b.var: i for i, b in enumerate(bindings)}
 
-    def only_reader(var):
-        r = readers.get(var, [])
-        return r[0] if len(r) == 1 and r[0] is not None else None
+    only_reader = only_reader_of(readers)
 
     found = []
     for b in bindings:
