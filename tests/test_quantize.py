@@ -341,6 +341,9 @@ def test_a_c2f_blocks_concatenation_and_its_parts_share_one_scale(random_data, t
     assert all(r.shared_scale_with is None for r in apart.report.layers)
     concat = next(b.value for b in apart.graph.bindings() if call_op(b.value) == "relax.concat")
     assert "float32" in str(concat.ty) and apart.report.float_ops["relax.concat"] == 1
+    # a part read by a layer left in float (--skip): the group cannot be int8 throughout, nothing is shared
+    skipped = _quantized_graph(path, random_data["calib"], method="minmax", skip=(rows["m1"].name,))
+    assert all(r.shared_scale_with is None for r in skipped.report.layers)
 
 
 def test_a_switchable_graph_runs_any_mix_of_int8_and_float_layers(models, random_data):
