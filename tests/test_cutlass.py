@@ -865,26 +865,26 @@ def test_a_bert_style_encoders_linear_layers_run_on_cutlass(precision, tmp_path)
     scaled = pytest.approx(1 / np.sqrt(32), rel=1e-3) if precision == "fp16" else 1.0
     assert left == [] and [(g.kernel.problem, g.kernel.alpha) for g in gemms] == [
         (cutlass.GemmProblem(2, 16, 16, 32), scaled), (cutlass.GemmProblem(2, 16, 32, 16), 1.0)], gemms
-    if precision == "fp16":  # Q, K and V are one projection of width 192 (``_projections_as_one``); the heads'
-        # transposes are read in place from it: Q at column 0, K (as K^T, column-major) at 64, V at 128, each with a
-        # leading dimension of 192 and a batch stride of 32; the context written back to [1, 16, 2, 32] (ld 64)
-        assert gemms[0].shapes == {"a": (1, 16, 192), "w": (1, 16, 192), "y": (1, 2, 16, 16)}
-        assert (gemms[0].kernel.a_view, gemms[0].kernel.b_view, gemms[0].kernel.y_view) == ((192, 32), (192, 32), None)
-        assert (gemms[0].kernel.a_offset, gemms[0].kernel.b_offset) == (0, 64)
-        assert gemms[0].kernel.b_column_major and not gemms[1].kernel.b_column_major
+    # Q, K and V are one projection of width 192 (``_projections_as_one``; int8: ``_int8_projections_as_one``, with
+    # the fp16 cast attention's products read before the head split, ``_fp16_before_head_split``); the heads'
+    # transposes are read in place from it: Q at column 0, K (as K^T, column-major) at 64, V at 128, each with a
+    # leading dimension of 192 and a batch stride of 32
+    assert gemms[0].shapes == {"a": (1, 16, 192), "w": (1, 16, 192), "y": (1, 2, 16, 16)}
+    assert (gemms[0].kernel.a_view, gemms[0].kernel.b_view, gemms[0].kernel.y_view) == ((192, 32), (192, 32), None)
+    assert (gemms[0].kernel.a_offset, gemms[0].kernel.b_offset) == (0, 64)
+    assert gemms[0].kernel.b_column_major and not gemms[1].kernel.b_column_major
+    assert (gemms[1].kernel.a_view, gemms[1].kernel.b_view) == (None, (192, 32)) and gemms[1].kernel.b_offset == 128
+    assert gemms[0].x.same_as(gemms[0].w) and gemms[1].w.same_as(gemms[0].x)  # the one wide tensor
+    if precision == "fp16":  # the context written back to [1, 16, 2, 32] (ld 64)
         # the scores are written as float32 for the softmax, which ToMixedPrecision keeps in float32 (no cast kernel)
         assert gemms[0].kernel.float_out and not gemms[1].kernel.float_out
         assert gemms[1].shapes == {"a": (1, 2, 16, 16), "w": (1, 16, 192), "y": (1, 16, 2, 32)}
-        assert (gemms[1].kernel.a_view, gemms[1].kernel.b_view, gemms[1].kernel.y_view) == (None, (192, 32), (64, 32))
-        assert (gemms[1].kernel.a_offset, gemms[1].kernel.b_offset) == (0, 128)
-        assert gemms[0].x.same_as(gemms[0].w) and gemms[1].w.same_as(gemms[0].x)  # the one wide tensor
-    else:  # int8: the operands are casts of the transposes (attention in fp16 of a float graph): contiguous; the
-        # scores rounded to fp16 as the graph has them (its 1/sqrt(d) is a multiply after the cast to float32)
-        assert gemms[0].shapes == {"a": (1, 2, 16, 32), "w": (1, 2, 32, 16), "y": (1, 2, 16, 16)}
-        assert not any(g.kernel.float_out for g in gemms)
+        assert gemms[1].kernel.y_view == (64, 32)
+    else:  # int8: the scores rounded to fp16 as the graph has them (its 1/sqrt(d) is a multiply after the cast to
+        # float32); the context cast to float32 before its transpose back (the per-token quantize reads it)
+        assert not any(g.kernel.float_out for g in gemms) and gemms[1].kernel.y_view is None
     problems = sorted((c.kernel.problem.w, c.kernel.problem.c, c.kernel.problem.k) for c in claimed)
-    # fp16: Q, K and V as one GEMM of 3 x 64 outputs; int8: three (each its own requantization)
-    projections = [(16, 64, 192)] if precision == "fp16" else [(16, 64, 64)] * 3
+    projections = [(16, 64, 192)]
     assert problems == sorted([(16, 64, 64)] + projections + [(16, 64, 256), (16, 256, 64)]), problems
     assert all(c.kernel.problem.n == c.kernel.problem.h == c.kernel.problem.r == 1 for c in claimed)
     assert all(c.shapes["y"] == (1, 16, c.kernel.problem.k) for c in claimed)  # the output in the graph's shape
@@ -999,8 +999,8 @@ def test_package_a_bert_style_encoder_with_cutlass(precision, nvrtc, tmp_path):
     # residual add) or write its output (the last layer norm)
     assert gpu["cuda_graph"] and gpu["cuda_graph_kernels"] >= gpu["kernels_per_inference"] - 4, gpu
     record = gpu["cutlass"]
-    # fp16: Q, K and V as one GEMM (``_projections_as_one``); int8: three, each with its own requantization
-    kernels = 5 if precision == "fp16" else 7
+    # Q, K and V as one GEMM (``_projections_as_one``; int8: ``_int8_projections_as_one``)
+    kernels = 5
     assert len(record["kernels"]) == kernels and record["left"] == []
     gemms = [k for k in record["kernels"] if "mnk" in k["problem"]]
     assert [k["problem"] for k in gemms] == [{"batch": 2, "mnk": [16, 32, 16]}]  # P V
@@ -1026,6 +1026,12 @@ def test_package_a_bert_style_encoder_with_cutlass(precision, nvrtc, tmp_path):
         assert gpu["kernels_per_inference"] == 9, gpu["launches"]
     else:  # per-token scales of the input, the context and the GELU's output; the layer norm's is in its kernel
         assert sum(n for f, n in gpu["launches"].items() if f.startswith("row_scale")) == 3, gpu["launches"]
+        # per inference: 5 CUTLASS kernels, Q K^T with the softmax, Q K V's token scale, bias and fp16 cast (one kernel
+        # for the three: attention reads their heads from it in place), the output projection's and the FFN's second
+        # layer's (token scale, bias, residual), the GELU's, 3 row scales and 3 quantizes (the input's, the context's,
+        # the GELU output's), the context's transpose, the two layer norms: 19 (23 with three projections)
+        assert gpu["kernels_per_inference"] == 19, gpu["launches"]
+        assert sum(1 for f in gpu["launches"] if "multiply" in f and "add" in f and "cast" in f) == 1
     inspect = run_cli("inspect", bundle)
     flat = " ".join(re.sub(r"[│┃]", " ", inspect.stdout).split())
     assert f"CUTLASS 4.1.0: {kernels} of {kernels + 1} convolutions and matrix products" in flat, flat

@@ -1283,12 +1283,13 @@ def prepare_nhwc(graph):
     graph = precompute_weight_ops(type(graph)(mod, graph.weights))
     graph = rewrite(graph, _one_int32_bias)
     graph = rewrite(graph, _one_scale)
-    if not any(dtype_of(b.var) == "int8" for b in graph.bindings()):
-        graph = _projections_as_one(graph)
+    int8 = any(dtype_of(b.var) == "int8" for b in graph.bindings())
+    graph = _int8_projections_as_one(graph) if int8 else _projections_as_one(graph)
     graph = rewrite(graph, _matmul_as_conv)
     graph = rewrite(graph, _depthwise_hwoi)
-    if any(dtype_of(b.var) == "int8" for b in graph.bindings()):
+    if int8:
         graph = rewrite(graph, _float_attention_in_fp16)
+        graph = _fp16_before_head_split(graph)
 
     def visit(rw, var, value):
         if call_op(value) != "relax.nn.conv2d" or value.attrs.data_layout != "NHWC" or int(value.attrs.groups) != 1:
@@ -1430,6 +1431,148 @@ def _projections_as_one(graph):
         first = sum(m[1].shape[1] for m in members[:i])
         axis = len(shape_of(var)) - 1
         return relax.op.strided_slice(merged[x], [axis], [first], [first + members[i][1].shape[1]])
+
+    return rewrite(graph, visit)
+
+
+def _int8_projections_as_one(graph):
+    """``_projections_as_one`` for an int8 graph's per-token projections (``quantize_ops``): ``matmul(xq, W_i int8,
+    int32) -> float32 -> * s_i (the weight's per-channel scale) -> * rows (the tokens' scales) -> + b_i``, each read
+    through a head split into attention's products, with xq and rows shared (Q, K and V of a layer read one
+    quantized input): one ``matmul(xq, [W_1 .. W_n])`` with ``[s_1 .. s_n]`` and ``[b_1 .. b_n]``, and a slice of its
+    last axis per projection. Every output element goes through the same operations: bit for bit."""
+    from edgeq.graph import call_op, const_value, rewrite
+    from edgeq.graph_passes import dtype_of, fresh_name, shape_of
+    from edgeq.tvm_env import relax
+
+    bindings = graph.bindings()
+    value_of = {b.var: b.value for b in bindings}
+    only_reader = only_reader_of(graph.readers())
+    weights = {p: graph.weights[p.name] for p in graph.weight_params}
+
+    def op_of(var):
+        return call_op(value_of.get(var)) if var is not None else None
+
+    def other(var, prev):
+        args = [a for a in value_of[var].args if not a.same_as(prev)]
+        return args[0] if len(args) == 1 else None
+
+    def into_attention(out) -> bool:  # reshape to heads -> transpose -> matrix product of two activations
+        split = only_reader(out)
+        turn = only_reader(split) if split is not None else None
+        product = only_reader(turn) if turn is not None else None
+        shape = shape_of(split) if split is not None else None
+        return (op_of(split) == "relax.reshape" and shape is not None and len(shape) == 4
+                and op_of(turn) == "relax.permute_dims" and op_of(product) == "relax.matmul"
+                and value_of[product].args[1] not in weights)
+
+    groups: dict = {}
+    for b in bindings:
+        value = b.value
+        if call_op(value) != "relax.matmul" or dtype_of(b.var) != "int32" or value.args[1] not in weights:
+            continue
+        w = weights[value.args[1]]
+        cast = only_reader(b.var)
+        if w.ndim != 2 or w.dtype != np.int8 or w.shape[1] % ALIGNMENT or op_of(cast) != "relax.astype" \
+                or dtype_of(cast) != "float32":
+            continue
+        scaled = only_reader(cast)
+        s = const_value(other(scaled, cast)) if op_of(scaled) == "relax.multiply" else None
+        if s is None or s.dtype != np.float32 or s.size != w.shape[1] or (s.ndim and s.shape[-1] != w.shape[1]):
+            continue
+        by_rows = only_reader(scaled)
+        rows = other(by_rows, scaled) if op_of(by_rows) == "relax.multiply" else None
+        add = only_reader(by_rows) if rows is not None else None
+        bias = other(add, by_rows) if op_of(add) == "relax.add" else None
+        if not isinstance(rows, relax.Var) or rows in weights or bias not in weights \
+                or weights[bias].shape != (w.shape[1],) or not into_attention(add):
+            continue
+        groups.setdefault((value.args[0], rows), []).append(
+            (add, w, s.reshape(-1), weights[bias], value.args[1].name))
+    groups = {key: members for key, members in groups.items() if len(members) > 1}
+    if not groups:
+        return graph
+    part_of = {m[0]: (key, i) for key, members in groups.items() for i, m in enumerate(members)}
+    merged: dict = {}
+
+    def visit(rw, var, value):
+        if var not in part_of:
+            return None
+        key, i = part_of[var]
+        members = groups[key]
+        if key not in merged:
+            x, rows = key
+            name = "_".join(m[4] for m in members)
+            w = rw.param(fresh_name(rw, f"{name}_as_one"), np.concatenate([m[1] for m in members], axis=1))
+            acc = rw.emit(relax.op.matmul(rw.new(x), w, out_dtype="int32"))
+            scaled = rw.emit(relax.op.multiply(rw.emit(relax.op.astype(acc, "float32")),
+                                               rw.const(np.concatenate([m[2] for m in members]))))
+            bias = rw.param(fresh_name(rw, f"{name}_bias_as_one"), np.concatenate([m[3] for m in members]))
+            merged[key] = rw.emit(relax.op.add(rw.emit(relax.op.multiply(scaled, rw.new(rows))), bias))
+        first = sum(m[1].shape[1] for m in members[:i])
+        axis = len(shape_of(var)) - 1
+        return relax.op.strided_slice(merged[key], [axis], [first], [first + members[i][1].shape[1]])
+
+    return rewrite(graph, visit)
+
+
+def _fp16_before_head_split(graph):
+    """In an int8 graph, attention's fp16 operands cast after the head split, ``astype(permute_dims(reshape(
+    strided_slice(T))), fp16)`` (``_float_attention_in_fp16``; T the float32 output of the projections computed as one,
+    ``_int8_projections_as_one``), cast before it: ``permute_dims(reshape(strided_slice(astype(T, fp16))))``, one cast
+    of T for all its slices. The cast then fuses into the kernel that makes T, which writes fp16, and the batched
+    GEMMs read their heads from it in place (``_head_view``), as in an fp16 graph. Exact (a cast commutes with moving
+    values). Only where every reader of T is such a chain."""
+    from edgeq.graph import call_op, rewrite
+    from edgeq.graph_passes import dtype_of, shape_of
+    from edgeq.tvm_env import relax
+
+    bindings = graph.bindings()
+    value_of = {b.var: b.value for b in bindings}
+    readers = graph.readers()
+    only_reader = only_reader_of(readers)
+
+    def chain(var):
+        """[slice, reshape, permute, cast] from a reader of T, or None."""
+        out = [var]
+        for op in ("relax.reshape", "relax.permute_dims", "relax.astype"):
+            nxt = only_reader(out[-1])
+            if call_op(value_of.get(nxt)) != op:
+                return None
+            out.append(nxt)
+        return out if dtype_of(out[-1]) == "float16" else None
+
+    cast_of: dict = {}  # T -> its chains
+    for b in bindings:
+        if dtype_of(b.var) != "float32" or shape_of(b.var) is None or len(shape_of(b.var)) != 3:
+            continue
+        found = []
+        for r in readers.get(b.var, []):
+            c = chain(r) if r is not None and _last_axis_slice(r, value_of) is not None else None
+            if c is None:
+                found = []
+                break
+            found.append(c)
+        if len(found) > 1:
+            cast_of[b.var] = found
+    if not cast_of:
+        return graph
+    moved = {c[i]: (t, i) for t, chains in cast_of.items() for c in chains for i in range(4)}
+    halves: dict = {}
+
+    def visit(rw, var, value):
+        if var in cast_of:
+            out = rw.emit(rw.new(value))
+            halves[var] = rw.emit(relax.op.astype(out, "float16"))
+            return out
+        if var not in moved:
+            return None
+        t, i = moved[var]
+        if i == 0:  # the slice, of the fp16 T
+            return relax.Call(value.op, [halves[t], *value.args[1:]], value.attrs)
+        if i == 3:  # the cast: its input is fp16 already
+            return rw.new(value.args[0])
+        return None
 
     return rewrite(graph, visit)
 
