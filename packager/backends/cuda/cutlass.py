@@ -1290,6 +1290,7 @@ def prepare_nhwc(graph):
     if int8:
         graph = rewrite(graph, _float_attention_in_fp16)
         graph = _fp16_before_head_split(graph)
+        graph = _float32_after_head_merge(graph)
 
     def visit(rw, var, value):
         if call_op(value) != "relax.nn.conv2d" or value.attrs.data_layout != "NHWC" or int(value.attrs.groups) != 1:
@@ -1572,6 +1573,48 @@ def _fp16_before_head_split(graph):
             return relax.Call(value.op, [halves[t], *value.args[1:]], value.attrs)
         if i == 3:  # the cast: its input is fp16 already
             return rw.new(value.args[0])
+        return None
+
+    return rewrite(graph, visit)
+
+
+def _float32_after_head_merge(graph):
+    """In an int8 graph, attention's context cast to float32 before its heads are merged, ``reshape(permute_dims(
+    astype(c, float32), [0, 2, 1, 3]))`` with c the fp16 product P V (``_float_attention_in_fp16``), cast after:
+    ``astype(reshape(permute_dims(c)), float32)``. The batched GEMM then writes the heads merged in place
+    (``_head_view``, as in an fp16 graph), and the cast fuses into the per-token quantize that reads it (the token
+    scales read the fp16 context themselves: ``pipeline.row_scales_in_one_kernel``). Exact."""
+    from edgeq.graph import call_op, rewrite
+    from edgeq.graph_passes import dtype_of
+    from edgeq.tvm_env import relax
+
+    bindings = graph.bindings()
+    value_of = {b.var: b.value for b in bindings}
+    only_reader = only_reader_of(graph.readers())
+    found: dict = {}  # the cast -> (its permute, its reshape)
+    for b in bindings:
+        value = b.value
+        if call_op(value) != "relax.astype" or dtype_of(b.var) != "float32" or dtype_of(value.args[0]) != "float16":
+            continue
+        turn = only_reader(b.var)
+        merge = only_reader(turn) if turn is not None else None
+        if call_op(value_of.get(turn)) != "relax.permute_dims" or call_op(value_of.get(merge)) != "relax.reshape" \
+                or value_of[turn].attrs.axes is None \
+                or tuple(int(a) for a in value_of[turn].attrs.axes) != (0, 2, 1, 3):
+            continue
+        found[b.var] = (turn, merge)
+    if not found:
+        return graph
+    merges = {merge: cast for cast, (_, merge) in found.items()}
+    turns = {turn: cast for cast, (turn, _) in found.items()}
+
+    def visit(rw, var, value):
+        if var in found:  # the cast: the fp16 product, until the merge
+            return rw.new(value.args[0])
+        if var in turns:
+            return None  # (reads the fp16 product now)
+        if var in merges:
+            return relax.op.astype(rw.emit(rw.new(value)), "float32")
         return None
 
     return rewrite(graph, visit)

@@ -185,6 +185,9 @@ def row_scales_in_one_kernel(graph: Graph) -> Graph:
             return None
         from edgeq.backends.cuda.layer_norm import ROW_SCALE_ATTR
 
+        cast = rw.value(x)  # x = float32(fp16 x): read in fp16 (the cast still fuses into x's other readers)
+        if call_op(cast) == "relax.astype" and dtype_of(cast.args[0]) == "float16":
+            x = cast.args[0]
         return rw.bb.call_te(_row_scale, rw.new(x), q, primfunc_name_hint="row_scale",
                              primfunc_attrs={ROW_SCALE_ATTR: q})
 
@@ -192,12 +195,14 @@ def row_scales_in_one_kernel(graph: Graph) -> Graph:
 
 
 def _row_scale(x, q: float):
-    """TE: ``where(max|x| > 0, max|x| / q, 1)`` over the last axis of ``x`` (keepdims)."""
+    """TE: ``where(max|x| > 0, max|x| / q, 1)`` over the last axis of ``x`` (keepdims), in float32 (x float32 or
+    fp16)."""
     from tvm import te, tirx
 
     shape = [int(d) for d in x.shape]
     r = te.reduce_axis((0, shape[-1]), name="r")
-    amax = te.compute(shape[:-1] + [1], lambda *i: te.max(te.abs(x[(*i[:-1], r)]), axis=r), name="amax")
+    amax = te.compute(shape[:-1] + [1], lambda *i: te.max(te.abs(x[(*i[:-1], r)].astype("float32")), axis=r),
+                      name="amax")
     return te.compute(amax.shape, lambda *i: tirx.Select(amax(*i) > tirx.const(0.0, "float32"),
                                                          amax(*i) / tirx.const(q, "float32"),
                                                          tirx.const(1.0, "float32")), name="scale")
