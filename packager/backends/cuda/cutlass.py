@@ -1368,7 +1368,7 @@ def _projections_as_one(graph):
     ``matmul(x, [W_1 .. W_n]) + [b_1 .. b_n]`` and a slice of its last axis per projection (TensorRT's fused QKV):
     one GEMM of n x the width instead of n launches, each product's output element the same dot product. The
     batched GEMMs read their heads from the wide tensor in place (``_head_view``), so the slices cost nothing.
-    Float graphs only (an int8 graph's projections each carry their own requantization)."""
+    Float graphs (an int8 graph's per-token projections: ``_int8_projections_as_one``)."""
     from edgeq.graph import call_op, rewrite
     from edgeq.graph_passes import dtype_of, fresh_name, shape_of
     from edgeq.tvm_env import relax
