@@ -320,6 +320,9 @@ def test_a_c2f_blocks_concatenation_and_its_parts_share_one_scale(random_data, t
     top = max(rows["m1"].activation_threshold, rows["cv2"].activation_threshold)
     assert scales["m1"] == scales["cv2"] and scales["m1"] == pytest.approx(top / 127, rel=1e-5)
     assert rows["m1"].activation_threshold != rows["cv2"].activation_threshold  # (else the test shows nothing)
+    from edgeq.cli.package import _act_scale  # the package command's quantization table says so
+
+    assert _act_scale(rows["m1"]).endswith("(shared with 1)") and "shared" not in _act_scale(rows["m2"])
     ops = [call_op(b.value) for b in result.graph.bindings()]
     moved = [b.value for b in result.graph.bindings() if call_op(b.value) in ("relax.concat", "relax.split")]
     assert len(moved) == 2 and all("int8" in str(v.ty) for v in moved), moved

@@ -123,6 +123,8 @@ def _act_scale(row) -> str:
     if row.activation == "per-token":
         return "per token"
     scale = f"{row.activation_scale:.4g}" if row.activation_scale else "-"
+    if row.shared_scale_with:  # a concatenation's readers and its parts' (quantize.shared_scales)
+        scale += f" (shared with {len(row.shared_scale_with)})"
     return f"{scale} per channel" if row.activation == "per-channel" else scale
 
 
