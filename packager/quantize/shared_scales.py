@@ -37,7 +37,7 @@ def groups(graph: Graph, layers: list[Layer]) -> list[list[Layer]]:
 
     def find(var):
         parent.setdefault(var, var)
-        while parent[var] is not var:
+        while not parent[var].same_as(var):  # (TVM objects: one node may come in several wrappers)
             parent[var] = parent[parent[var]]
             var = parent[var]
         return var
@@ -88,14 +88,13 @@ def groups(graph: Graph, layers: list[Layer]) -> list[list[Layer]]:
                 break
             layer_readers = {r for r, _ in reading.get(var, [])}
             for reader in readers.get(var, []):
-                if reader not in layer_readers and find(reader) is not root \
+                if reader not in layer_readers and not find(reader).same_as(root) \
                         and not residual_add(values[reader], var):
                     closed = False
                     break
             found += [layer for _, layer in reading.get(var, [])]
-        unique = list(dict.fromkeys(id(l) for l in found))
-        if closed and len(unique) > 1:
-            chosen = {id(l) for l in found}
+        chosen = {id(l) for l in found}
+        if closed and len(chosen) > 1:
             out.append([l for l in layers if id(l) in chosen])
     return sorted(out, key=lambda g: layers.index(g[0]))
 
