@@ -211,6 +211,21 @@ def test_jetson_int8_bundle(models, random_data, tmp_path):
     assert (m["golden"]["rtol"], m["golden"]["atol"]) == (0.02, 0.05)
 
 
+def _assert_close_to_onnxruntime(path: Path, graph, data: Path, cosine: float = 0.995) -> None:
+    """``graph`` (a quantized import of ``path``) against ONNX Runtime on ``path``, over 8 samples of ``data``:
+    each output's cosine at least ``cosine``."""
+    import onnxruntime as ort
+
+    from edgeq.compile import HostRunner
+
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    runner = HostRunner(graph)
+    for sample in np.load(data)["input"][:8]:
+        want = session.run(None, {"input": sample[None]})[0].ravel()
+        got = runner([sample[None]])[0].ravel()
+        assert float(got @ want / np.linalg.norm(got) / np.linalg.norm(want)) >= cosine
+
+
 def _inception_model(path: Path) -> Path:
     """A GoogLeNet-style stem and inception block (torchvision's layout, small): conv, ReLU, max-pool; four
     branches (1x1; 1x1 -> 3x3; 1x1 -> 3x3; 3x3 max-pool -> 1x1) concatenated, then a 1x1 conv."""
@@ -247,10 +262,6 @@ def test_inception_block_concatenates_and_pools_int8(random_data, tmp_path):
     """Every reader of the concatenation and of the pooled stem quantizes to one scale (calibration measures a
     layer after a max-pool on the pool's input), so the concatenation and both max-pools run on int8 and each
     branch's convolution requantizes straight into it; the result still matches the float model."""
-    import onnxruntime as ort
-
-    from edgeq.compile import HostRunner
-
     path = _inception_model(tmp_path / "inception.onnx")
     result = _quantized_graph(path, random_data["calib"])
     ops = {call_op(b.value): b.value for b in result.graph.bindings()}
@@ -258,13 +269,7 @@ def test_inception_block_concatenates_and_pools_int8(random_data, tmp_path):
               if call_op(b.value) in ("relax.concat", "relax.nn.max_pool2d") and b.value.ty.dtype != "int8"]
     assert "relax.concat" in ops and "relax.nn.max_pool2d" in ops and not floats, floats
     assert [call_op(b.value) for b in result.graph.bindings()].count("relax.quantize") == 1  # the model input
-    x = np.load(random_data["eval"])["input"][:8]
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    runner = HostRunner(result.graph)
-    for sample in x:
-        want = session.run(None, {"input": sample[None]})[0].ravel()
-        got = runner([sample[None]])[0].ravel()
-        assert float(got @ want / np.linalg.norm(got) / np.linalg.norm(want)) >= 0.995
+    _assert_close_to_onnxruntime(path, result.graph, random_data["eval"])
 
 
 def _c2f_model(path: Path, concat_is_an_output: bool = False) -> Path:
@@ -307,10 +312,6 @@ def test_a_c2f_blocks_concatenation_and_its_parts_share_one_scale(random_data, t
     rule: quantize.shared_scales); then every part is quantized once where it is made (hoist_quantize through the
     split and the concatenation), the split and the concatenation run on int8, and the residual add reads the int8
     half. Where the concatenation is also read in float (a graph output), nothing is shared."""
-    import onnxruntime as ort
-
-    from edgeq.compile import HostRunner
-
     path = _c2f_model(tmp_path / "c2f.onnx")
     result = _quantized_graph(path, random_data["calib"], method="minmax")
     rows = {r.weight: r for r in result.report.layers}
@@ -332,13 +333,7 @@ def test_a_c2f_blocks_concatenation_and_its_parts_share_one_scale(random_data, t
     # form here, the GPU backend's epilogues or the CPU's fused kernels compute them
     quantized = [b.value.args[0] for b in result.graph.bindings() if call_op(b.value) == "relax.quantize"]
     assert len(quantized) == 5 and len(set(quantized)) == 5, ops
-    x = np.load(random_data["eval"])["input"][:8]
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    runner = HostRunner(result.graph)
-    for sample in x:
-        want = session.run(None, {"input": sample[None]})[0].ravel()
-        got = runner([sample[None]])[0].ravel()
-        assert float(got @ want / np.linalg.norm(got) / np.linalg.norm(want)) >= 0.995
+    _assert_close_to_onnxruntime(path, result.graph, random_data["eval"])
 
     apart = _quantized_graph(_c2f_model(tmp_path / "c2f-out.onnx", True), random_data["calib"], method="minmax")
     assert all(r.shared_scale_with is None for r in apart.report.layers)

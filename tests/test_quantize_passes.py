@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from edgeq.graph import Graph
+from edgeq.graph import Graph, call_op
 from edgeq.quantize.fold_bias import fold_bias
 from edgeq.quantize.quantize_ops import LayerPlan, quantize_ops, quantize_weight
 from edgeq.quantize.requantize import requantize
@@ -364,13 +364,12 @@ def test_hoist_quantize_sees_through_a_split_and_a_concatenations_part():
 
     out = hoist_quantize(Graph(Before, {}))
     bindings = out.main.body.blocks[0].bindings
-    quantized = [b.value.args[0] for b in bindings if isinstance(b.value, relax_call()) and
-                 b.value.op.name == "relax.quantize"]
+    quantized = [b.value.args[0] for b in bindings if call_op(b.value) == "relax.quantize"]
     names = {b.var: b.value for b in bindings}
     # quantized: z (before the split) and the sum p, nothing else
-    assert len(quantized) == 2 and [names[v].op.name for v in quantized] == ["relax.nn.relu", "relax.add"]
-    split = next(b.value for b in bindings if isinstance(b.value, relax_call()) and b.value.op.name == "relax.split")
-    concat = next(b.value for b in bindings if isinstance(b.value, relax_call()) and b.value.op.name == "relax.concat")
+    assert len(quantized) == 2 and [call_op(names[v]) for v in quantized] == ["relax.nn.relu", "relax.add"]
+    split = next(b.value for b in bindings if call_op(b.value) == "relax.split")
+    concat = next(b.value for b in bindings if call_op(b.value) == "relax.concat")
     assert "int8" in str(split.args[0].ty) and all("int8" in str(f.ty) for f in concat.args[0].fields)
     rng = np.random.default_rng(2)
     inputs = [rng.normal(0, 3, (1, 4, 4, 4)).astype(np.float32), rng.normal(0, 3, (1, 2, 4, 4)).astype(np.float32)]
@@ -379,8 +378,3 @@ def test_hoist_quantize_sees_through_a_split_and_a_concatenations_part():
     np.testing.assert_array_equal(qca[:, :4], qcb[:, :4])  # the halves: exact
     assert np.abs(qca[:, 4:].astype(int) - qcb[:, 4:]).max() <= 1  # the sum: its half's rounding, one step at most
 
-
-def relax_call():
-    from edgeq.tvm_env import relax
-
-    return relax.Call

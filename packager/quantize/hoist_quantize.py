@@ -68,18 +68,20 @@ def concatenation(value) -> bool:
     return call_op(value) == "relax.concat" and isinstance(value.args[0], relax.Tuple)
 
 
+def residual_read(add, var, values: dict) -> bool:
+    """Is ``add`` a float add of ``var`` and another computed tensor (a bound var of ``values``: a residual, not
+    a bias)?"""
+    if call_op(add) != "relax.add" or str(add.ty.dtype) != "float32":
+        return False
+    other = [a for a in add.args if not a.same_as(var)]
+    return len(other) == 1 and isinstance(other[0], relax.Var) and other[0] in values
+
+
 def hoist_quantize(graph: Graph, notes: PassNotes | None = None) -> Graph:
     values = {b.var: b.value for b in graph.bindings()}
     readers = graph.readers()
     outputs = set(relax.analysis.free_vars(graph.main.body.body))
     agreed: dict = {}
-
-    def residual_read(add, var) -> bool:
-        """Is ``add`` a float add of ``var`` and another computed tensor (a residual, not a bias)?"""
-        if call_op(add) != "relax.add" or str(add.ty.dtype) != "float32":
-            return False
-        other = [a for a in add.args if not a.same_as(var)]
-        return len(other) == 1 and isinstance(other[0], relax.Var) and other[0] in values
 
     def agreement(var):
         """(key, a quantize call with it, read by residual adds?) for the one quantization every reader of
@@ -103,7 +105,7 @@ def hoist_quantize(graph: Graph, notes: PassNotes | None = None) -> Graph:
                     and agreement(reader) is not None:
                 key, call, _ = agreement(reader)
                 found.setdefault(key, call)
-            elif not split and residual_read(read, var):
+            elif not split and residual_read(read, var, values):
                 residual = True
             else:
                 return None
@@ -163,7 +165,7 @@ def hoist_quantize(graph: Graph, notes: PassNotes | None = None) -> Graph:
         args, changed = [], False
         for a in value.args:
             found = agreement(a) if isinstance(a, relax.Var) else None
-            if found is not None and found[2] and residual_read(value, a):
+            if found is not None and found[2] and residual_read(value, a, values):
                 _, call, _ = found
                 args.append(relax.op.dequantize(quantized(rw, a), call.args[1], call.args[2], out_dtype="float32"))
                 changed = True

@@ -24,7 +24,7 @@ names the layers each one shares with; ``activation_threshold`` stays the layer'
 from __future__ import annotations
 
 from edgeq.graph import Graph, call_op, relax
-from edgeq.quantize.hoist_quantize import concatenation, moved, moves
+from edgeq.quantize.hoist_quantize import concatenation, moved, moves, residual_read
 from edgeq.quantize.layers import Layer
 
 
@@ -68,12 +68,6 @@ def groups(graph: Graph, layers: list[Layer]) -> list[list[Layer]]:
             if layer is not None and isinstance(value.args[0], relax.Var):
                 reading.setdefault(value.args[0], []).append((var, layer))
 
-    def residual_add(read, var) -> bool:
-        if call_op(read) != "relax.add":
-            return False
-        other = [a for a in read.args if not a.same_as(var)]
-        return len(other) == 1 and isinstance(other[0], relax.Var) and other[0] in values
-
     members: dict = {}
     for var in parent:
         members.setdefault(find(var), []).append(var)
@@ -89,7 +83,7 @@ def groups(graph: Graph, layers: list[Layer]) -> list[list[Layer]]:
             layer_readers = {r for r, _ in reading.get(var, [])}
             for reader in readers.get(var, []):
                 if reader not in layer_readers and not find(reader).same_as(root) \
-                        and not residual_add(values[reader], var):
+                        and not residual_read(values[reader], var, values):
                     closed = False
                     break
             found += [layer for _, layer in reading.get(var, [])]

@@ -1362,6 +1362,49 @@ def _matmul_as_conv(rw, var, value):
     return relax.op.reshape(conv, [*xs[:-1], n])
 
 
+def _into_attention(out, value_of, only_reader, is_weight) -> bool:
+    """Is ``out`` read only through a head split into attention's products: reshape to [1, S, H, D], transpose,
+    matrix product of two activations (its second operand not what ``is_weight`` says is a weight)?"""
+    from edgeq.graph import call_op
+    from edgeq.graph_passes import shape_of
+
+    split = only_reader(out)
+    turn = only_reader(split) if split is not None else None
+    product = only_reader(turn) if turn is not None else None
+    shape = shape_of(split) if split is not None else None
+    return (call_op(value_of.get(split)) == "relax.reshape" and shape is not None and len(shape) == 4
+            and call_op(value_of.get(turn)) == "relax.permute_dims"
+            and call_op(value_of.get(product)) == "relax.matmul" and not is_weight(value_of[product].args[1]))
+
+
+def _as_one(graph, groups: dict, emit_wide):
+    """``graph`` with each group of projections computed as one: ``groups`` maps a key (what the projections
+    share) to its members, ``(the projection's last var, its width, ...)`` in binding order; at the first member,
+    ``emit_wide(rw, key, members)`` emits the wide tensor, and each member becomes a slice of its last axis."""
+    from edgeq.graph import rewrite
+    from edgeq.graph_passes import shape_of
+    from edgeq.tvm_env import relax
+
+    groups = {key: members for key, members in groups.items() if len(members) > 1}
+    if not groups:
+        return graph
+    part_of = {m[0]: (key, i) for key, members in groups.items() for i, m in enumerate(members)}
+    merged: dict = {}
+
+    def visit(rw, var, value):
+        if var not in part_of:
+            return None
+        key, i = part_of[var]
+        members = groups[key]
+        if key not in merged:
+            merged[key] = emit_wide(rw, key, members)
+        first = sum(m[1] for m in members[:i])
+        axis = len(shape_of(var)) - 1
+        return relax.op.strided_slice(merged[key], [axis], [first], [first + members[i][1]])
+
+    return rewrite(graph, visit)
+
+
 def _projections_as_one(graph):
     """The projections of one tensor that feed attention's products, ``matmul(x, W_i) + b_i`` each read through a
     head split (reshape to [1, S, H, D], transpose, matrix product: Q, K and V of a transformer's layer), as one
@@ -1369,16 +1412,14 @@ def _projections_as_one(graph):
     one GEMM of n x the width instead of n launches, each product's output element the same dot product. The
     batched GEMMs read their heads from the wide tensor in place (``_head_view``), so the slices cost nothing.
     Float graphs (an int8 graph's per-token projections: ``_int8_projections_as_one``)."""
-    from edgeq.graph import call_op, rewrite
+    from edgeq.graph import call_op
     from edgeq.graph_passes import dtype_of, fresh_name, shape_of
     from edgeq.tvm_env import relax
 
     bindings = graph.bindings()
     value_of = {b.var: b.value for b in bindings}
-    readers = graph.readers()
+    only_reader = only_reader_of(graph.readers())
     weights = {p: graph.weights[p.name] for p in graph.weight_params}
-
-    only_reader = only_reader_of(readers)
 
     def weight_of(expr):  # (W as [K, N], its parameter) of a matmul's second operand, or None
         if expr in weights:
@@ -1387,15 +1428,6 @@ def _projections_as_one(graph):
         if call_op(inner) == "relax.permute_dims" and inner.args[0] in weights and weights[inner.args[0]].ndim == 2:
             return weights[inner.args[0]].T, inner.args[0]
         return None
-
-    def into_attention(out) -> bool:  # reshape to heads -> transpose -> matrix product of two activations
-        split = only_reader(out)
-        turn = only_reader(split) if split is not None else None
-        product = only_reader(turn) if turn is not None else None
-        shape = shape_of(split) if split is not None else None
-        return (call_op(value_of.get(split)) == "relax.reshape" and shape is not None and len(shape) == 4
-                and call_op(value_of.get(turn)) == "relax.permute_dims"
-                and call_op(value_of.get(product)) == "relax.matmul" and weight_of(value_of[product].args[1]) is None)
 
     groups: dict = {}
     for b in bindings:
@@ -1409,31 +1441,17 @@ def _projections_as_one(graph):
             continue
         bias = [a for a in value_of[add].args if not a.same_as(b.var)]
         if len(bias) != 1 or bias[0] not in weights or weights[bias[0]].shape != (found[0].shape[1],) \
-                or not into_attention(add):
+                or not _into_attention(add, value_of, only_reader, lambda e: weight_of(e) is not None):
             continue
-        groups.setdefault(x, []).append((add, found[0], weights[bias[0]], found[1].name))
-    groups = {x: members for x, members in groups.items() if len(members) > 1}
-    if not groups:
-        return graph
-    part_of = {add: (x, i) for x, members in groups.items() for i, (add, *_rest) in enumerate(members)}
-    merged: dict = {}
+        groups.setdefault(x, []).append((add, found[0].shape[1], found[0], weights[bias[0]], found[1].name))
 
-    def visit(rw, var, value):
-        if var not in part_of:
-            return None
-        x, i = part_of[var]
-        members = groups[x]
-        if x not in merged:
-            w = np.concatenate([m[1] for m in members], axis=1)
-            bias = np.concatenate([m[2] for m in members])
-            name = "_".join(m[3] for m in members)
-            product = rw.emit(relax.op.matmul(rw.new(x), rw.param(fresh_name(rw, f"{name}_as_one"), w)))
-            merged[x] = rw.emit(relax.op.add(product, rw.param(fresh_name(rw, f"{name}_bias_as_one"), bias)))
-        first = sum(m[1].shape[1] for m in members[:i])
-        axis = len(shape_of(var)) - 1
-        return relax.op.strided_slice(merged[x], [axis], [first], [first + members[i][1].shape[1]])
+    def emit_wide(rw, x, members):
+        name = "_".join(m[4] for m in members)
+        w = rw.param(fresh_name(rw, f"{name}_as_one"), np.concatenate([m[2] for m in members], axis=1))
+        bias = rw.param(fresh_name(rw, f"{name}_bias_as_one"), np.concatenate([m[3] for m in members]))
+        return rw.emit(relax.op.add(rw.emit(relax.op.matmul(rw.new(x), w)), bias))
 
-    return rewrite(graph, visit)
+    return _as_one(graph, groups, emit_wide)
 
 
 def _int8_projections_as_one(graph):
@@ -1442,8 +1460,8 @@ def _int8_projections_as_one(graph):
     through a head split into attention's products, with xq and rows shared (Q, K and V of a layer read one
     quantized input): one ``matmul(xq, [W_1 .. W_n])`` with ``[s_1 .. s_n]`` and ``[b_1 .. b_n]``, and a slice of its
     last axis per projection. Every output element goes through the same operations: bit for bit."""
-    from edgeq.graph import call_op, const_value, rewrite
-    from edgeq.graph_passes import dtype_of, fresh_name, shape_of
+    from edgeq.graph import call_op, const_value
+    from edgeq.graph_passes import dtype_of, fresh_name
     from edgeq.tvm_env import relax
 
     bindings = graph.bindings()
@@ -1457,15 +1475,6 @@ def _int8_projections_as_one(graph):
     def other(var, prev):
         args = [a for a in value_of[var].args if not a.same_as(prev)]
         return args[0] if len(args) == 1 else None
-
-    def into_attention(out) -> bool:  # reshape to heads -> transpose -> matrix product of two activations
-        split = only_reader(out)
-        turn = only_reader(split) if split is not None else None
-        product = only_reader(turn) if turn is not None else None
-        shape = shape_of(split) if split is not None else None
-        return (op_of(split) == "relax.reshape" and shape is not None and len(shape) == 4
-                and op_of(turn) == "relax.permute_dims" and op_of(product) == "relax.matmul"
-                and value_of[product].args[1] not in weights)
 
     groups: dict = {}
     for b in bindings:
@@ -1486,35 +1495,22 @@ def _int8_projections_as_one(graph):
         add = only_reader(by_rows) if rows is not None else None
         bias = other(add, by_rows) if op_of(add) == "relax.add" else None
         if not isinstance(rows, relax.Var) or rows in weights or bias not in weights \
-                or weights[bias].shape != (w.shape[1],) or not into_attention(add):
+                or weights[bias].shape != (w.shape[1],) or not _into_attention(add, value_of, only_reader, weights.__contains__):
             continue
         groups.setdefault((value.args[0], rows), []).append(
-            (add, w, s.reshape(-1), weights[bias], value.args[1].name))
-    groups = {key: members for key, members in groups.items() if len(members) > 1}
-    if not groups:
-        return graph
-    part_of = {m[0]: (key, i) for key, members in groups.items() for i, m in enumerate(members)}
-    merged: dict = {}
+            (add, w.shape[1], w, s.reshape(-1), weights[bias], value.args[1].name))
 
-    def visit(rw, var, value):
-        if var not in part_of:
-            return None
-        key, i = part_of[var]
-        members = groups[key]
-        if key not in merged:
-            x, rows = key
-            name = "_".join(m[4] for m in members)
-            w = rw.param(fresh_name(rw, f"{name}_as_one"), np.concatenate([m[1] for m in members], axis=1))
-            acc = rw.emit(relax.op.matmul(rw.new(x), w, out_dtype="int32"))
-            scaled = rw.emit(relax.op.multiply(rw.emit(relax.op.astype(acc, "float32")),
-                                               rw.const(np.concatenate([m[2] for m in members]))))
-            bias = rw.param(fresh_name(rw, f"{name}_bias_as_one"), np.concatenate([m[3] for m in members]))
-            merged[key] = rw.emit(relax.op.add(rw.emit(relax.op.multiply(scaled, rw.new(rows))), bias))
-        first = sum(m[1].shape[1] for m in members[:i])
-        axis = len(shape_of(var)) - 1
-        return relax.op.strided_slice(merged[key], [axis], [first], [first + members[i][1].shape[1]])
+    def emit_wide(rw, key, members):
+        x, rows = key
+        name = "_".join(m[5] for m in members)
+        w = rw.param(fresh_name(rw, f"{name}_as_one"), np.concatenate([m[2] for m in members], axis=1))
+        acc = rw.emit(relax.op.matmul(rw.new(x), w, out_dtype="int32"))
+        scaled = rw.emit(relax.op.multiply(rw.emit(relax.op.astype(acc, "float32")),
+                                           rw.const(np.concatenate([m[3] for m in members]))))
+        bias = rw.param(fresh_name(rw, f"{name}_bias_as_one"), np.concatenate([m[4] for m in members]))
+        return rw.emit(relax.op.add(rw.emit(relax.op.multiply(scaled, rw.new(rows))), bias))
 
-    return rewrite(graph, visit)
+    return _as_one(graph, groups, emit_wide)
 
 
 def _fp16_before_head_split(graph):
@@ -1591,7 +1587,7 @@ def _float32_after_head_merge(graph):
     bindings = graph.bindings()
     value_of = {b.var: b.value for b in bindings}
     only_reader = only_reader_of(graph.readers())
-    found: dict = {}  # the cast -> (its permute, its reshape)
+    found: dict = {}  # the cast -> the reshape after its permute
     for b in bindings:
         value = b.value
         if call_op(value) != "relax.astype" or dtype_of(b.var) != "float32" or dtype_of(value.args[0]) != "float16":
@@ -1602,17 +1598,14 @@ def _float32_after_head_merge(graph):
                 or value_of[turn].attrs.axes is None \
                 or tuple(int(a) for a in value_of[turn].attrs.axes) != (0, 2, 1, 3):
             continue
-        found[b.var] = (turn, merge)
+        found[b.var] = merge
     if not found:
         return graph
-    merges = {merge: cast for cast, (_, merge) in found.items()}
-    turns = {turn: cast for cast, (turn, _) in found.items()}
+    merges = set(found.values())
 
     def visit(rw, var, value):
-        if var in found:  # the cast: the fp16 product, until the merge
+        if var in found:  # the cast: the fp16 product, until the merge (the permute reads it as it is)
             return rw.new(value.args[0])
-        if var in turns:
-            return None  # (reads the fp16 product now)
         if var in merges:
             return relax.op.astype(rw.emit(rw.new(value)), "float32")
         return None
