@@ -91,12 +91,13 @@ class CudaBackend:
     def prepare(self, graph, target):
         """BatchNorm folded, weight reshapes precomputed; no scheduling, so the result builds for any target
         (which is how the golden outputs check it on the build host). No call is on a CPU kernel."""
-        from edgeq.backends.cuda.pipeline import prepare_graph, row_scales_in_one_kernel, splits_as_slices, views_collapsed
+        from edgeq.backends.cuda.pipeline import (
+            prepare_graph, row_scales_in_one_kernel, scalar_weights_as_constants, splits_as_slices, views_collapsed)
 
         if self.gpu_kernels == "cutlass":
             from edgeq.backends.cuda.cutlass import prepare_nhwc
 
-            graph = splits_as_slices(views_collapsed(prepare_nhwc(prepare_graph(graph))))
+            graph = splits_as_slices(views_collapsed(prepare_nhwc(prepare_graph(scalar_weights_as_constants(graph)))))
             return row_scales_in_one_kernel(graph), 0
         return row_scales_in_one_kernel(views_collapsed(prepare_graph(graph))), 0
 

@@ -560,6 +560,57 @@ def group_tile(problem: Conv2dProblem, sm_count: int, smem_per_block: int) -> Ti
     return Tile(*fits[-1], stages)
 
 
+@dataclasses.dataclass(frozen=True)
+class TokenLinearKernel(ConvKernel):
+    """An int8 linear layer with per-token activation scales (a transformer's: the row scale of its input is
+    computed at run time) as one CUTLASS GEMM: s8 x s8 -> s32 over x [M, C] (the tokens of the 1x1 convolution
+    ``_matmul_as_conv`` made of the layer) and w [N, C] (OHWI), ``DefaultGemmWithVisitor``'s Sm80 mainloop, and an
+    epilogue visitor tree (CUTLASS's ``Sm80EVT``: the output channel's weight scale and bias broadcast along the
+    rows, the token's scale along the columns, one edgeq functor computing)
+    ``y = float(acc) * scale[n] * token[m] + bias[n]``, then [the GELU of the graph's erf form, with its constants]
+    or [+ residual, float32], out as float32 or fp16 (``out_dtype``). CUTLASS 2.x's convolution epilogues broadcast
+    one vector along the rows only, which is why the conv kernels stop at the weight scale and leave the rest to a
+    kernel of their own. Each step rounds as the graph's float32 operators do (``__fmul_rn``, ``__fadd_rn``: no
+    contraction into FMA); erff is CUDA's (the host's erf may differ in the last place)."""
+
+    out_dtype: str = "float32"
+    # GELU as the graph writes it: (its scaling constant, True where x is divided by it (x / sqrt(2)) rather than
+    # multiplied (x * 1/sqrt(2)), the half, the one, True where the half multiplies x first ((x * 0.5) * (1 + erf))
+    gelu: tuple[float, bool, float, float, bool] | None = None
+
+    @property
+    def output_dtype(self) -> str:
+        return self.out_dtype
+
+    @property
+    def residual_type(self) -> str:
+        return "float32"
+
+    @property
+    def rows(self) -> int:
+        p = self.problem
+        return p.n * p.p * p.q
+
+    @property
+    def kernel_type(self) -> str:
+        (bm, bn, bk), (wm, wn, wk) = self.tile.block, self.tile.warp
+        out = "cutlass::half_t" if self.out_dtype == "float16" else "float"
+        return (
+            "typename cutlass::gemm::kernel::DefaultGemmWithVisitor<"
+            f"int8_t, cutlass::layout::RowMajor, cutlass::ComplexTransform::kNone, {self.input_alignment}, "
+            f"int8_t, cutlass::layout::ColumnMajor, cutlass::ComplexTransform::kNone, {self.input_alignment}, "
+            f"{out}, cutlass::layout::RowMajor, {self.out_lanes}, int32_t, float, cutlass::arch::OpClassTensorOp, "
+            f"cutlass::arch::Sm80, cutlass::gemm::GemmShape<{bm}, {bn}, {bk}>, "
+            f"cutlass::gemm::GemmShape<{wm}, {wn}, {wk}>, cutlass::gemm::GemmShape<16, 8, 32>, Evt_{self.name}, "
+            f"cutlass::gemm::threadblock::GemmIdentityThreadblockSwizzle<1>, {self.tile.stages}, "
+            "cutlass::arch::OpMultiplyAddSaturate, 1>::GemmKernel"
+        )
+
+    @property
+    def out_lanes(self) -> int:  # 16-byte stores
+        return ALIGNMENT if self.out_dtype == "float16" else 4
+
+
 def gemm_tile(tile: Tile, alignment: int) -> Tile:
     """``tile`` for a GEMM whose operands allow accesses of ``alignment`` fp16 elements: cp.async copies 4, 8 or 16
     bytes, so one element (2 bytes) takes CUTLASS's two-stage mainloop (``MmaPipelined``, plain loads)."""
@@ -689,6 +740,8 @@ def device_source(kernels: Sequence[ConvKernel]) -> str:
     ``kernel_operands``) and, per kernel, ``edgeq_smem_<name>``, an array as large as the kernel's shared storage
     and Params (``smem_sizes`` reads it from the cubin's symbol table)."""
     out = [PREAMBLE]
+    if any(isinstance(k, TokenLinearKernel) for k in kernels):  # (cute's headers: only where a kernel needs them)
+        out.append(EVT_INCLUDES)
     for kern in kernels:
         if isinstance(kern, DepthwiseKernel):  # TIR: TVM writes its CUDA
             continue
@@ -698,6 +751,9 @@ def device_source(kernels: Sequence[ConvKernel]) -> str:
             out.append(_gemm_source(kern))
             continue
         signature = ", ".join(f"{C_TYPES[dtype]}* {name}" for name, _, dtype in kernel_operands(kern))
+        if isinstance(kern, TokenLinearKernel):
+            out.append(_token_linear_source(kern, signature))
+            continue
         if isinstance(kern, GroupConvKernel):
             out.append(_group_source(kern, signature))
             continue
@@ -792,6 +848,70 @@ def _group_source(kern: GroupConvKernel, signature: str) -> str:
     new (params) typename K::Params(args);""")
 
 
+EVT_INCLUDES = r"""
+#include <cutlass/gemm/kernel/default_gemm_universal_with_visitor.h>
+#include <cutlass/epilogue/threadblock/fusion/visitors.hpp>
+"""
+
+
+def _token_linear_source(kern: TokenLinearKernel, signature: str) -> str:
+    """A per-token int8 linear layer's device wrapper (as ``device_source``'s convolutions': Params built in shared
+    memory): its epilogue functor (the graph's float32 operators, in their order, rounding as they do), the visitor
+    tree that hands it the accumulators, the weight scale and bias of its column, the token scale of its row [and
+    the residual], and the GEMM."""
+    p, kn = kern.problem, kern.name
+    m, n, c = kern.rows, p.k, p.c
+    out = "cutlass::half_t" if kern.out_dtype == "float16" else "float"
+    (bm, bn, bk), (wm, wn, wk) = kern.tile.block, kern.tile.warp
+    steps = ["float v = __fadd_rn(__fmul_rn(__fmul_rn(acc[i], scale[i]), token[i]), bias[i]);"]
+    if kern.gelu is not None:
+        constant, divide, half, one, half_first = kern.gelu
+        scaled = f"__fdiv_rn(v, {_c_float(constant)})" if divide else f"__fmul_rn(v, {_c_float(constant)})"
+        steps.append(f"float t = __fadd_rn(erff({scaled}), {_c_float(one)});")
+        steps.append(f"v = __fmul_rn(__fmul_rn(v, {_c_float(half)}), t);" if half_first
+                     else f"v = __fmul_rn(__fmul_rn(v, t), {_c_float(half)});")
+    if kern.residual:
+        steps.append("v = __fadd_rn(v, residual[i]);")
+    array = "cutlass::Array<float, N> const&"
+    inputs = f"{array} acc, {array} scale, {array} token, {array} bias" + (f", {array} residual" if kern.residual else "")
+    nodes = "cutlass::epilogue::threadblock"
+    row, column = "cute::Stride<cute::_0, cute::_1, int32_t>", "cute::Stride<cute::_1, cute::_0, int32_t>"
+    matrix = "cute::Stride<int64_t, cute::_1, int64_t>"
+    residual_node = f", {nodes}::VisitorAuxLoad<Map_{kn}, float, {matrix}>" if kern.residual else ""
+    types = f"""
+template <class T> struct Epilogue_{kn};
+template <int N> struct Epilogue_{kn}<cutlass::Array<float, N>> {{
+  CUTLASS_DEVICE cutlass::Array<float, N> operator()({inputs}) const {{
+    cutlass::Array<float, N> y;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < N; ++i) {{
+      {chr(10).join('      ' + s for s in steps).strip()}
+      y[i] = v;
+    }}
+    return y;
+  }}
+}};
+using Map_{kn} = {nodes}::OutputTileThreadLayout<cutlass::gemm::GemmShape<{bm}, {bn}, {bk}>,
+    cutlass::gemm::GemmShape<{wm}, {wn}, {wk}>, {out}, {kern.out_lanes}, 1>;
+using Compute_{kn} = {nodes}::Sm80EVT<
+    {nodes}::VisitorCompute<Epilogue_{kn}, {out}, float, cutlass::FloatRoundStyle::round_to_nearest>,
+    {nodes}::VisitorAccFetch, {nodes}::VisitorRowBroadcast<Map_{kn}, float, {row}>,
+    {nodes}::VisitorColBroadcast<Map_{kn}, float, {column}>, {nodes}::VisitorRowBroadcast<Map_{kn}, float, {row}>
+    {residual_node}>;
+using Evt_{kn} = {nodes}::Sm80EVT<
+    {nodes}::VisitorAuxStore<Map_{kn}, {out}, cutlass::FloatRoundStyle::round_to_nearest, {matrix}>, Compute_{kn}>;
+using Kernel_{kn} = {kern.kernel_type};"""
+    per_row, per_column = f"{{cute::_1{{}}, cute::_0{{}}, int32_t({m})}}", f"{{cute::_0{{}}, cute::_1{{}}, int32_t({n})}}"
+    dense = f"{{int64_t({n}), cute::_1{{}}, int64_t({m * n})}}"
+    residual_arg = f"{{residual, 0.f, {dense}}}, " if kern.residual else ""
+    return _wrapper(kn, types, signature, f"""
+    typename edgeq_cutlass::Evt_{kn}::Arguments evt{{
+        {{{{}}, {{scale, 0.f, {per_column}}}, {{token, 0.f, {per_row}}}, {{bias, 0.f, {per_column}}}, {residual_arg}{{}}}},
+        {{reinterpret_cast<{out}*>(y), {dense}}}}};
+    typename K::Arguments args(gemm::GemmUniversalMode::kGemm, gemm::GemmCoord({m}, {n}, {c}), 1, evt,
+                               x, w, nullptr, nullptr, {m * c}LL, {n * c}LL, 0LL, 0LL, {c}, {c}, 0, 0);
+    new (params) typename K::Params(args, {kern.grid[0] * kern.grid[1]}, 1);""")
+
 def _gemm_source(kern: GemmKernel) -> str:
     """A batched GEMM's device wrapper (as ``device_source``'s convolutions': Params built in shared memory)."""
     p, kn = kern.problem, kern.name
@@ -842,7 +962,8 @@ def wrappers_in_module(kernels: Sequence[ConvKernel]) -> Iterator[None]:
 def kernel_operands(kernel: ConvKernel, shapes: dict | None = None) -> list[tuple[str, tuple, str]]:
     """(name, shape, dtype) of the kernel's operands in the order its PrimFunc and device wrapper take them:
     fp16: x, w, bias, [residual], y; int8: x, w, bias (int32), scale, shift, [post], channel (float32: the output channel's
-    index, the epilogue's broadcast vector; not for a depthwise kernel), [residual], y. ``shapes``: the per-channel operands' shapes as the
+    index, the epilogue's broadcast vector; not for a depthwise kernel), [residual], y; a ``TokenLinearKernel``:
+    x, w, scale, token, bias (float32), [residual], y. ``shapes``: the per-channel operands' shapes as the
     graph holds them (K elements; default [K])."""
     p = kernel.problem
     shapes = shapes or {}
@@ -861,6 +982,11 @@ def kernel_operands(kernel: ConvKernel, shapes: dict | None = None) -> list[tupl
 
     ys = (p.n, p.p, p.q, kernel.out_channels) if kernel.out_view else tuple(shapes.get("y", ys))
     bs = vec("bias")
+    if isinstance(kernel, TokenLinearKernel):  # x, w, scale, token ([..., M, 1]: a row's), bias, [residual], y
+        residual = [("residual", ys, "float32")] if kernel.residual else []
+        return [("x", xs, "int8"), ("w", ws, "int8"), ("scale", vec("scale"), "float32"),
+                ("token", tuple(shapes.get("token", (kernel.rows, 1))), "float32"), ("bias", bs, "float32"), *residual,
+                ("y", ys, kernel.out_dtype)]
     if kernel.precision == "int8":
         ops = [("x", xs, "int8"), ("w", ws, "int8"), ("bias", bs, "int32"), ("scale", vec("scale"), "float32"),
                ("shift", vec("shift"), "float32")]
@@ -1076,6 +1202,24 @@ def replay_gemm(kernel: GemmKernel, a: np.ndarray, w: np.ndarray) -> np.ndarray:
     return out
 
 
+def replay_token_linear(kernel: TokenLinearKernel, x: np.ndarray, w: np.ndarray, scale: np.ndarray, token: np.ndarray,
+                        bias: np.ndarray, residual: np.ndarray | None = None) -> np.ndarray:
+    """What a ``TokenLinearKernel`` computes, in numpy (float32, each operator rounded on its own, as the kernel's
+    ``__fmul_rn``/``__fadd_rn``; erf in float64, rounded): [M, N] from x [M, C] int8, w [N, C] int8, scale and bias
+    [N], token [M] and residual [M, N] (any shapes of those sizes)."""
+    p = kernel.problem
+    acc = (x.reshape(-1, p.c).astype(np.int64) @ w.reshape(p.k, p.c).astype(np.int64).T).astype(np.float32)
+    v = acc * scale.reshape(-1).astype(np.float32)
+    v = v * token.reshape(-1, 1).astype(np.float32)
+    v = v + bias.reshape(-1).astype(np.float32)
+    if kernel.gelu is not None:
+        constant, divide, half, one, half_first = (np.float32(c) if isinstance(c, float) else c for c in kernel.gelu)
+        t = _erf(v / constant if divide else v * constant) + one
+        v = (v * half) * t if half_first else (v * t) * half
+    if residual is not None:
+        v = v + residual.reshape(v.shape).astype(np.float32)
+    return v.astype(kernel.out_dtype)
+
 def _erf(v: np.ndarray) -> np.ndarray:
     from math import erf
 
@@ -1131,6 +1275,9 @@ def kernel_record(kernel: ConvKernel, smem_bytes: int) -> dict:
     else:
         template = ("DefaultConv2dFpropWithBroadcast (Sm80, s8 x s8 -> s32, edgeq's Requantize epilogue)"
                     if kernel.precision == "int8" else "DefaultConv2dFpropWithBroadcast (Sm80, fp16, fp32 accumulation)")
+        if isinstance(kernel, TokenLinearKernel):
+            template = ("DefaultGemmWithVisitor (Sm80, s8 x s8 -> s32, epilogue visitor tree: weight scale and bias "
+                        "per column, token scale per row)")
         if isinstance(kernel, GroupConvKernel):
             template = (f"DefaultConv2dGroupFprop (Sm80, fp16, fp32 accumulation, {kernel.group_mode}, bias as a "
                         "zero-stride source)")
@@ -1144,12 +1291,15 @@ def kernel_record(kernel: ConvKernel, smem_bytes: int) -> dict:
             record["tensor_core_work"] = kernel.work
     record.update({
         "activation": kernel.activation, "residual": kernel.residual, "precision": kernel.precision,
-        "output": "float32" if kernel.float_out else "int8" if kernel.precision == "int8" else "float16",
-        "flops": p.flops,
+        "output": kernel.output_dtype, "flops": p.flops,
     })
     if kernel.residual:
         record["residual_dtype"] = kernel.residual_type
         record["residual_after_activation"] = getattr(kernel, "residual_after", False)
+    if isinstance(kernel, TokenLinearKernel):  # y = float(acc) * scale[n] * token[m] + bias[n] [GELU] [+ residual]
+        record["activation"] = "gelu" if kernel.gelu else "identity"
+        record["token_scale"] = {"rows": kernel.rows, "bias": True, "gelu": list(kernel.gelu) if kernel.gelu else None}
+        return record
     if kernel.precision == "int8":
         record["requantize"] = {
             "float_out": kernel.float_out, "silu": kernel.silu, "post_scale": kernel.post,
@@ -1754,6 +1904,7 @@ class Claimed:
     shift: object = None
     post: object = None  # int8: the per-channel multiplier after the clamps (``ConvKernel.post``)
     y_in: object = None  # ``ConvKernel.out_in_place``: the tensor the kernel writes its channels of, as it comes in
+    token: object = None  # ``TokenLinearKernel``: the per-token scales ([..., M, 1], computed at run time)
 
     def operands(self) -> list:
         """The Relax arguments of the kernel's call, in ``kernel_operands`` order (without y)."""
@@ -1763,6 +1914,9 @@ class Claimed:
         if isinstance(self.kernel, GemmKernel):
             return [self.x, self.w]
         k = self.kernel.problem.k
+        if isinstance(self.kernel, TokenLinearKernel):
+            bias = self.bias if self.bias is not None else relax.const(np.zeros(k, np.float32), "float32")
+            return [self.x, self.w, self.scale, self.token, bias] + residual
         if self.kernel.precision != "int8":
             bias = self.bias if self.bias is not None else relax.const(np.zeros(k, np.float16), "float16")
             return [self.x, self.w, bias] + residual
@@ -2284,6 +2438,19 @@ def _int8_chain(b, value_of, only_reader, follow, readers, params, sm_count: int
             _requantize_tail(chain, nxt, value_of, only_reader, op_of, other, per_channel, taken, not depthwise))
     if depthwise and _output_shape((rest[0] if not isinstance(rest, str) else float_chain)[-1], problem):
         return "a depthwise output seen through a reshape"
+    one_by_one = (kr, ks, problem.stride, problem.pad) == (1, 1, (1, 1), (0, 0))
+    token = (_token_epilogue(float_chain[-1], k, value_of, only_reader, readers, params, taken, op_of, other,
+                             per_channel)
+             if isinstance(rest, str) and one_by_one and not depthwise and bias is None and shift is None
+             and silu is None else None)
+    if token is not None:  # a per-token linear layer: the token scale, bias and what follows in the epilogue
+        token, bias, tail, out_dtype, gelu, residual = token
+        kernel = TokenLinearKernel(name, problem, tile, "gelu" if gelu else "identity", residual is not None, "int8",
+                                   float_out=out_dtype == "float32", out_dtype=out_dtype, gelu=gelu)
+        shapes = {"scale": scale_shape, "bias": tuple(shape_of(bias)) if bias is not None else (k,),
+                  "token": tuple(shape_of(token)), **_output_shape(tail[-1], problem)}
+        return Claimed(kernel, tail[-1], x, w, bias, residual, tuple(float_chain + tail[:-1]), shapes, scale,
+                       token=token)
     if isinstance(rest, str):  # float32 out, with the residual and the activation clamps that follow (a ReLU6 or
         # a last residual block before a global pool)
         act_lo, act_hi = -math.inf, math.inf
@@ -2319,6 +2486,48 @@ def _int8_chain(b, value_of, only_reader, follow, readers, params, sm_count: int
     return Claimed(kernel, chain[-1], x, w, bias, residual, tuple(chain[:-1]),
                    {**shapes, **_output_shape(chain[-1], problem)}, scale, shift, post)
 
+
+def _token_epilogue(out, k, value_of, only_reader, readers, params, taken, op_of, other, per_channel):
+    """What follows an int8 linear layer's weight scale ``out`` where its input is quantized per token: ``* token
+    (a float32 tensor [..., M, 1] computed at run time: each row's scale) -> [+ bias (float32, K)] -> [astype float16
+    | GELU (erf form) | + residual (float32, the output's shape)]``, as (token, bias, the vars after ``out``, the
+    output's dtype, ``TokenLinearKernel.gelu``, residual); None where ``out`` is not read so."""
+    from edgeq.graph import const_value
+    from edgeq.graph_passes import dtype_of, shape_of
+
+    mul = only_reader(out)
+    token = other(mul, out) if op_of(mul) == "relax.multiply" and mul not in taken else None
+    ys, ts = shape_of(out), shape_of(token) if token is not None else None
+    if token is None or token in params or const_value(token) is not None or dtype_of(token) != "float32" \
+            or ys is None or ts is None or tuple(ts) != (*tuple(ys)[:-1], 1):
+        return None
+    chain, bias = [mul], None
+    nxt = only_reader(mul)
+    if op_of(nxt) == "relax.add" and nxt not in taken:
+        candidate = other(nxt, mul)
+        shape = per_channel(candidate)
+        if shape is not None and int(np.prod(shape or (1,))) == k:
+            bias = candidate
+            chain.append(nxt)
+            nxt = only_reader(nxt)
+    last = chain[-1]
+    if op_of(nxt) == "relax.astype" and dtype_of(nxt) == "float16" and nxt not in taken:
+        return token, bias, chain + [nxt], "float16", None, None
+    gelu = _gelu_of(last, readers, value_of, only_reader)
+    if gelu is not None and not any(v in taken for v in gelu):
+        scaled, erf, one_plus, half, final = gelu
+        divide = op_of(scaled) == "relax.divide"
+        constant = _const_scalar(value_of[scaled].args[1] if divide else other(scaled, last), value_of)
+        one = _const_scalar(other(one_plus, erf), value_of)
+        half_first = _const_scalar(other(half, last), value_of) is not None  # (x * 0.5) * (1 + erf)
+        halved = _const_scalar(other(half, last) if half_first else other(final, half), value_of)
+        return token, bias, chain + gelu, "float32", (constant, divide, halved, one, half_first), None
+    if op_of(nxt) == "relax.add" and nxt not in taken:
+        r = other(nxt, last)
+        if r is not None and dtype_of(r) == "float32" and shape_of(r) == ys and r not in taken \
+                and not any(_same(r, v) for v in chain):
+            return token, bias, chain + [nxt], "float32", None, r
+    return token, bias, chain, "float32", None, None
 
 def _residual_of(chain, nxt, value_of, only_reader, op_of, other, taken, allow_float: bool):
     """Where ``nxt`` is ``add(chain[-1], r)`` (and no other kernel's): (the residual operand, its scale, the vars
@@ -2633,6 +2842,18 @@ def twin_tensors(kernel: ConvKernel, shapes: dict | None = None, x=None) -> tupl
         v = tirx.round(v / f32(kernel.out_div))
         return te.min(te.max(v, f32(kernel.lo)), f32(kernel.hi)).astype("int8")
 
+    def epilogue_token(i, y, z, o):  # ``TokenLinearKernel``: the graph's operators, in its order
+        token = ph_["token"]
+        v = acc[i, y, z, o].astype("float32") * at("scale", o) * token[reindex((i, y, z), npqk[:3], operands["token"][0])] \
+            + at("bias", o)
+        if kernel.gelu is not None:
+            constant, divide, half, one, half_first = kernel.gelu
+            t = tirx.erf(v / f32(constant) if divide else v * f32(constant)) + f32(one)
+            v = v * f32(half) * t if half_first else v * t * f32(half)
+        if res is not None:
+            v = v + residual(i, y, z, o)
+        return v.astype(kernel.out_dtype)
+
     def epilogue_fp16(i, y, z, o):
         v = acc[i, y, z, o]
         if res is not None and not kernel.residual_after:
@@ -2654,7 +2875,8 @@ def twin_tensors(kernel: ConvKernel, shapes: dict | None = None, x=None) -> tupl
             v = v + residual(i, y, z, o).astype("float32")
         return v if kernel.float_out else v.astype("float16")
 
-    y = te.compute(npqk, epilogue_int8 if int8 else epilogue_fp16, "y")
+    epilogue = epilogue_token if isinstance(kernel, TokenLinearKernel) else epilogue_int8 if int8 else epilogue_fp16
+    y = te.compute(npqk, epilogue, "y")
     args = [ph_[name] for name in operands if name != "y" and not (given and name == "x")]
     if kernel.out_view:  # channels [first, first + K) of the tensor; the others as they came in (or zeros)
         first, y4 = kernel.out_view[0], y

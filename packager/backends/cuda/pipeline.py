@@ -616,6 +616,16 @@ def to_fp16(graph: Graph) -> Graph:
     return views_collapsed(pools_read_fp16(_lift_constants(Graph(mixed, {}))))
 
 
+def scalar_weights_as_constants(graph: Graph) -> Graph:
+    """The 0-d weight parameters (an int8 graph keeps a GELU's 1/sqrt(2), 0.5 and 1 so) bound as constants, as
+    ``to_fp16`` leaves them: the kernels that take the operators reading them (``cutlass.TokenLinearKernel``'s
+    GELU) compile their values in."""
+    scalars = {k: v for k, v in graph.weights.items() if np.ndim(v) == 0}
+    if not scalars:
+        return graph
+    bound = relax.transform.BindParams("main", {k: tvm.runtime.tensor(np.asarray(v)) for k, v in scalars.items()})
+    return Graph(bound(graph.mod), {k: v for k, v in graph.weights.items() if k not in scalars})
+
 def _clips_as_max_min(graph: Graph) -> Graph:
     """Clips as ``maximum``/``minimum`` of a 0-d constant, which ToMixedPrecision converts (it fails on a
     call_tir, and on ``relax.clip``'s PrimValue bounds: "Expected TensorType, but got T.int64"). ONNX Clip with
