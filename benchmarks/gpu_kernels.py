@@ -481,7 +481,8 @@ def orin_estimate(manifest: dict, device: str = DEVICE) -> dict | None:
         else:
             n, h, w, c = k["problem"]["nhwc"]
             (r, s_), kk = k["problem"]["rs"], k["problem"]["k"]
-            out_elem = 4 if k.get("output") == "float32" or (k.get("requantize") or {}).get("float_out") else elem
+            out_elem = 4 if (k.get("requantize") or {}).get("float_out") else \
+                {"float32": 4, "float16": 2, "int8": 1}.get(k.get("output"), elem)
             m = k["problem"]["output_pixels"]
             per_filter = c // k["problem"].get("groups", 1)
             bytes_ = n * h * w * c * elem + kk * r * s_ * per_filter * elem + m * kk * out_elem * (2 if k["residual"] else 1)

@@ -512,9 +512,10 @@ def test_the_rewritten_graph_runs_on_the_host_as_the_graph(classes, tmp_path):
 
 
 def _twin_matches_graph_and_onnxruntime(model, prepared, claimed, xs, precision: str, placements=()):
-    """The rewritten module with the kernels' TIR twins equals the graph before the rewrite (int8: bit for bit;
-    fp16 within 2e-2) on each of ``xs``, and ONNX Runtime within 10% (int8) / 1% (fp16) of its largest output.
-    Returns the rewritten module's main."""
+    """The rewritten module with the kernels' TIR twins equals the graph before the rewrite (int8: bit for bit, but
+    where a per-token linear layer's GELU is in its kernel: 1e-5, the host's build of the graph contracting the GELU's
+    multiplies and adds into FMAs; fp16 within 2e-2) on each of ``xs``, and ONNX Runtime within 10% (int8) / 1% (fp16)
+    of its largest output. Returns the rewritten module's main."""
     import onnxruntime as ort
 
     from edgeq.compile import HostRunner
@@ -526,7 +527,9 @@ def _twin_matches_graph_and_onnxruntime(model, prepared, claimed, xs, precision:
     run_graph, run_twin = HostRunner(prepared), HostRunner(twin)
     for x in xs:
         want, got = run_graph([x])[0], run_twin([x])[0]
-        if precision == "int8":
+        if precision == "int8" and any(getattr(c.kernel, "gelu", None) for c in claimed):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        elif precision == "int8":
             np.testing.assert_array_equal(got, want)
         else:
             np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
