@@ -920,7 +920,27 @@ def test_a_bert_style_encoders_linear_layers_run_on_cutlass(precision, tmp_path)
     norms = layer_norm.find_layer_norms(rewritten)
     assert [(n.kernel.shape, n.kernel.quantize) for n in norms] == [((1, 16, 64), None if precision == "fp16" else 127.0)]
     twins = cutlass.with_twins(rewritten, claimed)
-    twin = Graph(layer_norm.claim_layer_norms(twins, norms, twins=True), prepared.weights)
+    twins_normed = layer_norm.claim_layer_norms(twins, norms, twins=True)
+    # int8: the other per-token quantizes (the input's, the context's, read in fp16, and the GELU output's) are one
+    # kernel each with their row scale
+    quantizes = layer_norm.find_row_quantizes(twins_normed)
+    assert sorted((q.kernel.shape, q.kernel.dtype) for q in quantizes) == ([] if precision == "fp16" else sorted(
+        [((1, 16, 64), "float32"), ((1, 16, 64), "float16"), ((1, 16, 256), "float32")])), quantizes
+    twin = Graph(layer_norm.claim_row_quantizes(twins_normed, quantizes, twins=True), prepared.weights)
+    from edgeq.tvm_env import import_tvm
+
+    tvm = import_tvm()
+    for q in quantizes:  # each quantize's twin against numpy (round half to even, as the graph's round)
+        k = q.kernel
+        x = (np.random.default_rng(6).standard_normal(k.shape) * 3).astype(k.dtype)
+        x[0, 1] = 0  # an all-zero row: scale 1
+        scale, q8 = (tvm.runtime.tensor(np.zeros(s, d)) for s, d in (((*k.shape[:-1], 1), "float32"), (k.shape, "int8")))
+        tvm.tirx.build(layer_norm.row_quantize_twin(k), target="llvm")(tvm.runtime.tensor(x), scale, q8)
+        amax = np.abs(x.astype(np.float32)).max(axis=-1, keepdims=True)
+        want_scale = np.where(amax > 0, amax / np.float32(k.quantize), np.float32(1)).astype(np.float32)
+        np.testing.assert_array_equal(scale.numpy(), want_scale)
+        want = np.clip(np.round(x.astype(np.float32) / want_scale), *k.clamp).astype(np.int8)
+        np.testing.assert_array_equal(q8.numpy(), want)
     session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
     run_graph, run_twin = HostRunner(prepared), HostRunner(twin)
     run_convs = HostRunner(Graph(twins, prepared.weights)) if precision == "int8" else None
@@ -1056,14 +1076,23 @@ def test_package_a_bert_style_encoder_with_cutlass(precision, nvrtc, tmp_path):
     if precision == "fp16":  # per inference: 5 CUTLASS kernels, Q K^T with the softmax, the two layer norms, the
         # input's cast
         assert gpu["kernels_per_inference"] == 9, gpu["launches"]
-    else:  # per-token scales of the input, the context and the GELU's output; the layer norm's is in its kernel
-        assert sum(n for f, n in gpu["launches"].items() if f.startswith("row_scale")) == 3, gpu["launches"]
+    else:  # per-token quantizes of the input, the context and the GELU's output, each with its row's scale in one
+        # kernel; the layer norm's is in its kernel
+        quantizes = record["row_quantizes"]
+        assert sorted((q["shape"], q["input"]) for q in quantizes) == [
+            ([1, 16, 64], "float16"), ([1, 16, 64], "float32"), ([1, 16, 256], "float32")], quantizes
+        assert all(gpu["launches"].get(q["function"]) == 1 for q in quantizes), gpu["launches"]
+        assert all(gpu["functions"][q["function"]] == "edgeq per-token quantize" for q in quantizes)
+        assert all(re.search(r"\bSHFL\.", kernel_sass(q["function"], sass))
+                   and not re.search(r"\b(LDL|STL)\b", kernel_sass(q["function"], sass)) for q in quantizes)
+        assert not any(f.startswith("row_scale") for f in gpu["launches"]), gpu["launches"]
         # per inference: 5 CUTLASS kernels (the linear layers' with the token scale, bias and Q K V's fp16 cast, the
-        # GELU or the residual add in their epilogue visitor trees), Q K^T with the softmax, 3 row scales and 3
-        # quantizes (the input's, the context's, the GELU output's; the context's reads the fp16 context P V writes
-        # with its heads merged), the two layer norms: 14 (18 with a kernel after each linear layer for its token
-        # scale and what follows it; 23 with three projections and the context's transpose and cast a kernel)
-        assert gpu["kernels_per_inference"] == 14, gpu["launches"]
+        # GELU or the residual add in their epilogue visitor trees), Q K^T with the softmax, 3 per-token quantizes
+        # (the input's, the context's, reading the fp16 context P V writes with its heads merged, the GELU output's),
+        # the two layer norms: 11 (14 with a row-scale kernel before each quantize; 18 with a kernel after each linear
+        # layer for its token scale and what follows it; 23 with three projections and the context's transpose and
+        # cast a kernel)
+        assert gpu["kernels_per_inference"] == 11, gpu["launches"]
         assert not any("multiply" in f and "add" in f for f in gpu["launches"]), gpu["launches"]
         linear = [k for k in record["kernels"] if "token_scale" in k]
         assert len(linear) == 4 and all(k["template"].startswith("DefaultGemmWithVisitor") for k in linear)
@@ -1075,6 +1104,8 @@ def test_package_a_bert_style_encoder_with_cutlass(precision, nvrtc, tmp_path):
     assert f"CUTLASS 4.1.0: {kernels} of {kernels + 1} convolutions and matrix products" in flat, flat
     assert "1 attention score product(s) with their softmax in one kernel each" in flat, flat
     assert "1 layer norm(s) writing the next layer's fp16 or int8 input in the same kernel" in flat, flat
+    if precision == "int8":
+        assert "3 per-token quantize(s) with their row's scale in one kernel each" in flat, flat
 
 
 @pytest.mark.parametrize("precision", ["fp16", "int8"])

@@ -65,6 +65,9 @@ def _gpu_kernels(info) -> str:
         norms = len(cutlass.get("layer_norms", []))
         if norms:
             text += f"; {norms} layer norm(s) writing the next layer's fp16 or int8 input in the same kernel (edgeq's)"
+        quantizes = len(cutlass.get("row_quantizes", []))
+        if quantizes:
+            text += f"; {quantizes} per-token quantize(s) with their row's scale in one kernel each (edgeq's)"
         if left:
             text += " (the rest on dlight: " + "; ".join(f"{x['conv']}: {x['why']}" for x in left[:5]) + \
                     (", ..." if len(left) > 5 else "") + ")"

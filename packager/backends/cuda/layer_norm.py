@@ -273,3 +273,186 @@ def claim_layer_norms(mod, claimed: Sequence[ClaimedLayerNorm], twins: bool = Fa
                                                                           "op_pattern": 8})
                                      if twins else prim_func(c.kernel)) for c in claimed}
     return rebuild_main(mod, functions, rebind)
+
+
+# ------------------------------------------------------------------ a per-token quantize without a layer norm
+
+@dataclasses.dataclass(frozen=True)
+class RowQuantizeKernel:
+    """An int8 graph's per-token quantize of a tensor no layer norm makes (a transformer's context, its GELU's
+    output, its input): the row's scale ``where(max|x| > 0, max|x| / q, 1)`` ([..., 1]) and ``int8(clamp(round(x /
+    scale), lo, hi))``, x float32 or fp16 (read as float32), in one kernel (a block a row, as ``LayerNormKernel``'s
+    int8 output) instead of two (``pipeline.row_scales_in_one_kernel``'s and the quantize's: FuseOps fuses nothing
+    after a reduction whose output has another reader)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # x's: float32 or float16
+    quantize: float  # q
+    clamp: tuple[float, float] = (-127.0, 127.0)
+
+    @property
+    def function(self) -> str:
+        return f"rowquant_{self.name}"
+
+    @property
+    def rows(self) -> int:
+        return math.prod(self.shape[:-1])
+
+    @property
+    def threads(self) -> int:
+        return WARP * max(1, min(MAX_WARPS, self.shape[-1] // 256))
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        return self.rows, 1
+
+
+@dataclasses.dataclass(frozen=True)
+class ClaimedRowQuantize:
+    """A per-token quantize the kernel took: x, the scale's variable (``row_scale``'s call), the int8 variable (the
+    quantize's cast), and the bindings between them that go (the division, rounding and clamps; x's float32 cast
+    where only the division reads it)."""
+
+    kernel: RowQuantizeKernel
+    x: object
+    scale: object
+    cast: object
+    between: tuple = ()
+
+
+def row_quantize_twin(kernel: RowQuantizeKernel):
+    """The kernel's computation as plain TIR: ``pipeline._row_scale``'s, then the quantize as the graph writes it."""
+    from edgeq.tvm_env import import_tvm
+
+    tvm = import_tvm()
+    te, tirx = tvm.te, tvm.tirx
+    *lead, c = kernel.shape
+    f32 = lambda v: tirx.const(v, "float32")  # noqa: E731
+    x = te.placeholder(kernel.shape, kernel.dtype, "x")
+    k = te.reduce_axis((0, c), "k")
+    amax = te.compute((*lead, 1), lambda *i: te.max(te.abs(x[(*i[:-1], k)].astype("float32")), axis=k), "amax")
+    scale = te.compute((*lead, 1), lambda *i: tirx.Select(amax[i] > f32(0.0), amax[i] / f32(kernel.quantize),
+                                                          f32(1.0)), "scale")
+    lo, hi = kernel.clamp
+    q8 = te.compute(kernel.shape, lambda *i: te.min(te.max(tirx.round(x[i].astype("float32") / scale[(*i[:-1], 0)]),
+                                                           f32(lo)), f32(hi)).astype("int8"), "q8")
+    return te.create_prim_func([x, scale, q8])
+
+
+def row_quantize_prim_func(kernel: RowQuantizeKernel):
+    """``row_quantize_twin`` scheduled for the GPU: a block of ``threads`` per row, max|x| across its threads (warp
+    shuffles), then each thread quantizes its elements."""
+    from edgeq.tvm_env import Schedule, import_tvm
+
+    tvm = import_tvm()
+    sch = Schedule(tvm.IRModule({"main": row_quantize_twin(kernel)}))
+    amax = sch.get_sblock("amax")
+    *rows, k = sch.get_loops(amax)
+    row = sch.fuse(*rows) if len(rows) > 1 else rows[0]
+    _, tx = sch.split(k, [None, kernel.threads])
+    sch.bind(row, "blockIdx.x")
+    sch.bind(tx, "threadIdx.x")
+    sch.set_scope(amax, 0, "shared")
+    sch.reverse_compute_at(sch.get_sblock("scale"), row)
+    q8 = sch.get_sblock("q8")
+    sch.reverse_compute_at(q8, row)
+    _, t = sch.split(sch.get_loops(q8)[-1], [None, kernel.threads])
+    sch.bind(t, "threadIdx.x")
+    return sch.mod["main"].with_attrs({"global_symbol": kernel.function, "tirx.is_scheduled": True, "op_pattern": 8})
+
+
+def row_quantize_record(kernel: RowQuantizeKernel) -> dict:
+    """What the manifest says of one per-token quantize kernel."""
+    return {"function": kernel.function, "template": "edgeq per-token quantize (TIR: a row a block, a warp-shuffle "
+            "max, float32 per-token scale and int8 outputs)", "threads": kernel.threads, "grid": list(kernel.grid),
+            "shape": list(kernel.shape), "input": kernel.dtype, "q": kernel.quantize, "clamp": list(kernel.clamp)}
+
+
+def find_row_quantizes(mod) -> list[ClaimedRowQuantize]:
+    """The per-token quantizes left in ``mod``'s main after ``claim_layer_norms``: ``s = row_scale(x)``
+    (``pipeline.row_scales_in_one_kernel``'s function; x float32, or fp16 with the division reading its float32
+    cast) and ``astype(minimum(maximum(round(x / s), lo), hi), int8)``, x's rows over its last axis."""
+    from edgeq.backends.cuda.cutlass import _const_scalar, main_index
+    from edgeq.graph import call_op
+    from edgeq.graph_passes import dtype_of, shape_of
+
+    bindings, value_of, readers, _ = main_index(mod["main"])
+
+    def only_reader(var, op):
+        r = readers.get(var, [])
+        return r[0] if len(r) == 1 and r[0] is not None and call_op(value_of[r[0]]) == op else None
+
+    found = []
+    for b in bindings:
+        value = b.value
+        if call_op(value) != "relax.call_tir" or len(value.args[1].fields) != 1:
+            continue
+        func = mod.functions.get(value.args[0])
+        q = (func.attrs or {}).get(ROW_SCALE_ATTR) if func is not None else None
+        (x,) = value.args[1].fields
+        shape = shape_of(x)
+        if q is None or shape is None or dtype_of(x) not in ("float32", "float16"):
+            continue
+        divide = next((r for r in readers.get(b.var, []) if r is not None and call_op(value_of[r]) == "relax.divide"
+                       and value_of[r].args[1].same_as(b.var)), None)
+        if divide is None or len([r for r in readers.get(b.var, []) if _same_var(r, divide)]) != 1:
+            continue
+        xf, between = value_of[divide].args[0], []
+        if not xf.same_as(x):  # an fp16 x: the division reads its float32 cast
+            cast_f32 = value_of.get(xf)
+            if call_op(cast_f32) != "relax.astype" or not cast_f32.args[0].same_as(x) or dtype_of(xf) != "float32":
+                continue
+            if len(readers.get(xf, [])) == 1:
+                between.append(xf)
+        elif dtype_of(x) != "float32":
+            continue
+        rounded = only_reader(divide, "relax.round")
+        low = only_reader(rounded, "relax.maximum") if rounded is not None else None
+        high = only_reader(low, "relax.minimum") if low is not None else None
+        cast = only_reader(high, "relax.astype") if high is not None else None
+        if cast is None or dtype_of(cast) != "int8" or shape_of(cast) != shape:
+            continue
+        lo, hi = _const_scalar(value_of[low].args[1]), _const_scalar(value_of[high].args[1])
+        if lo is None or hi is None or not -128 <= lo <= hi <= 127:
+            continue
+        kernel = RowQuantizeKernel(f"q{len(found)}", tuple(shape), dtype_of(x), float(q), (lo, hi))
+        found.append(ClaimedRowQuantize(kernel, x, b.var, cast, (*between, divide, rounded, low, high)))
+    return found
+
+
+def _same_var(a, b) -> bool:
+    return a is not None and b is not None and a.same_as(b)
+
+
+def claim_row_quantizes(mod, claimed: Sequence[ClaimedRowQuantize], twins: bool = False):
+    """``mod`` with each claimed quantize one call of its kernel (``twins``: of its host twin) returning the scale
+    (bound to the ``row_scale`` call's variable) and the int8 tensor (to the cast's); the bindings between go."""
+    from edgeq.backends.cuda.cutlass import rebuild_main
+    from edgeq.tvm_env import relax
+
+    by_scale = {c.scale: c for c in claimed}
+    by_cast = {c.cast: c for c in claimed}
+    dropped = {var for c in claimed for var in c.between}
+    outputs = {}
+
+    def rebind(b, gvars):
+        if b.var in dropped:
+            return []
+        c = by_scale.get(b.var)
+        if c is not None:
+            k = c.kernel
+            out = [relax.TensorType([*k.shape[:-1], 1], "float32"), relax.TensorType(list(k.shape), "int8")]
+            tup = relax.Var(f"{b.var.name}_outputs", relax.TupleType(out))
+            outputs[k.name] = tup
+            return [relax.VarBinding(tup, relax.call_tir(gvars[k.function], relax.Tuple([c.x]), out)),
+                    relax.VarBinding(b.var, relax.TupleGetItem(tup, 0))]
+        c = by_cast.get(b.var)
+        if c is not None:
+            return [relax.VarBinding(b.var, relax.TupleGetItem(outputs[c.kernel.name], 1))]
+        return [b]
+
+    functions = {c.kernel.function: (row_quantize_twin(c.kernel).with_attrs({"global_symbol": c.kernel.function,
+                                                                             "op_pattern": 8})
+                                     if twins else row_quantize_prim_func(c.kernel)) for c in claimed}
+    return rebuild_main(mod, functions, rebind)

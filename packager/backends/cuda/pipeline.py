@@ -399,6 +399,8 @@ def ScheduleKernels(target, report: GpuKernels, check_all: bool = False):  # noq
                 report.functions[gv.name_hint] = "edgeq depthwise"
             elif isinstance(func, tvm.tirx.PrimFunc) and gv.name_hint.startswith("layernorm_"):
                 report.functions[gv.name_hint] = "edgeq layer norm"
+            elif isinstance(func, tvm.tirx.PrimFunc) and gv.name_hint.startswith("rowquant_"):
+                report.functions[gv.name_hint] = "edgeq per-token quantize"
             elif isinstance(func, tvm.tirx.PrimFunc) and gv.name_hint.startswith("poolfc_"):
                 report.functions[gv.name_hint] = "edgeq pool + classifier"
             if not isinstance(func, tvm.tirx.PrimFunc) or int((func.attrs or {}).get("tirx.is_scheduled", 0) or 0) == 1:
@@ -560,6 +562,8 @@ def build(mod, target, report: GpuKernels, cutlass: tuple[int, int] | None = Non
         mod = cl.claim_convs(mod, claimed, sizes, placements)
         norms = layer_norm.find_layer_norms(mod)  # each with its fp16 cast or int8 quantize: one kernel
         mod = layer_norm.claim_layer_norms(mod, norms)
+        quantizes = layer_norm.find_row_quantizes(mod)  # the other per-token quantizes: scale and int8, one kernel
+        mod = layer_norm.claim_row_quantizes(mod, quantizes)
         mod = pool_classifier.claim_pool_classifiers(mod, pools)
         wrappers = cl.wrappers_in_module(kernels)
         records = {k.name: cl.kernel_record(k, sizes[k.name]) for k in kernels}
@@ -567,6 +571,7 @@ def build(mod, target, report: GpuKernels, cutlass: tuple[int, int] | None = Non
                           "kernels": [records[k.name] for k in kernels if not isinstance(k, cl.DepthwiseKernel)],
                           "depthwise": [records[k.name] for k in kernels if isinstance(k, cl.DepthwiseKernel)],
                           "layer_norms": [layer_norm.kernel_record(c.kernel) for c in norms],
+                          "row_quantizes": [layer_norm.row_quantize_record(c.kernel) for c in quantizes],
                           "pool_classifiers": [pool_classifier.kernel_record(p.kernel) for p in pools],
                           "squeeze_excitations": [se.record() for se in excitations],
                           "concatenations_in_place": [pl.record() for pl in placements],
