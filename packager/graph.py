@@ -73,6 +73,21 @@ def const_value(expr) -> np.ndarray | None:
     return None
 
 
+def weight_operand(value, value_of: Callable, is_weight: Callable) -> tuple[Any, bool]:
+    """(weight parameter, transposed?) behind the second argument of a conv2d/matmul call ``value``; (None, False)
+    when it is an activation. Gemm imports as ``matmul(x, permute_dims(W))``: that is seen through. ``value_of(var)``:
+    the value bound to var (or None); ``is_weight(expr)``: whether expr is a weight parameter."""
+    if call_op(value) not in ("relax.nn.conv2d", "relax.matmul"):
+        return None, False
+    rhs = value.args[1]
+    if is_weight(rhs):
+        return rhs, False
+    inner = value_of(rhs)
+    if call_op(inner) == "relax.permute_dims" and is_weight(inner.args[0]):
+        return inner.args[0], True
+    return None, False
+
+
 def call_op(expr) -> str | None:
     """``"relax.nn.conv2d"`` for a call of a Relax operator, else None."""
     if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op):
@@ -144,17 +159,8 @@ class Rewriter:
         return apply_layout_op(inner, self.static_value) if op in LAYOUT_OPS else None
 
     def weight_operand(self, value):
-        """(weight parameter, transposed?) behind the second argument of a conv2d/matmul call; (None, False)
-        when it is an activation. Gemm imports as ``matmul(x, permute_dims(W))``: that is seen through."""
-        if call_op(value) not in ("relax.nn.conv2d", "relax.matmul"):
-            return None, False
-        rhs = value.args[1]
-        if self.weight(rhs) is not None:
-            return rhs, False
-        inner = self.value(rhs)
-        if call_op(inner) == "relax.permute_dims" and self.weight(inner.args[0]) is not None:
-            return inner.args[0], True
-        return None, False
+        """``weight_operand`` over this rewrite's bindings and weights."""
+        return weight_operand(value, self.value, lambda expr: self.weight(expr) is not None)
 
     def param(self, name: str, array: np.ndarray):
         """A weight parameter of the output graph holding ``array``, named ``name`` or, where that name holds

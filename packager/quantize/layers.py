@@ -7,7 +7,7 @@ import dataclasses
 
 import onnx
 
-from edgeq.graph import Graph, call_op
+from edgeq.graph import Graph, call_op, weight_operand
 from edgeq.graph_passes import shape_of
 
 PRECISIONS = ("int8", "fp16", "fp32")
@@ -45,15 +45,9 @@ def find_layers(graph: Graph, model: onnx.ModelProto | None = None) -> list[Laye
     layers = []
     for binding in graph.bindings():
         op = call_op(binding.value)
-        if op not in ("relax.nn.conv2d", "relax.matmul"):
+        rhs, transposed = weight_operand(binding.value, values.get, lambda expr: expr in params)
+        if rhs is None:  # an activation (Gemm's matmul(x, permute_dims(W)) is seen through)
             continue
-        rhs, transposed = binding.value.args[1], False
-        if rhs not in params:  # Gemm imports as matmul(x, permute_dims(W)): look through the transpose
-            inner = values.get(rhs)
-            if call_op(inner) == "relax.permute_dims" and inner.args[0] in params:
-                rhs, transposed = inner.args[0], True
-            else:
-                continue
         weight = graph.weights[rhs.name]
         if op == "relax.nn.conv2d":
             if weight.ndim != 4:

@@ -23,7 +23,7 @@ names the layers each one shares with; ``activation_threshold`` stays the layer'
 
 from __future__ import annotations
 
-from edgeq.graph import Graph, call_op, relax
+from edgeq.graph import Graph, relax, weight_operand
 from edgeq.quantize.hoist_quantize import concatenation, moved, moves, residual_read
 from edgeq.quantize.layers import Layer
 
@@ -59,13 +59,10 @@ def groups(graph: Graph, layers: list[Layer]) -> list[list[Layer]]:
     by_weight = {l.weight: l for l in layers if l.precision == "int8" and l.activation == "per-tensor"}
     reading: dict = {}  # var -> the int8 per-tensor layers reading it
     for var, value in values.items():
-        if call_op(value) in ("relax.nn.conv2d", "relax.matmul"):
-            rhs = value.args[1]
-            inner = values.get(rhs)
-            if call_op(inner) == "relax.permute_dims":  # Gemm: matmul(x, permute_dims(W))
-                rhs = inner.args[0]
-            layer = by_weight.get(getattr(rhs, "name", None)) if isinstance(rhs, relax.Var) else None
-            if layer is not None and isinstance(value.args[0], relax.Var):
+        rhs, _ = weight_operand(value, values.get, lambda expr: isinstance(expr, relax.Var) and expr.name in by_weight)
+        if rhs is not None:
+            layer = by_weight[rhs.name]
+            if isinstance(value.args[0], relax.Var):
                 reading.setdefault(value.args[0], []).append((var, layer))
 
     members: dict = {}

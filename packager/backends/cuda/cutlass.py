@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import math
 import os
 import re
@@ -601,7 +602,8 @@ class TokenLinearKernel(ConvKernel):
             f"int8_t, cutlass::layout::ColumnMajor, cutlass::ComplexTransform::kNone, {self.input_alignment}, "
             f"{out}, cutlass::layout::RowMajor, {self.out_lanes}, int32_t, float, cutlass::arch::OpClassTensorOp, "
             f"cutlass::arch::Sm80, cutlass::gemm::GemmShape<{bm}, {bn}, {bk}>, "
-            f"cutlass::gemm::GemmShape<{wm}, {wn}, {wk}>, cutlass::gemm::GemmShape<16, 8, 32>, Evt_{self.name}, "
+            f"cutlass::gemm::GemmShape<{wm}, {wn}, {wk}>, cutlass::gemm::GemmShape<16, 8, 32>, "
+            f"Evt_{token_linear_types(self)[0]}, "
             f"cutlass::gemm::threadblock::GemmIdentityThreadblockSwizzle<1>, {self.tile.stages}, "
             "cutlass::arch::OpMultiplyAddSaturate, 1>::GemmKernel"
         )
@@ -740,8 +742,10 @@ def device_source(kernels: Sequence[ConvKernel]) -> str:
     ``kernel_operands``) and, per kernel, ``edgeq_smem_<name>``, an array as large as the kernel's shared storage
     and Params (``smem_sizes`` reads it from the cubin's symbol table)."""
     out = [PREAMBLE]
-    if any(isinstance(k, TokenLinearKernel) for k in kernels):  # (cute's headers: only where a kernel needs them)
-        out.append(EVT_INCLUDES)
+    token_linear = [k for k in kernels if isinstance(k, TokenLinearKernel)]
+    if token_linear:  # cute's headers only where a kernel needs them; each visitor tree once
+        trees = dict(token_linear_types(k) for k in token_linear)
+        out.append(EVT_INCLUDES + "namespace edgeq_cutlass {" + "".join(trees.values()) + "}  // namespace edgeq_cutlass\n")
     for kern in kernels:
         if isinstance(kern, DepthwiseKernel):  # TIR: TVM writes its CUDA
             continue
@@ -854,13 +858,12 @@ EVT_INCLUDES = r"""
 """
 
 
-def _token_linear_source(kern: TokenLinearKernel, signature: str) -> str:
-    """A per-token int8 linear layer's device wrapper (as ``device_source``'s convolutions': Params built in shared
-    memory): its epilogue functor (the graph's float32 operators, in their order, rounding as they do), the visitor
-    tree that hands it the accumulators, the weight scale and bias of its column, the token scale of its row [and
-    the residual], and the GEMM."""
-    p, kn = kern.problem, kern.name
-    m, n, c = kern.rows, p.k, p.c
+def token_linear_types(kern: TokenLinearKernel) -> tuple[str, str]:
+    """(its name, the C++ that defines it) of a per-token int8 linear layer's epilogue visitor tree ``Evt_<name>``:
+    its functor (the graph's float32 operators, in their order, rounding as they do), the tree that hands it the
+    accumulators, the weight scale and bias of its column, the token scale of its row [and the residual], and the
+    store. Named by its content: layers with the same tile and epilogue (a transformer's layers) share one, so
+    NVRTC instantiates CUTLASS's templates once for them."""
     out = "cutlass::half_t" if kern.out_dtype == "float16" else "float"
     (bm, bn, bk), (wm, wn, wk) = kern.tile.block, kern.tile.warp
     steps = ["float v = __fadd_rn(__fmul_rn(__fmul_rn(acc[i], scale[i]), token[i]), bias[i]);"]
@@ -877,40 +880,53 @@ def _token_linear_source(kern: TokenLinearKernel, signature: str) -> str:
     nodes = "cutlass::epilogue::threadblock"
     row, column = "cute::Stride<cute::_0, cute::_1, int32_t>", "cute::Stride<cute::_1, cute::_0, int32_t>"
     matrix = "cute::Stride<int64_t, cute::_1, int64_t>"
-    residual_node = f", {nodes}::VisitorAuxLoad<Map_{kn}, float, {matrix}>" if kern.residual else ""
-    types = f"""
-template <class T> struct Epilogue_{kn};
-template <int N> struct Epilogue_{kn}<cutlass::Array<float, N>> {{
+    residual_node = f", {nodes}::VisitorAuxLoad<Map_@, float, {matrix}>" if kern.residual else ""
+    body = "\n".join("      " + step for step in steps)
+    text = f"""
+template <class T> struct Epilogue_@;
+template <int N> struct Epilogue_@<cutlass::Array<float, N>> {{
   CUTLASS_DEVICE cutlass::Array<float, N> operator()({inputs}) const {{
     cutlass::Array<float, N> y;
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < N; ++i) {{
-      {chr(10).join('      ' + s for s in steps).strip()}
+{body}
       y[i] = v;
     }}
     return y;
   }}
 }};
-using Map_{kn} = {nodes}::OutputTileThreadLayout<cutlass::gemm::GemmShape<{bm}, {bn}, {bk}>,
+using Map_@ = {nodes}::OutputTileThreadLayout<cutlass::gemm::GemmShape<{bm}, {bn}, {bk}>,
     cutlass::gemm::GemmShape<{wm}, {wn}, {wk}>, {out}, {kern.out_lanes}, 1>;
-using Compute_{kn} = {nodes}::Sm80EVT<
-    {nodes}::VisitorCompute<Epilogue_{kn}, {out}, float, cutlass::FloatRoundStyle::round_to_nearest>,
-    {nodes}::VisitorAccFetch, {nodes}::VisitorRowBroadcast<Map_{kn}, float, {row}>,
-    {nodes}::VisitorColBroadcast<Map_{kn}, float, {column}>, {nodes}::VisitorRowBroadcast<Map_{kn}, float, {row}>
+using Compute_@ = {nodes}::Sm80EVT<
+    {nodes}::VisitorCompute<Epilogue_@, {out}, float, cutlass::FloatRoundStyle::round_to_nearest>,
+    {nodes}::VisitorAccFetch, {nodes}::VisitorRowBroadcast<Map_@, float, {row}>,
+    {nodes}::VisitorColBroadcast<Map_@, float, {column}>, {nodes}::VisitorRowBroadcast<Map_@, float, {row}>
     {residual_node}>;
-using Evt_{kn} = {nodes}::Sm80EVT<
-    {nodes}::VisitorAuxStore<Map_{kn}, {out}, cutlass::FloatRoundStyle::round_to_nearest, {matrix}>, Compute_{kn}>;
-using Kernel_{kn} = {kern.kernel_type};"""
+using Evt_@ = {nodes}::Sm80EVT<
+    {nodes}::VisitorAuxStore<Map_@, {out}, cutlass::FloatRoundStyle::round_to_nearest, {matrix}>, Compute_@>;
+"""
+    key = "t" + hashlib.sha1(text.encode()).hexdigest()[:12]
+    return key, text.replace("@", key)
+
+
+def _token_linear_source(kern: TokenLinearKernel, signature: str) -> str:
+    """A per-token int8 linear layer's device wrapper (as ``device_source``'s convolutions': Params built in shared
+    memory) over its visitor tree (``token_linear_types``, defined once in front of the wrappers)."""
+    p, kn = kern.problem, kern.name
+    m, n, c = kern.rows, p.k, p.c
+    out = "cutlass::half_t" if kern.out_dtype == "float16" else "float"
+    evt = token_linear_types(kern)[0]
     per_row, per_column = f"{{cute::_1{{}}, cute::_0{{}}, int32_t({m})}}", f"{{cute::_0{{}}, cute::_1{{}}, int32_t({n})}}"
     dense = f"{{int64_t({n}), cute::_1{{}}, int64_t({m * n})}}"
     residual_arg = f"{{residual, 0.f, {dense}}}, " if kern.residual else ""
-    return _wrapper(kn, types, signature, f"""
-    typename edgeq_cutlass::Evt_{kn}::Arguments evt{{
+    return _wrapper(kn, f"using Kernel_{kn} = {kern.kernel_type};", signature, f"""
+    typename edgeq_cutlass::Evt_{evt}::Arguments evt{{
         {{{{}}, {{scale, 0.f, {per_column}}}, {{token, 0.f, {per_row}}}, {{bias, 0.f, {per_column}}}, {residual_arg}{{}}}},
         {{reinterpret_cast<{out}*>(y), {dense}}}}};
     typename K::Arguments args(gemm::GemmUniversalMode::kGemm, gemm::GemmCoord({m}, {n}, {c}), 1, evt,
                                x, w, nullptr, nullptr, {m * c}LL, {n * c}LL, 0LL, 0LL, {c}, {c}, 0, 0);
     new (params) typename K::Params(args, {kern.grid[0] * kern.grid[1]}, 1);""")
+
 
 def _gemm_source(kern: GemmKernel) -> str:
     """A batched GEMM's device wrapper (as ``device_source``'s convolutions': Params built in shared memory)."""
@@ -1330,15 +1346,18 @@ class KernelReport:
 
 
 def smem_sizes(kernels: Sequence[ConvKernel], arch: str) -> dict[str, int]:
-    """sizeof(SharedStorage) of each kernel, read from a cubin of its wrapper (NVRTC, no GPU); 0 for depthwise
-    kernels (TIR, no shared memory)."""
+    """sizeof(SharedStorage) of each kernel, read from a cubin of its wrappers' types (NVRTC, no GPU); 0 for
+    depthwise kernels (TIR, no shared memory). Only the ``edgeq_smem_`` arrays are compiled, not the wrapper
+    functions: a type's size needs its definition, not its kernel's code, which NVRTC would otherwise instantiate
+    and optimize twice (here and in the module)."""
     from tvm.support import nvcc
 
     sizes = {k.name: 0 for k in kernels if isinstance(k, DepthwiseKernel)}
     if len(sizes) == len(kernels):
         return sizes
+    source = re.sub(r'extern "C" __device__ void edgeq_cutlass_\w+\(.*?\n}\n', "", device_source(kernels), flags=re.S)
     with _nvrtc_include():
-        cubin = bytes(nvcc.compile_cuda(device_source(kernels), target_format="cubin", arch=arch))
+        cubin = bytes(nvcc.compile_cuda(source, target_format="cubin", arch=arch))
     return {**elf_symbol_sizes(cubin, "edgeq_smem_"), **sizes}
 
 
