@@ -371,6 +371,9 @@ def test_kernels_compile_in_a_tvm_module_to_tensor_cores(profile, precision, nvr
                 kernels.append(cutlass.ConvKernel("placed", problem, tile, "relu", True, "int8", 0.5, 0.0,
                                                   out_div=0.25, out_view=(32, 64), out_in_place=True,
                                                   residual_view=(16, 64)))
+                # YOLO's neck: also written nearest-upsampled 2x into channels 16-31 of a 48-channel concatenation
+                kernels.append(cutlass.ConvKernel("upsampled", problem, tile, "identity", False, "int8", silu=True,
+                                                  out_div=0.25, out_view=(32, 64), up_view=(16, 48)))
         else:  # the 1x1 shortcut writes float32 (a classifier whose logits the graph casts to float32), after a
             # GELU (a transformer FFN's: CUTLASS's GELU<float>, erff)
             kernels.append(cutlass.ConvKernel(name.replace("-", "_"), problem, tile,
@@ -384,6 +387,8 @@ def test_kernels_compile_in_a_tvm_module_to_tensor_cores(profile, precision, nvr
                 # channels 32-47 of it, in place
                 kernels.append(cutlass.ConvKernel("placed", problem, tile, "silu", True, residual_after=True,
                                                   out_view=(32, 64), out_in_place=True, residual_view=(16, 64)))
+                # YOLO's neck: also written nearest-upsampled 2x into channels 16-31 of a 48-channel concatenation
+                kernels.append(cutlass.ConvKernel("upsampled", problem, tile, "silu", out_view=(32, 64), up_view=(16, 48)))
     if precision == "fp16":  # attention's batched GEMMs: 12 heads of [128, 64] x [64, 128], scaled, Q and K read
         # in place from one [1, 128, 3 x 768] projection (K^T as column-major, from column 768), the scores written
         # as float32; P V with the context written back in place
@@ -441,6 +446,22 @@ def test_kernels_compile_in_a_tvm_module_to_tensor_cores(profile, precision, nvr
         placed = source[source.index("void edgeq_cutlass_placed("):]
         assert "reinterpret_cast<int8_t*>(residual) + 16, layout::TensorNHWC(64, " in placed
         assert "reinterpret_cast<int8_t*>(y) + 32, out_layout}" in placed
+    # the upsampled copy: T through edgeq's Upsample2xIterator (the output's width, 10, compiled in), from channel 16
+    # of a tensor with 48 a pixel; each of its 16-byte (fp16) or 8-byte (int8) accesses stored five times, once as y
+    # and at the four pixels it becomes, all global stores
+    upsampled = source[source.index("void edgeq_cutlass_upsampled("):]
+    assert "y_up + 16, 0, 48)" in upsampled and "Upsampled<cutlass::conv::kernel::DefaultConv2dFpropWithBroadcast<" \
+        in source and ", 10>::Kernel" in source
+    from gpu_kernels import kernel_sass, sass_by_kernel
+
+    sass = sass_by_kernel(library)
+    store = "STG.E.64" if precision == "int8" else "STG.E.128"
+    stores = {name: len(re.findall(rf"\b{re.escape(store)}\b", kernel_sass(f"cutlass_{name}", sass)))
+              for name in ("upsampled", "placed")}
+    # (the count of a store instruction in the SASS: each of the upsampled kernel's is one of five; measured: int8
+    # 40 against the placed kernel's 8, fp16 25 against 4)
+    assert stores["upsampled"] % 5 == 0 and stores["upsampled"] >= 4 * stores["placed"] > 0, stores
+    assert not re.search(r"\bST\.E", kernel_sass("cutlass_upsampled", sass))  # no generic stores
     if precision == "int8":  # a residual of another type than the output: the source has its type, y is T
         for name, res, out in (("f32_residual", "float", "int8_t"), ("int8_residual_f32_out", "int8_t", "float")):
             wrapper = re.search(rf"void edgeq_cutlass_{name}\(([^)]*)\)", source).group(1)
@@ -1144,16 +1165,26 @@ def test_a_yolov8n_style_detector_runs_every_convolution_on_cutlass(precision, t
     main = _twin_matches_graph_and_onnxruntime(model, prepared, claimed, xs[:2], precision, placements)
     # written in place by their convolutions: the 8 C2f blocks' concatenations (the first convolution's output,
     # both halves of its split, then each bottleneck's), the neck's two of convolution outputs, SPPF's (its conv's,
-    # then its three pools by one kernel), and in fp16 the head's three (box and class branch; int8 writes those
-    # float32, concatenated with the reshapes of the head's output); left: the two after an upsampling and the head's
+    # then its three pools by one kernel), the neck's two of an upsampled map and a backbone level (the upsampled
+    # part written by the convolution whose output it upsamples, SPPF's and the first neck C2f's last), and in fp16
+    # the head's three (box and class branch; int8 writes those float32, concatenated with the reshapes of the head's
+    # output); left: the head's
     head = 3 if precision == "fp16" else 0
-    assert len(placements) == 11 + head and main.script().count("R.concat(") == 6 - head
+    assert len(placements) == 13 + head and main.script().count("R.concat(") == 4 - head
     assert sum(pl.pools is not None for pl in placements) == 1 and "max_pool2d" not in main.script()
-    assert sorted(len(pl.parts) for pl in placements) == [1] + [2] * (8 + head) + [3] * 2  # 2 bottlenecks: 3
+    assert sorted(len(pl.parts) for pl in placements) == [1] + [2] * (10 + head) + [3] * 2  # 2 bottlenecks: 3
+    ups = [(pl.channels, first, pl.ups[var]) for pl in placements for var, first in pl.parts if var in pl.ups]
+    assert [u[:2] for u in ups] == [(384, 0), (192, 0)] and "resize2d" not in main.script()
+    upsampling = [c for c in claimed if c.kernel.up_view]  # SPPF's last conv (256 channels at 1x1 here), then the
+    # neck's first C2f's (128 at 2x2), each also writing its part of the neck's concatenation in place
+    assert [(c.kernel.up_view, c.kernel.problem.k, c.kernel.problem.p) for c in upsampling] == [
+        ((0, 384), 256, 1), ((0, 192), 128, 2)]
+    assert [c.output for c in upsampling] == [u[2] for u in ups] and all(c.kernel.out_view for c in upsampling)
     placed = [c.kernel for c in claimed if c.kernel.out_view]
-    assert len(placed) == sum(len(pl.parts) for pl in placements)
+    assert len(placed) == sum(len(pl.parts) - len(pl.ups) for pl in placements)
     assert sum(k.out_in_place for k in placed) == len(placed) - len(placements)  # the first part allocates
-    assert main.script().count("call_tir_inplace") == len(placed) - len(placements) + 1  # + SPPF's pools
+    # + SPPF's pools, + the two upsampling kernels (their second output in place)
+    assert main.script().count("call_tir_inplace") == len(placed) - len(placements) + 1 + len(ups)
     # every bottleneck reads its input and residual in place, from its block's concatenation (int8: the int8 parts)
     assert sum(1 for c in claimed if c.kernel.residual_view) == 6
     assert all(c.kernel.residual_dtype == "" for c in claimed if c.kernel.residual)
@@ -1683,15 +1714,17 @@ def test_attention_scores_and_their_softmax_are_one_kernel(nvrtc, tmp_path):
 
 
 @pytest.mark.parametrize("precision", ["fp16", "int8"])
-def test_package_a_c2f_block_and_sppf_with_their_concatenations_in_place(precision, nvrtc, tmp_path):
-    """``edgeq package --gpu-kernels cutlass`` of a small YOLOv8 backbone piece: a strided conv, a C2f block (its
-    first conv split in two, a bottleneck whose shortcut is added after its SiLU, the concatenation), SPPF (a conv,
-    three chained 5x5 max pools, the concatenation, a conv). The reference check passes (the CUDA module built, the
-    same graph run on the host); both concatenations are written in place, SPPF's pools by one kernel of edgeq's;
-    the kernels per inference are the 7 convolutions, the pools, the input's transpose and the output's (no
-    concatenation, split, add or quantize kernel); the placed kernels' SASS has HMMA (int8: IMMA) and no local
-    memory; ``inspect`` says so. int8: the split halves, the bottleneck and both concatenations' readers share one
-    scale per concatenation (quantize.shared_scales), so every part is written int8 into it."""
+def test_package_a_c2f_block_sppf_and_an_upsampling_with_their_concatenations_in_place(precision, nvrtc, tmp_path):
+    """``edgeq package --gpu-kernels cutlass`` of a small YOLOv8 backbone piece and neck: a strided conv, a C2f block
+    (its first conv split in two, a bottleneck whose shortcut is added after its SiLU, the concatenation), a strided
+    conv, SPPF (a conv, three chained 5x5 max pools, the concatenation, a conv), its output upsampled 2x (nearest)
+    and concatenated with the C2f block's, a conv. The reference check passes (the CUDA module built, the same graph
+    run on the host); the three concatenations are written in place, SPPF's pools by one kernel of edgeq's, the
+    upsampled map by SPPF's last conv (a second output through its epilogue); the kernels per inference are the 9
+    convolutions, the pools, the input's transpose and the output's (no concatenation, split, add, resize or
+    quantize kernel); the placed kernels' SASS has HMMA (int8: IMMA) and no local memory; ``inspect`` says so. int8:
+    the split halves, the bottleneck and the concatenations' readers share one scale per concatenation
+    (quantize.shared_scales), so every part is written int8 into it."""
 
     from conftest import run_cli
     from gpu_kernels import Net, kernel_sass, sass_by_kernel
@@ -1710,10 +1743,12 @@ def test_package_a_c2f_block_and_sppf_with_their_concatenations_in_place(precisi
     net.nodes.append(onnx.helper.make_node("Split", [y, sizes], parts, axis=1))
     parts.append(net.node("Add", [parts[1], conv(conv(parts[1], 16, 16, 3), 16, 16, 3)]))
     x = conv(net.node("Concat", parts, axis=1), 48, 32)
-    pools = [conv(x, 32, 16)]  # SPPF
+    pools = [conv(conv(x, 32, 32, 3, 2), 32, 16)]  # SPPF, at 6x5
     for _ in range(3):
         pools.append(net.node("MaxPool", [pools[-1]], kernel_shape=[5, 5], strides=[1, 1], pads=[2, 2, 2, 2]))
     out = conv(net.node("Concat", pools, axis=1), 64, 32)
+    up = net.node("Resize", [out, "", net.const("scales", [1.0, 1.0, 2.0, 2.0])], mode="nearest")
+    out = conv(net.node("Concat", [up, x], axis=1), 64, 32)  # the neck: back at 12x10
     net.nodes.append(onnx.helper.make_node("Identity", [out], ["out"]))
     model = net.save(tmp_path / "c2f.onnx", 0, 0, input_shape=[1, 8, 24, 20], output=("out", [1, 32, 12, 10]))
     extra = ()
@@ -1723,25 +1758,34 @@ def test_package_a_c2f_block_and_sppf_with_their_concatenations_in_place(precisi
     bundle, manifest = _package_for_orin(model, precision, tmp_path, *extra)
     gpu = manifest["library"]["gpu_kernels"]
     record = gpu["cutlass"]
-    assert len(record["kernels"]) == 7 and record["left"] == [] and gpu["fallbacks"] == []
+    assert len(record["kernels"]) == 9 and record["left"] == [] and gpu["fallbacks"] == []
     if precision == "int8":  # every kernel writes int8 but the last (the model's float output)
-        assert [k["output"] for k in record["kernels"]] == ["int8"] * 6 + ["float32"]
+        assert [k["output"] for k in record["kernels"]] == ["int8"] * 8 + ["float32"]
         shared = {r["name"]: r.get("shared_scale_with") for r in manifest["quantization"]["layers"]}
         # C2f's: its bottleneck's first conv (reads the split's second half) and its last (reads the concatenation);
-        # SPPF's concatenation has one reader, its pools' input none of its own: nothing to share
-        assert sorted(len(v) for v in shared.values() if v) == [1, 1], shared
+        # the neck's: its conv (reads the concatenation) and the strided conv (reads its C2f part); SPPF's
+        # concatenation has one reader, its pools' input none of its own: nothing to share
+        assert sorted(len(v) for v in shared.values() if v) == [1, 1, 1, 1], shared
     concats = record["concatenations_in_place"]
     assert [[(p["first"], p["channels"]) for p in c["parts"]] for c in concats] == [
-        [(0, 32), (32, 16)], [(0, 16), (16, 16), (32, 16), (48, 16)]]
+        [(0, 32), (32, 16)], [(0, 16), (16, 16), (32, 16), (48, 16)], [(0, 32), (32, 32)]]
     assert [p.get("window") for p in concats[1]["parts"]] == [None, 5, 9, 13]
     pools = [f for f, rule in gpu["functions"].items() if rule == "edgeq concatenated pools"]
     assert len(pools) == 1 and gpu["launches"][pools[0]] == 1
-    assert gpu["kernels_per_inference"] == 7 + 1 + 2, gpu["launches"]
+    assert gpu["kernels_per_inference"] == 9 + 1 + 2, gpu["launches"]
+    assert not any("resize" in f or "concatenate" in f for f in gpu["launches"]), gpu["launches"]
     # the in-place calls are captured in the CUDA graph with the others (all but the input's and output's kernels)
     assert gpu["cuda_graph"] and gpu["cuda_graph_kernels"] >= gpu["kernels_per_inference"] - 2, gpu
     placed = [k for k in record["kernels"] if "output_channels" in k["problem"]]
-    # the C2f block's first conv (allocates), its bottleneck (in place), SPPF's conv (allocates; its pools follow)
-    assert len(placed) == 3 and sum(k["problem"]["output_channels"]["in_place"] for k in placed) == 1
+    # the C2f block's first conv (allocates), its bottleneck (in place), its last conv (allocates the neck's, as the
+    # second part), SPPF's first conv (allocates; its pools follow)
+    assert len(placed) == 4 and sum(k["problem"]["output_channels"]["in_place"] for k in placed) == 1
+    # SPPF's last conv: its output at 6x5 and, upsampled to 12x10, the first 32 channels of the neck's concatenation
+    (upsampling,) = [k for k in record["kernels"] if "upsampled_2x_into_channels" in k["problem"]]
+    assert upsampling["problem"]["upsampled_2x_into_channels"] == {"first": 0, "of": 64}
+    assert upsampling["problem"]["output_pixels"] == 30 and upsampling["problem"]["k"] == 32
+    assert concats[2]["parts"][0]["nearest_2x_of"] and "nearest_2x_of" not in concats[2]["parts"][1]
+    placed.append(upsampling)
     (bottleneck,) = [k for k in record["kernels"] if k["residual"]]  # (int8: the SiLU comes before it anyway)
     assert bottleneck["problem"]["residual_channels"] == {"first": 16, "of": 48}
     assert bottleneck.get("residual_after_activation", False) == (precision == "fp16")
@@ -1752,5 +1796,5 @@ def test_package_a_c2f_block_and_sppf_with_their_concatenations_in_place(precisi
         assert re.search(rf"\b{mma}\.", code) and not re.search(r"\b(LDL|STL)\b", code), k["function"]
     inspect = run_cli("inspect", bundle)
     flat = " ".join(re.sub(r"[│┃]", " ", inspect.stdout).split())
-    assert "2 concatenation(s) written in place by the kernels of their parts (no concatenation kernel; 1 with its " \
-           "max pools in one kernel (edgeq's))" in flat, flat
+    assert "3 concatenation(s) written in place by the kernels of their parts (no concatenation kernel; 1 with its " \
+           "max pools in one kernel (edgeq's); 1 with an upsampled part its convolution writes)" in flat, flat

@@ -56,9 +56,10 @@ def _gpu_kernels(info) -> str:
         concats = cutlass.get("concatenations_in_place", [])
         if concats:
             pooled = sum(1 for c in concats if any("window" in part for part in c["parts"]))
+            upsampled = sum(1 for c in concats if any("nearest_2x_of" in part for part in c["parts"]))
             text += (f"; {len(concats)} concatenation(s) written in place by the kernels of their parts (no "
                      "concatenation kernel" + (f"; {pooled} with its max pools in one kernel (edgeq's)" if pooled else "")
-                     + ")")
+                     + (f"; {upsampled} with an upsampled part its convolution writes" if upsampled else "") + ")")
         if scores:
             text += (f"; {scores} attention score product(s) with their softmax in one kernel each (edgeq's, CUDA "
                      "cores)")

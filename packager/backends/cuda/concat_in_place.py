@@ -15,8 +15,11 @@ Taken: a concatenation on the last axis of an NHWC tensor all of whose parts are
 (``cutlass.ConvKernel``: fp16 or int8 out, no reshape after) or slices of one that together cover it in order (a
 split's parts), each part in one concatenation only, its first channel and the tensor's channels a multiple of the
 epilogue's 16-byte store (8 elements). SPPF's parts after its convolution's, chained max pools of it, are written
-by one kernel of edgeq's after the convolutions (``Pools``, ``pool_prim_func``). Any other part (an upsampled map, a
-graph input) keeps the concatenation a kernel.
+by one kernel of edgeq's after the convolutions (``Pools``, ``pool_prim_func``). A part that is a nearest 2x upsampling
+of a placeable convolution's output (YOLO's neck: ``Resize`` of SPPF's and a C2f block's output, concatenated with
+a backbone level) is written by that convolution too: its epilogue stores each output vector a second time, at the
+four pixels it becomes (``ConvKernel.up_view``, ``Upsample2xIterator``), into the concatenation that comes in (so a
+part made before it allocated it). Any other part (a graph input, another resize) keeps the concatenation a kernel.
 
 ``find_placements`` finds them; ``place`` rewrites the claims (their kernels' views and in-place operands);
 ``cutlass.claim_convs`` writes the calls.
@@ -65,13 +68,17 @@ class Placement:
     parts: list[tuple[object, int]]
     versions: list[object]
     pools: Pools | None = None
+    ups: dict = dataclasses.field(default_factory=dict)  # an upsampled part's variable -> the convolution output
+    # whose kernel writes it (its place in ``parts`` is that kernel's)
 
     def pool_prim_func(self):
         """``pool_prim_func`` of this placement (``cutlass.claim_convs`` adds it to the module)."""
         return pool_prim_func(self)
 
     def record(self) -> dict:
-        parts = [{"first": first, "channels": _channels(var)} for var, first in sorted(self.parts, key=lambda p: p[1])]
+        parts = [{"first": first, "channels": _channels(var),
+                  **({"nearest_2x_of": self.ups[var].name} if var in self.ups else {})}
+                 for var, first in sorted(self.parts, key=lambda p: p[1])]
         if self.pools is not None:
             parts += [{"first": self.pools.first + i * self.pools.channels, "channels": self.pools.channels,
                        "max_pool_of_channels": self.pools.source, "window": 2 * r + 1}
@@ -113,7 +120,7 @@ def find_placements(main, claimed: Sequence) -> list[Placement]:
     bindings, value_of, readers, _ = cutlass.main_index(main)
     order = {b.var: i for i, b in enumerate(bindings)}
     by_output = {c.output: c for c in claimed}
-    placements, used = [], set()
+    placements, used, upsampled = [], set(), set()
     for b in bindings:
         value = b.value
         shape = shape_of(b.var)
@@ -133,11 +140,18 @@ def find_placements(main, claimed: Sequence) -> list[Placement]:
                 groups.append(list(src))
         if not groups:
             continue
-        parts, first, pools = [], 0, []
+        parts, first, pools, ups = [], 0, [], {}
         for t, begin, end in groups:
             pooled = _pool_chain(t, value_of, readers)
             if pooled is not None and begin == 0 and end == _channels(t) and first % STORE == 0:
                 pools.append((first, *pooled))
+                first += end
+                continue
+            source = _upsampled(t, value_of, readers, by_output)
+            if source is not None and begin == 0 and end == _channels(t) and first % STORE == 0 \
+                    and source not in upsampled and not pools:
+                ups[t] = source
+                parts.append((t, first))
                 first += end
                 continue
             c = by_output.get(t)
@@ -152,12 +166,43 @@ def find_placements(main, claimed: Sequence) -> list[Placement]:
         pool = _pools(pools, parts, b.var, readers) if pools else None
         if pools and pool is None:
             continue
-        parts.sort(key=lambda part: order[part[0]])
+        parts.sort(key=lambda part: order[ups.get(part[0], part[0])])  # an upsampled part: when its conv runs
+        if parts[0][0] in ups:  # it comes in to the kernel that writes it: a part before it allocates it
+            continue
         ty = cutlass._ty(b.var)
         versions = [relax.DataflowVar(f"{b.var.name}_in_place{i}", ty) for i in range(len(parts))]
         used.update(t for t, _ in parts)
-        placements.append(Placement(b.var, shape[3], parts, versions, pool))
+        upsampled.update(ups.values())
+        placements.append(Placement(b.var, shape[3], parts, versions, pool, ups))
     return placements
+
+
+# Resize's (coordinate transformation, rounding) that map output pixel o of a 2x nearest upsampling to input o // 2
+_NEAREST_2X = {("half_pixel", "round_prefer_floor"), ("half_pixel", "round_prefer_ceil"), ("half_pixel", "round"),
+               ("pytorch_half_pixel", "round_prefer_floor"), ("pytorch_half_pixel", "round_prefer_ceil"),
+               ("asymmetric", "floor")}
+
+
+def _upsampled(var, value_of, readers, by_output):
+    """The convolution output that ``var`` is the nearest 2x upsampling of (NHWC, each output pixel (y, x) the input's
+    (y // 2, x // 2)), read by one concatenation only, where that convolution can write it (``_placeable``); else
+    None."""
+    from edgeq.graph import call_op
+    from edgeq.graph_passes import shape_of
+
+    value = value_of.get(var)
+    if call_op(value) != "relax.image.resize2d":
+        return None
+    a, src = value.attrs, value.args[0]
+    c = by_output.get(src)
+    shape, out = shape_of(src), shape_of(var)
+    if (c is None or a.layout != "NHWC" or a.method != "nearest_neighbor"
+            or (str(a.coordinate_transformation_mode), str(a.rounding_method)) not in _NEAREST_2X
+            or shape is None or out is None or len(shape) != 4
+            or tuple(out) != (shape[0], 2 * shape[1], 2 * shape[2], shape[3])
+            or len(readers.get(var, [])) != 1 or readers[var][0] is None or not _placeable(c)):
+        return None
+    return src
 
 
 def _pool_chain(var, value_of, readers) -> tuple | None:
@@ -229,6 +274,7 @@ def place(main, claimed: Sequence, placements: Sequence[Placement]) -> list:
             return src, first, _channels(src)
         return None
 
+    up_of = {src: (var, pl) for pl in placements for var, src in pl.ups.items()}  # conv output -> its upsampled part
     out = []
     for c in claimed:
         kern = c.kernel
@@ -236,6 +282,10 @@ def place(main, claimed: Sequence, placements: Sequence[Placement]) -> list:
             out.append(c)
             continue
         changes, claim = {}, {}
+        if c.output in up_of:  # also written upsampled into its part of that concatenation, which comes in
+            var, pl = up_of[c.output]
+            _, first, channels = where[var]
+            changes["up_view"], claim["up_in"] = (first, channels), comes_into[var]
         if c.output in where:
             y_in = comes_into[c.output]
             _, first, channels = where[c.output]

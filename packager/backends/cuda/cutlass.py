@@ -211,6 +211,131 @@ class BiasActResidual {
     for (int i = 0; i < N; ++i) z[i] = cutlass::half_t(act(acc[i] + bias[i]));
   }
 };
+
+// A convolution's output also written nearest-upsampled 2x (YOLO's neck: the upsampled map is a part of the next
+// concatenation): the epilogue's second output, T, through this iterator instead of CUTLASS's PredicatedTileIterator.
+// Output row m of the implicit GEMM is pixel (n, p, q) with m = (n P + p) Q + q; its value goes to the four pixels
+// (2 (n P + p) + dy) 2Q + 2q + dx (dy, dx in {0, 1}) of the [N, 2P, 2Q, ld] tensor T points into (at its first
+// channel). The thread map, fragment and row stepping are PredicatedTileIterator's (its store and operator++ are
+// what the epilogue calls); every access is kElementsPerAccess whole channels.
+template <typename ThreadMap_, typename Element_, int Q>
+class Upsample2xIterator {
+ public:
+  using ThreadMap = ThreadMap_;
+  using Shape = typename ThreadMap::Shape;
+  using Element = Element_;
+  using Layout = cutlass::layout::RowMajor;
+  using TensorRef = cutlass::TensorRef<Element, Layout>;
+  using ConstTensorRef = typename TensorRef::ConstTensorRef;
+  using Index = typename Layout::Index;
+  using LongIndex = typename Layout::LongIndex;
+  using TensorCoord = cutlass::MatrixCoord;
+  static int const kElementsPerAccess = ThreadMap::kElementsPerAccess;
+  static int const kThreads = ThreadMap::kThreads;
+  using Fragment = cutlass::Array<Element, ThreadMap::Iterations::kColumn * ThreadMap::Iterations::kRow *
+                                               ThreadMap::Iterations::kGroup * ThreadMap::Iterations::kCluster *
+                                               kElementsPerAccess>;
+  using AccessType = cutlass::AlignedArray<Element, kElementsPerAccess>;
+  struct Params {  // built from the kernel's ldt: T's pixel stride, in elements
+    LongIndex ld;
+    CUTLASS_HOST_DEVICE Params() : ld(0) {}
+    CUTLASS_HOST_DEVICE Params(LongIndex ld_) : ld(ld_) {}
+  };
+  CUTLASS_DEVICE Upsample2xIterator(Params const& params, Element* pointer, TensorCoord extent, int thread_idx,
+                                    TensorCoord threadblock_offset = TensorCoord())
+      : ld_(params.ld), ptr_(pointer), extent_row_(extent.row()), extent_column_(extent.column()) {
+    TensorCoord offset = ThreadMap::initial_offset(thread_idx) + threadblock_offset;
+    thread_start_row_ = offset.row();
+    thread_start_column_ = offset.column();
+    state_[0] = state_[1] = state_[2] = 0;
+  }
+  CUTLASS_DEVICE void store(Fragment const& frag) const {
+    if (!ptr_) return;
+    AccessType const* frag_ptr = reinterpret_cast<AccessType const*>(&frag);
+    CUTLASS_PRAGMA_UNROLL
+    for (int cluster = 0; cluster < ThreadMap::Iterations::kCluster; ++cluster) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int group = 0; group < ThreadMap::Iterations::kGroup; ++group) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int row = 0; row < ThreadMap::Iterations::kRow; ++row) {
+          int frag_row = row + ThreadMap::Iterations::kRow * (group + ThreadMap::Iterations::kGroup * cluster);
+          int m = thread_start_row_ + row * ThreadMap::Delta::kRow + group * ThreadMap::Delta::kGroup +
+                  cluster * ThreadMap::Delta::kCluster;
+          if (m >= extent_row_) continue;
+          Element* top = ptr_ + (LongIndex(m / Q) * (4 * Q) + 2 * (m % Q)) * ld_;  // pixel (2 (nP + p), 2q)
+          CUTLASS_PRAGMA_UNROLL
+          for (int column = 0; column < ThreadMap::Iterations::kColumn; ++column) {
+            int col = thread_start_column_ + column * ThreadMap::Delta::kColumn;
+            if (col >= extent_column_) continue;
+            AccessType const& v = frag_ptr[frag_row * ThreadMap::Iterations::kColumn + column];
+            CUTLASS_PRAGMA_UNROLL
+            for (int d = 0; d < 4; ++d)  // (dy, dx) = (d / 2, d % 2): global stores of the whole access (STG)
+              cutlass::arch::global_store<AccessType, sizeof(AccessType)>(
+                  v, static_cast<void*>(top + ((d / 2) * 2 * Q + d % 2) * ld_ + col), true);
+          }
+        }
+      }
+    }
+  }
+  CUTLASS_HOST_DEVICE Upsample2xIterator& operator++() {  // PredicatedTileIterator's row stepping
+    ++state_[0];
+    thread_start_row_ += ThreadMap::Shape::kRow;
+    if (state_[0] == ThreadMap::Count::kRow) {
+      state_[0] = 0;
+      ++state_[1];
+      thread_start_row_ += (ThreadMap::Shape::kGroup - 1) * ThreadMap::Shape::kRow * ThreadMap::Count::kRow;
+      if (state_[1] == ThreadMap::Count::kGroup) {
+        state_[1] = 0;
+        ++state_[2];
+        thread_start_row_ += ThreadMap::Count::kGroup * ThreadMap::Shape::kGroup * ThreadMap::Count::kRow *
+                             ThreadMap::Shape::kRow;
+        if (state_[2] == ThreadMap::Count::kCluster) {
+          state_[2] = 0;
+          thread_start_row_ += ThreadMap::Shape::kGroup * ThreadMap::Shape::kRow * ThreadMap::Shape::kCluster *
+                               ThreadMap::Shape::kTile;
+        }
+      }
+    }
+    return *this;
+  }
+
+ private:
+  LongIndex ld_;
+  Element* ptr_;
+  Index extent_row_, extent_column_, thread_start_row_, thread_start_column_;
+  int state_[3];
+};
+
+// An epilogue functor that also hands its output Z out as T (the epilogue then stores both).
+template <typename F>
+struct AlsoT : F {
+  using Params = typename F::Params;
+  using ElementT = typename F::ElementZ;
+  using FragmentT = typename F::FragmentZ;
+  static bool const kStoreT = true;
+  CUTLASS_HOST_DEVICE AlsoT(Params const& p) : F(p) {}
+  template <typename... A>
+  CUTLASS_DEVICE void operator()(typename F::FragmentZ& z, FragmentT& t, A const&... a) const {
+    typename F::FragmentT unused;
+    F::operator()(z, unused, a...);
+    t = z;
+  }
+};
+
+// A convolution kernel (DefaultConv2dFpropWithBroadcast's B, its functor an AlsoT) whose T is its output
+// upsampled (Upsample2xIterator), Q its output's width.
+template <typename B, int Q>
+struct Upsampled {
+  using E = typename B::Epilogue;
+  using Epilogue = cutlass::epilogue::threadblock::EpilogueWithBroadcast<
+      typename E::Shape, typename E::WarpMmaOperator, E::kPartitionsK, typename E::OutputTileIterator,
+      Upsample2xIterator<typename E::OutputTileIterator::ThreadMap, typename E::OutputTileIterator::Element, Q>,
+      typename E::ElementVector, typename E::AccumulatorFragmentIterator, typename E::WarpTileIterator,
+      typename E::SharedLoadIterator, typename E::OutputOp, typename E::Padding, E::kFragmentsPerIteration>;
+  using Kernel = cutlass::conv::kernel::ImplicitGemmConvolutionWithFusedEpilogue<
+      typename B::ImplicitGemmBase::Mma, Epilogue, typename B::Kernel::ThreadblockSwizzle,
+      cutlass::conv::Operator::kFprop>;
+};
 }  // namespace edgeq_cutlass
 """
 
@@ -369,6 +494,10 @@ class ConvKernel:
     out_view: tuple[int, int] | None = None
     out_in_place: bool = False
     residual_view: tuple[int, int] | None = None  # the residual read in place from a wider tensor, as x_view
+    # y also written nearest-upsampled 2x into channels [first, first + K) of an [N, 2P, 2Q, channels] tensor that
+    # comes in (``call_tir_inplace``: a concatenation's part, YOLO's neck; ``Upsample2xIterator``): (first,
+    # channels)
+    up_view: tuple[int, int] | None = None
 
     @property
     def residual_type(self) -> str:
@@ -417,33 +546,43 @@ class ConvKernel:
 
     @property
     def kernel_type(self) -> str:
+        if not self.up_view:
+            return f"typename {self._conv_type}::Kernel"
+        return f"typename edgeq_cutlass::Upsampled<{self._conv_type}, {self.problem.q}>::Kernel"
+
+    @property
+    def _conv_type(self) -> str:
         (bm, bn, bk), (wm, wn, wk) = self.tile.block, self.tile.warp
+
+        def op(functor: str) -> str:  # an upsampled copy: the functor's output also as T
+            return f"edgeq_cutlass::AlsoT<{functor}>" if self.up_view else functor
+
         if self.precision == "int8":
             out, res = C_TYPES[self.output_dtype], C_TYPES[self.residual_type]
             lanes = 4 if "float" in (out, res) else 8  # 16-byte accesses of the widest
             return (
-                "typename cutlass::conv::kernel::DefaultConv2dFpropWithBroadcast<"
+                "cutlass::conv::kernel::DefaultConv2dFpropWithBroadcast<"
                 "int8_t, cutlass::layout::TensorNHWC, int8_t, cutlass::layout::TensorNHWC, "
                 f"{res}, cutlass::layout::TensorNHWC, int32_t, cutlass::arch::OpClassTensorOp, cutlass::arch::Sm80, "
                 f"cutlass::gemm::GemmShape<{bm}, {bn}, {bk}>, cutlass::gemm::GemmShape<{wm}, {wn}, {wk}>, "
-                f"cutlass::gemm::GemmShape<16, 8, 32>, edgeq_cutlass::Requantize<{lanes}, {out}, {res}>, "
+                f"cutlass::gemm::GemmShape<16, 8, 32>, {op(f'edgeq_cutlass::Requantize<{lanes}, {out}, {res}>')}, "
                 f"cutlass::gemm::threadblock::GemmIdentityThreadblockSwizzle<1>, {self.tile.stages}, "
                 "cutlass::arch::OpMultiplyAddSaturate, cutlass::conv::IteratorAlgorithm::kOptimized, "
-                f"cutlass::conv::StrideSupport::kStrided, {self.input_alignment}, {self.input_alignment}>::Kernel"
+                f"cutlass::conv::StrideSupport::kStrided, {self.input_alignment}, {self.input_alignment}>"
             )
         out, lanes = ("float", 4) if self.float_out else ("cutlass::half_t", ALIGNMENT)  # 16-byte stores
         epilogue = (f"edgeq_cutlass::BiasActResidual<{lanes}, {ACTIVATIONS[self.activation]}>" if self.residual_after
                     else f"cutlass::epilogue::thread::LinearCombinationBiasElementwise<{out}, float, float, {out}, "
                     f"{out}, {lanes}, {ACTIVATIONS[self.activation]}, cutlass::plus<float>, false, cutlass::half_t>")
         return (
-            "typename cutlass::conv::kernel::DefaultConv2dFpropWithBroadcast<"
+            "cutlass::conv::kernel::DefaultConv2dFpropWithBroadcast<"
             "cutlass::half_t, cutlass::layout::TensorNHWC, cutlass::half_t, cutlass::layout::TensorNHWC, "
             f"{out}, cutlass::layout::TensorNHWC, float, cutlass::arch::OpClassTensorOp, cutlass::arch::Sm80, "
             f"cutlass::gemm::GemmShape<{bm}, {bn}, {bk}>, cutlass::gemm::GemmShape<{wm}, {wn}, {wk}>, "
-            f"cutlass::gemm::GemmShape<16, 8, 16>, {epilogue}, "
+            f"cutlass::gemm::GemmShape<16, 8, 16>, {op(epilogue)}, "
             f"cutlass::gemm::threadblock::GemmIdentityThreadblockSwizzle<1>, {self.tile.stages}, "
             "cutlass::arch::OpMultiplyAdd, cutlass::conv::IteratorAlgorithm::kOptimized, "
-            "cutlass::conv::StrideSupport::kStrided>::Kernel"
+            "cutlass::conv::StrideSupport::kStrided>"
         )
 
 
@@ -773,6 +912,8 @@ def device_source(kernels: Sequence[ConvKernel]) -> str:
             first, channels = kern.residual_view or (0, p.k)
             c_ref = (f"{{reinterpret_cast<OUT*>(residual){f' + {first}' if first else ''}, "
                      f"{_nhwc_layout(p.n, p.p, p.q, channels)}}}")
+        if kern.up_view:  # T: the output upsampled (Upsample2xIterator), from the tensor's first channel
+            tensor = f"y_up + {kern.up_view[0]}, 0, {kern.up_view[1]}"
         if kern.precision == "int8" and kern.residual_type != kern.output_dtype:  # out through T (row stride K)
             res = C_TYPES[kern.residual_type]
             c_ref = d_ref = f"{{reinterpret_cast<{res}*>(residual), out_layout}}"
@@ -1018,6 +1159,9 @@ def kernel_operands(kernel: ConvKernel, shapes: dict | None = None) -> list[tupl
         rs = (p.n, p.p, p.q, kernel.residual_view[1]) if kernel.residual_view else (p.n, p.p, p.q, p.k) \
             if kernel.out_view else ys
         ops.append(("residual", rs, kernel.residual_type))
+    if getattr(kernel, "up_view", None):  # the upsampled copy's tensor, written in place (before y: the call's new
+        # output comes last)
+        ops.append(("y_up", (p.n, 2 * p.p, 2 * p.q, kernel.up_view[1]), act))
     return ops + [("y", ys, act)]
 
 
@@ -1040,12 +1184,13 @@ def prim_func(kernel: ConvKernel, smem_bytes: int, shapes: dict | None = None):
     def region(name, shape):
         return f"{buf[name]}[{', '.join(f'0:{d}' for d in shape)}]"
 
-    inputs = [o for o in ops if o[0] != "y"]
+    outputs = [o for o in ops if o[0] in ("y", "y_up")]
+    inputs = [o for o in ops if o not in outputs]
     text = "\n".join([
         "@T.prim_func(s_tir=True)",
         f"def func({', '.join(f'{name}: T.handle' for name, _, _ in ops)}):",
         # (a kernel writing a slice of a concatenation may read another slice of it: its operands may alias)
-        f'    T.func_attr({{"tirx.noalias": {not kernel.out_view}}})' if isinstance(kernel, ConvKernel)
+        f'    T.func_attr({{"tirx.noalias": {not (kernel.out_view or kernel.up_view)}}})' if isinstance(kernel, ConvKernel)
         else '    T.func_attr({"tirx.noalias": True})',
         *(f'    {buf[name]} = T.match_buffer({name}, {tuple(shape)}, "{dtype}")' for name, shape, dtype in ops),
         '    with T.sblock("root"):',
@@ -1055,7 +1200,7 @@ def prim_func(kernel: ConvKernel, smem_bytes: int, shapes: dict | None = None):
         f'                for tx in T.thread_binding({threads}, thread="threadIdx.x"):',
         '                    with T.sblock("cutlass"):',
         f'                        T.reads({", ".join(region(n, s) for n, s, _ in inputs)})',
-        f'                        T.writes({region("y", ops[-1][1])})',
+        f'                        T.writes({", ".join(region(n, s) for n, s, _ in outputs)})',
         # inside the kernel: the block's dynamic shared memory (extern __shared__), not a buffer passed in
         f'                        smem = T.alloc_buffer(({smem_bytes},), "uint8", scope="shared.dyn")',
         f'                        T.evaluate(T.call_extern("void", "edgeq_cutlass_{kernel.name}", '
@@ -1281,6 +1426,8 @@ def kernel_record(kernel: ConvKernel, smem_bytes: int) -> dict:
                                       "in_place": kernel.out_in_place}
     if getattr(kernel, "residual_view", None):
         problem["residual_channels"] = {"first": kernel.residual_view[0], "of": kernel.residual_view[1]}
+    if getattr(kernel, "up_view", None):  # also nearest-upsampled 2x into channels [first, first + K) of a tensor
+        problem["upsampled_2x_into_channels"] = {"first": kernel.up_view[0], "of": kernel.up_view[1]}
     if isinstance(kernel, DepthwiseKernel):
         record = {
             "function": kernel.function, "template": f"edgeq depthwise (TIR: {DEPTHWISE_LANES} channels of an output "
@@ -1923,6 +2070,7 @@ class Claimed:
     shift: object = None
     post: object = None  # int8: the per-channel multiplier after the clamps (``ConvKernel.post``)
     y_in: object = None  # ``ConvKernel.out_in_place``: the tensor the kernel writes its channels of, as it comes in
+    up_in: object = None  # ``ConvKernel.up_view``: the tensor its upsampled copy goes into, as it comes in
     token: object = None  # ``TokenLinearKernel``: the per-token scales ([..., M, 1], computed at run time)
 
     def operands(self) -> list:
@@ -2671,8 +2819,10 @@ def claim_convs(mod, claimed: Sequence[Claimed], sizes: dict[str, int], placemen
     functions = {c.kernel.function: prim_func(c.kernel, sizes[c.kernel.name], c.shapes) for c in claimed}
     functions.update({pl.pools.function: pl.pool_prim_func() for pl in placements if pl.pools})
     dropped = {var for c in claimed for var in c.chain} | {v for pl in placements if pl.pools for v in pl.pools.pooled}
+    dropped |= {var for pl in placements for var in pl.ups}  # an upsampling its convolution writes
     by_output = {c.output: c for c in claimed}
     version = {var: (pl, i) for pl in placements for i, (var, _) in enumerate(pl.parts)}
+    up_version = {src: version[var] for pl in placements for var, src in pl.ups.items()}
     concats = {pl.concat: pl for pl in placements}
 
     def rebind(b, gvars):
@@ -2688,18 +2838,31 @@ def claim_convs(mod, claimed: Sequence[Claimed], sizes: dict[str, int], placemen
         if c is None:
             return [b]
         gv, operands = gvars[c.kernel.function], relax.Tuple(list(c.operands()))
-        if b.var not in version:
+        if b.var not in version and b.var not in up_version:
             return [relax.VarBinding(b.var, relax.call_tir(gv, operands, _ty(b.var)))]
-        pl, i = version[b.var]
-        ty, tensor = _ty(pl.concat), pl.versions[i]
+        pl, i = version.get(b.var, (None, None))
+        ty, tensor = (_ty(pl.concat), pl.versions[i]) if pl is not None else (_ty(b.var), b.var)
+        placed = []
+        if pl is not None:
+            first = c.kernel.out_view[0]
+            placed = [relax.VarBinding(b.var, relax.op.strided_slice(
+                tensor, axes=[3], begin=[first], end=[first + c.kernel.problem.k]))]
+        if b.var in up_version:  # two outputs: y (maybe in place) and the upsampled copy's tensor (in place)
+            up_pl, j = up_version[b.var]
+            fields = [*operands.fields, c.up_in] + ([c.y_in] if c.kernel.out_in_place else [])
+            n = len(fields)
+            indices = [n - 1, n - 2] if c.kernel.out_in_place else [-1, n - 1]
+            both_ty = relax.TupleType([ty, _ty(up_pl.concat)])
+            both = relax.DataflowVar(f"{b.var.name}_and_upsampled", both_ty)
+            call = relax.call_tir_inplace(gv, relax.Tuple(fields), indices, [ty, _ty(up_pl.concat)])
+            return [relax.VarBinding(both, call), relax.VarBinding(tensor, relax.TupleGetItem(both, 0)),
+                    relax.VarBinding(up_pl.versions[j], relax.TupleGetItem(both, 1)), *placed]
         if c.kernel.out_in_place:
             operands = relax.Tuple([*operands.fields, c.y_in])
             call = relax.call_tir_inplace(gv, operands, [len(operands.fields) - 1], ty)
         else:
             call = relax.call_tir(gv, operands, ty)
-        first = c.kernel.out_view[0]
-        return [relax.VarBinding(tensor, call), relax.VarBinding(b.var, relax.op.strided_slice(
-            tensor, axes=[3], begin=[first], end=[first + c.kernel.problem.k]))]
+        return [relax.VarBinding(tensor, call), *placed]
 
     return rebuild_main(mod, functions, rebind)
 
@@ -2772,10 +2935,15 @@ def twin_prim_func(kernel: ConvKernel, shapes: dict | None = None):
 
         return te.create_prim_func([a, w, te.compute(y_shape, out, "y")])
     args, y = twin_tensors(kernel, shapes)
-    func = te.create_prim_func(args + [y])
+    outs = list(y) if isinstance(y, tuple) else [y]  # (the upsampled copy's tensor, y)
+    func = te.create_prim_func(args + outs)
+    params = list(func.params)  # [..., y_up as it came in, y as it came in, y_up, y]: each written in place
+    inplace = {}
     if getattr(kernel, "out_in_place", False):  # y is the tensor that came in (``call_tir_inplace``)
-        func = func.specialize({func.params[-1]: func.params[-2]})
-    return func
+        inplace[params[-1]] = params[-1 - len(outs)]
+    if len(outs) == 2:
+        inplace[params[-2]] = params[-3 - int(bool(kernel.out_in_place))]
+    return func.specialize(inplace) if inplace else func
 
 
 def twin_tensors(kernel: ConvKernel, shapes: dict | None = None, x=None) -> tuple[list, object]:
@@ -2896,7 +3064,16 @@ def twin_tensors(kernel: ConvKernel, shapes: dict | None = None, x=None) -> tupl
 
     epilogue = epilogue_token if isinstance(kernel, TokenLinearKernel) else epilogue_int8 if int8 else epilogue_fp16
     y = te.compute(npqk, epilogue, "y")
-    args = [ph_[name] for name in operands if name != "y" and not (given and name == "x")]
+    args = [ph_[name] for name in operands if name not in ("y", "y_up") and not (given and name == "x")]
+    up = None
+    if getattr(kernel, "up_view", None):  # the output nearest-upsampled 2x into channels [first, first + K) of the
+        # tensor that came in; its other channels as they came
+        first, y4 = kernel.up_view[0], y
+        old_up = te.placeholder(tuple(operands["y_up"][0]), y4.dtype, "y_up_in")
+        args.append(old_up)
+        up = te.compute(old_up.shape, lambda i, a, b, c: tirx.if_then_else(
+            tirx.all(c >= first, c < first + p.k), y4[i, a // 2, b // 2, tirx.max(c - first, 0)], old_up[i, a, b, c]),
+            "y_up")
     if kernel.out_view:  # channels [first, first + K) of the tensor; the others as they came in (or zeros)
         first, y4 = kernel.out_view[0], y
         old = te.placeholder(y_shape, y4.dtype, "y_in") if kernel.out_in_place else None
@@ -2908,7 +3085,7 @@ def twin_tensors(kernel: ConvKernel, shapes: dict | None = None, x=None) -> tupl
     elif y_shape != npqk:  # the chain went through a reshape (a view): the output in the graph's shape
         y4 = y
         y = te.compute(y_shape, lambda *index: y4[reindex(index, y_shape, npqk)], "y_view")
-    return args, y
+    return args, (y if up is None else (up, y))
 
 
 def with_twins(mod, claimed: Sequence[Claimed]):
