@@ -450,8 +450,8 @@ def test_kernels_compile_in_a_tvm_module_to_tensor_cores(profile, precision, nvr
     # of a tensor with 48 a pixel; each of its 16-byte (fp16) or 8-byte (int8) accesses stored five times, once as y
     # and at the four pixels it becomes, all global stores
     upsampled = source[source.index("void edgeq_cutlass_upsampled("):]
-    assert "y_up + 16, 0, 48)" in upsampled and "Upsampled<cutlass::conv::kernel::DefaultConv2dFpropWithBroadcast<" \
-        in source and ", 10>::Kernel" in source
+    assert "y_up + 16, 0, 48)" in upsampled and "WithT<cutlass::conv::kernel::DefaultConv2dFpropWithBroadcast<" \
+        in source and "edgeq_cutlass::Upsample2x<10>::Iterator>::Kernel" in source
     from gpu_kernels import kernel_sass, sass_by_kernel
 
     sass = sass_by_kernel(library)

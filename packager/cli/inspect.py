@@ -60,6 +60,10 @@ def _gpu_kernels(info) -> str:
             text += (f"; {len(concats)} concatenation(s) written in place by the kernels of their parts (no "
                      "concatenation kernel" + (f"; {pooled} with its max pools in one kernel (edgeq's)" if pooled else "")
                      + (f"; {upsampled} with an upsampled part its convolution writes" if upsampled else "") + ")")
+        heads = cutlass.get("detector_outputs", [])
+        if heads:
+            text += (f"; the detector's output written by its head's {sum(len(h['parts']) for h in heads)} last "
+                     "convolutions (no transpose or concatenation kernel)")
         if scores:
             text += (f"; {scores} attention score product(s) with their softmax in one kernel each (edgeq's, CUDA "
                      "cores)")

@@ -21,6 +21,12 @@ a backbone level) is written by that convolution too: its epilogue stores each o
 four pixels it becomes (``ConvKernel.up_view``, ``Upsample2xIterator``), into the concatenation that comes in (so a
 part made before it allocated it). Any other part (a graph input, another resize) keeps the concatenation a kernel.
 
+A detector's output as Ultralytics' exporter writes it, per level ``reshape(transpose(concat([box, cls], C), NCHW),
+[N, C, H W])`` concatenated along the anchors ([N, 4 x 16 + classes, anchors], fp16: then cast to float32), is
+written by the head's last convolutions themselves (``HeadOutput``, ``find_head_outputs``): each its channels at its
+level's anchors (``ConvKernel.head_out``, ``ChannelMajorIterator``), the first allocating the output, the others in
+place; the transposes, reshapes, concatenations and the cast go (they were one kernel after the head).
+
 ``find_placements`` finds them; ``place`` rewrites the claims (their kernels' views and in-place operands);
 ``cutlass.claim_convs`` writes the calls.
 """
@@ -84,6 +90,138 @@ class Placement:
                        "max_pool_of_channels": self.pools.source, "window": 2 * r + 1}
                       for i, r in enumerate(self.pools.radii)]
         return {"concat": self.concat.name, "channels": self.channels, "parts": parts}
+
+
+@dataclasses.dataclass
+class HeadOutput:
+    """A detector's output [N, channels, anchors] written by the convolutions it is made of: ``parts`` (the claimed
+    output variable, its first channel, its level's first anchor) in the order their kernels run, each binding the
+    version of the tensor after its write (``versions``; the first allocates it); ``dropped``: the transposes,
+    reshapes, concatenations and cast between them and the output (their bindings go); ``out``: the output's
+    variable (bound to the last version)."""
+
+    out: object
+    shape: tuple[int, int, int]
+    dtype: str
+    parts: list[tuple[object, int, int]]
+    versions: list[object]
+    dropped: tuple
+
+    def record(self) -> dict:
+        return {"output": self.out.name, "shape": list(self.shape), "dtype": self.dtype,
+                "parts": [{"channels": [c, c + _channels(var)], "anchors": [a, a + _pixels(var)]}
+                          for var, c, a in sorted(self.parts, key=lambda part: (part[2], part[1]))]}
+
+
+def _pixels(var) -> int:
+    from edgeq.graph_passes import shape_of
+
+    shape = shape_of(var)
+    return int(shape[1]) * int(shape[2])
+
+
+def find_head_outputs(main, claimed: Sequence) -> list[HeadOutput]:
+    """The outputs of ``main`` that are [N, C, A] concatenations (last axis) of per-level ``reshape([N, C, H W])`` of
+    ``permute_dims(X, [0, 3, 1, 2])`` (or of X itself where H W is 1), X a CUTLASS convolution's NHWC output or a
+    concatenation of such along its channels, fp16 or float32 (an fp16 output may be cast to float32 after), each
+    value between read by the next only."""
+    from edgeq.graph import call_op
+    from edgeq.graph_passes import dtype_of, shape_of
+    from edgeq.tvm_env import relax
+
+    bindings, value_of, readers, _ = cutlass.main_index(main)
+    only = cutlass.only_reader_of(readers)
+    order = {b.var: i for i, b in enumerate(bindings)}
+    by_output = {c.output: c for c in claimed}
+    outputs = set(v for v, r in readers.items() if None in r)
+    found = []
+    for out in outputs:
+        if out not in value_of:
+            continue
+        dropped, var = [], out
+        if call_op(value_of[var]) == "relax.astype" and dtype_of(var) == "float32":
+            var = value_of[var].args[0]
+            if not isinstance(var, relax.Var) or only(var) != out:
+                continue
+        value, shape = value_of.get(var), shape_of(var)
+        if call_op(value) != "relax.concat" or shape is None or len(shape) != 3 \
+                or int(value.attrs.axis) % 3 != 2 or not isinstance(value.args[0], relax.Tuple):
+            continue
+        if var is not out:
+            dropped.append(var)
+        n, channels, anchors = (int(d) for d in shape)
+        parts, anchor = [], 0
+        for level in value.args[0].fields:
+            got = _level(level, var, value_of, only, by_output, (n, channels))
+            if got is None:
+                parts = None
+                break
+            level_parts, level_dropped, pixels = got
+            parts += [(c, first, anchor) for c, first in level_parts]
+            dropped += level_dropped
+            anchor += pixels
+        if not parts or anchor != anchors:
+            continue
+        dtype = dtype_of(out)
+        parts.sort(key=lambda part: order[part[0]])
+        ty = cutlass._ty(out)
+        versions = [relax.DataflowVar(f"{out.name}_head{i}", ty) for i in range(len(parts))]
+        found.append(HeadOutput(out, (n, channels, anchors), dtype, parts, versions, tuple(dropped)))
+    return found
+
+
+def _level(level, reader, value_of, only, by_output, nc) -> tuple | None:
+    """(([claimed output, first channel], ...), the variables between them and ``reader``, H W) of one level of a
+    detector's output, else None."""
+    from edgeq.graph import call_op
+    from edgeq.graph_passes import dtype_of, shape_of
+    from edgeq.tvm_env import relax
+
+    n, channels = nc
+    shape = shape_of(level)
+    if call_op(value_of.get(level)) != "relax.reshape" or only(level) != reader or shape is None \
+            or tuple(int(d) for d in shape[:2]) != (n, channels):
+        return None
+    dropped, x = [level], value_of[level].args[0]
+    if call_op(value_of.get(x)) == "relax.permute_dims":
+        axes = value_of[x].attrs.axes
+        if axes is None or [int(a) for a in axes] != [0, 3, 1, 2] or only(x) != level:
+            return None
+        dropped.append(x)
+        x = value_of[x].args[0]
+        reader = dropped[-1]
+    else:
+        reader = level
+    xs = shape_of(x)
+    if not isinstance(x, relax.Var) or xs is None or len(xs) != 4 or only(x) != reader \
+            or tuple(int(d) for d in (xs[0], xs[3])) != (n, channels) or int(xs[1]) * int(xs[2]) != int(shape[2]):
+        return None
+    if dropped[-1] is level and int(xs[1]) * int(xs[2]) != 1:  # a reshape of NHWC is NCHW's only at one pixel
+        return None
+    pieces = [x]
+    if call_op(value_of.get(x)) == "relax.concat":
+        if int(value_of[x].attrs.axis) % 4 != 3 or not isinstance(value_of[x].args[0], relax.Tuple):
+            return None
+        dropped.append(x)
+        pieces = list(value_of[x].args[0].fields)
+    parts, first = [], 0
+    for piece in pieces:
+        c = by_output.get(piece)
+        if c is None or only(piece) != (x if len(pieces) > 1 or piece is not x else reader) \
+                or not _head_placeable(c) or dtype_of(piece) not in ("float16", "float32"):
+            return None
+        parts.append((piece, first))
+        first += _channels(piece)
+    return parts, dropped, int(xs[1]) * int(xs[2])
+
+
+def _head_placeable(c) -> bool:
+    """A claim whose kernel can write its output channel-major into a detector's output."""
+    from edgeq.graph_passes import shape_of
+
+    k, p = c.kernel, c.kernel.problem
+    return (type(k) is cutlass.ConvKernel and k.residual_type == k.output_dtype and "y" not in c.shapes
+            and tuple(shape_of(c.output) or ()) == (p.n, p.p, p.q, p.k))
 
 
 def _channels(var) -> int:
@@ -248,6 +386,23 @@ def _pools(pools: list, parts: list, concat, readers) -> Pools | None:
         if any(r is None or not (r.same_as(concat) or any(r.same_as(q) for q in pooled)) for r in readers.get(var, [])):
             return None
     return Pools(first, width, src_first, tuple(r for _, _, r, _ in pools), pooled)
+
+
+def place_heads(claimed: Sequence, heads: Sequence[HeadOutput]) -> list:
+    """``claimed`` with each head output's convolutions writing their part of it (``head_out``; after the first,
+    in place: ``out_in_place`` with ``Claimed.y_in``)."""
+    part_of = {var: (h, i) for h in heads for i, (var, _, _) in enumerate(h.parts)}
+    out = []
+    for c in claimed:
+        if c.output not in part_of:
+            out.append(c)
+            continue
+        h, i = part_of[c.output]
+        _, first, anchor = h.parts[i]
+        kern = dataclasses.replace(c.kernel, head_out=(first, anchor, h.shape[1], h.shape[2], h.dtype),
+                                   out_in_place=i > 0)
+        out.append(dataclasses.replace(c, kernel=kern, y_in=h.versions[i - 1] if i else None))
+    return out
 
 
 def place(main, claimed: Sequence, placements: Sequence[Placement]) -> list:

@@ -322,19 +322,138 @@ struct AlsoT : F {
   }
 };
 
-// A convolution kernel (DefaultConv2dFpropWithBroadcast's B, its functor an AlsoT) whose T is its output
-// upsampled (Upsample2xIterator), Q its output's width.
-template <typename B, int Q>
-struct Upsampled {
+// A detector head's last convolution writing its part of the model's output directly ([N, C, A]: a level's box or
+// class channels at its anchors, the exporter's transpose, reshape and concatenations): output element (m, k), m =
+// n HW + pixel, goes to (n C + k) A + pixel from where T points (its first channel and anchor). Channel-major: each
+// element of an access is its own store, A apart (a warp's lanes write neighbouring pixels of a channel).
+template <typename ThreadMap_, typename Element_, int HW, int C, int A>
+class ChannelMajorIterator {
+ public:
+  using ThreadMap = ThreadMap_;
+  using Shape = typename ThreadMap::Shape;
+  using Element = Element_;
+  using Layout = cutlass::layout::RowMajor;
+  using TensorRef = cutlass::TensorRef<Element, Layout>;
+  using ConstTensorRef = typename TensorRef::ConstTensorRef;
+  using Index = typename Layout::Index;
+  using LongIndex = typename Layout::LongIndex;
+  using TensorCoord = cutlass::MatrixCoord;
+  static int const kElementsPerAccess = ThreadMap::kElementsPerAccess;
+  static int const kThreads = ThreadMap::kThreads;
+  using Fragment = cutlass::Array<Element, ThreadMap::Iterations::kColumn * ThreadMap::Iterations::kRow *
+                                               ThreadMap::Iterations::kGroup * ThreadMap::Iterations::kCluster *
+                                               kElementsPerAccess>;
+  using AccessType = cutlass::Array<Element, kElementsPerAccess>;
+  struct Params {
+    CUTLASS_HOST_DEVICE Params() {}
+    CUTLASS_HOST_DEVICE Params(LongIndex) {}
+  };
+  CUTLASS_DEVICE ChannelMajorIterator(Params const&, Element* pointer, TensorCoord extent, int thread_idx,
+                                      TensorCoord threadblock_offset = TensorCoord())
+      : ptr_(pointer), extent_row_(extent.row()), extent_column_(extent.column()) {
+    TensorCoord offset = ThreadMap::initial_offset(thread_idx) + threadblock_offset;
+    thread_start_row_ = offset.row();
+    thread_start_column_ = offset.column();
+    state_[0] = state_[1] = state_[2] = 0;
+  }
+  CUTLASS_DEVICE void store(Fragment const& frag) const {
+    if (!ptr_) return;
+    AccessType const* frag_ptr = reinterpret_cast<AccessType const*>(&frag);
+    CUTLASS_PRAGMA_UNROLL
+    for (int cluster = 0; cluster < ThreadMap::Iterations::kCluster; ++cluster) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int group = 0; group < ThreadMap::Iterations::kGroup; ++group) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int row = 0; row < ThreadMap::Iterations::kRow; ++row) {
+          int frag_row = row + ThreadMap::Iterations::kRow * (group + ThreadMap::Iterations::kGroup * cluster);
+          int m = thread_start_row_ + row * ThreadMap::Delta::kRow + group * ThreadMap::Delta::kGroup +
+                  cluster * ThreadMap::Delta::kCluster;
+          if (m >= extent_row_) continue;
+          Element* pixel = ptr_ + LongIndex(m / HW) * C * A + m % HW;
+          CUTLASS_PRAGMA_UNROLL
+          for (int column = 0; column < ThreadMap::Iterations::kColumn; ++column) {
+            int col = thread_start_column_ + column * ThreadMap::Delta::kColumn;
+            AccessType const& v = frag_ptr[frag_row * ThreadMap::Iterations::kColumn + column];
+            CUTLASS_PRAGMA_UNROLL
+            for (int j = 0; j < kElementsPerAccess; ++j)
+              if (col + j < extent_column_)
+                cutlass::arch::global_store<Element, sizeof(Element)>(
+                    v[j], static_cast<void*>(pixel + LongIndex(col + j) * A), true);
+          }
+        }
+      }
+    }
+  }
+  CUTLASS_HOST_DEVICE ChannelMajorIterator& operator++() {  // PredicatedTileIterator's row stepping
+    ++state_[0];
+    thread_start_row_ += ThreadMap::Shape::kRow;
+    if (state_[0] == ThreadMap::Count::kRow) {
+      state_[0] = 0;
+      ++state_[1];
+      thread_start_row_ += (ThreadMap::Shape::kGroup - 1) * ThreadMap::Shape::kRow * ThreadMap::Count::kRow;
+      if (state_[1] == ThreadMap::Count::kGroup) {
+        state_[1] = 0;
+        ++state_[2];
+        thread_start_row_ += ThreadMap::Count::kGroup * ThreadMap::Shape::kGroup * ThreadMap::Count::kRow *
+                             ThreadMap::Shape::kRow;
+        if (state_[2] == ThreadMap::Count::kCluster) {
+          state_[2] = 0;
+          thread_start_row_ += ThreadMap::Shape::kGroup * ThreadMap::Shape::kRow * ThreadMap::Shape::kCluster *
+                               ThreadMap::Shape::kTile;
+        }
+      }
+    }
+    return *this;
+  }
+
+ private:
+  Element* ptr_;
+  Index extent_row_, extent_column_, thread_start_row_, thread_start_column_;
+  int state_[3];
+};
+
+// An epilogue functor whose output goes out only as T, converted to Out (Z is not stored): the fp16 head's
+// value as the float32 the model outputs (the graph rounds to fp16 first, then casts), an int8 head's float as is.
+template <typename F, typename Out>
+struct OnlyT : F {
+  using Params = typename F::Params;
+  using ElementT = Out;
+  using FragmentT = cutlass::Array<Out, F::FragmentZ::kElements>;
+  static bool const kStoreZ = false;
+  static bool const kStoreT = true;
+  CUTLASS_HOST_DEVICE OnlyT(Params const& p) : F(p) {}
+  template <typename... A>
+  CUTLASS_DEVICE void operator()(typename F::FragmentZ& z, FragmentT& t, A const&... a) const {
+    typename F::FragmentT unused;
+    F::operator()(z, unused, a...);
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < F::FragmentZ::kElements; ++i) t[i] = Out(z[i]);
+  }
+};
+
+// A convolution kernel (DefaultConv2dFpropWithBroadcast's B, its functor an AlsoT or OnlyT) whose T goes out
+// through the iterator TIterator<ThreadMap, element> makes.
+template <typename B, template <typename, typename> class TIterator>
+struct WithT {
   using E = typename B::Epilogue;
   using Epilogue = cutlass::epilogue::threadblock::EpilogueWithBroadcast<
       typename E::Shape, typename E::WarpMmaOperator, E::kPartitionsK, typename E::OutputTileIterator,
-      Upsample2xIterator<typename E::OutputTileIterator::ThreadMap, typename E::OutputTileIterator::Element, Q>,
+      TIterator<typename E::OutputTileIterator::ThreadMap, typename E::OutputOp::ElementT>,
       typename E::ElementVector, typename E::AccumulatorFragmentIterator, typename E::WarpTileIterator,
       typename E::SharedLoadIterator, typename E::OutputOp, typename E::Padding, E::kFragmentsPerIteration>;
   using Kernel = cutlass::conv::kernel::ImplicitGemmConvolutionWithFusedEpilogue<
       typename B::ImplicitGemmBase::Mma, Epilogue, typename B::Kernel::ThreadblockSwizzle,
       cutlass::conv::Operator::kFprop>;
+};
+template <int Q>
+struct Upsample2x {  // WithT's iterator: the output upsampled
+  template <typename ThreadMap, typename Element>
+  using Iterator = Upsample2xIterator<ThreadMap, Element, Q>;
+};
+template <int HW, int C, int A>
+struct ChannelMajor {  // WithT's iterator: a detector head's output
+  template <typename ThreadMap, typename Element>
+  using Iterator = ChannelMajorIterator<ThreadMap, Element, HW, C, A>;
 };
 }  // namespace edgeq_cutlass
 """
@@ -498,6 +617,10 @@ class ConvKernel:
     # comes in (``call_tir_inplace``: a concatenation's part, YOLO's neck; ``Upsample2xIterator``): (first,
     # channels)
     up_view: tuple[int, int] | None = None
+    # y is a detector's output [N, channels, anchors] (the exporter's NCHW transpose, flattening and concatenations):
+    # the kernel writes channels [first, first + K) at anchors [anchor, anchor + P Q) (``ChannelMajorIterator``), in
+    # ``dtype``: (first, anchor, channels, anchors, dtype)
+    head_out: tuple[int, int, int, int, str] | None = None
 
     @property
     def residual_type(self) -> str:
@@ -546,15 +669,22 @@ class ConvKernel:
 
     @property
     def kernel_type(self) -> str:
-        if not self.up_view:
+        if self.up_view:
+            iterator = f"edgeq_cutlass::Upsample2x<{self.problem.q}>::Iterator"
+        elif self.head_out:
+            iterator = (f"edgeq_cutlass::ChannelMajor<{self.problem.p * self.problem.q}, {self.head_out[2]}, "
+                        f"{self.head_out[3]}>::Iterator")
+        else:
             return f"typename {self._conv_type}::Kernel"
-        return f"typename edgeq_cutlass::Upsampled<{self._conv_type}, {self.problem.q}>::Kernel"
+        return f"typename edgeq_cutlass::WithT<{self._conv_type}, {iterator}>::Kernel"
 
     @property
     def _conv_type(self) -> str:
         (bm, bn, bk), (wm, wn, wk) = self.tile.block, self.tile.warp
 
-        def op(functor: str) -> str:  # an upsampled copy: the functor's output also as T
+        def op(functor: str) -> str:  # an upsampled copy: the functor's output also as T; a head's: only as T
+            if self.head_out:
+                return f"edgeq_cutlass::OnlyT<{functor}, {C_TYPES[self.head_out[4]]}>"
             return f"edgeq_cutlass::AlsoT<{functor}>" if self.up_view else functor
 
         if self.precision == "int8":
@@ -914,6 +1044,9 @@ def device_source(kernels: Sequence[ConvKernel]) -> str:
                      f"{_nhwc_layout(p.n, p.p, p.q, channels)}}}")
         if kern.up_view:  # T: the output upsampled (Upsample2xIterator), from the tensor's first channel
             tensor = f"y_up + {kern.up_view[0]}, 0, {kern.up_view[1]}"
+        if kern.head_out:  # T: the detector's output, from the kernel's first channel and anchor (Z is not stored)
+            first, anchor, _, anchors, _ = kern.head_out
+            tensor = f"y + {first * anchors + anchor}, 0, 0"
         if kern.precision == "int8" and kern.residual_type != kern.output_dtype:  # out through T (row stride K)
             res = C_TYPES[kern.residual_type]
             c_ref = d_ref = f"{{reinterpret_cast<{res}*>(residual), out_layout}}"
@@ -1162,6 +1295,8 @@ def kernel_operands(kernel: ConvKernel, shapes: dict | None = None) -> list[tupl
     if getattr(kernel, "up_view", None):  # the upsampled copy's tensor, written in place (before y: the call's new
         # output comes last)
         ops.append(("y_up", (p.n, 2 * p.p, 2 * p.q, kernel.up_view[1]), act))
+    if getattr(kernel, "head_out", None):  # y: the detector's whole output
+        ys, act = (p.n, kernel.head_out[2], kernel.head_out[3]), kernel.head_out[4]
     return ops + [("y", ys, act)]
 
 
@@ -1428,6 +1563,10 @@ def kernel_record(kernel: ConvKernel, smem_bytes: int) -> dict:
         problem["residual_channels"] = {"first": kernel.residual_view[0], "of": kernel.residual_view[1]}
     if getattr(kernel, "up_view", None):  # also nearest-upsampled 2x into channels [first, first + K) of a tensor
         problem["upsampled_2x_into_channels"] = {"first": kernel.up_view[0], "of": kernel.up_view[1]}
+    if getattr(kernel, "head_out", None):  # channels [first, first + K) at anchors [anchor, anchor + P Q) of [N, C, A]
+        first, anchor, channels, anchors, dtype = kernel.head_out
+        problem["detector_output"] = {"channels": [first, first + p.k], "anchors": [anchor, anchor + p.p * p.q],
+                                      "shape": [p.n, channels, anchors], "dtype": dtype}
     if isinstance(kernel, DepthwiseKernel):
         record = {
             "function": kernel.function, "template": f"edgeq depthwise (TIR: {DEPTHWISE_LANES} channels of an output "
@@ -2808,24 +2947,31 @@ def _free_vars(expr):
     return relax.analysis.free_vars(expr)
 
 
-def claim_convs(mod, claimed: Sequence[Claimed], sizes: dict[str, int], placements: Sequence = ()):
+def claim_convs(mod, claimed: Sequence[Claimed], sizes: dict[str, int], placements: Sequence = (), heads: Sequence = ()):
     """``mod`` with each claimed chain replaced by one ``call_tir`` of its kernel's PrimFunc (added to the module):
     the chain's last binding becomes the call, its other bindings go. ``placements``
     (``concat_in_place.find_placements``, the claims ``concat_in_place.place``'s): a placed part's call binds the
     concatenation (the first part's allocates it, a later part's writes it in place) and the part's variable becomes
-    a slice of it; the concatenation's binding becomes the tensor after its last part."""
+    a slice of it; the concatenation's binding becomes the tensor after its last part. ``heads``
+    (``concat_in_place.find_head_outputs``): each part's call binds the detector's output after its write, the
+    bindings between go, and the output's becomes the last version."""
     from edgeq.tvm_env import relax
 
     functions = {c.kernel.function: prim_func(c.kernel, sizes[c.kernel.name], c.shapes) for c in claimed}
     functions.update({pl.pools.function: pl.pool_prim_func() for pl in placements if pl.pools})
     dropped = {var for c in claimed for var in c.chain} | {v for pl in placements if pl.pools for v in pl.pools.pooled}
     dropped |= {var for pl in placements for var in pl.ups}  # an upsampling its convolution writes
+    dropped |= {var for h in heads for var in h.dropped}
+    head_part = {var: (h, i) for h in heads for i, (var, _, _) in enumerate(h.parts)}
+    head_out = {h.out: h for h in heads}
     by_output = {c.output: c for c in claimed}
     version = {var: (pl, i) for pl in placements for i, (var, _) in enumerate(pl.parts)}
     up_version = {src: version[var] for pl in placements for var, src in pl.ups.items()}
     concats = {pl.concat: pl for pl in placements}
 
     def rebind(b, gvars):
+        if b.var in head_out:  # the detector's output: as its last part's kernel left it
+            return [relax.VarBinding(b.var, head_out[b.var].versions[-1])]
         if b.var in dropped:
             return []
         if b.var in concats:  # the tensor after its last part (SPPF: after its pool kernel, in place)
@@ -2838,6 +2984,12 @@ def claim_convs(mod, claimed: Sequence[Claimed], sizes: dict[str, int], placemen
         if c is None:
             return [b]
         gv, operands = gvars[c.kernel.function], relax.Tuple(list(c.operands()))
+        if b.var in head_part:  # its part of the detector's output (the first part's call allocates it)
+            h, i = head_part[b.var]
+            ty = _ty(h.out)
+            call = (relax.call_tir_inplace(gv, relax.Tuple([*operands.fields, c.y_in]), [len(operands.fields)], ty)
+                    if i else relax.call_tir(gv, operands, ty))
+            return [relax.VarBinding(h.versions[i], call)]
         if b.var not in version and b.var not in up_version:
             return [relax.VarBinding(b.var, relax.call_tir(gv, operands, _ty(b.var)))]
         pl, i = version.get(b.var, (None, None))
@@ -3074,7 +3226,19 @@ def twin_tensors(kernel: ConvKernel, shapes: dict | None = None, x=None) -> tupl
         up = te.compute(old_up.shape, lambda i, a, b, c: tirx.if_then_else(
             tirx.all(c >= first, c < first + p.k), y4[i, a // 2, b // 2, tirx.max(c - first, 0)], old_up[i, a, b, c]),
             "y_up")
-    if kernel.out_view:  # channels [first, first + K) of the tensor; the others as they came in (or zeros)
+    head = getattr(kernel, "head_out", None)
+    if head:  # the detector's output: channels [first, first + K) at anchors [anchor, anchor + P Q), in its dtype;
+        # the rest as it came in (or zeros)
+        first, anchor, _, _, dtype = head
+        y4 = y
+        old = te.placeholder(y_shape, dtype, "y_in") if kernel.out_in_place else None
+        if old is not None:
+            args.append(old)
+        y = te.compute(y_shape, lambda i, c, a: tirx.if_then_else(
+            tirx.all(c >= first, c < first + p.k, a >= anchor, a < anchor + p.p * p.q),
+            y4[i, tirx.max(a - anchor, 0) // p.q, tirx.max(a - anchor, 0) % p.q, tirx.max(c - first, 0)].astype(dtype),
+            old[i, c, a] if old is not None else tirx.const(0, dtype)), "y_head")
+    elif kernel.out_view:  # channels [first, first + K) of the tensor; the others as they came in (or zeros)
         first, y4 = kernel.out_view[0], y
         old = te.placeholder(y_shape, y4.dtype, "y_in") if kernel.out_in_place else None
         if old is not None:

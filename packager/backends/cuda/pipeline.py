@@ -554,12 +554,15 @@ def build(mod, target, report: GpuKernels, cutlass: tuple[int, int] | None = Non
         scores = attention.find_attention_scores(mod["main"], claimed)
         claimed = [c for c in claimed if not any(c is s.gemm for s in scores)]
         mod = squeeze_excite.outline(mod, scores)
-        # concatenations whose parts the kernels write in place (no concatenation kernel)
-        placements = concat_in_place.find_placements(mod["main"], claimed)
-        claimed = concat_in_place.place(mod["main"], claimed, placements)
+        # a detector's output written by its head's last convolutions (no transpose or concatenation kernel), and
+        # the concatenations whose parts the kernels write in place (no concatenation kernel)
+        heads = concat_in_place.find_head_outputs(mod["main"], claimed)
+        in_heads = {var for h in heads for var, _, _ in h.parts}
+        placements = concat_in_place.find_placements(mod["main"], [c for c in claimed if c.output not in in_heads])
+        claimed = concat_in_place.place_heads(concat_in_place.place(mod["main"], claimed, placements), heads)
         kernels = [c.kernel for c in claimed]
         sizes = cl.smem_sizes(kernels, target.attrs["arch"]) if kernels else {}
-        mod = cl.claim_convs(mod, claimed, sizes, placements)
+        mod = cl.claim_convs(mod, claimed, sizes, placements, heads)
         norms = layer_norm.find_layer_norms(mod)  # each with its fp16 cast or int8 quantize: one kernel
         mod = layer_norm.claim_layer_norms(mod, norms)
         quantizes = layer_norm.find_row_quantizes(mod)  # the other per-token quantizes: scale and int8, one kernel
@@ -575,6 +578,7 @@ def build(mod, target, report: GpuKernels, cutlass: tuple[int, int] | None = Non
                           "pool_classifiers": [pool_classifier.kernel_record(p.kernel) for p in pools],
                           "squeeze_excitations": [se.record() for se in excitations],
                           "concatenations_in_place": [pl.record() for pl in placements],
+                          "detector_outputs": [h.record() for h in heads],
                           "attention_scores": [a.record() for a in scores],
                           "left": left}
     with wrappers:
