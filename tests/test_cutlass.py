@@ -374,6 +374,9 @@ def test_kernels_compile_in_a_tvm_module_to_tensor_cores(profile, precision, nvr
                 # YOLO's neck: also written nearest-upsampled 2x into channels 16-31 of a 48-channel concatenation
                 kernels.append(cutlass.ConvKernel("upsampled", problem, tile, "identity", False, "int8", silu=True,
                                                   out_div=0.25, out_view=(32, 64), up_view=(16, 48)))
+                # a detector head's last conv (float32 out): channels 40-55 at anchors 200-319 of [2, 80, 500]
+                kernels.append(cutlass.ConvKernel("head", problem, tile, precision="int8", float_out=True,
+                                                  head_out=(40, 200, 80, 500, "float32")))
         else:  # the 1x1 shortcut writes float32 (a classifier whose logits the graph casts to float32), after a
             # GELU (a transformer FFN's: CUTLASS's GELU<float>, erff)
             kernels.append(cutlass.ConvKernel(name.replace("-", "_"), problem, tile,
@@ -389,6 +392,9 @@ def test_kernels_compile_in_a_tvm_module_to_tensor_cores(profile, precision, nvr
                                                   out_view=(32, 64), out_in_place=True, residual_view=(16, 64)))
                 # YOLO's neck: also written nearest-upsampled 2x into channels 16-31 of a 48-channel concatenation
                 kernels.append(cutlass.ConvKernel("upsampled", problem, tile, "silu", out_view=(32, 64), up_view=(16, 48)))
+                # a detector head's last conv (fp16, then the model's float32): channels 40-55 at anchors 200-319 of
+                # [2, 80, 500]
+                kernels.append(cutlass.ConvKernel("head", problem, tile, head_out=(40, 200, 80, 500, "float32")))
     if precision == "fp16":  # attention's batched GEMMs: 12 heads of [128, 64] x [64, 128], scaled, Q and K read
         # in place from one [1, 128, 3 x 768] projection (K^T as column-major, from column 768), the scores written
         # as float32; P V with the context written back in place
@@ -459,9 +465,16 @@ def test_kernels_compile_in_a_tvm_module_to_tensor_cores(profile, precision, nvr
     stores = {name: len(re.findall(rf"\b{re.escape(store)}\b", kernel_sass(f"cutlass_{name}", sass)))
               for name in ("upsampled", "placed")}
     # (the count of a store instruction in the SASS: each of the upsampled kernel's is one of five; measured: int8
-    # 40 against the placed kernel's 8, fp16 25 against 4)
-    assert stores["upsampled"] % 5 == 0 and stores["upsampled"] >= 4 * stores["placed"] > 0, stores
+    # 40 against the placed kernel's 8, fp16 15 or 25 against 4, as NVRTC unrolls the epilogue's loop)
+    assert stores["upsampled"] % 5 == 0 and stores["upsampled"] > stores["placed"] > 0, stores
     assert not re.search(r"\bST\.E", kernel_sass("cutlass_upsampled", sass))  # no generic stores
+    # the head's: T through edgeq's ChannelMajorIterator (its 120 pixels a batch, 80 channels, 500 anchors compiled
+    # in) from element 40 x 500 + 200 of the output, every element its own 4-byte global store; no Z (OnlyT)
+    head = source[source.index("void edgeq_cutlass_head("):]
+    assert "y + 20200, 0, 0)" in head and "edgeq_cutlass::ChannelMajor<120, 80, 500>::Iterator>::Kernel" in source
+    assert "float* y," in re.search(r"void edgeq_cutlass_head\(([^)]*)\)", source).group(1) + ","
+    code = kernel_sass("cutlass_head", sass)
+    assert re.search(r"\bSTG\.E\s", code) and not re.search(r"\bSTG\.E\.(64|128)\b|\bST\.E", code)
     if precision == "int8":  # a residual of another type than the output: the source has its type, y is T
         for name, res, out in (("f32_residual", "float", "int8_t"), ("int8_residual_f32_out", "int8_t", "float")):
             wrapper = re.search(rf"void edgeq_cutlass_{name}\(([^)]*)\)", source).group(1)
@@ -532,7 +545,7 @@ def test_the_rewritten_graph_runs_on_the_host_as_the_graph(classes, tmp_path):
     np.testing.assert_allclose(got, reference, rtol=5e-2, atol=5e-2)
 
 
-def _twin_matches_graph_and_onnxruntime(model, prepared, claimed, xs, precision: str, placements=()):
+def _twin_matches_graph_and_onnxruntime(model, prepared, claimed, xs, precision: str, placements=(), heads=()):
     """The rewritten module with the kernels' TIR twins equals the graph before the rewrite (int8: bit for bit, but
     where a per-token linear layer's GELU is in its kernel: 1e-5, the host's build of the graph contracting the GELU's
     multiplies and adds into FMAs; fp16 within 2e-2) on each of ``xs``, and ONNX Runtime within 10% (int8) / 1% (fp16)
@@ -542,7 +555,7 @@ def _twin_matches_graph_and_onnxruntime(model, prepared, claimed, xs, precision:
     from edgeq.compile import HostRunner
     from edgeq.graph import Graph
 
-    rewritten = cutlass.claim_convs(prepared.mod, claimed, {c.kernel.name: 49152 for c in claimed}, placements)
+    rewritten = cutlass.claim_convs(prepared.mod, claimed, {c.kernel.name: 49152 for c in claimed}, placements, heads)
     twin = Graph(cutlass.with_twins(rewritten, claimed), prepared.weights)
     session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
     run_graph, run_twin = HostRunner(prepared), HostRunner(twin)
@@ -1160,19 +1173,28 @@ def test_a_yolov8n_style_detector_runs_every_convolution_on_cutlass(precision, t
         assert sum(c.kernel.silu for c in claimed) == 57 and sum(c.kernel.float_out for c in claimed) == 6
         assert sorted(c.kernel.x_view for c in claimed if c.kernel.x_view) == sorted(
             [(16, 32), (32, 64), (64, 128), (128, 256), (64, 128), (32, 64), (64, 128), (128, 256)])
-    placements = concat_in_place.find_placements(prepared.main, claimed)
-    claimed = concat_in_place.place(prepared.main, claimed, placements)
-    main = _twin_matches_graph_and_onnxruntime(model, prepared, claimed, xs[:2], precision, placements)
+    # the output [1, 144, 21] (each level's box and class channels at its anchors: 16, 4 and 1 at 32x32) written by
+    # the head's six last convolutions, float32 (fp16: their fp16 values as float32, the graph's cast)
+    (head,) = concat_in_place.find_head_outputs(prepared.main, claimed)
+    assert (head.shape, head.dtype) == ((1, 144, 21), "float32")
+    assert [(p["channels"], p["anchors"]) for p in head.record()["parts"]] == [
+        (channels, anchors) for anchors in ([0, 16], [16, 20], [20, 21]) for channels in ([0, 64], [64, 144])]
+    in_head = {var for var, _, _ in head.parts}
+    placements = concat_in_place.find_placements(prepared.main, [c for c in claimed if c.output not in in_head])
+    claimed = concat_in_place.place_heads(concat_in_place.place(prepared.main, claimed, placements), [head])
+    heads = [c.kernel for c in claimed if c.kernel.head_out]
+    assert len(heads) == 6 and [k.out_in_place for k in heads] == [False] + [True] * 5
+    assert all(k.head_out[2:] == (144, 21, "float32") and k.activation == "identity" for k in heads)
+    main = _twin_matches_graph_and_onnxruntime(model, prepared, claimed, xs[:2], precision, placements, [head])
     # written in place by their convolutions: the 8 C2f blocks' concatenations (the first convolution's output,
     # both halves of its split, then each bottleneck's), the neck's two of convolution outputs, SPPF's (its conv's,
     # then its three pools by one kernel), the neck's two of an upsampled map and a backbone level (the upsampled
-    # part written by the convolution whose output it upsamples, SPPF's and the first neck C2f's last), and in fp16
-    # the head's three (box and class branch; int8 writes those float32, concatenated with the reshapes of the head's
-    # output); left: the head's
-    head = 3 if precision == "fp16" else 0
-    assert len(placements) == 13 + head and main.script().count("R.concat(") == 4 - head
+    # part written by the convolution whose output it upsamples, SPPF's and the first neck C2f's last); the head's
+    # are the output's: no concatenation, transpose or resize left
+    assert len(placements) == 13 and main.script().count("R.concat(") == 0
+    assert main.script().count("permute_dims") == 1  # the input's, to NHWC
     assert sum(pl.pools is not None for pl in placements) == 1 and "max_pool2d" not in main.script()
-    assert sorted(len(pl.parts) for pl in placements) == [1] + [2] * (10 + head) + [3] * 2  # 2 bottlenecks: 3
+    assert sorted(len(pl.parts) for pl in placements) == [1] + [2] * 10 + [3] * 2  # 2 bottlenecks: 3
     ups = [(pl.channels, first, pl.ups[var]) for pl in placements for var, first in pl.parts if var in pl.ups]
     assert [u[:2] for u in ups] == [(384, 0), (192, 0)] and "resize2d" not in main.script()
     upsampling = [c for c in claimed if c.kernel.up_view]  # SPPF's last conv (256 channels at 1x1 here), then the
@@ -1183,8 +1205,8 @@ def test_a_yolov8n_style_detector_runs_every_convolution_on_cutlass(precision, t
     placed = [c.kernel for c in claimed if c.kernel.out_view]
     assert len(placed) == sum(len(pl.parts) - len(pl.ups) for pl in placements)
     assert sum(k.out_in_place for k in placed) == len(placed) - len(placements)  # the first part allocates
-    # + SPPF's pools, + the two upsampling kernels (their second output in place)
-    assert main.script().count("call_tir_inplace") == len(placed) - len(placements) + 1 + len(ups)
+    # + SPPF's pools, + the two upsampling kernels (their second output in place), + the head's five after its first
+    assert main.script().count("call_tir_inplace") == len(placed) - len(placements) + 1 + len(ups) + 5
     # every bottleneck reads its input and residual in place, from its block's concatenation (int8: the int8 parts)
     assert sum(1 for c in claimed if c.kernel.residual_view) == 6
     assert all(c.kernel.residual_dtype == "" for c in claimed if c.kernel.residual)
@@ -1714,17 +1736,19 @@ def test_attention_scores_and_their_softmax_are_one_kernel(nvrtc, tmp_path):
 
 
 @pytest.mark.parametrize("precision", ["fp16", "int8"])
-def test_package_a_c2f_block_sppf_and_an_upsampling_with_their_concatenations_in_place(precision, nvrtc, tmp_path):
-    """``edgeq package --gpu-kernels cutlass`` of a small YOLOv8 backbone piece and neck: a strided conv, a C2f block
-    (its first conv split in two, a bottleneck whose shortcut is added after its SiLU, the concatenation), a strided
-    conv, SPPF (a conv, three chained 5x5 max pools, the concatenation, a conv), its output upsampled 2x (nearest)
-    and concatenated with the C2f block's, a conv. The reference check passes (the CUDA module built, the same graph
-    run on the host); the three concatenations are written in place, SPPF's pools by one kernel of edgeq's, the
-    upsampled map by SPPF's last conv (a second output through its epilogue); the kernels per inference are the 9
-    convolutions, the pools, the input's transpose and the output's (no concatenation, split, add, resize or
-    quantize kernel); the placed kernels' SASS has HMMA (int8: IMMA) and no local memory; ``inspect`` says so. int8:
-    the split halves, the bottleneck and the concatenations' readers share one scale per concatenation
-    (quantize.shared_scales), so every part is written int8 into it."""
+def test_package_a_yolo_piece_with_its_concatenations_upsampling_and_output_in_place(precision, nvrtc, tmp_path):
+    """``edgeq package --gpu-kernels cutlass`` of a small YOLOv8 backbone piece, neck and head: a strided conv, a C2f
+    block (its first conv split in two, a bottleneck whose shortcut is added after its SiLU, the concatenation), a
+    strided conv, SPPF (a conv, three chained 5x5 max pools, the concatenation, a conv), its output upsampled 2x
+    (nearest) and concatenated with the C2f block's, a conv; per level (that conv's, SPPF's) a box and a class 1x1,
+    concatenated, flattened and concatenated along the anchors as Ultralytics' exporter writes the output. The
+    reference check passes (the CUDA module built, the same graph run on the host); the three concatenations are
+    written in place, SPPF's pools by one kernel of edgeq's, the upsampled map by SPPF's last conv (a second output
+    through its epilogue), the output by the head's 1x1s (channel-major, each its channels at its level's anchors);
+    the kernels per inference are the 13 convolutions, the pools and the input's transpose (no concatenation, split,
+    add, resize, transpose or quantize kernel); the placed kernels' SASS has HMMA (int8: IMMA) and no local memory;
+    ``inspect`` says so. int8: the split halves, the bottleneck and the concatenations' readers share one scale per
+    concatenation (quantize.shared_scales), so every part is written int8 into it."""
 
     from conftest import run_cli
     from gpu_kernels import Net, kernel_sass, sass_by_kernel
@@ -1748,9 +1772,17 @@ def test_package_a_c2f_block_sppf_and_an_upsampling_with_their_concatenations_in
         pools.append(net.node("MaxPool", [pools[-1]], kernel_shape=[5, 5], strides=[1, 1], pads=[2, 2, 2, 2]))
     out = conv(net.node("Concat", pools, axis=1), 64, 32)
     up = net.node("Resize", [out, "", net.const("scales", [1.0, 1.0, 2.0, 2.0])], mode="nearest")
-    out = conv(net.node("Concat", [up, x], axis=1), 64, 32)  # the neck: back at 12x10
-    net.nodes.append(onnx.helper.make_node("Identity", [out], ["out"]))
-    model = net.save(tmp_path / "c2f.onnx", 0, 0, input_shape=[1, 8, 24, 20], output=("out", [1, 32, 12, 10]))
+    levels = [conv(net.node("Concat", [up, x], axis=1), 64, 32), out]  # the neck: back at 12x10; SPPF's at 6x5
+    flat = net.name("flat")
+    net.inits.append(numpy_helper.from_array(np.array([1, 24, -1], np.int64), flat))
+    outs = []
+    for level in levels:  # a detector head per level: box (16 channels) and class (8) 1x1s with biases, no activation
+        box, cls = (net.node("Conv", [level, net.const("w", net.rng.standard_normal((k, 32, 1, 1)) / 6),
+                                      net.const("b", net.rng.standard_normal(k) * 0.1)], kernel_shape=[1, 1])
+                    for k in (16, 8))
+        outs.append(net.node("Reshape", [net.node("Concat", [box, cls], axis=1), flat]))
+    net.nodes.append(onnx.helper.make_node("Concat", outs, ["out"], axis=2))
+    model = net.save(tmp_path / "c2f.onnx", 0, 0, input_shape=[1, 8, 24, 20], output=("out", [1, 24, 150]))
     extra = ()
     if precision == "int8":
         np.savez(tmp_path / "calib.npz", input=np.random.default_rng(3).standard_normal((4, 8, 24, 20)).astype(np.float32))
@@ -1758,24 +1790,34 @@ def test_package_a_c2f_block_sppf_and_an_upsampling_with_their_concatenations_in
     bundle, manifest = _package_for_orin(model, precision, tmp_path, *extra)
     gpu = manifest["library"]["gpu_kernels"]
     record = gpu["cutlass"]
-    assert len(record["kernels"]) == 9 and record["left"] == [] and gpu["fallbacks"] == []
-    if precision == "int8":  # every kernel writes int8 but the last (the model's float output)
-        assert [k["output"] for k in record["kernels"]] == ["int8"] * 8 + ["float32"]
+    assert len(record["kernels"]) == 13 and record["left"] == [] and gpu["fallbacks"] == []
+    if precision == "int8":  # every kernel writes int8 but the head's four (the model's float output)
+        assert [k["output"] for k in record["kernels"]] == ["int8"] * 9 + ["float32"] * 4
         shared = {r["name"]: r.get("shared_scale_with") for r in manifest["quantization"]["layers"]}
         # C2f's: its bottleneck's first conv (reads the split's second half) and its last (reads the concatenation);
-        # the neck's: its conv (reads the concatenation) and the strided conv (reads its C2f part); SPPF's
-        # concatenation has one reader, its pools' input none of its own: nothing to share
-        assert sorted(len(v) for v in shared.values() if v) == [1, 1, 1, 1], shared
+        # the neck's: its conv (reads the concatenation), the strided conv (reads its C2f part) and the second level's
+        # head (reads SPPF's output, which the concatenation has upsampled); SPPF's concatenation has one reader, its
+        # pools' input none of its own: nothing to share
+        assert sorted(len(v) for v in shared.values() if v) == [1, 1, 3, 3, 3, 3], shared
     concats = record["concatenations_in_place"]
     assert [[(p["first"], p["channels"]) for p in c["parts"]] for c in concats] == [
         [(0, 32), (32, 16)], [(0, 16), (16, 16), (32, 16), (48, 16)], [(0, 32), (32, 32)]]
     assert [p.get("window") for p in concats[1]["parts"]] == [None, 5, 9, 13]
     pools = [f for f, rule in gpu["functions"].items() if rule == "edgeq concatenated pools"]
     assert len(pools) == 1 and gpu["launches"][pools[0]] == 1
-    assert gpu["kernels_per_inference"] == 9 + 1 + 2, gpu["launches"]
+    # the convolutions, the pools and the input's transpose: the output is the head's 1x1s' (no transpose, reshape or
+    # concatenation kernel after them)
+    assert gpu["kernels_per_inference"] == 13 + 1 + 1, gpu["launches"]
     assert not any("resize" in f or "concatenate" in f for f in gpu["launches"]), gpu["launches"]
-    # the in-place calls are captured in the CUDA graph with the others (all but the input's and output's kernels)
-    assert gpu["cuda_graph"] and gpu["cuda_graph_kernels"] >= gpu["kernels_per_inference"] - 2, gpu
+    (output,) = record["detector_outputs"]
+    assert (output["shape"], output["dtype"]) == ([1, 24, 150], "float32")
+    assert [(p["channels"], p["anchors"]) for p in output["parts"]] == [
+        ([0, 16], [0, 120]), ([16, 24], [0, 120]), ([0, 16], [120, 150]), ([16, 24], [120, 150])]
+    heads = [k for k in record["kernels"] if "detector_output" in k["problem"]]
+    assert [k["problem"]["detector_output"]["anchors"] for k in heads] == [[0, 120]] * 2 + [[120, 150]] * 2
+    # the in-place calls are captured in the CUDA graph with the others (all but the input's kernel and those that
+    # write the model's output, which leaves the graph: the head's)
+    assert gpu["cuda_graph"] and gpu["cuda_graph_kernels"] >= gpu["kernels_per_inference"] - 1 - len(heads), gpu
     placed = [k for k in record["kernels"] if "output_channels" in k["problem"]]
     # the C2f block's first conv (allocates), its bottleneck (in place), its last conv (allocates the neck's, as the
     # second part), SPPF's first conv (allocates; its pools follow)
@@ -1785,7 +1827,7 @@ def test_package_a_c2f_block_sppf_and_an_upsampling_with_their_concatenations_in
     assert upsampling["problem"]["upsampled_2x_into_channels"] == {"first": 0, "of": 64}
     assert upsampling["problem"]["output_pixels"] == 30 and upsampling["problem"]["k"] == 32
     assert concats[2]["parts"][0]["nearest_2x_of"] and "nearest_2x_of" not in concats[2]["parts"][1]
-    placed.append(upsampling)
+    placed += [upsampling, *heads]
     (bottleneck,) = [k for k in record["kernels"] if k["residual"]]  # (int8: the SiLU comes before it anyway)
     assert bottleneck["problem"]["residual_channels"] == {"first": 16, "of": 48}
     assert bottleneck.get("residual_after_activation", False) == (precision == "fp16")
@@ -1797,4 +1839,5 @@ def test_package_a_c2f_block_sppf_and_an_upsampling_with_their_concatenations_in
     inspect = run_cli("inspect", bundle)
     flat = " ".join(re.sub(r"[│┃]", " ", inspect.stdout).split())
     assert "3 concatenation(s) written in place by the kernels of their parts (no concatenation kernel; 1 with its " \
-           "max pools in one kernel (edgeq's); 1 with an upsampled part its convolution writes)" in flat, flat
+           "max pools in one kernel (edgeq's); 1 with an upsampled part its convolution writes); the detector's " \
+           "output written by its head's 4 last convolutions (no transpose or concatenation kernel)" in flat, flat
