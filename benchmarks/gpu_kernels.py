@@ -485,7 +485,13 @@ def orin_estimate(manifest: dict, device: str = DEVICE) -> dict | None:
                 {"float32": 4, "float16": 2, "int8": 1}.get(k.get("output"), elem)
             m = k["problem"]["output_pixels"]
             per_filter = c // k["problem"].get("groups", 1)
-            bytes_ = n * h * w * c * elem + kk * r * s_ * per_filter * elem + m * kk * out_elem * (2 if k["residual"] else 1)
+            written = m * kk * out_elem
+            if "detector_output" in k["problem"]:  # only the model's output, in its dtype
+                written = m * kk * {"float32": 4, "float16": 2}[k["problem"]["detector_output"]["dtype"]]
+            if "upsampled_2x_into_channels" in k["problem"]:  # and at the four pixels each becomes
+                written *= 5
+            bytes_ = n * h * w * c * elem + kk * r * s_ * per_filter * elem + written \
+                + (m * kk * out_elem if k["residual"] else 0)
         ctas = int(np.prod(k["grid"]))
         per_sm = max(1, min(spec.shared_memory_per_sm // max(1, k["shared_bytes"]), 1536 // k["threads"]))
         slots = spec.sm_count * per_sm

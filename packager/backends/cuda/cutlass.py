@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import functools
 import math
 import os
 import re
@@ -1132,6 +1133,7 @@ EVT_INCLUDES = r"""
 """
 
 
+@functools.lru_cache(maxsize=None)  # its kernel type, the module's source and its wrapper each ask for it
 def token_linear_types(kern: TokenLinearKernel) -> tuple[str, str]:
     """(its name, the C++ that defines it) of a per-token int8 linear layer's epilogue visitor tree ``Evt_<name>``:
     its functor (the graph's float32 operators, in their order, rounding as they do), the tree that hands it the

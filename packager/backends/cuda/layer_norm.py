@@ -35,8 +35,26 @@ WARP = 32
 MAX_WARPS = 8  # threads a row: a warp per 256 elements, up to 8 warps
 
 
+class _RowKernel:
+    """A kernel that takes a row (the last axis of ``shape``) a block: its rows, threads and grid."""
+
+    shape: tuple[int, ...]
+
+    @property
+    def rows(self) -> int:
+        return math.prod(self.shape[:-1])
+
+    @property
+    def threads(self) -> int:
+        return WARP * max(1, min(MAX_WARPS, self.shape[-1] // 256))
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        return self.rows, 1
+
+
 @dataclasses.dataclass(frozen=True)
-class LayerNormKernel:
+class LayerNormKernel(_RowKernel):
     """``y = (x - mean) * rsqrt(var + eps) * gamma + beta`` over the last axis of x (float32), written as float32 and
     as what the next layer reads: fp16 (its cast), or, with ``quantize`` (an int8 graph's per-token input), the
     row's scale ``where(max|y| > 0, max|y| / q, 1)`` ([..., 1]) and ``int8(clamp(round(y / scale), lo, hi))``. The
@@ -52,18 +70,6 @@ class LayerNormKernel:
     @property
     def function(self) -> str:
         return f"layernorm_{self.name}"
-
-    @property
-    def rows(self) -> int:
-        return math.prod(self.shape[:-1])
-
-    @property
-    def threads(self) -> int:
-        return WARP * max(1, min(MAX_WARPS, self.shape[-1] // 256))
-
-    @property
-    def grid(self) -> tuple[int, int]:
-        return self.rows, 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,12 +163,36 @@ def kernel_record(kernel: LayerNormKernel) -> dict:
             "shape": list(kernel.shape), "epsilon": kernel.epsilon, "outputs": outputs}
 
 
+def _quantize_tail(divide, value_of, readers):
+    """((rounded, low, high), the int8 cast, (lo, hi)) where ``divide`` is read only by ``round``, then
+    ``maximum(., lo)``, ``minimum(., hi)`` and ``astype(int8)``, each by the next only, lo and hi constants in
+    [-128, 127]; else None."""
+    from edgeq.backends.cuda.cutlass import _const_scalar
+    from edgeq.graph import call_op
+    from edgeq.graph_passes import dtype_of
+
+    def only_reader(var, op):
+        r = readers.get(var, [])
+        return r[0] if len(r) == 1 and r[0] is not None and call_op(value_of[r[0]]) == op else None
+
+    rounded = only_reader(divide, "relax.round")
+    low = only_reader(rounded, "relax.maximum") if rounded is not None else None
+    high = only_reader(low, "relax.minimum") if low is not None else None
+    cast = only_reader(high, "relax.astype") if high is not None else None
+    if cast is None or dtype_of(cast) != "int8":
+        return None
+    lo, hi = _const_scalar(value_of[low].args[1]), _const_scalar(value_of[high].args[1])
+    if lo is None or hi is None or not -128 <= lo <= hi <= 127:
+        return None
+    return (rounded, low, high), cast, (lo, hi)
+
+
 def find_layer_norms(mod) -> list[ClaimedLayerNorm]:
     """The float32 ``layer_norm`` calls of ``mod``'s main over the last axis (with scale and shift weights) whose
     output the next layer also reads as fp16, ``astype(y, float16)`` (maybe through a reshape), or as int8 with a
     per-token scale: ``s = row_scale(y)`` (``pipeline.row_scales_in_one_kernel``'s function) and ``astype(minimum(
     maximum(round(y / s), lo), hi), int8)``."""
-    from edgeq.backends.cuda.cutlass import _const_scalar, main_index
+    from edgeq.backends.cuda.cutlass import main_index
     from edgeq.graph import call_op
     from edgeq.graph_passes import dtype_of, shape_of
 
@@ -184,18 +214,11 @@ def find_layer_norms(mod) -> list[ClaimedLayerNorm]:
         scale = next((r for r in readers.get(var, []) if r is not None and row_scale_q(r) is not None), None)
         divide = next((r for r in readers.get(var, []) if r is not None and call_op(value_of[r]) == "relax.divide"
                        and value_of[r].args[0].same_as(var) and value_of[r].args[1].same_as(scale)), None)
-        if scale is None or divide is None:
+        tail = _quantize_tail(divide, value_of, readers) if scale is not None and divide is not None else None
+        if tail is None:
             return None
-        rounded = only_reader(divide, "relax.round")
-        low = only_reader(rounded, "relax.maximum") if rounded is not None else None
-        high = only_reader(low, "relax.minimum") if low is not None else None
-        cast = only_reader(high, "relax.astype") if high is not None else None
-        if cast is None or dtype_of(cast) != "int8":
-            return None
-        lo, hi = _const_scalar(value_of[low].args[1]), _const_scalar(value_of[high].args[1])
-        if lo is None or hi is None or not -128 <= lo <= hi <= 127:
-            return None
-        return scale, (divide, rounded, low, high), cast, (lo, hi), row_scale_q(scale)
+        between, cast, clamp = tail
+        return scale, (divide, *between), cast, clamp, row_scale_q(scale)
 
     found = []
     for b in bindings:
@@ -282,7 +305,7 @@ def claim_layer_norms(mod, claimed: Sequence[ClaimedLayerNorm], twins: bool = Fa
 # ------------------------------------------------------------------ a per-token quantize without a layer norm
 
 @dataclasses.dataclass(frozen=True)
-class RowQuantizeKernel:
+class RowQuantizeKernel(_RowKernel):
     """An int8 graph's per-token quantize of a tensor no layer norm makes (a transformer's context, its GELU's
     output, its input): the row's scale ``where(max|x| > 0, max|x| / q, 1)`` ([..., 1]) and ``int8(clamp(round(x /
     scale), lo, hi))``, x float32 or fp16 (read as float32), in one kernel (a block a row, as ``LayerNormKernel``'s
@@ -298,18 +321,6 @@ class RowQuantizeKernel:
     @property
     def function(self) -> str:
         return f"rowquant_{self.name}"
-
-    @property
-    def rows(self) -> int:
-        return math.prod(self.shape[:-1])
-
-    @property
-    def threads(self) -> int:
-        return WARP * max(1, min(MAX_WARPS, self.shape[-1] // 256))
-
-    @property
-    def grid(self) -> tuple[int, int]:
-        return self.rows, 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -377,16 +388,11 @@ def find_row_quantizes(mod) -> list[ClaimedRowQuantize]:
     """The per-token quantizes left in ``mod``'s main after ``claim_layer_norms``: ``s = row_scale(x)``
     (``pipeline.row_scales_in_one_kernel``'s function; x float32, or fp16 with the division reading its float32
     cast) and ``astype(minimum(maximum(round(x / s), lo), hi), int8)``, x's rows over its last axis."""
-    from edgeq.backends.cuda.cutlass import _const_scalar, main_index
+    from edgeq.backends.cuda.cutlass import main_index
     from edgeq.graph import call_op
     from edgeq.graph_passes import dtype_of, shape_of
 
     bindings, value_of, readers, _ = main_index(mod["main"])
-
-    def only_reader(var, op):
-        r = readers.get(var, [])
-        return r[0] if len(r) == 1 and r[0] is not None and call_op(value_of[r[0]]) == op else None
-
     found = []
     for b in bindings:
         value = b.value
@@ -411,17 +417,12 @@ def find_row_quantizes(mod) -> list[ClaimedRowQuantize]:
                 between.append(xf)
         elif dtype_of(x) != "float32":
             continue
-        rounded = only_reader(divide, "relax.round")
-        low = only_reader(rounded, "relax.maximum") if rounded is not None else None
-        high = only_reader(low, "relax.minimum") if low is not None else None
-        cast = only_reader(high, "relax.astype") if high is not None else None
-        if cast is None or dtype_of(cast) != "int8" or shape_of(cast) != shape:
+        tail = _quantize_tail(divide, value_of, readers)
+        if tail is None or shape_of(tail[1]) != shape:
             continue
-        lo, hi = _const_scalar(value_of[low].args[1]), _const_scalar(value_of[high].args[1])
-        if lo is None or hi is None or not -128 <= lo <= hi <= 127:
-            continue
-        kernel = RowQuantizeKernel(f"q{len(found)}", tuple(shape), dtype_of(x), float(q), (lo, hi))
-        found.append(ClaimedRowQuantize(kernel, x, b.var, cast, (*between, divide, rounded, low, high)))
+        rest, cast, clamp = tail
+        kernel = RowQuantizeKernel(f"q{len(found)}", tuple(shape), dtype_of(x), float(q), clamp)
+        found.append(ClaimedRowQuantize(kernel, x, b.var, cast, (*between, divide, *rest)))
     return found
 
 
