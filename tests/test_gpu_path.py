@@ -539,11 +539,12 @@ def test_fp16_is_refused_for_cpu_profiles(small, tmp_path):
 
 
 def _check_builds(model: Path, tmp_path: Path, tensorized: dict[str, int],
-                  precisions: tuple[str, ...] = ("fp32", "fp16", "int8")) -> dict[str, dict]:
+                  precisions: tuple[str, ...] = ("fp16", "int8")) -> dict[str, dict]:
     """``precisions`` bundles of ``model`` for Orin: CUDA graph, no conv/matmul on dlight's fallback rule,
     at least ``tensorized[precision]`` conv/matmul launches with HMMA (fp16) / IMMA (int8) in their SASS, fp16
-    weights half of fp32's (where both are built), and the fp16 bundle's golden outputs (computed on the host from
-    its fp16 graph) close to ONNX Runtime fp32."""
+    weights at most half of the model's float32 ones (its BatchNorms' four vectors folded away besides), and the
+    fp16 bundle's golden outputs (computed on the host from its fp16 graph) close to ONNX Runtime fp32."""
+    import onnx
     import onnxruntime as ort
 
     calib = gpu_kernels.calibration(model, tmp_path)
@@ -554,8 +555,9 @@ def _check_builds(model: Path, tmp_path: Path, tensorized: dict[str, int],
         assert row["on_fallback_rule"] == [], row
         assert row["tensor_core_launches"] >= tensorized.get(precision, 0), row
         assert row["tensor_core_fallbacks"] == [], row  # with crt/ for NVRTC each builds (int8: without pipeline)
-    if "fp32" in rows:
-        assert rows["fp16"]["weight_bytes"] * 2 <= rows["fp32"]["weight_bytes"] * 1.01  # fp16 weights, converted once
+    float_bytes = sum(onnx.numpy_helper.to_array(t).nbytes for t in onnx.load(str(model)).graph.initializer
+                      if t.data_type == onnx.TensorProto.FLOAT)
+    assert rows["fp16"]["weight_bytes"] * 2 <= float_bytes * 1.01  # fp16 weights, converted once
     bundle = tmp_path / "fp16" / f"{model.stem}-{ORIN}"
     golden = read_golden(bundle)
     session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
@@ -565,12 +567,14 @@ def _check_builds(model: Path, tmp_path: Path, tensorized: dict[str, int],
 
 
 @pytest.mark.slow
-def test_resnet18_fp32_fp16_int8_builds_for_orin(tmp_path):
+def test_resnet18_fp16_int8_builds_for_orin(tmp_path):
     """ResNet-18, 224x224: 20 convolutions and the classifier. dlight tensorizes a GEMM whose M, N and K are
     all over 64: the 9 convolutions of the 128- and 256-channel stages but for the 1x1 64->128 shortcut; not
-    the stem and 64-channel stage (N = 64), the 512-channel stage (M = 7x7 = 49), the classifier (M = 1)."""
-    rows = _check_builds(gpu_kernels.resnet18(tmp_path / "resnet18.onnx"), tmp_path, {"fp16": 9, "int8": 9})
-    assert rows["fp32"]["kernels_per_inference"] <= 23
+    the stem and 64-channel stage (N = 64), the 512-channel stage (M = 7x7 = 49), the classifier (M = 1). (The
+    fp32 build of this path: the example models' Orin package tests.)"""
+    rows = _check_builds(gpu_kernels.resnet18(tmp_path / "resnet18.onnx"), tmp_path, {"fp16": 9, "int8": 9},
+                         ("fp16", "int8"))
+    assert rows["fp16"]["kernels_per_inference"] <= 25  # (RESULTS.md: 25 with dlight)
 
 
 @pytest.mark.slow
@@ -578,8 +582,7 @@ def test_mobilenet_v2_fp16_int8_builds_for_orin(tmp_path):
     """MobileNetV2 through its 96-channel stage (13 of its 17 blocks: the 160- and 320-channel stages at 7x7 add
     only more of the same kernels, and build time), 224x224: 26 1x1 convolutions, 13 depthwise ones (no GEMM: never
     tensor cores), the stem, the classifier. The 1x1 convolutions of the 96-channel stage (14x14, 96 <-> 576
-    channels) are the ones whose M, N and K are all over 64. fp16 and int8 (the fp32 build of the same path: the
-    ResNet-18 test)."""
+    channels) are the ones whose M, N and K are all over 64. fp16 and int8."""
     model = gpu_kernels.mobilenet_v2(tmp_path / "mobilenet_v2.onnx", settings=gpu_kernels.MOBILENET_V2[:5])
     _check_builds(model, tmp_path, {"fp16": 6, "int8": 6}, ("fp16", "int8"))
 
