@@ -96,6 +96,33 @@ def test_sequence_matmuls_quantize_each_token_on_its_own_scale(tmp_path):
     assert _rel(q[:, :1], f[:, :1]) < 0.02
 
 
+def test_attention_context_keeps_one_calibrated_scale(tmp_path):
+    """In a BERT-style layer the output projection reads attention's context (softmax(Q K^T) V, its heads merged): one
+    calibrated scale (measured on all-MiniLM-L6-v2: no loss against per-token, RESULTS.md), while Q, K, V and the FFN's
+    two layers read their sequences per token. The quantized graph then holds one quantize with a constant scale
+    before the projection, and stays close to the float graph."""
+    from gpu_kernels import bert_encoder
+
+    from edgeq.graph import call_op
+
+    model = bert_encoder(tmp_path / "bert.onnx", seq=16, hidden=64, heads=2, layers=1)
+    loaded = load_model(model)
+    graph, _ = to_relax(loaded)
+    layers = find_layers(graph, loaded.onnx_model)
+    assert [l.activation for l in layers] == ["per-token"] * 3 + ["per-tensor"] + ["per-token"] * 2
+    x = np.random.default_rng(0).standard_normal((12, 1, 16, 64)).astype(np.float32)
+    np.savez(tmp_path / "calib.npz", input=x[:8])
+    result = quantize(graph, loaded, QuantizeArgs(calibrate=tmp_path / "calib.npz"))
+    assert [l.activation for l in result.layers] == [l.activation for l in layers]
+    # one run-time row scale per per-token input read (Q K V share theirs): the input's, the FFN's two; none for the
+    # context
+    scales = [b for b in result.graph.bindings() if call_op(b.value) == "relax.max"]
+    assert len(scales) == 3, [str(b.value)[:80] for b in scales]
+    ref, got = HostRunner(graph), HostRunner(result.graph)
+    for sample in x[8:]:
+        assert _rel(got([sample])[0], ref([sample])[0]) < 0.05
+
+
 def test_per_token_layers_are_not_histogrammed(tmp_path):
     """A per-token layer's calibrated threshold is never used (its scales come at run time): calibration
     records its range for the report but spends no histogram pass on it; a per-tensor layer still gets one."""

@@ -213,6 +213,41 @@ class BiasActResidual {
   }
 };
 
+// A batched GEMM's epilogue that quantizes its fp16 result to int8 with one scale (attention's context, P V, read
+// per tensor by the output projection): y = int8(clamp(round(float(half(acc * alpha)) / divisor), lo, hi)), each
+// step rounded as the graph's operators (the fp16 cast, the division, round half to even).
+struct HalfQuantizeParams {
+  float alpha; float divisor; float lo; float hi;
+};
+template <int N>
+class HalfQuantize {
+ public:
+  using ElementOutput = int8_t; using ElementC = int8_t; using ElementD = int8_t;
+  using ElementAccumulator = float; using ElementCompute = float; using ElementScalar = float;
+  static int const kCount = N;
+  using FragmentOutput = cutlass::Array<int8_t, N>; using FragmentSource = FragmentOutput;
+  using FragmentAccumulator = cutlass::Array<float, N>; using FragmentCompute = cutlass::Array<float, N>;
+  using Params = HalfQuantizeParams;
+  CUTLASS_HOST_DEVICE HalfQuantize(Params const& p) : p_(p) {}
+  CUTLASS_HOST_DEVICE bool is_source_needed() const { return false; }
+  CUTLASS_HOST_DEVICE void set_k_partition(int, int) {}
+  CUTLASS_DEVICE FragmentOutput operator()(FragmentAccumulator const& acc) const {
+    FragmentOutput y;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < N; ++i) {
+      float v = __half2float(__float2half_rn(__fmul_rn(acc[i], p_.alpha)));
+      y[i] = int8_t(int(fminf(fmaxf(rintf(__fdiv_rn(v, p_.divisor)), p_.lo), p_.hi)));
+    }
+    return y;
+  }
+  CUTLASS_DEVICE FragmentOutput operator()(FragmentAccumulator const& acc, FragmentOutput const&) const {
+    return (*this)(acc);
+  }
+
+ private:
+  Params p_;
+};
+
 // A convolution's output also written nearest-upsampled 2x (YOLO's neck: the upsampled map is a part of the next
 // concatenation): the epilogue's second output, T, through this iterator instead of CUTLASS's PredicatedTileIterator.
 // Output row m of the implicit GEMM is pixel (n, p, q) with m = (n P + p) Q + q; its value goes to the four pixels
@@ -936,6 +971,9 @@ class GemmKernel:
     # projections computed as one (``_projections_as_one``: Q, K and V side by side in one [S, 3 x H x D] tensor)
     a_offset: int = 0
     b_offset: int = 0
+    # int8 out: (divisor, lo, hi), y = int8(clamp(round(float(fp16 y) / divisor), lo, hi)) (``HalfQuantize``:
+    # attention's context quantized with its one calibrated scale for the output projection)
+    quantize: tuple[float, float, float] | None = None
 
     @property
     def strides(self) -> dict[str, tuple[int, int]]:
@@ -961,7 +999,11 @@ class GemmKernel:
 
     @property
     def out_type(self) -> str:  # float32 out: the scores a softmax reads in float32 (no cast kernel between)
-        return "float" if self.float_out else "cutlass::half_t"
+        return "int8_t" if self.quantize else "float" if self.float_out else "cutlass::half_t"
+
+    @property
+    def out_dtype(self) -> str:
+        return "int8" if self.quantize else "float32" if self.float_out else "float16"
 
     @property
     def alignment(self) -> int:
@@ -982,6 +1024,12 @@ class GemmKernel:
         return "ColumnMajor" if self.b_column_major else "RowMajor"
 
     @property
+    def epilogue(self) -> str:
+        if self.quantize:
+            return f"edgeq_cutlass::HalfQuantize<{self.out_lanes}>"
+        return f"cutlass::epilogue::thread::LinearCombination<{self.out_type}, {self.out_lanes}, float, float>"
+
+    @property
     def kernel_type(self) -> str:
         (bm, bn, bk), (wm, wn, wk) = self.tile.block, self.tile.warp
         return (
@@ -991,7 +1039,7 @@ class GemmKernel:
             "cutlass::arch::OpClassTensorOp, "
             f"cutlass::arch::Sm80, cutlass::gemm::GemmShape<{bm}, {bn}, {bk}>, "
             f"cutlass::gemm::GemmShape<{wm}, {wn}, {wk}>, cutlass::gemm::GemmShape<16, 8, 16>, "
-            f"cutlass::epilogue::thread::LinearCombination<{self.out_type}, {self.out_lanes}, float, float>, "
+            f"{self.epilogue}, "
             f"cutlass::gemm::threadblock::GemmBatchedIdentityThreadblockSwizzle, {self.tile.stages}, false, "
             "cutlass::arch::OpMultiplyAdd>::GemmKernel"
         )
@@ -1209,7 +1257,11 @@ def _gemm_source(kern: GemmKernel) -> str:
     p, kn = kern.problem, kern.name
     gm, gn, batch = kern.grid
     (lda, bsa), (ldb, bsb), (ldc, bsc) = (kern.strides[name] for name in ("a", "w", "y"))
-    out, element = ("float", "float") if kern.float_out else ("half", "half_t")
+    out, element = {"int8": ("int8_t", "int8_t"), "float32": ("float", "float"),
+                    "float16": ("half", "half_t")}[kern.out_dtype]
+    output_op = (f"edgeq_cutlass::HalfQuantizeParams{{{_c_float(kern.alpha)}, {_c_float(kern.quantize[0])}, "
+                 f"{_c_float(kern.quantize[1])}, {_c_float(kern.quantize[2])}}}" if kern.quantize
+                 else f"typename K::OutputOp::Params({_c_float(kern.alpha)}, 0.0f)")
     types = (f"using Default_{kn} = {kern.kernel_type};\nusing Kernel_{kn} = cutlass::gemm::kernel::GemmBatched<"
              f"Default_{kn}::Mma, Default_{kn}::Epilogue, cutlass::gemm::threadblock::GemmBatchedIdentityThreadblockSwizzle>;")
     return _wrapper(kn, types, f"half* a, half* w, {out}* y", f"""
@@ -1219,7 +1271,7 @@ def _gemm_source(kern: GemmKernel) -> str:
         {{reinterpret_cast<half_t*>(w) + {kern.b_offset}, layout::{kern.b_layout}({ldb})}}, {bsb}LL,
         {{reinterpret_cast<{element}*>(y), layout::RowMajor({ldc})}}, {bsc}LL,
         {{reinterpret_cast<{element}*>(y), layout::RowMajor({ldc})}}, {bsc}LL,
-        typename K::OutputOp::Params({_c_float(kern.alpha)}, 0.0f), {batch});""")
+        {output_op}, {batch});""")
 
 
 def nvrtc_options() -> str:
@@ -1262,7 +1314,7 @@ def kernel_operands(kernel: ConvKernel, shapes: dict | None = None) -> list[tupl
     if isinstance(kernel, GemmKernel):  # a, w, y: [batch, M, K], [batch, K, N], [batch, M, N] or the graph's shapes
         return [("a", tuple(shapes.get("a", (p.batch, p.m, p.k))), "float16"),
                 ("w", tuple(shapes.get("w", (p.batch, p.k, p.n))), "float16"),
-                ("y", tuple(shapes.get("y", (p.batch, p.m, p.n))), "float32" if kernel.float_out else "float16")]
+                ("y", tuple(shapes.get("y", (p.batch, p.m, p.n))), kernel.out_dtype)]
     xs, ws, ys = (p.n, p.h, p.w, kernel.x_channels), (p.k, p.r, p.s, p.c), (p.n, p.p, p.q, p.k)
     if p.depthwise:  # HWOI
         ws = (p.r, p.s, p.k, 1)
@@ -1493,6 +1545,9 @@ def replay_gemm(kernel: GemmKernel, a: np.ndarray, w: np.ndarray) -> np.ndarray:
     product = np.matmul(view(a, (p.batch, p.m, p.k), "a", offset=kernel.a_offset).astype(np.float32),
                         view(w, (p.batch, p.k, p.n), "w", kernel.b_column_major, kernel.b_offset).astype(np.float32))
     y = (product * np.float32(kernel.alpha)).astype(np.float32 if kernel.float_out else np.float16)
+    if kernel.quantize:  # the fp16 value / divisor, rounded half to even, clamped, int8
+        divisor, lo, hi = (np.float32(v) for v in kernel.quantize)
+        y = np.clip(np.rint(y.astype(np.float32) / divisor), lo, hi).astype(np.int8)
     if kernel.y_view is None:
         return y
     out = np.zeros(p.batch * p.m * p.n, y.dtype)
@@ -1552,7 +1607,9 @@ def kernel_record(kernel: ConvKernel, smem_bytes: int) -> dict:
                            if v is not None],
             "offsets": {"a": kernel.a_offset, "w": kernel.b_offset},
             "alpha": kernel.alpha, "activation": "identity", "residual": False, "precision": kernel.precision,
-            "output": "float32" if kernel.float_out else "float16", "flops": p.flops,
+            "output": kernel.out_dtype, "flops": p.flops,
+            **({"quantize": {"divisor": kernel.quantize[0], "clamp": list(kernel.quantize[1:])}} if kernel.quantize
+               else {}),
         }
     problem = {"nhwc": [p.n, p.h, p.w, p.c], "k": p.k, "rs": [p.r, p.s], "pad": list(p.pad), "stride": list(p.stride),
                "dilation": list(p.dilation), "output_pixels": p.n * p.p * p.q}
@@ -2580,17 +2637,55 @@ def _batched_gemm(b, value_of, only_reader, params, sm_count: int, smem_per_bloc
         and dtype_of(to_float) == "float32" and call_op(value_of.get(only_reader(to_float))) == "relax.nn.softmax"
     if float_out:
         chain.append(to_float)
+    quantize = None if float_out else _quantize_after(chain[-1], value_of, only_reader)
+    if quantize is not None:  # the context quantized with one scale (the output projection's per-tensor input)
+        chain += quantize[0]
+        quantize = quantize[1]
     kernel = GemmKernel(name, problem, choose_tile(problem, sm_count, smem_per_block), alpha, float_out=float_out,
                         a_view=views["a"][1] if "a" in views else None,
                         b_view=views["w"][1] if "w" in views else None,
                         y_view=views["y"][1] if "y" in views else None,
                         b_column_major="w" in views and views["w"][2] == (0, 2, 3, 1),
-                        a_offset=views["a"][3] if "a" in views else 0, b_offset=views["w"][3] if "w" in views else 0)
+                        a_offset=views["a"][3] if "a" in views else 0, b_offset=views["w"][3] if "w" in views else 0,
+                        quantize=quantize)
     kernel = dataclasses.replace(kernel, tile=gemm_tile(kernel.tile, kernel.alignment))
     a = views["a"][0] if "a" in views else a
     w = views["w"][0] if "w" in views else w
     shapes = {"a": tuple(shape_of(a)), "w": tuple(shape_of(w)), "y": tuple(shape_of(chain[-1]))}
     return Claimed(kernel, chain[-1], a, w, None, None, tuple(dropped) + tuple(chain[:-1]), shapes)
+
+
+def _quantize_after(var, value_of, only_reader) -> tuple | None:
+    """([the variables], (divisor, lo, hi)) where fp16 ``var`` is read only by ``[reshape ->] astype(float32) ->
+    divide(c) -> round -> maximum(lo) -> minimum(hi) -> astype(int8)``, each by the next only (a per-tensor quantize
+    with its calibrated scale), c, lo and hi scalar constants; else None."""
+    from edgeq.graph import call_op
+    from edgeq.graph_passes import dtype_of
+
+    chain = []
+    nxt = only_reader(var)
+    if call_op(value_of.get(nxt)) == "relax.reshape":
+        chain.append(nxt)
+        nxt = only_reader(nxt)
+    steps = (("relax.astype", "float32"), ("relax.divide", None), ("relax.round", None), ("relax.maximum", None),
+             ("relax.minimum", None), ("relax.astype", "int8"))
+    consts = []
+    for op, dtype in steps:
+        value = value_of.get(nxt)
+        if call_op(value) != op or (dtype is not None and dtype_of(nxt) != dtype) \
+                or not value.args[0].same_as(chain[-1] if chain else var):
+            return None
+        if op in ("relax.divide", "relax.maximum", "relax.minimum"):
+            c = _const_scalar(value.args[1], value_of)
+            if c is None:
+                return None
+            consts.append(c)
+        chain.append(nxt)
+        nxt = only_reader(nxt) if op != "relax.astype" or dtype != "int8" else None
+    divisor, lo, hi = consts
+    if dtype_of(var) != "float16" or not -128 <= lo <= hi <= 127 or divisor == 0:
+        return None
+    return chain, (divisor, lo, hi)
 
 
 def _head_view(var, value_of, only_reader, reader) -> tuple | None:
@@ -3085,6 +3180,10 @@ def twin_prim_func(kernel: ConvKernel, shapes: dict | None = None):
             for i, d in zip(index, y_shape):
                 flat = flat * d + i
             v = acc[(flat // bsc) % p.batch, (flat // ldc) % p.m, flat % p.n] * alpha
+            if kernel.quantize:
+                divisor, lo, hi = (tirx.const(float(np.float32(c)), "float32") for c in kernel.quantize)
+                v = tirx.round(v.astype("float16").astype("float32") / divisor)
+                return tirx.min(tirx.max(v, lo), hi).astype("int8")
             return v if kernel.float_out else v.astype("float16")
 
         return te.create_prim_func([a, w, te.compute(y_shape, out, "y")])
