@@ -573,6 +573,27 @@ def _twin_matches_graph_and_onnxruntime(model, prepared, claimed, xs, precision:
     return rewritten["main"]
 
 
+def _gemm_replay_matches_twin(c) -> None:
+    """A batched GEMM's numpy replay (independent of TVM) equals its TIR twin built for this CPU, on random fp16
+    operands, written through the kernel's views: within 2e-3 (fp16), or in int8 steps equal but where the sums' order
+    moves an fp16 rounding across a step (``GemmKernel.quantize``)."""
+    from edgeq.tvm_env import import_tvm
+
+    tvm = import_tvm()
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal(c.shapes["a"]).astype(np.float16)
+    w = rng.standard_normal(c.shapes["w"]).astype(np.float16)
+    lib = tvm.tirx.build(cutlass.twin_prim_func(c.kernel, c.shapes), target="llvm")
+    y = tvm.runtime.tensor(np.zeros(c.shapes["y"], c.kernel.out_dtype))
+    lib(tvm.runtime.tensor(a), tvm.runtime.tensor(w), y)
+    want = cutlass.replay_gemm(c.kernel, a, w).reshape(c.shapes["y"])
+    if c.kernel.quantize:
+        got = y.numpy().astype(np.int32)
+        assert np.abs(got - want).max() <= 1 and np.mean(got == want) > 0.95 and len(np.unique(got)) > 20
+    else:
+        np.testing.assert_allclose(y.numpy().astype(np.float32), want.astype(np.float32), rtol=2e-3, atol=2e-3)
+
+
 def _densenet(path, size: int = 16):
     """A DenseNet in small (torchvision's ``densenet121`` order): a biased stem, one dense layer (BatchNorm -> ReLU
     -> 1x1 conv without bias -> BatchNorm -> ReLU -> 3x3 conv without bias, concatenated to its input), a
@@ -1023,18 +1044,7 @@ def test_a_bert_style_encoders_linear_layers_run_on_cutlass(precision, tmp_path)
         else:
             np.testing.assert_allclose(y.numpy(), want, rtol=1e-6, atol=1e-6)
     for g in gemms:  # the numpy replay (independent of TVM) against the twin, built for this CPU
-        rng = np.random.default_rng(3)
-        a = rng.standard_normal(g.shapes["a"]).astype(np.float16)
-        w = rng.standard_normal(g.shapes["w"]).astype(np.float16)
-        lib = tvm.tirx.build(cutlass.twin_prim_func(g.kernel, g.shapes), target="llvm")
-        y = tvm.runtime.tensor(np.zeros(g.shapes["y"], g.kernel.out_dtype))
-        lib(tvm.runtime.tensor(a), tvm.runtime.tensor(w), y)
-        want = cutlass.replay_gemm(g.kernel, a, w).reshape(g.shapes["y"])  # written through the view, too
-        if g.kernel.quantize:  # int8 steps: equal, but where the sums' order moves an fp16 rounding across a step
-            got = y.numpy().astype(np.int32)
-            assert np.abs(got - want).max() <= 1 and np.mean(got == want) > 0.95 and len(np.unique(got)) > 20
-        else:
-            np.testing.assert_allclose(y.numpy().astype(np.float32), want.astype(np.float32), rtol=2e-3, atol=2e-3)
+        _gemm_replay_matches_twin(g)
     if precision == "fp16":  # the views against numpy's own transposes of the graph's tensors
         rng = np.random.default_rng(5)
         qkv = rng.standard_normal((1, 16, 192)).astype(np.float16)
@@ -1059,8 +1069,6 @@ def test_attention_over_a_window_of_49_tokens_runs_on_cutlass(precision, tmp_pat
     ONNX Runtime, and a kernel's numpy replay equals its twin."""
     from gpu_kernels import bert_encoder
 
-    from edgeq.tvm_env import import_tvm
-
     model = bert_encoder(tmp_path / "window.onnx", seq=49, hidden=64, heads=2, layers=1)
     xs = [np.random.default_rng(seed).standard_normal((1, 49, 64)).astype(np.float32) for seed in range(12)]
     prepared, claimed, left = _claimed_graph(model, precision, np.stack(xs[2:]), tmp_path)
@@ -1070,16 +1078,8 @@ def test_attention_over_a_window_of_49_tokens_runs_on_cutlass(precision, tmp_pat
                                                           cutlass.GemmProblem(2, 49, 32, 49)], left
     assert [(g.alignment, g.tile.stages, g.out_lanes) for g in gemms] == [(1, 2, 1)] * 2
     _twin_matches_graph_and_onnxruntime(model, prepared, claimed, xs, precision)
-    tvm = import_tvm()
     for c in (c for c in claimed if isinstance(c.kernel, cutlass.GemmKernel)):
-        rng = np.random.default_rng(3)
-        a = rng.standard_normal(c.shapes["a"]).astype(np.float16)
-        w = rng.standard_normal(c.shapes["w"]).astype(np.float16)
-        lib = tvm.tirx.build(cutlass.twin_prim_func(c.kernel, c.shapes), target="llvm")
-        y = tvm.runtime.tensor(np.zeros(c.shapes["y"], np.float32 if c.kernel.float_out else np.float16))
-        lib(tvm.runtime.tensor(a), tvm.runtime.tensor(w), y)
-        want = cutlass.replay_gemm(c.kernel, a, w).reshape(c.shapes["y"])
-        np.testing.assert_allclose(y.numpy().astype(np.float32), want.astype(np.float32), rtol=2e-3, atol=2e-3)
+        _gemm_replay_matches_twin(c)
 
 
 @pytest.mark.parametrize("precision", ["fp16", "int8"])
