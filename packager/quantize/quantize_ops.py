@@ -6,8 +6,9 @@
 
 Activations: per-tensor symmetric int8 (zero point 0) with the calibrated scale s_x. A MatMul/Gemm reading a
 sequence (rank 3 or more: tokens of a transformer, columns of a text line) scales each row on its own at run
-time instead (per-token dynamic, as LLM.int8 and ZeroQuant do): a few tokens carry activations a hundred times
-the rest, and one calibrated scale sized for them leaves the others a handful of levels:
+time instead (per-token dynamic, as LLM.int8 and ZeroQuant do; but for attention's context, ``layers.find_layers``):
+a few tokens carry activations a hundred times the rest, and one calibrated scale sized for them leaves the others a
+handful of levels:
 
     matmul(x, W)            ->  dequantize(matmul(q, W_q, out_dtype=int32), s_w[n]) * s_t,
                                 s_t = max|x[t, :]| / 127,  q = round(x / s_t)  (int8, per row t)
