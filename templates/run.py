@@ -662,12 +662,26 @@ def run_stream(model, spec, args):
                 print("\n".join("  " + line for line in text.splitlines()))
         sys.stdout.flush()
 
+    # Ctrl-C stops the run at the next frame through a flag, not an exception: a KeyboardInterrupt raised between a
+    # lock's acquire and its with-block (CPython checks signals there) left the queue's lock held, and the decoding
+    # thread waiting on it forever (seen once in CI: run.py did not exit). A second Ctrl-C interrupts at once.
+    import signal
+
+    asked = []
+
+    def on_interrupt(signum, frame):
+        asked.append(signum)
+        state["stop"] = source.cancel = True
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, on_interrupt) if main_thread else None
     interrupted = False
     finished = False  # False: a refusal is on its way up; the video being written is removed
     try:
         if args.no_pipeline:
             index = 0
-            while True:
+            while not state["stop"]:
                 try:
                     item = next_frame(index)
                 except video.VideoError as err:
@@ -682,17 +696,20 @@ def run_stream(model, spec, args):
             worker.start()
             while True:
                 with cond:
-                    while not queue and not state["done"]:
+                    while not queue and not state["done"] and not state["stop"]:
                         cond.wait(0.5)
-                    if not queue:
+                    if not queue or state["stop"]:
                         break
                     item = queue.pop(0)
                     cond.notify_all()
                 answer_frame(item)
         finished = True
+        interrupted = bool(asked)
     except KeyboardInterrupt:
         interrupted = finished = True
     finally:
+        if main_thread:
+            signal.signal(signal.SIGINT, previous)
         with cond:
             state["stop"] = True
             cond.notify_all()

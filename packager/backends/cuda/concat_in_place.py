@@ -133,11 +133,8 @@ def find_head_outputs(main, claimed: Sequence) -> list[HeadOutput]:
     only = cutlass.only_reader_of(readers)
     order = {b.var: i for i, b in enumerate(bindings)}
     by_output = {c.output: c for c in claimed}
-    outputs = set(v for v, r in readers.items() if None in r)
     found = []
-    for out in outputs:
-        if out not in value_of:
-            continue
+    for out in (b.var for b in bindings if None in readers.get(b.var, [])):  # the function's outputs, in order
         dropped, var = [], out
         if call_op(value_of[var]) == "relax.astype" and dtype_of(var) == "float32":
             var = value_of[var].args[0]
@@ -287,7 +284,7 @@ def find_placements(main, claimed: Sequence) -> list[Placement]:
                 continue
             source = _upsampled(t, value_of, readers, by_output)
             if source is not None and begin == 0 and end == _channels(t) and first % STORE == 0 \
-                    and source not in upsampled and not pools:
+                    and source not in upsampled and source not in ups.values() and not pools:
                 ups[t] = source
                 parts.append((t, first))
                 first += end
