@@ -249,11 +249,11 @@ def _lower_qdq(loaded: Loaded, imported: Imported, progress: StageProgress) -> Q
     return Quantized(result=result, reference_graph=imported.graph)
 
 
-def _quantize(args: PackageArgs, loaded: Loaded, imported: Imported, progress: StageProgress) -> Quantized:
+def _quantize(args: PackageArgs, setup: Setup, loaded: Loaded, imported: Imported, progress: StageProgress) -> Quantized:
     from edgeq.quantize import quantize
 
     result = quantize(imported.graph, loaded.model, args.quantize, note=progress.note, tick=progress.tick,
-                      warn=progress.warn)
+                      warn=progress.warn, target_precisions=setup.backend.layer_precisions)
     return Quantized(result=result, reference_graph=result.graph)  # checked against its own quantized graph
 
 

@@ -13,6 +13,8 @@ the target themselves. A backend says:
 - ``check_library``: what the exported library must carry (CUDA: device code for the profile's SM);
 - ``kernel_record``: how the manifest describes its kernels (``library.cpu_kernels`` / ``gpu_kernels``);
 - ``golden_tolerance``: what the device's results may differ by from the build host's;
+- ``layer_precisions``: the int8 layers the target runs in another precision (CUDA on CUTLASS: fp16 where
+  per-token int8 would take a kernel of its own);
 - ``to_fp16``: the graph in fp16 (backends whose ``precisions`` have it);
 - ``runtime_libraries``, ``runtime_shim``: what its runtime needs on the device beyond TVM's runtime and the
   loader (``runtime_parts`` names them);
@@ -70,6 +72,10 @@ class Backend(Protocol):
 
     def golden_tolerance(self, precision: str, quantized: bool, on_build_host: bool) -> tuple[float, float]:
         """(rtol, atol) of the self-test."""
+
+    def layer_precisions(self, graph, layers) -> dict[str, tuple[str, str]]:
+        """The quantizer's int8 layers (``quantize.layers.Layer``) this target runs in another precision: weight
+        name -> (precision, why); asked before calibration."""
 
     def to_fp16(self, graph) -> Any:
         """fp16 weights and activations, fp32 accumulation (where "fp16" is in ``precisions``)."""

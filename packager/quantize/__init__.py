@@ -243,9 +243,12 @@ def _sqnr_per_layer(graph: Graph, layers: list[Layer], act_scales: dict[str, flo
 
 def quantize(graph: Graph, model: LoadedModel, args: QuantizeArgs, note: Callable[[str], None] = lambda _: None,
              tick: Callable[[str, int, int], None] | None = None,
-             warn: Callable[[str], None] | None = None) -> QuantizeResult:
+             warn: Callable[[str], None] | None = None,
+             target_precisions: Callable[[Graph, list[Layer]], dict[str, tuple[str, str]]] | None = None
+             ) -> QuantizeResult:
     """Quantize ``graph`` (the float import of ``model``). ``note`` receives progress lines, ``warn`` warnings
-    (default: a line on stderr)."""
+    (default: a line on stderr). ``target_precisions``: the target's say on its int8 layers (the backend's
+    ``layer_precisions``: weight name -> (precision, why)), asked once the activation scales are chosen."""
     check_args(args)
     specs = model.inputs
     calibrator = CALIBRATORS[args.method]
@@ -261,6 +264,13 @@ def quantize(graph: Graph, model: LoadedModel, args: QuantizeArgs, note: Callabl
     if args.activation_scales == "per-tensor":
         for layer in layers:
             layer.activation = "per-tensor"
+    chosen = target_precisions(graph, layers) if target_precisions is not None else {}
+    for layer in layers:
+        if layer.weight in chosen and layer.precision == "int8":
+            layer.precision, layer.reason = chosen[layer.weight]
+    if chosen:
+        note(f"{len(chosen)} layer(s) in another precision for the target: "
+             f"{', '.join(sorted({why for _, why in chosen.values()}))}")
     smoothing = smooth.factors(graph, layers, lambda: calib.batches(specs)) if args.activation_scales == "auto" else {}
     if smoothing:
         graph = smooth.smooth(graph, layers, smoothing)

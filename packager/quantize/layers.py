@@ -7,7 +7,7 @@ import dataclasses
 
 import onnx
 
-from edgeq.graph import Graph, call_op, weight_operand
+from edgeq.graph import Graph, call_op, const_value, weight_operand
 from edgeq.graph_passes import shape_of
 
 PRECISIONS = ("int8", "fp16", "fp32")
@@ -39,6 +39,50 @@ def attention_context(expr, values: dict, is_weight) -> bool:
         expr = values[expr].args[0]
     value = values.get(expr)
     return call_op(value) == "relax.matmul" and not any(is_weight(a) for a in value.args)
+
+
+# element-wise operators a layer's epilogue can compute after it (a transformer FFN's bias and GELU, in either form)
+EPILOGUE_OPS = frozenset({"relax.add", "relax.subtract", "relax.multiply", "relax.divide", "relax.erf", "relax.tanh",
+                          "relax.sigmoid", "relax.nn.gelu", "relax.nn.gelu_tanh", "relax.nn.silu", "relax.nn.relu",
+                          "relax.clip", "relax.maximum", "relax.minimum"})
+
+
+def made_by_a_layer(expr, values: dict, is_weight) -> bool:
+    """Whether ``expr`` is one layer's output (a conv2d or matmul by a weight) or computed from it by element-wise
+    operators whose other operands are weights or constants (a transformer FFN's first layer, its bias and GELU):
+    a value that layer's epilogue can write in whatever form the next layer reads."""
+    sources, stack, seen = set(), [expr], set()
+    while stack:
+        e = stack.pop()
+        if e in seen:
+            continue
+        seen.add(e)
+        value = values.get(e)
+        if weight_operand(value, values.get, is_weight)[0] is not None:
+            sources.add(e)
+            continue
+        if call_op(value) not in EPILOGUE_OPS:
+            return False
+        stack.extend(a for a in value.args if not is_weight(a) and const_value(a) is None)
+    return len(sources) == 1
+
+
+def epilogue_inputs(graph: Graph, layers: list[Layer]) -> list[Layer]:
+    """The per-token int8 layers of ``layers`` whose input another layer's epilogue makes (``made_by_a_layer``: a
+    transformer FFN's second layer, after GELU), in their order."""
+    values = {b.var: b.value for b in graph.bindings()}
+    params = set(graph.weight_params)
+
+    def is_weight(expr):
+        return expr in params
+
+    inputs = {}
+    for b in graph.bindings():
+        rhs, _ = weight_operand(b.value, values.get, is_weight)
+        if rhs is not None:
+            inputs.setdefault(rhs.name, b.value.args[0])
+    return [l for l in layers if l.precision == "int8" and l.activation == "per-token" and l.weight in inputs
+            and made_by_a_layer(inputs[l.weight], values, is_weight)]
 
 
 def find_layers(graph: Graph, model: onnx.ModelProto | None = None) -> list[Layer]:

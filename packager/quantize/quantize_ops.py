@@ -16,8 +16,9 @@ handful of levels:
 Weights: per-output-channel symmetric int8, s_w[c] = max|W[c]| / 127. The products accumulate in int32; the float dequantize
 at the end is the epilogue that ``fold_bias`` and ``requantize`` then improve. A layer with a calibrated input
 scale adds its ``bias_correction`` (the mean shift its rounding adds, per output channel) after the dequantize,
-as a bias: ``fold_bias`` folds it into the int32 accumulator. fp16 layers cast around an
-fp16 op with fp16 weights.
+as a bias: ``fold_bias`` folds it into the int32 accumulator. An fp16 layer casts its input to fp16 and computes
+with fp16 weights, accumulating in float32, which it returns (``out_dtype`` float32: no rounding to fp16 between
+the product and the float32 operators after it, as a tensor-core kernel's float32 epilogue computes it).
 """
 
 from __future__ import annotations
@@ -116,14 +117,12 @@ def quantize_ops(graph: Graph, plans: dict[str, LayerPlan], taps: list[str] | No
         if plan is None or plan.precision == "fp32":
             return None
         w = rw.weight(weight_var)
-        if plan.precision == "fp16":
+        if plan.precision == "fp16":  # fp16 operands, float32 accumulation and output (what follows stays float32)
             x16 = rw.emit(relax.op.astype(rw.new(value.args[0]), "float16"))
             w16 = rw.param(f"{weight_var.name}_fp16", (w.T if transposed else w).astype(np.float16))
             if op == "relax.nn.conv2d":
-                y = rw.emit(relax.op.nn.conv2d(x16, w16, out_dtype="float16", **_conv_attrs(value)))
-            else:
-                y = rw.emit(relax.op.matmul(x16, w16, out_dtype="float16"))
-            return relax.op.astype(y, "float32")
+                return relax.op.nn.conv2d(x16, w16, out_dtype="float32", **_conv_attrs(value))
+            return relax.op.matmul(x16, w16, out_dtype="float32")
         if plan.per_token and op == "relax.matmul":
             if value.args[0] not in row_quantized:
                 row_quantized[value.args[0]] = _quantize_rows(rw, value.args[0])

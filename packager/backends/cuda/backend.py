@@ -164,6 +164,21 @@ class CudaBackend:
             return GOLDEN_INT8_RTOL, GOLDEN_INT8_ATOL
         return GOLDEN_RTOL, GOLDEN_ATOL
 
+    def layer_precisions(self, graph, layers) -> dict[str, tuple[str, str]]:
+        """On CUTLASS, a per-token int8 layer whose input another layer's epilogue makes (a transformer FFN's second
+        layer, after GELU) runs in fp16: the layer before writes its input in fp16, where per-token int8 needs a
+        kernel of its own to find each row's scale (no layer norm's kernel makes this input). It is faster on an
+        Orin (an FFN's second layer at 128 tokens, all-MiniLM-L6-v2's: fp16 GEMM 15.5 us against int8 GEMM 7.7 us
+        + the row-quantize kernel 9.6 us + a launch, by ``benchmarks/gpu_kernels.orin_estimate``'s roofline) and
+        closer to float; TensorRT picks a layer's precision by its speed the same way."""
+        if self.gpu_kernels != "cutlass":
+            return {}
+        from edgeq.quantize.layers import epilogue_inputs
+
+        why = ("fp16", "CUTLASS: its input comes in fp16 from the layer before, where per-token int8 takes a "
+                       "row-quantize kernel")
+        return {layer.weight: why for layer in epilogue_inputs(graph, layers)}
+
     def to_fp16(self, graph):
         from edgeq.backends.cuda.pipeline import to_fp16
 

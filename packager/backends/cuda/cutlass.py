@@ -179,21 +179,22 @@ class Requantize {  // Out float: the value before the division, unrounded (an i
   Params p_;
 };
 
-// The fp16 epilogue of a residual added after the activation (CUTLASS's bias-elementwise epilogue adds its source
-// before it): z = half(act(acc + bias[k]) + float(residual)), the bias the broadcast vector (YOLO's bottleneck,
-// x + SiLU(conv(x))).
-template <int N, typename Act>
+// The epilogue of a residual added after the activation (CUTLASS's bias-elementwise epilogue adds its source
+// before it): z = E(act(acc + bias[k]) + float(residual)), the bias the broadcast vector; E (output, residual and
+// bias) fp16 (YOLO's bottleneck, x + SiLU(conv(x))) or float (an fp16 layer of an int8 graph: its float32 bias
+// and residual stream, in the graph's order).
+template <int N, typename Act, typename E = cutlass::half_t>
 class BiasActResidual {
  public:
-  using ElementOutput = cutlass::half_t; using ElementD = cutlass::half_t; using ElementC = cutlass::half_t;
+  using ElementOutput = E; using ElementD = E; using ElementC = E;
   using ElementAccumulator = float; using ElementCompute = float; using ElementScalar = float;
-  using ElementZ = cutlass::half_t; using ElementT = cutlass::half_t; using ElementVector = cutlass::half_t;
+  using ElementZ = E; using ElementT = E; using ElementVector = E;
   static int const kElementsPerAccess = N; static int const kCount = N;
   static bool const IsEltActSupported = true; static bool const kIsSingleSource = true;
   using FragmentAccumulator = cutlass::Array<float, N>; using FragmentCompute = cutlass::Array<float, N>;
-  using FragmentC = cutlass::Array<cutlass::half_t, N>; using FragmentZ = FragmentC; using FragmentT = FragmentC;
+  using FragmentC = cutlass::Array<E, N>; using FragmentZ = FragmentC; using FragmentT = FragmentC;
   using FragmentSource = FragmentC; using FragmentOutput = FragmentZ;
-  using ElementBias = cutlass::half_t; using FragmentBias = cutlass::Array<cutlass::half_t, N>;
+  using ElementBias = E; using FragmentBias = cutlass::Array<E, N>;
   static bool const kIsHeavy = false; static bool const kStoreZ = true; static bool const kStoreT = false;
   struct Params {};
   CUTLASS_HOST_DEVICE BiasActResidual(Params const&) {}
@@ -203,13 +204,13 @@ class BiasActResidual {
                                  FragmentCompute const& bias) const {
     Act act;
     CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < N; ++i) z[i] = cutlass::half_t(act(acc[i] + bias[i]) + float(c[i]));
+    for (int i = 0; i < N; ++i) z[i] = E(act(acc[i] + bias[i]) + float(c[i]));
   }
   CUTLASS_DEVICE void operator()(FragmentZ& z, FragmentT&, FragmentAccumulator const& acc,
                                  FragmentCompute const& bias) const {
     Act act;
     CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < N; ++i) z[i] = cutlass::half_t(act(acc[i] + bias[i]));
+    for (int i = 0; i < N; ++i) z[i] = E(act(acc[i] + bias[i]));
   }
 };
 
@@ -631,6 +632,14 @@ class ConvKernel:
         return "int8" if self.precision == "int8" else "float16"
 
     @property
+    def bias_dtype(self) -> str:
+        """fp16: float32 where a residual comes after a float32 output (an fp16 layer of an int8 graph, whose bias
+        and residual stream the graph adds in float32: ``BiasActResidual<.., float>``); int8: int32."""
+        if self.precision == "int8":
+            return "int32"
+        return "float32" if self.float_out and self.residual_after else "float16"
+
+    @property
     def x_channels(self) -> int:
         """Channels of the tensor x is read from."""
         return self.x_view[1] if self.x_view else self.problem.c
@@ -698,7 +707,8 @@ class ConvKernel:
                 f"cutlass::conv::StrideSupport::kStrided, {self.input_alignment}, {self.input_alignment}>"
             )
         out, lanes = ("float", 4) if self.float_out else ("cutlass::half_t", ALIGNMENT)  # 16-byte stores
-        epilogue = (f"edgeq_cutlass::BiasActResidual<{lanes}, {ACTIVATIONS[self.activation]}>" if self.residual_after
+        epilogue = (f"edgeq_cutlass::BiasActResidual<{lanes}, {ACTIVATIONS[self.activation]}, {out}>"
+                    if self.residual_after
                     else f"cutlass::epilogue::thread::LinearCombinationBiasElementwise<{out}, float, float, {out}, "
                     f"{out}, {lanes}, {ACTIVATIONS[self.activation]}, cutlass::plus<float>, false, cutlass::half_t>")
         return (
@@ -1069,8 +1079,8 @@ def device_source(kernels: Sequence[ConvKernel]) -> str:
                          f"{'post' if kern.post else 'nullptr'}}}")
             vector = "channel"
         elif kern.residual_after:
-            element, out_element, output_op = "half_t", "half_t", "{}"
-            vector = "reinterpret_cast<half_t*>(bias)"
+            element, out_element, output_op = "half_t", ("float" if kern.float_out else "half_t"), "{}"
+            vector = f"reinterpret_cast<{'float' if kern.bias_dtype == 'float32' else 'half_t'}*>(bias)"
         else:
             element, out_element = "half_t", ("float" if kern.float_out else "half_t")
             output_op = f"{{1.0f, {'1.0f' if kern.residual else '0.0f'}}}"
@@ -1301,7 +1311,7 @@ def kernel_operands(kernel: ConvKernel, shapes: dict | None = None) -> list[tupl
             ops.append(("channel", (p.k,), "float32"))
         act = "float32" if kernel.float_out else "int8"
     else:
-        ops = [("x", xs, "float16"), ("w", ws, "float16"), ("bias", bs, "float16")]
+        ops = [("x", xs, "float16"), ("w", ws, "float16"), ("bias", bs, kernel.bias_dtype)]
         act = "float32" if kernel.float_out else "float16"
     if kernel.residual:
         rs = (p.n, p.p, p.q, kernel.residual_view[1]) if kernel.residual_view else (p.n, p.p, p.q, p.k) \
@@ -1454,15 +1464,18 @@ def replay(kernel: ConvKernel, x: np.ndarray, w: np.ndarray, bias: np.ndarray,
            residual: np.ndarray | None = None) -> np.ndarray:
     """What the kernel is asked to compute, on the host in float32 (independent of CUTLASS and TVM): x NHWC
     [N, H, W, C], w OHWI [K, R, S, C] (channels padded), bias [K]; the result rounded to fp16 as the epilogue's
-    conversion does (float32 unrounded for a ``float_out`` kernel). Bottom/right padding is what the output size
-    reaches (CUTLASS's implicit-GEMM iterators)."""
+    conversion does (float32 unrounded for a ``float_out`` kernel); the residual added before the bias, or after the
+    activation (``residual_after``). Bottom/right padding is what the output size reaches (CUTLASS's implicit-GEMM
+    iterators)."""
     acc = _accumulate(kernel.problem, _x_slice(kernel, x), w, np.float32)
-    if residual is not None:
+    if residual is not None and not kernel.residual_after:
         acc = acc + residual.astype(np.float32)
     z = acc + bias.astype(np.float32)
     z = {"identity": lambda v: v, "relu": lambda v: np.maximum(v, 0), "relu6": lambda v: np.clip(v, 0, 6),
          "silu": lambda v: v / (1 + np.exp(-v)), "hardswish": lambda v: v * np.clip(v + 3, 0, 6) / 6,
          "gelu": lambda v: 0.5 * v * (1 + _erf(v / np.sqrt(2.0)))}[kernel.activation](z)
+    if residual is not None and kernel.residual_after:  # ``BiasActResidual``: after the activation
+        z = z + residual.reshape(z.shape).astype(np.float32)
     return z.astype(np.float32 if kernel.float_out else np.float16)
 
 
@@ -1618,6 +1631,8 @@ def kernel_record(kernel: ConvKernel, smem_bytes: int) -> dict:
     if kernel.residual:
         record["residual_dtype"] = kernel.residual_type
         record["residual_after_activation"] = getattr(kernel, "residual_after", False)
+    if kernel.precision != "int8" and not isinstance(kernel, GemmKernel) and kernel.bias_dtype != "float16":
+        record["bias_dtype"] = kernel.bias_dtype  # an fp16 layer of an int8 graph: its float32 bias
     if isinstance(kernel, TokenLinearKernel):  # y = float(acc) * scale[n] * token[m] + bias[n] [GELU] [+ residual]
         record["activation"] = "gelu" if kernel.gelu else "identity"
         record["token_scale"] = {"rows": kernel.rows, "bias": True, "gelu": list(kernel.gelu) if kernel.gelu else None}
@@ -2352,14 +2367,27 @@ def find_convs(main, sm_count: int, smem_per_block: int) -> tuple[list[Claimed],
                 "channels not a multiple of 8"
         chain = [b.var]
         cast = follow(chain, k) if why is None else None
-        if why is None and (cast is None or call_op(value_of[cast]) != "relax.astype"
-                            or str(value_of[cast].attrs.dtype) != "float16"):
+        mixed = (_float32_epilogue(chain, cast, k, value_of, only_reader, params, taken)
+                 if why is None and not (depthwise or grouped) else None)
+        if why is None and mixed is None and (cast is None or call_op(value_of[cast]) != "relax.astype"
+                                              or str(value_of[cast].attrs.dtype) != "float16"):
             why = "no fp16 cast after it"
-        if why is None:
-            chain.append(cast)
         if why is not None:
             left.append({"conv": b.var.name, "why": why})
             continue
+        problem = Conv2dProblem(xs[0], xs[1], xs[2], xs[3], k, kr, ks, (pads[0], pads[1]),
+                                tuple(int(v) for v in attrs.strides), tuple(int(d) for d in attrs.dilation),
+                                c_real=xs[3] - _channels_padded(x, value_of),
+                                groups=k if depthwise else groups if grouped else 1)
+        if mixed is not None:  # an fp16 layer of an int8 graph: float32 bias and residual, float32 out
+            bias, residual, chain = mixed
+            kernel = ConvKernel(f"l{len(claimed)}", problem, choose_tile(problem, sm_count, smem_per_block),
+                                residual=True, float_out=True, residual_after=True)
+            claimed.append(Claimed(kernel, chain[-1], x, w, bias, residual, tuple(chain[:-1]),
+                                   {"bias": tuple(shape_of(bias)), **_output_shape(chain[-1], problem)}))
+            taken.update(chain)
+            continue
+        chain.append(cast)
         # the bias: a per-channel weight added after the cast; a convolution without one (DenseNet's, into its
         # concatenations) gets zeros, and what follows it is matched as after a bias
         add = follow(chain, k)
@@ -2431,10 +2459,6 @@ def find_convs(main, sm_count: int, smem_per_block: int) -> tuple[list[Claimed],
                 if other and shape_of(other[0]) == shape_of(to_float) and dtype_of(other[0]) == "float32":
                     residual = other[0]
                     chain.append(after)
-        problem = Conv2dProblem(xs[0], xs[1], xs[2], xs[3], k, kr, ks, (pads[0], pads[1]),
-                                tuple(int(v) for v in attrs.strides), tuple(int(d) for d in attrs.dilation),
-                                c_real=xs[3] - _channels_padded(x, value_of),
-                                groups=k if depthwise else groups if grouped else 1)
         if grouped:
             tile = group_tile(problem, sm_count, smem_per_block)
             kernel = GroupConvKernel(f"l{len(claimed)}", problem, tile, activation) if tile else None
@@ -2457,6 +2481,34 @@ def find_convs(main, sm_count: int, smem_per_block: int) -> tuple[list[Claimed],
                                 **_output_shape(chain[-1], problem)}))
         taken.update(chain)
     return [_read_in_place(c, value_of) for c in claimed], left
+
+
+def _float32_epilogue(chain, add, k, value_of, only_reader, params, taken) -> tuple | None:
+    """Where an fp16 product with float32 out (``chain``: the conv2d and its views; an fp16 layer of an int8 graph,
+    ``quantize_ops``) is read by ``add`` of a float32 bias [K] (a weight) and that by an add of a float32 residual
+    of its shape (a transformer's residual stream): (the bias, the residual, the chain through both adds); else
+    None."""
+    from edgeq.graph import call_op
+    from edgeq.graph_passes import dtype_of, shape_of
+
+    def operand(var, prev):
+        args = [a for a in value_of[var].args if not a.same_as(prev)]
+        return args[0] if len(args) == 1 else None
+
+    if dtype_of(chain[-1]) != "float32" or add is None or add in taken or call_op(value_of[add]) != "relax.add":
+        return None
+    bias = operand(add, chain[-1])
+    shape = shape_of(bias) if bias is not None and bias in params and dtype_of(bias) == "float32" else None
+    if shape is None or int(np.prod(shape)) != k or shape[-1] != k:
+        return None
+    nxt = only_reader(add)
+    if nxt is None or nxt in taken or call_op(value_of[nxt]) != "relax.add":
+        return None
+    residual = operand(nxt, add)
+    if residual is None or dtype_of(residual) != "float32" or shape_of(residual) != shape_of(add) \
+            or any(residual.same_as(v) for v in chain):
+        return None
+    return bias, residual, [*chain, add, nxt]
 
 
 def _read_in_place(c: Claimed, value_of) -> Claimed:
@@ -2854,7 +2906,7 @@ def _int8_chain(b, value_of, only_reader, follow, readers, params, sm_count: int
 def _token_epilogue(out, k, value_of, only_reader, readers, params, taken, op_of, other, per_channel):
     """What follows an int8 linear layer's weight scale ``out`` where its input is quantized per token: ``* token
     (a float32 tensor [..., M, 1] computed at run time: each row's scale) -> [+ bias (float32, K)] -> [astype float16
-    | GELU (erf form) | + residual (float32, the output's shape)]``, as (token, bias, the vars after ``out``, the
+    | GELU (erf form) [astype float16] | + residual (float32, the output's shape)]``, as (token, bias, the vars after ``out``, the
     output's dtype, ``TokenLinearKernel.gelu``, residual); None where ``out`` is not read so."""
     from edgeq.graph import const_value
     from edgeq.graph_passes import dtype_of, shape_of
@@ -2885,7 +2937,10 @@ def _token_epilogue(out, k, value_of, only_reader, readers, params, taken, op_of
         one = _const_scalar(other(one_plus, erf), value_of)
         half_first = _const_scalar(other(half, last), value_of) is not None  # (x * 0.5) * (1 + erf)
         halved = _const_scalar(other(half, last) if half_first else other(final, half), value_of)
-        return token, bias, chain + gelu, "float32", (constant, divide, halved, one, half_first), None
+        cast = only_reader(final)  # the next layer's fp16 input (an fp16 layer of the int8 graph: FFN's second)
+        tail, out_dtype = ((chain + gelu + [cast], "float16") if op_of(cast) == "relax.astype"
+                           and dtype_of(cast) == "float16" and cast not in taken else (chain + gelu, "float32"))
+        return token, bias, tail, out_dtype, (constant, divide, halved, one, half_first), None
     if op_of(nxt) == "relax.add" and nxt not in taken:
         r = other(nxt, last)
         if r is not None and dtype_of(r) == "float32" and shape_of(r) == ys and r not in taken \
