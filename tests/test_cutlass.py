@@ -469,7 +469,7 @@ def test_kernels_compile_in_a_tvm_module_to_tensor_cores(profile, precision, nvr
     assert stores["upsampled"] % 5 == 0 and stores["upsampled"] > stores["placed"] > 0, stores
     assert not re.search(r"\bST\.E", kernel_sass("cutlass_upsampled", sass))  # no generic stores
     # the head's: T through edgeq's ChannelMajorIterator (its 120 pixels a batch, 80 channels, 500 anchors compiled
-    # in) from element 40 x 500 + 200 of the output, every element its own 4-byte global store; no Z (OnlyT)
+    # in) from element 40 x 500 + 200 of the output, every element its own 4-byte global store; no Z (ZAsT, StoreZ false)
     head = source[source.index("void edgeq_cutlass_head("):]
     assert "y + 20200, 0, 0)" in head and "edgeq_cutlass::ChannelMajor<120, 80, 500>::Iterator>::Kernel" in source
     assert "float* y," in re.search(r"void edgeq_cutlass_head\(([^)]*)\)", source).group(1) + ","

@@ -167,10 +167,10 @@ class CudaBackend:
     def layer_precisions(self, graph, layers) -> dict[str, tuple[str, str]]:
         """On CUTLASS, a per-token int8 layer whose input another layer's epilogue makes (a transformer FFN's second
         layer, after GELU) runs in fp16: the layer before writes its input in fp16, where per-token int8 needs a
-        kernel of its own to find each row's scale (no layer norm's kernel makes this input). It is faster on an
-        Orin (an FFN's second layer at 128 tokens, all-MiniLM-L6-v2's: fp16 GEMM 15.5 us against int8 GEMM 7.7 us
-        + the row-quantize kernel 9.6 us + a launch, by ``benchmarks/gpu_kernels.orin_estimate``'s roofline) and
-        closer to float; TensorRT picks a layer's precision by its speed the same way."""
+        kernel of its own to find each row's scale (a row is wider than any CTA's tile; no layer norm's kernel makes
+        this input). One kernel less a layer, closer to float (all-MiniLM-L6-v2: benchmarks/RESULTS.md), and about
+        as fast by the Orin roofline (the fp16 GEMM against the int8 one, the quantize kernel's bytes and launch,
+        and the first layer's float32 output); TensorRT picks a layer's precision by its speed the same way."""
         if self.gpu_kernels != "cutlass":
             return {}
         from edgeq.quantize.layers import epilogue_inputs

@@ -347,10 +347,8 @@ class Upsample2xIterator : public StoreOnlyIterator<ThreadMap_, Element_> {
  public:
   using Base = StoreOnlyIterator<ThreadMap_, Element_>;
   using typename Base::AccessType; using typename Base::Element; using typename Base::Fragment;
-  using typename Base::LongIndex; using typename Base::Params; using typename Base::TensorCoord;
-  CUTLASS_DEVICE Upsample2xIterator(Params const& params, Element* pointer, TensorCoord extent, int thread_idx,
-                                    TensorCoord threadblock_offset = TensorCoord())
-      : Base(params, pointer, extent, thread_idx, threadblock_offset) {}
+  using typename Base::LongIndex;
+  using Base::Base;
   CUTLASS_DEVICE void store(Fragment const& frag) const {
     Element* ptr = this->ptr_;
     LongIndex ld = this->ld_;
@@ -366,22 +364,6 @@ class Upsample2xIterator : public StoreOnlyIterator<ThreadMap_, Element_> {
   }
 };
 
-// An epilogue functor that also hands its output Z out as T (the epilogue then stores both).
-template <typename F>
-struct AlsoT : F {
-  using Params = typename F::Params;
-  using ElementT = typename F::ElementZ;
-  using FragmentT = typename F::FragmentZ;
-  static bool const kStoreT = true;
-  CUTLASS_HOST_DEVICE AlsoT(Params const& p) : F(p) {}
-  template <typename... A>
-  CUTLASS_DEVICE void operator()(typename F::FragmentZ& z, FragmentT& t, A const&... a) const {
-    typename F::FragmentT unused;
-    F::operator()(z, unused, a...);
-    t = z;
-  }
-};
-
 // A detector head's last convolution writing its part of the model's output directly ([N, C, A]: a level's box or
 // class channels at its anchors, the exporter's transpose, reshape and concatenations): output element (m, k), m =
 // n HW + pixel, goes to (n C + k) A + pixel from where T points (its first channel and anchor). Channel-major: each
@@ -391,18 +373,15 @@ class ChannelMajorIterator : public StoreOnlyIterator<ThreadMap_, Element_> {
  public:
   using Base = StoreOnlyIterator<ThreadMap_, Element_>;
   using typename Base::AccessType; using typename Base::Element; using typename Base::Fragment;
-  using typename Base::LongIndex; using typename Base::Params; using typename Base::TensorCoord;
-  static int const kElementsPerAccess = Base::kElementsPerAccess;
-  CUTLASS_DEVICE ChannelMajorIterator(Params const& params, Element* pointer, TensorCoord extent, int thread_idx,
-                                      TensorCoord threadblock_offset = TensorCoord())
-      : Base(params, pointer, extent, thread_idx, threadblock_offset) {}
+  using typename Base::LongIndex;
+  using Base::Base;
   CUTLASS_DEVICE void store(Fragment const& frag) const {
     Element* ptr = this->ptr_;
     int columns = this->extent_column_;
     this->for_each_access(frag, [&](int m, int col, AccessType const& v) {
       Element* pixel = ptr + LongIndex(m / HW) * C * A + m % HW;
       CUTLASS_PRAGMA_UNROLL
-      for (int j = 0; j < kElementsPerAccess; ++j)
+      for (int j = 0; j < Base::kElementsPerAccess; ++j)
         if (col + j < columns)
           cutlass::arch::global_store<Element, sizeof(Element)>(
               v[j], static_cast<void*>(pixel + LongIndex(col + j) * A), true);
@@ -410,16 +389,18 @@ class ChannelMajorIterator : public StoreOnlyIterator<ThreadMap_, Element_> {
   }
 };
 
-// An epilogue functor whose output goes out only as T, converted to Out (Z is not stored): the fp16 head's
-// value as the float32 the model outputs (the graph rounds to fp16 first, then casts), an int8 head's float as is.
-template <typename F, typename Out>
-struct OnlyT : F {
+// An epilogue functor that hands its output Z out as T too, converted to Out (the epilogue stores T through
+// WithT's iterator): an upsampled copy (Out: Z's element, Z stored as well), or a detector head's part of the
+// model's output (StoreZ false: only T; the fp16 head's value as the float32 the model outputs, the graph rounding
+// to fp16 first, then casting; an int8 head's float as is).
+template <typename F, typename Out = typename F::ElementZ, bool StoreZ = true>
+struct ZAsT : F {
   using Params = typename F::Params;
   using ElementT = Out;
   using FragmentT = cutlass::Array<Out, F::FragmentZ::kElements>;
-  static bool const kStoreZ = false;
+  static bool const kStoreZ = StoreZ;
   static bool const kStoreT = true;
-  CUTLASS_HOST_DEVICE OnlyT(Params const& p) : F(p) {}
+  CUTLASS_HOST_DEVICE ZAsT(Params const& p) : F(p) {}
   template <typename... A>
   CUTLASS_DEVICE void operator()(typename F::FragmentZ& z, FragmentT& t, A const&... a) const {
     typename F::FragmentT unused;
@@ -429,7 +410,7 @@ struct OnlyT : F {
   }
 };
 
-// A convolution kernel (DefaultConv2dFpropWithBroadcast's B, its functor an AlsoT or OnlyT) whose T goes out
+// A convolution kernel (DefaultConv2dFpropWithBroadcast's B, its functor a ZAsT) whose T goes out
 // through the iterator TIterator<ThreadMap, element> makes.
 template <typename B, template <typename, typename> class TIterator>
 struct WithT {
@@ -690,8 +671,8 @@ class ConvKernel:
 
         def op(functor: str) -> str:  # an upsampled copy: the functor's output also as T; a head's: only as T
             if self.head_out:
-                return f"edgeq_cutlass::OnlyT<{functor}, {C_TYPES[self.head_out[4]]}>"
-            return f"edgeq_cutlass::AlsoT<{functor}>" if self.up_view else functor
+                return f"edgeq_cutlass::ZAsT<{functor}, {C_TYPES[self.head_out[4]]}, false>"
+            return f"edgeq_cutlass::ZAsT<{functor}>" if self.up_view else functor
 
         if self.precision == "int8":
             out, res = C_TYPES[self.output_dtype], C_TYPES[self.residual_type]
@@ -2331,7 +2312,8 @@ def find_convs(main, sm_count: int, smem_per_block: int) -> tuple[list[Claimed],
         value = b.value
         found = None
         if call_op(value) == "relax.matmul":  # what _matmul_as_conv left a matrix product: attention's, batched
-            found = _batched_gemm(b, value_of, only_reader, params, sm_count, smem_per_block, f"l{len(claimed)}")
+            found = _batched_gemm(b, value_of, only_reader, readers, params, sm_count, smem_per_block,
+                                  f"l{len(claimed)}")
         elif call_op(value) != "relax.nn.conv2d":
             continue
         elif dtype_of(value.args[0]) == "int8":
@@ -2597,7 +2579,8 @@ def _gelu_of(var, readers, value_of, only_reader) -> list | None:
     return None
 
 
-def _batched_gemm(b, value_of, only_reader, params, sm_count: int, smem_per_block: int, name: str) -> Claimed | str:
+def _batched_gemm(b, value_of, only_reader, readers, params, sm_count: int, smem_per_block: int,
+                  name: str) -> Claimed | str:
     """A matrix product ``_matmul_as_conv`` left (the second operand an activation: attention's Q K^T and P V) as
     one batched GEMM kernel, ``matmul(fp16 [..., M, K], fp16 [..., K, N], fp32 out) -> astype fp16``; or why it is
     left to dlight."""
@@ -2650,7 +2633,7 @@ def _batched_gemm(b, value_of, only_reader, params, sm_count: int, smem_per_bloc
         and dtype_of(to_float) == "float32" and call_op(value_of.get(only_reader(to_float))) == "relax.nn.softmax"
     if float_out:
         chain.append(to_float)
-    quantize = None if float_out else _quantize_after(chain[-1], value_of, only_reader)
+    quantize = None if float_out else _quantize_after(chain[-1], value_of, only_reader, readers)
     if quantize is not None:  # the context quantized with one scale (the output projection's per-tensor input)
         chain += quantize[0]
         quantize = quantize[1]
@@ -2668,10 +2651,11 @@ def _batched_gemm(b, value_of, only_reader, params, sm_count: int, smem_per_bloc
     return Claimed(kernel, chain[-1], a, w, None, None, tuple(dropped) + tuple(chain[:-1]), shapes)
 
 
-def _quantize_after(var, value_of, only_reader) -> tuple | None:
+def _quantize_after(var, value_of, only_reader, readers) -> tuple | None:
     """([the variables], (divisor, lo, hi)) where fp16 ``var`` is read only by ``[reshape ->] astype(float32) ->
-    divide(c) -> round -> maximum(lo) -> minimum(hi) -> astype(int8)``, each by the next only (a per-tensor quantize
-    with its calibrated scale), c, lo and hi scalar constants; else None."""
+    divide(c)`` and then the int8 tail ``layer_norm.quantize_tail`` matches (round, maximum(lo), minimum(hi), astype
+    int8), each by the next only (a per-tensor quantize with its calibrated scale), c a scalar constant; else None."""
+    from edgeq.backends.cuda.layer_norm import quantize_tail
     from edgeq.graph import call_op
     from edgeq.graph_passes import dtype_of
 
@@ -2680,25 +2664,19 @@ def _quantize_after(var, value_of, only_reader) -> tuple | None:
     if call_op(value_of.get(nxt)) == "relax.reshape":
         chain.append(nxt)
         nxt = only_reader(nxt)
-    steps = (("relax.astype", "float32"), ("relax.divide", None), ("relax.round", None), ("relax.maximum", None),
-             ("relax.minimum", None), ("relax.astype", "int8"))
-    consts = []
-    for op, dtype in steps:
+    for op, dtype in (("relax.astype", "float32"), ("relax.divide", None)):
         value = value_of.get(nxt)
         if call_op(value) != op or (dtype is not None and dtype_of(nxt) != dtype) \
                 or not value.args[0].same_as(chain[-1] if chain else var):
             return None
-        if op in ("relax.divide", "relax.maximum", "relax.minimum"):
-            c = _const_scalar(value.args[1], value_of)
-            if c is None:
-                return None
-            consts.append(c)
         chain.append(nxt)
-        nxt = only_reader(nxt) if op != "relax.astype" or dtype != "int8" else None
-    divisor, lo, hi = consts
-    if dtype_of(var) != "float16" or not -128 <= lo <= hi <= 127 or divisor == 0:
+        nxt = only_reader(nxt)
+    divisor = _const_scalar(value_of[chain[-1]].args[1], value_of)
+    tail = quantize_tail(chain[-1], value_of, readers)
+    if dtype_of(var) != "float16" or tail is None or not divisor:
         return None
-    return chain, (divisor, lo, hi)
+    (rounded, low, high), cast, (lo, hi) = tail
+    return [*chain, rounded, low, high, cast], (divisor, lo, hi)
 
 
 def _head_view(var, value_of, only_reader, reader) -> tuple | None:

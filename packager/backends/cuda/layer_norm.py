@@ -163,7 +163,7 @@ def kernel_record(kernel: LayerNormKernel) -> dict:
             "shape": list(kernel.shape), "epsilon": kernel.epsilon, "outputs": outputs}
 
 
-def _quantize_tail(divide, value_of, readers):
+def quantize_tail(divide, value_of, readers):
     """((rounded, low, high), the int8 cast, (lo, hi)) where ``divide`` is read only by ``round``, then
     ``maximum(., lo)``, ``minimum(., hi)`` and ``astype(int8)``, each by the next only, lo and hi constants in
     [-128, 127]; else None."""
@@ -214,7 +214,7 @@ def find_layer_norms(mod) -> list[ClaimedLayerNorm]:
         scale = next((r for r in readers.get(var, []) if r is not None and row_scale_q(r) is not None), None)
         divide = next((r for r in readers.get(var, []) if r is not None and call_op(value_of[r]) == "relax.divide"
                        and value_of[r].args[0].same_as(var) and value_of[r].args[1].same_as(scale)), None)
-        tail = _quantize_tail(divide, value_of, readers) if scale is not None and divide is not None else None
+        tail = quantize_tail(divide, value_of, readers) if scale is not None and divide is not None else None
         if tail is None:
             return None
         between, cast, clamp = tail
@@ -417,7 +417,7 @@ def find_row_quantizes(mod) -> list[ClaimedRowQuantize]:
                 between.append(xf)
         elif dtype_of(x) != "float32":
             continue
-        tail = _quantize_tail(divide, value_of, readers)
+        tail = quantize_tail(divide, value_of, readers)
         if tail is None or shape_of(tail[1]) != shape:
             continue
         rest, cast, clamp = tail
