@@ -123,6 +123,48 @@ def test_attention_context_keeps_one_calibrated_scale(tmp_path):
         assert _rel(got([sample])[0], ref([sample])[0]) < 0.05
 
 
+def test_the_orins_cutlass_build_runs_the_ffns_second_layer_in_fp16(tmp_path):
+    """The backend's say on the int8 layers (``layer_precisions``): on CUTLASS a per-token layer whose input another
+    layer makes (``quantize.layers.epilogue_inputs``: the FFN's second layer, through its bias and the exporter's erf
+    GELU) is fp16, with its reason; Q, K, V (a layer norm's output), the first layer (the model's input) and the
+    output projection (attention's context) are not; dlight and the CPU keep every layer int8. The fp16 layer's
+    product is fp16 x fp16 with a float32 result (no rounding to fp16 before its bias), and the graph stays as close
+    to float as the all-int8 one."""
+    from gpu_kernels import bert_encoder
+
+    from edgeq.backends import for_profile
+    from edgeq.graph import call_op
+    from edgeq.quantize.layers import epilogue_inputs
+    from edgeq.targets import resolve
+
+    model = bert_encoder(tmp_path / "bert.onnx", seq=16, hidden=64, heads=2, layers=2)
+    loaded = load_model(model)
+    graph, _ = to_relax(loaded)
+    layers = find_layers(graph, loaded.onnx_model)
+    second = [layers[5].weight, layers[11].weight]  # per layer: Q, K, V, the projection, FFN 1, FFN 2
+    assert [l.weight for l in epilogue_inputs(graph, layers)] == second
+    orin = resolve("jetson-orin-nano")[0]
+    cutlass = for_profile(orin).with_gpu_kernels("cutlass", orin, "int8")
+    assert set(cutlass.layer_precisions(graph, layers)) == set(second)
+    assert for_profile(orin).layer_precisions(graph, layers) == {}
+    assert for_profile(resolve("host")[0]).layer_precisions(graph, layers) == {}
+    x = np.random.default_rng(0).standard_normal((12, 1, 16, 64)).astype(np.float32)
+    np.savez(tmp_path / "calib.npz", input=x[:8])
+    result = quantize(graph, loaded, QuantizeArgs(calibrate=tmp_path / "calib.npz"),
+                      target_precisions=cutlass.layer_precisions)
+    fp16 = [l for l in result.layers if l.precision == "fp16"]
+    assert [l.weight for l in fp16] == second and all(l.reason.startswith("CUTLASS") for l in fp16)
+    assert result.report.precision_counts == {"int8": 10, "fp16": 2, "fp32": 0}
+    products = [b for b in result.graph.bindings() if call_op(b.value) == "relax.matmul"
+                and b.value.args[0].ty.dtype == "float16"]
+    assert len(products) == 2 and all(b.value.ty.dtype == "float32" for b in products)
+    all_int8 = quantize(graph, loaded, QuantizeArgs(calibrate=tmp_path / "calib.npz"))
+    ref, got, plain = HostRunner(graph), HostRunner(result.graph), HostRunner(all_int8.graph)
+    for sample in x[8:]:
+        want = ref([sample])[0]
+        assert _rel(got([sample])[0], want) <= _rel(plain([sample])[0], want) * 1.1 + 1e-3
+
+
 def test_per_token_layers_are_not_histogrammed(tmp_path):
     """A per-token layer's calibrated threshold is never used (its scales come at run time): calibration
     records its range for the report but spends no histogram pass on it; a per-tensor layer still gets one."""

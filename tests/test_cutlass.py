@@ -443,7 +443,7 @@ def test_kernels_compile_in_a_tvm_module_to_tensor_cores(profile, precision, nvr
     if precision == "fp16":
         assert "GroupMode::kMultipleGroup" in source and "GroupMode::kSingleGroup" in source
         # the placed kernel: its output and residual rows 64 channels apart, from channel 32 and 16
-        assert "BiasActResidual<8, cutlass::epilogue::thread::SiLu<float>>" in source
+        assert "BiasActResidual<8, cutlass::epilogue::thread::SiLu<float>, cutlass::half_t>" in source
         placed = source[source.index("void edgeq_cutlass_placed("):]
         assert "reinterpret_cast<half_t*>(residual) + 16, layout::TensorNHWC(64, " in placed
         assert "reinterpret_cast<half_t*>(y) + 32, out_layout}" in placed and "layout::TensorNHWC(64, " in placed
@@ -547,8 +547,9 @@ def test_the_rewritten_graph_runs_on_the_host_as_the_graph(classes, tmp_path):
 
 def _twin_matches_graph_and_onnxruntime(model, prepared, claimed, xs, precision: str, placements=(), heads=()):
     """The rewritten module with the kernels' TIR twins equals the graph before the rewrite (int8: bit for bit, but
-    where a per-token linear layer's GELU is in its kernel: 1e-5, the host's build of the graph contracting the GELU's
-    multiplies and adds into FMAs; fp16 within 2e-2) on each of ``xs``, and ONNX Runtime within 10% (int8) / 1% (fp16)
+    where a per-token linear layer's GELU is in its kernel: 1e-4, the host's build of the graph contracting the GELU's
+    multiplies and adds into FMAs, a float32 ulp that can cross an fp16 rounding boundary of the FFN's second layer's
+    fp16 input; fp16 within 2e-2) on each of ``xs``, and ONNX Runtime within 10% (int8) / 1% (fp16)
     of its largest output. Returns the rewritten module's main."""
     import onnxruntime as ort
 
@@ -562,7 +563,7 @@ def _twin_matches_graph_and_onnxruntime(model, prepared, claimed, xs, precision:
     for x in xs:
         want, got = run_graph([x])[0], run_twin([x])[0]
         if precision == "int8" and any(getattr(c.kernel, "gelu", None) for c in claimed):
-            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
         elif precision == "int8":
             np.testing.assert_array_equal(got, want)
         else:
