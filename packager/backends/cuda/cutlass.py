@@ -2651,11 +2651,33 @@ def _batched_gemm(b, value_of, only_reader, readers, params, sm_count: int, smem
     return Claimed(kernel, chain[-1], a, w, None, None, tuple(dropped) + tuple(chain[:-1]), shapes)
 
 
+def quantize_tail(divide, value_of, readers):
+    """((rounded, low, high), the int8 cast, (lo, hi)) where ``divide`` is read only by ``round``, then
+    ``maximum(., lo)``, ``minimum(., hi)`` and ``astype(int8)``, each by the next only, lo and hi constants in
+    [-128, 127]; else None."""
+    from edgeq.graph import call_op
+    from edgeq.graph_passes import dtype_of
+
+    def only_reader(var, op):
+        r = readers.get(var, [])
+        return r[0] if len(r) == 1 and r[0] is not None and call_op(value_of[r[0]]) == op else None
+
+    rounded = only_reader(divide, "relax.round")
+    low = only_reader(rounded, "relax.maximum") if rounded is not None else None
+    high = only_reader(low, "relax.minimum") if low is not None else None
+    cast = only_reader(high, "relax.astype") if high is not None else None
+    if cast is None or dtype_of(cast) != "int8":
+        return None
+    lo, hi = _const_scalar(value_of[low].args[1]), _const_scalar(value_of[high].args[1])
+    if lo is None or hi is None or not -128 <= lo <= hi <= 127:
+        return None
+    return (rounded, low, high), cast, (lo, hi)
+
+
 def _quantize_after(var, value_of, only_reader, readers) -> tuple | None:
     """([the variables], (divisor, lo, hi)) where fp16 ``var`` is read only by ``[reshape ->] astype(float32) ->
-    divide(c)`` and then the int8 tail ``layer_norm.quantize_tail`` matches (round, maximum(lo), minimum(hi), astype
+    divide(c)`` and then the int8 tail ``quantize_tail`` matches (round, maximum(lo), minimum(hi), astype
     int8), each by the next only (a per-tensor quantize with its calibrated scale), c a scalar constant; else None."""
-    from edgeq.backends.cuda.layer_norm import quantize_tail
     from edgeq.graph import call_op
     from edgeq.graph_passes import dtype_of
 

@@ -163,36 +163,12 @@ def kernel_record(kernel: LayerNormKernel) -> dict:
             "shape": list(kernel.shape), "epsilon": kernel.epsilon, "outputs": outputs}
 
 
-def quantize_tail(divide, value_of, readers):
-    """((rounded, low, high), the int8 cast, (lo, hi)) where ``divide`` is read only by ``round``, then
-    ``maximum(., lo)``, ``minimum(., hi)`` and ``astype(int8)``, each by the next only, lo and hi constants in
-    [-128, 127]; else None."""
-    from edgeq.backends.cuda.cutlass import _const_scalar
-    from edgeq.graph import call_op
-    from edgeq.graph_passes import dtype_of
-
-    def only_reader(var, op):
-        r = readers.get(var, [])
-        return r[0] if len(r) == 1 and r[0] is not None and call_op(value_of[r[0]]) == op else None
-
-    rounded = only_reader(divide, "relax.round")
-    low = only_reader(rounded, "relax.maximum") if rounded is not None else None
-    high = only_reader(low, "relax.minimum") if low is not None else None
-    cast = only_reader(high, "relax.astype") if high is not None else None
-    if cast is None or dtype_of(cast) != "int8":
-        return None
-    lo, hi = _const_scalar(value_of[low].args[1]), _const_scalar(value_of[high].args[1])
-    if lo is None or hi is None or not -128 <= lo <= hi <= 127:
-        return None
-    return (rounded, low, high), cast, (lo, hi)
-
-
 def find_layer_norms(mod) -> list[ClaimedLayerNorm]:
     """The float32 ``layer_norm`` calls of ``mod``'s main over the last axis (with scale and shift weights) whose
     output the next layer also reads as fp16, ``astype(y, float16)`` (maybe through a reshape), or as int8 with a
     per-token scale: ``s = row_scale(y)`` (``pipeline.row_scales_in_one_kernel``'s function) and ``astype(minimum(
     maximum(round(y / s), lo), hi), int8)``."""
-    from edgeq.backends.cuda.cutlass import main_index
+    from edgeq.backends.cuda.cutlass import main_index, quantize_tail
     from edgeq.graph import call_op
     from edgeq.graph_passes import dtype_of, shape_of
 
@@ -388,7 +364,7 @@ def find_row_quantizes(mod) -> list[ClaimedRowQuantize]:
     """The per-token quantizes left in ``mod``'s main after ``claim_layer_norms``: ``s = row_scale(x)``
     (``pipeline.row_scales_in_one_kernel``'s function; x float32, or fp16 with the division reading its float32
     cast) and ``astype(minimum(maximum(round(x / s), lo), hi), int8)``, x's rows over its last axis."""
-    from edgeq.backends.cuda.cutlass import main_index
+    from edgeq.backends.cuda.cutlass import main_index, quantize_tail
     from edgeq.graph import call_op
     from edgeq.graph_passes import dtype_of, shape_of
 
