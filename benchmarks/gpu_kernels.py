@@ -493,6 +493,7 @@ def orin_estimate(manifest: dict, device: str = DEVICE) -> dict | None:
                 written *= 5
             bytes_ = n * h * w * c * elem + kk * r * s_ * per_filter * elem + written \
                 + (m * kk * out_elem if k["residual"] else 0)
+            bytes_ += (k.get("split_k", 1) - 1) * 2 * m * kk * out_elem  # split-K: each slice's partial sum out and in
         ctas = int(np.prod(k["grid"]))
         per_sm = max(1, min(spec.shared_memory_per_sm // max(1, k["shared_bytes"]), 1536 // k["threads"]))
         slots = spec.sm_count * per_sm

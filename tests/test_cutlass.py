@@ -116,6 +116,56 @@ def test_the_replay_of_what_a_kernel_computes_equals_onnxruntime(case):
     np.testing.assert_allclose(np.transpose(got, (0, 3, 1, 2)).astype(np.float32), want, rtol=2e-3, atol=2e-3)
 
 
+@pytest.mark.parametrize("float_out", [False, True])
+def test_split_k_slices_sum_as_cutlass_orders_them(float_out):
+    """Serial split-K (``cutlass.split_k``): a ResNet's last 3x3 at batch 1 (7x7x512, 8 output tiles of 128x64 on the
+    Orin's 8 SMs) gets 4 slices; slice j sums the channel tiles t with t % 4 == j (CUTLASS's iterators step
+    ``split_k_slices`` tiles), the first adds the residual, each next adds the partial sum the one before left in
+    the output (fp16: rounded to fp16; float32: kept), and the last the bias and the ReLU. The numpy replay and the
+    kernel's TIR twin compute that, and both stay with ONNX Runtime fp32 as the unsplit kernel does. Kernels whose
+    output holds no partial sum (int8, the residual after the activation, a detector's output) take none."""
+    import onnxruntime as ort
+
+    from edgeq.tvm_env import import_tvm
+
+    tvm = import_tvm()
+    rng = np.random.default_rng(3)
+    x_shape, w_shape = (1, 512, 7, 7), (512, 512, 3, 3)
+    x = rng.standard_normal(x_shape).astype(np.float16).astype(np.float32)
+    w = (rng.standard_normal(w_shape) / np.sqrt(9 * 512)).astype(np.float16).astype(np.float32)
+    b = rng.standard_normal(512).astype(np.float16).astype(np.float32)
+    r = rng.standard_normal((1, 512, 7, 7)).astype(np.float16).astype(np.float32)
+    model = _onnx_conv(x_shape, w, b, (1, 1, 1, 1), (1, 1), (1, 1), "relu", r.shape)
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, {"x": x, "r": r})[0].transpose(0, 2, 3, 1)
+    problem = cutlass.problem_from_conv(x_shape, w_shape, (1, 1, 1, 1), (1, 1), (1, 1))
+    tile = cutlass.choose_tile(problem, 8, 166912)
+    split = cutlass.split_k(problem, tile, 8)
+    assert (tile.block, tile.split_k, split.split_k) == ((128, 64, 32), 1, 4)
+    kernel = cutlass.ConvKernel("k", problem, split, "relu", True, float_out=float_out)
+    assert kernel.grid == (1, 8, 4)
+    dtype = np.float32 if float_out else np.float16
+    xs, ws, rs = x.transpose(0, 2, 3, 1).astype(np.float16), w.transpose(0, 2, 3, 1).astype(np.float16), \
+        r.transpose(0, 2, 3, 1).astype(dtype)
+    bias = b.astype(np.float16)
+    got = cutlass.replay(kernel, xs, ws, bias, rs)
+    whole = cutlass.replay(dataclasses.replace(kernel, tile=tile), xs, ws, bias, rs)
+    step = 2e-3 if dtype == np.float16 else 1e-5  # fp16: an fp16 rounding of each of 3 partial sums, at most
+    np.testing.assert_allclose(got.astype(np.float32), want, rtol=step * 2, atol=step * 2)
+    np.testing.assert_allclose(whole.astype(np.float32), want, rtol=step, atol=step)
+    if float_out:
+        np.testing.assert_allclose(got, whole, rtol=1e-5, atol=1e-5)
+    twin = tvm.runtime.tensor(np.zeros(got.shape, dtype))
+    tvm.tirx.build(cutlass.twin_prim_func(kernel), target="llvm")(
+        *(tvm.runtime.tensor(a) for a in (xs, ws, bias, rs)), twin)
+    # the twin's float32 sums in another order than numpy's: where one crosses an fp16 rounding boundary of a
+    # partial sum, a step apart
+    np.testing.assert_allclose(twin.numpy().astype(np.float32), got.astype(np.float32), rtol=step, atol=step)
+    for other in (dict(precision="int8"), dict(residual_after=True), dict(head_out=(0, 0, 512, 49, "float32"))):
+        with pytest.raises(ValueError, match="split-K"):
+            cutlass.ConvKernel("k", problem, split, **other)
+
+
 INT8_CONVS = {  # name: (x shape, w shape, pads, strides, dilations)
     "stem7x7s2": ((1, 3, 23, 21), (16, 3, 7, 7), (3, 3, 3, 3), (2, 2), (1, 1)),
     "3x3-batch2": ((2, 16, 12, 10), (32, 16, 3, 3), (1, 1, 1, 1), (1, 1), (1, 1)),
@@ -395,6 +445,18 @@ def test_kernels_compile_in_a_tvm_module_to_tensor_cores(profile, precision, nvr
                 # a detector head's last conv (fp16, then the model's float32): channels 40-55 at anchors 200-319 of
                 # [2, 80, 500]
                 kernels.append(cutlass.ConvKernel("head", problem, tile, head_out=(40, 200, 80, 500, "float32")))
+    if precision == "fp16":  # serial split-K (``cutlass.split_k``): a ResNet's last 3x3 at batch 1 (7x7x512: 8 output
+        # tiles, 4 slices) with its residual and ReLU; a transformer FFN's second layer in an int8 graph (fp16, K =
+        # 1536 into 384 columns: 12 tiles, 2 slices) with its float32 bias and residual stream, float32 out
+        problem = cutlass.Conv2dProblem(1, 7, 7, 512, 512, 3, 3, (1, 1), (1, 1), (1, 1))
+        tile = cutlass.split_k(problem, cutlass.choose_tile(problem, spec.sm_count, spec.shared_memory_per_block_optin),
+                               spec.sm_count)
+        kernels.append(cutlass.ConvKernel("split", problem, tile, "relu", True))
+        problem = cutlass.Conv2dProblem(1, 1, 128, 1536, 384, 1, 1, (0, 0), (1, 1), (1, 1))
+        tile = cutlass.split_k(problem, cutlass.choose_tile(problem, spec.sm_count, spec.shared_memory_per_block_optin),
+                               spec.sm_count)
+        kernels.append(cutlass.ConvKernel("mixed", problem, tile, "identity", True, float_out=True, float_bias=True))
+        assert [k.tile.split_k for k in kernels[-2:]] == ([4, 2] if spec.sm_count == 8 else [4, 4]), spec.sm_count
     if precision == "fp16":  # attention's batched GEMMs: 12 heads of [128, 64] x [64, 128], scaled, Q and K read
         # in place from one [1, 128, 3 x 768] projection (K^T as column-major, from column 768), the scores written
         # as float32; P V with the context written back in place
@@ -443,7 +505,7 @@ def test_kernels_compile_in_a_tvm_module_to_tensor_cores(profile, precision, nvr
     if precision == "fp16":
         assert "GroupMode::kMultipleGroup" in source and "GroupMode::kSingleGroup" in source
         # the placed kernel: its output and residual rows 64 channels apart, from channel 32 and 16
-        assert "BiasActResidual<8, cutlass::epilogue::thread::SiLu<float>, cutlass::half_t>" in source
+        assert "BiasActResidual<8, cutlass::epilogue::thread::SiLu<float>>" in source
         placed = source[source.index("void edgeq_cutlass_placed("):]
         assert "reinterpret_cast<half_t*>(residual) + 16, layout::TensorNHWC(64, " in placed
         assert "reinterpret_cast<half_t*>(y) + 32, out_layout}" in placed and "layout::TensorNHWC(64, " in placed
@@ -461,6 +523,22 @@ def test_kernels_compile_in_a_tvm_module_to_tensor_cores(profile, precision, nvr
     from gpu_kernels import kernel_sass, sass_by_kernel
 
     sass = sass_by_kernel(library)
+    if precision == "fp16":
+        split = [k for k in kernels if k.tile.split_k > 1]
+        for kern in split:  # the slices in the problem size, the semaphores (one array, as many as the most output
+            # tiles) in Params, the grid's third dimension; the wait and release as acquire/release global accesses
+            # (CUTLASS's semaphore code is in every such kernel, run where the grid has slices)
+            wrapper = source[source.index(f"void edgeq_cutlass_{kern.name}("):]
+            wrapper = wrapper[:wrapper.index("\n}\n")]
+            assert f"conv::Mode::kCrossCorrelation, {kern.tile.split_k});" in wrapper
+            assert "typename K::Params(args, edgeq_cutlass::split_k_locks);" in wrapper
+            assert len(kern.grid) == 3 and kern.grid[2] == kern.tile.split_k
+            assert re.search(r"\bSTRONG\.GPU\b", kernel_sass(f"cutlass_{kern.name}", sass)), kern.name
+        if split:
+            assert f"__device__ int split_k_locks[{max(k.grid[0] * k.grid[1] for k in split)}];" in source
+        mixed = re.search(r"void edgeq_cutlass_mixed\(([^)]*)\)", source)
+        if mixed:  # the float32 bias: the broadcast vector's element
+            assert "float* bias" in mixed.group(1) and "false, float>" in source
     store = "STG.E.64" if precision == "int8" else "STG.E.128"
     stores = {name: len(re.findall(rf"\b{re.escape(store)}\b", kernel_sass(f"cutlass_{name}", sass)))
               for name in ("upsampled", "placed")}
@@ -693,6 +771,28 @@ def test_grouped_convolutions_run_on_cutlass_where_the_tensor_cores_gain(precisi
     else:
         assert grouped == [] and len(claimed) == 6 and sorted(whys) == ["NHWC/OHWI, groups 2", "NHWC/OHWI, groups 8"]
     _twin_matches_graph_and_onnxruntime(model, prepared, claimed, xs[:2], precision)
+
+
+def test_a_resnets_last_block_at_batch_1_splits_its_k(tmp_path):
+    """A ResNet's last basic block at batch 1 (7x7x512, two 3x3s with BatchNorm, the residual and ReLU): each conv has
+    8 output tiles of 128x64 for the Orin's 8 SMs, so the tile table splits its K (9 x 512) in 4 slices (serial
+    split-K: 32 CTAs); the residual add and ReLU stay in the last slice's epilogue. The rewritten graph with the
+    kernels' twins (which sum the slices in CUTLASS's order, each partial rounded to fp16) equals the graph and ONNX
+    Runtime."""
+    from gpu_kernels import Net
+
+    net = Net(5)
+    x = net.node("Relu", [net.conv_bn("input", 512, 512, 1)])  # (the block's input: the 1x1 before it)
+    y = net.node("Relu", [net.conv_bn(x, 512, 512, 3)])
+    out = net.node("Relu", [net.node("Add", [x, net.conv_bn(y, 512, 512, 3)])])
+    model = net.save(tmp_path / "block.onnx", 7, 512, input_shape=[1, 512, 7, 7], output=(out, [1, 512, 7, 7]))
+    xs = [np.random.default_rng(seed).standard_normal((1, 512, 7, 7)).astype(np.float32) for seed in range(2)]
+    prepared, claimed, left = _claimed_graph(model, "fp16", None, tmp_path)
+    # (the 1x1: K = 512 in 2 slices, each keeping 8 main-loop iterations of 32 channels)
+    assert left == [] and [(c.kernel.tile.block, c.kernel.tile.split_k, c.kernel.grid) for c in claimed] == [
+        ((128, 64, 32), 2, (1, 8, 2))] + [((128, 64, 32), 4, (1, 8, 4))] * 2
+    assert [(c.kernel.activation, c.kernel.residual) for c in claimed] == [("relu", False)] * 2 + [("relu", True)]
+    _twin_matches_graph_and_onnxruntime(model, prepared, claimed, xs, "fp16")
 
 
 @pytest.mark.parametrize("form", ["Gelu", "erf"])
@@ -960,8 +1060,8 @@ def test_a_bert_style_encoders_linear_layers_run_on_cutlass(precision, tmp_path)
     if precision == "int8":  # one GEMM each with its epilogue visitor tree: the token scale (per row), the weight scale
         # and the bias (per column), then Q K V's fp16 cast, or the GELU and the fp16 cast of the FFN's second layer,
         # which CUTLASS runs in fp16 (its input made by the first's epilogue: ``CudaBackend.layer_precisions``), with
-        # its float32 bias and the residual stream after it (``BiasActResidual<4, Identity, float>``, the graph's
-        # order); the output projection reads the context per tensor: an int8 convolution whose epilogue
+        # its float32 bias and the residual stream (CUTLASS's bias-elementwise epilogue, its vector float32); the
+        # output projection reads the context per tensor: an int8 convolution whose epilogue
         # dequantizes, adds the bias and the residual stream and writes float32
         token = [c for c in claimed if isinstance(c.kernel, cutlass.TokenLinearKernel)]
         projection, = [c for c in claimed if c not in token and c.kernel.precision == "int8"]
@@ -976,8 +1076,8 @@ def test_a_bert_style_encoders_linear_layers_run_on_cutlass(precision, tmp_path)
             cutlass.ConvKernel, "int8", 64, 64, True, True, "float32")
         k = second.kernel
         assert (type(k), k.problem.c, k.problem.k, k.float_out, k.residual, k.residual_after, k.bias_dtype) == (
-            cutlass.ConvKernel, 256, 64, True, True, True, "float32")
-        assert "BiasActResidual<4, cutlass::epilogue::thread::Identity<float>, float>" in k.kernel_type
+            cutlass.ConvKernel, 256, 64, True, True, False, "float32")
+        assert "cutlass::plus<float>, false, float>" in k.kernel_type
         _, value_of, _, _ = cutlass.main_index(prepared.main)  # it reads P V's int8 output (a view of it)
         assert value_of[projection.x].args[0].same_as(gemms[1].output)
         # the FFN's second layer reads the first's fp16 output (a view of it)
@@ -1180,7 +1280,7 @@ def test_package_a_bert_style_encoder_with_cutlass(precision, nvrtc, tmp_path):
             ("float16", "gelu", False), ("float16", "identity", False)]
         (second,) = [k for k in record["kernels"] if k["precision"] == "fp16" and k not in gemms]
         assert (second["problem"]["nhwc"], second["output"], second["residual_dtype"], second["bias_dtype"],
-                second["residual_after_activation"]) == ([1, 1, 16, 256], "float32", "float32", "float32", True)
+                second["residual_after_activation"]) == ([1, 1, 16, 256], "float32", "float32", "float32", False)
         layers = {l["name"]: l for l in manifest["quantization"]["layers"]}
         assert [l["precision"] for l in layers.values()].count("fp16") == 1
         assert next(l for l in layers.values() if l["precision"] == "fp16")["reason"].startswith("CUTLASS")

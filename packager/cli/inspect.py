@@ -46,6 +46,9 @@ def _gpu_kernels(info) -> str:
         scores = len(cutlass.get("attention_scores", []))
         total = taken + depthwise + pools + 2 * excitations + scores + len(left)
         text += f"; CUTLASS {cutlass.get('version', '?')}: {taken} of {total} convolutions and matrix products"
+        split = sum(1 for k in cutlass.get("kernels", []) if k.get("split_k", 1) > 1)
+        if split:
+            text += f" ({split} with their K in slices: serial split-K)"
         if depthwise:
             text += f", {depthwise} depthwise on edgeq's kernel"
         if pools:

@@ -397,7 +397,8 @@ def place_heads(claimed: Sequence, heads: Sequence[HeadOutput]) -> list:
         h, i = part_of[c.output]
         _, first, anchor = h.parts[i]
         kern = dataclasses.replace(c.kernel, head_out=(first, anchor, h.shape[1], h.shape[2], h.dtype),
-                                   out_in_place=i > 0)
+                                   out_in_place=i > 0, tile=dataclasses.replace(c.kernel.tile, split_k=1))  # (only
+        # T holds the output: no partial sums through it)
         out.append(dataclasses.replace(c, kernel=kern, y_in=h.versions[i - 1] if i else None))
     return out
 

@@ -179,22 +179,21 @@ class Requantize {  // Out float: the value before the division, unrounded (an i
   Params p_;
 };
 
-// The epilogue of a residual added after the activation (CUTLASS's bias-elementwise epilogue adds its source
-// before it): z = E(act(acc + bias[k]) + float(residual)), the bias the broadcast vector; E (output, residual and
-// bias) fp16 (YOLO's bottleneck, x + SiLU(conv(x))) or float (an fp16 layer of an int8 graph: its float32 bias
-// and residual stream, in the graph's order).
-template <int N, typename Act, typename E = cutlass::half_t>
+// The fp16 epilogue of a residual added after the activation (CUTLASS's bias-elementwise epilogue adds its source
+// before it): z = half(act(acc + bias[k]) + float(residual)), the bias the broadcast vector (YOLO's bottleneck,
+// x + SiLU(conv(x))).
+template <int N, typename Act>
 class BiasActResidual {
  public:
-  using ElementOutput = E; using ElementD = E; using ElementC = E;
+  using ElementOutput = cutlass::half_t; using ElementD = cutlass::half_t; using ElementC = cutlass::half_t;
   using ElementAccumulator = float; using ElementCompute = float; using ElementScalar = float;
-  using ElementZ = E; using ElementT = E; using ElementVector = E;
+  using ElementZ = cutlass::half_t; using ElementT = cutlass::half_t; using ElementVector = cutlass::half_t;
   static int const kElementsPerAccess = N; static int const kCount = N;
   static bool const IsEltActSupported = true; static bool const kIsSingleSource = true;
   using FragmentAccumulator = cutlass::Array<float, N>; using FragmentCompute = cutlass::Array<float, N>;
-  using FragmentC = cutlass::Array<E, N>; using FragmentZ = FragmentC; using FragmentT = FragmentC;
+  using FragmentC = cutlass::Array<cutlass::half_t, N>; using FragmentZ = FragmentC; using FragmentT = FragmentC;
   using FragmentSource = FragmentC; using FragmentOutput = FragmentZ;
-  using ElementBias = E; using FragmentBias = cutlass::Array<E, N>;
+  using ElementBias = cutlass::half_t; using FragmentBias = cutlass::Array<cutlass::half_t, N>;
   static bool const kIsHeavy = false; static bool const kStoreZ = true; static bool const kStoreT = false;
   struct Params {};
   CUTLASS_HOST_DEVICE BiasActResidual(Params const&) {}
@@ -204,13 +203,13 @@ class BiasActResidual {
                                  FragmentCompute const& bias) const {
     Act act;
     CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < N; ++i) z[i] = E(act(acc[i] + bias[i]) + float(c[i]));
+    for (int i = 0; i < N; ++i) z[i] = cutlass::half_t(act(acc[i] + bias[i]) + float(c[i]));
   }
   CUTLASS_DEVICE void operator()(FragmentZ& z, FragmentT&, FragmentAccumulator const& acc,
                                  FragmentCompute const& bias) const {
     Act act;
     CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < N; ++i) z[i] = E(act(acc[i] + bias[i]));
+    for (int i = 0; i < N; ++i) z[i] = cutlass::half_t(act(acc[i] + bias[i]));
   }
 };
 
@@ -514,11 +513,13 @@ def problem_from_conv(x_shape: Sequence[int], w_shape: Sequence[int], pads: Sequ
 
 @dataclasses.dataclass(frozen=True)
 class Tile:
-    """A CUTLASS tile: threadblock and warp shapes (M, N, K) and the software pipeline's stages."""
+    """A CUTLASS tile: threadblock and warp shapes (M, N, K), the software pipeline's stages, and the K slices
+    (``split_k``: serial split-K, CTAs along K taking turns on their output tile, ``split_k_slices``)."""
 
     block: tuple[int, int, int]
     warp: tuple[int, int, int]
     stages: int
+    split_k: int = 1
 
     @property
     def threads(self) -> int:
@@ -554,6 +555,32 @@ def choose_tile(problem: Conv2dProblem | GemmProblem, sm_count: int, smem_per_bl
     return Tile(chosen[0], chosen[1], stages)
 
 
+MAX_SPLIT_K = 4
+MIN_K_ITERATIONS = 8  # main-loop iterations a slice keeps (a few more than the deepest pipeline's stages)
+
+
+def split_k(problem: Conv2dProblem, tile: Tile, sm_count: int) -> Tile:
+    """``tile`` with its K split into slices (serial split-K: ``ImplicitGemmConvolutionWithFusedEpilogue``'s
+    ``SplitKMode::kSerial``) where its output tiles are too few for the GPU: up to ``MAX_SPLIT_K`` slices while the
+    CTAs stay within 4 a SM and each slice keeps ``MIN_K_ITERATIONS`` main-loop iterations. The late layers of a
+    CNN at batch 1 (7x7 maps, K = 9 x 512) and a transformer's narrow, deep GEMMs (K = 1536 into 384 columns) have
+    fewer output tiles than an Orin has SMs times the CTAs each holds. A slice's partial sum goes through the output
+    (the next slice adds to it: fp16 outputs round it to fp16, float32 ones keep it), so only kernels whose output
+    holds a partial sum take it (``ConvKernel.split_k_allowed``). Channels a multiple of the tile's K."""
+    m, n, _ = problem.gemm
+    ctas = -(-m // tile.block[0]) * -(-n // tile.block[1])
+    bk = tile.block[2]
+    if problem.c % bk or problem.groups != 1:
+        return tile
+    slices = 1
+    for candidate in range(2, MAX_SPLIT_K + 1):
+        iterations = problem.r * problem.s * -(-(-(-problem.c // candidate)) // bk)
+        if ctas * candidate > 4 * sm_count or iterations < MIN_K_ITERATIONS:
+            break
+        slices = candidate
+    return dataclasses.replace(tile, split_k=slices) if slices > 1 else tile
+
+
 @dataclasses.dataclass(frozen=True)
 class ConvKernel:
     """What edgeq asks one CUTLASS convolution to compute. fp16: ``act(conv(x, w) + residual + bias)``. int8 (s8 x s8
@@ -586,6 +613,9 @@ class ConvKernel:
     # fp16: the residual added after the activation, ``act(conv + bias) + residual`` (YOLO's bottleneck,
     # ``x + SiLU(conv(x))``; edgeq's ``BiasActResidual`` epilogue), not before it
     residual_after: bool = False
+    # fp16: the bias float32 (an fp16 layer of an int8 graph, ``quantize_ops``: its product float32 out, the graph's
+    # float32 bias and residual stream after it), the epilogue's broadcast vector in float
+    float_bias: bool = False
     # y written in place into a wider tensor (a channel slice of a concatenation, ``concat_in_place``): (first
     # channel, channels of the tensor); the problem's K is the slice's. ``out_in_place``: the tensor comes in as the
     # y operand, already holding other parts (``call_tir_inplace``); else the call allocates it
@@ -614,11 +644,10 @@ class ConvKernel:
 
     @property
     def bias_dtype(self) -> str:
-        """fp16: float32 where a residual comes after a float32 output (an fp16 layer of an int8 graph, whose bias
-        and residual stream the graph adds in float32: ``BiasActResidual<.., float>``); int8: int32."""
+        """int8: int32; fp16: float16, or float32 where the graph adds it in float32 (``float_bias``)."""
         if self.precision == "int8":
             return "int32"
-        return "float32" if self.float_out and self.residual_after else "float16"
+        return "float32" if self.float_bias else "float16"
 
     @property
     def x_channels(self) -> int:
@@ -634,11 +663,24 @@ class ConvKernel:
     def threads(self) -> int:
         return self.tile.threads
 
+    def __post_init__(self):
+        if self.tile is not None and self.tile.split_k > 1 and not self.split_k_allowed:
+            raise ValueError(f"{self.name}: split-K needs an fp16 kernel whose output holds a partial sum")
+
     @property
-    def grid(self) -> tuple[int, int]:
-        """(CTAs along M, CTAs along N): GemmIdentityThreadblockSwizzle<1>, no split-K."""
+    def split_k_allowed(self) -> bool:
+        """Whether serial split-K computes this kernel: an fp16 CUTLASS convolution on CUTLASS's bias-elementwise
+        epilogue (which adds a slice's partial sum from the output, and the bias and activation in the last slice
+        only) writing every output it makes as Z (no detector output, which only T holds)."""
+        return (type(self) is ConvKernel and self.precision != "int8" and not self.residual_after
+                and not self.head_out)
+
+    @property
+    def grid(self) -> tuple[int, ...]:
+        """(CTAs along M, CTAs along N[, K slices]): GemmIdentityThreadblockSwizzle<1>."""
         m, n, _ = self.problem.gemm
-        return -(-m // self.tile.block[0]), -(-n // self.tile.block[1])
+        tiles = -(-m // self.tile.block[0]), -(-n // self.tile.block[1])
+        return (*tiles, self.tile.split_k) if self.tile.split_k > 1 else tiles
 
     @property
     def input_alignment(self) -> int:
@@ -688,10 +730,10 @@ class ConvKernel:
                 f"cutlass::conv::StrideSupport::kStrided, {self.input_alignment}, {self.input_alignment}>"
             )
         out, lanes = ("float", 4) if self.float_out else ("cutlass::half_t", ALIGNMENT)  # 16-byte stores
-        epilogue = (f"edgeq_cutlass::BiasActResidual<{lanes}, {ACTIVATIONS[self.activation]}, {out}>"
-                    if self.residual_after
+        bias = "float" if self.bias_dtype == "float32" else "cutlass::half_t"
+        epilogue = (f"edgeq_cutlass::BiasActResidual<{lanes}, {ACTIVATIONS[self.activation]}>" if self.residual_after
                     else f"cutlass::epilogue::thread::LinearCombinationBiasElementwise<{out}, float, float, {out}, "
-                    f"{out}, {lanes}, {ACTIVATIONS[self.activation]}, cutlass::plus<float>, false, cutlass::half_t>")
+                    f"{out}, {lanes}, {ACTIVATIONS[self.activation]}, cutlass::plus<float>, false, {bias}>")
         return (
             "cutlass::conv::kernel::DefaultConv2dFpropWithBroadcast<"
             "cutlass::half_t, cutlass::layout::TensorNHWC, cutlass::half_t, cutlass::layout::TensorNHWC, "
@@ -1016,6 +1058,11 @@ def device_source(kernels: Sequence[ConvKernel]) -> str:
     if token_linear:  # cute's headers only where a kernel needs them; each visitor tree once
         trees = dict(token_linear_types(k) for k in token_linear)
         out.append(EVT_INCLUDES + "namespace edgeq_cutlass {" + "".join(trees.values()) + "}  // namespace edgeq_cutlass\n")
+    locks = max((k.grid[0] * k.grid[1] for k in kernels if getattr(k, "tile", None) and k.tile.split_k > 1),
+                default=0)
+    if locks:  # serial split-K's semaphores, one an output tile: zero when the module loads, and each kernel's last
+        # slice sets its tile's back to zero, so the kernels (one after another on the stream) share them
+        out.append(f"namespace edgeq_cutlass {{ __device__ int split_k_locks[{locks}]; }}\n")
     for kern in kernels:
         if isinstance(kern, DepthwiseKernel):  # TIR: TVM writes its CUDA
             continue
@@ -1060,23 +1107,23 @@ def device_source(kernels: Sequence[ConvKernel]) -> str:
                          f"{'post' if kern.post else 'nullptr'}}}")
             vector = "channel"
         elif kern.residual_after:
-            element, out_element, output_op = "half_t", ("float" if kern.float_out else "half_t"), "{}"
-            vector = f"reinterpret_cast<{'float' if kern.bias_dtype == 'float32' else 'half_t'}*>(bias)"
+            element, out_element, output_op = "half_t", "half_t", "{}"
+            vector = "reinterpret_cast<half_t*>(bias)"
         else:
             element, out_element = "half_t", ("float" if kern.float_out else "half_t")
             output_op = f"{{1.0f, {'1.0f' if kern.residual else '0.0f'}}}"
-            vector = "reinterpret_cast<half_t*>(bias)"
+            vector = f"reinterpret_cast<{'float' if kern.float_bias else 'half_t'}*>(bias)"
         out.append(_wrapper(kern.name, f"using {t} = {kern.kernel_type};", signature, f"""
     conv::Conv2dProblemSize problem({p.n}, {p.h}, {p.w}, {p.c}, {p.k}, {p.r}, {p.s}, {p.p}, {p.q}, {p.pad[0]}, {p.pad[1]},
                                     {p.stride[0]}, {p.stride[1]}, {p.dilation[0]}, {p.dilation[1]},
-                                    conv::Mode::kCrossCorrelation, 1);
+                                    conv::Mode::kCrossCorrelation, {kern.tile.split_k});
     layout::TensorNHWC out_layout = {out_layout};
     typename K::Arguments args(
         problem, {{reinterpret_cast<{element}*>(x){x_offset}, {x_layout}}},
         {{reinterpret_cast<{element}*>(w), layout::TensorNHWC::packed({{{p.k}, {p.r}, {p.s}, {p.c}}})}},
         {c_ref.replace("OUT", out_element)}, {d_ref.replace("OUT", out_element)},
         {output_op}, conv::SplitKMode::kSerial, {vector}, {tensor});
-    new (params) typename K::Params(args);"""))
+    new (params) typename K::Params(args{", edgeq_cutlass::split_k_locks" if kern.tile.split_k > 1 else ""});"""))
     return "".join(out)
 
 
@@ -1446,18 +1493,30 @@ def replay(kernel: ConvKernel, x: np.ndarray, w: np.ndarray, bias: np.ndarray,
     """What the kernel is asked to compute, on the host in float32 (independent of CUTLASS and TVM): x NHWC
     [N, H, W, C], w OHWI [K, R, S, C] (channels padded), bias [K]; the result rounded to fp16 as the epilogue's
     conversion does (float32 unrounded for a ``float_out`` kernel); the residual added before the bias, or after the
-    activation (``residual_after``). Bottom/right padding is what the output size reaches (CUTLASS's implicit-GEMM
+    activation (``residual_after``); with split-K (``Tile.split_k``) the slices' partial sums in CUTLASS's order,
+    each rounded to the output's type. Bottom/right padding is what the output size reaches (CUTLASS's implicit-GEMM
     iterators)."""
-    acc = _accumulate(kernel.problem, _x_slice(kernel, x), w, np.float32)
-    if residual is not None and not kernel.residual_after:
-        acc = acc + residual.astype(np.float32)
+    x = _x_slice(kernel, x)
+    slices = kernel.tile.split_k if kernel.tile is not None else 1
+    out = np.float32 if kernel.float_out else np.float16
+    if slices > 1:  # serial split-K: slice j sums the channel tiles t with t % slices == j (every filter tap); each
+        # slice adds the partial sum the one before left in the output, in the output's type
+        tile_of = np.arange(kernel.problem.c) // kernel.tile.block[2] % slices
+        parts = [_accumulate(kernel.problem, np.where(tile_of == j, x, 0), w, np.float32) for j in range(slices)]
+        acc = parts[0] + (residual.reshape(parts[0].shape).astype(np.float32) if residual is not None else 0)
+        for part in parts[1:]:
+            acc = part + acc.astype(out).astype(np.float32)
+    else:
+        acc = _accumulate(kernel.problem, x, w, np.float32)
+        if residual is not None and not kernel.residual_after:
+            acc = acc + residual.reshape(acc.shape).astype(np.float32)
     z = acc + bias.astype(np.float32)
     z = {"identity": lambda v: v, "relu": lambda v: np.maximum(v, 0), "relu6": lambda v: np.clip(v, 0, 6),
          "silu": lambda v: v / (1 + np.exp(-v)), "hardswish": lambda v: v * np.clip(v + 3, 0, 6) / 6,
          "gelu": lambda v: 0.5 * v * (1 + _erf(v / np.sqrt(2.0)))}[kernel.activation](z)
     if residual is not None and kernel.residual_after:  # ``BiasActResidual``: after the activation
         z = z + residual.reshape(z.shape).astype(np.float32)
-    return z.astype(np.float32 if kernel.float_out else np.float16)
+    return z.astype(out)
 
 
 def replay_int8(kernel: ConvKernel, x: np.ndarray, w: np.ndarray, bias: np.ndarray, scale: np.ndarray,
@@ -1601,6 +1660,7 @@ def kernel_record(kernel: ConvKernel, smem_bytes: int) -> dict:
         record = {
             "function": kernel.function, "template": template,
             "tile": list(kernel.tile.block), "warp": list(kernel.tile.warp), "stages": kernel.tile.stages,
+            "split_k": kernel.tile.split_k,
             "threads": kernel.tile.threads, "grid": list(kernel.grid), "shared_bytes": smem_bytes, "problem": problem,
         }
         if isinstance(kernel, GroupConvKernel):  # the tensor cores' work over the useful work
@@ -2361,10 +2421,11 @@ def find_convs(main, sm_count: int, smem_per_block: int) -> tuple[list[Claimed],
                                 tuple(int(v) for v in attrs.strides), tuple(int(d) for d in attrs.dilation),
                                 c_real=xs[3] - _channels_padded(x, value_of),
                                 groups=k if depthwise else groups if grouped else 1)
-        if mixed is not None:  # an fp16 layer of an int8 graph: float32 bias and residual, float32 out
+        if mixed is not None:  # an fp16 layer of an int8 graph: float32 bias and residual, float32 out (the
+            # residual added before the bias, CUTLASS's order: a float32 rounding from the graph's)
             bias, residual, chain = mixed
-            kernel = ConvKernel(f"l{len(claimed)}", problem, choose_tile(problem, sm_count, smem_per_block),
-                                residual=True, float_out=True, residual_after=True)
+            kernel = ConvKernel(f"l{len(claimed)}", problem, split_k(problem, choose_tile(
+                problem, sm_count, smem_per_block), sm_count), residual=True, float_out=True, float_bias=True)
             claimed.append(Claimed(kernel, chain[-1], x, w, bias, residual, tuple(chain[:-1]),
                                    {"bias": tuple(shape_of(bias)), **_output_shape(chain[-1], problem)}))
             taken.update(chain)
@@ -2456,7 +2517,8 @@ def find_convs(main, sm_count: int, smem_per_block: int) -> tuple[list[Claimed],
                 continue
             kernel = DepthwiseKernel(f"l{len(claimed)}", problem, None, activation, residual is not None)
         else:
-            kernel = ConvKernel(f"l{len(claimed)}", problem, choose_tile(problem, sm_count, smem_per_block),
+            tile = choose_tile(problem, sm_count, smem_per_block)
+            kernel = ConvKernel(f"l{len(claimed)}", problem, tile if residual_after else split_k(problem, tile, sm_count),
                                 activation, residual is not None, float_out=float_out, residual_after=residual_after)
         claimed.append(Claimed(kernel, chain[-1], x, w, bias, residual, tuple(chain[:-1]),
                                {"bias": tuple(shape_of(bias)) if bias is not None else (k,),
@@ -3253,6 +3315,16 @@ def twin_tensors(kernel: ConvKernel, shapes: dict | None = None, x=None) -> tupl
         acc = te.compute((p.n, p.p, p.q, p.k), lambda i, y, z, o: te.sum(
             xp[i, y * sh + ry * dh, z * sw + rx * dw, rc].astype(acc_dtype) * w[o, ry, rx, rc].astype(acc_dtype),
             axis=[ry, rx, rc]), "acc")
+    slices = kernel.tile.split_k if kernel.tile is not None else 1
+
+    def part(j):  # serial split-K: slice j sums the channel tiles t with t % slices == j
+        ry_, rx_, rc_ = (te.reduce_axis((0, d), f"{a}{j}") for a, d in (("ry", p.r), ("rx", p.s), ("rc", p.c)))
+        return te.compute((p.n, p.p, p.q, p.k), lambda i, y, z, o: te.sum(tirx.if_then_else(
+            rc_ // kernel.tile.block[2] % slices == j,
+            xp[i, y * sh + ry_ * dh, z * sw + rx_ * dw, rc_].astype(acc_dtype) * w[o, ry_, rx_, rc_].astype(acc_dtype),
+            tirx.const(0, acc_dtype)), axis=[ry_, rx_, rc_]), f"acc{j}")
+
+    parts = [part(j) for j in range(slices)] if slices > 1 else []
 
     def at(name, o):  # a per-channel operand, [K] or [1, 1, 1, K]
         t = ph_[name]
@@ -3311,9 +3383,11 @@ def twin_tensors(kernel: ConvKernel, shapes: dict | None = None, x=None) -> tupl
         return v.astype(kernel.out_dtype)
 
     def epilogue_fp16(i, y, z, o):
-        v = acc[i, y, z, o]
+        v = acc[i, y, z, o] if not parts else parts[0][i, y, z, o]
         if res is not None and not kernel.residual_after:
             v = v + residual(i, y, z, o).astype("float32")
+        for part in parts[1:]:  # each slice adds the partial sum the one before left in the output, in its type
+            v = part[i, y, z, o] + v.astype("float32" if kernel.float_out else "float16").astype("float32")
         v = v + at("bias", o).astype("float32")
         if kernel.activation == "relu":
             v = te.max(v, f32(0.0))
