@@ -574,7 +574,8 @@ def split_k(problem: Conv2dProblem, tile: Tile, sm_count: int) -> Tile:
         return tile
     slices = 1
     for candidate in range(2, MAX_SPLIT_K + 1):
-        iterations = problem.r * problem.s * -(-(-(-problem.c // candidate)) // bk)
+        channels = -(-problem.c // candidate)  # a slice's (CUTLASS's implicit_gemm_k_iterations)
+        iterations = problem.r * problem.s * -(-channels // bk)
         if ctas * candidate > 4 * sm_count or iterations < MIN_K_ITERATIONS:
             break
         slices = candidate
