@@ -778,21 +778,35 @@ def test_a_resnets_last_block_at_batch_1_splits_its_k(tmp_path):
     8 output tiles of 128x64 for the Orin's 8 SMs, so the tile table splits its K (9 x 512) in 4 slices (serial
     split-K: 32 CTAs); the residual add and ReLU stay in the last slice's epilogue. The rewritten graph with the
     kernels' twins (which sum the slices in CUTLASS's order, each partial rounded to fp16) equals the graph and ONNX
-    Runtime."""
+    Runtime; the batch-1 classifier after it goes to the pool's kernel without its slices."""
     from gpu_kernels import Net
+
+    from edgeq.backends.cuda import pool_classifier
+    from edgeq.compile import HostRunner
+    from edgeq.graph import Graph
 
     net = Net(5)
     x = net.node("Relu", [net.conv_bn("input", 512, 512, 1)])  # (the block's input: the 1x1 before it)
     y = net.node("Relu", [net.conv_bn(x, 512, 512, 3)])
-    out = net.node("Relu", [net.node("Add", [x, net.conv_bn(y, 512, 512, 3)])])
-    model = net.save(tmp_path / "block.onnx", 7, 512, input_shape=[1, 512, 7, 7], output=(out, [1, 512, 7, 7]))
+    net.classifier(net.node("Relu", [net.node("Add", [x, net.conv_bn(y, 512, 512, 3)])]), 512, 64)
+    model = net.save(tmp_path / "block.onnx", 7, 64, input_shape=[1, 512, 7, 7])
     xs = [np.random.default_rng(seed).standard_normal((1, 512, 7, 7)).astype(np.float32) for seed in range(2)]
     prepared, claimed, left = _claimed_graph(model, "fp16", None, tmp_path)
-    # (the 1x1: K = 512 in 2 slices, each keeping 8 main-loop iterations of 32 channels)
+    # (the 1x1: K = 512 in 2 slices, each keeping 8 main-loop iterations of 32 channels; the classifier, 512 -> 64 on
+    # one pixel, too)
     assert left == [] and [(c.kernel.tile.block, c.kernel.tile.split_k, c.kernel.grid) for c in claimed] == [
-        ((128, 64, 32), 2, (1, 8, 2))] + [((128, 64, 32), 4, (1, 8, 4))] * 2
-    assert [(c.kernel.activation, c.kernel.residual) for c in claimed] == [("relu", False)] * 2 + [("relu", True)]
+        ((128, 64, 32), 2, (1, 8, 2))] + [((128, 64, 32), 4, (1, 8, 4))] * 2 + [((64, 64, 32), 2, (1, 1, 2))]
+    assert [(c.kernel.activation, c.kernel.residual) for c in claimed] == [("relu", False)] * 2 + [
+        ("relu", True), ("identity", False)]
     _twin_matches_graph_and_onnxruntime(model, prepared, claimed, xs, "fp16")
+    # the batch-1 classifier runs with its global pool on CUDA cores (``pool_classifier``): whole sums, no slices
+    pools = pool_classifier.find_pool_classifiers(prepared.main, claimed, 8)
+    assert len(pools) == 1 and pools[0].kernel.fc.tile.split_k == 1
+    rest = claimed[:-1]
+    rewritten = cutlass.claim_convs(prepared.mod, rest, {c.kernel.name: 49152 for c in rest})
+    twins = pool_classifier.claim_pool_classifiers(cutlass.with_twins(rewritten, rest), pools, twins=True)
+    np.testing.assert_allclose(HostRunner(Graph(twins, prepared.weights))([xs[0]])[0], HostRunner(prepared)([xs[0]])[0],
+                               rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("form", ["Gelu", "erf"])

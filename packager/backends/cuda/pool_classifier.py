@@ -260,7 +260,9 @@ def find_pool_classifiers(main, claimed: Sequence, sm_count: int) -> list[Claime
                 or y_shape[-1] != p.k or math.prod(y_shape) != p.k:
             continue
         rows = p.n * p.k
-        kernel = PoolClassifierKernel(f"p{len(found)}", shape, dtype_of(x), k, dict(c.shapes), quantize,
+        fc = k if k.tile.split_k == 1 else dataclasses.replace(k, tile=dataclasses.replace(k.tile, split_k=1))
+        # (on CUDA cores: whole sums, no slices)
+        kernel = PoolClassifierKernel(f"p{len(found)}", shape, dtype_of(x), fc, dict(c.shapes), quantize,
                                       blocks_for(rows, sm_count))
         found.append(ClaimedPoolClassifier(kernel, x, c, between))
     return found
