@@ -268,9 +268,9 @@ def quantize(graph: Graph, model: LoadedModel, args: QuantizeArgs, note: Callabl
     for layer in layers:
         if layer.weight in chosen and layer.precision == "int8":
             layer.precision, layer.reason = chosen[layer.weight]
-    if chosen:
-        note(f"{len(chosen)} layer(s) in another precision for the target: "
-             f"{', '.join(sorted({why for _, why in chosen.values()}))}")
+    for precision, why in sorted(set(chosen.values())):
+        count = sum(1 for choice in chosen.values() if choice == (precision, why))
+        note(f"{count} layer(s) in {precision} for the target ({why})")
     smoothing = smooth.factors(graph, layers, lambda: calib.batches(specs)) if args.activation_scales == "auto" else {}
     if smoothing:
         graph = smooth.smooth(graph, layers, smoothing)
