@@ -79,20 +79,33 @@ class CudaToolkit:
     def describe(self) -> str:
         return f"CUDA {self.version_str} {self.kind} ({self.source})"
 
+    @property
+    def device_math(self):
+        """The float semantics its builds compile with (``backends.cuda.device_math``)."""
+        from edgeq.backends.cuda.device_math import DeviceMath
+
+        return DeviceMath.for_toolkit(self.kind)
+
     def to_dict(self) -> dict:
         return {
             "kind": self.kind,
             "version": self.version_str,
             "source": self.source,
             "output_format": self.output_format,
+            "device_math": self.device_math.to_dict(),
         }
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
-        """Make TVM's CUDA compile callback use this toolkit for the duration of a build."""
+        """Make TVM's CUDA compile callback use this toolkit, with edgeq's device math (not TVM's
+        ``--use_fast_math``), for the duration of a build."""
         env = {"TVM_CUDA_COMPILE_MODE": self.kind, "CUDA_PATH": self.root}
         if self.kind == "nvcc":
             env["PATH"] = os.path.join(self.root, "bin") + os.pathsep + os.environ.get("PATH", "")
+            env["TVM_CUDA_NVCC_NO_FAST_MATH"] = "1"
+        else:  # after TVM's options, and before whatever the caller added (CUTLASS's include folder)
+            extra = os.environ.get("TVM_CUDA_NVRTC_EXTRA_OPTS", "")
+            env["TVM_CUDA_NVRTC_EXTRA_OPTS"] = f"{self.device_math.nvrtc_options()} {extra}".strip()
         saved = {key: os.environ.get(key) for key in env}
         os.environ.update(env)
         try:

@@ -44,6 +44,8 @@ from pathlib import Path
 
 import numpy as np
 
+from edgeq.backends.cuda.device_math import EXP_RN_CPP, silu_rn_numpy, silu_rn_tir
+
 ACTIVATIONS = {  # name -> CUTLASS elementwise functor on float (edgeq's own where CUTLASS has none)
     "identity": "cutlass::epilogue::thread::Identity<float>",
     "relu": "cutlass::epilogue::thread::ReLu<float>",
@@ -72,6 +74,7 @@ namespace std { using cuda::std::void_t; }  // NVRTC: CUTLASS's bias-elementwise
 #include <cutlass/gemm/kernel/default_gemm.h>
 #include <cutlass/gemm/kernel/gemm_batched.h>
 namespace edgeq_cutlass {
+""" + EXP_RN_CPP + r"""
 struct Relu6 {
   CUTLASS_HOST_DEVICE float operator()(float x) const { return x < 0.f ? 0.f : (x > 6.f ? 6.f : x); }
 };
@@ -92,7 +95,7 @@ struct Relu6T<cutlass::Array<T, N>> {
 // The int8 epilogue (edgeq's: CUTLASS 2.x's convolution epilogues broadcast one per-channel vector, and a
 // requantization needs three, the int32 bias, the float scale and shift). DefaultConv2dFpropWithBroadcast hands
 // it each output element's channel index as its broadcast vector; it reads those channels' constants itself:
-//   v = float(acc + bias[k]) * scale[k] + shift[k];  [v = v * sigmoid(v)]  (SiLU)
+//   v = float(acc + bias[k]) * scale[k] + shift[k];  [v = v * sigmoid(v)]  (SiLU, through edgeq's exp_rn)
 //   v = clamp(v  [+ float(residual) * residual_scale], act_lo, act_hi)
 //   [v = v * post[k]]  (a per-channel multiplier: the next depthwise layer's input channel scale)
 //   v = v / out_div
@@ -165,7 +168,7 @@ class Requantize {  // Out float: the value before the division, unrounded (an i
   }
   CUTLASS_DEVICE Out one(int32_t acc_bias, float scale, float shift, float residual, float post) const {
     float x = __fadd_rn(__fmul_rn(float(acc_bias), scale), shift);
-    if (p_.silu) x = __fmul_rn(x, __fdiv_rn(1.f, __fadd_rn(1.f, expf(-x))));
+    if (p_.silu) x = silu_rn(x);  // edgeq's exp: the twin's and the replay's bits (device_math.py)
     if (p_.residual) x = __fadd_rn(x, __fmul_rn(residual, p_.residual_scale));
     x = fminf(fmaxf(x, p_.act_lo), p_.act_hi);
     if (p_.post) x = __fmul_rn(x, post);
@@ -1530,9 +1533,8 @@ def replay_int8(kernel: ConvKernel, x: np.ndarray, w: np.ndarray, bias: np.ndarr
     f32 = np.float32
     v = (acc + bias.reshape(-1).astype(np.int64)).astype(np.int32).astype(f32) * scale.reshape(-1).astype(f32)
     v = v + (f32(0) if shift is None else shift.reshape(-1).astype(f32))
-    if kernel.silu:
-        with np.errstate(over="ignore"):  # exp(-v) of a large negative v: inf, and v * 0 as SiLU is there
-            v = v * (f32(1) / (f32(1) + np.exp(-v)))
+    if kernel.silu:  # through edgeq's exp, as the device's epilogue (device_math.py)
+        v = silu_rn_numpy(v)
     if residual is not None:
         v = v + residual.astype(f32) * f32(kernel.residual_scale)
     v = np.clip(v, f32(kernel.act_lo), f32(kernel.act_hi))
@@ -3356,8 +3358,8 @@ def twin_tensors(kernel: ConvKernel, shapes: dict | None = None, x=None) -> tupl
 
     def epilogue_int8(i, y, z, o):
         v = (acc[i, y, z, o] + at("bias", o)).astype("float32") * at("scale", o) + at("shift", o)
-        if kernel.silu:
-            v = v * te.sigmoid(v)
+        if kernel.silu:  # through edgeq's exp, as the device's epilogue (device_math.py)
+            v = silu_rn_tir(v)
         if res is not None:
             v = v + residual(i, y, z, o).astype("float32") * f32(kernel.residual_scale)
         if not math.isinf(kernel.act_lo):
