@@ -96,16 +96,17 @@ class CudaToolkit:
         }
 
     @contextlib.contextmanager
-    def active(self) -> Iterator[None]:
+    def active(self, math=None) -> Iterator[None]:
         """Make TVM's CUDA compile callback use this toolkit, with edgeq's device math (not TVM's
-        ``--use_fast_math``), for the duration of a build."""
+        ``--use_fast_math``; ``math``: another ``DeviceMath``, to measure what it costs), for the duration of a
+        build."""
         env = {"TVM_CUDA_COMPILE_MODE": self.kind, "CUDA_PATH": self.root}
         if self.kind == "nvcc":
             env["PATH"] = os.path.join(self.root, "bin") + os.pathsep + os.environ.get("PATH", "")
             env["TVM_CUDA_NVCC_NO_FAST_MATH"] = "1"
         else:  # after TVM's options, and before whatever the caller added (CUTLASS's include folder)
             extra = os.environ.get("TVM_CUDA_NVRTC_EXTRA_OPTS", "")
-            env["TVM_CUDA_NVRTC_EXTRA_OPTS"] = f"{self.device_math.nvrtc_options()} {extra}".strip()
+            env["TVM_CUDA_NVRTC_EXTRA_OPTS"] = f"{(math or self.device_math).nvrtc_options()} {extra}".strip()
         saved = {key: os.environ.get(key) for key in env}
         os.environ.update(env)
         try:

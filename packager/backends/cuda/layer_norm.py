@@ -104,8 +104,9 @@ def twin_prim_func(kernel: LayerNormKernel):
     k2 = te.reduce_axis((0, c), "k2")
     var = te.compute(lead, lambda *i: te.sum((x[(*i, k2)] - mean[i]) * (x[(*i, k2)] - mean[i]), axis=k2),
                      "x_var_sum")
-    y = te.compute(kernel.shape, lambda *i: (x[i] - mean[i[:-1]]) * tirx.rsqrt(
-        var[i[:-1]] / width + tirx.const(kernel.epsilon, "float32")) * gamma[i[-1]] + beta[i[-1]], "y")
+    # 1 / sqrt, as the host computes rsqrt: IEEE on both (CUDA's rsqrtf is an approximation, device_math.py)
+    y = te.compute(kernel.shape, lambda *i: (x[i] - mean[i[:-1]]) * (tirx.const(1.0, "float32") / tirx.sqrt(
+        var[i[:-1]] / width + tirx.const(kernel.epsilon, "float32"))) * gamma[i[-1]] + beta[i[-1]], "y")
     if kernel.quantize is None:
         y16 = te.compute(kernel.shape, lambda *i: y[i].astype("float16"), "y16")
         return te.create_prim_func([x, gamma, beta, y, y16])
