@@ -1056,16 +1056,18 @@ def _c_float(v: float) -> str:
 def device_source(kernels: Sequence[ConvKernel]) -> str:
     """The CUDA source of the kernels' device wrappers: ``edgeq_cutlass_<name>(operands..., smem)`` (the operands of
     ``kernel_operands``) and, per kernel, ``edgeq_smem_<name>``, an array as large as the kernel's shared storage
-    and Params (``smem_sizes`` reads it from the cubin's symbol table)."""
+    and Params, compiled only where ``EDGEQ_SIZING`` is defined (``smem_sizes`` reads it from that cubin's symbol
+    table; the module does not carry it). Serial split-K kernels get their own semaphores, one an output tile, at
+    ``split_k_offsets`` in one zero-initialized array."""
     out = [PREAMBLE]
     token_linear = [k for k in kernels if isinstance(k, TokenLinearKernel)]
     if token_linear:  # cute's headers only where a kernel needs them; each visitor tree once
         trees = dict(token_linear_types(k) for k in token_linear)
         out.append(EVT_INCLUDES + "namespace edgeq_cutlass {" + "".join(trees.values()) + "}  // namespace edgeq_cutlass\n")
-    locks = max((k.grid[0] * k.grid[1] for k in kernels if getattr(k, "tile", None) and k.tile.split_k > 1),
-                default=0)
+    offsets, locks = split_k_offsets(kernels)
     if locks:  # serial split-K's semaphores, one an output tile: zero when the module loads, and each kernel's last
-        # slice sets its tile's back to zero, so the kernels (one after another on the stream) share them
+        # slice sets its tile's back to zero; each kernel has its own (a launch that never finished leaves only its
+        # own tiles' set, and no two kernels share a semaphore)
         out.append(f"namespace edgeq_cutlass {{ __device__ int split_k_locks[{locks}]; }}\n")
     for kern in kernels:
         if isinstance(kern, DepthwiseKernel):  # TIR: TVM writes its CUDA
@@ -1127,8 +1129,20 @@ def device_source(kernels: Sequence[ConvKernel]) -> str:
         {{reinterpret_cast<{element}*>(w), layout::TensorNHWC::packed({{{p.k}, {p.r}, {p.s}, {p.c}}})}},
         {c_ref.replace("OUT", out_element)}, {d_ref.replace("OUT", out_element)},
         {output_op}, conv::SplitKMode::kSerial, {vector}, {tensor});
-    new (params) typename K::Params(args{", edgeq_cutlass::split_k_locks" if kern.tile.split_k > 1 else ""});"""))
+    new (params) typename K::Params(args{f", edgeq_cutlass::split_k_locks + {offsets[kern.name]}"
+                                         if kern.tile.split_k > 1 else ""});"""))
     return "".join(out)
+
+
+def split_k_offsets(kernels: Sequence[ConvKernel]) -> tuple[dict[str, int], int]:
+    """({split kernel: its first semaphore in ``split_k_locks``}, the array's length): one semaphore an output tile
+    (grid x and y) of each serial split-K kernel, in the order of their names (whatever order they come in)."""
+    offsets, total = {}, 0
+    for k in sorted(kernels, key=lambda k: k.name):
+        if getattr(k, "tile", None) and k.tile.split_k > 1:
+            offsets[k.name] = total
+            total += k.grid[0] * k.grid[1]
+    return offsets, total
 
 
 def _nhwc_layout(n: int, h: int, w: int, channels: int) -> str:
@@ -1147,7 +1161,9 @@ def _wrapper(name: str, types: str, signature: str, build: str) -> str:
 namespace edgeq_cutlass {{ {types} }}
 // the kernel's shared storage, then its Params (built once per block, by thread 0)
 constexpr size_t edgeq_params_at_{name} = (sizeof(edgeq_cutlass::{t}::SharedStorage) + 15) / 16 * 16;
+#ifdef EDGEQ_SIZING  // only in smem_sizes' compile: the shipped module holds no such array
 __device__ char edgeq_smem_{name}[edgeq_params_at_{name} + sizeof(typename edgeq_cutlass::{t}::Params)];
+#endif
 extern "C" __device__ void edgeq_cutlass_{name}({signature}, unsigned char* smem) {{
   using namespace cutlass;
   using K = edgeq_cutlass::{t};
@@ -1720,7 +1736,8 @@ def smem_sizes(kernels: Sequence[ConvKernel], arch: str) -> dict[str, int]:
     sizes = {k.name: 0 for k in kernels if isinstance(k, DepthwiseKernel)}
     if len(sizes) == len(kernels):
         return sizes
-    source = re.sub(r'extern "C" __device__ void edgeq_cutlass_\w+\(.*?\n}\n', "", device_source(kernels), flags=re.S)
+    source = "#define EDGEQ_SIZING\n" + re.sub(r'extern "C" __device__ void edgeq_cutlass_\w+\(.*?\n}\n', "",
+                                                device_source(kernels), flags=re.S)
     with _nvrtc_include():
         cubin = bytes(nvcc.compile_cuda(source, target_format="cubin", arch=arch))
     return {**elf_symbol_sizes(cubin, "edgeq_smem_"), **sizes}
@@ -1739,17 +1756,18 @@ def _nvrtc_include() -> Iterator[None]:
             os.environ["TVM_CUDA_NVRTC_EXTRA_OPTS"] = saved
 
 
-def build_module(kernels: Sequence[ConvKernel], target, toolkit, folder: Path) -> tuple[Path, dict[str, int]]:
+def build_module(kernels: Sequence[ConvKernel], target, toolkit, folder: Path,
+                 math=None) -> tuple[Path, dict[str, int]]:
     """The kernels as one TVM module for ``target`` (``tvm.target.Target`` of kind cuda), exported as a shared
     library into ``folder`` with its CUDA source beside it (``cutlass_<arch>.cu``): (the library, {kernel: shared
-    bytes})."""
+    bytes}). ``math``: a ``device_math.DeviceMath`` other than the toolkit's (benchmarks/device_math.py)."""
     from edgeq.tvm_env import import_tvm
 
     tvm = import_tvm()
     from tvm.support import nvcc  # noqa: F401 - registers TVM's CUDA compile callback
 
     arch = target.attrs["arch"]
-    with toolkit.active():
+    with toolkit.active(math):
         sizes = smem_sizes(kernels, arch)
         mod = tvm.IRModule({k.function: prim_func(k, sizes[k.name]) for k in kernels})
         with wrappers_in_module(kernels), target:
