@@ -4,7 +4,7 @@ options (IEEE division and square root, no flushing, no contraction, the int8 Si
     python benchmarks/device_math.py [--arch sm_87] [--json]
 
 Builds one module of representative kernels twice with the NVRTC 12.6 wheels (no GPU needed): ResNet's int8 3x3
-with its residual and ReLU, YOLO's and EfficientNet's int8 1x1 with SiLU, the int8 depthwise 3x3 with SiLU and
+with its residual and ReLU and the same without the residual, YOLO's and EfficientNet's int8 1x1 with SiLU, the int8 depthwise 3x3 with SiLU and
 MobileNetV2's plain one, the fp16 3x3 with its residual and the fp16 1x1 with SiLU, and the int8 layer norm with
 its per-token quantize. For each kernel: SASS instructions in all, the float instructions among them (FMUL, FADD,
 FFMA, MUFU, FCHK, ...: the epilogue's arithmetic; the mainloops are integer and tensor-core instructions, which the
@@ -47,6 +47,7 @@ def kernels(arch: str):
     convs = [
         conv("int8_3x3_residual_relu", 8, 14, 256, 256, 3, "int8", activation="relu", residual=True,
              residual_scale=0.5, act_lo=0.0, out_div=0.25),
+        conv("int8_3x3_relu", 8, 14, 256, 256, 3, "int8", activation="relu", act_lo=0.0, out_div=0.25),
         conv("int8_1x1_silu", 1, 40, 64, 64, 1, "int8", out_div=0.25, silu=True),
         conv("fp16_3x3_residual_relu", 8, 14, 256, 256, 3, "fp16", activation="relu", residual=True),
         conv("fp16_1x1_silu", 1, 40, 64, 64, 1, "fp16", activation="silu"),
