@@ -358,6 +358,40 @@ def run_torch(root: Path, results: dict, runs: int, deadline: float, compile_mod
             print(f"== torch {key} torch.compile failed: {e!r:.300}", flush=True)
 
 
+def ledger(root: Path, results: dict) -> dict:
+    """The ledger of GPU-verified kernel kinds this run earns (edgeq/backends/cuda/ledger.py's format): a kind
+    whose source key (each CUTLASS bundle's manifest: library.gpu_kernels.cutlass.kinds) ran in at least one bundle
+    that passed its self-test, and in none that failed it or memcheck. Plain Python: the GPU machine has no edgeq."""
+    ran: dict[tuple[str, str], list[str]] = {}
+    failed: set[tuple[str, str]] = set()
+    for name, row in results["edgeq"].items():
+        manifest = root / "bundles" / name / "manifest.json"
+        if not manifest.is_file():
+            continue
+        gpu = json.loads(manifest.read_text()).get("library", {}).get("gpu_kernels") or {}
+        kinds = (gpu.get("cutlass") or {}).get("kinds", {})
+        ok = row.get("self_test", {}).get("rc") == 0 and results["memcheck"].get(name, {}).get("rc", 0) == 0
+        for kind, key in kinds.items():
+            if ok:
+                ran.setdefault((kind, key), []).append(name)
+            else:
+                failed.add((kind, key))
+    gpu, _, rest = results["gpu"].partition(",")
+    driver = rest.split(",")[0].strip()
+    kinds = {kind: {"source_sha256": key, "gpu": gpu.strip(), "driver": driver, "date": results["date"],
+                    "evidence": sorted(names)} for (kind, key), names in sorted(ran.items()) if (kind, key) not in failed}
+    return {"about": "written by benchmarks/gpu_bench.py run; merge into edgeq/backends/cuda/gpu_verified.json "
+                     "with: python benchmarks/gpu_bench.py ledger OUT/gpu_verified.json", "format": 1, "kinds": kinds}
+
+
+def merge_ledger(earned: Path, ledger_path: Path) -> dict:
+    """The package's ledger with the kinds of ``earned`` (a run's gpu_verified.json) put in (newer replaces)."""
+    have = json.loads(ledger_path.read_text()) if ledger_path.is_file() else {"format": 1, "kinds": {}}
+    have.setdefault("kinds", {}).update(json.loads(earned.read_text()).get("kinds", {}))
+    ledger_path.write_text(json.dumps(have, indent=1, sort_keys=True) + "\n")
+    return have
+
+
 def summary(results: dict) -> str:
     lines = [f"{'bundle':30} {'self-test':>9} {'p50 ms':>8} {'torch graph':>11} {'ratio':>6} {'compile':>8}"]
     for name, row in results["edgeq"].items():
@@ -401,13 +435,17 @@ def run(root: Path, out: Path, runs: int, budget_s: float) -> None:
         save()
     results["seconds"] = round(time.time() - started, 1)
     save()
+    earned = ledger(root, results)
+    (out / "gpu_verified.json").write_text(json.dumps(earned, indent=1) + "\n")
+    print(f"gpu_bench: {len(earned['kinds'])} kernel kind(s) verified: {', '.join(earned['kinds']) or 'none'}")
     print(summary(results))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("half", choices=["build", "run", "profile"])
-    parser.add_argument("dir", nargs="?", type=Path, default=Path("gpu_bench"))
+    parser.add_argument("half", choices=["build", "run", "profile", "ledger"])
+    parser.add_argument("dir", nargs="?", type=Path, default=Path("gpu_bench"),
+                        help="the bundles' folder; ledger: a run's gpu_verified.json, merged into edgeq's ledger")
     parser.add_argument("--only", nargs="+", help="build: only these bundles")
     parser.add_argument("--runs", type=int, default=200, help="run: timed runs per bundle and peer")
     parser.add_argument("--archive", default="bundles.tar.xz", help="profile: the archive of bundle folders in DIR")
@@ -415,6 +453,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.half == "build":
         build(args.dir, args.only)
+    elif args.half == "ledger":  # here, after a run: its verified kinds into the package's ledger
+        target = Path(__file__).resolve().parent.parent / "packager" / "backends" / "cuda" / "gpu_verified.json"
+        merged = merge_ledger(args.dir, target)
+        print(f"{target}: {len(merged['kinds'])} kernel kind(s): {', '.join(sorted(merged['kinds'])) or 'none'}")
     elif args.half == "profile":
         profile_all(args.dir, Path(os.environ.get("OUT") or args.dir), args.archive)
     else:

@@ -79,7 +79,7 @@ class PackageArgs(FrontEndArgs):
     conf: float = 0.25  # yolo: score threshold
     iou: float = 0.45  # yolo: IoU above which a box is suppressed
     max_det: int = 300  # yolo: detections at most
-    gpu_kernels: str = "dlight"  # CUDA profiles: "dlight" (TVM's rules) or "cutlass" (fp16/int8 convolutions on CUTLASS)
+    gpu_kernels: str = "auto"  # CUDA profiles: "auto" (edgeq's kernels a GPU verified), "dlight" or "cutlass"
 
     def to_dict(self) -> dict[str, Any]:
         """What the manifest records (``build.args``). ``dump_ir`` is left out: a debugging aid that

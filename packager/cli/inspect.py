@@ -29,6 +29,8 @@ def _cpu_kernels(info) -> str:
 
 
 def _gpu_kernels(info) -> str:
+    from edgeq.backends.cuda.ledger import NOT_RUN
+
     if not info:
         return "-"
     rules = ", ".join(f"{k} {v}" for k, v in info.get("schedules", {}).items())
@@ -79,6 +81,19 @@ def _gpu_kernels(info) -> str:
         if left:
             text += " (the rest on dlight: " + "; ".join(f"{x['conv']}: {x['why']}" for x in left[:5]) + \
                     (", ..." if len(left) > 5 else "") + ")"
+        held = cutlass.get("held", [])
+        if held:  # --gpu-kernels auto: kernels whose kinds no GPU has run as written today
+            kinds = sorted({k for x in held for k in x["kinds"]})
+            text += (f"; {len(held)} layer(s) held on dlight, {NOT_RUN} (kinds: {', '.join(kinds)}; "
+                     "--gpu-kernels cutlass takes them anyway)")
+    choice = info.get("choice")
+    if choice:  # how layers were put on kernels: --gpu-kernels as asked, the ledger auto went by
+        text += f"; --gpu-kernels {choice['gpu_kernels']}"
+        ledger = choice.get("ledger")
+        if ledger is not None:
+            text += f" (GPU-verified kernel kinds: {len(ledger['verified'])} of {ledger['kinds']})"
+        if choice.get("note"):
+            text += f": {choice['note']}"
     return text
 
 

@@ -63,10 +63,12 @@ def add_parser(sub) -> None:
                         help="what the build is checked against on the golden input before anything is written: "
                              "auto (default): ONNX Runtime where installed, else TVM's plain pipeline on the imported "
                              "graph; int8/mixed builds: their own quantized graph before lowering, TVM's plain pipeline")
-    parser.add_argument("--gpu-kernels", choices=("dlight", "cutlass"), default="dlight",
-                        help="CUDA profiles: dlight (default: TVM's GPU rules) or cutlass (fp16 and int8 convolutions on "
-                             "NVIDIA's CUTLASS tensor-core kernels, NHWC; what it does not claim stays on dlight, and "
-                             "the manifest says which)")
+    parser.add_argument("--gpu-kernels", choices=("auto", "dlight", "cutlass"), default="auto",
+                        help="CUDA profiles, fp16 and int8: auto (default: a layer goes on edgeq's kernels, NVIDIA's "
+                             "CUTLASS tensor-core kernels and edgeq's own, where every kind of kernel it needs has run "
+                             "on a GPU as written today, and on TVM's dlight rules otherwise), cutlass (every layer "
+                             "edgeq's kernels take) or dlight (none); the manifest and 'edgeq inspect' say which layer "
+                             "ran where and why")
     parser.add_argument("--dump-ir", type=Path, metavar="DIR",
                         help="write the Relax module after each stage that changes it to DIR/NN-<stage>.py (TVMScript; "
                              "NN as in the progress output), replacing such files from an earlier run; the files of the "

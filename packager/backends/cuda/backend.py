@@ -56,24 +56,49 @@ class CudaBackend:
     device_type = "cuda"
     precisions = ("fp32", "int8", "mixed", "fp16")
     runtime_parts = ("TVM CUDA runtime", "CUDA bridge")
-    gpu_kernels = "dlight"  # "cutlass": convolutions on CUTLASS kernels (with_gpu_kernels)
+    gpu_kernels = "dlight"  # "cutlass": every layer edgeq's kernels take; "auto": those a GPU verified (ledger.py)
+    uses_cutlass = False  # the build goes through edgeq's kernels (NHWC graph, claims)
+    ledger = None  # "auto": the ledger of GPU-verified kernel kinds it decides by
+    choice_note = None  # "auto": why every layer stays on dlight, where it does
     sm_count, smem_per_block = 0, 0  # the profile's, for CUTLASS's tile table
 
     def with_gpu_kernels(self, kind: str, profile, precision: str):
-        """This backend with ``kind``'s kernels (``--gpu-kernels``): "dlight" (TVM's rules, the default) or
-        "cutlass" (NVIDIA's CUTLASS for fp16 and int8 convolutions, NHWC; the rest stays on dlight)."""
+        """This backend with ``kind``'s kernels (``--gpu-kernels``): "auto" (the default: edgeq's kernels where
+        every kind a layer's kernel needs has run on a GPU, ``ledger.py``; dlight elsewhere), "cutlass" (every
+        layer edgeq's kernels take: NVIDIA's CUTLASS for fp16 and int8 convolutions and matrix products, NHWC, and
+        edgeq's own; the rest on dlight) or "dlight" (TVM's rules for every layer)."""
+        from edgeq.backends.cuda.ledger import Ledger
         from edgeq.errors import UsageError
 
-        if kind not in ("dlight", "cutlass"):
-            raise UsageError(f"unknown --gpu-kernels '{kind}'; choose dlight or cutlass")
+        if kind not in ("auto", "dlight", "cutlass"):
+            raise UsageError(f"unknown --gpu-kernels '{kind}'; choose auto, dlight or cutlass")
         if kind == "cutlass" and precision not in ("fp16", "int8"):
             raise UsageError(f"--gpu-kernels cutlass takes --precision fp16 or int8 (CUTLASS's tensor-core kernels), "
-                             f"not {precision}; package {precision} with the default, dlight")
+                             f"not {precision}; package {precision} with --gpu-kernels dlight")
         chosen = copy.copy(self)
         chosen.gpu_kernels = kind
+        chosen.uses_cutlass = kind == "cutlass"
+        if kind == "auto":
+            chosen.ledger = Ledger.load()
+            if precision not in ("fp16", "int8"):
+                chosen.choice_note = f"edgeq's GPU kernels take fp16 and int8 layers; {precision}: every layer on dlight"
+            elif not chosen.ledger.verified():
+                chosen.choice_note = ("no kernel kind of edgeq's has run on a GPU as it is written today "
+                                      "(edgeq/backends/cuda/gpu_verified.json): every layer on dlight")
+            else:
+                chosen.uses_cutlass = True
         chosen.sm_count = profile.cuda.sm_count or 8
         chosen.smem_per_block = profile.cuda.shared_memory_per_block_optin or profile.cuda.max_shared_memory_per_block
         return chosen
+
+    def kernel_choice(self) -> dict:
+        """What the manifest records of how layers were put on kernels (``library.gpu_kernels.choice``)."""
+        choice = {"gpu_kernels": self.gpu_kernels}
+        if self.ledger is not None:
+            choice["ledger"] = self.ledger.to_dict()
+        if self.choice_note:
+            choice["note"] = self.choice_note
+        return choice
 
     def find_tools(self, profile):
         from edgeq.toolchain import Toolchain, cxx_for
@@ -94,7 +119,7 @@ class CudaBackend:
         from edgeq.backends.cuda.pipeline import (
             prepare_graph, row_scales_in_one_kernel, scalar_weights_as_constants, splits_as_slices, views_collapsed)
 
-        if self.gpu_kernels == "cutlass":
+        if self.uses_cutlass:
             from edgeq.backends.cuda.cutlass import prepare_nhwc
 
             graph = splits_as_slices(views_collapsed(prepare_nhwc(prepare_graph(scalar_weights_as_constants(graph)))))
@@ -110,10 +135,11 @@ class CudaBackend:
 
         if toolchain is None or toolchain.cuda_toolkit is None:
             return relax.build(mod, target=target)
-        report = pipeline.GpuKernels()
-        cutlass = (self.sm_count, self.smem_per_block) if self.gpu_kernels == "cutlass" else None
+        report = pipeline.GpuKernels(choice=self.kernel_choice())
+        cutlass = (self.sm_count, self.smem_per_block) if self.uses_cutlass else None
+        gate = self.ledger.gate if self.gpu_kernels == "auto" else None
         with toolchain.cuda_toolkit.active():
-            executable = pipeline.build(mod, target, report, cutlass=cutlass)
+            executable = pipeline.build(mod, target, report, cutlass=cutlass, gate=gate)
         if stats is not None:
             stats.update(report.to_dict())
         return executable
@@ -172,7 +198,7 @@ class CudaBackend:
         by the Orin roofline (at 128 tokens: the fp16 GEMM in 2 K slices, 23 us, against the int8 GEMM's 15 us, the
         quantize kernel's 9.6 us and launch, and the first layer's float32 output, 3.9 us more than its fp16 one);
         TensorRT picks a layer's precision by its speed the same way."""
-        if self.gpu_kernels != "cutlass":
+        if not self.uses_cutlass or (self.gpu_kernels == "auto" and self.ledger.gate(("token-linear", "conv-fp16"))):
             return {}
         from edgeq.quantize.layers import epilogue_inputs
 

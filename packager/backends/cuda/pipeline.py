@@ -269,6 +269,7 @@ class GpuKernels:
     cuda_graph: bool = False  # main's static call sequences run as one captured CUDA graph
     cuda_graph_kernels: int = 0  # of kernels_per_inference, those inside the graph (one launch for all)
     cutlass: dict | None = None  # --gpu-kernels cutlass: its version, the kernel per claimed layer, what it left
+    choice: dict | None = None  # --gpu-kernels as asked, the ledger "auto" decided by (backend.kernel_choice)
 
     def to_dict(self) -> dict[str, Any]:
         counts: dict[str, int] = {}
@@ -283,6 +284,7 @@ class GpuKernels:
             "launches": dict(sorted(self.launches.items())),
             "fallbacks": sorted(self.fallbacks, key=lambda f: f["function"]),
             **({"cutlass": self.cutlass} if self.cutlass is not None else {}),
+            **({"choice": self.choice} if self.choice is not None else {}),
         }
 
 
@@ -527,12 +529,19 @@ def pipeline(target, report: GpuKernels, check_all: bool = False):
     return _pipeline
 
 
-def build(mod, target, report: GpuKernels, cutlass: tuple[int, int] | None = None):
+def build(mod, target, report: GpuKernels, cutlass: tuple[int, int] | None = None, gate=None):
     """``relax.build`` on ``pipeline`` with CUDA graph capture on. When the whole build still fails (a
     schedule no rule check caught), it is retried once with every schedule built alone first. ``cutlass``:
-    (SMs, shared memory per block) of the profile: the fp16 convolution chains go to CUTLASS kernels first
-    (``edgeq.backends.cuda.cutlass``), the rest to dlight."""
+    (SMs, shared memory per block) of the profile: the fp16 and int8 layers go to edgeq's kernels (CUTLASS's and
+    its own) first (``edgeq.backends.cuda.cutlass``), the rest to dlight. ``gate`` (``--gpu-kernels auto``:
+    ``ledger.Ledger.gate``): kinds -> None where a kernel of those kinds may be used, else why not; a layer it
+    holds back stays on dlight and is listed in ``cutlass.held``."""
     import contextlib
+
+    from edgeq.backends.cuda.ledger import kinds_of, source_sha256
+
+    def allowed(*kinds) -> bool:
+        return gate is None or gate(kinds) is None
 
     wrappers = contextlib.nullcontext()
     if cutlass is not None:
@@ -543,33 +552,47 @@ def build(mod, target, report: GpuKernels, cutlass: tuple[int, int] | None = Non
         # read the same hidden states)
         mod = relax.transform.EliminateCommonSubexpr()(mod)
         # each squeeze-and-excitation after its pool: one function, one kernel (its two 1x1s are not CUTLASS's)
-        excitations = squeeze_excite.find_squeeze_excitations(mod["main"])
+        excitations = squeeze_excite.find_squeeze_excitations(mod["main"]) if allowed("squeeze-excite") else []
         mod = squeeze_excite.outline(mod, excitations)
         claimed, left = cl.find_convs(mod["main"], *cutlass)
+        held = []  # --gpu-kernels auto: the layers whose kernel's kinds no GPU has run as written today
+        if gate is not None:
+            held = [{"conv": c.kernel.name, "kinds": list(kinds_of(c.kernel)), "why": gate(kinds_of(c.kernel))}
+                    for c in claimed if gate(kinds_of(c.kernel))]
+            claimed = [c for c in claimed if gate(kinds_of(c.kernel)) is None]
         # a batch-1 classifier after a global pool: the pool and the classifier, one kernel (instead of its CUTLASS
         # kernel and a pool kernel)
-        pools = pool_classifier.find_pool_classifiers(mod["main"], claimed, cutlass[0])
+        pools = pool_classifier.find_pool_classifiers(mod["main"], claimed, cutlass[0]) if allowed("pool-classifier") else []
         claimed = [c for c in claimed if not any(c is p.fc for p in pools)]
         # attention's Q K^T with its softmax: one kernel of edgeq's (instead of the GEMM's and the softmax's)
-        scores = attention.find_attention_scores(mod["main"], claimed)
+        scores = attention.find_attention_scores(mod["main"], claimed) if allowed("attention-scores") else []
         claimed = [c for c in claimed if not any(c is s.gemm for s in scores)]
         mod = squeeze_excite.outline(mod, scores)
         # a detector's output written by its head's last convolutions (no transpose or concatenation kernel), and
         # the concatenations whose parts the kernels write in place (no concatenation kernel)
-        heads = concat_in_place.find_head_outputs(mod["main"], claimed)
+        heads = concat_in_place.find_head_outputs(mod["main"], claimed) if allowed("detector-output") else []
         in_heads = {var for h in heads for var, _, _ in h.parts}
-        placements = concat_in_place.find_placements(mod["main"], [c for c in claimed if c.output not in in_heads])
+        placements = (concat_in_place.find_placements(mod["main"], [c for c in claimed if c.output not in in_heads])
+                      if allowed("in-place", "concat-in-place") else [])
+        if not allowed("upsampled-output"):
+            placements = [pl for pl in placements if not pl.ups]
         claimed = concat_in_place.place_heads(concat_in_place.place(mod["main"], claimed, placements), heads)
         kernels = [c.kernel for c in claimed]
         sizes = cl.smem_sizes(kernels, target.attrs["arch"]) if kernels else {}
         mod = cl.claim_convs(mod, claimed, sizes, placements, heads)
-        norms = layer_norm.find_layer_norms(mod)  # each with its fp16 cast or int8 quantize: one kernel
+        # each with its fp16 cast or int8 quantize: one kernel
+        norms = layer_norm.find_layer_norms(mod) if allowed("layer-norm") else []
         mod = layer_norm.claim_layer_norms(mod, norms)
-        quantizes = layer_norm.find_row_quantizes(mod)  # the other per-token quantizes: scale and int8, one kernel
+        # the other per-token quantizes: scale and int8, one kernel
+        quantizes = layer_norm.find_row_quantizes(mod) if allowed("row-quantize") else []
         mod = layer_norm.claim_row_quantizes(mod, quantizes)
         mod = pool_classifier.claim_pool_classifiers(mod, pools)
         wrappers = cl.wrappers_in_module(kernels)
         records = {k.name: cl.kernel_record(k, sizes[k.name]) for k in kernels}
+        kinds = {kind for k in kernels for kind in kinds_of(k)} | {kind for kind, used in (
+            ("squeeze-excite", excitations), ("pool-classifier", pools), ("attention-scores", scores),
+            ("detector-output", heads), ("concat-in-place", placements), ("upsampled-output", [p for p in placements if p.ups]),
+            ("layer-norm", norms), ("row-quantize", quantizes)) if used}
         report.cutlass = {"version": cl.cutlass_version(),
                           "kernels": [records[k.name] for k in kernels if not isinstance(k, cl.DepthwiseKernel)],
                           "depthwise": [records[k.name] for k in kernels if isinstance(k, cl.DepthwiseKernel)],
@@ -580,7 +603,11 @@ def build(mod, target, report: GpuKernels, cutlass: tuple[int, int] | None = Non
                           "concatenations_in_place": [pl.record() for pl in placements],
                           "detector_outputs": [h.record() for h in heads],
                           "attention_scores": [a.record() for a in scores],
-                          "left": left}
+                          "left": left,
+                          # the kinds of edgeq's kernels this module runs, each with the key of its source
+                          # (ledger.py): what a GPU run of this bundle verifies
+                          "kinds": {kind: source_sha256(kind) for kind in sorted(kinds)},
+                          **({"held": held} if gate is not None else {})}
     with wrappers:
         return _build(mod, target, report)
 

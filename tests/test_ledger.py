@@ -1,0 +1,131 @@
+"""The ledger of GPU-verified kernel kinds and ``--gpu-kernels auto``, the default (#63): a layer goes on edgeq's
+kernels only where every kind its kernel needs ran on a GPU as edgeq writes it today; the manifest and ``edgeq
+inspect`` say which layer ran where and why; ``benchmarks/gpu_bench.py run`` earns the entries from the bundles that
+passed on a GPU."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from edgeq.backends.cuda import ledger
+
+
+def _write(path: Path, kinds: dict) -> Path:
+    path.write_text(json.dumps({"format": 1, "kinds": kinds}))
+    return path
+
+
+def _entry(kind: str, key: str | None = None) -> dict:
+    return {"source_sha256": key or ledger.source_sha256(kind), "gpu": "NVIDIA H200", "driver": "580.159.04",
+            "date": "2026-12-06", "evidence": ["probe"]}
+
+
+def test_the_shipped_ledger_reads_and_every_kind_has_a_key():
+    """The package's ledger loads (empty today: the one GPU run's kinds have changed since, #63's device math); every
+    kind's key is the SHA-256 of its device source, and two kinds' sources differ."""
+    shipped = ledger.Ledger.load()
+    assert set(shipped.entries) <= set(ledger.KINDS)
+    keys = {kind: ledger.source_sha256(kind) for kind in ledger.KINDS}
+    assert all(re.fullmatch(r"[0-9a-f]{64}", k) for k in keys.values()) and len(set(keys.values())) == len(keys)
+
+
+def test_a_kind_is_verified_only_with_todays_key(tmp_path):
+    """An entry whose key is today's verifies its kind; one whose source changed since, or no entry, does not, and
+    the reason says which."""
+    book = ledger.Ledger.load(_write(tmp_path / "l.json", {"conv-fp16": _entry("conv-fp16"),
+                                                           "conv-int8": _entry("conv-int8", "0" * 64)}))
+    assert book.verified() == ["conv-fp16"]
+    assert book.gate(("conv-fp16",)) is None
+    assert "changed since it ran on NVIDIA H200, 2026-12-06" in book.gate(("conv-int8",))
+    assert book.gate(("conv-fp16", "split-k")) == f"{ledger.NOT_RUN} (split-k)"
+
+
+def test_a_kernels_kinds_name_its_features():
+    from edgeq.backends.cuda import cutlass
+
+    p = cutlass.Conv2dProblem(1, 7, 7, 512, 512, 3, 3, (1, 1), (1, 1), (1, 1))
+    tile = cutlass.split_k(p, cutlass.choose_tile(p, 8, 166912), 8)
+    assert tile.split_k > 1
+    assert ledger.kinds_of(cutlass.ConvKernel("a", p, tile, "relu", True)) == ("conv-fp16", "split-k")
+    kern = cutlass.ConvKernel("b", p, cutlass.choose_tile(p, 8, 166912, "int8"), precision="int8", out_view=(0, 1024))
+    assert ledger.kinds_of(kern) == ("conv-int8", "in-place")
+    dw = cutlass.DepthwiseKernel("c", cutlass.Conv2dProblem(1, 8, 8, 32, 32, 3, 3, (1, 1), (1, 1), (1, 1), groups=32),
+                                 None, precision="int8")
+    assert ledger.kinds_of(dw) == ("depthwise-int8",)
+
+
+@pytest.mark.parametrize("precision,says", [("fp16", "no kernel kind of edgeq's has run on a GPU"),
+                                            ("fp32", "edgeq's GPU kernels take fp16 and int8 layers")])
+def test_auto_with_nothing_verified_is_dlight_and_says_why(precision, says, tmp_path, monkeypatch):
+    from edgeq.backends.cuda.backend import CudaBackend
+    from edgeq.targets import profiles
+
+    monkeypatch.setattr(ledger, "LEDGER", _write(tmp_path / "l.json", {"conv-fp16": _entry("conv-fp16", "1" * 64)}))
+    chosen = CudaBackend().with_gpu_kernels("auto", profiles()["jetson-orin-nano"], precision)
+    assert chosen.gpu_kernels == "auto" and not chosen.uses_cutlass
+    choice = chosen.kernel_choice()
+    assert says in choice["note"] and choice["ledger"] == {"verified": [], "kinds": len(ledger.KINDS)}
+
+
+def test_package_auto_takes_the_verified_kinds_only(tmp_path, monkeypatch):
+    """``edgeq package --device jetson-orin-nano --precision fp16`` with no ``--gpu-kernels`` (auto) and a ledger
+    that verifies CUTLASS's fp16 convolution only: the layers whose kernel needs nothing else run on CUTLASS, any
+    that needs another kind (split-K) stays on dlight, listed as held; the manifest records the choice, the kinds the
+    module runs with their keys (what a GPU run of it would verify) and ``edgeq inspect`` shows it. The reference
+    check passes."""
+    from conftest import run_cli
+    from test_gpu_path import resnet
+
+    monkeypatch.setattr(ledger, "LEDGER", _write(tmp_path / "l.json", {"conv-fp16": _entry("conv-fp16")}))
+    model = resnet(tmp_path / "r.onnx", size=32, widths=(16, 32), blocks=1, stem=3, activations=("Relu", "Relu6"))
+    res = run_cli("package", model, "--device", "jetson-orin-nano", "--precision", "fp16", "-o", tmp_path / "out",
+                  "-q", "--json")
+    assert res.code == 0, res.stderr
+    bundle = Path(json.loads(res.stdout)["bundle_dir"])
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    assert manifest["reference_check"]["result"] == "passed"
+    assert manifest["build"]["args"]["gpu_kernels"] == "auto"
+    gpu = manifest["library"]["gpu_kernels"]
+    assert gpu["choice"] == {"gpu_kernels": "auto", "ledger": {"verified": ["conv-fp16"], "kinds": len(ledger.KINDS)}}
+    record = gpu["cutlass"]
+    assert record["kernels"] and all(k["function"] in gpu["functions"] for k in record["kernels"])
+    assert record["kinds"] == {"conv-fp16": ledger.source_sha256("conv-fp16")}
+    # the 32-channel 3x3 at 8x8 would cut its K in slices (serial split-K): a kind no GPU ran, so dlight's
+    assert [(h["kinds"], h["why"]) for h in record["held"]] == [(["conv-fp16", "split-k"], f"{ledger.NOT_RUN} (split-k)")]
+    assert all(k.get("split_k", 1) == 1 for k in record["kernels"])
+    inspect = run_cli("inspect", bundle)
+    flat = " ".join(re.sub(r"[│┃]", " ", inspect.stdout).split())
+    assert inspect.code == 0 and "--gpu-kernels auto (GPU-verified kernel kinds: 1 of" in flat, flat
+
+
+def test_a_gpu_run_earns_the_kinds_of_the_bundles_that_passed(tmp_path):
+    """``gpu_bench.ledger``: a kind is earned when a bundle that ran it passed its self-test (and memcheck, where it
+    ran), and not when any bundle with the same key failed; ``merge_ledger`` puts the earned kinds into a ledger."""
+    import gpu_bench
+
+    def bundle(name, kinds):
+        folder = tmp_path / "bundles" / name
+        folder.mkdir(parents=True)
+        (folder / "manifest.json").write_text(json.dumps({"library": {"gpu_kernels": {"cutlass": {"kinds": kinds}}}}))
+
+    bundle("a", {"conv-fp16": "k1", "split-k": "k2"})
+    bundle("b", {"conv-int8": "k3"})
+    bundle("c", {"conv-int8": "k3", "depthwise-int8": "k4"})
+    results = {"date": "2026-12-06", "gpu": "NVIDIA H200, 580.159.04, 1980 MHz",
+               "edgeq": {"a": {"self_test": {"rc": 0}}, "b": {"self_test": {"rc": 0}}, "c": {"self_test": {"rc": 1}}},
+               "memcheck": {"a": {"rc": 0}}}
+    earned = gpu_bench.ledger(tmp_path, results)
+    assert sorted(earned["kinds"]) == ["conv-fp16", "split-k"]  # conv-int8 failed in c, depthwise-int8 only in c
+    assert earned["kinds"]["conv-fp16"] == {"source_sha256": "k1", "gpu": "NVIDIA H200", "driver": "580.159.04",
+                                            "date": "2026-12-06", "evidence": ["a"]}
+    (tmp_path / "run.json").write_text(json.dumps(earned))
+    target = _write(tmp_path / "ledger.json", {"layer-norm": _entry("layer-norm")})
+    merged = gpu_bench.merge_ledger(tmp_path / "run.json", target)
+    assert sorted(merged["kinds"]) == ["conv-fp16", "layer-norm", "split-k"]
+    assert ledger.Ledger.load(target).verified() == ["layer-norm"]  # k1, k2 are not today's keys
+    results["memcheck"]["a"] = {"rc": 99}
+    assert gpu_bench.ledger(tmp_path, results)["kinds"] == {}
