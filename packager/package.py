@@ -146,7 +146,8 @@ def _setup(args: PackageArgs, progress: StageProgress) -> Setup:
     if choose is not None:  # a GPU profile: auto (the default), dlight or cutlass
         backend = choose(args.gpu_kernels, profile, args.precision)
     elif args.gpu_kernels not in ("auto", "dlight"):
-        raise UsageError(f"--gpu-kernels {args.gpu_kernels} is for profiles with a GPU (jetson-*); {profile.name} has none")
+        raise UsageError(f"--gpu-kernels is for profiles with a GPU (jetson-*); {profile.name} has none "
+                         f"(--gpu-kernels {args.gpu_kernels})")
     if args.precision not in backend.precisions:
         raise UsageError(f"--precision {args.precision} is for CUDA profiles (jetson-*); {profile.name} is a "
                          f"{backend.name.upper()} profile: use {', '.join(backend.precisions[:-1])} or {backend.precisions[-1]}")

@@ -61,6 +61,39 @@ def cxx_for(profile: Profile) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
+class DeviceMath:
+    """The float semantics a CUDA build compiles with, as the manifest records them: decided by edgeq, not TVM's
+    ``--use_fast_math`` (why, and what int8 kernels do about ``expf``: ``backends/cuda/device_math.py``)."""
+
+    fast_math: bool = False  # --use_fast_math's math-function mapping (__USE_FAST_MATH__)
+    ftz: bool = False  # denormals flushed to zero
+    prec_div: bool = True  # IEEE round-to-nearest division
+    prec_sqrt: bool = True  # IEEE round-to-nearest square root
+    fmad: bool = False  # a * b + c contracted into one FMA
+    expf: str = "__expf"  # what a plain expf() in the source becomes (NVRTC's front end maps it under TVM's option)
+
+    def nvrtc_options(self) -> str:
+        """What edgeq appends to TVM's NVRTC options (after its ``--use_fast_math``, so these win)."""
+        flag = {True: "true", False: "false"}
+        return (f"--ftz={flag[self.ftz]} --prec-div={flag[self.prec_div]} --prec-sqrt={flag[self.prec_sqrt]} "
+                f"--fmad={flag[self.fmad]}" + ("" if self.fast_math else " -U__USE_FAST_MATH__"))
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self),
+                "int8_exp": "exp_rn (edgeq's: correctly rounded float32 operators; the same bits on host and device)"}
+
+    @classmethod
+    def for_toolkit(cls, kind: str) -> DeviceMath:
+        """What a build with a toolkit of ``kind`` ("nvrtc" or "nvcc") gets."""
+        return EXACT if kind == "nvrtc" else cls(fmad=True, expf="expf")
+
+
+EXACT = DeviceMath()
+FAST = DeviceMath(fast_math=True, ftz=True, prec_div=False, prec_sqrt=False, fmad=True)  # TVM's, for comparison
+
+
+
+@dataclasses.dataclass(frozen=True)
 class CudaToolkit:
     kind: str  # "nvcc" or "nvrtc": TVM's TVM_CUDA_COMPILE_MODE
     version: tuple[int, int]
@@ -80,10 +113,8 @@ class CudaToolkit:
         return f"CUDA {self.version_str} {self.kind} ({self.source})"
 
     @property
-    def device_math(self):
-        """The float semantics its builds compile with (``backends.cuda.device_math``)."""
-        from edgeq.backends.cuda.device_math import DeviceMath
-
+    def device_math(self) -> DeviceMath:
+        """The float semantics its builds compile with."""
         return DeviceMath.for_toolkit(self.kind)
 
     def to_dict(self) -> dict:

@@ -4,7 +4,8 @@ TVM's NVRTC path always passes ``--use_fast_math`` (``tvm/support/nvcc.py``), wh
 becomes ``div.approx.ftz.f32`` (2 ulp), ``sqrtf`` becomes ``sqrt.approx``, denormals flush to zero, and ``a * b + c``
 may contract into one FMA; its front end also maps ``expf`` to ``__expf``. An int8 value whose float is near a
 rounding boundary then lands on the other side on the device and never on the host, where every float32 operator
-rounds on its own, as the graph's operators and the numpy replays do. edgeq's builds append ``EXACT``'s options after
+rounds on its own, as the graph's operators and the numpy replays do. edgeq's builds append ``EXACT``'s options
+(``edgeq.toolchain.DeviceMath``: ``CudaToolkit.active`` applies them to every CUDA build) after
 TVM's (``TVM_CUDA_NVRTC_EXTRA_OPTS``, read after the built-in ones): IEEE division and square root, denormals kept, no
 contraction, ``__USE_FAST_MATH__`` undefined. The front end's ``expf`` -> ``__expf`` mapping cannot be undone by an
 option, so a kernel whose int8 output goes through an exponential uses ``exp_rn`` below, which is written in
@@ -19,40 +20,10 @@ options, so ``--fmad`` stays nvcc's default (on): the manifest says so (``Device
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 
+from edgeq.toolchain import EXACT, FAST, DeviceMath  # noqa: F401 - the options, decided with the toolkit
 
-@dataclasses.dataclass(frozen=True)
-class DeviceMath:
-    """The float semantics a CUDA build compiles with, as the manifest records them."""
-
-    fast_math: bool = False  # --use_fast_math's math-function mapping (__USE_FAST_MATH__)
-    ftz: bool = False  # denormals flushed to zero
-    prec_div: bool = True  # IEEE round-to-nearest division
-    prec_sqrt: bool = True  # IEEE round-to-nearest square root
-    fmad: bool = False  # a * b + c contracted into one FMA
-    expf: str = "__expf"  # what a plain expf() in the source becomes (NVRTC's front end maps it under TVM's option)
-
-    def nvrtc_options(self) -> str:
-        """What edgeq appends to TVM's NVRTC options (after its ``--use_fast_math``, so these win)."""
-        flag = {True: "true", False: "false"}
-        return (f"--ftz={flag[self.ftz]} --prec-div={flag[self.prec_div]} --prec-sqrt={flag[self.prec_sqrt]} "
-                f"--fmad={flag[self.fmad]}" + ("" if self.fast_math else " -U__USE_FAST_MATH__"))
-
-    def to_dict(self) -> dict:
-        return {**dataclasses.asdict(self),
-                "int8_exp": "exp_rn (edgeq's: correctly rounded float32 operators; the same bits on host and device)"}
-
-    @classmethod
-    def for_toolkit(cls, kind: str) -> DeviceMath:
-        """What a build with a toolkit of ``kind`` ("nvrtc" or "nvcc") gets."""
-        return EXACT if kind == "nvrtc" else cls(fmad=True, expf="expf")
-
-
-EXACT = DeviceMath()
-FAST = DeviceMath(fast_math=True, ftz=True, prec_div=False, prec_sqrt=False, fmad=True)  # TVM's, for comparison
 
 # exp(x) = 2^n * p(r): n = rint(x log2 e), r = x - n ln2 (ln2 in two parts; n * LN2_HI is exact for |n| <= 128),
 # p a degree-6 Taylor polynomial in Horner form; x clamped to [LO, HI] so that 2^n is a normal float (n in
