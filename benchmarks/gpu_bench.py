@@ -4,10 +4,18 @@ machine has no network and no edgeq:
     bash benchmarks/gpu_bench.sh build [DIR]   # here: bundles for cuda-sm90 (an H100/H200 driven through CUDA 12
                                                # and edgeq's bridge, as an Orin is), xz-packed into DIR (gpu_bench/)
     bash benchmarks/gpu_bench.sh run [DIR]     # there (device tool: carry DIR): every bundle's --self-test and
-                                               # --benchmark, compute-sanitizer memcheck on one CUTLASS fp16 and one
-                                               # int8 bundle, PyTorch fp16 (channels_last, cudnn.benchmark) replayed
-                                               # from a captured CUDA graph and torch.compile(mode="reduce-overhead");
-                                               # JSON to $OUT/gpu_bench.json (or DIR), and a table of p50s and ratios
+                                               # --benchmark; each probe's strict comparison (int8 equal to the host
+                                               # build, fp16 within FP16_ULPS); compute-sanitizer memcheck and
+                                               # racecheck on one bundle of each kernel kind; two self-tests of a
+                                               # split-K bundle at once; PyTorch fp16 (channels_last,
+                                               # cudnn.benchmark) replayed from a captured CUDA graph and
+                                               # torch.compile(mode="reduce-overhead"); JSON to $OUT/gpu_bench.json
+                                               # (or DIR), the kernel kinds that passed to $OUT/gpu_verified.json
+                                               # (the ledger's format), and a table of p50s and ratios
+    bash benchmarks/gpu_bench.sh ledger FILE   # here: that gpu_verified.json into edgeq's ledger (--gpu-kernels auto)
+
+``build`` prints (and writes to DIR/coverage.json) which of edgeq's kernel kinds (edgeq/backends/cuda/ledger.py)
+the bundles run, so that one run verifies every kind.
 
 The models are benchmarks/gpu_kernels.py's onnx-helper builders (ResNet-18, ResNet-50, MobileNetV2 at 224x224,
 BatchNorm after every conv) with their weights put on a grid of 15 values per tensor, so that the bundles
@@ -52,14 +60,20 @@ MODELS = [
     ("yolov8n-b1-fp16-cutlass", "yolov8n", 1, "fp16", "cutlass"),
     ("yolov8n-b1-int8-cutlass", "yolov8n", 1, "int8", "cutlass"),
 ]
-# probes: (name, batch, in channels, size, out channels, kernel, stride, pad, dilation, residual, activation)
+# probes: (name, batch, in channels, size, out channels, kernel, stride, pad, dilation, residual, activation[, groups])
 PROBES = [
     ("probe-stem", 1, 3, 64, 64, 7, 2, 3, 1, False, "Relu"),
     ("probe-residual", 2, 64, 28, 64, 3, 1, 1, 1, True, "Relu"),
     ("probe-shortcut", 1, 64, 28, 128, 1, 2, 0, 1, False, None),
     ("probe-dilated-odd", 1, 40, 20, 24, 3, 1, 2, 2, False, "Clip"),
     ("probe-small-map", 3, 120, 7, 120, 3, 1, 1, 1, True, "Clip"),
+    ("probe-grouped", 1, 64, 14, 64, 3, 1, 1, 1, False, "Relu", 4),  # CUTLASS's grouped kernel: fp16 only
 ]
+PROBE_PRECISIONS = {"probe-grouped": ("fp16",)}
+# strict comparison of a probe's self-test (on top of its 5%-of-range tolerance): int8 equal to the host build
+# (integer accumulation, edgeq's device math: every float operator as the host's); fp16 within this many units in
+# the last place of an fp16 at the golden output's largest magnitude (the tensor cores sum in another order)
+FP16_ULPS = 4
 DEVICE = "cuda-sm90"
 SANITIZED = ("resnet18-b1-fp16-cutlass", "resnet18-b1-int8-cutlass")
 PROFILED = ("resnet18-b1-fp16-cutlass", "resnet18-b1-int8-cutlass", "resnet18-b1-fp16-dlight")  # ncu: each kernel's time
@@ -93,7 +107,7 @@ def on_grid(path: Path) -> None:
     onnx.save(model, path)
 
 
-def probe(path: Path, batch, cin, size, cout, k, stride, pad, dilation, residual, activation) -> Path:
+def probe(path: Path, batch, cin, size, cout, k, stride, pad, dilation, residual, activation, groups=1) -> Path:
     """One convolution with bias, [+ a residual], [ReLU | Clip(0, 6)], written with the onnx helper."""
     import numpy as np
     import onnx
@@ -111,9 +125,9 @@ def probe(path: Path, batch, cin, size, cout, k, stride, pad, dilation, residual
         nodes += [helper.make_node("Conv", ["input", "w0", "b0"], ["conv0"], kernel_shape=[1, 1]),
                   helper.make_node("Relu", ["conv0"], ["x"])]
         x = "x"
-    inits += weights("", cout, cin, k)
+    inits += weights("", cout, cin // groups, k)
     nodes.append(helper.make_node("Conv", [x, "w", "b"], ["conv"], kernel_shape=[k, k], strides=[stride] * 2,
-                                  pads=[pad] * 4, dilations=[dilation] * 2))
+                                  pads=[pad] * 4, dilations=[dilation] * 2, group=groups))
     last = "conv"
     if residual:
         nodes.append(helper.make_node("Add", ["conv", x], ["sum"]))
@@ -149,7 +163,7 @@ def build(out: Path, only: list[str] | None) -> None:
     work.mkdir(parents=True)
     bundles.mkdir()
     jobs = [(f"{spec[0]}-{precision}", dict(probe=spec[1:], precision=precision, gpu_kernels="cutlass"))
-            for spec in PROBES for precision in ("fp16", "int8")]
+            for spec in PROBES for precision in PROBE_PRECISIONS.get(spec[0], ("fp16", "int8"))]
     jobs += [(name, dict(model=m, batch=b, precision=p, gpu_kernels=g)) for name, m, b, p, g in MODELS]
     for name, job in jobs:
         if only and name not in only:
@@ -175,6 +189,10 @@ def build(out: Path, only: list[str] | None) -> None:
         shutil.move(str(result.bundle_dir), bundles / name)
         print(f"gpu_bench: {name} packaged in {time.time() - started:.0f} s", flush=True)
     shutil.rmtree(work)
+    coverage = kinds_covered(bundles)
+    (out / "coverage.json").write_text(json.dumps(coverage, indent=1) + "\n")
+    print(f"gpu_bench: kernel kinds the bundles run: {len(coverage['covered'])} of {len(coverage['kinds'])}"
+          + (f"; no bundle runs {', '.join(coverage['missing'])}" if coverage["missing"] else ""), flush=True)
     import nvidia.cuda_runtime
 
     shutil.copy(Path(list(nvidia.cuda_runtime.__path__)[0], "lib", "libcudart.so.12"), out / "libcudart.so.12")
@@ -183,6 +201,19 @@ def build(out: Path, only: list[str] | None) -> None:
     shutil.rmtree(bundles)
     size = sum(f.stat().st_size for f in out.iterdir())
     print(f"gpu_bench: {out} holds {size / 2**20:.1f} MiB (the device tool carries 64 MiB)")
+
+
+def kinds_covered(bundles: Path) -> dict:
+    """Which of edgeq's kernel kinds (ledger.KINDS) the bundles under ``bundles`` run, and in which bundles."""
+    from edgeq.backends.cuda.ledger import KINDS
+
+    where: dict[str, list[str]] = {}
+    for manifest in sorted(bundles.glob("*/manifest.json")):
+        gpu = json.loads(manifest.read_text())["library"].get("gpu_kernels") or {}
+        for kind in (gpu.get("cutlass") or {}).get("kinds", {}):
+            where.setdefault(kind, []).append(manifest.parent.name)
+    return {"kinds": list(KINDS), "covered": {k: where[k] for k in KINDS if k in where},
+            "missing": [k for k in KINDS if k not in where]}
 
 
 # ------------------------------------------------------------------ run (on the GPU machine)
@@ -227,14 +258,78 @@ def run_bundles(root: Path, results: dict, runs: int) -> None:
             print(f"   benchmark failed rc {rc}: {text[-600:]}", flush=True)
 
 
-def sanitize(root: Path, results: dict) -> None:
+def _kinds(root: Path, name: str) -> dict:
+    manifest = root / "bundles" / name / "manifest.json"
+    if not manifest.is_file():
+        return {}
+    gpu = json.loads(manifest.read_text()).get("library", {}).get("gpu_kernels") or {}
+    return (gpu.get("cutlass") or {}).get("kinds", {})
+
+
+def _smallest_per_kind(root: Path) -> list[str]:
+    """One bundle for each kernel kind the bundles run: the smallest that runs it (probes before models)."""
+    names = sorted((p.name for p in (root / "bundles").iterdir() if (p / "manifest.json").is_file()),
+                   key=lambda n: sum(f.stat().st_size for f in (root / "bundles" / n).rglob("*") if f.is_file()))
+    chosen: list[str] = []
+    for kind in sorted({k for n in names for k in _kinds(root, n)}):
+        pick = next(n for n in names if kind in _kinds(root, n))
+        if pick not in chosen:
+            chosen.append(pick)
+    return chosen
+
+
+def strict(root: Path, results: dict) -> None:
+    """Each probe's self-test differences held to the strict bound: int8 exactly the host build's, fp16 within
+    FP16_ULPS units in the last place at the golden output's largest magnitude (the golden file, read with numpy)."""
+    import re
+
+    import numpy as np
+
+    for name, row in results["edgeq"].items():
+        if not name.startswith("probe"):
+            continue
+        diffs = [float(d) for d in re.findall(r"max \|diff\| ([0-9.eE+-]+|inf|nan)", row["self_test"]["tail"])]
+        manifest = json.loads((root / "bundles" / name / "manifest.json").read_text())
+        golden = manifest["golden"]
+        raw = (root / "bundles" / name / golden["file"]).read_bytes()
+        outputs = [np.frombuffer(raw[t["offset"]:t["offset"] + t["bytes"]], t["dtype"]).astype(np.float64)
+                   for t in golden["tensors"] if t["name"].startswith("output:")]
+        largest = max((float(np.abs(o).max()) for o in outputs), default=0.0)
+        bound = 0.0 if name.endswith("-int8") else FP16_ULPS * float(np.spacing(np.float16(largest)))
+        passed = bool(diffs) and row["self_test"]["rc"] == 0 and max(diffs) <= bound
+        results["strict"][name] = {"passed": passed, "max_diff": max(diffs, default=None), "bound": bound}
+        print(f"== strict {name}: {'ok' if passed else 'FAIL'} (max |diff| {max(diffs, default=None)}, bound {bound:g})",
+              flush=True)
+
+
+def sanitize(root: Path, results: dict, deadline: float) -> None:
+    """compute-sanitizer's memcheck, then racecheck, on one bundle of each kernel kind (the smallest that runs it);
+    what the deadline leaves out is listed as skipped (a kind no memcheck passed on is not verified)."""
     tool = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
-    env, loaders = _loaders(root, SANITIZED)
-    for name, exe in loaders:
-        rc, text = _run([tool, "--tool", "memcheck", "--error-exitcode", "99", "--print-limit", "3", exe,
-                         "--self-test"], 400, env, keep=1 << 20)
-        results["memcheck"][name] = {"rc": rc, "head": text[:3000], "tail": text[-1500:]}
-        print(f"== memcheck {name}: rc {rc}\n{text.strip()[-500:]}", flush=True)
+    env, loaders = _loaders(root, list(SANITIZED) + [n for n in _smallest_per_kind(root) if n not in SANITIZED])
+    for check in ("memcheck", "racecheck"):
+        for name, exe in loaders:
+            if time.time() > deadline:
+                results.setdefault("skipped", []).append(f"{check} {name}")
+                continue
+            rc, text = _run([tool, "--tool", check, "--error-exitcode", "99", "--print-limit", "3", exe,
+                             "--self-test"], 240, env, keep=1 << 20)
+            results.setdefault(check, {})[name] = {"rc": rc, "head": text[:3000], "tail": text[-1500:]}
+            print(f"== {check} {name}: rc {rc}\n{text.strip()[-300:]}", flush=True)
+
+
+def concurrent(root: Path, results: dict) -> None:
+    """Two self-tests of one serial split-K bundle at once (two processes, one GPU): each module has its own
+    semaphores, so both pass. (Two inferences of one module at once are serialized by design: one VM a module.)"""
+    names = [n for n in sorted(p.name for p in (root / "bundles").iterdir()) if "split-k" in _kinds(root, n)]
+    if not names:
+        return
+    env, [(name, exe)] = _loaders(root, names[:1])
+    procs = [subprocess.Popen([exe, "--self-test"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=env) for _ in range(2)]
+    outs = [p.communicate(timeout=300)[0][-1000:] for p in procs]
+    results["concurrent"] = {"bundle": name, "rc": [p.returncode for p in procs], "tails": outs}
+    print(f"== two self-tests of {name} at once: rc {[p.returncode for p in procs]}", flush=True)
 
 
 def profile(root: Path, results: dict, names=PROFILED, launches: int = 60) -> None:
@@ -361,25 +456,29 @@ def run_torch(root: Path, results: dict, runs: int, deadline: float, compile_mod
 def ledger(root: Path, results: dict) -> dict:
     """The ledger of GPU-verified kernel kinds this run earns (edgeq/backends/cuda/ledger.py's format): a kind
     whose source key (each CUTLASS bundle's manifest: library.gpu_kernels.cutlass.kinds) ran in at least one bundle
-    that passed its self-test, and in none that failed it or memcheck. Plain Python: the GPU machine has no edgeq."""
+    that passed its self-test and memcheck, and in none that failed the self-test, memcheck, racecheck or (a probe)
+    the strict comparison.
+    Plain Python: the GPU machine has no edgeq."""
     ran: dict[tuple[str, str], list[str]] = {}
     failed: set[tuple[str, str]] = set()
+    sanitized: set[tuple[str, str]] = set()  # a kind ran in a bundle memcheck passed
     for name, row in results["edgeq"].items():
-        manifest = root / "bundles" / name / "manifest.json"
-        if not manifest.is_file():
-            continue
-        gpu = json.loads(manifest.read_text()).get("library", {}).get("gpu_kernels") or {}
-        kinds = (gpu.get("cutlass") or {}).get("kinds", {})
-        ok = row.get("self_test", {}).get("rc") == 0 and results["memcheck"].get(name, {}).get("rc", 0) == 0
+        kinds = _kinds(root, name)
+        ok = (row.get("self_test", {}).get("rc") == 0
+              and all(results.get(check, {}).get(name, {}).get("rc", 0) == 0 for check in ("memcheck", "racecheck"))
+              and results.get("strict", {}).get(name, {}).get("passed", True))
         for kind, key in kinds.items():
             if ok:
                 ran.setdefault((kind, key), []).append(name)
+                if results.get("memcheck", {}).get(name, {}).get("rc") == 0:
+                    sanitized.add((kind, key))
             else:
                 failed.add((kind, key))
     gpu, _, rest = results["gpu"].partition(",")
     driver = rest.split(",")[0].strip()
     kinds = {kind: {"source_sha256": key, "gpu": gpu.strip(), "driver": driver, "date": results["date"],
-                    "evidence": sorted(names)} for (kind, key), names in sorted(ran.items()) if (kind, key) not in failed}
+                    "evidence": sorted(names)} for (kind, key), names in sorted(ran.items())
+             if (kind, key) not in failed and (kind, key) in sanitized}
     return {"about": "written by benchmarks/gpu_bench.py run; merge into edgeq/backends/cuda/gpu_verified.json "
                      "with: python benchmarks/gpu_bench.py ledger OUT/gpu_verified.json", "format": 1, "kinds": kinds}
 
@@ -415,16 +514,18 @@ def run(root: Path, out: Path, runs: int, budget_s: float) -> None:
         tar.extractall(root, filter="fully_trusted")
     smi = _run(["nvidia-smi", "--query-gpu=name,driver_version,clocks.max.sm", "--format=csv,noheader"], 30)[1].strip()
     results = {"date": time.strftime("%Y-%m-%d"), "gpu": smi, "device_profile": DEVICE, "runs": runs,
-               "edgeq": {}, "torch": {}, "memcheck": {}, "ncu": {}}
+               "edgeq": {}, "torch": {}, "memcheck": {}, "racecheck": {}, "strict": {}, "ncu": {}}
     print(f"gpu_bench: {smi}", flush=True)
 
     def save():
         out.mkdir(parents=True, exist_ok=True)
         (out / "gpu_bench.json").write_text(json.dumps(results, indent=1) + "\n")
 
-    for step in (lambda: run_bundles(root, results, runs),
+    for step in (lambda: run_bundles(root, results, runs),  # verification first, then the comparisons
+                 lambda: strict(root, results),
+                 lambda: sanitize(root, results, started + budget_s),
+                 lambda: concurrent(root, results),
                  lambda: run_torch(root, results, runs, 0),
-                 lambda: sanitize(root, results),
                  lambda: profile(root, results),
                  lambda: run_torch(root, results, runs, started + budget_s, COMPILED)):
         try:
@@ -449,7 +550,8 @@ def main() -> None:
     parser.add_argument("--only", nargs="+", help="build: only these bundles")
     parser.add_argument("--runs", type=int, default=200, help="run: timed runs per bundle and peer")
     parser.add_argument("--archive", default="bundles.tar.xz", help="profile: the archive of bundle folders in DIR")
-    parser.add_argument("--budget", type=float, default=330, help="run: seconds after which torch.compile is skipped")
+    parser.add_argument("--budget", type=float, default=330,
+                        help="run: seconds after which the sanitizers and torch.compile are skipped")
     args = parser.parse_args()
     if args.half == "build":
         build(args.dir, args.only)

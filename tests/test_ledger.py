@@ -103,8 +103,9 @@ def test_package_auto_takes_the_verified_kinds_only(tmp_path, monkeypatch):
 
 
 def test_a_gpu_run_earns_the_kinds_of_the_bundles_that_passed(tmp_path):
-    """``gpu_bench.ledger``: a kind is earned when a bundle that ran it passed its self-test (and memcheck, where it
-    ran), and not when any bundle with the same key failed; ``merge_ledger`` puts the earned kinds into a ledger."""
+    """``gpu_bench.ledger``: a kind is earned when a bundle that ran it passed its self-test and memcheck (and
+    racecheck and, a probe, the strict comparison where they ran), and not when any bundle with the same key failed
+    one; ``merge_ledger`` puts the earned kinds into a ledger."""
     import gpu_bench
 
     def bundle(name, kinds):
@@ -115,11 +116,14 @@ def test_a_gpu_run_earns_the_kinds_of_the_bundles_that_passed(tmp_path):
     bundle("a", {"conv-fp16": "k1", "split-k": "k2"})
     bundle("b", {"conv-int8": "k3"})
     bundle("c", {"conv-int8": "k3", "depthwise-int8": "k4"})
+    bundle("d", {"layer-norm": "k5"})
     results = {"date": "2026-12-06", "gpu": "NVIDIA H200, 580.159.04, 1980 MHz",
-               "edgeq": {"a": {"self_test": {"rc": 0}}, "b": {"self_test": {"rc": 0}}, "c": {"self_test": {"rc": 1}}},
-               "memcheck": {"a": {"rc": 0}}}
+               "edgeq": {"a": {"self_test": {"rc": 0}}, "b": {"self_test": {"rc": 0}}, "c": {"self_test": {"rc": 1}},
+                         "d": {"self_test": {"rc": 0}}},
+               "memcheck": {"a": {"rc": 0}, "b": {"rc": 0}}, "racecheck": {}, "strict": {}}
     earned = gpu_bench.ledger(tmp_path, results)
-    assert sorted(earned["kinds"]) == ["conv-fp16", "split-k"]  # conv-int8 failed in c, depthwise-int8 only in c
+    # conv-int8 failed in c, depthwise-int8 ran only in c; layer-norm passed in d, which no memcheck ran on
+    assert sorted(earned["kinds"]) == ["conv-fp16", "split-k"]
     assert earned["kinds"]["conv-fp16"] == {"source_sha256": "k1", "gpu": "NVIDIA H200", "driver": "580.159.04",
                                             "date": "2026-12-06", "evidence": ["a"]}
     (tmp_path / "run.json").write_text(json.dumps(earned))
@@ -127,5 +131,35 @@ def test_a_gpu_run_earns_the_kinds_of_the_bundles_that_passed(tmp_path):
     merged = gpu_bench.merge_ledger(tmp_path / "run.json", target)
     assert sorted(merged["kinds"]) == ["conv-fp16", "layer-norm", "split-k"]
     assert ledger.Ledger.load(target).verified() == ["layer-norm"]  # k1, k2 are not today's keys
-    results["memcheck"]["a"] = {"rc": 99}
+    results["strict"]["a"] = {"passed": False}  # a probe's strict comparison failed
     assert gpu_bench.ledger(tmp_path, results)["kinds"] == {}
+    results["strict"]["a"] = {"passed": True}
+    results["racecheck"]["a"] = {"rc": 99}
+    assert gpu_bench.ledger(tmp_path, results)["kinds"] == {}
+
+
+def test_a_probes_strict_comparison(tmp_path):
+    """``gpu_bench.strict``: an int8 probe passes only with its outputs exactly the host build's, an fp16 probe
+    within FP16_ULPS units in the last place of an fp16 at the golden output's largest magnitude (read from the
+    bundle's golden file)."""
+    import numpy as np
+
+    import gpu_bench
+
+    golden = np.array([[-10.0, 3.0, 0.5]], np.float32)
+    for name in ("probe-x-int8", "probe-x-fp16"):
+        folder = tmp_path / "bundles" / name
+        folder.mkdir(parents=True)
+        (folder / "golden.bin").write_bytes(golden.tobytes())
+        (folder / "manifest.json").write_text(json.dumps({"golden": {"file": "golden.bin", "tensors": [
+            {"name": "output:y", "dtype": "float32", "shape": [1, 3], "offset": 0, "bytes": golden.nbytes}]}}))
+
+    def verdicts(diff_int8: str, diff_fp16: str) -> dict:
+        results = {"edgeq": {n: {"self_test": {"rc": 0, "tail": f"ok   y: max |diff| {d} (rtol 0.02, atol 0.2)\n"}}
+                             for n, d in (("probe-x-int8", diff_int8), ("probe-x-fp16", diff_fp16))}, "strict": {}}
+        gpu_bench.strict(tmp_path, results)
+        return {n: r["passed"] for n, r in results["strict"].items()}
+
+    bound = gpu_bench.FP16_ULPS * float(np.spacing(np.float16(10.0)))  # 4 x 2^-7 at 10
+    assert verdicts("0", "0.00391") == {"probe-x-int8": True, "probe-x-fp16": True}
+    assert verdicts("0.00391", f"{bound * 1.5:g}") == {"probe-x-int8": False, "probe-x-fp16": False}
