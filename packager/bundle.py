@@ -19,7 +19,7 @@ from edgeq import templates
 from edgeq.templates import contract, imaging, safebundle
 from edgeq.templates.contract import (CONTRACT, FILE_ROLES, GOLDEN, IMAGING, LIBRARY, LOADER, MANIFEST, README, SIGNATURE, SUMS,
                             VERIFIER, VIDEO, WEIGHTS, Manifest)
-from edgeq.errors import BundleError
+from edgeq.errors import BundleError, DeviceError
 
 if TYPE_CHECKING:
     import numpy as np
@@ -120,6 +120,29 @@ def write_bundle(directory: Path, manifest: Manifest, extra_files: list[str] = (
     return manifest
 
 
+def device_memory(kernels: dict, weight_bytes: int, profile, progress) -> dict:
+    """The manifest's kernel fields with a GPU build's device memory summed (``gpu_kernels.memory``: the weights, the
+    static memory plan's workspace, the module's globals) and checked against the device's memory, which an Orin
+    shares with its CPU: over it, the bundle could not load (an error); over half of it, a warning."""
+    gpu = kernels.get("gpu_kernels")
+    if not gpu or "memory" not in gpu:
+        return kernels
+    memory = {**gpu["memory"], "weights_bytes": weight_bytes}
+    memory["total_bytes"] = weight_bytes + memory["workspace_bytes"] + memory["globals_bytes"]
+    device = profile.memory_mb * 2**20
+    if device:
+        memory["device_bytes"] = device
+        need = (f"{memory['total_bytes'] / 2**20:.0f} MB of GPU memory (weights {weight_bytes / 2**20:.0f} MB, "
+                f"activations {memory['workspace_bytes'] / 2**20:.0f} MB)")
+        if memory["total_bytes"] > device:
+            raise DeviceError(f"the bundle needs {need}, more than {profile.name}'s {profile.memory_mb} MB; use "
+                              "--precision int8 or fp16, a smaller --input-shape, or a device with more memory")
+        if memory["total_bytes"] > device // 2:
+            progress.warn(f"the bundle needs {need}, over half of {profile.name}'s {profile.memory_mb} MB, which its "
+                          "CPU shares")
+    return {**kernels, "gpu_kernels": {**gpu, "memory": memory}}
+
+
 def write(args: PackageArgs, setup: Setup, loaded: Loaded, imported: Imported, quantized: Quantized | None,
           lowered: Lowered, compiled: Compiled, golden: Golden, reference: contract.ReferenceCheck,
           runtime: Runtime | None, progress: StageProgress, precision: str, golden_tolerance: tuple[float, float],
@@ -155,6 +178,8 @@ def write(args: PackageArgs, setup: Setup, loaded: Loaded, imported: Imported, q
     weights = staging / WEIGHTS
     rtol, atol = golden_tolerance
     model = loaded.model
+    kernels = device_memory(setup.backend.kernel_record(compiled.schedules, lowered.kernel_calls),
+                            int(sum(w.nbytes for w in weight_arrays)), setup.profile, progress)
     manifest = contract.Manifest(
         schema_version=contract.SCHEMA_VERSION,
         bundle_id=f"{bundle_name}-{content_hash.hexdigest()[:12]}",
@@ -174,8 +199,7 @@ def write(args: PackageArgs, setup: Setup, loaded: Loaded, imported: Imported, q
         toolchain=contract.ToolchainRecord.from_json(setup.toolchain.to_dict(), "toolchain"),
         library=contract.LibraryRecord(
             file=LIBRARY, machine=elf_machine(library), cuda_device_code=setup.backend.device_code(library),
-            bytes=library.stat().st_size,
-            **setup.backend.kernel_record(compiled.schedules, lowered.kernel_calls)),
+            bytes=library.stat().st_size, **kernels),
         weights=contract.WeightsRecord(
             file=WEIGHTS, format=contract.TENSOR_FORMAT, count=len(weight_arrays),
             dtypes=sorted({str(w.dtype) for w in weight_arrays}), bytes=int(sum(w.nbytes for w in weight_arrays)),

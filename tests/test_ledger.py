@@ -97,9 +97,16 @@ def test_package_auto_takes_the_verified_kinds_only(tmp_path, monkeypatch):
     # the 32-channel 3x3 at 8x8 would cut its K in slices (serial split-K): a kind no GPU ran, so dlight's
     assert [(h["kinds"], h["why"]) for h in record["held"]] == [(["conv-fp16", "split-k"], f"{ledger.NOT_RUN} (split-k)")]
     assert all(k.get("split_k", 1) == 1 for k in record["kernels"])
+    # the GPU memory it takes: the weights as stored, the static memory plan's storage, the module's globals (no
+    # split-K kernel here: none), against the Orin Nano's 7620 MB
+    memory = gpu["memory"]
+    assert memory["weights_bytes"] == manifest["weights"]["bytes"] and memory["workspace_bytes"] > 0
+    assert memory["globals_bytes"] == 0 and memory["device_bytes"] == 7620 * 2**20
+    assert memory["total_bytes"] == memory["weights_bytes"] + memory["workspace_bytes"]
     inspect = run_cli("inspect", bundle)
     flat = " ".join(re.sub(r"[│┃]", " ", inspect.stdout).split())
     assert inspect.code == 0 and "--gpu-kernels auto (GPU-verified kernel kinds: 1 of" in flat, flat
+    assert f"GPU memory {memory['total_bytes'] / 2**20:.1f} MB" in flat and "the device has 7620 MB" in flat, flat
 
 
 def test_a_gpu_run_earns_the_kinds_of_the_bundles_that_passed(tmp_path):
@@ -163,3 +170,31 @@ def test_a_probes_strict_comparison(tmp_path):
     bound = gpu_bench.FP16_ULPS * float(np.spacing(np.float16(10.0)))  # 4 x 2^-7 at 10
     assert verdicts("0", "0.00391") == {"probe-x-int8": True, "probe-x-fp16": True}
     assert verdicts("0.00391", f"{bound * 1.5:g}") == {"probe-x-int8": False, "probe-x-fp16": False}
+
+
+def test_a_bundle_too_large_for_the_devices_memory_is_refused_in_one_line():
+    """The package step's device-memory check (``bundle.device_memory``): over the device's memory an error naming
+    what it needs and what to do; over half of it a warning (an Orin's CPU shares it); CPU builds untouched."""
+    import dataclasses
+
+    from edgeq.bundle import device_memory
+    from edgeq.errors import DeviceError
+    from edgeq.targets import profiles
+
+    class Progress:
+        def __init__(self):
+            self.warnings = []
+
+        def warn(self, text):
+            self.warnings.append(text)
+
+    small = dataclasses.replace(profiles()["jetson-orin-nano"], memory_mb=8)
+    kernels = {"cpu_kernels": None, "gpu_kernels": {"memory": {"workspace_bytes": 3 * 2**20, "globals_bytes": 64}}}
+    with pytest.raises(DeviceError, match=r"needs 9 MB of GPU memory \(weights 6 MB, activations 3 MB\), more than "
+                                          r"jetson-orin-nano's 8 MB; use --precision int8 or fp16"):
+        device_memory(kernels, 6 * 2**20, small, Progress())
+    progress = Progress()
+    out = device_memory(kernels, 2 * 2**20, small, progress)
+    assert out["gpu_kernels"]["memory"]["total_bytes"] == 5 * 2**20 + 64 and "over half" in progress.warnings[0]
+    assert device_memory({"cpu_kernels": {}, "gpu_kernels": None}, 10**12, small, progress) == {
+        "cpu_kernels": {}, "gpu_kernels": None}

@@ -86,6 +86,12 @@ def _gpu_kernels(info) -> str:
             kinds = sorted({k for x in held for k in x["kinds"]})
             text += (f"; {len(held)} layer(s) held on dlight, {NOT_RUN} (kinds: {', '.join(kinds)}; "
                      "--gpu-kernels cutlass takes them anyway)")
+    memory = info.get("memory")
+    if memory and "total_bytes" in memory:  # the GPU memory the bundle takes on the device
+        text += (f"; GPU memory {memory['total_bytes'] / 2**20:.1f} MB (weights {memory['weights_bytes'] / 2**20:.1f}, "
+                 f"activations {memory['workspace_bytes'] / 2**20:.1f}, module globals {memory['globals_bytes']} bytes"
+                 + (f"; the device has {memory['device_bytes'] / 2**20:.0f} MB" if memory.get("device_bytes") else "")
+                 + ")")
     choice = info.get("choice")
     if choice:  # how layers were put on kernels: --gpu-kernels as asked, the ledger auto went by
         text += f"; --gpu-kernels {choice['gpu_kernels']}"

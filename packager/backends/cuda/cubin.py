@@ -45,6 +45,40 @@ def cuda_device_code(library: Path) -> list[str]:
     return sorted({image.arch for image in cuda_images(library)})
 
 
+def elf_symbol_sizes(cubin: bytes, prefix: str) -> dict[str, int]:
+    """{symbol: st_size} of the ELF64 symbols whose names start with ``prefix`` (a cubin's ``.symtab``)."""
+    sections = _sections(cubin)
+    out = {}
+    for sh in sections:
+        if sh[1] != 2:  # SHT_SYMTAB
+            continue
+        strtab = sections[sh[6]]
+        for off in range(sh[4], sh[4] + sh[5], 24):
+            name_off, _info, _other, _shndx, _value, size = struct.unpack_from("<IBBHQQ", cubin, off)
+            start = strtab[4] + name_off
+            name = cubin[start:cubin.index(b"\0", start)].decode()
+            if name.startswith(prefix):
+                out[name[len(prefix):]] = size
+    return out
+
+
+def _sections(cubin: bytes) -> list[tuple]:
+    shoff, = struct.unpack_from("<Q", cubin, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", cubin, 0x3A)
+    return [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+
+
+def section_sizes(cubin: bytes) -> dict[str, int]:
+    """{section name: size} of a cubin (``.nv.global``: its uninitialized ``__device__`` variables)."""
+    sections = _sections(cubin)
+    names = sections[struct.unpack_from("<H", cubin, 0x3E)[0]]  # e_shstrndx
+    out = {}
+    for sh in sections:
+        start = names[4] + sh[0]
+        out[cubin[start:cubin.index(b"\0", start)].decode()] = sh[5]
+    return out
+
+
 def cuda_tool(name: str) -> str | None:
     """cuobjdump / nvdisasm: from NVIDIA's PyPI wheels (edgeq's test extra) or a CUDA toolkit on PATH."""
     import shutil

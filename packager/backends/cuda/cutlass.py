@@ -44,6 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
+from edgeq.backends.cuda.cubin import elf_symbol_sizes
 from edgeq.backends.cuda.device_math import EXP_RN_CPP, silu_rn_numpy, silu_rn_tir
 
 ACTIVATIONS = {  # name -> CUTLASS elementwise functor on float (edgeq's own where CUTLASS has none)
@@ -1455,25 +1456,6 @@ def depthwise_prim_func(kernel: DepthwiseKernel, shapes: dict | None = None):
     for loop in (ry, rx, channel, sch.get_loops(epilogue)[-1]):
         sch.unroll(loop)
     return sch.mod["main"].with_attrs({"global_symbol": kernel.function, "tirx.is_scheduled": True, "op_pattern": 8})
-
-
-def elf_symbol_sizes(cubin: bytes, prefix: str) -> dict[str, int]:
-    """{symbol: st_size} of the ELF64 symbols whose names start with ``prefix`` (a cubin's ``.symtab``)."""
-    shoff, = struct.unpack_from("<Q", cubin, 0x28)
-    shentsize, shnum = struct.unpack_from("<HH", cubin, 0x3A)
-    sections = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
-    out = {}
-    for sh in sections:
-        if sh[1] != 2:  # SHT_SYMTAB
-            continue
-        strtab = sections[sh[6]]
-        for off in range(sh[4], sh[4] + sh[5], 24):
-            name_off, _info, _other, _shndx, _value, size = struct.unpack_from("<IBBHQQ", cubin, off)
-            start = strtab[4] + name_off
-            name = cubin[start:cubin.index(b"\0", start)].decode()
-            if name.startswith(prefix):
-                out[name[len(prefix):]] = size
-    return out
 
 
 def _x_slice(kernel, x: np.ndarray) -> np.ndarray:

@@ -270,6 +270,8 @@ class GpuKernels:
     cuda_graph_kernels: int = 0  # of kernels_per_inference, those inside the graph (one launch for all)
     cutlass: dict | None = None  # --gpu-kernels cutlass: its version, the kernel per claimed layer, what it left
     choice: dict | None = None  # --gpu-kernels as asked, the ledger "auto" decided by (backend.kernel_choice)
+    workspace_bytes: int = 0  # the storage Relax's static memory plan allocates on the device (RecordWorkspace)
+    globals_bytes: int = 0  # the module's __device__ arrays (serial split-K's semaphores)
 
     def to_dict(self) -> dict[str, Any]:
         counts: dict[str, int] = {}
@@ -285,6 +287,8 @@ class GpuKernels:
             "fallbacks": sorted(self.fallbacks, key=lambda f: f["function"]),
             **({"cutlass": self.cutlass} if self.cutlass is not None else {}),
             **({"choice": self.choice} if self.choice is not None else {}),
+            # device memory beside the weights: what inspect shows and the package step checks against the device
+            "memory": {"workspace_bytes": self.workspace_bytes, "globals_bytes": self.globals_bytes},
         }
 
 
@@ -472,6 +476,31 @@ def CountKernels(report: GpuKernels):  # noqa: N802
     return _pass
 
 
+def RecordWorkspace(report: GpuKernels):  # noqa: N802
+    """The bytes of device storage the static memory plan allocates (``R.memory.alloc_storage`` of a constant size,
+    in every function: main's and the CUDA graph's allocations), right after StaticPlanBlockMemory: the activations'
+    memory an inference needs beside the weights."""
+
+    @tvm.transform.module_pass(opt_level=0, name="edgeq.RecordWorkspace")
+    def _pass(mod, _ctx):
+        total = 0
+
+        def visit(expr):
+            nonlocal total
+            if call_op(expr) == "relax.memory.alloc_storage" and isinstance(expr.args[0], relax.ShapeExpr):
+                size = expr.args[0].values[0]
+                if isinstance(size, tvm.tirx.IntImm):
+                    total += int(size.value)
+
+        for _, func in mod.functions_items():
+            if isinstance(func, relax.Function):
+                relax.analysis.post_order_visit(func, visit)
+        report.workspace_bytes = total
+        return mod
+
+    return _pass
+
+
 def RecordResult(report: GpuKernels):  # noqa: N802
     """What the pipeline left: whether RewriteCUDAGraph lifted anything (main calls the capture-or-replay
     builtin) and how many kernel calls the captured functions hold, and the rules of only the kernels still
@@ -520,9 +549,10 @@ def pipeline(target, report: GpuKernels, check_all: bool = False):
             ScheduleKernels(target, report, check_all),  # TVM: dl.ApplyDefaultSchedule(Matmul, GEMV, ...)
         ]
         dataflow_lower = cuda.dataflow_lower_passes(target)  # RewriteDataflowReshape first: reshapes become views
+        finalize = cuda.finalize_passes(target)  # StaticPlanBlockMemory first: then what it planned is recorded
         passes = (cuda.library_dispatch_passes(target) + legalize + dataflow_lower[:1]
                   + [relax.transform.DeadCodeElimination(["main"]), CountKernels(report)]  # drop the reshapes' kernels
-                  + dataflow_lower[1:] + cuda.finalize_passes(target) + [RecordResult(report)])
+                  + dataflow_lower[1:] + finalize[:1] + [RecordWorkspace(report)] + finalize[1:] + [RecordResult(report)])
         with target:
             return tvm.transform.Sequential(passes)(mod)
 
@@ -578,6 +608,7 @@ def build(mod, target, report: GpuKernels, cutlass: tuple[int, int] | None = Non
             placements = [pl for pl in placements if not pl.ups]
         claimed = concat_in_place.place_heads(concat_in_place.place(mod["main"], claimed, placements), heads)
         kernels = [c.kernel for c in claimed]
+        report.globals_bytes = 4 * cl.split_k_offsets(kernels)[1]  # the module's only __device__ array: int semaphores
         sizes = cl.smem_sizes(kernels, target.attrs["arch"]) if kernels else {}
         mod = cl.claim_convs(mod, claimed, sizes, placements, heads)
         # each with its fp16 cast or int8 quantize: one kernel
@@ -623,7 +654,7 @@ def _build(mod, target, report: GpuKernels):
     with tvm.transform.PassContext(config=config):
         executable = relax.build(mod, target=target, relax_pipeline=pipeline(target, fresh, check_all=True))
     for field in dataclasses.fields(GpuKernels):
-        if field.name != "cutlass":
+        if field.name not in ("cutlass", "choice", "globals_bytes"):  # (what build() recorded before the pipeline)
             setattr(report, field.name, getattr(fresh, field.name))
     report.fallbacks.append({"function": "(whole module)", "rule": "build", "error": first})
     return executable
