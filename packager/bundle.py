@@ -120,14 +120,22 @@ def write_bundle(directory: Path, manifest: Manifest, extra_files: list[str] = (
     return manifest
 
 
-def device_memory(kernels: dict, weight_bytes: int, profile, progress) -> dict:
+def device_globals(library: Path) -> int:
+    """Bytes of ``__device__`` variables in the library's CUDA images (their ``.nv.global``; the largest image's,
+    one is loaded): serial split-K's semaphores, and what the CUDA headers' templates leave (libcu++'s constants)."""
+    from edgeq.backends.cuda.cubin import cuda_images, section_sizes
+
+    return max((section_sizes(image.data).get(".nv.global", 0) for image in cuda_images(library)), default=0)
+
+
+def device_memory(kernels: dict, weight_bytes: int, globals_bytes: int, profile, progress) -> dict:
     """The manifest's kernel fields with a GPU build's device memory summed (``gpu_kernels.memory``: the weights, the
-    static memory plan's workspace, the module's globals) and checked against the device's memory, which an Orin
-    shares with its CPU: over it, the bundle could not load (an error); over half of it, a warning."""
+    static memory plan's workspace, the module's ``__device__`` globals) and checked against the device's memory,
+    which an Orin shares with its CPU: over it, the bundle could not load (an error); over half of it, a warning."""
     gpu = kernels.get("gpu_kernels")
     if not gpu or "memory" not in gpu:
         return kernels
-    memory = {**gpu["memory"], "weights_bytes": weight_bytes}
+    memory = {**gpu["memory"], "weights_bytes": weight_bytes, "globals_bytes": globals_bytes}
     memory["total_bytes"] = weight_bytes + memory["workspace_bytes"] + memory["globals_bytes"]
     device = profile.memory_mb * 2**20
     if device:
@@ -179,7 +187,7 @@ def write(args: PackageArgs, setup: Setup, loaded: Loaded, imported: Imported, q
     rtol, atol = golden_tolerance
     model = loaded.model
     kernels = device_memory(setup.backend.kernel_record(compiled.schedules, lowered.kernel_calls),
-                            int(sum(w.nbytes for w in weight_arrays)), setup.profile, progress)
+                            int(sum(w.nbytes for w in weight_arrays)), device_globals(library), setup.profile, progress)
     manifest = contract.Manifest(
         schema_version=contract.SCHEMA_VERSION,
         bundle_id=f"{bundle_name}-{content_hash.hexdigest()[:12]}",

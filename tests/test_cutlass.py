@@ -427,6 +427,12 @@ def test_kernels_compile_in_a_tvm_module_to_tensor_cores(profile, precision, nvr
                 # a detector head's last conv (float32 out): channels 40-55 at anchors 200-319 of [2, 80, 500]
                 kernels.append(cutlass.ConvKernel("head", problem, tile, precision="int8", float_out=True,
                                                   head_out=(40, 200, 80, 500, "float32")))
+                # ResNet-50's 1x1 64 -> 256 of the 56x56 stage at batch 8 with its residual (the H200's slow int8
+                # kernel): the 128 x 128 tile, whose epilogue takes 16 int8 channels an access
+                wide = cutlass.Conv2dProblem(8, 56, 56, 64, 256, 1, 1, (0, 0), (1, 1), (1, 1))
+                kernels.append(cutlass.ConvKernel(
+                    "wide_residual", wide, cutlass.choose_tile(wide, spec.sm_count, spec.shared_memory_per_block_optin,
+                                                               "int8"), "relu", True, "int8", 0.5, 0.0, out_div=0.25))
         else:  # the 1x1 shortcut writes float32 (a classifier whose logits the graph casts to float32), after a
             # GELU (a transformer FFN's: CUTLASS's GELU<float>, erff)
             kernels.append(cutlass.ConvKernel(name.replace("-", "_"), problem, tile,
@@ -545,15 +551,19 @@ def test_kernels_compile_in_a_tvm_module_to_tensor_cores(profile, precision, nvr
     from edgeq.backends.cuda.cubin import cuda_images, elf_symbol_sizes, section_sizes
 
     # no sizing array in the shipped module (smem_sizes compiles them apart): once 994 KB of device memory in
-    # ResNet-18 int8; the split-K semaphores are its only globals, as many bytes as the build records
+    # ResNet-18 int8; its globals are the split-K semaphores (an int each) and libcu++'s constants (8,500 bytes)
     for image in cuda_images(library):
         assert not elf_symbol_sizes(image.data, "edgeq_smem_")
-        assert section_sizes(image.data).get(".nv.global", 0) == 4 * cutlass.split_k_offsets(kernels)[1]
-    store = "STG.E.64" if precision == "int8" else "STG.E.128"
-    stores = {name: len(re.findall(rf"\b{re.escape(store)}\b", kernel_sass(f"cutlass_{name}", sass)))
+        assert 4 * cutlass.split_k_offsets(kernels)[1] <= section_sizes(image.data).get(".nv.global", 0) < 2**14
+    by_name = {k.name: k for k in kernels}
+
+    def store(name):  # 16 bytes an access: 8 halves, or 16 int8 channels (8 on the smaller tiles: int8_lanes)
+        return "STG.E.64" if precision == "int8" and by_name[name].int8_lanes == 8 else "STG.E.128"
+
+    stores = {name: len(re.findall(rf"\b{re.escape(store(name))}\b", kernel_sass(f"cutlass_{name}", sass)))
               for name in ("upsampled", "placed")}
     # (the count of a store instruction in the SASS: each of the upsampled kernel's is one of five; measured: int8
-    # 40 against the placed kernel's 8, fp16 15 or 25 against 4, as NVRTC unrolls the epilogue's loop)
+    # 40 against the placed kernel's 8 at 8 lanes, fp16 15 or 25 against 4, as NVRTC unrolls the epilogue's loop)
     assert stores["upsampled"] % 5 == 0 and stores["upsampled"] > stores["placed"] > 0, stores
     assert not re.search(r"\bST\.E", kernel_sass("cutlass_upsampled", sass))  # no generic stores
     # the head's: T through edgeq's ChannelMajorIterator (its 120 pixels a batch, 80 channels, 500 anchors compiled
@@ -569,6 +579,18 @@ def test_kernels_compile_in_a_tvm_module_to_tensor_cores(profile, precision, nvr
             assert f"{res}* residual" in wrapper and f"{out}* y" in wrapper, wrapper
             assert f"Requantize<4, {out}, {res}>" in source
         assert source.count("conv::SplitKMode::kSerial, channel, y, 0, 16)") == 2
+        # on the 128 x 128 tile, an int8 residual read 128 bits at a time, as the fp16 kernels read theirs (#63: at 64
+        # bits the H200's int8 kernels with a residual took 3.5x the time of those without), and the int8 output
+        # stored so too; 64 bits on the smaller tiles
+        wide = [n for n in ("3x3_residual", "placed", "wide_residual") if by_name[n].tile.warp[1] == 64]
+        assert "wide_residual" in wide
+        for name in ("3x3_residual", "placed", "wide_residual"):
+            lanes = by_name[name].int8_lanes
+            assert lanes == (16 if name in wide else 8) and f"Requantize<{lanes}, int8_t, int8_t>" in source
+            code = kernel_sass(f"cutlass_{name}", sass)
+            loads = [m for m in re.findall(r"\bLDG\.E((?:\.\w+)*)", code) if "CONSTANT" not in m and "STRONG" not in m]
+            width = ".128" if lanes == 16 else ".64"
+            assert loads and all(m.endswith(width) for m in loads), loads
     for kern in kernels:  # a float32 output is written as float32 by the epilogue (its ElementOutput)
         wrapper = re.search(rf"void edgeq_cutlass_{kern.name}\(([^)]*)\)", source)
         assert wrapper and ("float* y" if kern.float_out else "* y") in wrapper.group(1), kern.name

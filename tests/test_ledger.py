@@ -97,12 +97,16 @@ def test_package_auto_takes_the_verified_kinds_only(tmp_path, monkeypatch):
     # the 32-channel 3x3 at 8x8 would cut its K in slices (serial split-K): a kind no GPU ran, so dlight's
     assert [(h["kinds"], h["why"]) for h in record["held"]] == [(["conv-fp16", "split-k"], f"{ledger.NOT_RUN} (split-k)")]
     assert all(k.get("split_k", 1) == 1 for k in record["kernels"])
-    # the GPU memory it takes: the weights as stored, the static memory plan's storage, the module's globals (no
-    # split-K kernel here: none), against the Orin Nano's 7620 MB
+    # the GPU memory it takes: the weights as stored, the static memory plan's storage, the module's globals (the
+    # .nv.global of its cubin: libcu++'s constants, a few KB), against the Orin Nano's 7620 MB
+    from edgeq.backends.cuda.cubin import cuda_images, section_sizes
+
     memory = gpu["memory"]
     assert memory["weights_bytes"] == manifest["weights"]["bytes"] and memory["workspace_bytes"] > 0
-    assert memory["globals_bytes"] == 0 and memory["device_bytes"] == 7620 * 2**20
-    assert memory["total_bytes"] == memory["weights_bytes"] + memory["workspace_bytes"]
+    [image] = cuda_images(bundle / "model.so")
+    assert memory["globals_bytes"] == section_sizes(image.data).get(".nv.global", 0) < 2**16
+    assert memory["device_bytes"] == 7620 * 2**20
+    assert memory["total_bytes"] == memory["weights_bytes"] + memory["workspace_bytes"] + memory["globals_bytes"]
     inspect = run_cli("inspect", bundle)
     flat = " ".join(re.sub(r"[│┃]", " ", inspect.stdout).split())
     assert inspect.code == 0 and "--gpu-kernels auto (GPU-verified kernel kinds: 1 of" in flat, flat
@@ -189,12 +193,12 @@ def test_a_bundle_too_large_for_the_devices_memory_is_refused_in_one_line():
             self.warnings.append(text)
 
     small = dataclasses.replace(profiles()["jetson-orin-nano"], memory_mb=8)
-    kernels = {"cpu_kernels": None, "gpu_kernels": {"memory": {"workspace_bytes": 3 * 2**20, "globals_bytes": 64}}}
+    kernels = {"cpu_kernels": None, "gpu_kernels": {"memory": {"workspace_bytes": 3 * 2**20}}}
     with pytest.raises(DeviceError, match=r"needs 9 MB of GPU memory \(weights 6 MB, activations 3 MB\), more than "
                                           r"jetson-orin-nano's 8 MB; use --precision int8 or fp16"):
-        device_memory(kernels, 6 * 2**20, small, Progress())
+        device_memory(kernels, 6 * 2**20, 64, small, Progress())
     progress = Progress()
-    out = device_memory(kernels, 2 * 2**20, small, progress)
+    out = device_memory(kernels, 2 * 2**20, 64, small, progress)
     assert out["gpu_kernels"]["memory"]["total_bytes"] == 5 * 2**20 + 64 and "over half" in progress.warnings[0]
-    assert device_memory({"cpu_kernels": {}, "gpu_kernels": None}, 10**12, small, progress) == {
+    assert device_memory({"cpu_kernels": {}, "gpu_kernels": None}, 10**12, 0, small, progress) == {
         "cpu_kernels": {}, "gpu_kernels": None}

@@ -697,6 +697,20 @@ class ConvKernel:
         return ALIGNMENT_INT8 if all(c % ALIGNMENT_INT8 == 0 for c in channels) else ALIGNMENT
 
     @property
+    def int8_lanes(self) -> int:
+        """Output channels one access of the int8 epilogue (``Requantize<N>``) takes: 16, so that an int8 residual is
+        read and an int8 output written 128 bits at a time (#63: the H200's int8 kernels with a residual, at 8, took
+        3.5x the time of those without), where K and every channel offset and width of the tensors it reads or
+        writes in place are multiples of 16 and the warp tile is 64 wide (CUTLASS's epilogue thread map has no row
+        iteration for 16-element accesses on the 32-wide warps of the smaller tiles: a static assertion, measured);
+        else 8; 4 (16 bytes of floats) where the output or the residual is float32."""
+        if "float32" in (self.output_dtype, self.residual_type):
+            return 4
+        channels = (self.problem.k, *(self.out_view or ()), *(self.residual_view or ()), *(self.up_view or ()))
+        wide = self.tile is not None and self.tile.warp[1] >= 64
+        return 16 if wide and all(c % 16 == 0 for c in channels) else 8
+
+    @property
     def out_channels(self) -> int:
         """Channels of the tensor y is written into."""
         return self.out_view[1] if self.out_view else self.problem.k
@@ -723,7 +737,7 @@ class ConvKernel:
 
         if self.precision == "int8":
             out, res = C_TYPES[self.output_dtype], C_TYPES[self.residual_type]
-            lanes = 4 if "float" in (out, res) else 8  # 16-byte accesses of the widest
+            lanes = self.int8_lanes
             return (
                 "cutlass::conv::kernel::DefaultConv2dFpropWithBroadcast<"
                 "int8_t, cutlass::layout::TensorNHWC, int8_t, cutlass::layout::TensorNHWC, "

@@ -271,7 +271,6 @@ class GpuKernels:
     cutlass: dict | None = None  # --gpu-kernels cutlass: its version, the kernel per claimed layer, what it left
     choice: dict | None = None  # --gpu-kernels as asked, the ledger "auto" decided by (backend.kernel_choice)
     workspace_bytes: int = 0  # the storage Relax's static memory plan allocates on the device (RecordWorkspace)
-    globals_bytes: int = 0  # the module's __device__ arrays (serial split-K's semaphores)
 
     def to_dict(self) -> dict[str, Any]:
         counts: dict[str, int] = {}
@@ -288,7 +287,7 @@ class GpuKernels:
             **({"cutlass": self.cutlass} if self.cutlass is not None else {}),
             **({"choice": self.choice} if self.choice is not None else {}),
             # device memory beside the weights: what inspect shows and the package step checks against the device
-            "memory": {"workspace_bytes": self.workspace_bytes, "globals_bytes": self.globals_bytes},
+            "memory": {"workspace_bytes": self.workspace_bytes},
         }
 
 
@@ -608,7 +607,6 @@ def build(mod, target, report: GpuKernels, cutlass: tuple[int, int] | None = Non
             placements = [pl for pl in placements if not pl.ups]
         claimed = concat_in_place.place_heads(concat_in_place.place(mod["main"], claimed, placements), heads)
         kernels = [c.kernel for c in claimed]
-        report.globals_bytes = 4 * cl.split_k_offsets(kernels)[1]  # the module's only __device__ array: int semaphores
         sizes = cl.smem_sizes(kernels, target.attrs["arch"]) if kernels else {}
         mod = cl.claim_convs(mod, claimed, sizes, placements, heads)
         # each with its fp16 cast or int8 quantize: one kernel
@@ -654,7 +652,7 @@ def _build(mod, target, report: GpuKernels):
     with tvm.transform.PassContext(config=config):
         executable = relax.build(mod, target=target, relax_pipeline=pipeline(target, fresh, check_all=True))
     for field in dataclasses.fields(GpuKernels):
-        if field.name not in ("cutlass", "choice", "globals_bytes"):  # (what build() recorded before the pipeline)
+        if field.name not in ("cutlass", "choice"):  # (what build() recorded before the pipeline)
             setattr(report, field.name, getattr(fresh, field.name))
     report.fallbacks.append({"function": "(whole module)", "rule": "build", "error": first})
     return executable
