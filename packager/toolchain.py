@@ -83,12 +83,18 @@ class DeviceMath:
                 "int8_exp": "exp_rn (edgeq's: correctly rounded float32 operators; the same bits on host and device)"}
 
     @classmethod
-    def for_toolkit(cls, kind: str) -> DeviceMath:
-        """What a build with a toolkit of ``kind`` ("nvrtc" or "nvcc") gets."""
-        return EXACT if kind == "nvrtc" else cls(fmad=True, expf="expf")
+    def for_build(cls, kind: str, precision: str) -> DeviceMath:
+        """What a build of ``precision`` with a toolkit of ``kind`` ("nvrtc" or "nvcc") compiles with: IEEE division
+        and square root, denormals kept, no fast math; and no contraction into FMA where the graph rounds floats to
+        int8 (int8, mixed: an FMA's one rounding can move a value across k + 1/2), contraction kept where nothing is
+        rounded to an integer (fp32, fp16: an FMA is the more accurate, and a CUDA-core convolution's inner loop
+        is FMAs). nvcc mode: TVM's nvcc path takes no extra option, so --fmad is nvcc's default (on)."""
+        if kind != "nvrtc":
+            return cls(fmad=True, expf="expf")
+        return EXACT if precision in ("int8", "mixed") else FLOAT
 
-
-EXACT = DeviceMath()
+EXACT = DeviceMath()  # builds that round floats to int8
+FLOAT = DeviceMath(fmad=True)  # builds that do not
 FAST = DeviceMath(fast_math=True, ftz=True, prec_div=False, prec_sqrt=False, fmad=True)  # TVM's, for comparison
 
 
@@ -112,32 +118,25 @@ class CudaToolkit:
     def describe(self) -> str:
         return f"CUDA {self.version_str} {self.kind} ({self.source})"
 
-    @property
-    def device_math(self) -> DeviceMath:
-        """The float semantics its builds compile with."""
-        return DeviceMath.for_toolkit(self.kind)
-
     def to_dict(self) -> dict:
         return {
             "kind": self.kind,
             "version": self.version_str,
             "source": self.source,
             "output_format": self.output_format,
-            "device_math": self.device_math.to_dict(),
         }
 
     @contextlib.contextmanager
-    def active(self, math=None) -> Iterator[None]:
-        """Make TVM's CUDA compile callback use this toolkit, with edgeq's device math (not TVM's
-        ``--use_fast_math``; ``math``: another ``DeviceMath``, to measure what it costs), for the duration of a
-        build."""
+    def active(self, math: DeviceMath | None = None) -> Iterator[None]:
+        """Make TVM's CUDA compile callback use this toolkit, with edgeq's device math (``math``, default
+        ``EXACT``; not TVM's ``--use_fast_math``), for the duration of a build."""
         env = {"TVM_CUDA_COMPILE_MODE": self.kind, "CUDA_PATH": self.root}
         if self.kind == "nvcc":
             env["PATH"] = os.path.join(self.root, "bin") + os.pathsep + os.environ.get("PATH", "")
             env["TVM_CUDA_NVCC_NO_FAST_MATH"] = "1"
         else:  # after TVM's options, and before whatever the caller added (CUTLASS's include folder)
             extra = os.environ.get("TVM_CUDA_NVRTC_EXTRA_OPTS", "")
-            env["TVM_CUDA_NVRTC_EXTRA_OPTS"] = f"{(math or self.device_math).nvrtc_options()} {extra}".strip()
+            env["TVM_CUDA_NVRTC_EXTRA_OPTS"] = f"{(math or EXACT).nvrtc_options()} {extra}".strip()
         saved = {key: os.environ.get(key) for key in env}
         os.environ.update(env)
         try:

@@ -281,9 +281,6 @@ class CudaToolkitRecord(Record):
     version: str = _field(STR)
     source: str = _field(STR)
     output_format: str = _field(STR)
-    # the device's float semantics the build compiled with (backends/cuda/device_math.py): fast_math, ftz,
-    # prec_div, prec_sqrt, fmad, expf, int8_exp; absent in bundles made before edgeq decided them (#63)
-    device_math: dict | None = _field(_Opt(OBJECT), omit_if_none=True)
 
     @property
     def major(self) -> int:

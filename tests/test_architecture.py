@@ -281,8 +281,7 @@ NATIVE_IGNORES = {
     "Manifest.release", "Manifest.signed", "Manifest.created", "Manifest.edgeq_version", "Manifest.tvm_version",
     "Manifest.precision", "Manifest.model", "Manifest.reference_check", "Manifest.quantization", "Manifest.build",
     "Manifest.compatibility", "ModelRecord.*", "ReferenceCheck.*", "QuantizationReport.*", "LayerRow.*",
-    "WeightBytes.*", "ToolchainRecord.cxx", "CudaToolkitRecord.output_format", "CudaToolkitRecord.device_math",
-    "RuntimeRecord.sources",
+    "WeightBytes.*", "ToolchainRecord.cxx", "CudaToolkitRecord.output_format", "RuntimeRecord.sources",
     "GoldenRecord.seed", "GoldenRecord.float_inputs", "GoldenRecord.computed_with",
     # the self-test's atol scaling is the loaders' code (run.py and edgeq-run alike); the field documents it
     "GoldenRecord.atol_scaled_by",

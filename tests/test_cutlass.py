@@ -952,6 +952,9 @@ def test_package_with_cutlass_kernels(precision, nvrtc, tmp_path):
     bundle, manifest = _package_for_orin(model, precision, tmp_path, *extra)
     assert manifest["build"]["args"]["gpu_kernels"] == "cutlass"
     gpu = manifest["library"]["gpu_kernels"]
+    # the device math it compiled with (#63): IEEE division, no flush to zero; no FMA contraction for int8
+    assert gpu["device_math"]["prec_div"] and not gpu["device_math"]["ftz"]
+    assert gpu["device_math"]["fmad"] is (precision != "int8")
     record = gpu["cutlass"]
     convs = sum(1 for n in onnx.load(model).graph.node if n.op_type == "Conv")
     assert record["version"] == "4.1.0" and len(record["kernels"]) == convs

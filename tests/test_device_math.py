@@ -197,10 +197,9 @@ def test_edgeqs_device_code_compiles_without_fast_math(tmp_path):
     SiLU, the layer norm with its per-token quantize): in its PTX no approximate division, square root or
     exponential, no flush to zero and no contracted FMA, so the device computes each float32 operator as the twin
     and the replay do. The same source under TVM's own options (``device_math.FAST``) has them, which is what
-    this check would see if edgeq's options were lost. The manifest's toolkit record says which were used."""
+    this check would see if edgeq's options were lost."""
     from edgeq.backends.cuda import layer_norm
     from edgeq.toolchain import cuda_toolkits
-    from edgeq.templates.contract import CudaToolkitRecord
 
     toolkit = next((tk for tk in cuda_toolkits() if tk.kind == "nvrtc"), None)
     if toolkit is None:
@@ -229,9 +228,13 @@ def test_edgeqs_device_code_compiles_without_fast_math(tmp_path):
         fast = _ptx(code, toolkit, device_math.FAST)
         assert APPROX.findall(fast) and re.search(r"\bdiv\.approx\.ftz\.f32\b", fast), name
 
-    record = CudaToolkitRecord.from_json(toolkit.to_dict(), "toolchain.cuda_toolkit")
-    assert record.device_math["fmad"] is False and record.device_math["prec_div"] is True
-    assert record.device_math["ftz"] is False and record.device_math["fast_math"] is False
-    legacy = {k: v for k, v in toolkit.to_dict().items() if k != "device_math"}  # a bundle made before #63
-    assert CudaToolkitRecord.from_json(legacy, "toolchain.cuda_toolkit").device_math is None
-    assert dataclasses.replace(device_math.EXACT).nvrtc_options().endswith("-U__USE_FAST_MATH__")
+    # what a build compiles with: no contraction where the graph rounds floats to int8, FMAs kept where it does not
+    # (fp32 and fp16: the more accurate, and a CUDA-core convolution's inner loop); nvcc mode cannot turn --fmad off
+    from edgeq.toolchain import DeviceMath
+
+    for precision, fmad in (("int8", False), ("mixed", False), ("fp16", True), ("fp32", True)):
+        math = DeviceMath.for_build("nvrtc", precision)
+        assert (math.fmad, math.ftz, math.prec_div, math.prec_sqrt, math.fast_math) == (fmad, False, True, True, False)
+        assert math.nvrtc_options().endswith("-U__USE_FAST_MATH__") and f"--fmad={str(fmad).lower()}" in math.nvrtc_options()
+    assert DeviceMath.for_build("nvcc", "int8").fmad is True
+    assert device_math.EXACT.to_dict()["int8_exp"].startswith("exp_rn")

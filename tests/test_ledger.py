@@ -90,6 +90,7 @@ def test_package_auto_takes_the_verified_kinds_only(tmp_path, monkeypatch):
     assert manifest["reference_check"]["result"] == "passed"
     assert manifest["build"]["args"]["gpu_kernels"] == "auto"
     gpu = manifest["library"]["gpu_kernels"]
+    assert gpu["device_math"]["fmad"] is True and gpu["device_math"]["fast_math"] is False  # fp16: FMAs kept
     assert gpu["choice"] == {"gpu_kernels": "auto", "ledger": {"verified": ["conv-fp16"], "kinds": len(ledger.KINDS)}}
     record = gpu["cutlass"]
     assert record["kernels"] and all(k["function"] in gpu["functions"] for k in record["kernels"])

@@ -60,6 +60,7 @@ class CudaBackend:
     uses_cutlass = False  # the build goes through edgeq's kernels (NHWC graph, claims)
     ledger = None  # "auto": the ledger of GPU-verified kernel kinds it decides by
     choice_note = None  # "auto": why every layer stays on dlight, where it does
+    precision = "fp32"  # what it builds (with_gpu_kernels): decides the device math
     sm_count, smem_per_block = 0, 0  # the profile's, for CUTLASS's tile table
 
     def with_gpu_kernels(self, kind: str, profile, precision: str):
@@ -77,6 +78,7 @@ class CudaBackend:
                              f"not {precision}; package {precision} with --gpu-kernels dlight")
         chosen = copy.copy(self)
         chosen.gpu_kernels = kind
+        chosen.precision = precision
         chosen.uses_cutlass = kind == "cutlass"
         if kind == "auto":
             chosen.ledger = Ledger.load()
@@ -135,10 +137,13 @@ class CudaBackend:
 
         if toolchain is None or toolchain.cuda_toolkit is None:
             return relax.build(mod, target=target)
-        report = pipeline.GpuKernels(choice=self.kernel_choice())
+        from edgeq.toolchain import DeviceMath
+
+        math = DeviceMath.for_build(toolchain.cuda_toolkit.kind, self.precision)
+        report = pipeline.GpuKernels(choice=self.kernel_choice(), device_math=math.to_dict())
         cutlass = (self.sm_count, self.smem_per_block) if self.uses_cutlass else None
         gate = self.ledger.gate if self.gpu_kernels == "auto" else None
-        with toolchain.cuda_toolkit.active():
+        with toolchain.cuda_toolkit.active(math):
             executable = pipeline.build(mod, target, report, cutlass=cutlass, gate=gate)
         if stats is not None:
             stats.update(report.to_dict())

@@ -4,8 +4,9 @@ TVM's NVRTC path always passes ``--use_fast_math`` (``tvm/support/nvcc.py``), wh
 becomes ``div.approx.ftz.f32`` (2 ulp), ``sqrtf`` becomes ``sqrt.approx``, denormals flush to zero, and ``a * b + c``
 may contract into one FMA; its front end also maps ``expf`` to ``__expf``. An int8 value whose float is near a
 rounding boundary then lands on the other side on the device and never on the host, where every float32 operator
-rounds on its own, as the graph's operators and the numpy replays do. edgeq's builds append ``EXACT``'s options
-(``edgeq.toolchain.DeviceMath``: ``CudaToolkit.active`` applies them to every CUDA build) after
+rounds on its own, as the graph's operators and the numpy replays do. edgeq's builds append their own options
+(``edgeq.toolchain.DeviceMath.for_build``, applied by ``CudaToolkit.active``; ``EXACT`` for the builds that round
+floats to int8, ``FLOAT``, which keeps FMA contraction, for fp32 and fp16) after
 TVM's (``TVM_CUDA_NVRTC_EXTRA_OPTS``, read after the built-in ones): IEEE division and square root, denormals kept, no
 contraction, ``__USE_FAST_MATH__`` undefined. The front end's ``expf`` -> ``__expf`` mapping cannot be undone by an
 option, so a kernel whose int8 output goes through an exponential uses ``exp_rn`` below, which is written in
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from edgeq.toolchain import EXACT, FAST, DeviceMath  # noqa: F401 - the options, decided with the toolkit
+from edgeq.toolchain import EXACT, FAST, FLOAT, DeviceMath  # noqa: F401 - the options, decided with the toolkit
 
 
 # exp(x) = 2^n * p(r): n = rint(x log2 e), r = x - n ln2 (ln2 in two parts; n * LN2_HI is exact for |n| <= 128),

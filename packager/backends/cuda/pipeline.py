@@ -271,6 +271,7 @@ class GpuKernels:
     cutlass: dict | None = None  # --gpu-kernels cutlass: its version, the kernel per claimed layer, what it left
     choice: dict | None = None  # --gpu-kernels as asked, the ledger "auto" decided by (backend.kernel_choice)
     workspace_bytes: int = 0  # the storage Relax's static memory plan allocates on the device (RecordWorkspace)
+    device_math: dict | None = None  # the float semantics the device code compiled with (toolchain.DeviceMath)
 
     def to_dict(self) -> dict[str, Any]:
         counts: dict[str, int] = {}
@@ -288,6 +289,7 @@ class GpuKernels:
             **({"choice": self.choice} if self.choice is not None else {}),
             # device memory beside the weights: what inspect shows and the package step checks against the device
             "memory": {"workspace_bytes": self.workspace_bytes},
+            **({"device_math": self.device_math} if self.device_math is not None else {}),
         }
 
 
@@ -652,7 +654,7 @@ def _build(mod, target, report: GpuKernels):
     with tvm.transform.PassContext(config=config):
         executable = relax.build(mod, target=target, relax_pipeline=pipeline(target, fresh, check_all=True))
     for field in dataclasses.fields(GpuKernels):
-        if field.name not in ("cutlass", "choice"):  # (what build() recorded before the pipeline)
+        if field.name not in ("cutlass", "choice", "device_math"):  # (what was recorded before the pipeline)
             setattr(report, field.name, getattr(fresh, field.name))
     report.fallbacks.append({"function": "(whole module)", "rule": "build", "error": first})
     return executable
