@@ -10,6 +10,6 @@ cd "$(dirname "$0")/.."
 case "${1:-}" in
     build) exec "${PYTHON:-python3}" benchmarks/gpu_bench.py build "${2:-gpu_bench}" "${@:3}" ;;
     run|profile) PYTHONUNBUFFERED=1 exec python3 benchmarks/gpu_bench.py "$1" "${2:-gpu_bench}" "${@:3}" ;;
-    ledger) exec "${PYTHON:-python3}" benchmarks/gpu_bench.py ledger "${2:?give the run's gpu_verified.json}" ;;
+    ledger) exec "${PYTHON:-python3}" benchmarks/gpu_bench.py ledger "${2:?give the gpu_verified.json of a run}" ;;
     *) echo "usage: $0 build|run|profile [DIR] | ledger FILE" >&2; exit 2 ;;
 esac

@@ -3,6 +3,7 @@
     python benchmarks/gpu_kernels.py [--models resnet18 mobilenet_v2] [--precisions fp32 fp16 int8] [--json]
     python benchmarks/gpu_kernels.py --onnx resnet18=zoo/resnet18-224.onnx   # a real export instead of the builder
     python benchmarks/gpu_kernels.py --precisions fp16 --gpu-kernels cutlass   # convolutions on CUTLASS (#42)
+    python benchmarks/gpu_kernels.py --models resnet50 --batch 8 --precisions fp16 int8 --gpu-kernels cutlass
 
 For each bundle (``edgeq package``, runtime none): kernel launches per inference and whether CUDA graph capture
 took effect (``library.gpu_kernels``), the conv/matmul kernels and how many of them run on tensor cores (their
@@ -612,6 +613,7 @@ def main() -> None:
     parser.add_argument("--precisions", nargs="+", default=["fp32", "fp16", "int8"], choices=["fp32", "fp16", "int8"])
     parser.add_argument("--onnx", action="append", default=[], metavar="MODEL=PATH",
                         help="use this ONNX file for MODEL instead of the onnx-helper builder")
+    parser.add_argument("--batch", type=int, default=1, help="the builders' batch size (default 1)")
     parser.add_argument("--keep", type=Path, help="keep the bundles here")
     parser.add_argument("--before", action="store_true",
                         help="also count the fp32 launches of TVM's default CUDA pipeline (no edgeq graph clean-up)")
@@ -627,14 +629,16 @@ def main() -> None:
         work = args.keep or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         for name in args.models:
-            model = Path(given[name]) if name in given else MODELS[name](work / f"{name}.onnx")
+            model = Path(given[name]) if name in given else MODELS[name](
+                work / f"{name}.onnx", **({"batch": args.batch} if args.batch != 1 else {}))
             calib = calibration(model, work)
             if args.before:
                 row = {"model": name, "precision": "fp32", "tvm_default_launches": tvm_default_launches(model)}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
             for precision in args.precisions:
-                row = {"model": name, **package_and_measure(model, precision, work / name, calib, args.gpu_kernels)}
+                row = {"model": name, "batch": args.batch,
+                       **package_and_measure(model, precision, work / name, calib, args.gpu_kernels)}
                 rows.append(row)
                 if not args.json:
                     print(table([row]).splitlines()[-1], flush=True)

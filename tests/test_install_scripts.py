@@ -20,7 +20,7 @@ def commands(path):
             yield number, code
 
 
-@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+@pytest.mark.parametrize("script", SCRIPTS + sorted((REPO / "benchmarks").glob("*.sh")), ids=lambda p: p.name)
 def test_script_is_valid_bash(script):
     proc = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
