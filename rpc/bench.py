@@ -34,6 +34,8 @@ class BenchArgs:
     power: str = "auto"
     timeout: float = 120.0
     session_timeout: float = 0.0
+    power_mode: str | None = None  # --power-mode NAME|ID: nvpmodel's mode for the run, restored after it
+    lock_clocks: bool = False  # --lock-clocks: jetson_clocks for the run, restored after it
 
 
 def in_order_ms(times_s) -> list[float]:
@@ -92,7 +94,6 @@ def bench(args: BenchArgs, note=lambda _: None) -> dict[str, Any]:
     if args.rpc:
         parse_addr(args.rpc)
     tvm = import_tvm()
-    from tvm.runtime.vm import VirtualMachine
 
     with tempfile.TemporaryDirectory(prefix="edgeq-bench-") as tmp:
         directory, manifest = _bundle(Path(args.bundle), tmp)
@@ -112,6 +113,7 @@ def bench(args: BenchArgs, note=lambda _: None) -> dict[str, Any]:
             start = lambda: call("start power sampling",
                                  lambda: sess.get_function("edgeq.power.start")(args.power, json.dumps(config)))
             stop = lambda: json.loads(call("stop power sampling", lambda: sess.get_function("edgeq.power.stop")()))
+            device = _remote_device(sess, call, config)
             where = f"{args.key} via {args.rpc}"
         else:
             lib = tvm.runtime.load_module(str(directory / manifest.library.file))
@@ -120,34 +122,122 @@ def bench(args: BenchArgs, note=lambda _: None) -> dict[str, Any]:
             sampler = Sampler(args.power, config)
             start = lambda: sampler.start().source
             stop = sampler.stop
+            device = _local_device(config)
             where = "this machine"
-        vm = call("create the VM", VirtualMachine, lib, dev)
-        problem = contract.argument_count_problem(call("read the model's signature", vm._get_function_arity, "main"),
-                                                  manifest)
-        if problem:
-            raise BundleError(f"{args.bundle}: {problem}")
-        arrays = call("copy inputs and weights to the device",
-                      lambda: [tvm.runtime.tensor(a, dev) for a in _inputs(directory, manifest) + _weights(directory, manifest)])
-        note(f"warming up ({args.warmup}) and timing ({args.repeat}) on {where}")
-        warmup_s = []
-        if args.warmup:  # timed too, on the device, to show how the latency settles (TVM's timer adds one untimed first call)
-            warm = call("prepare the warm-up timer", vm.time_evaluator, "main", dev, number=1, repeat=args.warmup)
-            warmup_s = list(call("warm-up runs", warm, *arrays).results)
-        call("synchronise", dev.sync)
-        timer = call("prepare the timer", vm.time_evaluator, "main", dev, number=1, repeat=args.repeat)
-        source = start() if args.power != "none" else "none"
+        settled = device.settle(args.power_mode, args.lock_clocks)
         try:
-            result = call("timed runs", timer, *arrays)
-        except Exception:
-            if args.power != "none":
+            result = _measure(args, call, lib, dev, directory, manifest, start, stop, where, device, settled, note)
+        except BaseException:
+            if settled is not None:
                 try:
-                    stop()
-                except Exception:  # the device is gone: the timing error is the one to report
+                    device.restore()
+                except Exception:  # the run's error is the one to report (a server restores when its session ends)
                     pass
             raise
-        power = stop() if args.power != "none" else {"source": "none"}
-        stats = contract.latency_statistics([t * 1e3 for t in result.results], manifest.batch)
+        if settled is not None:
+            device.restore()
+        return result
+
+
+def _measure(args, call, lib, dev, directory, manifest, start, stop, where, device, settled, note) -> dict[str, Any]:
+    """The timed runs of ``bench``, with the device's mode and clocks read just before them."""
+    tvm = import_tvm()
+    from tvm.runtime.vm import VirtualMachine
+
+    vm = call("create the VM", VirtualMachine, lib, dev)
+    problem = contract.argument_count_problem(call("read the model's signature", vm._get_function_arity, "main"),
+                                              manifest)
+    if problem:
+        raise BundleError(f"{args.bundle}: {problem}")
+    arrays = call("copy inputs and weights to the device",
+                  lambda: [tvm.runtime.tensor(a, dev) for a in _inputs(directory, manifest) + _weights(directory, manifest)])
+    note(f"warming up ({args.warmup}) and timing ({args.repeat}) on {where}")
+    warmup_s = []
+    if args.warmup:  # timed too, on the device, to show how the latency settles (TVM's timer adds one untimed first call)
+        warm = call("prepare the warm-up timer", vm.time_evaluator, "main", dev, number=1, repeat=args.warmup)
+        warmup_s = list(call("warm-up runs", warm, *arrays).results)
+    call("synchronise", dev.sync)
+    state = device.state()  # the mode and clocks the timed runs ran under
+    timer = call("prepare the timer", vm.time_evaluator, "main", dev, number=1, repeat=args.repeat)
+    source = start() if args.power != "none" else "none"
+    try:
+        result = call("timed runs", timer, *arrays)
+    except Exception:
+        if args.power != "none":
+            try:
+                stop()
+            except Exception:  # the device is gone: the timing error is the one to report
+                pass
+        raise
+    power = stop() if args.power != "none" else {"source": "none"}
+    stats = contract.latency_statistics([t * 1e3 for t in result.results], manifest.batch)
     return {"bundle": str(args.bundle), "bundle_id": manifest.bundle_id, "device": manifest.device.profile,
-            "where": where, "warmup": args.warmup, **stats, "power": energy(power, stats) | {"requested": args.power,
-                                                                                            "used": source},
+            "where": where, "warmup": args.warmup, **stats,
+            "power": energy(power, stats) | {"requested": args.power, "used": source},
+            "device_state": state | {"set": {"power_mode": args.power_mode, "lock_clocks": args.lock_clocks,
+                                             **(settled or {})}},
             "warmup_ms": in_order_ms(warmup_s), "samples_ms": in_order_ms(result.results)}
+
+
+class _Device:
+    """The device's power mode and clocks: read (``state``), set for the run (``settle``) and put back
+    (``restore``), here or through the server's ``edgeq.device.*`` functions."""
+
+    def __init__(self, read, settle, restore):
+        self._read, self._settle, self._restore = read, settle, restore
+
+    def state(self) -> dict:
+        return self._read()
+
+    def settle(self, mode: str | None, lock: bool) -> dict | None:
+        if not mode and not lock:
+            return None
+        return self._settle(mode or "", lock)
+
+    def restore(self) -> None:
+        self._restore()
+
+
+def _local_device(config: dict) -> _Device:
+    from edgeq.rpc.clocks import ClockError, Settings, read_state
+
+    settings = Settings(config)
+
+    def settle(mode, lock):
+        try:
+            return settings.apply(mode or None, lock)
+        except ClockError as err:
+            raise UsageError(str(err)) from None
+
+    return _Device(lambda: read_state(config), settle, settings.restore)
+
+
+def _remote_device(sess, call, config: dict) -> _Device:
+    from edgeq.errors import RemoteError
+
+    def function(name):
+        try:
+            return sess.get_function(name)
+        except Exception:  # an edgeq rpc serve older than these functions
+            return None
+
+    def read():
+        fn = function("edgeq.device.state")
+        return json.loads(call("read the power mode and clocks", fn, json.dumps(config))) if fn else {
+            "nvpmodel": None, "note": "the device's edgeq rpc serve does not report its mode and clocks"}
+
+    def settle(mode, lock):
+        fn = function("edgeq.device.settle")
+        if fn is None:
+            raise RemoteError("the device's edgeq rpc serve cannot set a power mode or lock clocks; update edgeq there")
+        answer = json.loads(call("set the power mode and clocks", fn, mode, int(lock), json.dumps(config)))
+        if "error" in answer:  # the device's one line (clocks.ClockError)
+            raise UsageError(f"on the device: {answer['error']}")
+        return answer
+
+    def restore():
+        fn = function("edgeq.device.restore")
+        if fn is not None:
+            call("restore the power mode and clocks", fn)
+
+    return _Device(read, settle, restore)

@@ -1,5 +1,5 @@
 """Functions the ``edgeq rpc serve`` process registers for clients: power sampling on the device side,
-in the same time window as the latency runs. Session processes are forked from the server, so they
+in the same time window as the latency runs; the power mode and clocks (read, set for a run, restored). Session processes are forked from the server, so they
 inherit these registrations."""
 
 from __future__ import annotations
@@ -29,6 +29,38 @@ def register(profile_config: dict | None = None, sysfs_root: str = "") -> None:
     def power_stop() -> str:
         sampler = _active.pop("sampler", None)
         return json.dumps(sampler.stop() if sampler else {"source": "none", "samples": 0, "average_mw": {}})
+
+    def merged(config_json: str) -> dict:
+        """The client's config (the bundle's device) under this device's own profile, where it has one."""
+        return {**json.loads(config_json or "{}"), **(profile_config or {})}
+
+    @tvm_ffi.register_global_func("edgeq.device.state", override=True)
+    def device_state(config_json: str) -> str:
+        from edgeq.rpc.clocks import read_state
+
+        return json.dumps(read_state(merged(config_json), sysfs_root))
+
+    @tvm_ffi.register_global_func("edgeq.device.settle", override=True)
+    def settle(mode: str, lock: int, config_json: str) -> str:
+        """--power-mode and --lock-clocks for this session's run; restored by edgeq.device.restore, or when the
+        session process ends (the client gone)."""
+        from edgeq.rpc.clocks import ClockError, Settings
+
+        settings = Settings(merged(config_json))
+        try:
+            applied = settings.apply(mode or None, bool(lock))
+        except ClockError as err:  # the user's mistake or the device's refusal: one line for the client
+            settings.restore()
+            return json.dumps({"error": str(err)})
+        _active["settings"] = settings
+        return json.dumps(applied)
+
+    @tvm_ffi.register_global_func("edgeq.device.restore", override=True)
+    def restore() -> str:
+        settings = _active.pop("settings", None)
+        if settings is not None:
+            settings.restore()
+        return ""
 
     @tvm_ffi.register_global_func("edgeq.device.info", override=True)
     def info() -> str:

@@ -123,7 +123,8 @@ class Profile:
 
         cuda, power = self.cuda, self.power
         rails = (contract.PowerRecord(tegrastats_rails=list(power.tegrastats_rails), hwmon_glob=power.hwmon_glob,
-                                      hwmon_rails=dict(power.hwmon_rails))
+                                      hwmon_rails=dict(power.hwmon_rails),
+                                      nvpmodel_modes=[dict(m) for m in power.nvpmodel_modes] or None)
                  if power.tegrastats_rails or power.hwmon_rails else None)
         return contract.DeviceRecord(
             profile=self.name, description=self.description, family=self.family, kind=self.kind,

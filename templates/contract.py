@@ -256,6 +256,8 @@ class PowerRecord(Record):
     tegrastats_rails: list = _field(_List(STR))  # rail names in tegrastats' output
     hwmon_glob: str = _field(STR)  # the INA3221 hwmon folder(s) in sysfs
     hwmon_rails: dict = _field(_Dict(COUNT))  # rail name -> hwmon channel
+    # the device's nvpmodel modes, [{id, name}] (edgeq bench --power-mode NAME); absent in older bundles
+    nvpmodel_modes: list | None = _field(_Opt(_List(OBJECT)), omit_if_none=True)
 
 
 @_rec

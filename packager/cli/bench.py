@@ -22,6 +22,12 @@ def add_parser(sub) -> None:
     parser.add_argument("--warmup", type=int, default=DEFAULT_WARMUP,
                         help=f"runs before the timed ones (timed too, shown apart), 0 to 1000000 (default {DEFAULT_WARMUP})")
     parser.add_argument("--power", choices=POWER_SOURCES, default="auto", help="power source on the device")
+    parser.add_argument("--power-mode", metavar="NAME|ID",
+                        help="Jetson: run in this nvpmodel mode (a name from the device's profile, e.g. MAXN_SUPER, or "
+                             "its id) and put the mode back afterwards, also when the run fails; the mode and clocks "
+                             "the runs ran under are recorded either way")
+    parser.add_argument("--lock-clocks", action="store_true",
+                        help="Jetson: lock the clocks at their maximum with jetson_clocks for the run, and restore them")
     parser.add_argument("--timeout", type=float, default=120, help="deadline in seconds for each remote step, 1 to 86400 (default 120)")
     parser.add_argument("--session-timeout", type=float, default=0, help="server-side session limit in seconds, 0 (none) to 86400")
     parser.add_argument("--json", action="store_true")
@@ -40,7 +46,8 @@ def run(args, env) -> int:
 
         check_output(args.report)  # before the benchmark: a wrong suffix or folder is known now
     result = bench(BenchArgs(bundle=args.bundle, rpc=args.rpc, key=args.key, repeat=args.repeat, warmup=args.warmup,
-                             power=args.power, timeout=args.timeout, session_timeout=args.session_timeout),
+                             power=args.power, timeout=args.timeout, session_timeout=args.session_timeout,
+                             power_mode=args.power_mode, lock_clocks=args.lock_clocks),
                    note=lambda text: err.print(text, highlight=False, markup=False))
     if args.report:
         from edgeq.report import bench_report, write
@@ -53,6 +60,9 @@ def run(args, env) -> int:
     for key in ("min_ms", "mean_ms", "p50_ms", "p90_ms", "p99_ms", "max_ms"):
         table.add_row(key.replace("_ms", " (ms)"), f"{result[key]:.3f}")
     table.add_row("throughput", f"{result['throughput_per_s']:.1f} inferences/s (batch {result['batch']})")
+    from edgeq.rpc.clocks import describe
+
+    table.add_row("power mode", Text(describe(result.get("device_state"))))
     power = result["power"]
     if power.get("average_w"):
         table.add_row("power", Text(", ".join(f"{r} {w:.2f} W" for r, w in power["average_w"].items()) +
