@@ -5,8 +5,8 @@ Jetson figures are hard to reproduce without these: a mode changes latency by 2x
 
 Runs on the device (``edgeq rpc serve`` registers it: ``edgeq.rpc.device``) or on this machine. Uses only what
 JetPack has: the ``nvpmodel`` and ``jetson_clocks`` commands and sysfs (the EMC rate is in debugfs, readable as
-root; without it the EMC clock is reported as unknown). Paths come from the profile's ``[power]`` section, with
-``DEFAULTS`` (JetPack 6 on Orin) where it names none; ``root`` prefixes them (a container's sysfs, a test's tree).
+root; without it the EMC clock is reported as unknown). Paths are ``DEFAULTS`` (JetPack 6 on Orin) unless the
+config passed in names others; ``root`` prefixes them (a container's sysfs, a test's tree).
 """
 
 from __future__ import annotations
