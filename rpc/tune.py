@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -171,6 +172,26 @@ def pool_size(host: str, port: int, key: str, seconds: float) -> int:
     servers = [s for s in summary.get("server_info", []) if str(s.get("key", "")).split(":")[-1] == key]
     queue = summary.get("queue_info", {}).get(key, {})
     return max(len(servers), int(queue.get("free", 0)), 1)
+
+
+def device_states(rpc: str, key: str, seconds: float, devices: int) -> list[dict]:
+    """The power mode and clocks of each device under ``key`` as the search begins (``edgeq.rpc.clocks``): a session
+    on each, held together so that the tracker hands out every device once; a device whose server is older than
+    ``edgeq.device.state`` gives {"nvpmodel": None, "note": ...}."""
+    held, states = [], []
+    try:
+        for _ in range(devices):
+            held.append(Remote.open(rpc, key, seconds))
+        for remote in held:
+            try:
+                fn = remote.session.get_function("edgeq.device.state")
+            except Exception:  # an older edgeq rpc serve
+                states.append({"nvpmodel": None, "note": "the device's edgeq rpc serve does not report its mode and clocks"})
+                continue
+            states.append(json.loads(remote.call("read the power mode and clocks", fn, "{}")))
+    finally:
+        held.clear()  # the sessions end with their last reference
+    return states
 
 
 def _runner(host: str, port: int, key: str, seconds: float, devices: int = 1, note=lambda _: None):
@@ -358,6 +379,7 @@ def tune(args: TuneArgs, note=lambda _: None, tick=lambda *_: None, progress=Non
     devices = pool_size(host, port, args.key, args.timeout)
     note(f"{devices} device(s) under '{args.key}': {devices} measurement(s) in flight; candidates built {jobs} at a time; "
          f"cost model {args.cost_model}")
+    states = device_states(args.rpc, args.key, args.timeout, devices)  # the modes and clocks it measured under
     runner, unreachable, measured = _runner(host, port, args.key, args.timeout, devices, note)
 
     rows = []
@@ -424,5 +446,6 @@ def tune(args: TuneArgs, note=lambda _: None, tick=lambda *_: None, progress=Non
                  f"task {i}/{len(extracted)} {task.task_name}: no successful measurement{own}")
     return {"model": str(args.front.model), "device": profile.name, "precision": built.precision,
             "records": str(args.records), "tasks": rows, "tvm_version": tvm.__version__, "cost_model": args.cost_model,
-            "jobs": jobs, "devices": {"registered": devices, "measurements": dict(sorted(measured.items()))},
+            "jobs": jobs, "devices": {"registered": devices, "measurements": dict(sorted(measured.items())),
+                                      "states": states},
             "not_tuned": [task.task_name for task in every if task not in extracted]}

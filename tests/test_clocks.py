@@ -198,3 +198,20 @@ def test_the_mode_is_restored_when_the_run_fails(tmp_path, monkeypatch, host_bun
                   "--lock-clocks")
     assert res.code != 0 and "the model stopped halfway (planted)" in res.stderr
     assert (tmp_path / "mode").read_text().strip() == "2" and minimums(tmp_path) == ("306000000", "115200", "0")
+
+
+def test_tune_records_each_devices_mode_and_clocks(jetson, tmp_path):
+    """``edgeq tune`` reads the mode and clocks of every device of the pool as the search begins (its JSON's
+    ``devices.states``, a line a device in the table)."""
+    from test_rpc import _conv_model
+
+    addr, _ = jetson
+    model = _conv_model(tmp_path / "conv.onnx")
+    res = run_cli("tune", model, "--device", "host", "--rpc", addr, "--key", "orin", "--trials", "2",
+                  "--records", tmp_path / "tuning.json", "--json")
+    assert res.code == 0, res.stderr
+    [state] = json.loads(res.stdout)["devices"]["states"]
+    assert state["nvpmodel"] == {"id": 2, "name": "MAXN_SUPER"} and state["gpu"]["mhz"] == 612.0
+    table = run_cli("tune", model, "--device", "host", "--rpc", addr, "--key", "orin", "--trials", "2",
+                    "--records", tmp_path / "tuning.json")
+    assert table.code == 0 and "device 1: power mode MAXN_SUPER (nvpmodel 2), GPU 612 MHz" in table.stdout

@@ -55,4 +55,8 @@ def run(args, env) -> int:
     counts = result["devices"]["measurements"]
     env.out().print(f"{len(counts)} device(s) took part: " +
                     (", ".join(f"{device or '?'} {n} measurement(s)" for device, n in counts.items()) or "none"))
+    from edgeq.rpc.clocks import describe
+
+    for i, state in enumerate(result["devices"].get("states", []), 1):  # the modes and clocks it measured under
+        env.out().print(Text(f"device {i}: power mode {describe(state)}"))
     return 0
