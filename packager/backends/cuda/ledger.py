@@ -115,11 +115,12 @@ KINDS = ("conv-fp16", "conv-int8", "split-k", "residual-after", "float-bias", "i
 
 @functools.cache
 def source_sha256(kind: str) -> str:
-    """The key of ``kind`` today: its device source and the device math it compiles with."""
-    from edgeq.backends.cuda.device_math import EXACT
+    """The key of ``kind`` today: its device source and the device math it compiles with (both option sets: a
+    kind can be in an int8 build and in an fp16 one)."""
+    from edgeq.toolchain import EXACT, FLOAT
 
     source = _probes()[kind]()
-    return hashlib.sha256(f"{EXACT.nvrtc_options()}\n{source}".encode()).hexdigest()
+    return hashlib.sha256(f"{EXACT.nvrtc_options()}\n{FLOAT.nvrtc_options()}\n{source}".encode()).hexdigest()
 
 
 @dataclasses.dataclass(frozen=True)
