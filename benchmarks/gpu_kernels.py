@@ -631,7 +631,7 @@ def main() -> None:
         for name in args.models:
             model = Path(given[name]) if name in given else MODELS[name](
                 work / f"{name}.onnx", **({"batch": args.batch} if args.batch != 1 else {}))
-            calib = calibration(model, work)
+            calib = calibration(model, work, samples=max(4, args.batch))
             if args.before:
                 row = {"model": name, "precision": "fp32", "tvm_default_launches": tvm_default_launches(model)}
                 rows.append(row)

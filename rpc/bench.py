@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import tempfile
@@ -94,6 +95,7 @@ def bench(args: BenchArgs, note=lambda _: None) -> dict[str, Any]:
     if args.rpc:
         parse_addr(args.rpc)
     tvm = import_tvm()
+    from tvm.runtime.vm import VirtualMachine
 
     with tempfile.TemporaryDirectory(prefix="edgeq-bench-") as tmp:
         directory, manifest = _bundle(Path(args.bundle), tmp)
@@ -124,59 +126,56 @@ def bench(args: BenchArgs, note=lambda _: None) -> dict[str, Any]:
             stop = sampler.stop
             device = _local_device(config)
             where = "this machine"
-        settled = device.settle(args.power_mode, args.lock_clocks)
-        try:
-            result = _measure(args, call, lib, dev, directory, manifest, start, stop, where, device, settled, note)
-        except BaseException:
-            if settled is not None:
-                try:
-                    device.restore()
-                except Exception:  # the run's error is the one to report (a server restores when its session ends)
-                    pass
-            raise
-        if settled is not None:
-            device.restore()
-        return result
-
-
-def _measure(args, call, lib, dev, directory, manifest, start, stop, where, device, settled, note) -> dict[str, Any]:
-    """The timed runs of ``bench``, with the device's mode and clocks read just before them."""
-    tvm = import_tvm()
-    from tvm.runtime.vm import VirtualMachine
-
-    vm = call("create the VM", VirtualMachine, lib, dev)
-    problem = contract.argument_count_problem(call("read the model's signature", vm._get_function_arity, "main"),
-                                              manifest)
-    if problem:
-        raise BundleError(f"{args.bundle}: {problem}")
-    arrays = call("copy inputs and weights to the device",
-                  lambda: [tvm.runtime.tensor(a, dev) for a in _inputs(directory, manifest) + _weights(directory, manifest)])
-    note(f"warming up ({args.warmup}) and timing ({args.repeat}) on {where}")
-    warmup_s = []
-    if args.warmup:  # timed too, on the device, to show how the latency settles (TVM's timer adds one untimed first call)
-        warm = call("prepare the warm-up timer", vm.time_evaluator, "main", dev, number=1, repeat=args.warmup)
-        warmup_s = list(call("warm-up runs", warm, *arrays).results)
-    call("synchronise", dev.sync)
-    state = device.state()  # the mode and clocks the timed runs ran under
-    timer = call("prepare the timer", vm.time_evaluator, "main", dev, number=1, repeat=args.repeat)
-    source = start() if args.power != "none" else "none"
-    try:
-        result = call("timed runs", timer, *arrays)
-    except Exception:
-        if args.power != "none":
+        with _settled(device, args.power_mode, args.lock_clocks) as settled:
+            vm = call("create the VM", VirtualMachine, lib, dev)
+            problem = contract.argument_count_problem(call("read the model's signature", vm._get_function_arity, "main"),
+                                                      manifest)
+            if problem:
+                raise BundleError(f"{args.bundle}: {problem}")
+            arrays = call("copy inputs and weights to the device",
+                          lambda: [tvm.runtime.tensor(a, dev) for a in _inputs(directory, manifest) + _weights(directory, manifest)])
+            note(f"warming up ({args.warmup}) and timing ({args.repeat}) on {where}")
+            warmup_s = []
+            if args.warmup:  # timed too, on the device, to show how the latency settles (TVM's timer adds one untimed first call)
+                warm = call("prepare the warm-up timer", vm.time_evaluator, "main", dev, number=1, repeat=args.warmup)
+                warmup_s = list(call("warm-up runs", warm, *arrays).results)
+            call("synchronise", dev.sync)
+            state = device.state()  # the mode and clocks the timed runs ran under
+            timer = call("prepare the timer", vm.time_evaluator, "main", dev, number=1, repeat=args.repeat)
+            source = start() if args.power != "none" else "none"
             try:
-                stop()
-            except Exception:  # the device is gone: the timing error is the one to report
-                pass
-        raise
-    power = stop() if args.power != "none" else {"source": "none"}
-    stats = contract.latency_statistics([t * 1e3 for t in result.results], manifest.batch)
+                result = call("timed runs", timer, *arrays)
+            except Exception:
+                if args.power != "none":
+                    try:
+                        stop()
+                    except Exception:  # the device is gone: the timing error is the one to report
+                        pass
+                raise
+            power = stop() if args.power != "none" else {"source": "none"}
+        stats = contract.latency_statistics([t * 1e3 for t in result.results], manifest.batch)
     return {"bundle": str(args.bundle), "bundle_id": manifest.bundle_id, "device": manifest.device.profile,
             "where": where, "warmup": args.warmup, **stats,
             "power": energy(power, stats) | {"requested": args.power, "used": source},
             "device_state": state | {"set": {"power_mode": args.power_mode, "lock_clocks": args.lock_clocks,
                                              **(settled or {})}},
             "warmup_ms": in_order_ms(warmup_s), "samples_ms": in_order_ms(result.results)}
+
+
+@contextlib.contextmanager
+def _settled(device, mode: str | None, lock: bool):
+    """``--power-mode`` and ``--lock-clocks`` for the runs inside, put back after them, after a failure too (whose
+    error is then the one reported; a server also restores when its session ends)."""
+    settled = device.settle(mode, lock)
+    try:
+        yield settled
+    except BaseException:
+        if settled is not None:
+            with contextlib.suppress(Exception):
+                device.restore()
+        raise
+    if settled is not None:
+        device.restore()
 
 
 class _Device:
@@ -199,6 +198,7 @@ class _Device:
 
 
 def _local_device(config: dict) -> _Device:
+    from edgeq.errors import DeviceError
     from edgeq.rpc.clocks import ClockError, Settings, read_state
 
     settings = Settings(config)
@@ -207,9 +207,16 @@ def _local_device(config: dict) -> _Device:
         try:
             return settings.apply(mode or None, lock)
         except ClockError as err:
+            settings.restore()
             raise UsageError(str(err)) from None
 
-    return _Device(lambda: read_state(config), settle, settings.restore)
+    def restore():
+        try:
+            settings.restore()
+        except ClockError as err:
+            raise DeviceError(f"could not put the power mode and clocks back: {err}") from None
+
+    return _Device(lambda: read_state(config), settle, restore)
 
 
 def _remote_device(sess, call, config: dict) -> _Device:

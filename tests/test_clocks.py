@@ -191,7 +191,7 @@ def test_the_mode_is_restored_when_the_run_fails(tmp_path, monkeypatch, host_bun
         assert (tmp_path / "mode").read_text().strip() == "1" and minimums(tmp_path)[2] == "1"  # set while it runs
         raise bench_module.BundleError("the model stopped halfway (planted)")
 
-    monkeypatch.setattr(bench_module, "_measure", broken)
+    monkeypatch.setattr(bench_module.contract, "argument_count_problem", broken)  # inside the run, after the set
     monkeypatch.setattr(bench_module, "power_config", lambda manifest: {"nvpmodel_modes": [
         {"id": 1, "name": "7W"}, {"id": 2, "name": "MAXN_SUPER"}]})
     res = run_cli("bench", host_bundle["bundle_dir"], "--repeat", "3", "--power", "none", "--power-mode", "7W",
