@@ -588,9 +588,9 @@ def build(mod, target, report: GpuKernels, cutlass: tuple[int, int] | None = Non
         claimed, left = cl.find_convs(mod["main"], *cutlass)
         held = []  # --gpu-kernels auto: the layers whose kernel's kinds no GPU has run as written today
         if gate is not None:
-            held = [{"conv": c.kernel.name, "kinds": list(kinds_of(c.kernel)), "why": gate(kinds_of(c.kernel))}
-                    for c in claimed if gate(kinds_of(c.kernel))]
-            claimed = [c for c in claimed if gate(kinds_of(c.kernel)) is None]
+            why = [gate(kinds_of(c.kernel)) for c in claimed]
+            held = [{"conv": c.kernel.name, "kinds": list(kinds_of(c.kernel)), "why": w} for c, w in zip(claimed, why) if w]
+            claimed = [c for c, w in zip(claimed, why) if w is None]
         # a batch-1 classifier after a global pool: the pool and the classifier, one kernel (instead of its CUTLASS
         # kernel and a pool kernel)
         pools = pool_classifier.find_pool_classifiers(mod["main"], claimed, cutlass[0]) if allowed("pool-classifier") else []
