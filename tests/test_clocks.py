@@ -119,19 +119,13 @@ def test_the_state_of_a_jetson_read_from_sysfs_and_nvpmodel(tmp_path, monkeypatc
 @pytest.fixture(scope="module")
 def jetson(tmp_path_factory):
     """A tracker and an ``edgeq rpc serve`` for jetson-orin-nano over the fake Orin: (tracker, its folder)."""
-    from test_rpc import free_port, start, stop, wait_for_key
+    from test_rpc import stop, tracker_and_orin
 
     folder = tmp_path_factory.mktemp("orin")
-    env = fake_jetson(folder)
-    port = free_port()
-    tracker = start("rpc", "tracker", "--port", port, "--port-end", port + 1)
-    addr = f"127.0.0.1:{port}"
-    server = start("rpc", "serve", "--tracker", addr, "--key", "orin", "--port", free_port(), "--port-end", "65000",
-                   "--device-profile", "jetson-orin-nano", "--sysfs-root", folder / "root", env=env)
-    wait_for_key(addr, "orin")
+    addr, procs = tracker_and_orin("orin", folder / "root", env=fake_jetson(folder))
     yield addr, folder
-    stop(server)
-    stop(tracker)
+    for proc in procs:
+        stop(proc)
 
 
 @pytest.fixture(scope="module")

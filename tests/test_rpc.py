@@ -106,18 +106,24 @@ def wait_for_key(tracker: str, key: str, seconds: float = 60) -> None:
     raise RuntimeError(f"server '{key}' did not register")
 
 
-@pytest.fixture(scope="module")
-def tracker(tmp_path_factory):
+def tracker_and_orin(key: str, sysfs: Path, env=None) -> tuple[str, list[subprocess.Popen]]:
+    """A tracker and one ``edgeq rpc serve --device-profile jetson-orin-nano`` over the sysfs tree ``sysfs``,
+    registered as ``key``: (the tracker's address, the processes to stop)."""
     port = free_port()
     proc = start("rpc", "tracker", "--port", port, "--port-end", port + 1)
     addr = f"127.0.0.1:{port}"
-    sysfs = fake_ina3221(tmp_path_factory.mktemp("sysfs"), ORIN_RAILS)
-    server = start("rpc", "serve", "--tracker", addr, "--key", "cpu-test", "--port", free_port(), "--port-end", "65000",
-                   "--device-profile", "jetson-orin-nano", "--sysfs-root", sysfs)
-    wait_for_key(addr, "cpu-test")
+    server = start("rpc", "serve", "--tracker", addr, "--key", key, "--port", free_port(), "--port-end", "65000",
+                   "--device-profile", "jetson-orin-nano", "--sysfs-root", sysfs, env=env)
+    wait_for_key(addr, key)
+    return addr, [server, proc]
+
+
+@pytest.fixture(scope="module")
+def tracker(tmp_path_factory):
+    addr, procs = tracker_and_orin("cpu-test", fake_ina3221(tmp_path_factory.mktemp("sysfs"), ORIN_RAILS))
     yield addr
-    stop(server)
-    stop(proc)
+    for proc in procs:
+        stop(proc)
 
 
 @pytest.fixture(scope="module")
