@@ -11,8 +11,8 @@ config passed in names others; ``root`` prefixes them (a container's sysfs, a te
 
 from __future__ import annotations
 
-import atexit
 import glob
+import multiprocessing.util
 import os
 import re
 import shutil
@@ -126,8 +126,8 @@ def describe(state: dict | None) -> str:
 
 class Settings:
     """A power mode and locked clocks for the length of a run: ``apply`` sets them and remembers what was there,
-    ``restore`` puts it back (also registered to run at exit, so a client that disappears mid-run still gets its
-    device back when the session process ends)."""
+    ``restore`` puts it back (also registered to run when the process ends, so a device whose client went away
+    mid-run is put back when its session ends)."""
 
     def __init__(self, config: dict):
         self.config = config
@@ -151,7 +151,9 @@ class Settings:
             os.close(fd)
             self._run(tool, "--store", self.stored)
             self._run(tool)
-        atexit.register(self.restore)
+        # also when the process ends first: the server's session is a multiprocessing child, which leaves through
+        # os._exit after its finalizers (atexit handlers do not run there), and a plain process runs them at exit
+        multiprocessing.util.Finalize(None, self.restore, exitpriority=10)
         return {"previous_mode": self.previous_mode, "locked": lock}
 
     def restore(self) -> None:

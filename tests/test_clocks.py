@@ -145,6 +145,8 @@ def test_bench_records_sets_and_restores_the_mode_and_clocks(jetson, host_bundle
     assert state["gpu"]["max_mhz"] == 1020.0 and state["emc"]["mhz"] == 3199.0 and state["cpu"]["cores"] == 6
     assert state["set"] == {"power_mode": None, "lock_clocks": False}
 
+    history = folder / "history"
+    before = history.read_text().split() if history.exists() else []
     res = run_cli("bench", host_bundle["archive"], "--rpc", addr, "--key", "orin", "--repeat", "5", "--power", "none",
                   "--power-mode", "7w", "--lock-clocks", "--json")
     assert res.code == 0, res.stderr
@@ -154,7 +156,7 @@ def test_bench_records_sets_and_restores_the_mode_and_clocks(jetson, host_bundle
     assert state["set"] == {"power_mode": "7w", "lock_clocks": True, "previous_mode": 2, "locked": True}
     assert (folder / "mode").read_text().strip() == "2"  # and afterwards, as before
     assert minimums(folder) == ("306000000", "115200", "0")
-    assert (folder / "history").read_text().split() == ["1", "2"]
+    assert history.read_text().split() == before + ["1", "2"]  # set once, put back once
 
     table = run_cli("bench", host_bundle["archive"], "--rpc", addr, "--key", "orin", "--repeat", "3", "--power", "none")
     assert table.code == 0 and "MAXN_SUPER (nvpmodel 2), GPU 612 MHz, EMC 3199 MHz" in " ".join(table.stdout.split())
@@ -209,3 +211,22 @@ def test_tune_records_each_devices_mode_and_clocks(jetson, tmp_path):
     table = run_cli("tune", model, "--device", "host", "--rpc", addr, "--key", "orin", "--trials", "2",
                     "--records", tmp_path / "tuning.json")
     assert table.code == 0 and "device 1: power mode MAXN_SUPER (nvpmodel 2), GPU 612 MHz" in table.stdout
+
+
+def test_the_device_is_put_back_when_its_client_goes_away(jetson):
+    """A client that set a mode and locked the clocks, then went away without restoring them (killed, its network
+    gone): the server's session process puts both back as it ends."""
+    import time
+
+    from edgeq.rpc.session import Remote
+
+    addr, folder = jetson
+    remote = Remote.open(addr, "orin", 30)
+    settle = remote.session.get_function("edgeq.device.settle")
+    assert json.loads(settle("7W", 1, "{}")) == {"previous_mode": 2, "locked": True}
+    assert (folder / "mode").read_text().strip() == "1" and minimums(folder)[2] == "1"
+    del settle, remote  # the session ends with its client
+    deadline = time.monotonic() + 30
+    while (folder / "mode").read_text().strip() != "2" and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert (folder / "mode").read_text().strip() == "2" and minimums(folder) == ("306000000", "115200", "0")
