@@ -15,7 +15,9 @@ machine has no network and no edgeq:
     bash benchmarks/gpu_bench.sh ledger FILE   # here: that gpu_verified.json into edgeq's ledger (--gpu-kernels auto)
 
 ``build`` prints (and writes to DIR/coverage.json) which of edgeq's kernel kinds (edgeq/backends/cuda/ledger.py)
-the bundles run, so that one run verifies every kind.
+the bundles run, so that one run verifies every kind. ``build --set verify`` (the default) makes the probes and the
+bundles that run every kind (VERIFY; 20 of 20 kinds), ``--set compare`` the rest of the comparisons with PyTorch:
+all 29 bundles are over the 64 MiB one device call carries, so they are two calls.
 
 The models are benchmarks/gpu_kernels.py's onnx-helper builders (ResNet-18, ResNet-50, MobileNetV2 at 224x224,
 BatchNorm after every conv) with their weights put on a grid of 15 values per tensor, so that the bundles
@@ -74,6 +76,14 @@ PROBE_PRECISIONS = {"probe-grouped": ("fp16",)}
 # (integer accumulation, edgeq's device math: every float operator as the host's); fp16 within this many units in
 # the last place of an fp16 at the golden output's largest magnitude (the tensor cores sum in another order)
 FP16_ULPS = 4
+# ``build --set verify`` (the default): the probes and the bundles that between them run every kernel kind of edgeq's
+# (ledger.KINDS; ``build`` prints the coverage), so that one device call verifies them all under the 64 MiB the device
+# tool carries; ``--set compare``: the other bundles, for the comparisons with PyTorch (a second call); ``all``: both
+# (over 64 MiB: 29 bundles, about 100 MiB of xz even with their shared runtime stored once)
+VERIFY = ("resnet18-b1-fp16-dlight", "resnet18-b1-fp16-cutlass", "resnet18-b1-int8-cutlass",
+          "bert_encoder-b1-fp16-cutlass", "bert_encoder-b1-int8-cutlass", "efficientnet_b0-b1-fp16-cutlass",
+          "efficientnet_b0-b1-int8-cutlass", "yolov8n-b1-fp16-cutlass", "yolov8n-b1-int8-cutlass")
+CARRY_MIB = 64
 DEVICE = "cuda-sm90"
 SANITIZED = ("resnet18-b1-fp16-cutlass", "resnet18-b1-int8-cutlass")
 PROFILED = ("resnet18-b1-fp16-cutlass", "resnet18-b1-int8-cutlass", "resnet18-b1-fp16-dlight")  # ncu: each kernel's time
@@ -150,7 +160,7 @@ def probe(path: Path, batch, cin, size, cout, k, stride, pad, dilation, residual
     return path
 
 
-def build(out: Path, only: list[str] | None) -> None:
+def build(out: Path, only: list[str] | None, which: str = "verify") -> None:
     import numpy as np
 
     sys.path.insert(0, str(Path(__file__).parent))
@@ -163,8 +173,9 @@ def build(out: Path, only: list[str] | None) -> None:
     work.mkdir(parents=True)
     bundles.mkdir()
     jobs = [(f"{spec[0]}-{precision}", dict(probe=spec[1:], precision=precision, gpu_kernels="cutlass"))
-            for spec in PROBES for precision in PROBE_PRECISIONS.get(spec[0], ("fp16", "int8"))]
-    jobs += [(name, dict(model=m, batch=b, precision=p, gpu_kernels=g)) for name, m, b, p, g in MODELS]
+            for spec in PROBES for precision in PROBE_PRECISIONS.get(spec[0], ("fp16", "int8"))] if which != "compare" else []
+    jobs += [(name, dict(model=m, batch=b, precision=p, gpu_kernels=g)) for name, m, b, p, g in MODELS
+             if which == "all" or (name in VERIFY) == (which == "verify")]
     for name, job in jobs:
         if only and name not in only:
             continue
@@ -196,11 +207,37 @@ def build(out: Path, only: list[str] | None) -> None:
     import nvidia.cuda_runtime
 
     shutil.copy(Path(list(nvidia.cuda_runtime.__path__)[0], "lib", "libcudart.so.12"), out / "libcudart.so.12")
+    shared = hardlink_duplicates(bundles)
+    print(f"gpu_bench: {shared / 2**20:.0f} MiB of files the bundles share (their runtime/) stored once", flush=True)
     with tarfile.open(out / "bundles.tar.xz", "w:xz", preset=9) as tar:
-        tar.add(bundles, arcname="bundles")
+        tar.add(bundles, arcname="bundles")  # (tarfile stores a hard link as a link, not its bytes again)
     shutil.rmtree(bundles)
     size = sum(f.stat().st_size for f in out.iterdir())
-    print(f"gpu_bench: {out} holds {size / 2**20:.1f} MiB (the device tool carries 64 MiB)")
+    print(f"gpu_bench: {out} holds {size / 2**20:.1f} MiB (the device tool carries {CARRY_MIB} MiB)")
+    if size > CARRY_MIB * 2**20:
+        print(f"gpu_bench: over the {CARRY_MIB} MiB the device tool carries: build --set verify and --set compare apart",
+              file=sys.stderr)
+
+
+def hardlink_duplicates(folder: Path) -> int:
+    """Every file under ``folder`` whose bytes another one already has made a hard link to that one (each bundle
+    carries the same TVM runtime, 6.5 MB, which xz's 64 MiB window cannot see across 600 MB of bundles); the bytes
+    saved."""
+    import hashlib
+
+    first: dict[str, Path] = {}
+    saved = 0
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() and not p.is_symlink()):
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        if digest in first:
+            mode = path.stat().st_mode
+            path.unlink()
+            os.link(first[digest], path)
+            os.chmod(path, mode)
+            saved += path.stat().st_size
+        else:
+            first[digest] = path
+    return saved
 
 
 def kinds_covered(bundles: Path) -> dict:
@@ -548,13 +585,16 @@ def main() -> None:
     parser.add_argument("dir", nargs="?", type=Path, default=Path("gpu_bench"),
                         help="the bundles' folder; ledger: a run's gpu_verified.json, merged into edgeq's ledger")
     parser.add_argument("--only", nargs="+", help="build: only these bundles")
+    parser.add_argument("--set", dest="which", choices=["verify", "compare", "all"], default="verify",
+                        help="build: verify (default: the probes and the bundles that run every kernel kind, for the "
+                             "ledger), compare (the others, against PyTorch), all (over the 64 MiB carried)")
     parser.add_argument("--runs", type=int, default=200, help="run: timed runs per bundle and peer")
     parser.add_argument("--archive", default="bundles.tar.xz", help="profile: the archive of bundle folders in DIR")
     parser.add_argument("--budget", type=float, default=330,
                         help="run: seconds after which the sanitizers and torch.compile are skipped")
     args = parser.parse_args()
     if args.half == "build":
-        build(args.dir, args.only)
+        build(args.dir, args.only, args.which)
     elif args.half == "ledger":  # here, after a run: its verified kinds into the package's ledger
         target = Path(__file__).resolve().parent.parent / "packager" / "backends" / "cuda" / "gpu_verified.json"
         merged = merge_ledger(args.dir, target)

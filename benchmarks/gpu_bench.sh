@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # edgeq's GPU path on a lent GPU against PyTorch, in one device call (#42): see benchmarks/gpu_bench.py.
-#   bash benchmarks/gpu_bench.sh build [DIR]   # here, in the .venv: bundles for cuda-sm90, xz-packed (gpu_bench/)
+#   bash benchmarks/gpu_bench.sh build [DIR] [--set verify|compare]   # here, in the .venv: bundles for cuda-sm90, xz (gpu_bench/)
 #   bash benchmarks/gpu_bench.sh run [DIR]     # on the GPU machine: run(command="bash benchmarks/gpu_bench.sh run",
 #                                              #   carry=["gpu_bench"], timeout_s=570); JSON under $OUT, with
 #                                              #   gpu_verified.json: the kernel kinds that passed

@@ -203,3 +203,26 @@ def test_a_bundle_too_large_for_the_devices_memory_is_refused_in_one_line():
     assert out["gpu_kernels"]["memory"]["total_bytes"] == 5 * 2**20 + 64 and "over half" in progress.warnings[0]
     assert device_memory({"cpu_kernels": {}, "gpu_kernels": None}, 10**12, 0, small, progress) == {
         "cpu_kernels": {}, "gpu_kernels": None}
+
+
+def test_the_bundles_share_their_runtime_once_in_the_carried_archive(tmp_path):
+    """``gpu_bench.hardlink_duplicates``: files with the same bytes (each bundle's runtime/) become hard links to
+    one, which tarfile stores once: the device tool carries 64 MiB, and 29 bundles' runtimes are 190 MB."""
+    import tarfile
+
+    import gpu_bench
+
+    runtime = bytes(range(256)) * 4096  # 1 MiB
+    for name in ("a", "b", "c"):
+        (tmp_path / "bundles" / name / "runtime").mkdir(parents=True)
+        (tmp_path / "bundles" / name / "runtime" / "libtvm_runtime.so").write_bytes(runtime)
+        (tmp_path / "bundles" / name / "weights.bin").write_bytes(name.encode() * 1000)
+    assert gpu_bench.hardlink_duplicates(tmp_path / "bundles") == 2 * len(runtime)
+    inodes = {(tmp_path / "bundles" / n / "runtime" / "libtvm_runtime.so").stat().st_ino for n in "abc"}
+    assert len(inodes) == 1
+    with tarfile.open(tmp_path / "b.tar", "w") as tar:
+        tar.add(tmp_path / "bundles", arcname="bundles")
+    assert (tmp_path / "b.tar").stat().st_size < 1.2 * len(runtime)
+    with tarfile.open(tmp_path / "b.tar") as tar:
+        tar.extractall(tmp_path / "out", filter="fully_trusted")
+    assert (tmp_path / "out/bundles/c/runtime/libtvm_runtime.so").read_bytes() == runtime
