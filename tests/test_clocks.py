@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run_cli
+from test_rpc import bundle as host_bundle  # noqa: F401 - test_rpc's fixture: a host bundle of resnet_cnn
 from edgeq.rpc import clocks
 
 NVPMODEL = """#!/bin/sh
@@ -126,13 +127,6 @@ def jetson(tmp_path_factory):
     yield addr, folder
     for proc in procs:
         stop(proc)
-
-
-@pytest.fixture(scope="module")
-def host_bundle(models, tmp_path_factory):
-    res = run_cli("package", models["resnet_cnn"], "--device", "host", "-o", tmp_path_factory.mktemp("b"), "-q", "--json")
-    assert res.code == 0, res.stderr
-    return json.loads(res.stdout)
 
 
 def test_bench_records_sets_and_restores_the_mode_and_clocks(jetson, host_bundle):
