@@ -122,7 +122,7 @@ def _bind_consts(model: onnx.ModelProto, consts: dict[str, np.ndarray]) -> None:
 IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
-def _identifier_names(model: onnx.ModelProto) -> None:
+def identifier_names(model: onnx.ModelProto) -> None:
     """Rename initializers whose names are not C identifiers (``/features/Constant_1_output_0`` from torch's
     exporter, ``conv1/weights:0`` from TensorFlow's). They become function parameters whose names TVM's CUDA
     code generator writes into the kernel signatures as they are (TVM's importer only maps '.' to '_'), and
@@ -369,6 +369,6 @@ def load_model(path: str | Path, input_shapes: dict[str, tuple[int, ...]] | None
     inputs = _fix_inputs(model, input_shapes or {})
     # checker, strict shape inference and constant folding (edgeq.fold), in a limited child process
     model, warnings = checked(model, path.name)
-    _identifier_names(model)
+    identifier_names(model)
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
     return LoadedModel(path=path, sha256=sha, onnx_model=model, inputs=inputs, opset=opset, warnings=tuple(warnings))

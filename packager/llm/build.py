@@ -1,0 +1,139 @@
+"""A decoder's steps imported into one Relax module: ``prefill_<S>`` per prompt bucket and ``decode``, each taking
+its inputs and then the same weight parameters, so one weights file serves every step.
+
+A weight is an initializer of the exported model; constants the specialization made (folded shapes, the
+cache's slot index) are bound into the step that made them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import warnings
+
+import numpy as np
+import onnx
+
+from edgeq.errors import ModelError
+from edgeq.llm import decoder
+from edgeq.tvm_env import import_tvm
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    function: str  # the module's function
+    kind: str  # "prefill" or "decode"
+    prompt: int  # prefill's prompt bucket (1 for decode)
+    inputs: tuple  # (name, shape, dtype) of its inputs, in order
+    outputs: tuple  # (name, shape, dtype): logits, then the cache
+
+
+@dataclasses.dataclass(frozen=True)
+class Steps:
+    """The imported steps: the module, the weights in parameter order, and what each step takes and gives."""
+
+    mod: object
+    weights: dict  # name -> numpy array, in the order every function takes them
+    steps: tuple  # Step
+    layout: decoder.Layout
+    context: int
+
+    @property
+    def buckets(self) -> list[int]:
+        return sorted(s.prompt for s in self.steps if s.kind == "prefill")
+
+
+def default_buckets(context: int) -> list[int]:
+    """Prompt buckets: powers of 4 from 16 up to the context (a prompt pads to the next one)."""
+    buckets, size = [], 16
+    while size < context:
+        buckets.append(size)
+        size *= 4
+    return buckets + [context - 1] if not buckets or buckets[-1] < context - 1 else buckets
+
+
+def import_steps(model: onnx.ModelProto, context: int, buckets: list[int] | None = None,
+                 name: str = "model") -> Steps:
+    """Specialize, import and merge the decoder's steps (see the module's text)."""
+    tvm = import_tvm()
+    from tvm import relax
+
+    from edgeq.load import identifier_names
+
+    layout = decoder.read_layout(model, name)
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    identifier_names(model)
+    buckets = sorted(set(buckets or default_buckets(context)))
+    if not buckets or buckets[0] < 1 or buckets[-1] >= context:
+        raise ModelError(f"prompt buckets {buckets} must lie in 1..{context - 1} (the context is {context})")
+    originals = {t.name.replace(".", "_") for t in model.graph.initializer}  # as TVM's importer names them
+    plan = [("prefill", b, f"prefill_{b}") for b in buckets] + [("decode", 1, "decode")]
+    functions, weights, steps = {}, {}, []
+    for kind, prompt, function in plan:
+        onnx_step = decoder.specialize(model, layout, kind, context, prompt, name)
+        mod, params = _import(onnx_step, name)
+        func = mod["main"]
+        count = int(func.attrs["num_input"])
+        bound = {}
+        for var, value in zip(func.params[count:], params):
+            array = value.numpy()
+            if var.name.replace(".", "_") in originals:
+                if var.name in weights and not np.array_equal(weights[var.name], array):
+                    raise ModelError(f"{name}: weight '{var.name}' imports differently in two steps")
+                weights.setdefault(var.name, array)
+            else:
+                bound[var.name] = value
+        if bound:
+            mod = relax.transform.BindParams("main", bound)(mod)
+        functions[function] = mod["main"]
+        steps.append(Step(function=function, kind=kind, prompt=prompt,
+                          inputs=tuple((i.name, _shape(i), _np_dtype(i)) for i in onnx_step.graph.input),
+                          outputs=tuple((o.name, _shape(o), _np_dtype(o)) for o in onnx_step.graph.output)))
+    order = list(weights)
+    merged = tvm.IRModule()
+    for function, func in functions.items():
+        merged[function] = _with_weights(func, order, weights, function)
+    return Steps(mod=merged, weights={n: weights[n] for n in order}, steps=tuple(steps), layout=layout,
+                 context=context)
+
+
+def _shape(value: onnx.ValueInfoProto) -> tuple[int, ...]:
+    return tuple(int(d.dim_value) for d in value.type.tensor_type.shape.dim)
+
+
+def _np_dtype(value: onnx.ValueInfoProto) -> str:
+    return str(onnx.helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type))
+
+
+def _import(onnx_step: onnx.ModelProto, name: str):
+    from tvm import relax
+    from tvm.relax.frontend.onnx import from_onnx
+
+    from edgeq import onnx_ops
+
+    try:
+        with onnx_ops.installed(None), contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            mod = from_onnx(onnx_step, keep_params_in_input=True)
+    except Exception as err:  # the frontend raises anything from ValueError to TVMError
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise ModelError(f"TVM could not import {name}'s decoder step: {first}") from None
+    mod, params = relax.frontend.detach_params(mod)
+    return mod, list(params.get("main", []))
+
+
+def _with_weights(func, order: list[str], weights: dict, symbol: str):
+    """``func`` taking every weight in ``order`` after its inputs (those it does not read as unused parameters)."""
+    from tvm import relax
+
+    count = int(func.attrs["num_input"])
+    own = {p.name: p for p in func.params[count:]}
+    params = list(func.params[:count])
+    for weight in order:
+        var = own.get(weight)
+        if var is None:
+            var = relax.Var(weight, relax.TensorType(weights[weight].shape, str(weights[weight].dtype)))
+        params.append(var)
+    new = relax.Function(params, func.body, func.ret_ty, func.is_pure, func.attrs, func.span)
+    return new.with_attr("global_symbol", symbol)
