@@ -26,6 +26,7 @@ LIBRARY, WEIGHTS, GOLDEN, QUANT_PARAMS = "model.so", "weights.bin", "golden.bin"
 LOADER, CONTRACT, VERIFIER, README = "run.py", "contract.py", "safebundle.py", "README.md"
 IMAGING = "imaging.py"
 VIDEO = "video.py"
+GENERATE, TOKENIZER_PY, TOKENIZER = "generate.py", "tokenizer.py", "tokenizer.json"
 RUNTIME = "runtime"
 NATIVE_LOADER = RUNTIME + "/edgeq-run"
 TENSOR_FORMAT = "edgeq-raw-1"  # little-endian C-order arrays, each at a 64-byte aligned offset; the manifest has the table
@@ -40,6 +41,9 @@ FILE_ROLES = {
     VERIFIER: "verifies the signature and every file; installs with anti-rollback (python3 safebundle.py --help)",
     IMAGING: "images in, answers out: run.py --input IMAGE and --postprocess (edgeq-run repeats it in C++)",
     VIDEO: "video in: run.py --input VIDEO|/dev/videoN|csi://N|rtsp://...|gst:PIPELINE through the system's GStreamer",
+    GENERATE: "token generation over the model's prefill and decode steps: run.py --prompt (language models)",
+    TOKENIZER_PY: "the byte-level BPE tokenizer run.py --prompt uses (standard library only)",
+    TOKENIZER: "the model's tokenizer, as Hugging Face's tokenizers library writes it",
     README: "this file",
     SUMS: "SHA-256 of every other file (sha256sum -c SHA256SUMS)",
     QUANT_PARAMS: "int8 scales: activation scale and per-channel weight scales of each int8 layer",
@@ -475,6 +479,39 @@ class PostprocessRecord(Record):
 
 
 @_rec
+class StepRecord(Record):
+    """One compiled step of a language model: ``function`` in the library, taking ``inputs`` (names, in call order;
+    ``past_key_values.N.key|value`` take the previous step's cache) and then every weight."""
+
+    function: str = _field(STR)
+    kind: str = _field(STR)  # "prefill" or "decode"
+    prompt: int = _field(COUNT)  # prefill's prompt bucket (1 for decode)
+    inputs: list = _field(_List(STR))
+
+
+@_rec
+class GenerateRecord(Record):
+    """A language model (``edgeq package`` of a decoder with a KV cache): how the loaders generate tokens with it
+    (``generate.py``). The golden file holds ``prompt`` and the greedy ``tokens`` after it, which ``--self-test``
+    checks exactly."""
+
+    context: int = _field(COUNT)  # cache slots: prompt and answer together
+    steps: list = _field(_List(_Rec(StepRecord)))
+    layers: int = _field(COUNT)
+    kv_heads: int = _field(COUNT)
+    head_dim: int = _field(COUNT)
+    vocab: int = _field(COUNT)
+    ids_dtype: str = _field(STR)
+    mask_dtype: str = _field(STR)
+    cache_dtype: str = _field(STR)
+    tokenizer: str | None = _field(_Opt(STR))  # the tokenizer's file in the bundle, None: token ids only
+    chat_prefix: str | None = _field(_Opt(STR))  # --chat: the chat template's text before the user's message
+    chat_suffix: str | None = _field(_Opt(STR))  # ... and after it (the assistant's turn begins)
+    stop: list = _field(_List(COUNT))  # token ids that end an answer
+    self_test_tokens: int = _field(COUNT)
+
+
+@_rec
 class Manifest(Record):
     schema_version: int = _field(INT)
     bundle_id: str = _field(STR)
@@ -500,6 +537,7 @@ class Manifest(Record):
     compatibility: dict | None = _field(_Opt(OBJECT), omit_if_none=True)  # ELF needs of the library and runtime
     preprocess: PreprocessRecord | None = _field(_Opt(_Rec(PreprocessRecord)), omit_if_none=True)
     postprocess: PostprocessRecord | None = _field(_Opt(_Rec(PostprocessRecord)), omit_if_none=True)
+    generate: GenerateRecord | None = _field(_Opt(_Rec(GenerateRecord)), omit_if_none=True)
     files: dict = _field(_Dict(STR))  # every other file -> SHA-256
     sizes: dict = _field(_Dict(COUNT))  # every other file -> bytes
 
