@@ -166,7 +166,6 @@ def write(args: PackageArgs, setup: Setup, loaded: Loaded, imported: Imported, q
     import edgeq
     from edgeq.runtime.assemble import check_elves
     from edgeq.runtime.elf import machine as elf_machine
-    from edgeq.stage_records import Written
     from edgeq.tvm_env import import_tvm
 
     output = setup.output
@@ -229,7 +228,15 @@ def write(args: PackageArgs, setup: Setup, loaded: Loaded, imported: Imported, q
         files={}, sizes={},
     )
     manifest = write_bundle(staging, manifest, extra_files, setup.signing_key)
-    # The archive is made from the staging folder under the final name, then both are renamed into place.
+    return place(manifest, output, bundle_name, int(created.timestamp()), progress)
+
+
+def place(manifest: Manifest, output, bundle_name: str, mtime: int, progress: StageProgress) -> Written:
+    """The staging folder's bundle under its final name: the archive made from it, then both renamed into the
+    output folder (a bundle of the same name there is replaced, said as a warning)."""
+    from edgeq.stage_records import Written
+
+    staging = output.staging
     final_dir = output.out_dir / bundle_name
     named = staging / bundle_name
     named.mkdir()
@@ -237,7 +244,7 @@ def write(args: PackageArgs, setup: Setup, loaded: Loaded, imported: Imported, q
         if path != named:
             path.rename(named / path.name)
     archive_tmp = staging / f"{bundle_name}.tar.gz"
-    make_archive(named, archive_tmp, mtime=int(created.timestamp()))
+    make_archive(named, archive_tmp, mtime=mtime)
     replaced = final_dir.exists()
     if replaced:  # said even with --quiet, and in --json as "replaced"
         progress.warn(f"replacing the bundle already in {final_dir}")

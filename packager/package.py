@@ -327,6 +327,16 @@ def _reference_check(args: PackageArgs, setup: Setup, loaded: Loaded, imported: 
     return check
 
 
+def prepare_output(args: PackageArgs, progress: StageProgress) -> Setup:
+    """The check stage of a build outside ``STAGES`` (a language model's): ``_setup`` and the output folder."""
+    return _check(args, progress, None)
+
+
+def assemble_runtime(setup: Setup, progress: StageProgress) -> Runtime:
+    """The runtime stage of a build outside ``STAGES``."""
+    return _runtime(setup, progress)
+
+
 def _runtime(setup: Setup, progress: StageProgress) -> Runtime:
     return assemble(setup.profile, setup.backend, setup.toolchain.cxx, setup.output.staging, note=progress.note)
 
@@ -485,6 +495,12 @@ def front_end(args: FrontEndArgs, progress: StageProgress | None = None) -> Fron
 def package(args: PackageArgs, progress: StageProgress | None = None) -> PackageResult:
     """Package ``args.model`` for ``args.device``. Raises EdgeqError subclasses with one-line messages."""
     progress = progress or StageProgress(quiet=True)
+    from edgeq.llm.decoder import is_decoder_file
+
+    if is_decoder_file(args.model):  # a language model: its own stages (edgeq.llm.package)
+        from edgeq.llm.package import package_decoder
+
+        return package_decoder(args, progress)
     dump = IRDump(args.dump_ir) if args.dump_ir is not None else None
     records = Records(args, progress, dump)
     try:

@@ -80,6 +80,8 @@ class PackageArgs(FrontEndArgs):
     iou: float = 0.45  # yolo: IoU above which a box is suppressed
     max_det: int = 300  # yolo: detections at most
     gpu_kernels: str = "auto"  # CUDA profiles: "auto" (edgeq's kernels a GPU verified), "dlight" or "cutlass"
+    max_context: int | None = None  # language models: tokens of context (prompt and answer), default 512
+    tokenizer: Path | None = None  # language models: tokenizer.json (default: the one beside the model)
 
     def to_dict(self) -> dict[str, Any]:
         """What the manifest records (``build.args``). ``dump_ir`` is left out: a debugging aid that
@@ -110,6 +112,8 @@ class PackageArgs(FrontEndArgs):
             "iou": self.iou,
             "max_det": self.max_det,
             "gpu_kernels": self.gpu_kernels,
+            "max_context": self.max_context,
+            "tokenizer": str(self.tokenizer) if self.tokenizer else None,
         }
 
     def display(self) -> str:

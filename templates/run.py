@@ -363,6 +363,125 @@ def self_test(model):
     return ok, report
 
 
+class LanguageModel:
+    """A language-model bundle, loaded: its steps on the device (``generate.VmSteps``) and its tokenizer (or None)."""
+
+    def __init__(self, manifest, tvm):
+        import numpy as np
+        from tvm.runtime.vm import VirtualMachine
+
+        generate = _sibling(contract.GENERATE, "edgeq_bundle_generate")
+        self.manifest, self.np, self.generate = manifest, np, generate
+        spec = manifest.generate
+        dev = check_machine(manifest, tvm)
+        vm = VirtualMachine(tvm.runtime.load_module(os.path.join(HERE, manifest.library.file)), dev)
+        params = [tvm.runtime.tensor(read_tensor(np, manifest.weights.file, t), dev) for t in manifest.weights.tensors]
+        self.steps = generate.VmSteps(np, tvm, vm, dev, params, [s.to_json() for s in spec.steps], spec.context,
+                                      spec.ids_dtype, spec.mask_dtype)
+        self.tokenizer = None
+        if spec.tokenizer:
+            tokenizer = _sibling(contract.TOKENIZER_PY, "edgeq_bundle_tokenizer")
+            try:
+                self.tokenizer = tokenizer.Tokenizer.from_file(os.path.join(HERE, spec.tokenizer))
+            except (OSError, ValueError, KeyError) as err:
+                raise LoaderError("the bundle's tokenizer cannot be read (%s); package the bundle again" % err,
+                                  Exit.BUNDLE)
+
+    def tokens(self, prompt, max_tokens, sampler, stop=()):
+        """The generated token ids, one at a time (``generate.generate``); a prompt past the context is refused."""
+        vocab = self.manifest.generate.vocab
+        if any(t >= vocab for t in prompt):
+            raise LoaderError("prompt token id %d is outside the vocabulary (0..%d)" % (max(prompt), vocab - 1),
+                              Exit.USAGE)
+        try:
+            for token in self.generate.generate(self.np, self.steps, prompt, max_tokens, sampler, stop):
+                yield token
+        except self.generate.ContextFull as err:
+            raise LoaderError("%s; give a shorter prompt, or package with a larger --max-context" % err, Exit.USAGE)
+
+
+def language_self_test(model):
+    """The recorded prompt's greedy tokens, compared exactly with those recorded at build time."""
+    np = model.np
+    golden = model.manifest.golden
+    arrays = {t.name: read_tensor(np, golden.file, t) for t in golden.tensors}
+    if "prompt" not in arrays or "tokens" not in arrays:
+        raise LoaderError("the golden file has no prompt and tokens; package the bundle again", Exit.BUNDLE)
+    want = [int(t) for t in arrays["tokens"]]
+    got = list(model.tokens([int(t) for t in arrays["prompt"]], len(want), model.generate.Sampler(np)))
+    matched = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    ok = got == want
+    return ok, [{"output": "tokens", "count": len(want), "matched": matched, "ok": ok}]
+
+
+def run_language_model(manifest, tvm, args):
+    import time
+
+    if args.input or args.benchmark:
+        raise LoaderError("this bundle is a language model: give --prompt TEXT (or --prompt-ids) and --max-tokens N; "
+                          "--json reports tokens per second", Exit.USAGE)
+    model = LanguageModel(manifest, tvm)
+    if args.self_test:
+        ok, report = language_self_test(model)
+        report_self_test(ok, report, args.json)
+        if not ok:
+            return Exit.SELF_TEST_FAILED
+    if args.prompt is None and args.prompt_ids is None:
+        return Exit.OK
+    spec = manifest.generate
+    tokenizer = model.tokenizer
+    if args.prompt is not None:
+        if tokenizer is None:
+            raise LoaderError("this bundle has no tokenizer (packaged without tokenizer.json): give --prompt-ids",
+                              Exit.USAGE)
+        text = args.prompt
+        if args.chat:
+            if spec.chat_prefix is None:
+                raise LoaderError("this bundle has no chat template: leave out --chat", Exit.USAGE)
+            text = spec.chat_prefix + text + spec.chat_suffix
+        prompt = tokenizer.encode(text)
+    else:
+        if args.chat:
+            raise LoaderError("--chat wraps a --prompt TEXT; --prompt-ids are taken as they are", Exit.USAGE)
+        prompt = list(args.prompt_ids)
+    sampler = model.generate.Sampler(model.np, args.temperature, args.top_p, args.seed)
+    decoder = sys.modules["edgeq_bundle_tokenizer"].Decoder(tokenizer) if tokenizer is not None else None
+    start = time.perf_counter()
+    first = None
+    generated = []
+    out = sys.stdout
+    for token in model.tokens(prompt, args.max_tokens, sampler, set(spec.stop)):
+        if first is None:
+            first = time.perf_counter()
+        generated.append(token)
+        text = decoder.push(token) if decoder is not None else None
+        if args.json:
+            out.write(json.dumps({"token": token, "text": text}) + "\n")
+        elif text is not None:
+            out.write(text)
+        else:
+            out.write("%d " % token)
+        out.flush()
+    end = time.perf_counter()
+    tail = decoder.flush() if decoder is not None else ""
+    decode_tokens = len(generated) - 1
+    summary = {"prompt_tokens": len(prompt), "tokens": len(generated),
+               "stopped": "stop token" if generated and generated[-1] in spec.stop else
+               ("context full" if len(prompt) + len(generated) >= spec.context else "max tokens"),
+               "first_token_ms": round((first - start) * 1e3, 2),
+               "decode_tokens_per_s": round(decode_tokens / (end - first), 2) if decode_tokens > 0 else None}
+    if args.json:
+        if tail:
+            out.write(json.dumps({"token": None, "text": tail}) + "\n")
+        out.write(json.dumps({"summary": summary}) + "\n")
+    else:
+        out.write(tail + "\n")
+        print("[%d prompt tokens, %d generated (%s); first token %.1f ms, %s tokens/s]" % (
+            summary["prompt_tokens"], summary["tokens"], summary["stopped"], summary["first_token_ms"],
+            summary["decode_tokens_per_s"]), file=sys.stderr)
+    return Exit.OK
+
+
 def parse_args(argv):
     parser = argparse.ArgumentParser(description="Run the edgeq bundle in %s." % HERE)
     parser.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy|IMAGE|VIDEO",
@@ -380,6 +499,17 @@ def parse_args(argv):
     parser.add_argument("--timeout", type=float, default=video.DEFAULT_TIMEOUT_S, metavar="S",
                         help="a video source that delivers no frame for S seconds ends the run (default %g)"
                         % video.DEFAULT_TIMEOUT_S)
+    parser.add_argument("--prompt", metavar="TEXT", help="language models: generate after TEXT, streaming the tokens")
+    parser.add_argument("--prompt-ids", metavar="ID,ID,...", help="language models: the prompt as token ids")
+    parser.add_argument("--max-tokens", type=int, default=128, metavar="N",
+                        help="language models: tokens to generate at most (default 128)")
+    parser.add_argument("--chat", action="store_true",
+                        help="language models: wrap the prompt in the model's chat template (one user message)")
+    parser.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                        help="language models: sampling temperature (default 0: greedy)")
+    parser.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                        help="language models: sample from the most likely tokens whose probability reaches P (default 1)")
+    parser.add_argument("--seed", type=int, default=0, metavar="S", help="language models: the sampler's seed (default 0)")
     parser.add_argument("--no-pipeline", action="store_true",
                         help="video: decode, prepare, infer and answer one frame after the other (default: the next "
                              "frames are decoded and prepared while the model runs)")
@@ -390,8 +520,24 @@ def parse_args(argv):
         parser.error("--benchmark needs N from 1 to %d" % MAX_RUNS)
     if not 0 <= args.warmup <= MAX_RUNS:
         parser.error("--warmup needs N from 0 to %d" % MAX_RUNS)
-    if not (args.self_test or args.benchmark or args.check or args.input):
-        parser.error("give --self-test, --benchmark N, --check or --input NAME=FILE.npy")
+    if not 1 <= args.max_tokens <= MAX_RUNS:
+        parser.error("--max-tokens needs N from 1 to %d" % MAX_RUNS)
+    if not 0 <= args.temperature <= 100:
+        parser.error("--temperature needs T from 0 to 100")
+    if not 0 < args.top_p <= 1:
+        parser.error("--top-p needs P above 0 and at most 1")
+    if args.prompt is not None and args.prompt_ids is not None:
+        parser.error("give --prompt or --prompt-ids, not both")
+    if args.prompt_ids is not None:
+        try:
+            args.prompt_ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
+        except ValueError:
+            parser.error("--prompt-ids needs token ids separated by commas, e.g. 1,504,3458")
+        if not args.prompt_ids or min(args.prompt_ids) < 0:
+            parser.error("--prompt-ids needs at least one token id, none negative")
+    prompted = args.prompt is not None or args.prompt_ids is not None
+    if not (args.self_test or args.benchmark or args.check or args.input or prompted):
+        parser.error("give --self-test, --benchmark N, --check, --input NAME=FILE.npy or (language models) --prompt TEXT")
     return args
 
 
@@ -452,6 +598,10 @@ def report_self_test(ok, report, as_json):
         print(json.dumps({"ok": ok, "outputs": report}))
         return
     for row in report:
+        if "matched" in row:  # a language model's tokens
+            print("%-4s %s: %d of %d recorded greedy tokens matched in order" % (
+                "ok" if row["ok"] else "FAIL", row["output"], row["matched"], row["count"]))
+            continue
         print("%-4s %s: max |diff| %.3g (rtol %g, atol %.3g)" % (
             "ok" if row["ok"] else "FAIL", row["output"], row["max_abs_diff"], row["rtol"], row["atol"]))
     print("self-test %s" % ("passed" if ok else "FAILED"))
@@ -764,6 +914,11 @@ def main(argv=None):
             check_machine(manifest, tvm)
             print(json.dumps({"ok": True}) if args.json else "ok: this machine can run %s" % manifest.bundle_id)
             return Exit.OK
+        if manifest.generate is not None:
+            return run_language_model(manifest, tvm, args)
+        if args.prompt is not None or args.prompt_ids is not None:
+            raise LoaderError("--prompt is for language models; this bundle's model takes tensors: give --input",
+                              Exit.USAGE)
         if streams and (len(args.input) > 1 or args.benchmark or args.self_test):
             raise LoaderError("--input %s is a video source: give it alone, without --self-test or --benchmark"
                               % streams[0][0], Exit.USAGE)

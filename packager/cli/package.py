@@ -69,6 +69,12 @@ def add_parser(sub) -> None:
                              "on a GPU as written today, and on TVM's dlight rules otherwise), cutlass (every layer "
                              "edgeq's kernels take) or dlight (none); the manifest and 'edgeq inspect' say which layer "
                              "ran where and why")
+    parser.add_argument("--max-context", type=int, metavar="N",
+                        help="language models (a decoder ONNX with past_key_values): tokens of context, prompt and "
+                             "answer together (default 512)")
+    parser.add_argument("--tokenizer", type=Path, metavar="FILE",
+                        help="language models: the tokenizer.json to bundle (default: the one beside the model, if any; "
+                             "without one the bundle takes token ids)")
     parser.add_argument("--dump-ir", type=Path, metavar="DIR",
                         help="write the Relax module after each stage that changes it to DIR/NN-<stage>.py (TVMScript; "
                              "NN as in the progress output), replacing such files from an earlier run; the files of the "
@@ -200,6 +206,8 @@ def run(args, env) -> int:
         iou=args.iou,
         max_det=args.max_det,
         gpu_kernels=args.gpu_kernels,
+        max_context=args.max_context,
+        tokenizer=args.tokenizer,
     )
     progress = StageProgress(console=env.err(), quiet=args.quiet)
     result = package(package_args, progress)

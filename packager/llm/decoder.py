@@ -77,6 +77,16 @@ def is_decoder(model: onnx.ModelProto) -> bool:
     return any(PAST.fullmatch(i.name) for i in model.graph.input)
 
 
+def is_decoder_file(path) -> bool:
+    """``is_decoder`` of an ONNX file, reading its graph's inputs only (False where it cannot be read: the normal
+    load says why)."""
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception:  # noqa: BLE001 - unreadable: the image path's load reports it in its words
+        return False
+    return is_decoder(model)
+
+
 def read_layout(model: onnx.ModelProto, name: str = "model") -> Layout:
     """The decoder's layout, or a one-line ModelError naming what does not fit."""
     graph = model.graph

@@ -214,6 +214,9 @@ Bundle LoadManifest(const std::string& dir) {
   if (m.kind != Json::kObject) refuse("manifest.json is not a JSON object");
   CheckManifestSchema(m);  // every field's kind, as run.py's contract.Manifest.from_json checks them (schema.h)
   CheckManifestFiles(m);   // and the file list, as safebundle.check_manifest does next
+  if (const Json* generate = m.Find("generate"); generate && generate->kind != Json::kNull)
+    refuse_usage("this bundle is a language model; edgeq-run does not generate text yet: run ./run.py --prompt TEXT "
+                 "(Python 3 with numpy and the TVM runtime)");
   b.bundle_id = m.At("bundle_id", "").Str("bundle_id");
   const Json& device = m.At("device", "");
   b.arch = device.At("arch", "device.").Str("device.arch");
