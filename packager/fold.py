@@ -161,12 +161,16 @@ def fold_once(model: onnx.ModelProto) -> int:
         del graph.node[:]
         graph.node.extend(keep)
         used = {name for node in graph.node for name in node.input} | outputs
-        dead = [t for t in graph.initializer if t.name not in used and t.name in used_before | created]
-        for tensor in dead:
-            graph.initializer.remove(tensor)
+        droppable = used_before | created
+        kept = [t for t in graph.initializer if t.name in used or t.name not in droppable]
+        if len(kept) != len(graph.initializer):  # (rebuilt, not removed one by one: that is quadratic)
+            del graph.initializer[:]
+            graph.initializer.extend(kept)
         names = {t.name for t in graph.initializer}
-        for value_info in [v for v in graph.value_info if v.name in names]:
-            graph.value_info.remove(value_info)
+        infos = [v for v in graph.value_info if v.name not in names]
+        if len(infos) != len(graph.value_info):
+            del graph.value_info[:]
+            graph.value_info.extend(infos)
     return folded
 
 

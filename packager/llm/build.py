@@ -14,7 +14,9 @@ import warnings
 
 import numpy as np
 import onnx
+from onnx import numpy_helper
 
+from edgeq import fold
 from edgeq.errors import ModelError
 from edgeq.llm import decoder
 from edgeq.tvm_env import import_tvm
@@ -68,27 +70,35 @@ def import_steps(model: onnx.ModelProto, context: int, buckets: list[int] | None
     if not buckets or buckets[0] < 1 or buckets[-1] >= context:
         raise ModelError(f"prompt buckets {buckets} must lie in 1..{context - 1} (the context is {context})")
     originals = {t.name.replace(".", "_") for t in model.graph.initializer}  # as TVM's importer names them
+    large = {t.name.replace(".", "_"): t for t in model.graph.initializer
+             if int(np.prod(t.dims)) > fold.MAX_FOLD_ELEMENTS}
     plan = [("prefill", b, f"prefill_{b}") for b in buckets] + [("decode", 1, "decode")]
     functions, weights, steps = {}, {}, []
     for kind, prompt, function in plan:
-        onnx_step = decoder.specialize(model, layout, kind, context, prompt, name)
+        # the large weights come out of the step as inputs after its own, and get their values here by name
+        onnx_step = decoder.specialize(model, layout, kind, context, prompt, name, detach=True)
+        own = [i for i in onnx_step.graph.input if i.name.replace(".", "_") not in large]
         mod, params = _import(onnx_step, name)
         func = mod["main"]
-        count = int(func.attrs["num_input"])
+        count = len(own)
         bound = {}
-        for var, value in zip(func.params[count:], params):
-            array = value.numpy()
+        for var in func.params[count:int(func.attrs["num_input"])]:
+            if var.name not in weights:
+                weights[var.name] = numpy_helper.to_array(large[var.name.replace(".", "_")])
+        for var, value in zip(func.params[int(func.attrs["num_input"]):], params):
             if var.name.replace(".", "_") in originals:
+                array = value.numpy()
                 if var.name in weights and not np.array_equal(weights[var.name], array):
                     raise ModelError(f"{name}: weight '{var.name}' imports differently in two steps")
                 weights.setdefault(var.name, array)
             else:
                 bound[var.name] = value
+        mod["main"] = func.with_attr("num_input", count)
         if bound:
             mod = relax.transform.BindParams("main", bound)(mod)
         functions[function] = mod["main"]
         steps.append(Step(function=function, kind=kind, prompt=prompt,
-                          inputs=tuple((i.name, _shape(i), _np_dtype(i)) for i in onnx_step.graph.input),
+                          inputs=tuple((i.name, _shape(i), _np_dtype(i)) for i in own),
                           outputs=tuple((o.name, _shape(o), _np_dtype(o)) for o in onnx_step.graph.output)))
     order = list(weights)
     merged = tvm.IRModule()

@@ -149,16 +149,22 @@ def _producer(graph: onnx.GraphProto, name: str) -> onnx.NodeProto | None:
 
 
 def specialize(model: onnx.ModelProto, layout: Layout, step: str, context: int, prompt: int = 1,
-               name: str = "model") -> onnx.ModelProto:
+               name: str = "model", detach: bool = False) -> onnx.ModelProto:
     """The ``step`` ("prefill" or "decode") of the decoder with every length fixed and the shape arithmetic
-    folded: see the module's text. ``context``: cache slots; ``prompt``: prefill's bucket of prompt tokens."""
+    folded: see the module's text. ``context``: cache slots; ``prompt``: prefill's bucket of prompt tokens.
+    ``detach``: the weights too large to fold (``fold.MAX_FOLD_ELEMENTS``) are left out, as graph inputs after
+    the step's own (an importer given their values by name; serializing them for each step is what took time)."""
     from edgeq import fold
 
     if step not in ("prefill", "decode"):
         raise ValueError(step)
     if step == "prefill" and not 1 <= prompt <= context:
         raise ValueError(f"prompt bucket {prompt} outside 1..{context}")
-    model = onnx.ModelProto.FromString(model.SerializeToString())
+    # the weights too large to fold wait outside the graph, as typed inputs: shape inference serializes the
+    # model each round (SmolLM2's 650 MB took 70 s of a 97 s import with them inside); the copy leaves them out
+    large = [t for t in model.graph.initializer if int(np.prod(t.dims)) > fold.MAX_FOLD_ELEMENTS]
+    large_names = {t.name for t in large}
+    model = _copy_without(model, large_names)
     graph = model.graph
     seq, past = (prompt, 0) if step == "prefill" else (1, context)
     lengths = {"input_ids": [1, seq], "position_ids": [1, seq], "attention_mask": [1, past + seq]}
@@ -186,19 +192,51 @@ def specialize(model: onnx.ModelProto, layout: Layout, step: str, context: int, 
     def infer(m):
         return onnx.shape_inference.infer_shapes(m, data_prop=True)
 
+    graph.input.extend(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in large)
     model, _ = fold.fold(infer(model), infer)
     graph = model.graph
     _drop_empty_concat_inputs(graph)
     _rewrite_cache(graph, layout, step, context, prompt, name)
     if step == "prefill":
-        _last_row_logits(graph, layout)
+        _last_row_logits(graph, layout, large_names)
     for value in graph.output:
         value.type.tensor_type.ClearField("shape")
     del graph.value_info[:]
     model = infer(model)
     model, _ = fold.fold(model, infer)
     _check_static(model, name, step)
+    graph = model.graph
+    used = {i for node in graph.node for i in node.input}
+    inputs = [i for i in graph.input if i.name not in large_names]
+    del graph.input[:]
+    graph.input.extend(inputs)
+    if detach:  # after the step's own inputs, in the original order
+        graph.input.extend(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in large
+                           if t.name in used)
+    else:
+        graph.initializer.extend(t for t in large if t.name in used)
     return model
+
+
+def _copy_without(model: onnx.ModelProto, initializers: set[str]) -> onnx.ModelProto:
+    """A copy of ``model`` without the named initializers (which are never copied)."""
+    copy = onnx.ModelProto()
+    _copy_fields(model, copy, skip="graph")
+    _copy_fields(model.graph, copy.graph, skip="initializer")
+    copy.graph.initializer.extend(t for t in model.graph.initializer if t.name not in initializers)
+    return copy
+
+
+def _copy_fields(source, target, skip: str) -> None:
+    for field, value in source.ListFields():
+        if field.name == skip:
+            continue
+        if field.is_repeated:
+            getattr(target, field.name).extend(value)
+        elif field.message_type is not None:
+            getattr(target, field.name).CopyFrom(value)
+        else:
+            setattr(target, field.name, value)
 
 
 def _drop_empty_concat_inputs(graph: onnx.GraphProto) -> None:
@@ -298,10 +336,10 @@ def _drop_dead_nodes(graph: onnx.GraphProto) -> None:
         graph.node.extend(live)
 
 
-def _last_row_logits(graph: onnx.GraphProto, layout: Layout) -> None:
+def _last_row_logits(graph: onnx.GraphProto, layout: Layout, detached: set[str]) -> None:
     """Prefill: the LM head reads one row of the hidden state (input ``last``), not every prompt position."""
     producer = _producer(graph, "logits")
-    weights = {t.name for t in graph.initializer}
+    weights = {t.name for t in graph.initializer} | detached
     if producer is None or producer.op_type != "MatMul" or producer.input[1] not in weights:
         return
     hidden = producer.input[0]
