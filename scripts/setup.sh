@@ -6,8 +6,8 @@
 # image decoders edgeq-run dlopens (and their arm64 builds for qemu), git, and edgeq's test extras. Stock system Pythons refuse `pip install` outside a venv (externally managed), so
 # nothing is installed into the interpreter itself. .venv is made from $PYTHON (default python3; 3.10 to
 # 3.13), reused when it exists, and made again when PYTHON names another interpreter than the one it has.
-# Activate it with `. .venv/bin/activate`. With --zoo also .venv-export: torch and torchvision for exporting
-# the torchvision models the tests and benchmarks/zoo.py use.
+# Activate it with `. .venv/bin/activate`. With --zoo also .venv-export: torch, torchvision and transformers for exporting
+# the torchvision models and language models the tests and benchmarks use.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -172,11 +172,12 @@ if [ -n "$ZOO" ]; then
         *) torch_pins=(torch==2.13.0) vision_pin=torchvision==0.28.0 ;;
     esac
     if [ ! -x .venv-export/bin/python ]; then
-        echo "setup: making .venv-export (torch and torchvision, to export the torchvision zoo)"
+        echo "setup: making .venv-export (torch, torchvision and transformers, to export the torchvision zoo and language models)"
         "$PYTHON" -m venv .venv-export
     fi
     pip_export=(.venv-export/bin/python -m pip install -q --disable-pip-version-check --no-cache-dir)
-    "${pip_export[@]}" "${torch_pins[@]}" "onnx>=1.21" numpy pillow
+    # transformers (and accelerate, gguf: loading a GGUF checkpoint) export the language models (examples/export_llm.py)
+    "${pip_export[@]}" "${torch_pins[@]}" "onnx>=1.21" numpy pillow transformers==5.25.0 accelerate==1.16.0 gguf==0.19.0
     "${pip_export[@]}" --no-deps "$vision_pin"
 fi
 echo "setup: done ($("$VENV/bin/edgeq" --version), Python $(py_version "$PY") in $VENV; activate it with: . $VENV/bin/activate)"

@@ -228,10 +228,11 @@ class Tokenizer:
         return ids
 
     def token_bytes(self, token_id, skip_special=True):
-        """The bytes token ``token_id`` stands for (b"" for a special token when ``skip_special``)."""
+        """The bytes token ``token_id`` stands for (b"" for a special token when ``skip_special``, and for an id
+        outside the vocabulary)."""
         token = self.by_id.get(token_id)
-        if token is None:
-            raise ValueError("token id %d is not in the vocabulary" % token_id)
+        if token is None:  # a model's logits may outnumber its tokenizer's vocabulary: such ids decode to nothing,
+            return b""     # as in ``tokenizers``
         if token_id in self.added_ids:
             return b"" if skip_special and token_id in self.special else token.encode("utf-8")
         return bytes(self.char_byte[c] for c in token)

@@ -1,0 +1,283 @@
+"""Language models: a decoder ONNX with a KV cache (exported by transformers + torch.onnx, as Optimum lays it out)
+specialized into static prefill/decode steps, built by TVM, packaged, and generating from run.py. Judged by ONNX
+Runtime on the model exactly as exported (symbolic lengths, the cache grown by concatenation) and, for the
+tokenizer, by Hugging Face's ``tokenizers``."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from conftest import EXPORT_PYTHON, REPO, run_cli
+
+from edgeq.llm import build, decoder, reference
+from edgeq.templates import generate
+from edgeq.templates import tokenizer as edgeq_tokenizer
+
+LAYOUTS = ("tiny-llama", "tiny-qwen2", "tiny-phi3")
+PROMPTS = ([1, 2, 3], [7, 100, 5, 9, 30, 31, 2], list(range(10, 22)))  # the last is past the largest bucket (8)
+CHAT_TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+                 "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+                 r"|\s+(?!\S)|\s+")
+CORPUS = """The quick brown fox jumps over the lazy dog. Paris is the capital of France, and Berlin is the capital
+of Germany. Language models predict the next token; a tokenizer splits text into tokens first. Jetson devices run
+neural networks at the edge: cameras, robots and drones. It's 2026, and they'll run what we've packaged."""
+
+
+@pytest.fixture(scope="session")
+def decoders(tmp_path_factory) -> dict[str, Path]:
+    """The three tiny random decoders (Llama, Qwen2, Phi-3 layouts), exported once per session."""
+    if not EXPORT_PYTHON.exists():
+        pytest.fail(f"{EXPORT_PYTHON} is missing: run 'bash scripts/setup.sh --zoo' (makes the export environment)")
+    folder = tmp_path_factory.mktemp("decoders")
+    paths = {}
+    for kind in LAYOUTS:
+        path = folder / kind / f"{kind}.onnx"
+        proc = subprocess.run([str(EXPORT_PYTHON), str(REPO / "examples" / "export_llm.py"), kind, "-o", str(path)],
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        paths[kind] = path
+    return paths
+
+
+def _train_tokenizer(path: Path, pre_tokenizer=None, vocab_size: int = 300) -> Path:
+    from tokenizers import Tokenizer, decoders as hf_decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizer or pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = hf_decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS.split("\n") * 4, trainer)
+    tok.save(str(path))
+    return path
+
+
+def _strings(count: int, seed: int = 0) -> list[str]:
+    """Text a tokenizer must agree on: words, contractions, digits, whitespace runs, Unicode letters and marks,
+    emoji with modifiers and flags, the separators Python's \\s and Unicode's White_Space disagree on, special
+    tokens inside text, and invalid UTF-8 (decoded with replacement characters)."""
+    rng = random.Random(seed)
+    pieces = list("abcdefghijklmnopqrstuvwxyzABCDEFGHIJ0123456789 \t\n\r.,;:'\"!?-_()[]{}<>/\\@#$%^&*+=~`|") + [
+        "é", "ü", "ß", "日本", "語", "中文", "😀", "👍🏽", "🇫🇷", "\u00a0", "\u2003", "\u3000", "\x1c", "\x1f", "\u200b",
+        "ﬁ", "Ω", "½", "٣", "ǅ", "'s", "'ll", "'VE", "  ", "   ", "\n\n", "\r\n", "<|im_start|>", "<|im_end|>",
+        "<|endoftext|>", "\x00", "\x7f", "\u0301", "Ⅻ", "\U0001f9d1\u200d\U0001f4bb"]
+    strings = ["Hello world", "The capital of France is", "  leading", "trailing   ", "don't I'll we've", "x=1+2",
+               "1234567 89", "\n\n\nfoo\n", "", " ", CORPUS]
+    while len(strings) < count - 50:
+        strings.append("".join(rng.choice(pieces) for _ in range(rng.randint(1, 40))))
+    while len(strings) < count:
+        strings.append(bytes(rng.randrange(256) for _ in range(rng.randint(1, 30))).decode("utf-8", errors="replace"))
+    return strings
+
+
+@pytest.mark.parametrize("variant", ["byte-level", "prefix-space", "split-regex"])
+def test_tokenizer_gives_the_ids_tokenizers_gives(tmp_path, variant):
+    from tokenizers import Regex, Tokenizer, pre_tokenizers
+
+    pre = {"byte-level": None, "prefix-space": pre_tokenizers.ByteLevel(add_prefix_space=True),
+           "split-regex": pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(QWEN2_PATTERN), behavior="isolated"),
+                                                   pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])}
+    path = _train_tokenizer(tmp_path / "tokenizer.json", pre[variant])
+    theirs, ours = Tokenizer.from_file(str(path)), edgeq_tokenizer.Tokenizer.from_file(path)
+    differ = []
+    for text in _strings(1000):
+        want = theirs.encode(text, add_special_tokens=False).ids
+        got = ours.encode(text)
+        if got != want:
+            differ.append((text, want, got))
+        assert ours.decode(got, skip_special=False) == theirs.decode(want, skip_special_tokens=False)
+        stream = edgeq_tokenizer.Decoder(ours)
+        assert "".join(stream.push(t) for t in got) + stream.flush() == ours.decode(got), text
+    assert not differ, f"{len(differ)} of 1000 strings differ, the first: {differ[0]}"
+
+
+def test_tokenizer_refuses_what_it_does_not_implement(tmp_path):
+    data = json.loads(_train_tokenizer(tmp_path / "t.json").read_text())
+    data["model"]["byte_fallback"] = True
+    assert "byte fallback" in edgeq_tokenizer.supported(data)
+    data = json.loads((tmp_path / "t.json").read_text())
+    data["pre_tokenizer"] = {"type": "Whitespace"}
+    assert "Whitespace" in edgeq_tokenizer.supported(data)
+
+
+def test_sampler_is_greedy_at_zero_and_reproducible_by_seed():
+    logits = np.array([0.1, 2.0, 2.0, -1.0, 1.9])
+    assert generate.Sampler(np)(logits) == 1  # the first of equal maxima, as numpy's argmax
+    draws = [generate.Sampler(np, 0.8, 0.95, seed)(logits) for seed in range(40)]
+    assert draws == [generate.Sampler(np, 0.8, 0.95, seed)(logits) for seed in range(40)] and len(set(draws)) > 1
+    # SplitMix64's published first outputs for seed 0 (the C++ loader draws the same numbers)
+    rng = generate.SplitMix64(0)
+    assert [rng.next() for _ in range(3)] == [0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4, 0x06C45D188009454F]
+    # top_p keeps only the most likely token when it alone reaches p
+    assert {generate.Sampler(np, 1.0, 0.5, s)(np.array([5.0, 0.0, 0.0])) for s in range(20)} == {0}
+
+
+@pytest.mark.parametrize("kind", LAYOUTS)
+def test_specialized_steps_generate_what_the_exported_model_does(decoders, kind):
+    """The static steps (cache a fixed buffer, the new token last, the slot written by position) on ONNX Runtime
+    equal the exported model on ONNX Runtime: the specialization alone, without TVM."""
+    model = onnx.load(decoders[kind])
+    exported = reference.Exported(model)
+    steps = reference.SpecializedSteps(model, context=40, buckets=[4, 8])
+    for prompt in PROMPTS:
+        assert list(generate.generate(np, steps, prompt, 24, generate.Sampler(np))) == exported.greedy(prompt, 24)
+
+
+@pytest.mark.parametrize("kind", LAYOUTS)
+def test_host_build_generates_onnxruntime_greedy_tokens(decoders, kind):
+    from edgeq.llm import cpu
+    from edgeq.llm.package import host_steps
+    from edgeq.targets import profiles
+
+    model = onnx.load(decoders[kind])
+    steps = build.import_steps(model, context=40, buckets=[4, 8])
+    assert [s.function for s in steps.steps] == ["prefill_4", "prefill_8", "decode"]
+    executable, weights = cpu.build(steps.mod, steps.weights, profiles()["host"].tvm_target())
+    assert any(name.endswith(tuple(f"_panels{n}" for n in (16, 32, 64, 128))) for name in weights)  # packed
+    runner = host_steps(steps, executable, weights)
+    exported = reference.Exported(model)
+    for prompt in PROMPTS:
+        want = exported.greedy(prompt, 24)
+        assert list(generate.generate(np, runner, prompt, 24, generate.Sampler(np))) == want
+    # and the logits themselves, teacher-forced along the reference's tokens
+    prompt = PROMPTS[1]
+    want = exported.logits(prompt, exported.greedy(prompt, 6)[:-1])
+    bucket = 8
+    feeds = {"input_ids": np.array([prompt + [0] * (bucket - len(prompt))]), "position_ids": np.arange(bucket)[None],
+             "attention_mask": np.ones((1, bucket), np.int64), "last": np.array([len(prompt) - 1])}
+    got, _ = runner.prefill(bucket, feeds)
+    np.testing.assert_allclose(got, want[0], rtol=1e-4, atol=1e-4 * np.abs(want[0]).max())
+
+
+def test_decoder_layout_and_refusals(decoders, tmp_path):
+    model = onnx.load(decoders["tiny-llama"])
+    layout = decoder.read_layout(model)
+    assert (layout.layers, layout.kv_heads, layout.head_dim, layout.vocab) == (2, 2, 16, 320)
+    # ONNX Runtime GenAI's fused attention: named, with the export that avoids it
+    gqa = onnx.ModelProto()
+    gqa.CopyFrom(model)
+    gqa.graph.node.append(onnx.helper.make_node("GroupQueryAttention", ["input_ids"], ["unused"], domain="com.microsoft"))
+    with pytest.raises(Exception, match="GroupQueryAttention .*optimum-cli export onnx"):
+        decoder.read_layout(gqa)
+    no_positions = onnx.ModelProto()
+    no_positions.CopyFrom(model)
+    kept = [i for i in no_positions.graph.input if i.name != "position_ids"]
+    del no_positions.graph.input[:]
+    no_positions.graph.input.extend(kept)
+    with pytest.raises(Exception, match="no position_ids input"):
+        decoder.read_layout(no_positions)
+
+
+@pytest.fixture(scope="session")
+def llm_bundle(decoders, tmp_path_factory):
+    """tiny-llama packaged for the host with a trained byte-level tokenizer and a ChatML template beside it."""
+    folder = tmp_path_factory.mktemp("llm")
+    model = folder / "tiny.onnx"
+    shutil.copyfile(decoders["tiny-llama"], model)
+    _train_tokenizer(folder / "tokenizer.json")
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>"}))
+    result = run_cli("package", model, "--device", "host", "-o", folder / "out", "--max-context", "64", "--json")
+    assert result.code == 0, result.stderr
+    return folder / "out" / "tiny-host", model
+
+
+def _run_py(bundle: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(bundle / "run.py"), *args], capture_output=True, text=True, timeout=300)
+
+
+def test_package_language_model_bundle(llm_bundle):
+    bundle, model = llm_bundle
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    gen = manifest["generate"]
+    assert gen["context"] == 64 and [s["kind"] for s in gen["steps"]][-1] == "decode"
+    assert gen["tokenizer"] == "tokenizer.json" and gen["chat_prefix"] == "<|im_start|>user\n"
+    assert gen["chat_suffix"] == "<|im_end|>\n<|im_start|>assistant\n" and gen["stop"] == [2]
+    assert manifest["reference_check"]["result"] == "passed"
+    for name in ("generate.py", "tokenizer.py", "tokenizer.json"):
+        assert name in manifest["files"]
+    proc = _run_py(bundle, "--self-test", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["outputs"][0] == {"output": "tokens", "count": 16, "matched": 16, "ok": True}
+
+
+def test_run_py_streams_the_reference_tokens(llm_bundle):
+    bundle, model = llm_bundle
+    exported = reference.Exported(onnx.load(model))
+    prompt = [5, 77, 120, 3, 9]
+    want = exported.greedy(prompt, 20)
+    stop = 2  # <|im_end|> ends the answer where greedy decoding reaches it
+    want = want[:want.index(stop) + 1] if stop in want else want
+    proc = _run_py(bundle, "--prompt-ids", ",".join(map(str, prompt)), "--max-tokens", "20", "--json")
+    assert proc.returncode == 0, proc.stderr
+    lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [line["token"] for line in lines if "token" in line and line["token"] is not None] == want
+    summary = lines[-1]["summary"]
+    assert summary["prompt_tokens"] == 5 and summary["tokens"] == len(want)
+    # text in: the bundle's tokenizer gives the ids; the streamed text is the tokenizer's decoding of the tokens
+    from tokenizers import Tokenizer
+
+    hf = Tokenizer.from_file(str(bundle / "tokenizer.json"))
+    text = "The capital of France is"
+    ids = hf.encode(text, add_special_tokens=False).ids
+    proc = _run_py(bundle, "--prompt", text, "--max-tokens", "12", "--json")
+    tokens = [json.loads(line)["token"] for line in proc.stdout.splitlines()[:-1]]
+    tokens = [t for t in tokens if t is not None]
+    want = exported.greedy(ids, 12)
+    assert tokens == want[:len(tokens)] and (len(tokens) == 12 or tokens[-1] == stop)
+    plain = _run_py(bundle, "--prompt", text, "--max-tokens", "12")
+    assert plain.stdout.rstrip("\n") == hf.decode(tokens, skip_special_tokens=True)
+    # --chat wraps the prompt in the template's two halves
+    chat = _run_py(bundle, "--prompt", "hi", "--chat", "--max-tokens", "4", "--json")
+    assert json.loads(chat.stdout.splitlines()[-1])["summary"]["prompt_tokens"] == len(
+        hf.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False).ids)
+    # sampling: the same seed gives the same tokens
+    runs = [_run_py(bundle, "--prompt-ids", "5,6,7", "--temperature", "0.9", "--top-p", "0.9", "--seed", "11",
+                    "--max-tokens", "16", "--json").stdout for _ in range(2)]
+    assert runs[0].splitlines()[:-1] == runs[1].splitlines()[:-1] and len(runs[0].splitlines()) > 2
+
+
+@pytest.mark.parametrize("args, status, words", [
+    (["--prompt-ids", ",".join(["5"] * 70)], 2, "the prompt is 70 tokens; this bundle's context holds 64"),
+    (["--prompt-ids", "5,400"], 2, "prompt token id 400 is outside the vocabulary (0..319)"),
+    (["--prompt-ids", "5,x"], 2, "--prompt-ids needs token ids separated by commas"),
+    (["--prompt-ids", "5", "--chat"], 2, "--chat wraps a --prompt TEXT"),
+    (["--prompt", "hi", "--top-p", "0"], 2, "--top-p needs P above 0"),
+    (["--benchmark", "5"], 2, "this bundle is a language model"),
+])
+def test_run_py_refuses_bad_generation_input(llm_bundle, args, status, words):
+    bundle, _ = llm_bundle
+    proc = _run_py(bundle, *args)
+    assert proc.returncode == status, proc.stderr
+    assert "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]  # (argparse's usage lines before it)
+    assert len(errors) == 1 and words in errors[0] and proc.stderr.rstrip().endswith(errors[0])
+
+
+def test_edgeq_run_refuses_a_language_model_in_one_line(llm_bundle):
+    bundle, _ = llm_bundle
+    proc = subprocess.run([str(bundle / "runtime" / "edgeq-run"), "--self-test"], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == ("edgeq-run: error: this bundle is a language model; edgeq-run does not generate "
+                                   "text yet: run ./run.py --prompt TEXT (Python 3 with numpy and the TVM runtime)")
+
+
+def test_package_refuses_what_language_models_do_not_take(decoders, tmp_path):
+    model = decoders["tiny-llama"]
+    for args, words in ((["--precision", "fp16", "--device", "jetson-orin-nano"], "--precision fp16 is not available"),
+                        (["--device", "jetson-orin-nano"], "jetson-orin-cpu"),
+                        (["--device", "host", "--max-context", "8"], "--max-context 8: give 32 to 32768"),
+                        (["--device", "host", "--tokenizer", tmp_path / "none.json"], "no such file")):
+        result = run_cli("package", model, "-o", tmp_path / "out", *args)
+        assert result.code == 2, result.stderr
+        assert words in result.stderr and "Traceback" not in result.stderr
+        assert not (tmp_path / "out").exists()  # nothing half-written
