@@ -13,10 +13,13 @@ What it measures, on this machine, in one process:
 - the copy bandwidth (numpy, 256 MB copied: bytes read + written per second), and from it the decode bound:
   bandwidth over the bytes a decode step reads (the weights its products stream; the embedding table is only
   gathered, a row a token);
-- edgeq fp32 (a host build of the steps ``edgeq package`` compiles) and ONNX Runtime fp32 on the exported model
-  (its own cache loop): prefill of a 30-token prompt and decode, ms per token (median over the decoded tokens);
-- greedy agreement: ``--prompts`` English prompts, ``--tokens`` greedy tokens each, edgeq's against ONNX Runtime's
-  (tokens equal up to the first difference, and prompts whose tokens are all equal).
+- edgeq fp32, int8 and int4 weight-only (host builds of the steps ``edgeq package`` compiles) and ONNX Runtime fp32
+  on the exported model (its own cache loop): prefill of a 30-token prompt and decode, ms per token (median over
+  the decoded tokens);
+- greedy agreement: ``--prompts`` English prompts, ``--tokens`` greedy tokens each, each edgeq build's against ONNX
+  Runtime fp32's (prompts whose tokens are all equal; tokens equal position by position);
+- perplexity on ``--text-tokens`` tokens of a held-out English text (written for this script), and its ratio to
+  ONNX Runtime fp32's.
 
 Prints a table, or JSON (``--json``); ``--out FILE`` also writes the JSON.
 """
@@ -44,6 +47,19 @@ PROMPTS = [
 ]
 
 
+# held-out English text for perplexity (written for this benchmark; no model saw it in training)
+HELD_OUT = """The lighthouse keeper climbed the spiral stairs every evening at dusk, carrying a tin of oil and a
+cloth for the lens. For thirty years he had watched the ships pass the rocks below, and in all that time only one
+had come to grief, on a night when the fog rolled in so thick that even the great beam could not cut through it.
+He still remembered the sound of the bell on the wreck, ringing faintly until the tide turned. In the mornings he
+wrote in the log: the weather, the wind, the names of the vessels he could read through his telescope. The log
+books filled a shelf in the kitchen, and on winter nights he would take one down at random and read about a day
+long gone, a day when the sea was calm and the gulls followed a fishing boat home. When the engineers came to
+automate the light, they offered him a cottage in the village and a small pension. He thanked them, packed the
+log books into two wooden crates, and walked down the hill without looking back. The light still turns every
+night, steady and patient, but nobody writes down the names of the ships anymore."""
+
+
 def copy_bandwidth(megabytes: int = 256, repeat: int = 5) -> float:
     """Bytes read plus bytes written per second by numpy's copy of ``megabytes`` (best of ``repeat``)."""
     src = np.ones(megabytes * 2**20 // 4, np.float32)
@@ -68,6 +84,19 @@ class OrtDecoder:
         self.layout = decoder.read_layout(onnx.load(str(path), load_external_data=False))
         self.session = ort_session(path, threads)
 
+    def nll(self, ids: list[int]) -> float:
+        """Mean negative log-likelihood of ``ids[1:]`` in one call (the whole text as the prompt)."""
+        lay = self.layout
+        past = {f"past_key_values.{i}.{kv}": np.zeros((1, lay.kv_heads, 0, lay.head_dim), np.float32)
+                for i in range(lay.layers) for kv in ("key", "value")}
+        out = self.session.run(None, {"input_ids": np.array([ids], np.int64),
+                                      "attention_mask": np.ones((1, len(ids)), np.int64),
+                                      "position_ids": np.arange(len(ids))[None], **past})
+        logits = out[0][0, :-1].astype(np.float64)
+        logits -= logits.max(axis=1, keepdims=True)
+        log_probs = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
+        return float(-log_probs[np.arange(len(ids) - 1), ids[1:]].mean())
+
     def run(self, prompt: list[int], count: int) -> tuple[list[int], float, list[float]]:
         """(greedy tokens, prefill ms, decode ms per token)."""
         lay = self.layout
@@ -90,17 +119,13 @@ class OrtDecoder:
 class EdgeqDecoder:
     """edgeq's steps built for this machine, run by the bundle's generation loop (timed)."""
 
-    def __init__(self, path: Path, context: int):
-        import onnx
-
-        from edgeq.llm import build, cpu
+    def __init__(self, steps, bits: int | None):
+        from edgeq.llm import cpu
         from edgeq.llm.package import host_steps
         from edgeq.targets import profiles
 
-        model = onnx.load(str(path))
         start = time.perf_counter()
-        steps = build.import_steps(model, context)
-        executable, self.weights = cpu.build(steps.mod, steps.weights, profiles()["host"].tvm_target())
+        executable, self.weights = cpu.build(steps.mod, steps.weights, profiles()["host"].tvm_target(), bits=bits)
         self.build_s = time.perf_counter() - start
         self.steps = host_steps(steps, executable, self.weights)
         self.embedding = max(steps.weights.values(), key=lambda w: w.size).nbytes  # gathered a row a token
@@ -108,6 +133,20 @@ class EdgeqDecoder:
     @property
     def bytes_per_token(self) -> int:
         return int(sum(w.nbytes for w in self.weights.values())) - self.embedding
+
+    def nll(self, ids: list[int]) -> float:
+        """Mean negative log-likelihood of ``ids[1:]`` (teacher forced: a decode step per token)."""
+        steps = self.steps
+        logits, cache = steps.prefill(steps.buckets[0], {
+            "input_ids": np.array([[ids[0]] + [0] * (steps.buckets[0] - 1)], np.int64),
+            "position_ids": np.arange(steps.buckets[0])[None], "attention_mask": np.ones((1, steps.buckets[0]), np.int64),
+            "last": np.array([0])})
+        total = 0.0
+        for position in range(1, len(ids)):
+            shifted = logits.astype(np.float64) - logits.max()
+            total -= shifted[ids[position]] - np.log(np.exp(shifted).sum())
+            logits, cache = steps.decode(ids[position], position, cache)
+        return total / (len(ids) - 1)
 
     def run(self, prompt: list[int], count: int) -> tuple[list[int], float, list[float]]:
         from edgeq.templates import generate
@@ -138,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--precision", default="fp32,int8,int4", help="edgeq builds to compare (comma-separated)")
+    parser.add_argument("--text-tokens", type=int, default=256, help="held-out text tokens for perplexity")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
@@ -148,47 +189,63 @@ def main(argv: list[str] | None = None) -> int:
 
     tokenizer = Tokenizer.from_file(args.model.with_name("tokenizer.json"))
     prompts = [tokenizer.encode(p) for p in (PROMPTS * (args.prompts // len(PROMPTS) + 1))[:args.prompts]]
+    text = tokenizer.encode(HELD_OUT)[:args.text_tokens]
     bandwidth = copy_bandwidth()
-    edgeq = EdgeqDecoder(args.model, args.context)
+    import onnx
+
+    from edgeq.llm import build
+
+    steps = build.import_steps(onnx.load(str(args.model)), args.context)
     ort = OrtDecoder(args.model, args.threads)
-    rows, agree, whole = {"edgeq fp32": [], "onnxruntime fp32": []}, [], 0
-    for i, prompt in enumerate(prompts):
-        got = edgeq.run(prompt, args.tokens)
-        want = ort.run(prompt, args.tokens)
-        rows["edgeq fp32"].append(got[1:])
-        rows["onnxruntime fp32"].append(want[1:])
-        same = next((k for k, (a, b) in enumerate(zip(got[0], want[0])) if a != b), args.tokens)
-        agree.append(same)
-        whole += same == args.tokens
-        print(f"prompt {i + 1}/{len(prompts)}: {same}/{args.tokens} tokens equal", file=sys.stderr)
-    long_prompt = tokenizer.encode(" ".join(PROMPTS))[:30]
+    reference = [ort.run(p, args.tokens) for p in prompts]
+    reference_nll = ort.nll(text)
     result = {"model": args.model.name, "machine": platform.processor() or platform.machine(),
               "threads": args.threads, "context": args.context, "copy_bandwidth_gb_s": round(bandwidth / 1e9, 2),
-              "bytes_per_token": edgeq.bytes_per_token, "edgeq_build_s": round(edgeq.build_s, 1),
-              "agreement": {"prompts": len(prompts), "tokens": args.tokens, "prompts_identical": whole,
-                            "tokens_equal_before_first_difference": round(sum(agree) / (len(prompts) * args.tokens), 4)},
-              "runs": {}}
-    for name, runner in (("edgeq fp32", edgeq), ("onnxruntime fp32", ort)):
-        decode = statistics.median(t for _, times in rows[name] for t in times)
+              "prompts": len(prompts), "tokens": args.tokens, "text_tokens": len(text), "runs": {}}
+    long_prompt = tokenizer.encode(" ".join(PROMPTS))[:30]
+
+    def timing(runner, decode_times) -> dict:
+        decode = statistics.median(decode_times)
         prefill = statistics.median(runner.run(long_prompt, 1)[1] for _ in range(5))
-        result["runs"][name] = {"prefill_30_ms": round(prefill, 2), "decode_ms_per_token": round(decode, 2),
-                                "decode_tokens_per_s": round(1e3 / decode, 1)}
-    bound = bandwidth / edgeq.bytes_per_token
-    result["decode_bound_tokens_per_s"] = round(bound, 1)
-    result["edgeq_share_of_bound"] = round(result["runs"]["edgeq fp32"]["decode_tokens_per_s"] / bound, 3)
+        return {"prefill_30_ms": round(prefill, 2), "decode_ms_per_token": round(decode, 2),
+                "decode_tokens_per_s": round(1e3 / decode, 1)}
+
+    result["runs"]["onnxruntime fp32"] = {**timing(ort, [t for r in reference for t in r[2]]),
+                                          "perplexity": round(float(np.exp(reference_nll)), 3)}
+    for precision in args.precision.split(","):
+        bits = {"fp32": None, "int8": 8, "int4": 4}[precision]
+        edgeq = EdgeqDecoder(steps, bits)
+        runs = [edgeq.run(p, args.tokens) for p in prompts]
+        agree = [next((k for k, (a, b) in enumerate(zip(r[0], ref[0])) if a != b), args.tokens)
+                 for r, ref in zip(runs, reference)]
+        same = sum(a == b for r, ref in zip(runs, reference) for a, b in zip(r[0], ref[0]))
+        nll = edgeq.nll(text)
+        bound = bandwidth / edgeq.bytes_per_token
+        row = {**timing(edgeq, [t for r in runs for t in r[2]]), "build_s": round(edgeq.build_s, 1),
+               "bytes_per_token": edgeq.bytes_per_token, "bound_tokens_per_s": round(bound, 1),
+               "prompts_identical": sum(a == args.tokens for a in agree),
+               "tokens_equal_before_first_difference": round(sum(agree) / (len(prompts) * args.tokens), 4),
+               "tokens_equal_position_by_position": round(same / (len(prompts) * args.tokens), 4),
+               "perplexity": round(float(np.exp(nll)), 3),
+               "perplexity_vs_fp32": round(float(np.exp(nll - reference_nll)), 3)}
+        row["share_of_bound"] = round(row["decode_tokens_per_s"] / bound, 3)
+        result["runs"][f"edgeq {precision}"] = row
+        print(f"edgeq {precision}: done", file=sys.stderr)
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    print(f"{args.model.name}: {args.threads} threads, copy bandwidth {result['copy_bandwidth_gb_s']} GB/s, "
-          f"{edgeq.bytes_per_token / 1e6:.0f} MB read per decoded token -> bound {bound:.1f} tokens/s")
-    print(f"{'':<18} {'prefill 30 (ms)':>16} {'decode (ms/token)':>18} {'tokens/s':>9}")
+    print(f"{args.model.name}: {args.threads} threads, copy bandwidth {result['copy_bandwidth_gb_s']} GB/s; greedy "
+          f"agreement with ONNX Runtime fp32 over {len(prompts)} prompts x {args.tokens} tokens; perplexity on "
+          f"{len(text)} tokens of held-out text")
+    print(f"{'':<17} {'prefill 30':>10} {'decode':>8} {'tokens/s':>8} {'bound':>6} {'MB/token':>8} {'identical':>9} "
+          f"{'agree':>6} {'ppl':>7} {'ppl/fp32':>8}")
     for name, run in result["runs"].items():
-        print(f"{name:<18} {run['prefill_30_ms']:>16} {run['decode_ms_per_token']:>18} {run['decode_tokens_per_s']:>9}")
-    a = result["agreement"]
-    print(f"greedy agreement with ONNX Runtime: {a['prompts_identical']}/{a['prompts']} prompts identical for "
-          f"{a['tokens']} tokens; {a['tokens_equal_before_first_difference']:.1%} of tokens equal before a first difference")
+        print(f"{name:<17} {run['prefill_30_ms']:>8} ms {run['decode_ms_per_token']:>5} ms {run['decode_tokens_per_s']:>8} "
+              f"{run.get('bound_tokens_per_s', '-'):>6} {run.get('bytes_per_token', 0) / 1e6 or '-':>8.0f} "
+              f"{run.get('prompts_identical', '-'):>9} {run.get('tokens_equal_position_by_position', 1.0):>6.1%} "
+              f"{run['perplexity']:>7} {run.get('perplexity_vs_fp32', 1.0):>8}")
     return 0
 
 

@@ -481,11 +481,12 @@ class PostprocessRecord(Record):
 @_rec
 class StepRecord(Record):
     """One compiled step of a language model: ``function`` in the library, taking ``inputs`` (names, in call order;
-    ``past_key_values.N.key|value`` take the previous step's cache) and then every weight."""
+    ``past_key_values.N.key|value`` take the previous step's cache) and then every weight (but grow)."""
 
     function: str = _field(STR)
-    kind: str = _field(STR)  # "prefill" or "decode"
-    prompt: int = _field(COUNT)  # prefill's prompt bucket (1 for decode)
+    kind: str = _field(STR)  # "prefill", "decode" or "grow" (the cache into the next capacity; no weights)
+    prompt: int = _field(COUNT)  # prefill's prompt bucket (1 for decode; grow: the capacity it grows from)
+    capacity: int = _field(COUNT)  # cache slots of the cache the step returns
     inputs: list = _field(_List(STR))
 
 
@@ -509,6 +510,11 @@ class GenerateRecord(Record):
     chat_suffix: str | None = _field(_Opt(STR))  # ... and after it (the assistant's turn begins)
     stop: list = _field(_List(COUNT))  # token ids that end an answer
     self_test_tokens: int = _field(COUNT)
+    # weight-only quantization of the products' weights (--precision int8/int4): bits per code, codes per float16
+    # scale along the reduction, and the scheme ("symmetric": w = q s; "scale and minimum": w = q s + m); None: float32
+    weight_bits: int | None = _field(_Opt(COUNT), omit_if_none=True)
+    weight_group: int | None = _field(_Opt(COUNT), omit_if_none=True)
+    weight_scheme: str | None = _field(_Opt(STR), omit_if_none=True)
 
 
 @_rec

@@ -1,15 +1,15 @@
-"""Token generation over a decoder's two static steps (prefill and decode), shared by run.py and edgeq's host
-checks. Plain Python and numpy: it runs on the device with nothing installed.
+"""Token generation over a decoder's static steps (prefill, decode, and growing the cache), shared by run.py and
+edgeq's host checks. Plain Python and numpy: it runs on the device with nothing installed.
 
 A ``Steps`` object runs the compiled steps. Its cache is opaque here (device tensors in a bundle, numpy arrays
 elsewhere), passed from each step to the next:
 
-- ``steps.context``: cache slots, the most tokens (prompt and generated) one generation holds;
+- ``steps.context``: cache slots at most, the most tokens (prompt and generated) one generation holds;
 - ``steps.buckets``: the prompt lengths prefill is compiled for, ascending;
 - ``steps.prefill(bucket, feeds) -> (logits, cache)`` with feeds ``input_ids``, ``position_ids``,
   ``attention_mask`` (each ``1 x bucket``) and ``last`` (the row whose logits come back);
-- ``steps.decode(feeds, cache) -> (logits, cache)`` with feeds ``input_ids`` and ``position_ids`` (``1 x 1``) and
-  ``attention_mask`` (``1 x context+1``: the slots in use, then the new token).
+- ``steps.decode(token, position, cache) -> (logits, cache)``: token ``token`` at ``position`` (below
+  ``steps.context``); the steps grow the cache to a larger capacity where ``position`` is past the one it has.
 
 Sampling draws from edgeq's own generator (SplitMix64, 53-bit uniforms), written the same way in edgeq-run, so
 that a seed gives the same tokens in both loaders.
@@ -83,41 +83,46 @@ def generate(np, steps, prompt, max_tokens, sampler, stop=()):
              "attention_mask": np.ones((1, bucket), dtype=steps.mask_dtype),
              "last": np.array([first - 1], dtype=np.int64)}
     logits, cache = steps.prefill(bucket, feeds)
-    mask = np.zeros((1, steps.context + 1), dtype=steps.mask_dtype)
-    mask[0, steps.context] = 1
-
-    def decode(token, position, cache):
-        mask[0, :position] = 1
-        return steps.decode({"input_ids": np.full((1, 1), token, dtype=steps.ids_dtype),
-                             "position_ids": np.full((1, 1), position, dtype=steps.ids_dtype),
-                             "attention_mask": mask}, cache)
-
     for position in range(first, n):  # a prompt longer than the largest bucket: the rest one token at a time
-        logits, cache = decode(prompt[position], position, cache)
+        logits, cache = steps.decode(prompt[position], position, cache)
     position = n
     for _ in range(max_tokens):
         token = sampler(logits)
         yield token
         if token in stop or position >= steps.context:
             return
-        logits, cache = decode(token, position, cache)
+        logits, cache = steps.decode(token, position, cache)
         position += 1
+
+
+def decode_feeds(np, token, position, capacity, ids_dtype, mask_dtype):
+    """A decode step's inputs: the token at ``position``, the cache's ``capacity`` slots of which ``0 ..
+    position-1`` are in use, and the new token after them (index ``capacity`` of the attention mask)."""
+    mask = np.zeros((1, capacity + 1), dtype=mask_dtype)
+    mask[0, :position] = 1
+    mask[0, capacity] = 1
+    return {"input_ids": np.full((1, 1), token, dtype=ids_dtype),
+            "position_ids": np.full((1, 1), position, dtype=ids_dtype), "attention_mask": mask}
 
 
 class VmSteps:
     """The bundle's compiled steps on a TVM VirtualMachine: a ``Steps``. ``steps``: the manifest's list of
-    ``{"function", "kind", "prompt", "inputs"}`` (input names in call order; decode's cache inputs are named
-    ``past_key_values.N.key|value`` and take the previous step's cache); ``params``: the weights as device
-    tensors, passed after the inputs. The cache stays on the device between steps; only the logits are copied."""
+    ``{"function", "kind", "prompt", "capacity", "inputs"}``: prefill per prompt bucket, decode per cache capacity
+    (its cache inputs are named ``past_key_values.N.key|value``), and grow from each capacity to the next (its
+    inputs the cache; no weights). ``params``: the weights as device tensors, passed after a step's inputs. The
+    cache stays on the device between steps; only the logits are copied."""
 
     def __init__(self, np, tvm, vm, dev, params, steps, context, ids_dtype, mask_dtype):
         self.np, self.tvm, self.vm, self.dev, self.params = np, tvm, vm, dev, list(params)
         self.context, self.ids_dtype, self.mask_dtype = context, ids_dtype, mask_dtype or "int64"
         self.by_bucket = {s["prompt"]: s for s in steps if s["kind"] == "prefill"}
         self.buckets = sorted(self.by_bucket)
-        self.decoding = next(s for s in steps if s["kind"] == "decode")
+        self.decoding = {s["capacity"]: s for s in steps if s["kind"] == "decode"}
+        self.capacities = sorted(self.decoding)
+        self.growing = {s["prompt"]: s for s in steps if s["kind"] == "grow"}  # from capacity "prompt"
         self.functions = {s["function"]: vm[s["function"]] for s in steps}
         self.staged = {}
+        self.capacity = None  # the cache's, as the last step left it
 
     def _stage(self, function, name, array):
         key = (function, name)
@@ -131,12 +136,17 @@ class VmSteps:
         args, cache = [], list(cache)
         for name in step["inputs"]:
             args.append(cache.pop(0) if name.startswith("past_key_values.") else self._stage(step["function"], name, feeds[name]))
-        out = self.functions[step["function"]](*args, *self.params)
-        out = list(out)
+        out = list(self.functions[step["function"]](*args, *self.params))
+        self.capacity = step["capacity"]
         return out[0].numpy().reshape(-1), out[1:]
 
     def prefill(self, bucket, feeds):
         return self._call(self.by_bucket[bucket], feeds, [])
 
-    def decode(self, feeds, cache):
-        return self._call(self.decoding, feeds, cache)
+    def decode(self, token, position, cache):
+        while position >= self.capacity:  # the cache is full: copied into the next capacity's
+            step = self.growing[self.capacity]
+            cache = list(self.functions[step["function"]](*cache))
+            self.capacity = step["capacity"]
+        feeds = decode_feeds(self.np, token, position, self.capacity, self.ids_dtype, self.mask_dtype)
+        return self._call(self.decoding[self.capacity], feeds, cache)

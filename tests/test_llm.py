@@ -139,8 +139,9 @@ def test_host_build_generates_onnxruntime_greedy_tokens(decoders, kind):
     from edgeq.targets import profiles
 
     model = onnx.load(decoders[kind])
-    steps = build.import_steps(model, context=40, buckets=[4, 8])
-    assert [s.function for s in steps.steps] == ["prefill_4", "prefill_8", "decode"]
+    # two cache capacities: every prompt here grows its cache from 16 slots to 40 partway through
+    steps = build.import_steps(model, context=40, buckets=[4, 8], capacities=[16])
+    assert [s.function for s in steps.steps] == ["prefill_4", "prefill_8", "decode_16", "decode_40", "grow_16_40"]
     executable, weights = cpu.build(steps.mod, steps.weights, profiles()["host"].tvm_target())
     assert any(name.endswith(tuple(f"_panels{n}" for n in (16, 32, 64, 128))) for name in weights)  # packed
     runner = host_steps(steps, executable, weights)

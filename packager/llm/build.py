@@ -1,5 +1,10 @@
-"""A decoder's steps imported into one Relax module: ``prefill_<S>`` per prompt bucket and ``decode``, each taking
-its inputs and then the same weight parameters, so one weights file serves every step.
+"""A decoder's steps imported into one Relax module: ``prefill_<S>`` per prompt bucket and ``decode_<C>`` per cache
+capacity, each taking its inputs and then the same weight parameters, so one weights file serves every step; and
+``grow_<C>_<D>``, the cache of one capacity copied into the next one's.
+
+Capacities grow by doubling up to the context, so a decode step's attention, and the cache it reads and writes,
+cost what the tokens so far need, not the whole context (SmolLM2-135M fp32 on 2 cores, before: 21.8 ms a token
+with a 64-slot cache, 53.4 ms with 512). A prefill of bucket ``S`` leaves a cache of the smallest capacity above ``S``.
 
 A weight is an initializer of the exported model; constants the specialization made (folded shapes, the
 cache's slot index) are bound into the step that made them.
@@ -25,8 +30,9 @@ from edgeq.tvm_env import import_tvm
 @dataclasses.dataclass(frozen=True)
 class Step:
     function: str  # the module's function
-    kind: str  # "prefill" or "decode"
-    prompt: int  # prefill's prompt bucket (1 for decode)
+    kind: str  # "prefill", "decode" or "grow"
+    prompt: int  # prefill's prompt bucket (1 for decode; grow: the capacity it grows from)
+    capacity: int  # cache slots of the cache it returns
     inputs: tuple  # (name, shape, dtype) of its inputs, in order
     outputs: tuple  # (name, shape, dtype): logits, then the cache
 
@@ -55,8 +61,17 @@ def default_buckets(context: int) -> list[int]:
     return buckets + [context - 1] if not buckets or buckets[-1] < context - 1 else buckets
 
 
+def default_capacities(context: int) -> list[int]:
+    """Cache capacities: 64, 128, ... doubling below the context, then the context."""
+    capacities, size = [], 64
+    while size < context:
+        capacities.append(size)
+        size *= 2
+    return capacities + [context]
+
+
 def import_steps(model: onnx.ModelProto, context: int, buckets: list[int] | None = None,
-                 name: str = "model") -> Steps:
+                 name: str = "model", capacities: list[int] | None = None) -> Steps:
     """Specialize, import and merge the decoder's steps (see the module's text)."""
     tvm = import_tvm()
     from tvm import relax
@@ -72,11 +87,19 @@ def import_steps(model: onnx.ModelProto, context: int, buckets: list[int] | None
     originals = {t.name.replace(".", "_") for t in model.graph.initializer}  # as TVM's importer names them
     large = {t.name.replace(".", "_"): t for t in model.graph.initializer
              if int(np.prod(t.dims)) > fold.MAX_FOLD_ELEMENTS}
-    plan = [("prefill", b, f"prefill_{b}") for b in buckets] + [("decode", 1, "decode")]
+    capacities = sorted(set(capacities or default_capacities(context)) | {context})
+    if capacities[0] < 2:
+        raise ModelError(f"cache capacities {capacities} must be 2 or more")
+
+    def holding(bucket: int) -> int:
+        return next(c for c in capacities if c > bucket)
+
+    plan = [("prefill", b, f"prefill_{b}", holding(b)) for b in buckets] \
+        + [("decode", 1, f"decode_{c}", c) for c in capacities]
     functions, weights, steps = {}, {}, []
-    for kind, prompt, function in plan:
+    for kind, prompt, function, capacity in plan:
         # the large weights come out of the step as inputs after its own, and get their values here by name
-        onnx_step = decoder.specialize(model, layout, kind, context, prompt, name, detach=True)
+        onnx_step = decoder.specialize(model, layout, kind, capacity, prompt, name, detach=True)
         own = [i for i in onnx_step.graph.input if i.name.replace(".", "_") not in large]
         mod, params = _import(onnx_step, name)
         func = mod["main"]
@@ -97,15 +120,40 @@ def import_steps(model: onnx.ModelProto, context: int, buckets: list[int] | None
         if bound:
             mod = relax.transform.BindParams("main", bound)(mod)
         functions[function] = mod["main"]
-        steps.append(Step(function=function, kind=kind, prompt=prompt,
+        steps.append(Step(function=function, kind=kind, prompt=prompt, capacity=capacity,
                           inputs=tuple((i.name, _shape(i), _np_dtype(i)) for i in own),
                           outputs=tuple((o.name, _shape(o), _np_dtype(o)) for o in onnx_step.graph.output)))
     order = list(weights)
     merged = tvm.IRModule()
     for function, func in functions.items():
         merged[function] = _with_weights(func, order, weights, function)
+    for small, large in zip(capacities, capacities[1:]):
+        function = f"grow_{small}_{large}"
+        merged[function] = _grow(layout, small, large, function)
+        cache = tuple((f"past_key_values.{i}.{kv}", (1, layout.kv_heads, small, layout.head_dim), layout.cache_dtype)
+                      for i in range(layout.layers) for kv in ("key", "value"))
+        steps.append(Step(function=function, kind="grow", prompt=small, capacity=large, inputs=cache,
+                          outputs=tuple((n.replace("past_key_values", "cache"), (1, layout.kv_heads, large,
+                                                                                  layout.head_dim), d)
+                                        for n, _, d in cache)))
     return Steps(mod=merged, weights={n: weights[n] for n in order}, steps=tuple(steps), layout=layout,
                  context=context)
+
+
+def _grow(layout: decoder.Layout, small: int, large: int, symbol: str):
+    """The Relax function copying a cache of ``small`` slots into one of ``large`` (the new slots zero)."""
+    from tvm import relax
+
+    bb = relax.BlockBuilder()
+    shape = (1, layout.kv_heads, small, layout.head_dim)
+    params = [relax.Var(f"past_key_values_{i}_{kv}", relax.TensorType(shape, layout.cache_dtype))
+              for i in range(layout.layers) for kv in ("key", "value")]
+    with bb.function(symbol, params, attrs={"num_input": len(params)}):
+        with bb.dataflow():
+            grown = [bb.emit(relax.op.nn.pad(p, [0, 0, 0, 0, 0, large - small, 0, 0])) for p in params]
+            out = bb.emit_output(relax.Tuple(grown))
+        bb.emit_func_output(out)
+    return bb.get()[symbol].with_attr("global_symbol", symbol)
 
 
 def _shape(value: onnx.ValueInfoProto) -> tuple[int, ...]:

@@ -40,10 +40,81 @@ def packed_product(x, panels):
                       lambda *i: te.sum(x[(*i[:-1], k)] * panels[i[-1] // nb, k, i[-1] % nb], axis=[k]), name=PACKED)
 
 
-def pack(mod, weights: dict, isa: Isa):
+GROUP = 32  # weight-only quantization: one scale (and minimum) per 32 weights along the reduction
+SCHEMES = {8: "symmetric", 4: "scale and minimum"}  # the manifest's generate.weight_scheme
+
+
+def quantize_groups(w: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Weight-only quantization of ``w[k, n]`` in groups of ``GROUP`` along ``k``: (codes ``q[k, n]``, scales
+    ``s[k / GROUP, n]`` float16, minimums ``m`` float16 or None).
+
+    - 8 bits, symmetric: ``w ~ q * s``, ``q`` int8 in -127..127 (``s = max |w| / 127``).
+    - 4 bits, a scale and a minimum (llama.cpp's Q4_1, MLC's zero-point form): ``w ~ q * s + m``, ``q`` in 0..15,
+      ``m`` the group's smallest weight, ``s = (max - min) / 15``. Symmetric 4 bits (Q4_0's form) multiplied
+      SmolLM2-135M's perplexity by 1.67 (``benchmarks/llm.py``); this form by 1.0x, since that checkpoint's
+      weights already lie on a Q4_1 grid, which the minimum and scale of each group recover.
+
+    The codes are rounded against the float16 scale and minimum they will be computed with."""
+    k, n = w.shape
+    groups = w.reshape(k // GROUP, GROUP, n).astype(np.float32)
+    if bits == 8:
+        scales = (np.abs(groups).max(axis=1) / 127).astype(np.float16)
+        divisor = np.where(scales == 0, np.float16(1), scales).astype(np.float32)[:, None, :]
+        codes = np.clip(np.rint(groups / divisor), -127, 127).astype(np.int8).reshape(k, n)
+        return codes, scales, None
+    lowest = groups.min(axis=1).astype(np.float16)
+    scales = ((groups.max(axis=1) - lowest.astype(np.float32)) / 15).astype(np.float16)
+    divisor = np.where(scales == 0, np.float16(1), scales).astype(np.float32)[:, None, :]
+    codes = np.clip(np.rint((groups - lowest.astype(np.float32)[:, None, :]) / divisor), 0, 15).astype(np.uint8)
+    return codes.reshape(k, n), scales, lowest
+
+
+def _panels(array: np.ndarray, nb: int) -> np.ndarray:
+    """``a[k, n] -> p[n // nb, k, n % nb]``."""
+    k, n = array.shape
+    return np.ascontiguousarray(array.reshape(k, n // nb, nb).transpose(1, 0, 2))
+
+
+def packed_weights(name: str, w: np.ndarray, nb: int, bits: int | None) -> list[tuple[str, np.ndarray]]:
+    """What replaces weight ``name`` in the bundle: its float panels; or, with ``bits``, its code panels (int8; for
+    4 bits two codes a byte, ``k`` even in the low nibble) and its scale panels (float16), and for 4 bits its
+    minimum panels (float16)."""
+    if bits is None:
+        return [(f"{name}_panels{nb}", _panels(w, nb))]
+    codes, scales, lowest = quantize_groups(w, bits)
+    if bits == 4:
+        codes = (codes[0::2] | (codes[1::2] << 4)).astype(np.uint8)
+    packed = [(f"{name}_q{bits}panels{nb}", _panels(codes, nb)), (f"{name}_scales{nb}", _panels(scales, nb))]
+    return packed + ([(f"{name}_minimums{nb}", _panels(lowest, nb))] if lowest is not None else [])
+
+
+def quantized_product(x, codes, scales, lowest=None):
+    """``out[.., n] = sum_k x[.., k] * w[k, n]`` with ``w`` dequantized from its code, scale (and minimum) panels (TE)."""
+    count, rows, nb = (int(d) for d in codes.shape)
+
+    def group(panels, n, k):
+        return panels[n // nb, k // GROUP, n % nb].astype("float32")
+
+    if codes.dtype == "int8":
+        k = te.reduce_axis((0, rows), "k")
+        return te.compute((*x.shape[:-1], count * nb), lambda *i: te.sum(
+            x[(*i[:-1], k)] * (codes[i[-1] // nb, k, i[-1] % nb].astype("float32") * group(scales, i[-1], k)), axis=[k]),
+            name=PACKED)
+    pair, half = te.reduce_axis((0, rows), "k"), te.reduce_axis((0, 2), "half")
+
+    def value(*i):
+        n, kk = i[-1], pair * 2 + half
+        nibble = (codes[n // nb, pair, n % nb].astype("int32") >> (half.astype("int32") * 4)) & 15
+        return x[(*i[:-1], kk)] * (nibble.astype("float32") * group(scales, n, kk) + group(lowest, n, kk))
+
+    return te.compute((*x.shape[:-1], count * nb), lambda *i: te.sum(value(*i), axis=[pair, half]), name=PACKED)
+
+
+def pack(mod, weights: dict, isa: Isa, bits: int | None = None):
     """Every ``matmul(x, w)`` by a 2-D float32 weight ``w`` (its only use) in ``mod``'s functions made a product
-    by ``w``'s panels. Returns (module, weights): the packed arrays replace the weights they came from, in place
-    in the parameter order every function shares."""
+    by ``w``'s panels (``packed_weights``), quantized to ``bits`` (8 or 4, weight-only) where given and ``w``'s
+    reduction is whole groups. Returns (module, weights): the new arrays replace the weights they came from, in
+    place in the parameter order every function shares."""
     functions = {gv: f for gv, f in mod.functions.items() if isinstance(f, relax.Function)}
     uses: dict[str, list] = {}
     for func in functions.values():
@@ -57,8 +128,8 @@ def pack(mod, weights: dict, isa: Isa):
             continue
         nb = panel_width(array.shape[1], isa)
         if nb is not None:
-            k, n = array.shape
-            packs[name] = (f"{name}_panels{nb}", np.ascontiguousarray(array.reshape(k, n // nb, nb).transpose(1, 0, 2)))
+            whole = bits is not None and array.shape[0] % GROUP == 0
+            packs[name] = packed_weights(name, array, nb, bits if whole else None)
     if not packs:
         return mod, weights
 
@@ -71,23 +142,28 @@ def pack(mod, weights: dict, isa: Isa):
         def visit_call_(self, call):
             if call_op(call) == "relax.matmul" and call.args[1] in self.replaced:
                 x = self.visit_expr(call.args[0])
-                return self.builder_.emit_te(packed_product, x, self.replaced[call.args[1]],
-                                             primfunc_name_hint=PACKED)
+                operands = self.replaced[call.args[1]]
+                compute = packed_product if len(operands) == 1 else quantized_product
+                return self.builder_.emit_te(compute, x, *operands, primfunc_name_hint=PACKED)
             return super().visit_call_(call)
 
     packer = Packer(mod, {})
     for gv, func in functions.items():
         count = int(func.attrs["num_input"])
-        params, replaced = list(func.params), {}
-        for i in range(count, len(params)):
-            if params[i].name in packs:
-                new_name, array = packs[params[i].name]
-                replaced[params[i]] = relax.Var(new_name, relax.TensorType(array.shape, "float32"))
-                params[i] = replaced[params[i]]
+        params, replaced = list(func.params[:count]), {}
+        for param in func.params[count:]:
+            if param.name in packs:
+                new = [relax.Var(n, relax.TensorType(a.shape, str(a.dtype))) for n, a in packs[param.name]]
+                replaced[param] = new
+                params += new
+            else:
+                params.append(param)
         packer.replaced = replaced
         body = packer.visit_expr(func).body
         packer.builder_.update_func(gv, relax.Function(params, body, func.ret_ty, func.is_pure, func.attrs, func.span))
-    new_weights = {packs[n][0] if n in packs else n: packs[n][1] if n in packs else a for n, a in weights.items()}
+    new_weights = {}
+    for name, array in weights.items():
+        new_weights.update(packs[name] if name in packs else [(name, array)])
     return packer.builder_.get(), new_weights
 
 
@@ -115,7 +191,8 @@ def _weight_product(sch: Schedule):
         kinds = [iv.iter_type for iv in stmt.iter_vars]
         if tvm.tirx.IterVar.CommReduce not in kinds:
             continue
-        if found is not None or kinds.count(tvm.tirx.IterVar.CommReduce) != 1 or kinds[-1] != tvm.tirx.IterVar.CommReduce:
+        first = kinds.index(tvm.tirx.IterVar.CommReduce)
+        if found is not None or any(kind != tvm.tirx.IterVar.CommReduce for kind in kinds[first:]):
             return None
         if stmt.name_hint != PACKED:
             return None
@@ -131,15 +208,17 @@ def _panel_width_read(stmt) -> int | None:
 
 
 def schedule_weight_product(func, isa: Isa):
-    """``func`` scheduled as the module's text says, or None where it is no product by a weight."""
+    """``func`` scheduled as the module's text says, or None where it is no product by a weight. A 4-bit product
+    reduces over byte and nibble (two loops); the nibble loop is unrolled, so each shift is a constant."""
     sch = Schedule(tvm.IRModule({"main": func}))
     main = _weight_product(sch)
     if main is None:
         return None
-    loops = sch.get_loops(main)
-    spatial, k = loops[:-1], loops[-1]
-    extents = [int(sch.get(loop).extent) for loop in spatial]
     stmt = sch.get(main)
+    reductions = sum(iv.iter_type == tvm.tirx.IterVar.CommReduce for iv in stmt.iter_vars)
+    loops = sch.get_loops(main)
+    spatial, reduce = loops[:-reductions], loops[-reductions:]
+    extents = [int(sch.get(loop).extent) for loop in spatial]
     nb = _panel_width_read(stmt)
     if nb is None:
         return None
@@ -152,16 +231,18 @@ def schedule_weight_product(func, isa: Isa):
     no, ni = sch.split(spatial[-1], [None, nb])
     if m is not None:
         mo, mi = sch.split(m, [None, mb])
-        sch.reorder(mo, no, k, mi, ni)
+        sch.reorder(mo, no, *reduce, mi, ni)
         sch.unroll(mi)
         outer = sch.fuse(mo, no)
     else:
-        sch.reorder(no, k, ni)
+        sch.reorder(no, *reduce, ni)
         outer = no
+    for loop in reduce[1:]:
+        sch.unroll(loop)
     sch.reverse_compute_at(wb, outer)
     sch.vectorize(ni)
     sch.parallel(outer)
-    sch.decompose_reduction(main, k)
+    sch.decompose_reduction(main, reduce[0])
     sch.vectorize(sch.get_loops(wb)[-1])
     return sch.mod["main"].with_attr("tirx.is_scheduled", True)
 
@@ -184,15 +265,15 @@ def weight_product_pass(isa: Isa, stats: dict | None = None):
     return _pass
 
 
-def build(mod, weights: dict, target, stats: dict | None = None):
-    """``relax.build`` of the steps for a CPU ``target``, their weights packed first. Returns (executable,
-    weights as the executable takes them)."""
+def build(mod, weights: dict, target, stats: dict | None = None, bits: int | None = None):
+    """``relax.build`` of the steps for a CPU ``target``, their weights packed first (and quantized to ``bits``,
+    weight-only, where given). Returns (executable, weights as the executable takes them)."""
     from tvm.relax.backend.cpu_generic import pipeline as cpu
 
     from edgeq.backends.cpu import schedule
 
     isa = Isa.of(target)
-    mod, weights = pack(mod, weights, isa)
+    mod, weights = pack(mod, weights, isa, bits)
     passes = schedule.scheduling_passes(target, isa, stats)
     passes = passes[:-1] + [weight_product_pass(isa, stats)] + passes[-1:]
 

@@ -69,7 +69,8 @@ class Exported:
 
 
 class SpecializedSteps:
-    """edgeq's static steps (``decoder.specialize``) run by ONNX Runtime: a ``generate.Steps``."""
+    """edgeq's static steps (``decoder.specialize``) run by ONNX Runtime: a ``generate.Steps`` with one cache
+    capacity, the context."""
 
     def __init__(self, model: onnx.ModelProto, context: int, buckets: list[int]):
         self.layout = lay = decoder.read_layout(model)
@@ -88,5 +89,8 @@ class SpecializedSteps:
     def prefill(self, bucket, feeds):
         return self._run(self.prefills[bucket], feeds)
 
-    def decode(self, feeds, cache):
+    def decode(self, token, position, cache):
+        from edgeq.templates.generate import decode_feeds
+
+        feeds = decode_feeds(np, token, position, self.context, self.ids_dtype, self.mask_dtype)
         return self._run(self.decoder, {**feeds, **dict(zip(self.past, cache))})
