@@ -18,8 +18,8 @@ What it measures, on this machine, in one process:
   the decoded tokens);
 - greedy agreement: ``--prompts`` English prompts, ``--tokens`` greedy tokens each, each edgeq build's against ONNX
   Runtime fp32's (prompts whose tokens are all equal; tokens equal position by position);
-- perplexity on ``--text-tokens`` tokens of a held-out English text (written for this script), and its ratio to
-  ONNX Runtime fp32's.
+- on ``--text-tokens`` tokens of a held-out English text (written for this script), teacher forced: perplexity and
+  its ratio to ONNX Runtime fp32's, and next-token agreement (the most likely next token equal to fp32's).
 
 Prints a table, or JSON (``--json``); ``--out FILE`` also writes the JSON.
 """
@@ -85,7 +85,7 @@ class OrtDecoder:
         self.session = ort_session(path, threads)
 
     def nll(self, ids: list[int]) -> float:
-        """Mean negative log-likelihood of ``ids[1:]`` in one call (the whole text as the prompt)."""
+        """(mean negative log-likelihood of ``ids[1:]``, the most likely next token at each position) in one call."""
         lay = self.layout
         past = {f"past_key_values.{i}.{kv}": np.zeros((1, lay.kv_heads, 0, lay.head_dim), np.float32)
                 for i in range(lay.layers) for kv in ("key", "value")}
@@ -95,7 +95,7 @@ class OrtDecoder:
         logits = out[0][0, :-1].astype(np.float64)
         logits -= logits.max(axis=1, keepdims=True)
         log_probs = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
-        return float(-log_probs[np.arange(len(ids) - 1), ids[1:]].mean())
+        return float(-log_probs[np.arange(len(ids) - 1), ids[1:]].mean()), [int(i) for i in logits.argmax(axis=1)]
 
     def run(self, prompt: list[int], count: int) -> tuple[list[int], float, list[float]]:
         """(greedy tokens, prefill ms, decode ms per token)."""
@@ -120,7 +120,7 @@ class EdgeqDecoder:
     """edgeq's steps built for this machine, run by the bundle's generation loop (timed)."""
 
     def __init__(self, steps, bits: int | None):
-        from edgeq.llm import cpu
+        from edgeq.backends.cpu import decoder as cpu
         from edgeq.llm.package import host_steps
         from edgeq.targets import profiles
 
@@ -135,18 +135,20 @@ class EdgeqDecoder:
         return int(sum(w.nbytes for w in self.weights.values())) - self.embedding
 
     def nll(self, ids: list[int]) -> float:
-        """Mean negative log-likelihood of ``ids[1:]`` (teacher forced: a decode step per token)."""
+        """(mean negative log-likelihood of ``ids[1:]``, the most likely next token at each position), teacher
+        forced: a decode step per token."""
         steps = self.steps
         logits, cache = steps.prefill(steps.buckets[0], {
             "input_ids": np.array([[ids[0]] + [0] * (steps.buckets[0] - 1)], np.int64),
             "position_ids": np.arange(steps.buckets[0])[None], "attention_mask": np.ones((1, steps.buckets[0]), np.int64),
             "last": np.array([0])})
-        total = 0.0
+        total, best = 0.0, []
         for position in range(1, len(ids)):
             shifted = logits.astype(np.float64) - logits.max()
             total -= shifted[ids[position]] - np.log(np.exp(shifted).sum())
+            best.append(int(np.argmax(logits)))
             logits, cache = steps.decode(ids[position], position, cache)
-        return total / (len(ids) - 1)
+        return total / (len(ids) - 1), best
 
     def run(self, prompt: list[int], count: int) -> tuple[list[int], float, list[float]]:
         from edgeq.templates import generate
@@ -198,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     steps = build.import_steps(onnx.load(str(args.model)), args.context)
     ort = OrtDecoder(args.model, args.threads)
     reference = [ort.run(p, args.tokens) for p in prompts]
-    reference_nll = ort.nll(text)
+    reference_nll, reference_best = ort.nll(text)
     result = {"model": args.model.name, "machine": platform.processor() or platform.machine(),
               "threads": args.threads, "context": args.context, "copy_bandwidth_gb_s": round(bandwidth / 1e9, 2),
               "prompts": len(prompts), "tokens": args.tokens, "text_tokens": len(text), "runs": {}}
@@ -219,13 +221,14 @@ def main(argv: list[str] | None = None) -> int:
         agree = [next((k for k, (a, b) in enumerate(zip(r[0], ref[0])) if a != b), args.tokens)
                  for r, ref in zip(runs, reference)]
         same = sum(a == b for r, ref in zip(runs, reference) for a, b in zip(r[0], ref[0]))
-        nll = edgeq.nll(text)
+        nll, best = edgeq.nll(text)
         bound = bandwidth / edgeq.bytes_per_token
         row = {**timing(edgeq, [t for r in runs for t in r[2]]), "build_s": round(edgeq.build_s, 1),
                "bytes_per_token": edgeq.bytes_per_token, "bound_tokens_per_s": round(bound, 1),
                "prompts_identical": sum(a == args.tokens for a in agree),
                "tokens_equal_before_first_difference": round(sum(agree) / (len(prompts) * args.tokens), 4),
                "tokens_equal_position_by_position": round(same / (len(prompts) * args.tokens), 4),
+               "next_token_agreement": round(float(np.mean(np.array(best) == np.array(reference_best))), 4),
                "perplexity": round(float(np.exp(nll)), 3),
                "perplexity_vs_fp32": round(float(np.exp(nll - reference_nll)), 3)}
         row["share_of_bound"] = round(row["decode_tokens_per_s"] / bound, 3)
@@ -239,13 +242,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.model.name}: {args.threads} threads, copy bandwidth {result['copy_bandwidth_gb_s']} GB/s; greedy "
           f"agreement with ONNX Runtime fp32 over {len(prompts)} prompts x {args.tokens} tokens; perplexity on "
           f"{len(text)} tokens of held-out text")
-    print(f"{'':<17} {'prefill 30':>10} {'decode':>8} {'tokens/s':>8} {'bound':>6} {'MB/token':>8} {'identical':>9} "
-          f"{'agree':>6} {'ppl':>7} {'ppl/fp32':>8}")
+    header = ("", "prefill 30", "decode", "tokens/s", "bound", "MB/token", "identical", "agree", "next", "ppl", "ppl/fp32")
+    print("%-17s %10s %8s %8s %6s %8s %9s %6s %6s %7s %8s" % header)
     for name, run in result["runs"].items():
-        print(f"{name:<17} {run['prefill_30_ms']:>8} ms {run['decode_ms_per_token']:>5} ms {run['decode_tokens_per_s']:>8} "
-              f"{run.get('bound_tokens_per_s', '-'):>6} {run.get('bytes_per_token', 0) / 1e6 or '-':>8.0f} "
-              f"{run.get('prompts_identical', '-'):>9} {run.get('tokens_equal_position_by_position', 1.0):>6.1%} "
-              f"{run['perplexity']:>7} {run.get('perplexity_vs_fp32', 1.0):>8}")
+        print("%-17s %7.1f ms %5.1f ms %8.1f %6s %8s %9s %6s %6s %7.2f %8s" % (
+            name, run["prefill_30_ms"], run["decode_ms_per_token"], run["decode_tokens_per_s"],
+            run.get("bound_tokens_per_s", "-"), round(run["bytes_per_token"] / 1e6) if "bytes_per_token" in run else "-",
+            f"{run['prompts_identical']}/{len(prompts)}" if "prompts_identical" in run else "-",
+            f"{run['tokens_equal_position_by_position']:.0%}" if "prompts_identical" in run else "-",
+            f"{run['next_token_agreement']:.0%}" if "next_token_agreement" in run else "-",
+            run["perplexity"], run.get("perplexity_vs_fp32", "-")))
     return 0
 
 

@@ -327,16 +327,6 @@ def _reference_check(args: PackageArgs, setup: Setup, loaded: Loaded, imported: 
     return check
 
 
-def prepare_output(args: PackageArgs, progress: StageProgress) -> Setup:
-    """The check stage of a build outside ``STAGES`` (a language model's): ``_setup`` and the output folder."""
-    return _check(args, progress, None)
-
-
-def assemble_runtime(setup: Setup, progress: StageProgress) -> Runtime:
-    """The runtime stage of a build outside ``STAGES``."""
-    return _runtime(setup, progress)
-
-
 def _runtime(setup: Setup, progress: StageProgress) -> Runtime:
     return assemble(setup.profile, setup.backend, setup.toolchain.cxx, setup.output.staging, note=progress.note)
 
@@ -497,10 +487,14 @@ def package(args: PackageArgs, progress: StageProgress | None = None) -> Package
     progress = progress or StageProgress(quiet=True)
     from edgeq.llm.decoder import is_decoder_file
 
-    if is_decoder_file(args.model):  # a language model: its own stages (edgeq.llm.package)
+    if is_decoder_file(args.model):  # a language model: its own stages (edgeq.llm.package), this job's check
         from edgeq.llm.package import package_decoder
 
-        return package_decoder(args, progress)
+        setup, written = package_decoder(args, progress, lambda checked: _check(checked, progress, None))
+        return PackageResult(bundle_dir=written.bundle_dir, archive=written.archive, device=setup.profile.name,
+                             device_note=setup.device_note, precision=args.precision, stages=dict(progress.seconds),
+                             total_seconds=progress.total_seconds, manifest=written.manifest,
+                             replaced=written.replaced)
     dump = IRDump(args.dump_ir) if args.dump_ir is not None else None
     records = Records(args, progress, dump)
     try:

@@ -134,7 +134,7 @@ def test_specialized_steps_generate_what_the_exported_model_does(decoders, kind)
 
 @pytest.mark.parametrize("kind", LAYOUTS)
 def test_host_build_generates_onnxruntime_greedy_tokens(decoders, kind):
-    from edgeq.llm import cpu
+    from edgeq.backends.cpu import decoder as cpu
     from edgeq.llm.package import host_steps
     from edgeq.targets import profiles
 

@@ -26,9 +26,10 @@ DEFAULT_CONTEXT = 512
 WEIGHT_BITS = {"fp32": None, "int8": 8, "int4": 4}  # weight-only: edgeq.llm.cpu.quantize_groups
 
 
-def package_decoder(args, progress):
-    """Package the decoder ``args.model`` (a ``PackageArgs``); returns a ``PackageResult``."""
-    from edgeq import package as pkg
+def package_decoder(args, progress, check):
+    """Package the decoder ``args.model`` (a ``PackageArgs``); ``check(args) -> Setup`` is the package job's check
+    stage (the profile, its backend, the compilers, the output folder). Returns (setup, ``Written``)."""
+    from edgeq.runtime.assemble import assemble
 
     if args.precision not in WEIGHT_BITS:
         raise UsageError(f"--precision {args.precision} is not available for language models; use fp32, or int8 or "
@@ -44,10 +45,11 @@ def package_decoder(args, progress):
     setup = None
     try:
         with progress.stage("check", f"device {args.device}, compilers, output folder"):
-            setup = pkg.prepare_output(dataclasses.replace(args, precision="fp32"), progress)  # (image checks)
-            if setup.profile.cuda:
-                raise UsageError(f"language models are packaged for CPU profiles so far; {setup.profile.name} is a GPU "
-                                 "profile: use its CPU profile (jetson-orin-cpu for an Orin) or host")
+            setup = check(dataclasses.replace(args, precision="fp32"))  # (its precision checks are an image model's)
+            if getattr(setup.backend, "build_decoder", None) is None:
+                raise UsageError(f"language models are packaged for CPU profiles so far; {setup.profile.name}'s "
+                                 f"{setup.backend.name.upper()} backend has no decoder build: use a CPU profile "
+                                 "(jetson-orin-cpu for an Orin's CPU, or host)")
         with progress.stage("load", f"read {args.model} and its tokenizer"):
             loaded = load(args)
         with progress.stage("import", f"decoder -> prefill and decode steps, {loaded.context} tokens of context"):
@@ -65,7 +67,8 @@ def package_decoder(args, progress):
         runtime = None
         if args.runtime != "none":
             with progress.stage("runtime", f"runtime/ for {setup.profile.cpu.arch}"):
-                runtime = pkg.assemble_runtime(setup, progress)
+                runtime = assemble(setup.profile, setup.backend, setup.toolchain.cxx, setup.output.staging,
+                                   note=progress.note)
         with progress.stage("bundle", f"write {setup.output.out_dir / setup.bundle_name} and .tar.gz"):
             written = _write(args, setup, loaded, steps, weights, prompt, tokens, reference, runtime, progress, bits)
     except BaseException:
@@ -75,10 +78,7 @@ def package_decoder(args, progress):
     finally:
         if setup is not None and setup.output is not None:
             shutil.rmtree(setup.output.staging, ignore_errors=True)
-    return pkg.PackageResult(bundle_dir=written.bundle_dir, archive=written.archive, device=setup.profile.name,
-                             device_note=setup.device_note, precision=args.precision, stages=dict(progress.seconds),
-                             total_seconds=progress.total_seconds, manifest=written.manifest,
-                             replaced=written.replaced)
+    return setup, written
 
 
 class Loaded:
@@ -184,12 +184,11 @@ def _chat_halves(template: str, config: dict) -> tuple[str, str] | None:
 def _compile(steps, setup, library: Path, bits: int | None):
     from edgeq.compile import export
     from edgeq.errors import ToolchainError
-    from edgeq.llm import cpu
     from edgeq.runtime.elf import machine as elf_machine
     from edgeq.tvm_env import import_tvm
 
     import_tvm()
-    executable, weights = cpu.build(steps.mod, steps.weights, setup.profile.tvm_target(), bits=bits)
+    executable, weights = setup.backend.build_decoder(steps.mod, steps.weights, setup.profile.tvm_target(), bits)
     export(executable, library, setup.toolchain)
     machine = elf_machine(library)
     if machine != setup.profile.cpu.arch:
@@ -220,14 +219,15 @@ def _step_json(step) -> dict:
 
 def _host_tokens(steps, setup, executable, weights, prompt: list[int], bits: int | None) -> list[int]:
     """The self-test's greedy tokens, computed on this machine (a host build of the steps for a cross target)."""
-    from edgeq.llm import cpu
+    from edgeq import backends
     from edgeq.targets import profiles
     from edgeq.templates import generate
     from edgeq.tvm_env import import_tvm
 
     if setup.profile.name != "host":
         import_tvm()
-        executable, weights = cpu.build(steps.mod, steps.weights, profiles()["host"].tvm_target(), bits=bits)
+        host = profiles()["host"]
+        executable, weights = backends.for_profile(host).build_decoder(steps.mod, steps.weights, host.tvm_target(), bits)
     runner = host_steps(steps, executable, weights)
     return list(generate.generate(np, runner, prompt, SELF_TEST_TOKENS, generate.Sampler(np)))
 
@@ -269,7 +269,7 @@ def _write(args, setup, loaded: Loaded, steps, weights: dict, prompt: list[int],
            runtime, progress, bits: int | None):
     import edgeq
     from edgeq import bundle
-    from edgeq.llm import cpu
+    from edgeq.backends.cpu import decoder as cpu_decoder
     from edgeq.runtime.assemble import check_elves
     from edgeq.runtime.elf import machine as elf_machine
     from edgeq.templates import contract, generate, tokenizer
@@ -334,7 +334,7 @@ def _write(args, setup, loaded: Loaded, steps, weights: dict, prompt: list[int],
             tokenizer=contract.TOKENIZER if loaded.tokenizer_path is not None else None,
             chat_prefix=loaded.chat[0] if loaded.chat else None, chat_suffix=loaded.chat[1] if loaded.chat else None,
             stop=loaded.stop, self_test_tokens=len(tokens), weight_bits=bits,
-            weight_group=cpu.GROUP if bits else None, weight_scheme=cpu.SCHEMES.get(bits)),
+            weight_group=cpu_decoder.GROUP if bits else None, weight_scheme=cpu_decoder.SCHEMES.get(bits)),
         files={}, sizes={},
     )
     manifest = bundle.write_bundle(staging, manifest, extra, setup.signing_key)
