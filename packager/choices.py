@@ -9,7 +9,7 @@ from __future__ import annotations
 
 # edgeq package --precision. mixed: int8 with layers returned to float to hold an accuracy budget; fp16: CUDA
 # profiles only (fp16 weights and activations, fp32 accumulation)
-PRECISIONS = ("fp32", "int8", "mixed", "fp16")
+PRECISIONS = ("fp32", "int8", "mixed", "fp16", "int4")  # int4: language models only (weight-only)
 QUANTIZED = ("int8", "mixed")  # the precisions that calibrate (--calibrate DATA)
 
 # edgeq package --runtime; the first is the default. bundled: runtime/ with TVM's runtime, the CUDA bridge and

@@ -108,6 +108,9 @@ def _setup(args: PackageArgs, progress: StageProgress) -> Setup:
     """The arguments, the profile and its backend, the compilers: everything before the output folder."""
     if args.precision not in PRECISIONS:
         raise UsageError(f"unknown precision '{args.precision}'; choose one of: {', '.join(PRECISIONS)}")
+    if args.precision == "int4":
+        raise UsageError("--precision int4 is weight-only quantization for language models (a decoder ONNX with "
+                         "past_key_values inputs); quantize this model with --precision int8 --calibrate DATA")
     if args.precision in QUANTIZED and args.quantize is None:
         raise UsageError(f"--precision {args.precision} needs calibration data: add --calibrate DATA")
     if args.precision not in QUANTIZED and args.quantize is not None:
@@ -487,7 +490,7 @@ def package(args: PackageArgs, progress: StageProgress | None = None) -> Package
     progress = progress or StageProgress(quiet=True)
     from edgeq.llm.decoder import is_decoder_file
 
-    if is_decoder_file(args.model):  # a language model: its own stages (edgeq.llm.package), this job's check
+    if _mentions(args.model, b"past_key_values") and is_decoder_file(args.model):  # a language model: its own stages (edgeq.llm.package), this job's check
         from edgeq.llm.package import package_decoder
 
         setup, written = package_decoder(args, progress, lambda checked: _check(checked, progress, None))

@@ -108,7 +108,7 @@ def test_package_help_offers_the_library_choices(tmp_path):
     ([], ["give a command: devices, package"]),
     (["frobnicate"], ["invalid choice: 'frobnicate'"]),
     (["package", "model.onnx"], ["--device"]),
-    (["package", "model.onnx", "--device", "host", "--precision", "int4"], ["invalid choice: 'int4'", "fp32"]),
+    (["package", "model.onnx", "--device", "host", "--precision", "int3"], ["invalid choice: 'int3'", "fp32"]),
     (["package", "model.onnx", "--device", "host", "--calibration", "max"], ["invalid choice: 'max'", "mse"]),
     (["bench", "b.tar.gz", "--power", "rapl"], ["invalid choice: 'rapl'", "tegrastats"]),
 ], ids=["no-verb", "unknown-verb", "no-device", "bad-precision", "bad-calibration", "bad-power"])

@@ -92,7 +92,7 @@ def add_graph_options(parser) -> None:
     parser.add_argument("--max-detections", type=int, metavar="N",
                         help="NonMaxSuppression: pad its selected rows to at most N (default: batches x classes x "
                              "max_output_boxes_per_class); an output <name>_count says how many are real")
-    parser.add_argument("--precision", choices=(*PRECISIONS, "int4"), default="fp32",
+    parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
                         help="fp32; int8 (post-training quantization, needs --calibrate); mixed (int8, with the most "
                              "sensitive layers returned to float until --accuracy-budget holds); fp16 (CUDA profiles: fp16 "
                              "weights and activations, fp32 accumulation, tensor cores where shapes allow). Language "
