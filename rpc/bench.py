@@ -99,6 +99,9 @@ def bench(args: BenchArgs, note=lambda _: None) -> dict[str, Any]:
 
     with tempfile.TemporaryDirectory(prefix="edgeq-bench-") as tmp:
         directory, manifest = _bundle(Path(args.bundle), tmp)
+        if manifest.generate is not None:
+            raise UsageError(f"{args.bundle} is a language model; edgeq bench times one inference of a tensor model. "
+                             "Time its tokens with the bundle's run.py --prompt TEXT --json (decode tokens per second)")
         if manifest.device.kind not in backends.BACKENDS:
             raise BundleError(f"{args.bundle}: its device kind '{manifest.device.kind}' is none this edgeq knows "
                               f"({', '.join(backends.BACKENDS)}); bench it with the edgeq that built it")

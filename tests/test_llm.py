@@ -272,6 +272,13 @@ def test_edgeq_run_refuses_a_language_model_in_one_line(llm_bundle):
                                    "text yet: run ./run.py --prompt TEXT (Python 3 with numpy and the TVM runtime)")
 
 
+def test_bench_refuses_a_language_model_in_one_line(llm_bundle):
+    bundle, _ = llm_bundle
+    result = run_cli("bench", bundle, "--repeat", "3")
+    assert result.code == 2 and "is a language model" in result.stderr and "run.py --prompt" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_package_refuses_what_language_models_do_not_take(decoders, tmp_path):
     model = decoders["tiny-llama"]
     for args, words in ((["--precision", "fp16", "--device", "jetson-orin-nano"], "--precision fp16 is not available"),
