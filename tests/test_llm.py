@@ -289,3 +289,53 @@ def test_package_refuses_what_language_models_do_not_take(decoders, tmp_path):
         assert result.code == 2, result.stderr
         assert words in result.stderr and "Traceback" not in result.stderr
         assert not (tmp_path / "out").exists()  # nothing half-written
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_weight_only_products_compute_their_dequantized_weights(bits):
+    """The packed codes, scales (and minimums), unpacked by the compiled product, give x @ dequantized(w): the
+    packing (two 4-bit codes a byte, k even low) and the kernel agree with numpy's dequantization of the codes."""
+    from edgeq.backends.cpu import decoder as cpu
+    from edgeq.targets import profiles
+    from edgeq.tvm_env import relax, tvm
+
+    rng = np.random.default_rng(bits)
+    k, n = 96, 64
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    codes, scales, lowest = cpu.quantize_groups(w, bits)
+    groups = np.repeat(scales.astype(np.float32), cpu.GROUP, axis=0)
+    dequantized = codes.astype(np.float32) * groups + (np.repeat(lowest.astype(np.float32), cpu.GROUP, axis=0)
+                                                         if lowest is not None else 0)
+    assert np.abs(dequantized - w).max() <= groups.max() * (0.5 if bits == 8 else 0.5) + 1e-6
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, 3, k), "float32"))
+    wv = relax.Var("w", relax.TensorType((k, n), "float32"))
+    with bb.function("main", [x, wv], attrs={"num_input": 1}):
+        with bb.dataflow():
+            out = bb.emit_output(bb.emit(relax.op.matmul(x, wv)))
+        bb.emit_func_output(out)
+    stats = {}
+    executable, weights = cpu.build(bb.get(), {"w": w}, profiles()["host"].tvm_target(), stats, bits=bits)
+    assert stats.get("weight-product") == 1 and len(weights) == (2 if bits == 8 else 3)
+    assert sum(a.nbytes for a in weights.values()) == k * n * bits // 8 + (k // 32) * n * 2 * (1 if bits == 8 else 2)
+    vm = relax.VirtualMachine(executable, tvm.cpu())
+    xs = rng.standard_normal((1, 3, k)).astype(np.float32)
+    got = vm["main"](tvm.runtime.tensor(xs), *[tvm.runtime.tensor(a) for a in weights.values()]).numpy()
+    np.testing.assert_allclose(got, xs @ dequantized, rtol=1e-5, atol=1e-4)
+
+
+def test_int4_recovers_a_q4_1_grid_exactly():
+    """Weights already on llama.cpp's Q4_1 grid (a float16 scale and minimum per 32, codes 0..15 using the whole
+    range) come back exactly: the reason int4 takes this form (symmetric int4 cannot represent such a group)."""
+    from edgeq.backends.cpu import decoder as cpu
+
+    rng = np.random.default_rng(0)
+    k, n = 64, 16
+    d = rng.uniform(0.01, 0.1, (k // 32, n)).astype(np.float16)
+    m = rng.uniform(-1.0, 0.0, (k // 32, n)).astype(np.float16)
+    q = rng.integers(0, 16, (k, n))
+    q[0::32], q[1::32] = 0, 15  # each group spans its whole grid
+    w = (q * np.repeat(d.astype(np.float32), 32, axis=0) + np.repeat(m.astype(np.float32), 32, axis=0)).astype(np.float32)
+    codes, scales, lowest = cpu.quantize_groups(w, 4)
+    back = codes * np.repeat(scales.astype(np.float32), 32, axis=0) + np.repeat(lowest.astype(np.float32), 32, axis=0)
+    assert np.array_equal(codes, q) and np.abs(back - w).max() <= 1e-3 * np.abs(w).max()
