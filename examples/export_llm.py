@@ -22,6 +22,10 @@ import time
 import warnings
 from pathlib import Path
 
+# The export environment's torchvision is installed without its dependencies beside a CPU torch (scripts/setup.sh),
+# so its operators do not load, and transformers imports it whenever it is found: hidden from this process.
+sys.modules.setdefault("torchvision", None)
+
 OPSET = 17
 # Tiny random configurations of each layout: Llama (and SmolLM: the same architecture), Qwen2 (q/k/v biases),
 # Phi-3 (fused q/k/v and gate/up projections). Grouped-query attention (2 KV heads for 4), tied embeddings where
