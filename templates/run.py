@@ -537,7 +537,7 @@ def parse_args(argv):
             parser.error("--prompt-ids needs at least one token id, none negative")
     prompted = args.prompt is not None or args.prompt_ids is not None
     if not (args.self_test or args.benchmark or args.check or args.input or prompted):
-        parser.error("give --self-test, --benchmark N, --check, --input NAME=FILE.npy or (language models) --prompt TEXT")
+        parser.error("give --self-test, --benchmark N, --check or --input NAME=FILE.npy")  # (edgeq-run's words)
     return args
 
 
