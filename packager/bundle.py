@@ -159,14 +159,11 @@ def write(args: PackageArgs, setup: Setup, loaded: Loaded, imported: Imported, q
     folder holds (model.so, golden.bin, runtime/), the manifest, the files of ``write_bundle``, the archive,
     and both renamed into the output folder (a bundle of the same name there is replaced, said as a warning)."""
     import datetime
-    import hashlib
 
     import numpy as np
 
-    import edgeq
     from edgeq.runtime.assemble import check_elves
     from edgeq.runtime.elf import machine as elf_machine
-    from edgeq.tvm_env import import_tvm
 
     output = setup.output
     staging, bundle_name = output.staging, setup.bundle_name
@@ -178,25 +175,15 @@ def write(args: PackageArgs, setup: Setup, loaded: Loaded, imported: Imported, q
     if quantized is not None:
         np.savez(staging / contract.QUANT_PARAMS, **quantized.result.scales)
         extra_files.append(contract.QUANT_PARAMS)
-    content_hash = hashlib.sha256()
-    for name in (LIBRARY, WEIGHTS, *extra_files):
-        content_hash.update(sha256_file(staging / name).encode())
-    created = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0)
+    identity = identity_fields(setup, args.release, precision, [LIBRARY, WEIGHTS, *extra_files])
+    created = datetime.datetime.fromisoformat(identity["created"])
     weights = staging / WEIGHTS
     rtol, atol = golden_tolerance
     model = loaded.model
     kernels = device_memory(setup.backend.kernel_record(compiled.schedules, lowered.kernel_calls),
                             int(sum(w.nbytes for w in weight_arrays)), device_globals(library), setup.profile, progress)
     manifest = contract.Manifest(
-        schema_version=contract.SCHEMA_VERSION,
-        bundle_id=f"{bundle_name}-{content_hash.hexdigest()[:12]}",
-        name=setup.name,
-        release=args.release if args.release is not None else int(created.strftime("%Y%m%d%H%M%S")),
-        signed=setup.signing_key is not None,
-        created=created.isoformat(),
-        edgeq_version=edgeq.__version__,
-        tvm_version=import_tvm().__version__,
-        precision=precision,
+        **identity,
         model=contract.ModelRecord(
             file=Path(args.model).name, sha256=model.sha256, opset=model.opset,
             producer=f"{model.onnx_model.producer_name} {model.onnx_model.producer_version}".strip()),
@@ -229,6 +216,26 @@ def write(args: PackageArgs, setup: Setup, loaded: Loaded, imported: Imported, q
     )
     manifest = write_bundle(staging, manifest, extra_files, setup.signing_key)
     return place(manifest, output, bundle_name, int(created.timestamp()), progress)
+
+
+def identity_fields(setup: Setup, release: int | None, precision: str, content: list[str]) -> dict[str, Any]:
+    """The manifest's fields that say which bundle this is (schema version, id, name, release, signing, creation time,
+    versions, precision): the id ends in a hash of the ``content`` files in the staging folder, the release defaults
+    to the creation time."""
+    import datetime
+    import hashlib
+
+    import edgeq
+    from edgeq.tvm_env import import_tvm
+
+    digest = hashlib.sha256()
+    for name in content:
+        digest.update(sha256_file(setup.output.staging / name).encode())
+    created = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0)
+    return {"schema_version": contract.SCHEMA_VERSION, "bundle_id": f"{setup.bundle_name}-{digest.hexdigest()[:12]}",
+            "name": setup.name, "release": release if release is not None else int(created.strftime("%Y%m%d%H%M%S")),
+            "signed": setup.signing_key is not None, "created": created.isoformat(),
+            "edgeq_version": edgeq.__version__, "tvm_version": import_tvm().__version__, "precision": precision}
 
 
 def place(manifest: Manifest, output, bundle_name: str, mtime: int, progress: StageProgress) -> Written:

@@ -265,7 +265,6 @@ def _source(graph: onnx.GraphProto, name: str) -> str:
 
 def _rewrite_cache(graph: onnx.GraphProto, layout: Layout, step: str, context: int, prompt: int, name: str) -> None:
     producers = {out: node for node in graph.node for out in node.output}
-    outputs = {o.name: o for o in graph.output}
     new_nodes: list[onnx.NodeProto] = []
     if step == "decode":
         slots = numpy_helper.from_array(np.arange(context, dtype=np.int64).reshape(1, 1, context, 1), "edgeq_cache_slots")
@@ -322,7 +321,6 @@ def _rewrite_cache(graph: onnx.GraphProto, layout: Layout, step: str, context: i
         kept_inputs = [i for i in graph.input if i.name not in past_names]
         del graph.input[:]
         graph.input.extend(kept_inputs)
-    _ = outputs
     _topological(graph)
 
 

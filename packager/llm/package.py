@@ -108,7 +108,7 @@ def load(args) -> Loaded:
     try:
         data = path.read_bytes()
         model = onnx.load_from_string(data)
-    except (OSError, onnx.onnx_cpp2py_export.checker.ValidationError, Exception) as err:  # noqa: BLE001
+    except Exception as err:  # noqa: BLE001 - unreadable or not ONNX: said in one line
         raise ModelError(f"cannot read {path}: {err}") from None
     layout = decoder.read_layout(model, path.name)
     context = args.max_context or DEFAULT_CONTEXT
@@ -267,13 +267,11 @@ def _reference_check(model, prompt: list[int], tokens: list[int], progress, bits
 
 def _write(args, setup, loaded: Loaded, steps, weights: dict, prompt: list[int], tokens: list[int], reference,
            runtime, progress, bits: int | None):
-    import edgeq
     from edgeq import bundle
     from edgeq.backends.cpu import decoder as cpu_decoder
     from edgeq.runtime.assemble import check_elves
     from edgeq.runtime.elf import machine as elf_machine
     from edgeq.templates import contract, generate, tokenizer
-    from edgeq.tvm_env import import_tvm
 
     staging = setup.output.staging
     library = staging / contract.LIBRARY
@@ -287,25 +285,14 @@ def _write(args, setup, loaded: Loaded, steps, weights: dict, prompt: list[int],
         shutil.copyfile(loaded.tokenizer_path, staging / contract.TOKENIZER)
         extra.append(contract.TOKENIZER)
     extra += list(runtime.files) if runtime else []
-    content = hashlib.sha256()
-    for name in (contract.LIBRARY, contract.WEIGHTS, *extra):
-        content.update(bundle.sha256_file(staging / name).encode())
-    created = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0)
+    identity = bundle.identity_fields(setup, args.release, args.precision, [contract.LIBRARY, contract.WEIGHTS, *extra])
     lay = steps.layout
     decode = next(s for s in reversed(steps.steps) if s.kind == "decode")  # the largest capacity's
     inputs = [contract.TensorSpec(name=n, shape=list(shape), dtype=dtype) for n, shape, dtype in decode.inputs
               if not n.startswith("past_key_values.")]
     nbytes = int(sum(w.nbytes for w in weights.values()))
     manifest = contract.Manifest(
-        schema_version=contract.SCHEMA_VERSION,
-        bundle_id=f"{setup.bundle_name}-{content.hexdigest()[:12]}",
-        name=setup.name,
-        release=args.release if args.release is not None else int(created.strftime("%Y%m%d%H%M%S")),
-        signed=setup.signing_key is not None,
-        created=created.isoformat(),
-        edgeq_version=edgeq.__version__,
-        tvm_version=import_tvm().__version__,
-        precision=args.precision,
+        **identity,
         model=contract.ModelRecord(file=loaded.path.name, sha256=loaded.sha256,
                                    opset=max((o.version for o in loaded.model.opset_import if o.domain in ("", "ai.onnx")),
                                              default=0),
@@ -338,4 +325,5 @@ def _write(args, setup, loaded: Loaded, steps, weights: dict, prompt: list[int],
         files={}, sizes={},
     )
     manifest = bundle.write_bundle(staging, manifest, extra, setup.signing_key)
-    return bundle.place(manifest, setup.output, setup.bundle_name, int(created.timestamp()), progress)
+    mtime = int(datetime.datetime.fromisoformat(identity["created"]).timestamp())
+    return bundle.place(manifest, setup.output, setup.bundle_name, mtime, progress)
