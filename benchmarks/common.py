@@ -25,6 +25,8 @@ def bundle_model(bundle_dir: Path):
 
 
 def ort_session(path: Path, threads: int):
+    """ONNX Runtime as a user gets it, for speed: its defaults (on a CPU without VNNI its u8 x s8 products may
+    saturate; accuracy references use ``edgeq.reference.onnxruntime_session``)."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()

@@ -237,12 +237,10 @@ def run_edgeq(test: NodeTest, workdir: Path, bind: bool = True) -> Result:
 
 
 def run_onnxruntime(test: NodeTest, workdir: Path) -> Result:
-    import onnxruntime as ort
+    from edgeq.reference import onnxruntime_session
 
     try:
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = 1
-        session = ort.InferenceSession(test.model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        session = onnxruntime_session(test.model, threads=1, quiet=False)
         feeds = {i.name: v for i, v in zip(session.get_inputs(), test.inputs)}
         got = session.run(None, feeds)
     except Exception as err:  # noqa: BLE001 - ORT's own errors

@@ -73,14 +73,41 @@ class Reference:
     names: tuple[str, ...] | None = None  # its outputs' names, where they are not the build's (ONNX Runtime)
 
 
+def onnxruntime_session(model, *, basic: bool = False, threads: int | None = None, quiet: bool = True):
+    """An ONNX Runtime CPU session on ``model`` (a path, serialized bytes or a ModelProto) that computes integer
+    products exactly on every x86 CPU, as a reference must.
+
+    Without AVX-512 VNNI (an AMD Zen 3, a Haswell), ONNX Runtime's u8 x s8 kernels use ``vpmaddubsw``, which adds
+    pairs of products in int16 with saturation: a MatMulInteger of 64 activations near 255 and weights near 120 came
+    out 782217 off the exact int32 sums under ``qemu-x86_64 -cpu EPYC-Milan`` and exact natively on a VNNI Xeon (the
+    suite's QDQ and qconv checks failed on such a machine for that reason alone). ``session.x64quantprecision``
+    makes it take its u8 x u8 kernels there: exact, slower. Speed comparisons keep ONNX Runtime's defaults
+    (``benchmarks/common.py``). ``basic``: semantics-preserving graph optimizations only. ``quiet``: ONNX Runtime's
+    warnings (unused initializers and the like) are not ours to show."""
+    import os
+
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.add_session_config_entry("session.x64quantprecision", "1")
+    if quiet:
+        options.log_severity_level = 3
+    if basic:
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    if threads:
+        options.intra_op_num_threads = threads
+    if isinstance(model, (str, os.PathLike)):
+        model = str(model)
+    elif not isinstance(model, bytes):
+        model = model.SerializeToString()
+    return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+
+
 def onnxruntime_reference(onnx_model, graph_label: str) -> Reference:
     """ONNX Runtime (CPU) on ``onnx_model``. Raises whatever onnxruntime raises when it cannot load it."""
     import onnxruntime as ort
 
-    options = ort.SessionOptions()
-    options.log_severity_level = 3  # warnings about unused initializers and the like are not ours to show
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC  # semantics-preserving only
-    session = ort.InferenceSession(onnx_model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    session = onnxruntime_session(onnx_model, basic=True)
     names = [o.name for o in session.get_outputs()]
 
     def run(inputs: dict[str, np.ndarray]) -> list[np.ndarray]:

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
 from conftest import predict_with_loader, run_cli
@@ -27,6 +26,7 @@ from edgeq.quantize import smooth
 from edgeq.quantize.export_qdq import qdq_model
 from edgeq.quantize.layers import find_layers
 from edgeq.relax_import import to_relax
+from edgeq.reference import onnxruntime_session
 
 
 def _save(path: Path, nodes, inputs, outputs, inits) -> Path:
@@ -231,6 +231,6 @@ def test_depthwise_per_channel_exports_as_qdq_that_onnxruntime_runs_as_the_bundl
     x = np.random.default_rng(2).standard_normal((1, 8, 16, 16)).astype(np.float32)
     np.savez(tmp_path / "x.npz", input=x)
     ours = predict_with_loader(bundle, tmp_path / "x.npz", tmp_path / "ours.npy")
-    theirs = ort.InferenceSession(str(qdq), providers=["CPUExecutionProvider"]).run(None, {"input": x})[0]
+    theirs = onnxruntime_session(str(qdq)).run(None, {"input": x})[0]
     cosine = float(ours.ravel() @ theirs.ravel() / np.linalg.norm(ours) / np.linalg.norm(theirs))
     assert cosine > 0.999, cosine

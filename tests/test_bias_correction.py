@@ -11,7 +11,6 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
 from conftest import predict_with_loader, run_cli
@@ -20,6 +19,7 @@ from edgeq.graph import call_op
 from edgeq.load import load_model
 from edgeq.quantize import QuantizeArgs, quantize
 from edgeq.relax_import import to_relax
+from edgeq.reference import onnxruntime_session
 
 
 def _model(path: Path) -> Path:
@@ -128,9 +128,9 @@ def test_qdq_export_carries_the_corrected_biases_and_runs_as_the_bundle(tmp_path
     held = _data(8, 7)
     np.savez(tmp_path / "held.npz", input=held)
     ours = predict_with_loader(bundle, tmp_path / "held.npz", tmp_path / "ours.npy")
-    session = ort.InferenceSession(str(qdq), providers=["CPUExecutionProvider"])
+    session = onnxruntime_session(str(qdq))
     theirs = np.stack([session.run(None, {"input": held[i:i + 1]})[0][0] for i in range(len(held))])
-    plain = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    plain = onnxruntime_session(str(model))
     fp32 = np.stack([plain.run(None, {"input": held[i:i + 1]})[0][0] for i in range(len(held))])
     scale = np.abs(fp32).max()
     # ORT rounds its requantizing differently; both are int8 of the same corrected model

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from conftest import lowering_with_two_weights_swapped, run_cli, torch_export
+from edgeq.reference import onnxruntime_session
 
 
 def _constant(name: str, array: np.ndarray) -> onnx.NodeProto:
@@ -110,7 +110,7 @@ def _constant_weights(path: Path) -> int:
 
 
 def _ort(path: Path, x: np.ndarray) -> np.ndarray:
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    session = onnxruntime_session(str(path))
     return session.run(None, {session.get_inputs()[0].name: x})[0]
 
 

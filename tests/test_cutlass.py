@@ -18,6 +18,7 @@ from onnx import TensorProto, helper, numpy_helper
 from edgeq.backends.cuda import concat_in_place, cutlass
 from edgeq.backends.cuda.cubin import cuda_tool
 from edgeq.targets import resolve
+from edgeq.reference import onnxruntime_session
 
 
 def _profile(name: str):
@@ -95,7 +96,6 @@ def _onnx_conv(x_shape, w, b, pads, strides, dilations, activation, residual_sha
 def test_the_replay_of_what_a_kernel_computes_equals_onnxruntime(case):
     """The glue that is edgeq's (problem size, padding, layout, channel padding, epilogue) replayed on the host
     against ONNX Runtime; fp16 inputs, so both see the same values."""
-    import onnxruntime as ort
 
     x_shape, w_shape, pads, strides, dilations, activation, residual = CONVS[case]
     rng = np.random.default_rng(len(case))
@@ -107,7 +107,7 @@ def test_the_replay_of_what_a_kernel_computes_equals_onnxruntime(case):
     r = rng.standard_normal(out_shape).astype(np.float16).astype(np.float32) if residual else None
     model = _onnx_conv(x_shape, w, b, pads, strides, dilations, activation, out_shape if residual else None)
     feeds = {"x": x, **({"r": r} if residual else {})}
-    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    want = onnxruntime_session(model.SerializeToString()).run(None, feeds)[0]
     assert want.shape == out_shape  # the output size CUTLASS's problem computes is ONNX's
     kernel = cutlass.ConvKernel("k", problem, cutlass.choose_tile(problem, 8, 166912), activation, residual)
     got = cutlass.replay(kernel, cutlass.pad_input(x, problem), cutlass.pad_weights(w, problem), b,
@@ -124,7 +124,6 @@ def test_split_k_slices_sum_as_cutlass_orders_them(float_out):
     the output (fp16: rounded to fp16; float32: kept), and the last the bias and the ReLU. The numpy replay and the
     kernel's TIR twin compute that, and both stay with ONNX Runtime fp32 as the unsplit kernel does. Kernels whose
     output holds no partial sum (int8, the residual after the activation, a detector's output) take none."""
-    import onnxruntime as ort
 
     from edgeq.tvm_env import import_tvm
 
@@ -136,7 +135,7 @@ def test_split_k_slices_sum_as_cutlass_orders_them(float_out):
     b = rng.standard_normal(512).astype(np.float16).astype(np.float32)
     r = rng.standard_normal((1, 512, 7, 7)).astype(np.float16).astype(np.float32)
     model = _onnx_conv(x_shape, w, b, (1, 1, 1, 1), (1, 1), (1, 1), "relu", r.shape)
-    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+    want = onnxruntime_session(model.SerializeToString()).run(
         None, {"x": x, "r": r})[0].transpose(0, 2, 3, 1)
     problem = cutlass.problem_from_conv(x_shape, w_shape, (1, 1, 1, 1), (1, 1), (1, 1))
     tile = cutlass.choose_tile(problem, 8, 166912)
@@ -178,7 +177,6 @@ INT8_CONVS = {  # name: (x shape, w shape, pads, strides, dilations)
 def test_the_int8_replay_equals_onnxruntime_qlinearconv(case):
     """int8 (s8 x s8 -> s32, per-channel weight scales, int32 bias): what edgeq asks the kernel and its Requantize
     epilogue to compute, replayed on the host, against ONNX Runtime's QLinearConv on the same integers."""
-    import onnxruntime as ort
 
     x_shape, w_shape, pads, strides, dilations = INT8_CONVS[case]
     rng = np.random.default_rng(len(case))
@@ -198,7 +196,7 @@ def test_the_int8_replay_equals_onnxruntime_qlinearconv(case):
     graph = helper.make_graph([node], "qconv", [helper.make_tensor_value_info("x", TensorProto.INT8, list(x_shape))],
                               [helper.make_tensor_value_info("y", TensorProto.INT8, None)], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
-    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    want = onnxruntime_session(model.SerializeToString()).run(None, {"x": x})[0]
     problem = cutlass.problem_from_conv(x_shape, w_shape, pads, strides, dilations, "int8")
     # 16 channels a load, or 8 (64-bit loads) where the channels are a multiple of 8 and not of 16: never a pad
     assert problem.c % 16 == 0 or (problem.c == x_shape[1] and problem.c % 8 == 0)
@@ -253,7 +251,6 @@ def test_a_depthwise_kernel_computes_what_onnxruntime_does(case):
     kernel is asked (HWOI weights, NHWC, padding, stride, dilation, bias, residual, activation) against ONNX
     Runtime's grouped Conv, and the kernel's own TIR (before its GPU schedule, built for this CPU) against the
     replay."""
-    import onnxruntime as ort
 
     kernel, x_shape, w_shape = _depthwise_case(case, "fp16")
     p = kernel.problem
@@ -266,7 +263,7 @@ def test_a_depthwise_kernel_computes_what_onnxruntime_does(case):
     pads, strides, dils = (p.pad * 2), p.stride, p.dilation
     model = _onnx_conv(x_shape, w, b, pads, strides, dils, kernel.activation, out_shape if r is not None else None,
                        group=p.k)
-    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+    want = onnxruntime_session(model.SerializeToString()).run(
         None, {"x": x, **({"r": r} if r is not None else {})})[0]
     assert want.shape == out_shape
     nhwc, hwoi = np.transpose(x, (0, 2, 3, 1)), np.transpose(w, (2, 3, 0, 1))
@@ -291,7 +288,6 @@ def test_a_grouped_kernel_computes_what_onnxruntime_does(case):
     what the kernel is asked (OHWI weights of C / groups channels, each output channel reading its group) against
     ONNX Runtime's grouped Conv, the kernel's own TIR twin against the replay, and the group mode and the tensor
     cores' work that edgeq's tile choice gives."""
-    import onnxruntime as ort
 
     (n, c, h, w_), k, groups, stride, activation = GROUPED[case]
     problem = cutlass.Conv2dProblem(n, h, w_, c, k, 3, 3, (1, 1), (stride, stride), (1, 1), groups=groups)
@@ -306,7 +302,7 @@ def test_a_grouped_kernel_computes_what_onnxruntime_does(case):
     w = (rng.standard_normal((k, cg, 3, 3)) / np.sqrt(9 * cg)).astype(np.float16).astype(np.float32)
     b = rng.standard_normal(k).astype(np.float16).astype(np.float32)
     model = _onnx_conv((n, c, h, w_), w, b, (1, 1, 1, 1), (stride, stride), (1, 1), activation, None, group=groups)
-    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    want = onnxruntime_session(model.SerializeToString()).run(None, {"x": x})[0]
     assert want.shape == (n, k, problem.p, problem.q)
     nhwc, ohwi = np.transpose(x, (0, 2, 3, 1)), np.transpose(w, (0, 2, 3, 1))
     assert tuple(cutlass.kernel_operands(kernel)[1][1]) == ohwi.shape
@@ -321,7 +317,6 @@ def test_an_int8_depthwise_kernel_computes_what_qlinearconv_does(case):
     """int8 depthwise (s8 x s8 -> s32 per channel, the requantizing epilogue): the numpy replay against ONNX
     Runtime's QLinearConv with group = channels (identity epilogue: at most one step apart, >= 99% exact), and the
     kernel's own TIR built for this CPU against the replay bit for bit (with its activation, SiLU and residual)."""
-    import onnxruntime as ort
 
     kernel, x_shape, w_shape = _depthwise_case(case, "int8")
     p = kernel.problem
@@ -341,7 +336,7 @@ def test_an_int8_depthwise_kernel_computes_what_qlinearconv_does(case):
     graph = helper.make_graph([node], "qdw", [helper.make_tensor_value_info("x", TensorProto.INT8, list(x_shape))],
                               [helper.make_tensor_value_info("y", TensorProto.INT8, None)], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
-    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    want = onnxruntime_session(model.SerializeToString()).run(None, {"x": x})[0]
     nhwc, hwoi = np.transpose(x, (0, 2, 3, 1)), np.transpose(w, (2, 3, 0, 1))
     scale = (x_scale * w_scale / y_scale).astype(np.float32)  # QLinearConv's multiplier per channel
     plain = cutlass.DepthwiseKernel("k", p, None, precision="int8")
@@ -612,7 +607,6 @@ def test_the_rewritten_graph_runs_on_the_host_as_the_graph(classes, tmp_path):
     and ReLU6, a strided 1x1 shortcut) claimed by a CUTLASS kernel; the rewritten module, with each kernel's plain
     TIR twin in its place, run on this machine equals the graph before the rewrite (and ONNX Runtime). With 16
     classes the classifier is a CUTLASS kernel too, and writes the float32 logits itself."""
-    import onnxruntime as ort
 
     from test_gpu_path import resnet
 
@@ -651,7 +645,7 @@ def test_the_rewritten_graph_runs_on_the_host_as_the_graph(classes, tmp_path):
     want = HostRunner(fp16)([x])[0]
     got = HostRunner(twin)([x])[0]
     np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
-    reference = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"]).run(None, {"input": x})[0]
+    reference = onnxruntime_session(str(model)).run(None, {"input": x})[0]
     np.testing.assert_allclose(got, reference, rtol=5e-2, atol=5e-2)
 
 
@@ -661,14 +655,13 @@ def _twin_matches_graph_and_onnxruntime(model, prepared, claimed, xs, precision:
     multiplies and adds into FMAs, a float32 ulp that can cross an fp16 rounding boundary of the FFN's second layer's
     fp16 input; fp16 within 2e-2) on each of ``xs``, and ONNX Runtime within 10% (int8) / 1% (fp16)
     of its largest output. Returns the rewritten module's main."""
-    import onnxruntime as ort
 
     from edgeq.compile import HostRunner
     from edgeq.graph import Graph
 
     rewritten = cutlass.claim_convs(prepared.mod, claimed, {c.kernel.name: 49152 for c in claimed}, placements, heads)
     twin = Graph(cutlass.with_twins(rewritten, claimed), prepared.weights)
-    session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    session = onnxruntime_session(str(model))
     run_graph, run_twin = HostRunner(prepared), HostRunner(twin)
     for x in xs:
         want, got = run_graph([x])[0], run_twin([x])[0]
@@ -846,7 +839,6 @@ def test_an_fp16_kernel_takes_the_gelu_after_it(form, tmp_path):
     """GELU after a convolution in the fp16 epilogue (CUTLASS's GELU<float>): ONNX's Gelu (opset 20) and the erf
     form PyTorch's exporter writes before it (x / sqrt(2) -> Erf -> + 1 -> * x -> * 0.5). One kernel each, and the
     rewritten graph with the kernel's twin equals the graph and ONNX Runtime."""
-    import onnxruntime as ort
 
     from edgeq.compile import HostRunner
     from edgeq.graph import Graph
@@ -876,7 +868,7 @@ def test_an_fp16_kernel_takes_the_gelu_after_it(form, tmp_path):
     x = rng.standard_normal((1, 16, 8, 8)).astype(np.float32)
     got = HostRunner(twin)([x])[0]
     np.testing.assert_allclose(got, HostRunner(prepared)([x])[0], rtol=1e-2, atol=1e-2)
-    reference = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"]).run(None, {"input": x})[0]
+    reference = onnxruntime_session(str(model)).run(None, {"input": x})[0]
     np.testing.assert_allclose(got, reference, rtol=2e-2, atol=2e-2)
 
 
@@ -1059,7 +1051,6 @@ def test_a_bert_style_encoders_linear_layers_run_on_cutlass(precision, tmp_path)
     products are fp16 batched GEMMs (one batch per head; fp16 Q K^T with its 1/sqrt(d) in the epilogue; int8 graphs
     keep them in float, and the CUDA path runs them in fp16 as TensorRT does). The rewritten module with the kernels' TIR twins equals the graph before
     the rewrite (int8: bit for bit) and ONNX Runtime, and a batched GEMM's numpy replay equals its twin."""
-    import onnxruntime as ort
     from gpu_kernels import bert_encoder
 
     from edgeq.backends.cuda import layer_norm
@@ -1168,7 +1159,7 @@ def test_a_bert_style_encoders_linear_layers_run_on_cutlass(precision, tmp_path)
         np.testing.assert_array_equal(scale.numpy(), want_scale)
         want = np.clip(np.round(x.astype(np.float32) / want_scale), *k.clamp).astype(np.int8)
         np.testing.assert_array_equal(q8.numpy(), want)
-    session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    session = onnxruntime_session(str(model))
     run_graph, run_twin = HostRunner(prepared), HostRunner(twin)
     run_convs = HostRunner(Graph(twins, prepared.weights)) if precision == "int8" else None
     for x in xs[:2]:
@@ -1429,7 +1420,6 @@ def test_a_mobilenet_v2_runs_its_depthwise_convolutions_on_edgeqs_kernel(precisi
     every depthwise 3x3 (stride 1 and 2) on edgeq's depthwise kernel with its BatchNorm, ReLU6 (int8: and the
     requantization) fused, nothing left to dlight. The rewritten module with the kernels' TIR twins equals the graph
     before the rewrite (int8: bit for bit) and is close to ONNX Runtime."""
-    import onnxruntime as ort
     from gpu_kernels import mobilenet_v2
 
     from edgeq.compile import HostRunner
@@ -1453,7 +1443,7 @@ def test_a_mobilenet_v2_runs_its_depthwise_convolutions_on_edgeqs_kernel(precisi
         assert all(c.kernel.activation == "relu6" and c.shapes["bias"][-1] == c.kernel.problem.k for c in depthwise)
     rewritten = cutlass.claim_convs(prepared.mod, claimed, {c.kernel.name: 49152 for c in claimed})
     twin = Graph(cutlass.with_twins(rewritten, claimed), prepared.weights)
-    session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    session = onnxruntime_session(str(model))
     run_graph, run_twin = HostRunner(prepared), HostRunner(twin)
     for x in xs[:2]:
         want, got = run_graph([x])[0], run_twin([x])[0]
@@ -1509,7 +1499,6 @@ def test_an_efficientnet_b0_runs_its_depthwise_convolutions_with_silu_on_edgeqs_
     requantization); the 1x1s, the stem and the excitation 1x1s on CUTLASS but the squeeze 1x1s whose 4 and 6 output
     channels are no multiple of 8 (left to dlight, with why). The rewritten module with the kernels' TIR twins
     equals the graph before the rewrite (int8: bit for bit) and is close to ONNX Runtime."""
-    import onnxruntime as ort
     from gpu_kernels import efficientnet_b0
 
     from edgeq.compile import HostRunner
@@ -1530,7 +1519,7 @@ def test_an_efficientnet_b0_runs_its_depthwise_convolutions_with_silu_on_edgeqs_
         assert all(c.kernel.activation == "silu" for c in depthwise)
     rewritten = cutlass.claim_convs(prepared.mod, claimed, {c.kernel.name: 49152 for c in claimed})
     twin = Graph(cutlass.with_twins(rewritten, claimed), prepared.weights)
-    session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    session = onnxruntime_session(str(model))
     run_graph, run_twin = HostRunner(prepared), HostRunner(twin)
     for x in xs[:2]:
         want, got = run_graph([x])[0], run_twin([x])[0]
@@ -1601,7 +1590,6 @@ def test_a_layer_norm_and_its_fp16_cast_are_one_kernel(shape, eps, second, nvrtc
     warp or, for 768 and 1024 channels, several) builds for sm_87 to one kernel whose SASS reduces with warp
     shuffles, spills nothing and stores every output. Rows of 100 (not a multiple of the 32 threads) and rank 2
     included."""
-    import onnxruntime as ort
 
     from edgeq.backends.cuda import layer_norm
     from edgeq.tvm_env import import_tvm
@@ -1616,7 +1604,7 @@ def test_a_layer_norm_and_its_fp16_cast_are_one_kernel(shape, eps, second, nvrtc
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)],
                               [numpy_helper.from_array(gamma, "g"), numpy_helper.from_array(beta, "b")])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    want = onnxruntime_session(model.SerializeToString()).run(None, {"x": x})[0]
 
     kernel = layer_norm.LayerNormKernel("t", shape, eps, shape, None if second == "fp16" else 127.0)
     lib = tvm.tirx.build(layer_norm.twin_prim_func(kernel), target="llvm")

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 from onnx import numpy_helper
 
 from conftest import predict_with_loader, run_cli
+from edgeq.reference import onnxruntime_session
 
 
 def _data(model: Path, folder: Path, n: int, seed: int) -> Path:
@@ -46,7 +46,7 @@ def test_qdq_export_runs_in_onnxruntime_as_edgeqs_int8_bundle(models, tmp_path, 
     name = onnx.load(qdq).graph.input[0].name
     np.savez(tmp_path / "eval_input.npz", input=x[name])
     ours = predict_with_loader(bundle, tmp_path / "eval_input.npz", tmp_path / "ours.npy")
-    session = ort.InferenceSession(str(qdq), providers=["CPUExecutionProvider"])
+    session = onnxruntime_session(str(qdq))
     theirs = np.stack([session.run(None, {name: x[name][i : i + 1]})[0][0] for i in range(len(x[name]))])
     for i in range(len(theirs)):
         assert _cosine(ours[i], theirs[i]) >= 0.999, (i, _cosine(ours[i], theirs[i]))

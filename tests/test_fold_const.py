@@ -8,13 +8,13 @@ import json
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from conftest import read_golden, run_cli, run_py
 from edgeq.load import load_model
 from test_bad_input import assert_refused
+from edgeq.reference import onnxruntime_session
 
 
 def i64(name, values):
@@ -70,7 +70,7 @@ def reshape_input_model() -> onnx.ModelProto:
 
 
 def ort_outputs(model: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
-    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    session = onnxruntime_session(model.SerializeToString())
     return session.run(None, feeds)
 
 

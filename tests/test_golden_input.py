@@ -6,12 +6,12 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 from PIL import Image
 
 from conftest import read_golden, run_cli, run_py
+from edgeq.reference import onnxruntime_session
 
 
 def _unary(path: Path, op: str) -> Path:
@@ -35,7 +35,7 @@ def test_ops_with_a_limited_domain_package_without_a_golden_input(tmp_path, op, 
     bundle = tmp_path / "out" / f"{op}-host"
     assert _manifest(bundle)["golden"]["float_inputs"] == floats
     golden = read_golden(bundle)
-    want = ort.InferenceSession(str(model)).run(None, {"x": golden["input:x"]})[0]
+    want = onnxruntime_session(str(model)).run(None, {"x": golden["input:x"]})[0]
     assert np.isfinite(golden["output:y"]).all() and np.allclose(golden["output:y"], want, rtol=1e-5, atol=1e-6)
     check = run_py(bundle, "--self-test")
     assert check.returncode == 0, check.stderr
@@ -66,7 +66,7 @@ def test_golden_input_from_an_npz(models, tmp_path):
     bundle = tmp_path / "out" / "resnet_cnn-host"
     golden = read_golden(bundle)
     assert np.array_equal(golden["input:input"], x)
-    want = ort.InferenceSession(str(models["resnet_cnn"])).run(None, {"input": x})[0]
+    want = onnxruntime_session(str(models["resnet_cnn"])).run(None, {"input": x})[0]
     assert np.allclose(golden["output:logits"], want, rtol=1e-3, atol=1e-4 * np.abs(want).max())
     manifest = _manifest(bundle)
     assert manifest["golden"]["float_inputs"] == "--golden-input golden.npz"

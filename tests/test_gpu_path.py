@@ -23,6 +23,7 @@ from edgeq.load import load_model
 from edgeq.relax_import import to_relax
 from edgeq.targets import profiles
 from edgeq.tvm_env import relax, tvm
+from edgeq.reference import onnxruntime_session
 
 ORIN = "jetson-orin-nano"
 
@@ -120,11 +121,10 @@ def test_prepare_graph_folds_batch_norm_into_the_convs(small):
 
 
 def test_prepared_graph_matches_onnxruntime_on_the_host(small):
-    import onnxruntime as ort
 
     path, graph = small
     x = np.random.default_rng(1).standard_normal((1, 3, 32, 32)).astype(np.float32)
-    expected = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"input": x})[0]
+    expected = onnxruntime_session(str(path)).run(None, {"input": x})[0]
     prepared, _ = lower_graph(graph, profiles()[ORIN].tvm_target())  # what a Jetson build compiles
     got = HostRunner(prepared)([x])[0]
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
@@ -299,7 +299,6 @@ def cosine(a, b) -> float:
 
 
 def test_fp16_graph_keeps_fp16_weights_and_matches_onnxruntime_fp32(small):
-    import onnxruntime as ort
 
     path, graph = small
     fp16 = gpu.to_fp16(gpu.prepare_graph(graph))
@@ -310,7 +309,7 @@ def test_fp16_graph_keeps_fp16_weights_and_matches_onnxruntime_fp32(small):
     # fp32 are only what the fp32 epilogues read: biases, the classifier's bias, activation constants
     assert all(w.dtype == np.float16 or w.ndim < 2 or w.shape[0] == 1 for w in weights.values())
     x = np.random.default_rng(1).standard_normal((1, 3, 32, 32)).astype(np.float32)
-    expected = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"input": x})[0]
+    expected = onnxruntime_session(str(path)).run(None, {"input": x})[0]
     got = HostRunner(fp16)([x])[0]
     assert got.dtype == np.float32 and cosine(got, expected) >= 0.999
 
@@ -320,7 +319,6 @@ def test_fp16_converts_a_swin_window_padding(tmp_path):
     where the map fits). TVM's Pad converter made that a TE function (``call_tir``), on which ToMixedPrecision
     stopped ("Expected TensorType, but got R.Callable"): Swin-T was refused in fp16. edgeq imports it as Relax's
     ``nn.pad`` (the pad of nothing as its input), which converts; fp16 equals ONNX Runtime's fp32."""
-    import onnxruntime as ort
 
     rng = np.random.default_rng(5)
     inits = [numpy_helper.from_array(np.array([0, 0, 0, 0, 0, 1, 1, 0], np.int64), "pads"),
@@ -340,7 +338,7 @@ def test_fp16_converts_a_swin_window_padding(tmp_path):
     assert sum(call_op(b.value) == "relax.nn.pad" for b in imported.bindings()) == 1
     fp16 = gpu.to_fp16(gpu.prepare_graph(imported))
     x = rng.standard_normal((1, 6, 6, 16)).astype(np.float32)
-    expected = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"input": x})[0]
+    expected = onnxruntime_session(str(path)).run(None, {"input": x})[0]
     got = HostRunner(fp16)([x])[0]
     assert got.shape == (1, 7, 7, 16) and cosine(got, expected) >= 0.999
 
@@ -360,7 +358,6 @@ def test_einsum_is_a_matmul_where_it_is_a_matrix_product(tmp_path, equation, sha
     ToMixedPrecision stopped (MaxViT-T was refused in fp16) and which no GPU kernel could claim. edgeq imports an
     Einsum that is a (batched) matrix product as transposes, reshapes and one ``matmul``, and any other as Relax's
     ``einsum``; fp32 and fp16 both equal ONNX Runtime."""
-    import onnxruntime as ort
 
     rng = np.random.default_rng(6)
     names = [f"x{i}" for i in range(len(shapes))]
@@ -374,7 +371,7 @@ def test_einsum_is_a_matmul_where_it_is_a_matrix_product(tmp_path, equation, sha
     assert sum(call_op(b.value) == "relax.matmul" for b in imported.bindings()) == products
     assert ("relax.einsum" in ops(imported)) == (products == 0)
     xs = [rng.standard_normal(s).astype(np.float32) for s in shapes]
-    expected = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, dict(zip(names, xs)))[0]
+    expected = onnxruntime_session(str(path)).run(None, dict(zip(names, xs)))[0]
     assert np.allclose(HostRunner(imported)(xs)[0], expected, rtol=1e-5, atol=1e-5)
     got = HostRunner(gpu.to_fp16(gpu.prepare_graph(imported)))(xs)[0]
     assert got.shape == expected.shape and cosine(got, expected) >= 0.999
@@ -545,7 +542,6 @@ def _check_builds(model: Path, tmp_path: Path, tensorized: dict[str, int],
     weights at most half of the model's float32 ones (its BatchNorms' four vectors folded away besides), and the
     fp16 bundle's golden outputs (computed on the host from its fp16 graph) close to ONNX Runtime fp32."""
     import onnx
-    import onnxruntime as ort
 
     calib = gpu_kernels.calibration(model, tmp_path)
     rows = {p: gpu_kernels.package_and_measure(model, p, tmp_path, calib) for p in precisions}
@@ -560,7 +556,7 @@ def _check_builds(model: Path, tmp_path: Path, tensorized: dict[str, int],
     assert rows["fp16"]["weight_bytes"] * 2 <= float_bytes * 1.01  # fp16 weights, converted once
     bundle = tmp_path / "fp16" / f"{model.stem}-{ORIN}"
     golden = read_golden(bundle)
-    session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    session = onnxruntime_session(str(model))
     expected = session.run(None, {"input": golden["input:input"]})[0]
     assert cosine(golden["output:logits"], expected) >= 0.999
     return rows
@@ -601,11 +597,10 @@ def test_gpu_graph_of_the_example_models_matches_onnxruntime_on_the_host(models,
     a transformer block (LayerNorm, attention, GELU MLP, and its fp16 form: cosine >= 0.999) and a
     MobileNet-style net (depthwise convs; its fp16 form is refused today: TVM's ToMixedPrecision fails on a
     call_tir in that graph, see the session note)."""
-    import onnxruntime as ort
 
     path = models[family]
     graph, _ = to_relax(load_model(path, {}, {}))
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    session = onnxruntime_session(str(path))
     spec = session.get_inputs()[0]
     x = np.random.default_rng(2).standard_normal(spec.shape).astype(np.float32)
     expected = session.run(None, {spec.name: x})[0]

@@ -18,6 +18,7 @@ from onnx import TensorProto, helper
 from PIL import Image
 
 from conftest import read_golden, run_cli, run_py
+from edgeq.reference import onnxruntime_session
 
 QEMU = shutil.which("qemu-aarch64")
 SYSROOT = "/usr/aarch64-linux-gnu"
@@ -297,7 +298,6 @@ def detector(tmp_path_factory) -> dict[str, Path]:
 
 
 def test_yolo_boxes_match_a_numpy_reference_and_both_loaders_agree(detector, images, tmp_path):
-    import onnxruntime as ort
 
     from edgeq.templates import contract, imaging
 
@@ -310,7 +310,7 @@ def test_yolo_boxes_match_a_numpy_reference_and_both_loaders_agree(detector, ima
     assert manifest["postprocess"]["kind"] == "yolo" and manifest["postprocess"]["classes"] == len(labels)
     assert manifest["reference_check"]["result"] == "passed"
     pre = contract.PreprocessRecord.from_json(manifest["preprocess"])
-    session = ort.InferenceSession(str(detector["yolo_cnn.onnx"]), providers=["CPUExecutionProvider"])
+    session = onnxruntime_session(str(detector["yolo_cnn.onnx"]))
     seen = 0
     for image in (detector["street.png"], images["rgb.jpg"], images["gray.png"]):
         py = run_py(bundle, "--input", image, "--json")

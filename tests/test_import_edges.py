@@ -10,6 +10,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from conftest import read_golden, run_cli
+from edgeq.reference import onnxruntime_session
 
 
 def _save(tmp_path, graph, opset):
@@ -30,7 +31,7 @@ def test_bool_reduce_max_min_as_onnxruntime(tmp_path, op):
     np.savez(tmp_path / "x.npz", x=x)
     res = run_cli("package", path, "--device", "host", "-o", tmp_path / "out", "--golden-input", tmp_path / "x.npz", "-q")
     assert res.code == 0, res.stderr
-    want = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    want = onnxruntime_session(str(path)).run(None, {"x": x})[0]
     np.testing.assert_array_equal(read_golden(tmp_path / "out" / "m-host")["output:y"], want)
 
 
@@ -100,7 +101,7 @@ def test_a_declared_output_shape_the_graph_contradicts_warns_and_packages(tmp_pa
     assert len(warnings) == 1 and "contradicts the graph" in warnings[0] and "output(s) y" in warnings[0], res.stderr
     golden = read_golden(tmp_path / "out" / "m-host")
     x = golden["input:x"]
-    want = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    want = onnxruntime_session(str(path)).run(None, {"x": x})[0]
     assert golden["output:y"].shape == want.shape == (4, 1, 2)
     np.testing.assert_array_equal(golden["output:y"], want)
 

@@ -8,7 +8,6 @@ import json
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 from onnx import helper
 
 import make_models
@@ -16,6 +15,7 @@ from conftest import run_cli
 
 from edgeq.answers import YOLO_PREFIX, with_yolo_nms
 from edgeq.quantize import judge
+from edgeq.reference import onnxruntime_session
 
 
 def _with_nms(conf: float = 0.05, iou: float = 0.45, max_det: int = 7) -> onnx.ModelProto:
@@ -29,7 +29,7 @@ def test_the_judges_selection_is_onnxruntimes_nms():
     model = _with_nms(task.conf, task.iou, task.max_det)
     for name in (YOLO_PREFIX + "boxes", YOLO_PREFIX + "single"):
         model.graph.output.append(helper.make_empty_tensor_value_info(name))
-    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    session = onnxruntime_session(model.SerializeToString())
     names = [o.name for o in session.get_outputs()]
     rng = np.random.default_rng(3)
     total = 0

@@ -18,6 +18,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import node_tests  # benchmarks/ (pyproject: pythonpath)
 from conftest import run_cli, run_py, torch_export
+from edgeq.reference import onnxruntime_session
 
 # a YOLO-style detector ending in NonMaxSuppression, exported by torch's (TorchScript) exporter the way
 # torchvision.ops.nms and ultralytics' nms=True exports write it: NMS over [1, N, 4] xywh boxes and [1, C, N]
@@ -101,7 +102,7 @@ def detectors(tmp_path_factory) -> dict[str, Path]:
 
 
 def _ort(path: Path, image: np.ndarray) -> list[np.ndarray]:
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    session = onnxruntime_session(str(path))
     return session.run(None, {"image": image})
 
 
@@ -279,7 +280,7 @@ def test_nms_inside_a_branch_is_refused_in_one_line(tmp_path):
     path = tmp_path / "branch.onnx"
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), path)
     scores = np.linspace(0.1, 0.9, 8, dtype=np.float32).reshape(1, 1, 8)
-    assert ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"scores": scores})[0].shape[1] == 3
+    assert onnxruntime_session(str(path)).run(None, {"scores": scores})[0].shape[1] == 3
     result = run_cli("package", path, "--device", "host", "-o", tmp_path / "out", "-q")
     line = result.stderr.strip()
     assert result.code != 0 and len(line.splitlines()) == 1, result.stderr

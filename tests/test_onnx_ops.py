@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 from onnx import TensorProto as T
 from onnx import helper as h
@@ -18,6 +17,7 @@ from conftest import run_cli
 from edgeq.errors import ModelError
 from edgeq.load import load_model
 from edgeq.relax_import import to_relax
+from edgeq.reference import onnxruntime_session
 
 OPSET = 27
 F = T.FLOAT
@@ -221,7 +221,7 @@ def _onnxruntime(model: onnx.ModelProto, inputs: dict[str, np.ndarray]) -> dict[
             [types[o] for o in node.output if o])
         opset = onnx.defs.get_schema(node.op_type, OPSET).since_version
         single = h.make_model(graph, opset_imports=[h.make_opsetid("", opset)])
-        session = ort.InferenceSession(single.SerializeToString(), providers=["CPUExecutionProvider"])
+        session = onnxruntime_session(single.SerializeToString())
         names = [o.name for o in session.get_outputs()]
         out.update(zip(names, session.run(names, {k: values[k] for k in used})))
     return out

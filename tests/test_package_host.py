@@ -10,10 +10,10 @@ from pathlib import Path
 import make_models
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 
 from conftest import read_golden, run_cli, run_py
+from edgeq.reference import onnxruntime_session
 
 FAMILIES = ["resnet_cnn", "mobilenet_cnn", "transformer_block"]
 
@@ -30,7 +30,7 @@ def host_bundles(models, tmp_path_factory):
 
 
 def ort_outputs(model_path, inputs):
-    session = ort.InferenceSession(str(model_path), providers=["CPUExecutionProvider"])
+    session = onnxruntime_session(str(model_path))
     names = [o.name for o in session.get_outputs()]
     return dict(zip(names, session.run(names, inputs)))
 

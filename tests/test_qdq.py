@@ -6,7 +6,6 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 from onnx import numpy_helper
 
@@ -23,6 +22,7 @@ from edgeq.tvm_env import import_tvm
 tvm = import_tvm()
 from tvm.script import ir as I  # noqa: E402
 from tvm.script import relax as R  # noqa: E402
+from edgeq.reference import onnxruntime_session
 
 CASES = [(family, act) for family in ("resnet_cnn", "mobilenet_cnn") for act in ("u8", "s8")]
 
@@ -54,7 +54,7 @@ def test_qdq_bundle_agrees_with_onnxruntime_within_one_step(family, act, qdq_mod
     x = np.random.default_rng(11).standard_normal((24, 3, 32, 32)).astype(np.float32)
     np.savez(data, input=x)
     got = predict_with_loader(Path(result["bundle_dir"]), data, tmp_path / "got.npy")
-    session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    session = onnxruntime_session(str(model))
     want = np.concatenate([session.run(None, {"input": x[i : i + 1]})[0] for i in range(len(x))])
     step = output_step(model)
     within = np.abs(got - want) <= step * 1.001
@@ -170,7 +170,7 @@ def test_qoperator_models_package_and_match_onnxruntime(models, family, tmp_path
     assert {"QLinearConv", "QGemm"} <= ops, ops
     res = run_cli("package", model, "--device", "host", "-o", tmp_path / "out", "-q")
     assert res.code == 0, res.stderr
-    session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    session = onnxruntime_session(str(model))
     spec = session.get_inputs()[0]
     x = np.random.default_rng(3).standard_normal([4, *spec.shape[1:]]).astype(np.float32)
     np.savez(tmp_path / "x.npz", input=x)
@@ -203,7 +203,7 @@ def test_qgemm_is_onnxruntimes(quantized_output, tmp_path):
     onnx.save(model, tmp_path / "qgemm.onnx")
     res = run_cli("package", tmp_path / "qgemm.onnx", "--device", "host", "-o", tmp_path / "out", "-q")
     assert res.code == 0, res.stderr
-    session = ort.InferenceSession(str(tmp_path / "qgemm.onnx"), providers=["CPUExecutionProvider"])
+    session = onnxruntime_session(str(tmp_path / "qgemm.onnx"))
     model = bundle_model(tmp_path / "out" / "qgemm-host")
     for seed in range(3):
         x = np.random.default_rng(seed).standard_normal((20, 3)).astype(np.float32) * 3

@@ -12,6 +12,7 @@ from edgeq.graph import call_op
 from edgeq.load import load_model
 from edgeq.quantize import QuantizeArgs, quantize
 from edgeq.relax_import import to_relax
+from edgeq.reference import onnxruntime_session
 
 
 def package_json(*argv):
@@ -214,11 +215,10 @@ def test_jetson_int8_bundle(models, random_data, tmp_path):
 def _assert_close_to_onnxruntime(path: Path, graph, data: Path, cosine: float = 0.995) -> None:
     """``graph`` (a quantized import of ``path``) against ONNX Runtime on ``path``, over 8 samples of ``data``:
     each output's cosine at least ``cosine``."""
-    import onnxruntime as ort
 
     from edgeq.compile import HostRunner
 
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    session = onnxruntime_session(str(path))
     runner = HostRunner(graph)
     for sample in np.load(data)["input"][:8]:
         want = session.run(None, {"input": sample[None]})[0].ravel()

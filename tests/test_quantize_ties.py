@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
 from conftest import read_golden, run_cli
+from edgeq.reference import onnxruntime_session
 
 SCALE = np.float32(5) / np.float32(255)  # the scale of ONNX's DynamicQuantizeLinear node test (range 5)
 
@@ -34,7 +34,7 @@ def _package(tmp_path, model, x):
     np.savez(golden, x=x)
     res = run_cli("package", path, "--device", "host", "-o", tmp_path / "out", "--golden-input", golden, "-q")
     assert res.code == 0, res.stderr
-    return read_golden(tmp_path / "out" / "m-host"), ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return read_golden(tmp_path / "out" / "m-host"), onnxruntime_session(str(path))
 
 
 def test_quantizelinear_ties_as_onnxruntime(tmp_path):

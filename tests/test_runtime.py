@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 import pytest
 
 from conftest import read_golden, run_cli, run_py
@@ -19,6 +18,7 @@ from edgeq.templates.contract import latency_statistics
 from edgeq.runtime.assemble import check_elves
 from edgeq.runtime.wheels import fetch, installed_version
 from edgeq.targets import profiles
+from edgeq.reference import onnxruntime_session
 
 QEMU = shutil.which("qemu-aarch64")
 SYSROOT = "/usr/aarch64-linux-gnu"
@@ -44,7 +44,7 @@ def edgeq_run(bundle: Path, *args, env=None, qemu=False, loader: Path | None = N
 
 
 def ort_run(model: Path, inputs: dict) -> dict:
-    session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    session = onnxruntime_session(str(model))
     return dict(zip([o.name for o in session.get_outputs()], session.run(None, inputs)))
 
 

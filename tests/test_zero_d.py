@@ -11,7 +11,6 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 from onnx import TensorProto as T
 from onnx import helper as h
@@ -19,6 +18,7 @@ from onnx import numpy_helper as nh
 
 from conftest import run_cli, run_py
 from edgeq.bundle import read_tensor, write_tensors
+from edgeq.reference import onnxruntime_session
 
 F = T.FLOAT
 
@@ -178,7 +178,7 @@ def test_bundle_matches_onnxruntime(bundles, name, tmp_path):
     proc = run_py(bundle, *args, "--output", tmp_path / "out.npz")
     assert proc.returncode == 0, proc.stderr
     got = np.load(tmp_path / "out.npz")
-    session = ort.InferenceSession(str(model_path), providers=["CPUExecutionProvider"])
+    session = onnxruntime_session(str(model_path))
     names = [o.name for o in session.get_outputs()]
     for out_name, want in zip(names, session.run(names, inputs)):
         scale = max(1.0, float(np.abs(want).max()))

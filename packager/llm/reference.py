@@ -12,15 +12,11 @@ import numpy as np
 import onnx
 
 from edgeq.llm import decoder
+from edgeq.reference import onnxruntime_session
 
 
 def _session(model: onnx.ModelProto | bytes):
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    data = model if isinstance(model, bytes) else model.SerializeToString()
-    return ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
+    return onnxruntime_session(model)
 
 
 class Exported:
