@@ -28,7 +28,8 @@ command -v "$CXX" >/dev/null || { echo "fuzz.sh: $CXX not found; apt install cla
 PY=${PYTHON:-.venv/bin/python}
 WORK=fuzz-work
 mkdir -p "$WORK"
-"$PY" -c "from edgeq.runtime.assemble import contract_header; open('$WORK/contract.h', 'wb').write(contract_header())"
+"$PY" -c "from edgeq.runtime.assemble import generated_headers
+for name, text in generated_headers().items(): open('$WORK/' + name, 'wb').write(text)"
 INCLUDE=$("$PY" -c "from edgeq.runtime.assemble import package_dir; print(package_dir('tvm_ffi') / 'include')")
 if [ ! -d tests/fuzz/corpus/json ]; then "$PY" benchmarks/fuzz_seeds.py >&2; fi
 echo "fuzz.sh: building the libFuzzer targets with $CXX" >&2

@@ -15,6 +15,8 @@ Sampling draws from edgeq's own generator (SplitMix64, 53-bit uniforms), written
 that a seed gives the same tokens in both loaders.
 """
 
+from math import exp
+
 MASK64 = (1 << 64) - 1
 
 
@@ -41,7 +43,11 @@ class SplitMix64:
 
 class Sampler:
     """Greedy at temperature 0 (the first of equal maxima); else softmax(logits / temperature) restricted to
-    the smallest set of most likely tokens whose probability reaches ``top_p``, drawn with one uniform."""
+    the smallest set of most likely tokens whose probability reaches ``top_p``, drawn with one uniform.
+
+    Written operation for operation as edgeq-run's (tokenizer.h), so that a seed draws the same tokens in both:
+    each weight by the C library's ``exp`` (``math.exp``), every sum in order, one division at a time (numpy's
+    vectorised exp and pairwise sums round differently)."""
 
     def __init__(self, np, temperature=0.0, top_p=1.0, seed=0):
         self.np = np
@@ -56,13 +62,28 @@ class Sampler:
             return int(np.argmax(logits))
         scaled = logits / self.temperature
         order = np.argsort(-scaled, kind="stable")
-        weights = np.exp(scaled[order] - scaled[order[0]])
-        probs = weights / weights.sum()
-        keep = int(np.searchsorted(np.cumsum(probs), self.top_p, side="left")) + 1
-        kept = probs[:keep] / probs[:keep].sum()
+        ordered = scaled[order].tolist()
+        top = ordered[0]
+        weights = [exp(v - top) for v in ordered]
+        total = 0.0
+        for w in weights:
+            total += w
+        keep, cumulative = len(weights), 0.0
+        for i, w in enumerate(weights):
+            cumulative += w / total
+            if cumulative >= self.top_p:
+                keep = i + 1
+                break
+        kept_total = 0.0
+        for w in weights[:keep]:
+            kept_total += w / total
         u = self.rng.uniform()
-        index = int(np.searchsorted(np.cumsum(kept), u, side="right"))
-        return int(order[min(index, keep - 1)])
+        cumulative = 0.0
+        for i in range(keep):
+            cumulative += (weights[i] / total) / kept_total
+            if cumulative > u:
+                return int(order[i])
+        return int(order[keep - 1])
 
 
 def generate(np, steps, prompt, max_tokens, sampler, stop=()):

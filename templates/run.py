@@ -378,14 +378,20 @@ class LanguageModel:
         params = [tvm.runtime.tensor(read_tensor(np, manifest.weights.file, t), dev) for t in manifest.weights.tensors]
         self.steps = generate.VmSteps(np, tvm, vm, dev, params, [s.to_json() for s in spec.steps], spec.context,
                                       spec.ids_dtype, spec.mask_dtype)
-        self.tokenizer = None
-        if spec.tokenizer:
-            tokenizer = _sibling(contract.TOKENIZER_PY, "edgeq_bundle_tokenizer")
-            try:
-                self.tokenizer = tokenizer.Tokenizer.from_file(os.path.join(HERE, spec.tokenizer))
-            except (OSError, ValueError, KeyError) as err:
-                raise LoaderError("the bundle's tokenizer cannot be read (%s); package the bundle again" % err,
-                                  Exit.BUNDLE)
+        self.tokenizer = self.read_tokenizer(manifest)
+
+    @staticmethod
+    def read_tokenizer(manifest):
+        """The bundle's tokenizer (tokenizer.py), or None where it was packaged without one."""
+        spec = manifest.generate
+        if not spec.tokenizer:
+            return None
+        tokenizer = _sibling(contract.TOKENIZER_PY, "edgeq_bundle_tokenizer")
+        try:
+            return tokenizer.Tokenizer.from_file(os.path.join(HERE, spec.tokenizer))
+        except (OSError, ValueError, KeyError) as err:
+            raise LoaderError("the bundle's tokenizer cannot be read (%s); package the bundle again" % err,
+                              Exit.BUNDLE)
 
     def tokens(self, prompt, max_tokens, sampler, stop=()):
         """The generated token ids, one at a time (``generate.generate``); a prompt past the context is refused."""
@@ -398,6 +404,17 @@ class LanguageModel:
                 yield token
         except self.generate.ContextFull as err:
             raise LoaderError("%s; give a shorter prompt, or package with a larger --max-context" % err, Exit.USAGE)
+
+
+def prompt_text(text, flag):
+    """A prompt as text: bytes that are not UTF-8 (they reach Python as lone surrogates) are refused, as edgeq-run
+    refuses them."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise LoaderError("%s is not UTF-8 text (byte %d)" % (flag, len(text[:err.start].encode("utf-8", "surrogateescape"))),
+                          Exit.USAGE)
+    return text
 
 
 def language_self_test(model):
@@ -420,6 +437,13 @@ def run_language_model(manifest, tvm, args):
     if args.input or args.benchmark:
         raise LoaderError("this bundle is a language model: give --prompt TEXT (or --prompt-ids) and --max-tokens N; "
                           "--json reports tokens per second", Exit.USAGE)
+    if args.tokenize is not None:  # the text's token ids, without running the model
+        tokenizer = LanguageModel.read_tokenizer(manifest)
+        if tokenizer is None:
+            raise LoaderError("this bundle has no tokenizer (packaged without tokenizer.json)", Exit.USAGE)
+        ids = tokenizer.encode(prompt_text(args.tokenize, "--tokenize"))
+        print(json.dumps({"ids": ids}) if args.json else json.dumps(ids))
+        return Exit.OK
     model = LanguageModel(manifest, tvm)
     if args.self_test:
         ok, report = language_self_test(model)
@@ -434,7 +458,7 @@ def run_language_model(manifest, tvm, args):
         if tokenizer is None:
             raise LoaderError("this bundle has no tokenizer (packaged without tokenizer.json): give --prompt-ids",
                               Exit.USAGE)
-        text = args.prompt
+        text = prompt_text(args.prompt, "--prompt")
         if args.chat:
             if spec.chat_prefix is None:
                 raise LoaderError("this bundle has no chat template: leave out --chat", Exit.USAGE)
@@ -510,6 +534,7 @@ def parse_args(argv):
     parser.add_argument("--top-p", type=float, default=1.0, metavar="P",
                         help="language models: sample from the most likely tokens whose probability reaches P (default 1)")
     parser.add_argument("--seed", type=int, default=0, metavar="S", help="language models: the sampler's seed (default 0)")
+    parser.add_argument("--tokenize", metavar="TEXT", help="language models: print TEXT's token ids (the model is not run)")
     parser.add_argument("--no-pipeline", action="store_true",
                         help="video: decode, prepare, infer and answer one frame after the other (default: the next "
                              "frames are decoded and prepared while the model runs)")
@@ -526,6 +551,8 @@ def parse_args(argv):
         parser.error("--temperature needs T from 0 to 100")
     if not 0 < args.top_p <= 1:
         parser.error("--top-p needs P above 0 and at most 1")
+    if not 0 <= args.seed < 1 << 64:
+        parser.error("--seed needs S from 0 to %d" % ((1 << 64) - 1))
     if args.prompt is not None and args.prompt_ids is not None:
         parser.error("give --prompt or --prompt-ids, not both")
     if args.prompt_ids is not None:
@@ -535,7 +562,7 @@ def parse_args(argv):
             parser.error("--prompt-ids needs token ids separated by commas, e.g. 1,504,3458")
         if not args.prompt_ids or min(args.prompt_ids) < 0:
             parser.error("--prompt-ids needs at least one token id, none negative")
-    prompted = args.prompt is not None or args.prompt_ids is not None
+    prompted = args.prompt is not None or args.prompt_ids is not None or args.tokenize is not None
     if not (args.self_test or args.benchmark or args.check or args.input or prompted):
         parser.error("give --self-test, --benchmark N, --check or --input NAME=FILE.npy")  # (edgeq-run's words)
     return args
@@ -916,8 +943,8 @@ def main(argv=None):
             return Exit.OK
         if manifest.generate is not None:
             return run_language_model(manifest, tvm, args)
-        if args.prompt is not None or args.prompt_ids is not None:
-            raise LoaderError("--prompt is for language models; this bundle's model takes tensors: give --input",
+        if args.prompt is not None or args.prompt_ids is not None or args.tokenize is not None:
+            raise LoaderError("--prompt, --prompt-ids and --tokenize are for language-model bundles; this one is not",
                               Exit.USAGE)
         if streams and (len(args.input) > 1 or args.benchmark or args.self_test):
             raise LoaderError("--input %s is a video source: give it alone, without --self-test or --benchmark"

@@ -117,6 +117,43 @@ def supported(data):
     return None
 
 
+def native_problem(pattern):
+    """What of a Split pattern edgeq-run's regular expressions (tokenizer.h) do not read, or None: both loaders
+    then refuse the same tokenizers. They read literals and escapes (\\p{..}, \\s, \\d, \\w, \\n, \\r, \\t, \\f,
+    \\v and punctuation), classes, groups (..), (?:..), (?i:..), lookahead (?!..) and (?=..), and the quantifiers ? * +
+    {n} {n,} {n,m}, greedy or lazy."""
+    i, in_class, quantified = 0, False, False
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            nxt = pattern[i + 1:i + 2]
+            if nxt.isascii() and nxt.isalnum() and nxt not in "pPsSdDwWnrtfv":
+                return "its pattern uses the escape \\%s" % nxt
+            i = pattern.index("}", i) + 1 if nxt in "pP" and pattern[i + 2:i + 3] == "{" else i + 2
+            quantified = False
+            continue
+        if in_class:
+            in_class = c != "]" or pattern[i - 1] in "[^" and pattern[i - 2:i] != "\\]"
+            i += 1
+            continue
+        if c == "[":
+            in_class = True
+            i += 2 if pattern[i + 1:i + 2] == "^" else 1
+            continue
+        if c in "^$":
+            return "its pattern uses the anchor %s" % c
+        if c == "(" and pattern[i + 1:i + 2] == "?" and not pattern.startswith(("(?:", "(?!", "(?=", "(?i:"), i):
+            return "its pattern uses the group %s" % pattern[i:i + 3]
+        if c == "+" and quantified:
+            return "its pattern uses a possessive quantifier"
+        if c == "{" and pattern[i + 1:i + 2].isdigit():
+            i = pattern.index("}", i)
+            c = "}"
+        quantified = c in "+*?}" and not quantified
+        i += 1
+    return None
+
+
 def _pre_tokenizer(spec):
     """(split pattern or None, add_prefix_space) of a ByteLevel pre-tokenizer, alone or after one Split."""
     if spec is None:
@@ -141,6 +178,9 @@ def _pre_tokenizer(spec):
             raise ValueError("its pre-tokenizer %s is not one edgeq's tokenizer reads" % kind)
     if not byte_level:
         raise ValueError("its pre-tokenizer is not byte-level")
+    problem = native_problem(pattern) if pattern else None
+    if problem:
+        raise ValueError(problem)
     return pattern, prefix
 
 

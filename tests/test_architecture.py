@@ -241,14 +241,15 @@ def test_loader_headers_stand_alone(tmp_path):
     import shutil
     import subprocess
 
-    from edgeq.runtime.assemble import contract_header
+    from edgeq.runtime.assemble import generated_headers
 
     cxx = shutil.which("g++")
     if cxx is None:
         pytest.skip("no g++")
     for header in (REPO / "templates" / "native").glob("*.h"):
         shutil.copy(header, tmp_path / header.name)
-    (tmp_path / "contract.h").write_bytes(contract_header())
+    for name, text in generated_headers().items():
+        (tmp_path / name).write_bytes(text)
     for header in sorted(tmp_path.glob("*.h")):
         unit = tmp_path / "unit.cc"
         unit.write_text(f'#include "{header.name}"\n')

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from edgeq.runtime.assemble import contract_header, package_dir
+from edgeq.runtime.assemble import generated_headers, package_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 CORPUS = ROOT / "tests" / "fuzz" / "corpus"
@@ -25,7 +25,8 @@ def replay(tmp_path_factory) -> Path:
     if shutil.which("g++") is None:
         pytest.skip("g++ is needed")
     build = tmp_path_factory.mktemp("fuzz")
-    (build / "contract.h").write_bytes(contract_header())
+    for name, text in generated_headers().items():
+        (build / name).write_bytes(text)
     binary = build / "edgeq-run-fuzz"
     proc = subprocess.run(["g++", "-std=c++17", "-O1", "-g", "-ffp-contract=off", "-DEDGEQ_FUZZ_REPLAY", *SANITIZERS,
                            f"-I{build}", f"-I{ROOT / 'templates' / 'native'}", f"-I{package_dir('tvm_ffi') / 'include'}",

@@ -79,8 +79,40 @@ def _strings(count: int, seed: int = 0) -> list[str]:
     return strings
 
 
+@pytest.fixture(scope="module")
+def native_tokenizer(tmp_path_factory) -> Path:
+    """edgeq-run's tokenizer (templates/native/tokenizer.h) alone, built as the loader builds it (tests/native/
+    tokenize.cc): a tokenizer.json as argument, JSON strings on stdin, token ids and the streamed pieces out."""
+    from edgeq.runtime.assemble import generated_headers, package_dir
+
+    build = tmp_path_factory.mktemp("tokenize")
+    for name, text in generated_headers().items():
+        (build / name).write_bytes(text)
+    binary = build / "tokenize"
+    proc = subprocess.run(["g++", "-std=c++17", "-O2", "-ffp-contract=off", f"-I{build}", f"-I{REPO / 'templates' / 'native'}",
+                           f"-I{package_dir('tvm_ffi') / 'include'}", str(REPO / "tests" / "native" / "tokenize.cc"),
+                           "-o", str(binary)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return binary
+
+
+def native_encode(binary: Path, path: Path, strings: list[str]) -> list[tuple[list[int], list[bytes]]]:
+    """The native tokenizer's ids and its streaming decoder's pieces (the flushed tail last) for each string."""
+    proc = subprocess.run([str(binary), str(path)], input="".join(json.dumps(s) + "\n" for s in strings),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    out = []
+    for line in proc.stdout.splitlines():
+        ids, pieces = line.split("\t")
+        out.append(([int(i) for i in ids.split(",")] if ids else [], [bytes.fromhex(p) for p in pieces.split(",")]))
+    assert len(out) == len(strings)
+    return out
+
+
 @pytest.mark.parametrize("variant", ["byte-level", "prefix-space", "split-regex"])
-def test_tokenizer_gives_the_ids_tokenizers_gives(tmp_path, variant):
+def test_tokenizer_gives_the_ids_tokenizers_gives(tmp_path, variant, native_tokenizer):
+    """run.py's tokenizer (tokenizer.py) gives the ids of Hugging Face's ``tokenizers`` on a thousand strings, and
+    edgeq-run's (tokenizer.h) gives run.py's ids and streams the same pieces of text."""
     from tokenizers import Regex, Tokenizer, pre_tokenizers
 
     pre = {"byte-level": None, "prefix-space": pre_tokenizers.ByteLevel(add_prefix_space=True),
@@ -98,6 +130,11 @@ def test_tokenizer_gives_the_ids_tokenizers_gives(tmp_path, variant):
         stream = edgeq_tokenizer.Decoder(ours)
         assert "".join(stream.push(t) for t in got) + stream.flush() == ours.decode(got), text
     assert not differ, f"{len(differ)} of 1000 strings differ, the first: {differ[0]}"
+    strings = _strings(1000)
+    for text, (ids, pieces) in zip(strings, native_encode(native_tokenizer, path, strings)):
+        want = ours.encode(text)
+        stream = edgeq_tokenizer.Decoder(ours)
+        assert (ids, pieces) == (want, [stream.push(t).encode() for t in want] + [stream.flush().encode()]), text
 
 
 def test_tokenizer_refuses_what_it_does_not_implement(tmp_path):
@@ -253,23 +290,52 @@ def test_run_py_streams_the_reference_tokens(llm_bundle):
     (["--prompt-ids", "5", "--chat"], 2, "--chat wraps a --prompt TEXT"),
     (["--prompt", "hi", "--top-p", "0"], 2, "--top-p needs P above 0"),
     (["--benchmark", "5"], 2, "this bundle is a language model"),
+    (["--prompt", "hi", "--prompt-ids", "5"], 2, "give --prompt or --prompt-ids, not both"),
+    (["--prompt", "hi", "--seed", "-1"], 2, "--seed needs S from 0 to 18446744073709551615"),
+    (["--prompt", "hi", "--max-tokens", "0"], 2, "--max-tokens needs N from 1 to 1000000"),
+    (["--prompt", "a\udcffb"], 2, "--prompt is not UTF-8 text (byte 1)"),  # the byte 0xff, as Python passes it on
 ])
-def test_run_py_refuses_bad_generation_input(llm_bundle, args, status, words):
+def test_both_loaders_refuse_bad_generation_input(llm_bundle, args, status, words):
     bundle, _ = llm_bundle
-    proc = _run_py(bundle, *args)
-    assert proc.returncode == status, proc.stderr
-    assert "Traceback" not in proc.stderr
-    errors = [line for line in proc.stderr.splitlines() if "error:" in line]  # (argparse's usage lines before it)
-    assert len(errors) == 1 and words in errors[0] and proc.stderr.rstrip().endswith(errors[0])
+    for proc in (_run_py(bundle, *args), _edgeq_run(bundle, *args)):
+        assert proc.returncode == status, proc.stderr
+        assert "Traceback" not in proc.stderr
+        errors = [line for line in proc.stderr.splitlines() if "error:" in line]  # (argparse's usage lines before it)
+        assert len(errors) == 1 and words in errors[0] and proc.stderr.rstrip().endswith(errors[0])
 
 
-def test_edgeq_run_refuses_a_language_model_in_one_line(llm_bundle):
+def _edgeq_run(bundle: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(bundle / "runtime" / "edgeq-run"), *args], capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("args", [
+    ["--self-test", "--json"],
+    ["--self-test"],
+    ["--prompt-ids", "5,77,120,3,9", "--max-tokens", "20", "--json"],
+    ["--prompt", "The capital of France is", "--max-tokens", "12", "--json"],
+    ["--prompt", "Caf\u00e9 \U0001f600 d\u00e9j\u00e0 vu", "--max-tokens", "24"],  # streamed as text
+    ["--prompt", "hi", "--chat", "--max-tokens", "30", "--temperature", "0.9", "--top-p", "0.9", "--seed", "11", "--json"],
+    ["--prompt-ids", ",".join(map(str, range(10, 40))), "--temperature", "1.5", "--seed", "3", "--max-tokens", "60",
+     "--json"],  # past the largest prompt bucket (16), to the end of the context (64)
+    ["--tokenize", "Hello w\u00f6rld \U0001f600  \n\t<|im_end|>x", "--json"],
+])
+def test_both_loaders_generate_the_same_tokens(llm_bundle, args):
+    """edgeq-run (C++: tokenizer.h, its sampler, the steps through tvm-ffi's C API) prints what run.py prints, line for
+    line: the same tokens and text for the same prompt and seed, the same self-test and token ids; only the summary's
+    timings differ."""
     bundle, _ = llm_bundle
-    proc = subprocess.run([str(bundle / "runtime" / "edgeq-run"), "--self-test"], capture_output=True, text=True,
-                          timeout=60)
-    assert proc.returncode == 2
-    assert proc.stderr.strip() == ("edgeq-run: error: this bundle is a language model; edgeq-run does not generate "
-                                   "text yet: run ./run.py --prompt TEXT (Python 3 with numpy and the TVM runtime)")
+    ours, theirs = _edgeq_run(bundle, *args), _run_py(bundle, *args)
+    assert ours.returncode == theirs.returncode == 0, (ours.stderr, theirs.stderr)
+    if "--json" in args and "--prompt" in " ".join(args):
+        *lines, summary = ours.stdout.splitlines()
+        *want, want_summary = theirs.stdout.splitlines()
+        assert lines == want and len(lines) > 1
+        ours_s, theirs_s = json.loads(summary)["summary"], json.loads(want_summary)["summary"]
+        for timing in ("first_token_ms", "decode_tokens_per_s"):
+            ours_s.pop(timing), theirs_s.pop(timing)
+        assert ours_s == theirs_s
+    else:
+        assert ours.stdout == theirs.stdout and ours.stdout.strip()
 
 
 def test_bench_refuses_a_language_model_in_one_line(llm_bundle):

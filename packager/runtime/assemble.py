@@ -165,13 +165,55 @@ constexpr size_t kLatencyKeyCount = {len(keys)};
 """.encode()
 
 
+def unicode_header() -> bytes:
+    """``unicode_categories.h`` of edgeq-run: every code point's general category as runs of (first, last, category),
+    from this Python's ``unicodedata``, which tokenizer.py's ``\\p{..}`` classes are built from too (a device's
+    Python may know a later Unicode: characters assigned since are letters there and unassigned here)."""
+    import sys
+    import unicodedata
+
+    names, runs = [], []
+    for code in range(sys.maxunicode + 1):
+        category = unicodedata.category(chr(code))
+        if category == "Cn":
+            continue
+        if category not in names:
+            names.append(category)
+        index = names.index(category)
+        if runs and runs[-1][2] == index and runs[-1][1] == code - 1:
+            runs[-1][1] = code
+        else:
+            runs.append([code, code, index])
+    rows = ",\n".join(", ".join("{%d, %d, %d}" % tuple(r) for r in runs[i:i + 6]) for i in range(0, len(runs), 6))
+    return f"""// unicode_categories.h: generated from Python's unicodedata (Unicode {unicodedata.unidata_version}) when edgeq-run
+// is built (edgeq.runtime.assemble.unicode_header); do not edit. Unassigned code points (Cn) are in no run.
+#pragma once
+
+#include <cstdint>
+
+namespace {{
+
+constexpr const char* kUnicodeCategories[] = {{{", ".join(f'"{n}"' for n in names)}}};
+constexpr uint32_t kUnicodeRuns[][3] = {{
+{rows}}};
+
+}}  // namespace
+""".encode()
+
+
+def generated_headers() -> dict[str, bytes]:
+    """The headers edgeq-run's sources include that are generated when it is built (the tests and fuzz.sh write
+    them beside the sources the same way)."""
+    return {"contract.h": contract_header(), "unicode_categories.h": unicode_header()}
+
+
 def build_loader(cxx: str) -> Path:
     """``edgeq-run`` for the compiler's target (``templates/native/``: ``edgeq_run.cc``, its headers and the
-    generated ``contract.h``), built once per (sources, compiler, tvm-ffi version) and cached."""
+    generated ``contract.h`` and ``unicode_categories.h``), built once per (sources, compiler, tvm-ffi version) and cached."""
     native = resources.files("edgeq.templates").joinpath("native")
     source = native.joinpath("edgeq_run.cc").read_bytes()
     headers = {item.name: item.read_bytes() for item in native.iterdir() if item.name.endswith(".h")}
-    headers["contract.h"] = contract_header()
+    headers.update(generated_headers())
     include = package_dir("tvm_ffi") / "include"
     flags = ["-std=c++17", "-O2", "-Wall", "-pthread", "-ffp-contract=off", f"-I{include}"]  # float32 as numpy rounds it
     return cached_build("edgeq-run", "edgeq-run", "edgeq_run.cc", source, cxx, flags, ("-ldl", "-pthread"),

@@ -53,6 +53,7 @@
 #include "refuse.h"
 #include "schema.h"
 #include "sha256.h"
+#include "tokenizer.h"
 #include "video.h"
 #include "zip.h"
 
@@ -202,6 +203,21 @@ struct Bundle {
   std::string bridge;                  // runtime/libcudart.so.13 when the bundle carries the CUDA 12 bridge
   Preprocess preprocess;               // --input IMAGE (image.h)
   Postprocess postprocess;             // --postprocess classify (image.h)
+  struct Step {
+    std::string function, kind;
+    int64_t prompt = 0, capacity = 0;
+    std::vector<std::string> inputs;
+  };
+  struct Generate {  // a language model (contract.GenerateRecord); given: the manifest has one
+    bool given = false;
+    int64_t context = 0, vocab = 0, self_test_tokens = 0;
+    std::vector<Step> steps;
+    DType ids_dtype, mask_dtype;
+    std::string tokenizer;  // "" where the bundle has none
+    bool chat = false;
+    std::string chat_prefix, chat_suffix;
+    std::vector<int64_t> stop;
+  } generate;
 };
 
 Bundle LoadManifest(const std::string& dir) {
@@ -214,9 +230,37 @@ Bundle LoadManifest(const std::string& dir) {
   if (m.kind != Json::kObject) refuse("manifest.json is not a JSON object");
   CheckManifestSchema(m);  // every field's kind, as run.py's contract.Manifest.from_json checks them (schema.h)
   CheckManifestFiles(m);   // and the file list, as safebundle.check_manifest does next
-  if (const Json* generate = m.Find("generate"); generate && generate->kind != Json::kNull)
-    refuse_usage("this bundle is a language model; edgeq-run does not generate text yet: run ./run.py --prompt TEXT "
-                 "(Python 3 with numpy and the TVM runtime)");
+  if (const Json* generate = m.Find("generate"); generate && generate->kind != Json::kNull) {
+    Bundle::Generate& g = b.generate;
+    g.given = true;
+    g.context = generate->At("context", "generate.").Int("generate.context");
+    g.vocab = generate->At("vocab", "generate.").Int("generate.vocab");
+    g.self_test_tokens = generate->At("self_test_tokens", "generate.").Int("generate.self_test_tokens");
+    g.ids_dtype = ParseDType(generate->At("ids_dtype", "generate.").Str("generate.ids_dtype"));
+    g.mask_dtype = ParseDType(generate->At("mask_dtype", "generate.").Str("generate.mask_dtype"));
+    for (const Json& step : generate->At("steps", "generate.").Arr("generate.steps")) {
+      Bundle::Step st;
+      st.function = step.At("function", "generate.steps.").Str("generate.steps.function");
+      st.kind = step.At("kind", "generate.steps.").Str("generate.steps.kind");
+      st.prompt = step.At("prompt", "generate.steps.").Int("generate.steps.prompt");
+      st.capacity = step.At("capacity", "generate.steps.").Int("generate.steps.capacity");
+      for (const Json& name : step.At("inputs", "generate.steps.").Arr("generate.steps.inputs"))
+        st.inputs.push_back(name.Str("generate.steps.inputs"));
+      g.steps.push_back(std::move(st));
+    }
+    if (const Json* t = generate->Find("tokenizer"); t && t->kind == Json::kString) {
+      if (!m.At("files", "").Find(t->str)) refuse("manifest generate.tokenizer is not one of the bundle's files");
+      g.tokenizer = t->str;
+    }
+    const Json* prefix = generate->Find("chat_prefix");
+    const Json* suffix = generate->Find("chat_suffix");
+    if (prefix && prefix->kind == Json::kString && suffix && suffix->kind == Json::kString) {
+      g.chat = true;
+      g.chat_prefix = prefix->str;
+      g.chat_suffix = suffix->str;
+    }
+    for (const Json& id : generate->At("stop", "generate.").Arr("generate.stop")) g.stop.push_back(id.Int("generate.stop"));
+  }
   b.bundle_id = m.At("bundle_id", "").Str("bundle_id");
   const Json& device = m.At("device", "");
   b.arch = device.At("arch", "device.").Str("device.arch");
@@ -335,6 +379,7 @@ struct Ffi {
   decltype(&TVMFFIFunctionGetGlobal) get_global = nullptr;
   decltype(&TVMFFIFunctionCall) call = nullptr;
   decltype(&TVMFFIObjectDecRef) dec_ref = nullptr;
+  decltype(&TVMFFIObjectIncRef) inc_ref = nullptr;
   decltype(&TVMFFIErrorMoveFromRaised) move_error = nullptr;
   decltype(&TVMFFIDataTypeFromString) dtype_from_string = nullptr;
 };
@@ -429,7 +474,7 @@ std::string OutputProblem(const std::string& name, const std::string& dtype, con
 
 struct Runtime {
   DLDevice dev{kDLCPU, 0};
-  Value vm, main_fn, make_shape, alloc, copy_from, copy_to, sync;
+  Value vm, main_fn, make_shape, alloc, copy_from, copy_to, sync, get_function;
   std::vector<Value> params;
 
   Value Tensor(const TensorSpec& spec, const uint8_t* data) {
@@ -534,9 +579,10 @@ std::unique_ptr<Runtime> LoadRuntime(const Bundle& b, bool reserve_cpu = false) 
   ffi.get_global = reinterpret_cast<decltype(ffi.get_global)>(dlsym(ffi_lib, "TVMFFIFunctionGetGlobal"));
   ffi.call = reinterpret_cast<decltype(ffi.call)>(dlsym(ffi_lib, "TVMFFIFunctionCall"));
   ffi.dec_ref = reinterpret_cast<decltype(ffi.dec_ref)>(dlsym(ffi_lib, "TVMFFIObjectDecRef"));
+  ffi.inc_ref = reinterpret_cast<decltype(ffi.inc_ref)>(dlsym(ffi_lib, "TVMFFIObjectIncRef"));
   ffi.move_error = reinterpret_cast<decltype(ffi.move_error)>(dlsym(ffi_lib, "TVMFFIErrorMoveFromRaised"));
   ffi.dtype_from_string = reinterpret_cast<decltype(ffi.dtype_from_string)>(dlsym(ffi_lib, "TVMFFIDataTypeFromString"));
-  if (!ffi.get_global || !ffi.call || !ffi.dec_ref || !ffi.move_error || !ffi.dtype_from_string)
+  if (!ffi.get_global || !ffi.call || !ffi.dec_ref || !ffi.inc_ref || !ffi.move_error || !ffi.dtype_from_string)
     refuse("the bundled libtvm_ffi.so lacks the tvm-ffi C API");
   if (!b.cuda_arch.empty()) {
     // The GPU, through the CUDA runtime the TVM CUDA backend uses (the bridge on CUDA 12 devices).
@@ -579,11 +625,20 @@ std::unique_ptr<Runtime> LoadRuntime(const Bundle& b, bool reserve_cpu = false) 
     for (TVMFFIAny a : {Int(kDLCPU), Int(0), Int(kPooled)}) init_args.push_back(a);
   }
   Call(init.obj(), init_args, "initialising the VM");
-  rt->main_fn = Call(get_function.obj(), {Obj(vm), Str("main"), Bool(false)}, "main");
+  rt->get_function = std::move(get_function);
+  if (b.generate.given) {  // a language model's steps (LanguageModel) take the weights after their inputs
+    rt->vm = std::move(vm);
+    for (const TensorSpec& w : b.weights) {
+      std::vector<uint8_t> data = ReadRange(b.dir + "/" + b.weights_file, w.offset, w.bytes, b.weights_file);
+      rt->params.push_back(rt->Tensor(w, data.data()));
+    }
+    return rt;
+  }
+  rt->main_fn = Call(rt->get_function.obj(), {Obj(vm), Str("main"), Bool(false)}, "main");
   if (!rt->main_fn.obj()) refuse(b.library_file + " has no main function");
   // the library's main takes the inputs and then the weights: a table of another length is refused before
   // any weight is read (run.py and edgeq bench check the same)
-  Value arity_fn = Call(get_function.obj(), {Obj(vm), Str("get_function_arity"), Bool(false)}, "get_function_arity");
+  Value arity_fn = Call(rt->get_function.obj(), {Obj(vm), Str("get_function_arity"), Bool(false)}, "get_function_arity");
   if (arity_fn.obj()) {
     Value arity = Call(arity_fn.obj(), {Str("main")}, "reading main's arity");
     size_t listed = b.inputs.size() + b.weights.size();
@@ -682,13 +737,21 @@ struct Args {
   double timeout = 10.0;  // video.DEFAULT_TIMEOUT_S
   std::vector<std::string> inputs;
   std::string output, bundle;
+  // language models (run.py's flags and bounds)
+  bool has_prompt = false, has_prompt_ids = false, has_tokenize = false, chat = false;
+  std::string prompt, tokenize;
+  std::vector<int64_t> prompt_ids;
+  long max_tokens = 128;
+  double temperature = 0.0, top_p = 1.0;
+  uint64_t seed = 0;
 };
 
 [[noreturn]] void Usage(const std::string& why) {
   std::fprintf(stderr,
                "usage: edgeq-run [--bundle DIR] (--check | --self-test | --input NAME=FILE.npy ... [--output "
-               "DIR|FILE.npz] | --input VIDEO [--output DIR] [--timeout S] [--no-pipeline] | --benchmark N [--warmup N]) "
-               "[--json]\nedgeq-run: error: %s\n",
+               "DIR|FILE.npz] | --input VIDEO [--output DIR] [--timeout S] [--no-pipeline] | --benchmark N [--warmup N] | "
+               "--prompt TEXT|--prompt-ids ID,... [--chat] [--max-tokens N] [--temperature T] [--top-p P] [--seed S] | "
+               "--tokenize TEXT) [--json]\nedgeq-run: error: %s\n",
                why.c_str());
   std::exit(2);
 }
@@ -726,15 +789,72 @@ Args ParseArgs(int argc, char** argv) {
       a.timeout = v;
     }
     else if (arg == "--bundle") a.bundle = value(arg);
+    else if (arg == "--prompt") a.prompt = value(arg), a.has_prompt = true;
+    else if (arg == "--tokenize") a.tokenize = value(arg), a.has_tokenize = true;
+    else if (arg == "--chat") a.chat = true;
+    else if (arg == "--max-tokens") {
+      const char* text = value(arg);
+      char* end = nullptr;
+      errno = 0;
+      long v = std::strtol(text, &end, 10);
+      if (errno || !end || *end || end == text) Usage(std::string("argument --max-tokens: invalid int value: '") + text + "'");
+      if (v < 1 || v > 1000000) Usage("--max-tokens needs N from 1 to 1000000");
+      a.max_tokens = v;
+    } else if (arg == "--temperature" || arg == "--top-p") {
+      const char* text = value(arg);
+      char* end = nullptr;
+      double v = std::strtod(text, &end);
+      if (!end || *end || end == text) Usage("argument " + arg + ": invalid float value: '" + text + "'");
+      if (arg == "--temperature") {
+        if (!(v >= 0 && v <= 100)) Usage("--temperature needs T from 0 to 100");
+        a.temperature = v;
+      } else {
+        if (!(v > 0 && v <= 1)) Usage("--top-p needs P above 0 and at most 1");
+        a.top_p = v;
+      }
+    } else if (arg == "--seed") {
+      const char* text = value(arg);
+      char* end = nullptr;
+      errno = 0;
+      unsigned long long v = std::strtoull(text, &end, 10);
+      if (errno || !end || *end || end == text || text[0] == '-')
+        Usage("--seed needs S from 0 to 18446744073709551615");
+      a.seed = uint64_t(v);
+    } else if (arg == "--prompt-ids") {
+      std::string text = value(arg);
+      a.has_prompt_ids = true;
+      size_t start = 0;
+      while (start <= text.size()) {
+        size_t comma = text.find(',', start);
+        std::string item = text.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+        size_t b = item.find_first_not_of(" \t"), e = item.find_last_not_of(" \t");
+        if (b != std::string::npos) {
+          item = item.substr(b, e - b + 1);
+          char* end = nullptr;
+          errno = 0;
+          long long v = std::strtoll(item.c_str(), &end, 10);
+          if (errno || !end || *end) Usage("--prompt-ids needs token ids separated by commas, e.g. 1,504,3458");
+          a.prompt_ids.push_back(v);
+        }
+        if (comma == std::string::npos) break;
+        start = comma + 1;
+      }
+      if (a.prompt_ids.empty() || *std::min_element(a.prompt_ids.begin(), a.prompt_ids.end()) < 0)
+        Usage("--prompt-ids needs at least one token id, none negative");
+    }
     else if (arg == "-h" || arg == "--help") {
       std::printf("usage: edgeq-run [--bundle DIR] (--check | --self-test | --input NAME=FILE.npy ... [--output "
-                  "DIR|FILE.npz] | --input VIDEO [--output DIR] [--timeout S] [--no-pipeline] | --benchmark N [--warmup N]) "
-                  "[--json]\n\nRuns the edgeq bundle this file belongs to (or --bundle DIR) without Python. VIDEO: a "
-                  "file (.mp4, .mkv, .avi), /dev/videoN, csi://N, rtsp://... or gst:PIPELINE ending in appsink.\n");
+                  "DIR|FILE.npz] | --input VIDEO [--output DIR] [--timeout S] [--no-pipeline] | --benchmark N [--warmup N] "
+                  "| --prompt TEXT|--prompt-ids ID,... [--chat] [--max-tokens N] [--temperature T] [--top-p P] [--seed S] "
+                  "| --tokenize TEXT) [--json]\n\nRuns the edgeq bundle this file belongs to (or --bundle DIR) without "
+                  "Python. VIDEO: a file (.mp4, .mkv, .avi), /dev/videoN, csi://N, rtsp://... or gst:PIPELINE ending in "
+                  "appsink. A language model streams the tokens it generates after --prompt (greedy at temperature 0, "
+                  "the default; --chat wraps the prompt in the model's chat template).\n");
       std::exit(0);
     } else Usage("unknown argument '" + arg + "'");
   }
-  if (!(a.check || a.self_test || a.benchmark || !a.inputs.empty()))
+  if (a.has_prompt && a.has_prompt_ids) Usage("give --prompt or --prompt-ids, not both");
+  if (!(a.check || a.self_test || a.benchmark || !a.inputs.empty() || a.has_prompt || a.has_prompt_ids || a.has_tokenize))
     Usage("give --self-test, --benchmark N, --check or --input NAME=FILE.npy");
   return a;
 }
@@ -1148,6 +1268,339 @@ int RunStream(Runtime* rt, const Bundle& b, const std::string& spec, const Args&
   return 0;
 }
 
+// ------------------------------------------------------------------------------------------------
+// Language models: generate.py's generate() and VmSteps, and run.py's run_language_model, in C++
+// ------------------------------------------------------------------------------------------------
+struct ContextFull : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// A small host array staged as a device tensor for one call
+Value HostArray(Runtime* rt, const std::string& name, const DType& dtype, std::vector<int64_t> shape,
+                const std::vector<int64_t>& values) {
+  TensorSpec spec;
+  spec.name = name;
+  spec.dtype = dtype;
+  spec.shape = std::move(shape);
+  std::vector<uint8_t> data(values.size() * size_t(dtype.bytes));
+  for (size_t k = 0; k < values.size(); ++k) {
+    int64_t v = values[k];
+    uint8_t* at = &data[k * size_t(dtype.bytes)];
+    switch (dtype.bytes) {
+      case 1: { int8_t x = int8_t(v); std::memcpy(at, &x, 1); break; }
+      case 2: { int16_t x = int16_t(v); std::memcpy(at, &x, 2); break; }
+      case 4: { int32_t x = int32_t(v); std::memcpy(at, &x, 4); break; }
+      default: std::memcpy(at, &v, 8);
+    }
+  }
+  if (dtype.kind == 'f') refuse("manifest generate: " + name + " cannot be " + dtype.name);
+  spec.bytes = data.size();
+  return rt->Tensor(spec, data.data());
+}
+
+class Steps {
+ public:
+  Steps(Runtime* rt, const Bundle::Generate& g) : rt_(rt), g_(g) {
+    for (const Bundle::Step& s : g.steps) {
+      if (s.kind == "prefill") by_bucket_[s.prompt] = &s;
+      else if (s.kind == "decode") decoding_[s.capacity] = &s;
+      else if (s.kind == "grow") growing_[s.prompt] = &s;
+      else refuse("manifest generate.steps: unknown kind '" + s.kind + "'");
+      Value f = Call(rt->get_function.obj(), {Obj(rt->vm), Str(s.function.c_str()), Bool(false)}, s.function);
+      if (!f.obj()) refuse(s.function + " is not in the bundle's library; the bundle is damaged");
+      functions_[s.function] = std::move(f);
+    }
+    if (by_bucket_.empty() || decoding_.empty()) refuse("manifest generate.steps has no prefill or no decode step");
+    for (auto& kv : by_bucket_) buckets_.push_back(kv.first);
+  }
+
+  // generate.py's generate: the prompt's prefill (the rest of a long prompt one token a time), then one token per
+  // call of next(); each token sampled from the logits before it
+  void Start(const std::vector<int64_t>& prompt) {
+    size_t n = prompt.size();
+    if (n == 0) refuse_usage("the prompt has no tokens");
+    if (int64_t(n) >= g_.context)
+      throw ContextFull("the prompt is " + std::to_string(n) + " tokens; this bundle's context holds " +
+                        std::to_string(g_.context) + " (prompt and answer)");
+    int64_t bucket = buckets_.back();
+    for (int64_t b : buckets_)
+      if (b >= int64_t(n)) { bucket = b; break; }
+    size_t first = std::min(n, size_t(bucket));
+    std::vector<int64_t> ids(size_t(bucket), 0), positions(size_t(bucket), 0), mask(size_t(bucket), 1);
+    for (size_t k = 0; k < first; ++k) ids[k] = prompt[k];
+    for (size_t k = 0; k < size_t(bucket); ++k) positions[k] = int64_t(k);
+    std::map<std::string, Value> feeds;
+    feeds["input_ids"] = HostArray(rt_, "input_ids", g_.ids_dtype, {1, bucket}, ids);
+    feeds["position_ids"] = HostArray(rt_, "position_ids", g_.ids_dtype, {1, bucket}, positions);
+    feeds["attention_mask"] = HostArray(rt_, "attention_mask", g_.mask_dtype, {1, bucket}, mask);
+    feeds["last"] = HostArray(rt_, "last", ParseDType("int64"), {1}, {int64_t(first) - 1});
+    cache_.clear();
+    CallStep(*by_bucket_[bucket], &feeds);
+    for (size_t position = first; position < n; ++position) Decode(prompt[position], int64_t(position));
+    position_ = int64_t(n);
+  }
+  const std::vector<float>& logits() const { return logits_; }
+  // the cache holds one more token; false where the context is full (generate.py stops there)
+  bool Next(int64_t token) {
+    if (position_ >= g_.context) return false;
+    Decode(token, position_++);
+    return true;
+  }
+
+ private:
+  Runtime* rt_;
+  const Bundle::Generate& g_;
+  std::map<int64_t, const Bundle::Step*> by_bucket_, decoding_, growing_;
+  std::vector<int64_t> buckets_;
+  std::map<std::string, Value> functions_;
+  std::vector<Value> cache_;
+  std::vector<float> logits_;
+  int64_t capacity_ = 0, position_ = 0;
+
+  static Value Borrowed(const TVMFFIAny& any) {  // an owned reference to an element of a returned array
+    Value v;
+    v.any = any;
+    if (v.obj()) ffi.inc_ref(v.obj());
+    return v;
+  }
+
+  void CallStep(const Bundle::Step& step, std::map<std::string, Value>* feeds) {
+    std::vector<TVMFFIAny> args;
+    size_t next_cache = 0;
+    for (const std::string& name : step.inputs) {
+      if (name.rfind("past_key_values.", 0) == 0) {
+        if (next_cache >= cache_.size()) refuse(step.function + " takes more cache tensors than the step before gave");
+        args.push_back(Obj(cache_[next_cache++]));
+      } else {
+        auto it = feeds->find(name);
+        if (it == feeds->end()) refuse(step.function + " takes an input '" + name + "' edgeq-run does not make");
+        args.push_back(Obj(it->second));
+      }
+    }
+    for (const Value& w : rt_->params) args.push_back(Obj(w));
+    Value result = Call(functions_[step.function].obj(), args, "running " + step.function);
+    TakeResult(result, true);
+    capacity_ = step.capacity;
+  }
+
+  void TakeResult(const Value& result, bool with_logits) {
+    if (result.any.type_index != kTVMFFIArray) refuse("a step returned something other than a list of tensors");
+    auto* cell = reinterpret_cast<TVMFFISeqCell*>(reinterpret_cast<char*>(result.obj()) + sizeof(TVMFFIObject));
+    auto* elems = static_cast<TVMFFIAny*>(cell->data);
+    std::vector<Value> cache;
+    for (int64_t k = 0; k < cell->size; ++k) {
+      if (elems[k].type_index != kTVMFFITensor) refuse("a step returned something other than tensors");
+      if (k == 0 && with_logits) {
+        DLTensor* t = TVMFFITensorGetDLTensorPtr(elems[k].v_obj);
+        if (t->dtype.code != kDLFloat || t->dtype.bits != 32 || t->dtype.lanes != 1)
+          refuse("a step returned its logits as " + DTypeText(t->dtype) + ", not float32");
+        int64_t count = 1;
+        for (int32_t d = 0; d < t->ndim; ++d) count *= t->shape[d];
+        if (count != g_.vocab)
+          refuse("a step returned " + std::to_string(count) + " logits; the manifest's vocabulary is " +
+                 std::to_string(g_.vocab));
+        logits_.resize(size_t(count));
+        TVMFFIAny dl{};
+        dl.type_index = kTVMFFIDLTensorPtr;
+        dl.v_ptr = t;
+        Call(rt_->copy_to.obj(), {dl, Ptr(logits_.data()), Int(count * 4)}, "copying the logits back");
+        continue;
+      }
+      cache.push_back(Borrowed(elems[k]));
+    }
+    cache_ = std::move(cache);
+  }
+
+  void Decode(int64_t token, int64_t position) {
+    while (position >= capacity_) {  // the cache is full: copied into the next capacity's
+      auto grow = growing_.find(capacity_);
+      if (grow == growing_.end()) refuse("manifest generate.steps cannot grow the cache past " + std::to_string(capacity_));
+      std::vector<TVMFFIAny> args;
+      for (const Value& c : cache_) args.push_back(Obj(c));
+      Value result = Call(functions_[grow->second->function].obj(), args, "running " + grow->second->function);
+      TakeResult(result, false);
+      capacity_ = grow->second->capacity;
+    }
+    auto step = decoding_.find(capacity_);
+    if (step == decoding_.end()) refuse("manifest generate.steps has no decode step for " + std::to_string(capacity_) + " slots");
+    std::vector<int64_t> mask(size_t(capacity_ + 1), 0);  // generate.py's decode_feeds
+    for (int64_t k = 0; k < position; ++k) mask[size_t(k)] = 1;
+    mask[size_t(capacity_)] = 1;
+    std::map<std::string, Value> feeds;
+    feeds["input_ids"] = HostArray(rt_, "input_ids", g_.ids_dtype, {1, 1}, {token});
+    feeds["position_ids"] = HostArray(rt_, "position_ids", g_.ids_dtype, {1, 1}, {position});
+    feeds["attention_mask"] = HostArray(rt_, "attention_mask", g_.mask_dtype, {1, capacity_ + 1}, mask);
+    CallStep(*step->second, &feeds);
+  }
+};
+
+std::unique_ptr<Tokenizer> LoadTokenizer(const Bundle& b) {
+  if (b.generate.tokenizer.empty()) return nullptr;
+  std::string text = ReadFile(b.dir + "/" + b.generate.tokenizer, size_t(1) << 30, b.generate.tokenizer);
+  Json data = JsonParser(text, b.generate.tokenizer).Parse();
+  return std::unique_ptr<Tokenizer>(new Tokenizer(data));
+}
+
+// the generated token ids (generate.py's generate), each handed to `emit` as it is made; ends after a `stop` id
+template <typename Emit>
+void Generate(Steps* steps, const Bundle& b, const std::vector<int64_t>& prompt, long max_tokens, Sampler* sampler,
+              const std::vector<int64_t>& stop, const Emit& emit) {
+  for (int64_t t : prompt)
+    if (t >= b.generate.vocab)
+      refuse_usage("prompt token id " + std::to_string(*std::max_element(prompt.begin(), prompt.end())) +
+                   " is outside the vocabulary (0.." + std::to_string(b.generate.vocab - 1) + ")");
+  try {
+    steps->Start(prompt);
+  } catch (const ContextFull& err) {
+    refuse_usage(std::string(err.what()) + "; give a shorter prompt, or package with a larger --max-context");
+  }
+  for (long k = 0; k < max_tokens; ++k) {
+    int64_t token = (*sampler)(steps->logits());
+    emit(token);
+    if (std::find(stop.begin(), stop.end(), token) != stop.end()) return;
+    if (!steps->Next(token)) return;
+  }
+}
+
+std::string JsonText(const std::string& utf8) {  // run.py's json.dumps of a str: ASCII, \uXXXX (surrogate pairs)
+  std::string out = "\"";
+  for (size_t i = 0; i < utf8.size();) {
+    uint32_t cp = 0;
+    size_t len = Utf8At(utf8, i, &cp);
+    if (!len) { cp = 0xFFFD; len = 1; }
+    i += len;
+    char buf[16];
+    if (cp == '"') out += "\\\"";
+    else if (cp == '\\') out += "\\\\";
+    else if (cp == '\n') out += "\\n";
+    else if (cp == '\r') out += "\\r";
+    else if (cp == '\t') out += "\\t";
+    else if (cp == '\b') out += "\\b";
+    else if (cp == '\f') out += "\\f";
+    else if (cp < 0x20 || (cp >= 0x7F && cp < 0x10000)) { std::snprintf(buf, sizeof buf, "\\u%04x", cp); out += buf; }
+    else if (cp >= 0x10000) {
+      uint32_t v = cp - 0x10000;
+      std::snprintf(buf, sizeof buf, "\\u%04x\\u%04x", 0xD800 + (v >> 10), 0xDC00 + (v & 0x3FF));
+      out += buf;
+    } else out += char(cp);
+  }
+  return out + "\"";
+}
+
+std::string IdList(const std::vector<int64_t>& ids) {
+  std::string out = "[";
+  for (size_t k = 0; k < ids.size(); ++k) out += (k ? ", " : "") + std::to_string(ids[k]);
+  return out + "]";
+}
+
+int RunLanguageModel(const Bundle& b, const Args& args) {
+  if (!args.inputs.empty() || args.benchmark)
+    refuse_usage("this bundle is a language model: give --prompt TEXT (or --prompt-ids) and --max-tokens N; --json "
+                 "reports tokens per second");
+  std::unique_ptr<Tokenizer> tokenizer = LoadTokenizer(b);
+  if (args.has_tokenize) {  // the prompt's token ids, without running the model
+    if (!tokenizer) refuse_usage("this bundle has no tokenizer (packaged without tokenizer.json)");
+    CodePoints(args.tokenize, "--tokenize");
+    std::vector<int64_t> ids = tokenizer->Encode(args.tokenize);
+    if (args.json) std::printf("{\"ids\": %s}\n", IdList(ids).c_str());
+    else std::printf("%s\n", IdList(ids).c_str());
+    return 0;
+  }
+  std::vector<int64_t> prompt;  // what run.py checks before loading the model, in its order
+  if (args.has_prompt) {
+    if (!tokenizer) refuse_usage("this bundle has no tokenizer (packaged without tokenizer.json): give --prompt-ids");
+    CodePoints(args.prompt, "--prompt");
+    std::string text = args.prompt;
+    if (args.chat) {
+      if (!b.generate.chat) refuse_usage("this bundle has no chat template: leave out --chat");
+      text = b.generate.chat_prefix + text + b.generate.chat_suffix;
+    }
+    prompt = tokenizer->Encode(text);
+  } else if (args.has_prompt_ids) {
+    if (args.chat) refuse_usage("--chat wraps a --prompt TEXT; --prompt-ids are taken as they are");
+    prompt = args.prompt_ids;
+  }
+  std::unique_ptr<Runtime> rt = LoadRuntime(b);
+  if (args.check) {
+    if (args.json) std::printf("{\"ok\": true}\n");
+    else std::printf("ok: this machine can run %s\n", b.bundle_id.c_str());
+    return 0;
+  }
+  Steps steps(rt.get(), b.generate);
+  if (args.self_test) {  // run.py's language_self_test: the recorded greedy tokens, exactly
+    std::vector<int64_t> recorded[2];
+    const char* names[2] = {"prompt", "tokens"};
+    for (int k = 0; k < 2; ++k) {
+      const TensorSpec* spec = nullptr;
+      for (const TensorSpec& g : b.golden)
+        if (g.name == names[k]) spec = &g;
+      if (!spec || spec->dtype.kind != 'i' || spec->dtype.bytes != 8)
+        refuse("the golden file has no prompt and tokens; package the bundle again");
+      std::vector<uint8_t> data = ReadRange(b.dir + "/" + b.golden_file, spec->offset, spec->bytes, b.golden_file);
+      recorded[k].resize(data.size() / 8);
+      if (!data.empty()) std::memcpy(recorded[k].data(), data.data(), data.size());
+    }
+    const std::vector<int64_t>& want = recorded[1];
+    std::vector<int64_t> got;
+    Sampler greedy(0.0, 1.0, 0);
+    Generate(&steps, b, recorded[0], long(want.size()), &greedy, {}, [&](int64_t t) { got.push_back(t); });
+    size_t matched = 0;
+    while (matched < std::min(got.size(), want.size()) && got[matched] == want[matched]) ++matched;
+    bool ok = got == want;
+    if (args.json)
+      std::printf("{\"ok\": %s, \"outputs\": [{\"output\": \"tokens\", \"count\": %zu, \"matched\": %zu, \"ok\": %s}]}\n",
+                  ok ? "true" : "false", want.size(), matched, ok ? "true" : "false");
+    else
+      std::printf("%-4s tokens: %zu of %zu recorded greedy tokens matched in order\nself-test %s\n", ok ? "ok" : "FAIL",
+                  matched, want.size(), ok ? "passed" : "FAILED");
+    if (!ok) return kSelfTestFailed;
+  }
+  if (!args.has_prompt && !args.has_prompt_ids) return 0;
+  Sampler sampler(args.temperature, args.top_p, args.seed);
+  std::unique_ptr<StreamDecoder> decoder(tokenizer ? new StreamDecoder(tokenizer.get()) : nullptr);
+  using Clock = std::chrono::steady_clock;
+  Clock::time_point start = Clock::now(), first;
+  bool have_first = false;
+  std::vector<int64_t> generated;
+  Generate(&steps, b, prompt, args.max_tokens, &sampler, b.generate.stop, [&](int64_t token) {
+    if (!have_first) first = Clock::now(), have_first = true;
+    generated.push_back(token);
+    if (args.json) {
+      std::string text = decoder ? JsonText(decoder->Push(token)) : "null";
+      std::printf("{\"token\": %lld, \"text\": %s}\n", static_cast<long long>(token), text.c_str());
+    } else if (decoder) {
+      std::string text = decoder->Push(token);
+      std::fwrite(text.data(), 1, text.size(), stdout);
+    } else {
+      std::printf("%lld ", static_cast<long long>(token));
+    }
+    std::fflush(stdout);
+  });
+  Clock::time_point end = Clock::now();
+  std::string tail = decoder ? decoder->Flush() : "";
+  size_t decode_tokens = generated.empty() ? 0 : generated.size() - 1;
+  bool stopped = !generated.empty() &&
+                 std::find(b.generate.stop.begin(), b.generate.stop.end(), generated.back()) != b.generate.stop.end();
+  const char* why = stopped ? "stop token"
+                    : int64_t(prompt.size() + generated.size()) >= b.generate.context ? "context full" : "max tokens";
+  double first_ms = std::chrono::duration<double, std::milli>(first - start).count();
+  double per_s = decode_tokens ? double(decode_tokens) / std::chrono::duration<double>(end - first).count() : 0;
+  std::string rate = decode_tokens ? JsonNumber(std::round(per_s * 100) / 100) : "null";
+  if (args.json) {
+    if (!tail.empty()) std::printf("{\"token\": null, \"text\": %s}\n", JsonText(tail).c_str());
+    std::printf("{\"summary\": {\"prompt_tokens\": %zu, \"tokens\": %zu, \"stopped\": \"%s\", \"first_token_ms\": %s, "
+                "\"decode_tokens_per_s\": %s}}\n", prompt.size(), generated.size(), why,
+                JsonNumber(std::round(first_ms * 100) / 100).c_str(), rate.c_str());
+  } else {
+    std::fwrite(tail.data(), 1, tail.size(), stdout);
+    std::printf("\n");
+    std::fflush(stdout);
+    std::fprintf(stderr, "[%zu prompt tokens, %zu generated (%s); first token %.1f ms, %s tokens/s]\n", prompt.size(),
+                 generated.size(), why, first_ms, decode_tokens ? JsonNumber(std::round(per_s * 100) / 100).c_str() : "None");
+  }
+  return 0;
+}
+
 int Main(int argc, char** argv) {
   Args args = ParseArgs(argc, argv);
   std::string dir = BundleDir(args);
@@ -1155,6 +1608,9 @@ int Main(int argc, char** argv) {
   CheckArch(b);
   CheckFiles(b);
   if (!b.cuda_arch.empty()) CheckDriver(b);
+  if (b.generate.given) return RunLanguageModel(b, args);
+  if (args.has_prompt || args.has_prompt_ids || args.has_tokenize)
+    refuse_usage("--prompt, --prompt-ids and --tokenize are for language-model bundles; this one is not");
   std::string stream;  // a video source (video.h), given alone
   for (const std::string& spec : args.inputs) {
     std::string name, path;

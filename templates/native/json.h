@@ -9,6 +9,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -61,7 +62,7 @@ struct Json {
 
 class JsonParser {
  public:
-  explicit JsonParser(const std::string& text) : s_(text) {}
+  explicit JsonParser(const std::string& text, std::string what = "manifest.json") : s_(text), what_(std::move(what)) {}
   Json Parse() {
     CheckUtf8();  // the manifest is what the signature covers: every reader must see the same text (Python: strict UTF-8)
     Json v = Value(0);
@@ -72,7 +73,7 @@ class JsonParser {
 
  private:
   [[noreturn]] void Fail(const std::string& why) {
-    refuse("manifest.json is not valid JSON (" + why + " at byte " + std::to_string(p_) + ")");
+    refuse(what_ + " is not valid JSON (" + why + " at byte " + std::to_string(p_) + ")");
   }
   // Strict UTF-8 as Python decodes it: no overlong forms, no surrogates, nothing above U+10FFFF.
   void CheckUtf8() {
@@ -111,6 +112,7 @@ class JsonParser {
     char c = s_[p_];
     if (c == '{') {
       v.kind = Json::kObject;
+      std::unordered_set<std::string> keys;
       ++p_;
       Space();
       if (p_ < s_.size() && s_[p_] == '}') {
@@ -122,9 +124,9 @@ class JsonParser {
         if (p_ >= s_.size() || s_[p_] != '"') Fail("expected a key");
         size_t key_at = p_;
         std::string key = String();
-        for (auto& kv : v.fields) {  // first-wins and last-wins readers would see different documents
-          if (kv.first == key) { p_ = key_at; Fail("duplicate key \"" + key + "\""); }
-        }
+        // first-wins and last-wins readers would see different documents (a set: a tokenizer's vocabulary has
+        // tens of thousands of keys)
+        if (!keys.insert(key).second) { p_ = key_at; Fail("duplicate key \"" + key + "\""); }
         Space();
         if (p_ >= s_.size() || s_[p_] != ':') Fail("expected ':'");
         ++p_;
@@ -250,6 +252,7 @@ class JsonParser {
     *out += char(0x80 | ((cp >> 6) & 0x3F)); *out += char(0x80 | (cp & 0x3F));
   }
   const std::string& s_;
+  std::string what_;
   size_t p_ = 0;
 };
 
