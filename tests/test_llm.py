@@ -405,3 +405,27 @@ def test_int4_recovers_a_q4_1_grid_exactly():
     codes, scales, lowest = cpu.quantize_groups(w, 4)
     back = codes * np.repeat(scales.astype(np.float32), 32, axis=0) + np.repeat(lowest.astype(np.float32), 32, axis=0)
     assert np.array_equal(codes, q) and np.abs(back - w).max() <= 1e-3 * np.abs(w).max()
+
+
+@pytest.mark.skipif(shutil.which("qemu-aarch64") is None or not Path("/usr/aarch64-linux-gnu").is_dir(),
+                    reason="qemu-user and the aarch64 cross toolchain are needed (scripts/setup.sh)")
+def test_an_aarch64_bundle_generates_under_qemu_as_the_host_does(llm_bundle, tmp_path):
+    """The same model packaged for arm64-cpu (a Jetson's CPU): its cross-compiled edgeq-run and steps, run under
+    qemu-aarch64 with nothing else, pass the self-test recorded by the host build and stream the host's greedy
+    tokens and text."""
+    bundle, model = llm_bundle
+    result = run_cli("package", model, "--device", "arm64-cpu", "-o", tmp_path, "--max-context", "64", "-q", "--json")
+    assert result.code == 0, result.stderr
+    arm = Path(json.loads(result.stdout)["bundle_dir"])
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(arm)}
+
+    def run_arm(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["qemu-aarch64", "-L", "/usr/aarch64-linux-gnu", str(arm / "runtime" / "edgeq-run"), *args],
+                              capture_output=True, text=True, env=env, timeout=600)
+
+    proc = run_arm("--self-test", "--json")
+    assert proc.returncode == 0 and json.loads(proc.stdout)["ok"], proc.stderr
+    args = ("--prompt", "The capital of France is", "--max-tokens", "12", "--json")
+    ours, theirs = run_arm(*args), _run_py(bundle, *args)
+    assert ours.returncode == theirs.returncode == 0, ours.stderr
+    assert ours.stdout.splitlines()[:-1] == theirs.stdout.splitlines()[:-1]
