@@ -474,7 +474,8 @@ def run_language_model(manifest, tvm, args):
     first = None
     generated = []
     out = sys.stdout
-    for token in model.tokens(prompt, args.max_tokens, sampler, set(spec.stop)):
+    stop = set() if args.ignore_eos else set(spec.stop)
+    for token in model.tokens(prompt, args.max_tokens, sampler, stop):
         if first is None:
             first = time.perf_counter()
         generated.append(token)
@@ -490,7 +491,7 @@ def run_language_model(manifest, tvm, args):
     tail = decoder.flush() if decoder is not None else ""
     decode_tokens = len(generated) - 1
     summary = {"prompt_tokens": len(prompt), "tokens": len(generated),
-               "stopped": "stop token" if generated and generated[-1] in spec.stop else
+               "stopped": "stop token" if generated and generated[-1] in stop else
                ("context full" if len(prompt) + len(generated) >= spec.context else "max tokens"),
                "first_token_ms": round((first - start) * 1e3, 2),
                "decode_tokens_per_s": round(decode_tokens / (end - first), 2) if decode_tokens > 0 else None}
@@ -534,6 +535,8 @@ def parse_args(argv):
     parser.add_argument("--top-p", type=float, default=1.0, metavar="P",
                         help="language models: sample from the most likely tokens whose probability reaches P (default 1)")
     parser.add_argument("--seed", type=int, default=0, metavar="S", help="language models: the sampler's seed (default 0)")
+    parser.add_argument("--ignore-eos", action="store_true",
+                        help="language models: go on past the end-of-answer token (to time --max-tokens tokens)")
     parser.add_argument("--tokenize", metavar="TEXT", help="language models: print TEXT's token ids (the model is not run)")
     parser.add_argument("--no-pipeline", action="store_true",
                         help="video: decode, prepare, infer and answer one frame after the other (default: the next "

@@ -312,6 +312,7 @@ def _edgeq_run(bundle: Path, *args: str) -> subprocess.CompletedProcess:
     ["--self-test", "--json"],
     ["--self-test"],
     ["--prompt-ids", "5,77,120,3,9", "--max-tokens", "20", "--json"],
+    ["--prompt-ids", "5,77,120,3,9", "--max-tokens", "40", "--ignore-eos", "--json"],  # past <|im_end|>
     ["--prompt", "The capital of France is", "--max-tokens", "12", "--json"],
     ["--prompt", "Caf\u00e9 \U0001f600 d\u00e9j\u00e0 vu", "--max-tokens", "24"],  # streamed as text
     ["--prompt", "hi", "--chat", "--max-tokens", "30", "--temperature", "0.9", "--top-p", "0.9", "--seed", "11", "--json"],

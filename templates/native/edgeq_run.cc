@@ -738,7 +738,7 @@ struct Args {
   std::vector<std::string> inputs;
   std::string output, bundle;
   // language models (run.py's flags and bounds)
-  bool has_prompt = false, has_prompt_ids = false, has_tokenize = false, chat = false;
+  bool has_prompt = false, has_prompt_ids = false, has_tokenize = false, chat = false, ignore_eos = false;
   std::string prompt, tokenize;
   std::vector<int64_t> prompt_ids;
   long max_tokens = 128;
@@ -750,8 +750,8 @@ struct Args {
   std::fprintf(stderr,
                "usage: edgeq-run [--bundle DIR] (--check | --self-test | --input NAME=FILE.npy ... [--output "
                "DIR|FILE.npz] | --input VIDEO [--output DIR] [--timeout S] [--no-pipeline] | --benchmark N [--warmup N] | "
-               "--prompt TEXT|--prompt-ids ID,... [--chat] [--max-tokens N] [--temperature T] [--top-p P] [--seed S] | "
-               "--tokenize TEXT) [--json]\nedgeq-run: error: %s\n",
+               "--prompt TEXT|--prompt-ids ID,... [--chat] [--max-tokens N] [--temperature T] [--top-p P] [--seed S] "
+               "[--ignore-eos] | --tokenize TEXT) [--json]\nedgeq-run: error: %s\n",
                why.c_str());
   std::exit(2);
 }
@@ -792,6 +792,7 @@ Args ParseArgs(int argc, char** argv) {
     else if (arg == "--prompt") a.prompt = value(arg), a.has_prompt = true;
     else if (arg == "--tokenize") a.tokenize = value(arg), a.has_tokenize = true;
     else if (arg == "--chat") a.chat = true;
+    else if (arg == "--ignore-eos") a.ignore_eos = true;
     else if (arg == "--max-tokens") {
       const char* text = value(arg);
       char* end = nullptr;
@@ -846,7 +847,7 @@ Args ParseArgs(int argc, char** argv) {
       std::printf("usage: edgeq-run [--bundle DIR] (--check | --self-test | --input NAME=FILE.npy ... [--output "
                   "DIR|FILE.npz] | --input VIDEO [--output DIR] [--timeout S] [--no-pipeline] | --benchmark N [--warmup N] "
                   "| --prompt TEXT|--prompt-ids ID,... [--chat] [--max-tokens N] [--temperature T] [--top-p P] [--seed S] "
-                  "| --tokenize TEXT) [--json]\n\nRuns the edgeq bundle this file belongs to (or --bundle DIR) without "
+                  "[--ignore-eos] | --tokenize TEXT) [--json]\n\nRuns the edgeq bundle this file belongs to (or --bundle DIR) without "
                   "Python. VIDEO: a file (.mp4, .mkv, .avi), /dev/videoN, csi://N, rtsp://... or gst:PIPELINE ending in "
                   "appsink. A language model streams the tokens it generates after --prompt (greedy at temperature 0, "
                   "the default; --chat wraps the prompt in the model's chat template).\n");
@@ -1562,7 +1563,8 @@ int RunLanguageModel(const Bundle& b, const Args& args) {
   Clock::time_point start = Clock::now(), first;
   bool have_first = false;
   std::vector<int64_t> generated;
-  Generate(&steps, b, prompt, args.max_tokens, &sampler, b.generate.stop, [&](int64_t token) {
+  const std::vector<int64_t> no_stop, &stop = args.ignore_eos ? no_stop : b.generate.stop;
+  Generate(&steps, b, prompt, args.max_tokens, &sampler, stop, [&](int64_t token) {
     if (!have_first) first = Clock::now(), have_first = true;
     generated.push_back(token);
     if (args.json) {
@@ -1579,8 +1581,7 @@ int RunLanguageModel(const Bundle& b, const Args& args) {
   Clock::time_point end = Clock::now();
   std::string tail = decoder ? decoder->Flush() : "";
   size_t decode_tokens = generated.empty() ? 0 : generated.size() - 1;
-  bool stopped = !generated.empty() &&
-                 std::find(b.generate.stop.begin(), b.generate.stop.end(), generated.back()) != b.generate.stop.end();
+  bool stopped = !generated.empty() && std::find(stop.begin(), stop.end(), generated.back()) != stop.end();
   const char* why = stopped ? "stop token"
                     : int64_t(prompt.size() + generated.size()) >= b.generate.context ? "context full" : "max tokens";
   double first_ms = std::chrono::duration<double, std::milli>(first - start).count();

@@ -239,6 +239,12 @@ def schedule_weight_product(func, isa: Isa):
         outer = no
     for loop in reduce[1:]:
         sch.unroll(loop)
+    per_group = GROUP // 2 if reductions == 2 else GROUP  # codes a scale covers, along the first reduction loop
+    if int(sch.get(reduce[0]).extent) % per_group == 0:
+        # a group's codes unrolled: its scale and minimum are read and widened once, not once a code
+        first, inner = sch.split(reduce[0], [None, per_group])
+        sch.unroll(inner)
+        reduce = [first, *reduce[1:]]
     sch.reverse_compute_at(wb, outer)
     sch.vectorize(ni)
     sch.parallel(outer)
