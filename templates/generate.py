@@ -15,7 +15,11 @@ Sampling draws from edgeq's own generator (SplitMix64, 53-bit uniforms), written
 that a seed gives the same tokens in both loaders.
 """
 
+from bisect import bisect_left, bisect_right
+from functools import reduce
+from itertools import accumulate, repeat
 from math import exp
+from operator import add, truediv
 
 MASK64 = (1 << 64) - 1
 
@@ -62,28 +66,15 @@ class Sampler:
             return int(np.argmax(logits))
         scaled = logits / self.temperature
         order = np.argsort(-scaled, kind="stable")
-        ordered = scaled[order].tolist()
-        top = ordered[0]
-        weights = [exp(v - top) for v in ordered]
-        total = 0.0
-        for w in weights:
-            total += w
-        keep, cumulative = len(weights), 0.0
-        for i, w in enumerate(weights):
-            cumulative += w / total
-            if cumulative >= self.top_p:
-                keep = i + 1
-                break
-        kept_total = 0.0
-        for w in weights[:keep]:
-            kept_total += w / total
+        ordered = (scaled[order] - scaled[order[0]]).tolist()  # a float64 subtraction each, as in C++
+        weights = list(map(exp, ordered))
+        total = reduce(add, weights, 0.0)  # in order (Python 3.12's sum() compensates, C++ does not)
+        probs = list(map(truediv, weights, repeat(total, len(weights))))
+        keep = min(bisect_left(list(accumulate(probs)), self.top_p) + 1, len(weights))  # the first sum >= top_p
+        kept_total = reduce(add, probs[:keep], 0.0)
         u = self.rng.uniform()
-        cumulative = 0.0
-        for i in range(keep):
-            cumulative += (weights[i] / total) / kept_total
-            if cumulative > u:
-                return int(order[i])
-        return int(order[keep - 1])
+        index = bisect_right(list(accumulate(map(truediv, probs[:keep], repeat(kept_total, keep)))), u)  # first > u
+        return int(order[min(index, keep - 1)])
 
 
 def generate(np, steps, prompt, max_tokens, sampler, stop=()):
