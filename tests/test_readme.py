@@ -39,7 +39,7 @@ def _commands(text: str) -> list[str]:
 
 
 def test_readme_is_short():
-    assert len(README.read_text().splitlines()) <= 250
+    assert len(README.read_text().splitlines()) <= 200
 
 
 def test_readme_has_the_two_setup_commands():
