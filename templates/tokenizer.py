@@ -133,12 +133,13 @@ def native_problem(pattern):
             quantified = False
             continue
         if in_class:
-            in_class = c != "]" or pattern[i - 1] in "[^" and pattern[i - 2:i] != "\\]"
+            in_class = c != "]"
             i += 1
             continue
-        if c == "[":
+        if c == "[":  # a "]" first in a class (after "^") is a literal, as in Python's re
             in_class = True
             i += 2 if pattern[i + 1:i + 2] == "^" else 1
+            i += pattern[i:i + 1] == "]"
             continue
         if c in "^$":
             return "its pattern uses the anchor %s" % c

@@ -16,6 +16,7 @@ Every ELF is checked against the profile's OS (highest glibc / libstdc++ symbol 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import platform
 import shutil
@@ -165,6 +166,7 @@ constexpr size_t kLatencyKeyCount = {len(keys)};
 """.encode()
 
 
+@functools.cache
 def unicode_header() -> bytes:
     """``unicode_categories.h`` of edgeq-run: every code point's general category as runs of (first, last, category),
     from this Python's ``unicodedata``, which tokenizer.py's ``\\p{..}`` classes are built from too (a device's
@@ -172,14 +174,13 @@ def unicode_header() -> bytes:
     import sys
     import unicodedata
 
-    names, runs = [], []
+    names: dict[str, int] = {}
+    runs = []
     for code in range(sys.maxunicode + 1):
         category = unicodedata.category(chr(code))
         if category == "Cn":
             continue
-        if category not in names:
-            names.append(category)
-        index = names.index(category)
+        index = names.setdefault(category, len(names))
         if runs and runs[-1][2] == index and runs[-1][1] == code - 1:
             runs[-1][1] = code
         else:

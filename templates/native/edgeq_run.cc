@@ -1279,6 +1279,7 @@ struct ContextFull : std::runtime_error {
 // A small host array staged as a device tensor for one call
 Value HostArray(Runtime* rt, const std::string& name, const DType& dtype, std::vector<int64_t> shape,
                 const std::vector<int64_t>& values) {
+  if (dtype.kind == 'f') refuse("manifest generate: " + name + " cannot be " + dtype.name);
   TensorSpec spec;
   spec.name = name;
   spec.dtype = dtype;
@@ -1294,7 +1295,6 @@ Value HostArray(Runtime* rt, const std::string& name, const DType& dtype, std::v
       default: std::memcpy(at, &v, 8);
     }
   }
-  if (dtype.kind == 'f') refuse("manifest generate: " + name + " cannot be " + dtype.name);
   spec.bytes = data.size();
   return rt->Tensor(spec, data.data());
 }

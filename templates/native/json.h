@@ -15,6 +15,7 @@
 
 #include "contract.h"
 #include "refuse.h"
+#include "utf8.h"
 
 namespace {
 
@@ -77,19 +78,10 @@ class JsonParser {
   }
   // Strict UTF-8 as Python decodes it: no overlong forms, no surrogates, nothing above U+10FFFF.
   void CheckUtf8() {
-    const auto* b = reinterpret_cast<const uint8_t*>(s_.data());
-    size_t n = s_.size();
-    for (size_t i = 0; i < n;) {
-      uint8_t c = b[i];
-      size_t len = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xE ? 3 : (c >> 3) == 0x1E ? 4 : 0;
-      if (len == 0 || i + len > n) { p_ = i; Fail("not UTF-8 text"); }
-      uint32_t cp = len == 1 ? c : len == 2 ? (c & 0x1F) : len == 3 ? (c & 0x0F) : (c & 0x07);
-      for (size_t k = 1; k < len; ++k) {
-        if ((b[i + k] & 0xC0) != 0x80) { p_ = i; Fail("not UTF-8 text"); }
-        cp = (cp << 6) | (b[i + k] & 0x3F);
-      }
-      static const uint32_t kMin[5] = {0, 0, 0x80, 0x800, 0x10000};
-      if (cp < kMin[len] || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) { p_ = i; Fail("not UTF-8 text"); }
+    uint32_t cp;
+    for (size_t i = 0; i < s_.size();) {
+      size_t len = Utf8At(s_, i, &cp);
+      if (!len) { p_ = i; Fail("not UTF-8 text"); }
       i += len;
     }
   }
@@ -221,7 +213,7 @@ class JsonParser {
             if (lo < 0xDC00 || lo >= 0xE000) Fail("bad surrogate pair");
             cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
           }
-          Utf8(cp, &out);
+          AppendUtf8(&out, cp);
           break;
         }
         default: Fail("bad escape");
@@ -240,16 +232,6 @@ class JsonParser {
       else Fail("bad \\u escape");
     }
     return v;
-  }
-  static void Utf8(uint32_t cp, std::string* out) {
-    if (cp < 0x80) { *out += char(cp); return; }
-    if (cp < 0x800) { *out += char(0xC0 | (cp >> 6)); *out += char(0x80 | (cp & 0x3F)); return; }
-    if (cp < 0x10000) {
-      *out += char(0xE0 | (cp >> 12)); *out += char(0x80 | ((cp >> 6) & 0x3F)); *out += char(0x80 | (cp & 0x3F));
-      return;
-    }
-    *out += char(0xF0 | (cp >> 18)); *out += char(0x80 | ((cp >> 12) & 0x3F));
-    *out += char(0x80 | ((cp >> 6) & 0x3F)); *out += char(0x80 | (cp & 0x3F));
   }
   const std::string& s_;
   std::string what_;

@@ -16,104 +16,10 @@
 
 #include "json.h"
 #include "refuse.h"
+#include "utf8.h"
 #include "unicode_categories.h"  // generated from Python's unicodedata (edgeq.runtime.assemble.unicode_header)
 
 namespace {
-
-// ------------------------------------------------------------------------------------------------
-// UTF-8
-// ------------------------------------------------------------------------------------------------
-void AppendUtf8(std::string* out, uint32_t cp) {
-  if (cp < 0x80) {
-    *out += char(cp);
-  } else if (cp < 0x800) {
-    *out += char(0xC0 | (cp >> 6));
-    *out += char(0x80 | (cp & 0x3F));
-  } else if (cp < 0x10000) {
-    *out += char(0xE0 | (cp >> 12));
-    *out += char(0x80 | ((cp >> 6) & 0x3F));
-    *out += char(0x80 | (cp & 0x3F));
-  } else {
-    *out += char(0xF0 | (cp >> 18));
-    *out += char(0x80 | ((cp >> 12) & 0x3F));
-    *out += char(0x80 | ((cp >> 6) & 0x3F));
-    *out += char(0x80 | (cp & 0x3F));
-  }
-}
-
-// The length of the valid UTF-8 sequence at s[i] (1-4), or 0 where it is not one; *cp its code point. Valid as
-// Unicode's table 3-7 (and Python) have it: no overlong forms, no surrogates, nothing above U+10FFFF. ``partial``: the
-// number of bytes (1-3) of a valid but incomplete sequence at the end of s, else 0.
-size_t Utf8At(const std::string& s, size_t i, uint32_t* cp, size_t* partial = nullptr) {
-  const auto* b = reinterpret_cast<const uint8_t*>(s.data());
-  size_t n = s.size();
-  if (partial) *partial = 0;
-  uint8_t c = b[i];
-  if (c < 0x80) { *cp = c; return 1; }
-  size_t len;
-  uint8_t lo = 0x80, hi = 0xBF;  // the allowed range of the second byte
-  if (c >= 0xC2 && c <= 0xDF) len = 2;
-  else if (c >= 0xE0 && c <= 0xEF) { len = 3; if (c == 0xE0) lo = 0xA0; if (c == 0xED) hi = 0x9F; }
-  else if (c >= 0xF0 && c <= 0xF4) { len = 4; if (c == 0xF0) lo = 0x90; if (c == 0xF4) hi = 0x8F; }
-  else return 0;
-  uint32_t v = c & (len == 2 ? 0x1F : len == 3 ? 0x0F : 0x07);
-  for (size_t k = 1; k < len; ++k) {
-    if (i + k >= n) {  // the end of the text inside a sequence that was valid so far
-      if (partial) *partial = k;
-      return 0;
-    }
-    uint8_t t = b[i + k];
-    if (t < (k == 1 ? lo : 0x80) || t > (k == 1 ? hi : 0xBF)) return 0;
-    v = (v << 6) | (t & 0x3F);
-  }
-  *cp = v;
-  return len;
-}
-
-// bytes as text, each maximal invalid subpart replaced by U+FFFD: Python's bytes.decode("utf-8", errors="replace")
-std::string Utf8Replace(const std::string& s) {
-  std::string out;
-  for (size_t i = 0; i < s.size();) {
-    uint32_t cp;
-    size_t partial = 0;
-    size_t len = Utf8At(s, i, &cp, &partial);
-    if (len) {
-      out.append(s, i, len);
-      i += len;
-      continue;
-    }
-    AppendUtf8(&out, 0xFFFD);
-    // the maximal subpart: the lead byte and the continuation bytes that were valid after it
-    size_t skip = 1;
-    const auto* b = reinterpret_cast<const uint8_t*>(s.data());
-    uint8_t c = b[i];
-    size_t need = (c >= 0xC2 && c <= 0xDF) ? 2 : (c >= 0xE0 && c <= 0xEF) ? 3 : (c >= 0xF0 && c <= 0xF4) ? 4 : 1;
-    if (partial) skip = partial;
-    else if (need > 1) {
-      uint8_t lo = c == 0xE0 ? 0xA0 : c == 0xF0 ? 0x90 : 0x80, hi = c == 0xED ? 0x9F : c == 0xF4 ? 0x8F : 0xBF;
-      for (size_t k = 1; k < need && i + k < s.size(); ++k) {
-        uint8_t t = b[i + k];
-        if (t < (k == 1 ? lo : 0x80) || t > (k == 1 ? hi : 0xBF)) break;
-        skip = k + 1;
-      }
-    }
-    i += skip;
-  }
-  return out;
-}
-
-// Text as code points; refuses text that is not UTF-8 (a prompt must be text).
-std::vector<uint32_t> CodePoints(const std::string& s, const std::string& what) {
-  std::vector<uint32_t> out;
-  for (size_t i = 0; i < s.size();) {
-    uint32_t cp;
-    size_t len = Utf8At(s, i, &cp);
-    if (!len) refuse_usage(what + " is not UTF-8 text (byte " + std::to_string(i) + ")");
-    out.push_back(cp);
-    i += len;
-  }
-  return out;
-}
 
 // Unicode's general category of a code point, as Python's unicodedata.category names it ("Cn": unassigned)
 const char* Category(uint32_t cp) {
@@ -380,9 +286,6 @@ class Regex {
   }
 
   bool Match(int id, const std::vector<uint32_t>& t, size_t i, const std::function<bool(size_t)>& k) const {
-    return MatchFn(id, t, i, k);
-  }
-  bool MatchFn(int id, const std::vector<uint32_t>& t, size_t i, const std::function<bool(size_t)>& k) const {
     const Node& n = nodes_[size_t(id)];
     switch (n.kind) {
       case Node::kSet:
@@ -391,10 +294,10 @@ class Regex {
         return SeqFrom(n, 0, t, i, k);
       case Node::kAlt:
         for (int kid : n.kids)
-          if (MatchFn(kid, t, i, k)) return true;
+          if (Match(kid, t, i, k)) return true;
         return false;
       case Node::kLook: {
-        bool seen = MatchFn(n.kids[0], t, i, [](size_t) { return true; });
+        bool seen = Match(n.kids[0], t, i, [](size_t) { return true; });
         return seen != n.negated && k(i);
       }
       case Node::kRepeat: {
@@ -420,12 +323,12 @@ class Regex {
   bool SeqFrom(const Node& n, size_t idx, const std::vector<uint32_t>& t, size_t i,
                const std::function<bool(size_t)>& k) const {
     if (idx == n.kids.size()) return k(i);
-    return MatchFn(n.kids[idx], t, i, [&](size_t j) { return SeqFrom(n, idx + 1, t, j, k); });
+    return Match(n.kids[idx], t, i, [&](size_t j) { return SeqFrom(n, idx + 1, t, j, k); });
   }
   bool RepeatFrom(const Node& n, int count, const std::vector<uint32_t>& t, size_t i,
                   const std::function<bool(size_t)>& k) const {
     auto more = [&]() {
-      return (n.max < 0 || count < n.max) && MatchFn(n.kids[0], t, i, [&](size_t j) {
+      return (n.max < 0 || count < n.max) && Match(n.kids[0], t, i, [&](size_t j) {
                return j != i && RepeatFrom(n, count + 1, t, j, k);  // an empty iteration ends the repeat
              });
     };
