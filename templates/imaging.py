@@ -58,33 +58,61 @@ def png_pixel_chunks(data: bytes, path: str) -> bytes:
             return b"".join(out)
 
 
-_TURBOJPEG = []  # the libturbojpeg handle, once looked for: [lib or None]
+# What edgeq-run says where it cannot open a decoding library (image.h's DecodePng/DecodeJpeg): run.py says the same
+# and refuses alike, rather than decoding with Pillow what edgeq-run cannot read (one behaviour, #66).
+PNG_LIBRARY_MISSING = "reading PNG images needs libpng 1.6 (libpng16.so.16): apt install libpng16-16"
+PNG_LIBRARY_OLD = "this libpng16 lacks the simplified API (libpng >= 1.6 is needed)"
+JPEG_LIBRARY_MISSING = ("reading JPEG images needs libjpeg-turbo's TurboJPEG library (libturbojpeg.so.0): apt install "
+                        "libturbojpeg0 (Debian) or libturbojpeg (Ubuntu, JetPack)")
+JPEG_LIBRARY_OLD = "this libturbojpeg is too old (>= 1.5 is needed)"
+_LIBRARIES = {}  # soname -> the library (ctypes.CDLL) or the line that refuses for want of it
 
 
-def _turbojpeg():
-    """libjpeg-turbo's TurboJPEG library, the one edgeq-run dlopens (image.h), or None where it is missing."""
-    if not _TURBOJPEG:
+def _library(names, functions, missing, old, required=True):
+    """The first of ``names`` that dlopen finds, as edgeq-run's OpenLibrary looks for it; where none is found or
+    it lacks one of ``functions``, ImageError with edgeq-run's own line (None if not ``required``)."""
+    if names[0] not in _LIBRARIES:
         import ctypes
 
-        lib = None
-        for name in ("libturbojpeg.so.0", "libturbojpeg.so"):
+        found = missing
+        for name in names:
             try:
                 lib = ctypes.CDLL(name)
-                break
             except OSError:
                 continue
-        if lib is not None and all(hasattr(lib, f) for f in ("tjInitDecompress", "tjDecompressHeader3",
-                                                              "tjDecompress2", "tjGetErrorStr2", "tjDestroy")):
-            c = ctypes
-            lib.tjInitDecompress.restype = c.c_void_p
-            lib.tjDecompressHeader3.argtypes = [c.c_void_p, c.c_char_p, c.c_ulong] + [c.POINTER(c.c_int)] * 4
-            lib.tjDecompress2.argtypes = [c.c_void_p, c.c_char_p, c.c_ulong, c.c_void_p] + [c.c_int] * 5
-            lib.tjGetErrorStr2.argtypes, lib.tjGetErrorStr2.restype = [c.c_void_p], c.c_char_p
-            lib.tjDestroy.argtypes = [c.c_void_p]
-        else:
-            lib = None
-        _TURBOJPEG.append(lib)
-    return _TURBOJPEG[0]
+            found = lib if all(hasattr(lib, f) for f in functions) else old
+            break
+        _LIBRARIES[names[0]] = found
+    found = _LIBRARIES[names[0]]
+    if isinstance(found, str):
+        if not required:
+            return None
+        raise ImageError(found)
+    return found
+
+
+def _libpng():
+    """libpng 1.6, which edgeq-run decodes PNGs with: checked for, so that run.py reads a PNG only where
+    edgeq-run would (Pillow decodes it: the pixels are the same, libpng's conversions being refused first)."""
+    return _library(("libpng16.so.16", "libpng16.so"), ("png_image_begin_read_from_memory", "png_image_finish_read",
+                                                        "png_image_free"), PNG_LIBRARY_MISSING, PNG_LIBRARY_OLD)
+
+
+def _turbojpeg(required=True):
+    """libjpeg-turbo's TurboJPEG library, the one edgeq-run dlopens (image.h)."""
+    fresh = "libturbojpeg.so.0" not in _LIBRARIES
+    lib = _library(("libturbojpeg.so.0", "libturbojpeg.so"), ("tjInitDecompress", "tjDecompressHeader3",
+                                                              "tjDecompress2", "tjGetErrorStr2", "tjDestroy"),
+                   JPEG_LIBRARY_MISSING, JPEG_LIBRARY_OLD, required)
+    if fresh and lib is not None:
+        import ctypes as c
+
+        lib.tjInitDecompress.restype = c.c_void_p
+        lib.tjDecompressHeader3.argtypes = [c.c_void_p, c.c_char_p, c.c_ulong] + [c.POINTER(c.c_int)] * 4
+        lib.tjDecompress2.argtypes = [c.c_void_p, c.c_char_p, c.c_ulong, c.c_void_p] + [c.c_int] * 5
+        lib.tjGetErrorStr2.argtypes, lib.tjGetErrorStr2.restype = [c.c_void_p], c.c_char_p
+        lib.tjDestroy.argtypes = [c.c_void_p]
+    return lib
 
 
 def decode_jpeg(np, lib, data: bytes, path: str, max_pixels: int = MAX_IMAGE_PIXELS):
@@ -118,8 +146,9 @@ def decode_jpeg(np, lib, data: bytes, path: str, max_pixels: int = MAX_IMAGE_PIX
 def decode_image(np, path: str, any_format: bool = False, max_pixels: int = MAX_IMAGE_PIXELS):
     """``path`` (PNG or JPEG; ``any_format``: whatever Pillow reads, for calibration) as uint8 pixels
     ``[H, W, C]``, C 1 (gray files) or 3 (everything else; alpha dropped, palettes expanded): a JPEG with
-    libturbojpeg where it is installed (``decode_jpeg``: edgeq-run's decoder), the rest with Pillow, else
-    OpenCV. 16-bit PNGs are refused (edgeq-run's libpng would gamma-convert them)."""
+    libturbojpeg (``decode_jpeg``: edgeq-run's decoder), the rest with Pillow, else OpenCV. Where edgeq-run
+    would find no libturbojpeg or libpng, refused with its line (``any_format``, the host's calibration images:
+    Pillow reads them instead). 16-bit PNGs are refused (edgeq-run's libpng would gamma-convert them)."""
     info = os.stat(path)
     if not stat.S_ISREG(info.st_mode):  # a FIFO with no writer would block the open
         raise ImageError("%s is not a regular file" % path)
@@ -135,9 +164,12 @@ def decode_image(np, path: str, any_format: bool = False, max_pixels: int = MAX_
         raise ImageError("%s is a 16-bit PNG; give an 8-bit one" % path)
     if png:
         data = png_pixel_chunks(data, path)
-    lib = _turbojpeg() if head.startswith(JPEG_MAGIC) else None
-    if lib is not None:
-        return decode_jpeg(np, lib, data, path, max_pixels)
+    if head.startswith(JPEG_MAGIC):
+        lib = _turbojpeg(required=not any_format)  # calibration on the host: Pillow reads it where it is missing
+        if lib is not None:
+            return decode_jpeg(np, lib, data, path, max_pixels)
+    elif png and not any_format:
+        _libpng()  # refused as edgeq-run refuses where libpng is missing
     try:
         from PIL import Image
     except ImportError:

@@ -6,11 +6,16 @@ from __future__ import annotations
 
 import io
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 import differential
+
+from edgeq.templates import imaging
 
 CASES = 300
 
@@ -107,3 +112,55 @@ def test_a_jpeg_libjpeg_only_warns_about_is_read_alike(bundle, tmp_path):
     (tmp_path / "plain.jpg").write_bytes(data)
     py, native = _case(bundle, tmp_path, "plain", ["--input", str(tmp_path / "plain.jpg"), "--json"])
     assert py.code == native.code == 0 and differential.disagreement(py, native) is None
+
+
+def _library_file(soname: str) -> Path | None:
+    """Where this machine's dlopen finds ``soname`` (the file, links resolved), or None."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(soname)
+    except OSError:
+        return None
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        path = line.split()[-1]
+        if Path(path).name.startswith(soname.split(".so")[0] + ".so"):
+            return Path(path).resolve()
+    return None
+
+
+@pytest.mark.parametrize("kind, soname", [("jpeg", "libturbojpeg.so.0"), ("png", "libpng16.so.16")])
+def test_a_missing_decoding_library_is_refused_alike(bundle, tmp_path, kind, soname):
+    """Where the library edgeq-run decodes an image kind with is missing, run.py refuses it too, with the same
+    line: before, run.py decoded it with Pillow and answered while edgeq-run refused (#66 item 6). The library
+    is hidden from both, as a process, in a mount namespace of its own (/dev/null over the file)."""
+    from PIL import Image
+
+    library = _library_file(soname)
+    if library is None:
+        pytest.skip(f"{soname} is not installed here (scripts/setup.sh --tests installs it)")
+    probe = subprocess.run(["unshare", "-m", "sh", "-c", 'mount --bind /dev/null "$0"', str(library)],
+                           capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"no mount namespace to hide {soname} in: {probe.stderr.strip()}")
+    image = tmp_path / f"photo.{'jpg' if kind == 'jpeg' else 'png'}"
+    Image.fromarray(np.random.default_rng(4).integers(0, 255, (24, 20, 3), dtype=np.uint8)).save(
+        image, "JPEG" if kind == "jpeg" else "PNG", **({"progressive": True} if kind == "jpeg" else {}))
+    hide = ["unshare", "-m", "sh", "-c", 'mount --bind /dev/null "$0" && exec "$@"', str(library)]
+    results = {}
+    for loader, command in (("py", [sys.executable, str(bundle / "run.py")]),
+                            ("native", [str(bundle / "runtime" / "edgeq-run")])):
+        for hidden in (False, True):
+            out = tmp_path / f"{loader}-{hidden}.npz"
+            proc = subprocess.run([*(hide if hidden else []), *command, "--input", str(image), "--json", "--output",
+                                   str(out)], capture_output=True, text=True, cwd=bundle, timeout=300)
+            results[loader, hidden] = (proc.returncode, proc.stdout, proc.stderr, out.exists())
+    # with the library both read the image, to the same answer
+    assert results["py", False][0] == results["native", False][0] == 0, results
+    assert json.loads(results["py", False][1]) == json.loads(results["native", False][1])
+    # without it both refuse, exit 2, in the same one line, writing nothing
+    want = imaging.JPEG_LIBRARY_MISSING if kind == "jpeg" else imaging.PNG_LIBRARY_MISSING
+    for loader in ("py", "native"):
+        code, _, stderr, wrote = results[loader, True]
+        assert code == 2 and not wrote, (loader, results[loader, True])
+        assert len(stderr.strip().splitlines()) == 1 and stderr.strip().endswith(want), (loader, stderr)
