@@ -28,6 +28,9 @@ DEFAULT_METHOD = "mse"  # chosen by measurement: see README, "Choosing the calib
 DEFAULT_OUTPUT = "dist"
 DEFAULT_PERCENTILE = 99.99  # --calibration percentile
 DEFAULT_CALIB_SAMPLES = 256  # --calib-samples
+# --max-answer-loss: past this answer loss (fp32 boxes lost, %; top-1 changed, % of samples; top-1 points lost against
+# labels), a plain int8 build warns, or with --strict-accuracy stops (a detector kept 5 of fp32's 10 boxes at cosine 0.9997)
+DEFAULT_ANSWER_LOSS_LIMIT = 5.0
 
 # edgeq bench defaults (BenchArgs and the parser)
 DEFAULT_REPEAT = 100
@@ -37,4 +40,4 @@ DEFAULT_WARMUP = 10
 POWER_SOURCES = ("auto", "tegrastats", "sysfs", "nvml", "none")
 
 __all__ = ["PRECISIONS", "QUANTIZED", "RUNTIME_CHOICES", "REFERENCE_CHOICES", "CALIBRATION_METHODS", "DEFAULT_METHOD", "POWER_SOURCES", "DEFAULT_OUTPUT",
-           "DEFAULT_PERCENTILE", "DEFAULT_CALIB_SAMPLES", "DEFAULT_REPEAT", "DEFAULT_WARMUP"]
+           "DEFAULT_PERCENTILE", "DEFAULT_CALIB_SAMPLES", "DEFAULT_ANSWER_LOSS_LIMIT", "DEFAULT_REPEAT", "DEFAULT_WARMUP"]

@@ -438,6 +438,10 @@ def quantization_report(manifest: Manifest) -> Report:
                             ("top1_quantized", "top-1 quantized", "{:.1f}%")):
         if evaluation.get(key) is not None:
             rows.append((label, fmt.format(evaluation[key])))
+    if evaluation.get("boxes_kept_pct") is not None:
+        rows.append(("fp32 boxes kept", f"{evaluation['boxes_kept_pct']:.1f}% of {evaluation.get('boxes_fp32', '?')}"))
+    if evaluation.get("answer_loss") is not None:
+        rows.append(("answer lost", f"{evaluation['answer_loss']:.3g} ({evaluation.get('answer_metric', '?')})"))
     if evaluation.get("source"):
         rows.append(("evaluated on", f"{evaluation['source']}"))
     rows.append(("weights", f"{_kb(report.weight_bytes.float)} -> {_kb(report.weight_bytes.bundle)}"))

@@ -72,3 +72,49 @@ def test_mixed_precision_spends_its_budget_on_boxes(tmp_path):
     assert evaluation["budget_metric"] == "fp32 boxes lost (%)", evaluation
     assert evaluation["boxes_fp32"] >= 16 and evaluation["boxes_kept_pct"] == 100 and evaluation["budget_met"]
     assert evaluation["budget_value"] == 0
+
+
+def _close_call_classifier(path):
+    """Ten classes whose weights differ by far less than an int8 weight step (a close call on every input): int8
+    rounding moves the top-1 class on many inputs while the logits' cosine against fp32 stays near 1."""
+    rng = np.random.default_rng(11)
+    base = rng.standard_normal((192, 1)).astype(np.float32)
+    w = base + 2e-3 * rng.standard_normal((192, 10)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Flatten", ["x"], ["f"]), helper.make_node("MatMul", ["f", "w"], ["logits"])], "close_call",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 3, 8, 8])],
+        [helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, [1, 10])],
+        [onnx.numpy_helper.from_array(w, "w")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    np.savez(path.parent / "calib.npz", x=rng.uniform(0, 1, (32, 3, 8, 8)).astype(np.float32))
+    return path
+
+
+def test_int8_that_loses_the_answer_says_so(tmp_path):
+    """Plain int8 with --postprocess: the answer lost is judged (top-1 changed here) and reported beside the cosine;
+    past --max-answer-loss (default 5%) one warning line names it and the command that keeps it, and
+    --strict-accuracy makes it an error with no bundle written (#66 item 1). Before, the cosine was all there was."""
+    model = _close_call_classifier(tmp_path / "close_call.onnx")
+    common = ["--device", "host", "--postprocess", "classify", "--precision", "int8", "--calibrate",
+              tmp_path / "calib.npz", "-q", "--json"]
+    res = run_cli("package", model, "-o", tmp_path / "warned", *common)
+    assert res.code == 0, res.stderr
+    evaluation = json.loads((tmp_path / "warned" / "close_call-host" / "manifest.json").read_text())["quantization"]["evaluation"]
+    assert evaluation["answer_metric"] == "top-1 changed (% of samples)" and evaluation["answer_loss"] > 5, evaluation
+    assert evaluation["cosine"] > 0.99, evaluation  # what the report said before: nothing looked wrong
+    warnings = [line for line in res.stderr.splitlines() if "warning" in line]
+    assert len(warnings) == 1 and "top-1 changed" in warnings[0] and "--max-answer-loss 5" in warnings[0], res.stderr
+    assert "--precision mixed --accuracy-budget 5" in warnings[0]
+    # --strict-accuracy: the same line as an error, exit non-zero, nothing written
+    res = run_cli("package", model, "-o", tmp_path / "strict", "--strict-accuracy", *common)
+    assert res.code == 3 and len(res.stderr.strip().splitlines()) == 1 and "top-1 changed" in res.stderr, res.stderr
+    assert not (tmp_path / "strict").exists() or not any((tmp_path / "strict").iterdir())
+    # a limit it is within: no warning; the loss is still reported
+    res = run_cli("package", model, "-o", tmp_path / "within", "--max-answer-loss", "100", "--strict-accuracy", *common)
+    assert res.code == 0 and "warning" not in res.stderr, res.stderr
+    # the mixed precision it points to holds the answer (the budget decides; no warning)
+    res = run_cli("package", model, "-o", tmp_path / "mixed", *common[:4], "--precision", "mixed", "--accuracy-budget",
+                  "5", *common[6:])
+    assert res.code == 0 and "warning" not in res.stderr, res.stderr
+    evaluation = json.loads((tmp_path / "mixed" / "close_call-host" / "manifest.json").read_text())["quantization"]["evaluation"]
+    assert evaluation["answer_loss"] <= 5 and evaluation["budget_met"], evaluation

@@ -8,8 +8,8 @@ from pathlib import Path
 from rich.table import Table
 from rich.text import Text
 
-from edgeq.choices import (CALIBRATION_METHODS, DEFAULT_CALIB_SAMPLES, DEFAULT_METHOD, DEFAULT_OUTPUT, DEFAULT_PERCENTILE,
-                           PRECISIONS, REFERENCE_CHOICES, RUNTIME_CHOICES)
+from edgeq.choices import (CALIBRATION_METHODS, DEFAULT_ANSWER_LOSS_LIMIT, DEFAULT_CALIB_SAMPLES, DEFAULT_METHOD,
+                           DEFAULT_OUTPUT, DEFAULT_PERCENTILE, PRECISIONS, REFERENCE_CHOICES, RUNTIME_CHOICES)
 from edgeq.templates.contract import QuantizationReport
 
 
@@ -125,6 +125,12 @@ def add_graph_options(parser) -> None:
                         "classify, %% of samples whose top-1 changes; with --postprocess yolo, %% of fp32's boxes lost "
                         "(IoU 0.5, same class); else the worst output's relative error (e.g. 0.02)")
     q.add_argument("--eval", type=Path, metavar="DATA", help="held-out data (same formats; 'labels' for top-1)")
+    q.add_argument("--max-answer-loss", type=float, default=DEFAULT_ANSWER_LOSS_LIMIT, metavar="PCT",
+                   help="int8 without --accuracy-budget: warn when more of the answer is lost than this, judged as "
+                        "--accuracy-budget judges it, on --eval or else the calibration data (default "
+                        f"{DEFAULT_ANSWER_LOSS_LIMIT:g}; needs --postprocess or labels)")
+    q.add_argument("--strict-accuracy", action="store_true",
+                   help="past --max-answer-loss, stop with an error and write no bundle instead of warning")
 
 
 def _act_scale(row) -> str:
@@ -170,6 +176,8 @@ def front_end_args(args):
             task=_task(args),
             activation_scales=args.activation_scales,
             bias_correction=args.bias_correction == "on",
+            answer_loss_limit=args.max_answer_loss,
+            strict_accuracy=args.strict_accuracy,
         )
     from edgeq.stage_records import FrontEndArgs
 
@@ -260,6 +268,8 @@ def quantization_table(report: QuantizationReport) -> Table:
         summary += f", top-1 agreement {ev['top1_agreement']:.1f}%"
     if "top1_fp32" in ev:
         summary += f", top-1 fp32 {ev['top1_fp32']:.1f}% -> quantized {ev['top1_quantized']:.1f}%"
+    if "boxes_kept_pct" in ev:
+        summary += f", fp32 boxes kept {ev['boxes_kept_pct']:.1f}% of {ev['boxes_fp32']}"
     table = Table(title=f"quantization ({report.method}): {summary}; {weights}")
     for column in ("layer", "op", "precision", "act scale", "SQNR dB", "why not int8"):
         table.add_column(column)

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from edgeq.choices import DEFAULT_CALIB_SAMPLES, DEFAULT_METHOD, DEFAULT_PERCENTILE
+from edgeq.choices import DEFAULT_ANSWER_LOSS_LIMIT, DEFAULT_CALIB_SAMPLES, DEFAULT_METHOD, DEFAULT_PERCENTILE
 from edgeq.templates.contract import QUANT_PARAMS, LayerRow, WeightBytes, significant
 from edgeq.templates.contract import QuantizationReport as Report
 from edgeq.errors import ModelError, UsageError
@@ -29,7 +29,7 @@ from edgeq.load import LoadedModel
 from edgeq.compile import HostRunner
 from edgeq.quantize.calibrate import collect
 from edgeq.quantize.calibrators import CALIBRATORS
-from edgeq.quantize.data import Dataset, Preprocess, load_data
+from edgeq.quantize.data import Dataset, Preprocess, load_data, warn_line
 from edgeq.quantize.fold_bias import fold_bias
 from edgeq.quantize import bias_correction, judge, shared_scales, smooth
 from edgeq.quantize.hoist_quantize import hoist_quantize
@@ -66,6 +66,8 @@ class QuantizeArgs:
     task: judge.Task | None = None  # what the answer is (--postprocess): what the accuracy budget judges
     activation_scales: str = "auto"  # "auto": per-channel depthwise inputs, per-token sequence MatMuls; "per-tensor"
     bias_correction: bool = True  # take each int8 layer's mean output shift out in its bias (bias_correction)
+    answer_loss_limit: float = DEFAULT_ANSWER_LOSS_LIMIT  # a warning past it (Evaluator.answer's units: %, points)
+    strict_accuracy: bool = False  # an error instead of that warning
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -100,6 +102,8 @@ def check_args(args: QuantizeArgs) -> None:
         raise UsageError(f"--activation-scales must be auto or per-tensor, not {args.activation_scales}")
     if args.accuracy_budget is not None and not 0 <= args.accuracy_budget < float("inf"):
         raise UsageError(f"--accuracy-budget must be a number >= 0, not {args.accuracy_budget}")
+    if not 0 <= args.answer_loss_limit <= 100:
+        raise UsageError(f"--max-answer-loss must be from 0 to 100 (%), not {args.answer_loss_limit}")
 
 
 def _apply_skip(layers: list[Layer], skip: tuple[str, ...]) -> None:
@@ -215,15 +219,21 @@ class Evaluator:
             out.update(judge.boxes_kept(self.reference_runs, runs, self.task))
         return out
 
-    def budget_metric(self, metrics: dict[str, Any]) -> tuple[str, float]:
-        """(what the accuracy budget is spent on, its value): the answer where ``--postprocess`` says what it is."""
+    def answer(self, metrics: dict[str, Any]) -> tuple[str, float] | None:
+        """(what of the answer is lost, how much), where the answer is known: top-1 against the labels of the
+        evaluation data, the boxes of ``--postprocess yolo``, the top-1 class of ``--postprocess classify``."""
         if "top1_fp32" in metrics:
             return "top-1 drop (points)", metrics["top1_fp32"] - metrics["top1_quantized"]
         if "boxes_kept_pct" in metrics:
             return "fp32 boxes lost (%)", 100.0 - metrics["boxes_kept_pct"]
         if self.task is not None and self.task.kind == "classify" and "top1_agreement" in metrics:
             return "top-1 changed (% of samples)", 100.0 - metrics["top1_agreement"]
-        return "worst relative output error", metrics["worst_rel_error"]
+        return None
+
+    def budget_metric(self, metrics: dict[str, Any]) -> tuple[str, float]:
+        """(what the accuracy budget is spent on, its value): the answer where it is known, else the worst
+        relative output error."""
+        return self.answer(metrics) or ("worst relative output error", metrics["worst_rel_error"])
 
 
 def _sqnr_per_layer(graph: Graph, layers: list[Layer], act_scales: dict[str, float], data: Dataset, specs,
@@ -309,7 +319,13 @@ def quantize(graph: Graph, model: LoadedModel, args: QuantizeArgs, note: Callabl
                                                                      evaluator, args, label, value, note)
         metrics.update(budget=args.accuracy_budget, budget_metric=label, budget_value=value,
                        budget_met=bool(value <= args.accuracy_budget))
-    _check_collapse(metrics, model.path.name, evaluation.source if args.eval else "the calibration data")
+    source = evaluation.source if args.eval else "the calibration data"
+    _check_collapse(metrics, model.path.name, source)
+    answer = evaluator.answer(metrics)
+    if answer is not None:
+        metrics.update(answer_metric=answer[0], answer_loss=answer[1])
+        if args.accuracy_budget is None and answer[1] > args.answer_loss_limit:
+            _answer_lost(model.path.name, answer, metrics, args, source, warn)
     if notes.float_biases:
         kept = notes.float_biases
         note(f"{len(kept)} bias(es) too large for int32 at their layer's scale stay float adds: "
@@ -370,6 +386,20 @@ def quantize(graph: Graph, model: LoadedModel, args: QuantizeArgs, note: Callabl
     )
     return QuantizeResult(quantized, layers, report, scales, next(calib.batches(specs)), calib.source, smoothing,
                           corrections)
+
+
+def _answer_lost(model_name: str, answer: tuple[str, float], metrics: dict[str, Any], args: QuantizeArgs, source: str,
+                 warn: Callable[[str], None] | None) -> None:
+    """One line where int8 loses more of the answer than ``--max-answer-loss``: a warning (the bundle is written,
+    the report says so), or with ``--strict-accuracy`` an error (no bundle)."""
+    label, value = answer
+    line = (f"{model_name}: int8 {label.split(' (')[0]} {value:.3g}{'%' if '%' in label else ' points'} on "
+            f"{metrics['samples']} sample(s) of {source}, past --max-answer-loss {args.answer_loss_limit:g} (cosine "
+            f"{metrics['cosine']:.5f}); --precision mixed --accuracy-budget {args.answer_loss_limit:g} keeps the "
+            "layers that cost it in float")
+    if args.strict_accuracy:
+        raise ModelError(line + " (--strict-accuracy: no bundle written)")
+    (warn or warn_line)(line)
 
 
 def _fit_budget(graph: Graph, layers: list[Layer], act_scales: dict[str, float], corrections: dict[str, np.ndarray],

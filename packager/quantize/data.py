@@ -269,7 +269,7 @@ def _images(paths: list[Path], root: Path, spec: TensorSpec, pre: Preprocess, wh
     return _from_arrays(arrays, [spec], what, str(root))
 
 
-def _warn(text: str) -> None:
+def warn_line(text: str) -> None:
     print(f"edgeq: warning: {text}", file=sys.stderr, flush=True)
 
 
@@ -324,11 +324,11 @@ def load_data(path: str | Path, specs: list[TensorSpec], what: str = "calibratio
         data = data.take(max(1, limit // batch) * batch)
     leftover = data.count % batch
     if leftover:
-        (warn or _warn)(f"{what} data {data.source}: the last {leftover} of {data.describe()} do not fill a batch of "
+        (warn or warn_line)(f"{what} data {data.source}: the last {leftover} of {data.describe()} do not fill a batch of "
                         f"{batch} and are not used")
         data = data.take(data.count - leftover)
     if data.count < minimum:
-        (warn or _warn)(f"{what} data {data.source} has only {data.describe()}; ranges from fewer than {minimum} "
+        (warn or warn_line)(f"{what} data {data.source} has only {data.describe()}; ranges from fewer than {minimum} "
                         f"samples may not cover real inputs: give more for better scales")
     return data
 
