@@ -179,8 +179,12 @@ def test_host_build_generates_onnxruntime_greedy_tokens(decoders, kind):
     # two cache capacities: every prompt here grows its cache from 16 slots to 40 partway through
     steps = build.import_steps(model, context=40, buckets=[4, 8], capacities=[16])
     assert [s.function for s in steps.steps] == ["prefill_4", "prefill_8", "decode_16", "decode_40", "grow_16_40"]
-    executable, weights = cpu.build(steps.mod, steps.weights, profiles()["host"].tvm_target())
+    stats = {}
+    executable, weights = cpu.build(steps.mod, steps.weights, profiles()["host"].tvm_target(), stats)
     assert any(name.endswith(tuple(f"_panels{n}" for n in (16, 32, 64, 128))) for name in weights)  # packed
+    # attention read from the cache as it lies (edgeq.backends.cpu.attention): both products of every layer of
+    # the two prefill and two decode steps
+    assert stats.get("attention") == 2 * steps.layout.layers * 4, stats
     runner = host_steps(steps, executable, weights)
     exported = reference.Exported(model)
     for prompt in PROMPTS:
@@ -194,6 +198,38 @@ def test_host_build_generates_onnxruntime_greedy_tokens(decoders, kind):
              "attention_mask": np.ones((1, bucket), np.int64), "last": np.array([len(prompt) - 1])}
     got, _ = runner.prefill(bucket, feeds)
     np.testing.assert_allclose(got, want[0], rtol=1e-4, atol=1e-4 * np.abs(want[0]).max())
+
+
+@pytest.mark.parametrize("heads, kv_heads, rows, dim, lengths", [
+    (9, 3, 1, 64, [64, 1]),  # SmolLM2's decode: the cache and the new token, 3 query heads a kv head
+    (9, 3, 8, 64, [8]),  # its prefill: 8 rows, the new keys alone
+    (4, 2, 1, 16, [16, 1]),  # the tiny decoders' heads of 16: one vector (a reduction loop of one)
+    (6, 1, 3, 40, [5, 3]),  # one kv head for all (multi-query), a width of 40 (no whole vector of 16)
+])
+def test_attention_kernels_compute_the_repeated_products(heads, kv_heads, rows, dim, lengths):
+    """The decode attention kernels against numpy's products on the repeated, concatenated cache they replace."""
+    from edgeq.backends.cpu import attention
+    from edgeq.backends.cpu.common import Isa
+    from edgeq.targets import profiles
+    from edgeq.tvm_env import tvm
+
+    target = profiles()["host"].tvm_target()
+    isa = Isa.of(target)
+    rng = np.random.default_rng(heads * rows + dim)
+    q = rng.standard_normal((1, heads, rows, dim)).astype(np.float32)
+    parts = [rng.standard_normal((1, kv_heads, n, dim)).astype(np.float32) for n in lengths]
+    p = rng.random((1, heads, rows, sum(lengths))).astype(np.float32)
+    repeated = np.repeat(np.concatenate(parts, axis=2), heads // kv_heads, axis=1)
+    for func, inputs, want in (
+            (attention.scores_func(heads, kv_heads, rows, dim, lengths, 0.125, "float32", isa), [q, *parts],
+             q @ np.swapaxes(repeated * np.float32(0.125), 2, 3)),
+            (attention.scores_func(heads, kv_heads, rows, dim, lengths, None, "float32", isa), [q, *parts],
+             q @ np.swapaxes(repeated, 2, 3)),
+            (attention.weighted_func(heads, kv_heads, rows, dim, lengths, "float32", isa), [p, *parts], p @ repeated)):
+        lib = tvm.compile(tvm.IRModule({"main": func}), target=target)
+        out = tvm.runtime.tensor(np.full(want.shape, np.nan, np.float32))
+        lib["main"](*[tvm.runtime.tensor(a) for a in inputs], out)
+        np.testing.assert_allclose(out.numpy(), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
 def test_decoder_layout_and_refusals(decoders, tmp_path):

@@ -278,8 +278,11 @@ def build(mod, weights: dict, target, stats: dict | None = None, bits: int | Non
 
     from edgeq.backends.cpu import schedule
 
+    from edgeq.backends.cpu.attention import attention_pass
+
     isa = Isa.of(target)
     mod, weights = pack(mod, weights, isa, bits)
+    mod = attention_pass(isa, stats)(mod)
     passes = schedule.scheduling_passes(target, isa, stats)
     passes = passes[:-1] + [weight_product_pass(isa, stats)] + passes[-1:]
 

@@ -1,0 +1,233 @@
+"""A decoder's attention read from the cache as it lies.
+
+An exported decoder (Hugging Face's, through ``torch.onnx``) computes grouped-query attention as
+
+    keys = concat(past, new)                                 [1, kv_heads, T, D]
+    keys = reshape(broadcast_to(expand_dims(keys, 2)))       [1, heads, T, D]    (each kv head repeated G times)
+    scores = matmul(q * c, permute_dims(keys, [0, 1, 3, 2]) * c)                 [1, heads, S, T]
+    ...softmax...
+    out = matmul(p, reshape(broadcast_to(expand_dims(concat(past_v, new_v), 2))))
+
+TVM fuses the concatenation, the repeat, the transpose and the scaling into one function that writes the whole
+cache out again, G times over and transposed, for every layer and token, before the product reads it:
+SmolLM2-135M's decode spent 27% of its time there (``perf``, edgeq-run, 2-core x86). ``attention_pass``
+rewrites both products to functions of this module that read ``past`` and ``new`` where they are, each kv
+head's rows of the cache once for its G query heads, with the scale applied as the product reads a key
+(``keys * c`` as exported: the same products). Shapes other than these are left to TVM as they were.
+"""
+
+from __future__ import annotations
+
+from edgeq.backends.cpu.common import Isa, largest_divisor
+from edgeq.tvm_env import Schedule, relax, te, tvm
+
+SCORES = "edgeq_attention_scores"
+WEIGHTED = "edgeq_attention_weighted"
+
+
+def _parts(keys: relax.Expr) -> list[relax.Expr]:
+    """The tensors ``keys`` concatenates along its length (axis 2), or ``[keys]``."""
+    if isinstance(keys, relax.Call) and keys.op.name == "relax.concat":
+        axis = keys.attrs.axis
+        fields = keys.args[0]
+        if isinstance(fields, relax.Tuple) and axis is not None and int(axis) in (2, -2):
+            return list(fields.fields)
+    return [keys]
+
+
+def _static(expr) -> tuple[int, ...] | None:
+    shape = expr.ty.shape if isinstance(expr.ty, relax.TensorType) else None
+    if shape is None or not isinstance(shape, relax.ShapeExpr):
+        return None
+    if not all(isinstance(d, tvm.tirx.IntImm) for d in shape.values):
+        return None
+    return tuple(int(d) for d in shape.values)
+
+
+def _concatenated(parts, lengths: list[int]):
+    """``x[b, g, t, d]`` of the parts' concatenation along ``t``, read from the parts themselves (TE)."""
+    if len(parts) == 1:
+        return lambda b, g, t, d: parts[0][b, g, t, d]
+    first = lengths[0]
+    return lambda b, g, t, d: tvm.tirx.if_then_else(t < first, parts[0][b, g, t, d], parts[1][b, g, t - first, d])
+
+
+def _opaque(func):
+    """A scheduled kernel that fusion leaves alone (TVM's kOpaque): fused with its consumers, it would lose its
+    schedule, and FuseTIR cannot merge its buffers with theirs."""
+    return func.with_attr("tirx.is_scheduled", True).with_attr("op_pattern", 8)
+
+
+def scores_func(heads: int, kv_heads: int, rows: int, dim: int, lengths: list[int], scale: float | None, dtype: str,
+                isa: Isa):
+    """``out[0, h, s, t] = sum_d q[0, h, s, d] * (k[0, h // G, t, d] * scale)``, ``k`` the concatenation of the
+    parts (``lengths`` long) along ``t``: each part's scores on their own, then side by side. Scheduled: the kv
+    heads' key rows over the cores; each row's products with its G query heads' rows summed in vectors along
+    ``d`` (the row read once for the G), then across the lanes."""
+    group, total = heads // kv_heads, sum(lengths)
+    q = te.placeholder((1, heads, rows, dim), dtype, "q")
+    parts = [te.placeholder((1, kv_heads, n, dim), dtype, f"k{i}") for i, n in enumerate(lengths)]
+    c = tvm.tirx.const(scale, dtype) if scale is not None else None
+
+    def product(k):
+        d = te.reduce_axis((0, dim), "d")
+        if c is None:
+            return lambda b, h, s, t: te.sum(q[b, h, s, d] * k[b, h // group, t, d], axis=d)
+        return lambda b, h, s, t: te.sum(q[b, h, s, d] * (k[b, h // group, t, d] * c), axis=d)
+
+    names = [f"{SCORES}_{i}" for i in range(len(parts))] if len(parts) > 1 else [SCORES]
+    partial = [te.compute((1, heads, rows, n), product(k), name=name) for k, n, name in zip(parts, lengths, names)]
+    if len(partial) == 1:
+        out = partial[0]
+    else:
+        first = lengths[0]
+        out = te.compute((1, heads, rows, total),
+                         lambda b, h, s, t: tvm.tirx.if_then_else(t < first, partial[0][b, h, s, t],
+                                                                  partial[1][b, h, s, t - first]), name=SCORES)
+    sch = Schedule(tvm.IRModule({"main": te.create_prim_func([q, *parts, out])}))
+    lanes = largest_divisor(dim, isa.lanes)
+    for name in names:
+        block = sch.get_sblock(name)
+        b, h, s, t, d = sch.get_loops(block)
+        g, r = sch.split(h, [kv_heads, group])
+        do, di = sch.split(d, [None, lanes])
+        sch.reorder(b, g, t, r, s, do, di)
+        partial_sums = sch.rfactor(di, factor_axis=4)
+        b, g, t, r, s, di = sch.get_loops(block)
+        sch.compute_at(partial_sums, s)
+        sch.set_scope(partial_sums, 0, "local")
+        inner = sch.get_loops(partial_sums)[5:]  # compute_at gives the lanes first (a loop of one dropped)
+        if len(inner) == 2:
+            sch.reorder(inner[1], inner[0])
+            inner = inner[::-1]
+        sch.vectorize(inner[-1])  # vectorize and parallel before the init is split off (which keeps the loops' kinds)
+        sch.unroll(di)
+        sch.parallel(sch.fuse(b, g, t))
+        sch.decompose_reduction(partial_sums, inner[0])
+    return _opaque(sch.mod["main"])
+
+
+def weighted_func(heads: int, kv_heads: int, rows: int, dim: int, lengths: list[int], dtype: str, isa: Isa):
+    """``out[0, h, s, d] = sum_t p[0, h, s, t] * v[0, h // G, t, d]``, ``v`` the concatenation of the parts
+    (``lengths`` long) along ``t``. Scheduled: the query heads' rows over the cores, each a row of ``d``
+    accumulated in vectors over ``t``."""
+    group, total = heads // kv_heads, sum(lengths)
+    p = te.placeholder((1, heads, rows, total), dtype, "p")
+    parts = [te.placeholder((1, kv_heads, n, dim), dtype, f"v{i}") for i, n in enumerate(lengths)]
+    value = _concatenated(parts, lengths)
+    t = te.reduce_axis((0, total), "t")
+    out = te.compute((1, heads, rows, dim), lambda b, h, s, d: te.sum(p[b, h, s, t] * value(b, h // group, t, d), axis=t),
+                     name=WEIGHTED)
+    sch = Schedule(tvm.IRModule({"main": te.create_prim_func([p, *parts, out])}))
+    block = sch.get_sblock(WEIGHTED)
+    b, h, s, d, t = sch.get_loops(block)
+    sch.reorder(b, h, s, t, d)
+    sch.vectorize(d)
+    sch.parallel(sch.fuse(b, h, s))
+    sch.decompose_reduction(block, t)
+    return _opaque(sch.mod["main"])
+
+
+def attention_pass(isa: Isa, stats: dict | None = None):
+    """The Relax pass: see the module's text."""
+    from tvm.relax.dpl import is_const, is_op, wildcard
+
+    keys = wildcard()
+    repeated = is_op("relax.reshape")(is_op("relax.broadcast_to")(is_op("relax.expand_dims")(keys), wildcard()),
+                                      wildcard())
+    transposed = is_op("relax.permute_dims")(repeated)
+    scale = is_const()
+    q = wildcard()
+    scores = is_op("relax.matmul")(q, is_op("relax.multiply")(transposed, scale)) | is_op("relax.matmul")(q, transposed)
+    p = wildcard()
+    weighted = is_op("relax.matmul")(p, repeated)
+
+    @tvm.transform.module_pass(opt_level=0, name="edgeq.DecoderAttention")
+    def _pass(mod, _ctx):
+        bb = relax.BlockBuilder(mod)
+        funcs: dict[tuple, relax.GlobalVar] = {}
+
+        def kernel(key, make):
+            if key not in funcs:
+                name = f"{key[0]}_{len(funcs)}"
+                funcs[key] = bb.add_func(make().with_attr("global_symbol", name), name)
+            return funcs[key]
+
+        def repeat_ok(matched, heads: int) -> tuple | None:
+            """(kv heads, parts, their lengths, D) of the matched repeat of ``keys``, where it is the GQA repeat."""
+            k = matched[keys]
+            shape = _static(k)
+            if shape is None or len(shape) != 4 or shape[0] != 1:
+                return None
+            kv, length, dim = shape[1], shape[2], shape[3]
+            if heads % kv:
+                return None
+            parts = _parts(k)
+            shapes = [_static(x) for x in parts]
+            if any(s is None or s[:2] != (1, kv) or s[3] != dim for s in shapes) or len(parts) > 2:
+                return None
+            lengths = [s[2] for s in shapes]
+            if sum(lengths) != length:
+                return None
+            return kv, parts, lengths, dim
+
+        def rewrite_scores(call, matched):
+            qs, out = _static(matched[q]), _static(call)
+            if qs is None or out is None or len(qs) != 4 or qs[0] != 1:
+                return call
+            perm = matched[transposed].attrs.axes
+            if perm is None or [int(a) for a in perm] != [0, 1, 3, 2]:
+                return call
+            heads, rows, dim = qs[1], qs[2], qs[3]
+            found = repeat_ok(matched, heads)
+            if found is None or found[3] != dim or _static(matched[repeated]) != (1, heads, sum(found[2]), dim):
+                return call
+            kv, parts, lengths, _ = found
+            c = None
+            if scale in matched:
+                value = matched[scale].value.numpy()
+                if value.size != 1:
+                    return call
+                c = float(value.reshape(()))
+            dtype = call.ty.dtype
+            if dtype != "float32":
+                return call
+            gv = kernel((SCORES, heads, kv, rows, dim, tuple(lengths), c),
+                        lambda: scores_func(heads, kv, rows, dim, lengths, c, dtype, isa))
+            if stats is not None:
+                stats["attention"] = stats.get("attention", 0) + 1
+            return relax.call_tir(gv, [matched[q], *parts], relax.TensorType(out, dtype))
+
+        def rewrite_weighted(call, matched):
+            ps, out = _static(matched[p]), _static(call)
+            if ps is None or out is None or len(ps) != 4 or ps[0] != 1:
+                return call
+            heads, rows = ps[1], ps[2]
+            found = repeat_ok(matched, heads)
+            if found is None:
+                return call
+            kv, parts, lengths, dim = found
+            dtype = call.ty.dtype
+            if dtype != "float32" or sum(lengths) != ps[3] or out != (1, heads, rows, dim):
+                return call
+            gv = kernel((WEIGHTED, heads, kv, rows, dim, tuple(lengths)),
+                        lambda: weighted_func(heads, kv, rows, dim, lengths, dtype, isa))
+            if stats is not None:
+                stats["attention"] = stats.get("attention", 0) + 1
+            return relax.call_tir(gv, [matched[p], *parts], relax.TensorType(out, dtype))
+
+        from tvm.relax.dpl import rewrite_call
+
+        updated = {}
+        for gv, func in mod.functions.items():
+            if isinstance(func, relax.Function):
+                new = rewrite_call(scores, rewrite_scores, func)
+                new = rewrite_call(weighted, rewrite_weighted, new)
+                if not new.same_as(func):
+                    updated[gv] = new
+        for gv, func in updated.items():
+            bb.update_func(gv, func)
+        out = bb.get()
+        return relax.transform.DeadCodeElimination()(out) if updated else out
+
+    return _pass
