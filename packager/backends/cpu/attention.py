@@ -18,7 +18,7 @@ head's rows of the cache once for its G query heads, with the scale applied as t
 
 from __future__ import annotations
 
-from edgeq.backends.cpu.common import Isa, largest_divisor
+from edgeq.backends.cpu.common import STREAMED, Isa, largest_divisor, worth_threads
 from edgeq.tvm_env import Schedule, relax, te, tvm
 
 SCORES = "edgeq_attention_scores"
@@ -102,7 +102,9 @@ def scores_func(heads: int, kv_heads: int, rows: int, dim: int, lengths: list[in
             inner = inner[::-1]
         sch.vectorize(inner[-1])  # vectorize and parallel before the init is split off (which keeps the loops' kinds)
         sch.unroll(di)
-        sch.parallel(sch.fuse(b, g, t))
+        outer = sch.fuse(b, g, t)
+        if worth_threads(heads * rows * total * dim * STREAMED):
+            sch.parallel(outer)
         sch.decompose_reduction(partial_sums, inner[0])
     return _opaque(sch.mod["main"])
 
@@ -123,7 +125,9 @@ def weighted_func(heads: int, kv_heads: int, rows: int, dim: int, lengths: list[
     b, h, s, d, t = sch.get_loops(block)
     sch.reorder(b, h, s, t, d)
     sch.vectorize(d)
-    sch.parallel(sch.fuse(b, h, s))
+    outer = sch.fuse(b, h, s)
+    if worth_threads(heads * rows * total * dim * STREAMED):
+        sch.parallel(outer)
     sch.decompose_reduction(block, t)
     return _opaque(sch.mod["main"])
 
