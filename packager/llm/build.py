@@ -53,11 +53,12 @@ class Steps:
 
 
 def default_buckets(context: int) -> list[int]:
-    """Prompt buckets: powers of 4 from 16 up to the context (a prompt pads to the next one)."""
+    """Prompt buckets: powers of 2 from 16 up to the context (a prompt pads to the next one, so at most half a
+    prefill is padding: a 30-token prompt in a bucket of 64 took SmolLM2's first token 333 ms, in 32 ...)."""
     buckets, size = [], 16
     while size < context:
         buckets.append(size)
-        size *= 4
+        size *= 2
     return buckets + [context - 1] if not buckets or buckets[-1] < context - 1 else buckets
 
 
