@@ -9,7 +9,9 @@ environment (``.venv-export``: torch and transformers):
     .venv-export/bin/python examples/export_llm.py gguf --gguf SmolLM2-135M-Instruct.Q4_1.gguf -o smollm2.onnx
 
 ``gguf`` loads the file with ``transformers`` (which dequantizes it; needs the ``gguf`` package) and also
-writes its tokenizer (``tokenizer.json``) beside the model. Prints one JSON line: {"path", "parameters",
+writes its tokenizer (``tokenizer.json``) beside the model. ``--save-hf DIR`` also writes the dequantized weights as
+a Hugging Face checkpoint (``config.json``, ``model.safetensors``, the tokenizer): what ONNX Runtime GenAI's model
+builder reads (``benchmarks/llm_compare.py``), so that both are built from the same weights. Prints one JSON line: {"path", "parameters",
 "layers", "seconds"}.
 """
 
@@ -58,6 +60,20 @@ def gguf_model(path: Path, out_dir: Path):
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     tokenizer.save_pretrained(str(out_dir))
     return model
+
+
+def save_checkpoint(model, gguf: Path, out_dir: Path) -> None:
+    """``model`` (loaded from ``gguf``) as a plain float32 Hugging Face checkpoint: transformers refuses to save a
+    model it loaded from GGUF, so its weights go into a fresh model of the same configuration."""
+    import transformers
+
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = transformers.AutoModelForCausalLM.from_config(config, dtype="float32")
+    plain.load_state_dict(model.state_dict())
+    plain.save_pretrained(str(out_dir))
+    transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(out_dir))
 
 
 class WithPast:
@@ -124,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-o", "--output", type=Path, required=True)
     parser.add_argument("--gguf", type=Path, help="the GGUF file (kind gguf)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--save-hf", type=Path, metavar="DIR", help="kind gguf: also save the weights as a Hugging Face "
+                                                                    "checkpoint in DIR (float32)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     args.output.parent.mkdir(parents=True, exist_ok=True)
@@ -134,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         model = tiny_model(args.kind, args.seed)
     parameters = export(model, args.output)
+    if args.kind == "gguf" and args.save_hf is not None:
+        save_checkpoint(model, args.gguf, args.save_hf)
     print(json.dumps({"path": str(args.output), "parameters": parameters, "layers": model.config.num_hidden_layers,
                       "seconds": round(time.perf_counter() - start, 1)}))
     return 0
