@@ -393,8 +393,11 @@ def _answer_lost(model_name: str, answer: tuple[str, float], metrics: dict[str, 
     """One line where int8 loses more of the answer than ``--max-answer-loss``: a warning (the bundle is written,
     the report says so), or with ``--strict-accuracy`` an error (no bundle)."""
     label, value = answer
-    line = (f"{model_name}: int8 {label.split(' (')[0]} {value:.3g}{'%' if '%' in label else ' points'} on "
-            f"{metrics['samples']} sample(s) of {source}, past --max-answer-loss {args.answer_loss_limit:g} (cosine "
+    said = {"fp32 boxes lost (%)": f"loses {value:.3g}% of fp32's boxes",
+            "top-1 changed (% of samples)": f"changes the top-1 class of {value:.3g}% of the samples",
+            "top-1 drop (points)": f"drops top-1 by {value:.3g} points"}.get(label, f"{label} {value:.3g}")
+    line = (f"{model_name}: int8 {said} ({metrics['samples']} sample(s) of {source}), past --max-answer-loss "
+            f"{args.answer_loss_limit:g} (cosine "
             f"{metrics['cosine']:.5f}); --precision mixed --accuracy-budget {args.answer_loss_limit:g} keeps the "
             "layers that cost it in float")
     if args.strict_accuracy:
