@@ -232,6 +232,46 @@ def test_attention_kernels_compute_the_repeated_products(heads, kv_heads, rows, 
         np.testing.assert_allclose(out.numpy(), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("axis", [2, 1])
+def test_attention_pass_rewrites_only_the_repeat_it_computes(axis):
+    """The grouped-query repeat as exported (expand_dims at 2: query head h reads kv head h // G) is rewritten to the
+    kernels, and the graph computes what it did; a repeat at axis 1 (h reads kv head h % kv_heads) is left to TVM."""
+    from edgeq.backends.cpu.attention import attention_pass
+    from edgeq.backends.cpu.common import Isa
+    from edgeq.targets import profiles
+    from edgeq.tvm_env import relax, tvm
+
+    heads, kv, length, dim = 6, 2, 5, 16
+    group = heads // kv
+    shape5 = (1, kv, group, length, dim) if axis == 2 else (1, group, kv, length, dim)
+    bb = relax.BlockBuilder()
+    q = relax.Var("q", relax.TensorType((1, heads, 1, dim), "float32"))
+    past = relax.Var("past", relax.TensorType((1, kv, length - 1, dim), "float32"))
+    new = relax.Var("new", relax.TensorType((1, kv, 1, dim), "float32"))
+    with bb.function("main", [q, past, new]):
+        with bb.dataflow():
+            keys = bb.emit(relax.op.concat([past, new], axis=2))
+            repeat = bb.emit(relax.op.reshape(relax.op.broadcast_to(relax.op.expand_dims(keys, axis=[axis]), shape5),
+                                              (1, heads, length, dim)))
+            scores = bb.emit(relax.op.matmul(q, relax.op.multiply(relax.op.permute_dims(repeat, [0, 1, 3, 2]),
+                                                                  relax.const(0.25, "float32"))))
+            out = bb.emit_output(relax.op.matmul(relax.op.nn.softmax(scores, axis=-1), repeat))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    target = profiles()["host"].tvm_target()
+    stats = {}
+    rewritten = attention_pass(Isa.of(target), stats)(mod)
+    assert stats.get("attention", 0) == (2 if axis == 2 else 0), stats
+    rng = np.random.default_rng(axis)
+    inputs = [rng.standard_normal(tuple(int(d) for d in v.ty.shape.values)).astype(np.float32)
+              for v in mod["main"].params]
+    results = []
+    for module in (mod, rewritten):
+        vm = relax.VirtualMachine(tvm.compile(module, target=target), tvm.cpu())
+        results.append(vm["main"](*[tvm.runtime.tensor(a) for a in inputs]).numpy())
+    np.testing.assert_allclose(results[1], results[0], rtol=1e-5, atol=1e-6)
+
+
 def test_decoder_layout_and_refusals(decoders, tmp_path):
     model = onnx.load(decoders["tiny-llama"])
     layout = decoder.read_layout(model)

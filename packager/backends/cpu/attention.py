@@ -137,8 +137,9 @@ def attention_pass(isa: Isa, stats: dict | None = None):
     from tvm.relax.dpl import is_const, is_op, wildcard
 
     keys = wildcard()
-    repeated = is_op("relax.reshape")(is_op("relax.broadcast_to")(is_op("relax.expand_dims")(keys), wildcard()),
-                                      wildcard())
+    expanded = is_op("relax.expand_dims")(keys)
+    broadcast = is_op("relax.broadcast_to")(expanded, wildcard())
+    repeated = is_op("relax.reshape")(broadcast, wildcard())
     transposed = is_op("relax.permute_dims")(repeated)
     scale = is_const()
     q = wildcard()
@@ -172,6 +173,13 @@ def attention_pass(isa: Isa, stats: dict | None = None):
                 return None
             lengths = [s[2] for s in shapes]
             if sum(lengths) != length:
+                return None
+            # each kv head repeated in place (expand_dims at 2: query head h reads kv head h // G); at axis 1 it
+            # would be h % kv_heads, which these kernels do not compute
+            axes = matched[expanded].attrs.axis
+            if axes is None or [int(a) for a in axes] != [2]:
+                return None
+            if _static(matched[broadcast]) != (1, kv, heads // kv, length, dim):
                 return None
             return kv, parts, lengths, dim
 
