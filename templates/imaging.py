@@ -68,9 +68,10 @@ JPEG_LIBRARY_OLD = "this libturbojpeg is too old (>= 1.5 is needed)"
 _LIBRARIES = {}  # soname -> the library (ctypes.CDLL) or the line that refuses for want of it
 
 
-def _library(names, functions, missing, old, required=True):
-    """The first of ``names`` that dlopen finds, as edgeq-run's OpenLibrary looks for it; where none is found or
-    it lacks one of ``functions``, ImageError with edgeq-run's own line (None if not ``required``)."""
+def _library(names, functions, missing, old, required=True, prepare=None):
+    """The first of ``names`` that dlopen finds, as edgeq-run's OpenLibrary looks for it (``prepare(lib)`` run once,
+    when it is found); where none is found or it lacks one of ``functions``, ImageError with edgeq-run's own line
+    (None if not ``required``)."""
     if names[0] not in _LIBRARIES:
         import ctypes
 
@@ -82,6 +83,8 @@ def _library(names, functions, missing, old, required=True):
                 continue
             found = lib if all(hasattr(lib, f) for f in functions) else old
             break
+        if prepare is not None and not isinstance(found, str):
+            prepare(found)
         _LIBRARIES[names[0]] = found
     found = _LIBRARIES[names[0]]
     if isinstance(found, str):
@@ -100,19 +103,19 @@ def _libpng():
 
 def _turbojpeg(required=True):
     """libjpeg-turbo's TurboJPEG library, the one edgeq-run dlopens (image.h)."""
-    fresh = "libturbojpeg.so.0" not in _LIBRARIES
-    lib = _library(("libturbojpeg.so.0", "libturbojpeg.so"), ("tjInitDecompress", "tjDecompressHeader3",
-                                                              "tjDecompress2", "tjGetErrorStr2", "tjDestroy"),
-                   JPEG_LIBRARY_MISSING, JPEG_LIBRARY_OLD, required)
-    if fresh and lib is not None:
-        import ctypes as c
+    return _library(("libturbojpeg.so.0", "libturbojpeg.so"), ("tjInitDecompress", "tjDecompressHeader3",
+                                                               "tjDecompress2", "tjGetErrorStr2", "tjDestroy"),
+                    JPEG_LIBRARY_MISSING, JPEG_LIBRARY_OLD, required, _turbojpeg_types)
 
-        lib.tjInitDecompress.restype = c.c_void_p
-        lib.tjDecompressHeader3.argtypes = [c.c_void_p, c.c_char_p, c.c_ulong] + [c.POINTER(c.c_int)] * 4
-        lib.tjDecompress2.argtypes = [c.c_void_p, c.c_char_p, c.c_ulong, c.c_void_p] + [c.c_int] * 5
-        lib.tjGetErrorStr2.argtypes, lib.tjGetErrorStr2.restype = [c.c_void_p], c.c_char_p
-        lib.tjDestroy.argtypes = [c.c_void_p]
-    return lib
+
+def _turbojpeg_types(lib) -> None:
+    import ctypes as c
+
+    lib.tjInitDecompress.restype = c.c_void_p
+    lib.tjDecompressHeader3.argtypes = [c.c_void_p, c.c_char_p, c.c_ulong] + [c.POINTER(c.c_int)] * 4
+    lib.tjDecompress2.argtypes = [c.c_void_p, c.c_char_p, c.c_ulong, c.c_void_p] + [c.c_int] * 5
+    lib.tjGetErrorStr2.argtypes, lib.tjGetErrorStr2.restype = [c.c_void_p], c.c_char_p
+    lib.tjDestroy.argtypes = [c.c_void_p]
 
 
 def decode_jpeg(np, lib, data: bytes, path: str, max_pixels: int = MAX_IMAGE_PIXELS):

@@ -134,7 +134,7 @@ def weighted_func(heads: int, kv_heads: int, rows: int, dim: int, lengths: list[
 
 def attention_pass(isa: Isa, stats: dict | None = None):
     """The Relax pass: see the module's text."""
-    from tvm.relax.dpl import is_const, is_op, wildcard
+    from tvm.relax.dpl import is_const, is_op, rewrite_call, wildcard
 
     keys = wildcard()
     expanded = is_op("relax.expand_dims")(keys)
@@ -227,8 +227,6 @@ def attention_pass(isa: Isa, stats: dict | None = None):
             if stats is not None:
                 stats["attention"] = stats.get("attention", 0) + 1
             return relax.call_tir(gv, [matched[p], *parts], relax.TensorType(out, dtype))
-
-        from tvm.relax.dpl import rewrite_call
 
         updated = {}
         for gv, func in mod.functions.items():
