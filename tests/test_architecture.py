@@ -113,6 +113,52 @@ def test_backends_import_nothing_above_them():
     assert offenders == {}
 
 
+def private_imports(tree: ast.AST) -> list[str]:
+    """The private names (one leading underscore) a module takes from another edgeq module: ``from edgeq.x import
+    _name``, or ``m._name`` of a module ``m`` it imported from edgeq."""
+    found, modules = [], {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("edgeq"):
+            for alias in node.names:
+                if alias.name.startswith("_") and not alias.name.startswith("__"):
+                    found.append(f"{node.module}.{alias.name}")
+                modules[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+        elif isinstance(node, ast.Import):
+            modules.update({a.asname or a.name: a.name for a in node.names if a.name.startswith("edgeq")})
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules \
+                and node.attr.startswith("_") and not node.attr.startswith("__"):
+            found.append(f"{modules[node.value.id]}.{node.attr}")
+    return found
+
+
+def test_the_backends_take_no_private_name_from_another_module():
+    """A helper two modules share is public in one place (the CUDA path's Relax helpers: cutlass/match.py), not a
+    private name reached into: the backends import none (#65)."""
+    offenders = {name: private_imports(ast.parse(path.read_text())) for name, path in _modules().items()
+                 if name.startswith("edgeq.backends.")}
+    assert {name: found for name, found in offenders.items() if found} == {}
+    planted = "from edgeq.backends.cuda.cutlass import match\nfrom edgeq.graph import _x\nmatch._ty(v)\n"
+    assert private_imports(ast.parse(planted)) == ["edgeq.graph._x", "edgeq.backends.cuda.cutlass.match._ty"]
+
+
+def test_the_cutlass_package_is_one_job_a_module():
+    """cutlass.py (3,459 lines, 15 jobs) is a package: no module of it over 800 lines, the hand-written C++ in
+    headers that NVRTC finds with -I (package data), and code only tests run (the numpy replays, the cubin
+    reports) under tests/ (#65)."""
+    from edgeq.backends.cuda.cutlass.nvrtc import EDGEQ_INCLUDE
+
+    folder = REPO / "packager" / "backends" / "cuda" / "cutlass"
+    sizes = {p.name: len(p.read_text().splitlines()) for p in folder.glob("*.py")}
+    assert not (REPO / "packager" / "backends" / "cuda" / "cutlass.py").exists()
+    assert max(sizes.values()) <= 800, sizes
+    headers = sorted(p.name for p in (EDGEQ_INCLUDE / "edgeq_cutlass").glob("*.h"))
+    assert headers == ["epilogues.h", "store_iterators.h"]
+    assert '"edgeq.backends.cuda.cutlass" = ["include/edgeq_cutlass/*.h"]' in (REPO / "pyproject.toml").read_text()
+    source = "".join(p.read_text() for p in folder.glob("*.py"))
+    assert "class Requantize" not in source and "def replay" not in source and "def read_kernels" not in source
+
+
 def test_the_cycle_finder_finds_a_cycle():
     assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert import_cycles({"a": {"b"}, "b": set()}) == []

@@ -15,7 +15,10 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+import cutlass_replay  # tests/: the numpy replays of what each kernel computes
+
 from edgeq.backends.cuda import concat_in_place, cutlass
+from edgeq.backends.cuda.cutlass.match import main_index
 from edgeq.backends.cuda.cubin import cuda_tool
 from edgeq.targets import resolve
 from edgeq.reference import onnxruntime_session
@@ -31,19 +34,19 @@ def test_cutlass_comes_from_the_tvm_wheel():
 
 
 def test_problem_from_conv_and_what_is_refused():
-    p = cutlass.problem_from_conv((1, 3, 224, 224), (64, 3, 7, 7), (3, 3, 3, 3), (2, 2), (1, 1))
+    p = cutlass_replay.problem_from_conv((1, 3, 224, 224), (64, 3, 7, 7), (3, 3, 3, 3), (2, 2), (1, 1))
     assert (p.c, p.c_real, p.p, p.q, p.gemm) == (8, 3, 112, 112, (112 * 112, 64, 7 * 7 * 8))
     assert p.flops == 2 * 112 * 112 * 64 * 7 * 7 * 3  # the model's channels, not the padding
-    assert cutlass.problem_from_conv((1, 32, 8, 8), (32, 1, 3, 3), (1, 1, 1, 1), (1, 1), (1, 1)) is None  # depthwise
-    assert cutlass.problem_from_conv((1, 8, 8, 8), (8, 8, 3, 3), (0, 0, 1, 1), (1, 1), (1, 1)) is None  # asymmetric
-    assert cutlass.problem_from_conv((1, 2, 8, 8), (8, 2, 3, 3), (1, 1, 1, 1), (1, 1), (1, 1)) is None  # 2 channels
+    assert cutlass_replay.problem_from_conv((1, 32, 8, 8), (32, 1, 3, 3), (1, 1, 1, 1), (1, 1), (1, 1)) is None  # depthwise
+    assert cutlass_replay.problem_from_conv((1, 8, 8, 8), (8, 8, 3, 3), (0, 0, 1, 1), (1, 1), (1, 1)) is None  # asymmetric
+    assert cutlass_replay.problem_from_conv((1, 2, 8, 8), (8, 2, 3, 3), (1, 1, 1, 1), (1, 1), (1, 1)) is None  # 2 channels
 
 
 def test_the_tile_table_fills_the_sms_and_fits_shared_memory():
     orin, h200 = _profile("jetson-orin-nano"), _profile("cuda-sm90")
     assert orin.sm_count == 8 and h200.sm_count == 132
-    big = cutlass.problem_from_conv((1, 64, 56, 56), (256, 64, 1, 1), (0, 0, 0, 0), (1, 1), (1, 1))
-    small = cutlass.problem_from_conv((1, 512, 7, 7), (512, 512, 3, 3), (1, 1, 1, 1), (1, 1), (1, 1))
+    big = cutlass_replay.problem_from_conv((1, 64, 56, 56), (256, 64, 1, 1), (0, 0, 0, 0), (1, 1), (1, 1))
+    small = cutlass_replay.problem_from_conv((1, 512, 7, 7), (512, 512, 3, 3), (1, 1, 1, 1), (1, 1), (1, 1))
     for problem in (big, small):
         for spec in (orin, h200):
             tile = cutlass.choose_tile(problem, spec.sm_count, spec.shared_memory_per_block_optin)
@@ -102,7 +105,7 @@ def test_the_replay_of_what_a_kernel_computes_equals_onnxruntime(case):
     x = rng.standard_normal(x_shape).astype(np.float16).astype(np.float32)
     w = (rng.standard_normal(w_shape) / np.sqrt(np.prod(w_shape[1:]))).astype(np.float16).astype(np.float32)
     b = rng.standard_normal(w_shape[0]).astype(np.float16).astype(np.float32)
-    problem = cutlass.problem_from_conv(x_shape, w_shape, pads, strides, dilations)
+    problem = cutlass_replay.problem_from_conv(x_shape, w_shape, pads, strides, dilations)
     out_shape = (x_shape[0], w_shape[0], problem.p, problem.q)
     r = rng.standard_normal(out_shape).astype(np.float16).astype(np.float32) if residual else None
     model = _onnx_conv(x_shape, w, b, pads, strides, dilations, activation, out_shape if residual else None)
@@ -110,7 +113,7 @@ def test_the_replay_of_what_a_kernel_computes_equals_onnxruntime(case):
     want = onnxruntime_session(model.SerializeToString()).run(None, feeds)[0]
     assert want.shape == out_shape  # the output size CUTLASS's problem computes is ONNX's
     kernel = cutlass.ConvKernel("k", problem, cutlass.choose_tile(problem, 8, 166912), activation, residual)
-    got = cutlass.replay(kernel, cutlass.pad_input(x, problem), cutlass.pad_weights(w, problem), b,
+    got = cutlass_replay.replay(kernel, cutlass_replay.pad_input(x, problem), cutlass_replay.pad_weights(w, problem), b,
                          None if r is None else np.transpose(r, (0, 2, 3, 1)))
     assert got.dtype == np.float16 and got.shape == (x_shape[0], problem.p, problem.q, w_shape[0])
     np.testing.assert_allclose(np.transpose(got, (0, 3, 1, 2)).astype(np.float32), want, rtol=2e-3, atol=2e-3)
@@ -137,7 +140,7 @@ def test_split_k_slices_sum_as_cutlass_orders_them(float_out):
     model = _onnx_conv(x_shape, w, b, (1, 1, 1, 1), (1, 1), (1, 1), "relu", r.shape)
     want = onnxruntime_session(model.SerializeToString()).run(
         None, {"x": x, "r": r})[0].transpose(0, 2, 3, 1)
-    problem = cutlass.problem_from_conv(x_shape, w_shape, (1, 1, 1, 1), (1, 1), (1, 1))
+    problem = cutlass_replay.problem_from_conv(x_shape, w_shape, (1, 1, 1, 1), (1, 1), (1, 1))
     tile = cutlass.choose_tile(problem, 8, 166912)
     split = cutlass.split_k(problem, tile, 8)
     assert (tile.block, tile.split_k, split.split_k) == ((128, 64, 32), 1, 4)
@@ -147,8 +150,8 @@ def test_split_k_slices_sum_as_cutlass_orders_them(float_out):
     xs, ws, rs = x.transpose(0, 2, 3, 1).astype(np.float16), w.transpose(0, 2, 3, 1).astype(np.float16), \
         r.transpose(0, 2, 3, 1).astype(dtype)
     bias = b.astype(np.float16)
-    got = cutlass.replay(kernel, xs, ws, bias, rs)
-    whole = cutlass.replay(dataclasses.replace(kernel, tile=tile), xs, ws, bias, rs)
+    got = cutlass_replay.replay(kernel, xs, ws, bias, rs)
+    whole = cutlass_replay.replay(dataclasses.replace(kernel, tile=tile), xs, ws, bias, rs)
     step = 2e-3 if dtype == np.float16 else 1e-5  # fp16: an fp16 rounding of each of 3 partial sums, at most
     np.testing.assert_allclose(got.astype(np.float32), want, rtol=step * 2, atol=step * 2)
     np.testing.assert_allclose(whole.astype(np.float32), want, rtol=step, atol=step)
@@ -197,13 +200,13 @@ def test_the_int8_replay_equals_onnxruntime_qlinearconv(case):
                               [helper.make_tensor_value_info("y", TensorProto.INT8, None)], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
     want = onnxruntime_session(model.SerializeToString()).run(None, {"x": x})[0]
-    problem = cutlass.problem_from_conv(x_shape, w_shape, pads, strides, dilations, "int8")
+    problem = cutlass_replay.problem_from_conv(x_shape, w_shape, pads, strides, dilations, "int8")
     # 16 channels a load, or 8 (64-bit loads) where the channels are a multiple of 8 and not of 16: never a pad
     assert problem.c % 16 == 0 or (problem.c == x_shape[1] and problem.c % 8 == 0)
     assert problem.c_real == x_shape[1]
     kernel = cutlass.ConvKernel("k", problem, cutlass.choose_tile(problem, 8, 166912, "int8"), precision="int8")
     scale = (x_scale * w_scale / y_scale).astype(np.float32)  # the multiplier QLinearConv applies per channel
-    got = cutlass.replay_int8(kernel, cutlass.pad_input(x, problem), cutlass.pad_weights(w, problem), bias, scale)
+    got = cutlass_replay.replay_int8(kernel, cutlass_replay.pad_input(x, problem), cutlass_replay.pad_weights(w, problem), bias, scale)
     got = np.transpose(got, (0, 3, 1, 2))
     assert got.dtype == np.int8 and got.shape == want.shape
     diff = np.abs(got.astype(np.int32) - want.astype(np.int32))
@@ -268,7 +271,7 @@ def test_a_depthwise_kernel_computes_what_onnxruntime_does(case):
     assert want.shape == out_shape
     nhwc, hwoi = np.transpose(x, (0, 2, 3, 1)), np.transpose(w, (2, 3, 0, 1))
     residual = None if r is None else np.transpose(r, (0, 2, 3, 1))
-    got = cutlass.replay(kernel, nhwc, hwoi, b, residual)
+    got = cutlass_replay.replay(kernel, nhwc, hwoi, b, residual)
     np.testing.assert_allclose(np.transpose(got, (0, 3, 1, 2)).astype(np.float32), want, rtol=2e-3, atol=2e-3)
     twin = _run_twin(kernel, {"x": nhwc, "w": hwoi, "bias": b, "residual": residual})
     np.testing.assert_allclose(twin.astype(np.float32), got.astype(np.float32), rtol=1e-3, atol=1e-3)
@@ -306,7 +309,7 @@ def test_a_grouped_kernel_computes_what_onnxruntime_does(case):
     assert want.shape == (n, k, problem.p, problem.q)
     nhwc, ohwi = np.transpose(x, (0, 2, 3, 1)), np.transpose(w, (0, 2, 3, 1))
     assert tuple(cutlass.kernel_operands(kernel)[1][1]) == ohwi.shape
-    got = cutlass.replay(kernel, nhwc, ohwi, b)
+    got = cutlass_replay.replay(kernel, nhwc, ohwi, b)
     np.testing.assert_allclose(np.transpose(got, (0, 3, 1, 2)).astype(np.float32), want, rtol=2e-3, atol=2e-3)
     twin = _run_twin(kernel, {"x": nhwc, "w": ohwi, "bias": b})
     np.testing.assert_allclose(twin.astype(np.float32), got.astype(np.float32), rtol=1e-3, atol=1e-3)
@@ -340,7 +343,7 @@ def test_an_int8_depthwise_kernel_computes_what_qlinearconv_does(case):
     nhwc, hwoi = np.transpose(x, (0, 2, 3, 1)), np.transpose(w, (2, 3, 0, 1))
     scale = (x_scale * w_scale / y_scale).astype(np.float32)  # QLinearConv's multiplier per channel
     plain = cutlass.DepthwiseKernel("k", p, None, precision="int8")
-    got = np.transpose(cutlass.replay_int8(plain, nhwc, hwoi, bias, scale), (0, 3, 1, 2))
+    got = np.transpose(cutlass_replay.replay_int8(plain, nhwc, hwoi, bias, scale), (0, 3, 1, 2))
     diff = np.abs(got.astype(np.int32) - want.astype(np.int32))
     assert got.shape == want.shape and diff.max() <= 1 and (diff == 0).mean() >= 0.99, (diff.max(), (diff == 0).mean())
     # the full epilogue: the shift, SiLU or the activation clamp, the residual, the per-channel multiplier (the next
@@ -349,7 +352,7 @@ def test_an_int8_depthwise_kernel_computes_what_qlinearconv_does(case):
     residual = rng.integers(-128, 128, (p.n, p.p, p.q, p.k), dtype=np.int8) if kernel.residual else None
     scale = (x_scale * w_scale).astype(np.float32)
     post = rng.uniform(0.5, 2.0, p.k).astype(np.float32)
-    replayed = cutlass.replay_int8(kernel, nhwc, hwoi, bias, scale, shift, residual, post)
+    replayed = cutlass_replay.replay_int8(kernel, nhwc, hwoi, bias, scale, shift, residual, post)
     twin = _run_twin(kernel, {"x": nhwc, "w": hwoi, "bias": bias, "scale": scale, "shift": shift,
                               "residual": residual, "post": post})
     assert len(np.unique(replayed)) > 20  # not saturated
@@ -394,7 +397,7 @@ def test_kernels_compile_in_a_tvm_module_to_tensor_cores(profile, precision, nvr
     dtype = "int8" if precision == "int8" else "float16"
     for name in ("stem7x7s2", "3x3-residual", "1x1s2"):
         x_shape, w_shape, pads, strides, dilations, activation, residual = CONVS[name]
-        problem = cutlass.problem_from_conv(x_shape, w_shape, pads, strides, dilations, dtype)
+        problem = cutlass_replay.problem_from_conv(x_shape, w_shape, pads, strides, dilations, dtype)
         tile = cutlass.choose_tile(problem, spec.sm_count, spec.shared_memory_per_block_optin, precision)
         if precision == "int8":  # the requantizing epilogue: ReLU as a clamp, a residual with its scale; the 1x1
             # shortcut with SiLU and a float32 output (a layer no quantize follows), on 24 input channels: 64-bit loads
@@ -487,7 +490,7 @@ def test_kernels_compile_in_a_tvm_module_to_tensor_cores(profile, precision, nvr
     target = tvm.target.Target({"kind": "cuda", "arch": spec.arch, "host": "llvm"})
     library, sizes = cutlass.build_module(kernels + depthwise, target, nvrtc, tmp_path)
     source = (tmp_path / f"cutlass_{spec.arch}.cu").read_text()
-    reports = {r.name: r for r in cutlass.read_kernels(library, kernels + depthwise, sizes)}
+    reports = {r.name: r for r in cutlass_replay.read_kernels(library, kernels + depthwise, sizes)}
     for kern in depthwise:  # CUDA cores, 16-byte loads (fp16) / 4-byte loads (int8) of the input, no spills
         r = reports.pop(kern.name)
         body = re.search(rf"void __launch_bounds__\(128\) {kern.function}_kernel\(([^)]*)\) {{(.*?)\n}}", source, re.S)
@@ -690,7 +693,7 @@ def _gemm_replay_matches_twin(c) -> None:
     lib = tvm.tirx.build(cutlass.twin_prim_func(c.kernel, c.shapes), target="llvm")
     y = tvm.runtime.tensor(np.zeros(c.shapes["y"], c.kernel.out_dtype))
     lib(tvm.runtime.tensor(a), tvm.runtime.tensor(w), y)
-    want = cutlass.replay_gemm(c.kernel, a, w).reshape(c.shapes["y"])
+    want = cutlass_replay.replay_gemm(c.kernel, a, w).reshape(c.shapes["y"])
     if c.kernel.quantize:
         got = y.numpy().astype(np.int32)
         assert np.abs(got - want).max() <= 1 and np.mean(got == want) > 0.95 and len(np.unique(got)) > 20
@@ -1118,7 +1121,7 @@ def test_a_bert_style_encoders_linear_layers_run_on_cutlass(precision, tmp_path)
         assert (type(k), k.problem.c, k.problem.k, k.float_out, k.residual, k.residual_after, k.bias_dtype) == (
             cutlass.ConvKernel, 256, 64, True, True, False, "float32")
         assert "cutlass::plus<float>, false, float>" in k.kernel_type
-        _, value_of, _, _ = cutlass.main_index(prepared.main)  # it reads P V's int8 output (a view of it)
+        _, value_of, _, _ = main_index(prepared.main)  # it reads P V's int8 output (a view of it)
         assert value_of[projection.x].args[0].same_as(gemms[1].output)
         # the FFN's second layer reads the first's fp16 output (a view of it)
         assert value_of[second.x].args[0].same_as(next(c for c in token if c.kernel.gelu).output)
@@ -1189,7 +1192,7 @@ def test_a_bert_style_encoders_linear_layers_run_on_cutlass(precision, tmp_path)
             tvm.tirx.build(cutlass.twin_prim_func(c.kernel, c.shapes), target="llvm")(
                 *(tvm.runtime.tensor(a) for a in operands[:-1]), y)
             x4, w4 = operands[0].reshape(1, 1, 16, 256), operands[1]
-            want = cutlass.replay(c.kernel, x4, w4, operands[2], operands[3].reshape(1, 1, 16, 64))
+            want = cutlass_replay.replay(c.kernel, x4, w4, operands[2], operands[3].reshape(1, 1, 16, 64))
             np.testing.assert_allclose(y.numpy().reshape(want.shape), want, rtol=1e-5, atol=1e-4)
             continue
         if not isinstance(c.kernel, cutlass.TokenLinearKernel):
@@ -1201,7 +1204,7 @@ def test_a_bert_style_encoders_linear_layers_run_on_cutlass(precision, tmp_path)
         y = tvm.runtime.tensor(np.zeros(y_shape, c.kernel.out_dtype))
         tvm.tirx.build(cutlass.twin_prim_func(c.kernel, c.shapes), target="llvm")(
             *(tvm.runtime.tensor(a) for a in operands), y)
-        want = cutlass.replay_token_linear(c.kernel, *operands).reshape(y_shape)
+        want = cutlass_replay.replay_token_linear(c.kernel, *operands).reshape(y_shape)
         if c.kernel.gelu is None:
             np.testing.assert_array_equal(y.numpy(), want)
         else:
@@ -1212,12 +1215,12 @@ def test_a_bert_style_encoders_linear_layers_run_on_cutlass(precision, tmp_path)
         rng = np.random.default_rng(5)
         qkv = rng.standard_normal((1, 16, 192)).astype(np.float16)
         q, k, v = (qkv[..., i * 64:(i + 1) * 64].reshape(1, 16, 2, 32) for i in range(3))
-        scores = cutlass.replay_gemm(gemms[0].kernel, qkv, qkv)
+        scores = cutlass_replay.replay_gemm(gemms[0].kernel, qkv, qkv)
         want = np.matmul(q.transpose(0, 2, 1, 3).astype(np.float32), k.transpose(0, 2, 3, 1).astype(np.float32))
         np.testing.assert_allclose(scores.astype(np.float32).reshape(want.shape), want * gemms[0].kernel.alpha,
                                    rtol=2e-3, atol=2e-3)
         p_ = rng.standard_normal((1, 2, 16, 16)).astype(np.float16)
-        context = cutlass.replay_gemm(gemms[1].kernel, p_, qkv)
+        context = cutlass_replay.replay_gemm(gemms[1].kernel, p_, qkv)
         want = np.matmul(p_.astype(np.float32), v.transpose(0, 2, 1, 3).astype(np.float32)).transpose(0, 2, 1, 3)
         np.testing.assert_allclose(context.astype(np.float32).reshape(want.shape), want, rtol=2e-3, atol=2e-3)
 
@@ -1566,12 +1569,12 @@ def test_the_depthwise_kernels_cuda_source_runs_on_this_cpu_as_the_replay(nvrtc,
         host.run(f"{kern.function}_kernel", kern.grid[0], kern.threads, arrays)
         got = arrays["y"]
         if kern.precision == "int8":
-            want = cutlass.replay_int8(kern, arrays["x"], arrays["w"], arrays["bias"], arrays["scale"], arrays["shift"],
+            want = cutlass_replay.replay_int8(kern, arrays["x"], arrays["w"], arrays["bias"], arrays["scale"], arrays["shift"],
                                        arrays.get("residual"), arrays["post"])
             diff = np.abs(got.astype(np.int32) - want.astype(np.int32))
             assert len(np.unique(want)) > 20 and diff.max() == 0, (kern.name, diff.max())
         else:
-            want = cutlass.replay(kern, arrays["x"].astype(np.float32), arrays["w"].astype(np.float32),
+            want = cutlass_replay.replay(kern, arrays["x"].astype(np.float32), arrays["w"].astype(np.float32),
                                   arrays["bias"], arrays.get("residual"))
             np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), rtol=2e-3, atol=2e-3)
             assert np.abs(want.astype(np.float32)).max() > 1

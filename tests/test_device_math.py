@@ -13,6 +13,8 @@ import textwrap
 import numpy as np
 import pytest
 
+import cutlass_replay  # tests/
+
 from edgeq.backends.cuda import cutlass, device_math
 from edgeq.tvm_env import import_tvm
 
@@ -107,7 +109,7 @@ def test_a_requantize_on_a_tie_rounds_half_to_even_in_the_twin_and_the_replay():
     assert np.all(exact % 1 == 0.5)
     want = _half_to_even(exact).astype(np.int8)
     assert set(np.unique(want)) == {-6, -4, -2, 0, 2, 4, 6}  # what the ties -5.5 ... 5.5 round to
-    replay = cutlass.replay_int8(kernel, x, w, bias, scale, shift)
+    replay = cutlass_replay.replay_int8(kernel, x, w, bias, scale, shift)
     np.testing.assert_array_equal(replay, want)
 
     lib = tvm.tirx.build(cutlass.twin_prim_func(kernel), target="llvm")
@@ -185,7 +187,7 @@ def test_a_pooled_mean_on_a_tie_rounds_half_to_even():
 def _ptx(source: str, toolkit, math) -> str:
     from tvm.support import nvcc
 
-    with toolkit.active(math), cutlass._nvrtc_include():
+    with toolkit.active(math), cutlass.nvrtc_include():
         return bytes(nvcc.compile_cuda(source, target_format="ptx", arch="sm_87")).decode()
 
 

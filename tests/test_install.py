@@ -187,6 +187,18 @@ def test_version(venv):
     assert re.fullmatch(r"edgeq \S+.*", proc.stdout.strip()), proc.stdout
 
 
+def test_the_install_carries_the_cutlass_headers(venv):
+    """edgeq's CUTLASS epilogues and iterators are C++ headers that NVRTC reads with -I at build time: package data
+    of the installed package, not only files of this checkout."""
+    check = ("from edgeq.backends.cuda.cutlass.nvrtc import EDGEQ_INCLUDE, nvrtc_options; "
+             "import edgeq; assert str(EDGEQ_INCLUDE).startswith(str(__import__('pathlib').Path(edgeq.__file__).parent)); "
+             "names = sorted(p.name for p in (EDGEQ_INCLUDE / 'edgeq_cutlass').glob('*.h')); "
+             "assert f'-I{EDGEQ_INCLUDE}' in nvrtc_options(); print(' '.join(names))")
+    proc = run([venv / "bin" / "python", "-c", check], timeout=120)
+    assert proc.returncode == 0, tail(proc)
+    assert proc.stdout.split() == ["epilogues.h", "store_iterators.h"], proc.stdout
+
+
 def test_package_host_and_self_test(venv, host_bundle):
     bundle = Path(host_bundle["bundle_dir"])
     assert (bundle / "manifest.json").is_file() and Path(host_bundle["archive"]).is_file()

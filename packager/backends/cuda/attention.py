@@ -67,15 +67,16 @@ def find_attention_scores(main, claimed) -> list[AttentionScores]:
     scale) only a softmax over the last axis reads, and only an fp16 cast reads that: the GEMM's chain, its output,
     the casts and scale, the softmax and the cast, as one ``AttentionScores``."""
     from edgeq.backends.cuda import cutlass
-    from edgeq.backends.cuda.squeeze_excite import _is_constant, outline_inputs
+    from edgeq.backends.cuda.cutlass.match import is_constant, main_index, only_reader_of
+    from edgeq.backends.cuda.squeeze_excite import outline_inputs
     from edgeq.graph import call_op
     from edgeq.graph_passes import dtype_of, shape_of
     from edgeq.tvm_env import relax
 
-    bindings, value_of, readers, _ = cutlass.main_index(main)
+    bindings, value_of, readers, _ = main_index(main)
     position = {b.var: i for i, b in enumerate(bindings)}
 
-    only_reader = cutlass.only_reader_of(readers)
+    only_reader = only_reader_of(readers)
 
     found = []
     for c in claimed:
@@ -98,7 +99,7 @@ def find_attention_scores(main, claimed) -> list[AttentionScores]:
         if any(r is None or r not in group for v in group - {cast} for r in readers.get(v, [])):
             continue
         ordered, inputs = outline_inputs(group, value_of, position)
-        if any(not (isinstance(a, relax.Var) or _is_constant(a)) for a in inputs):
+        if any(not (isinstance(a, relax.Var) or is_constant(a)) for a in inputs):
             continue
         found.append(AttentionScores(f"a{len(found)}", tuple(int(d) for d in shape),
                                      tuple(bindings[position[v]] for v in ordered), tuple(inputs), cast,

@@ -38,6 +38,7 @@ import json
 from collections.abc import Sequence
 
 from edgeq.backends.cuda import cutlass
+from edgeq.backends.cuda.cutlass.match import last_axis_slice, main_index, only_reader_of, tensor_type
 
 STORE = cutlass.ALIGNMENT  # elements of the epilogue's 16-byte store (fp16; int8 stores 8 bytes of 8)
 
@@ -129,8 +130,8 @@ def find_head_outputs(main, claimed: Sequence) -> list[HeadOutput]:
     from edgeq.graph_passes import dtype_of, shape_of
     from edgeq.tvm_env import relax
 
-    bindings, value_of, readers, _ = cutlass.main_index(main)
-    only = cutlass.only_reader_of(readers)
+    bindings, value_of, readers, _ = main_index(main)
+    only = only_reader_of(readers)
     order = {b.var: i for i, b in enumerate(bindings)}
     by_output = {c.output: c for c in claimed}
     found = []
@@ -161,7 +162,7 @@ def find_head_outputs(main, claimed: Sequence) -> list[HeadOutput]:
             continue
         dtype = dtype_of(out)
         parts.sort(key=lambda part: order[part[0]])
-        ty = cutlass._ty(out)
+        ty = tensor_type(out)
         versions = [relax.DataflowVar(f"{out.name}_head{i}", ty) for i in range(len(parts))]
         found.append(HeadOutput(out, (n, channels, anchors), dtype, parts, versions, tuple(dropped)))
     return found
@@ -232,7 +233,7 @@ def channel_slice(var, value_of) -> tuple[object, int, int] | None:
     tensor, else None."""
     from edgeq.graph_passes import shape_of
 
-    found = cutlass._last_axis_slice(var, value_of)
+    found = last_axis_slice(var, value_of)
     return found if found is not None and len(shape_of(found[0])) == 4 else None
 
 
@@ -252,7 +253,7 @@ def find_placements(main, claimed: Sequence) -> list[Placement]:
     from edgeq.graph_passes import shape_of
     from edgeq.tvm_env import relax
 
-    bindings, value_of, readers, _ = cutlass.main_index(main)
+    bindings, value_of, readers, _ = main_index(main)
     order = {b.var: i for i, b in enumerate(bindings)}
     by_output = {c.output: c for c in claimed}
     placements, used, upsampled = [], set(), set()
@@ -304,7 +305,7 @@ def find_placements(main, claimed: Sequence) -> list[Placement]:
         parts.sort(key=lambda part: order[ups.get(part[0], part[0])])  # an upsampled part: when its conv runs
         if parts[0][0] in ups:  # it comes in to the kernel that writes it: a part before it allocates it
             continue
-        ty = cutlass._ty(b.var)
+        ty = tensor_type(b.var)
         versions = [relax.DataflowVar(f"{b.var.name}_in_place{i}", ty) for i in range(len(parts))]
         used.update(t for t, _ in parts)
         upsampled.update(ups.values())
@@ -408,7 +409,7 @@ def place(main, claimed: Sequence, placements: Sequence[Placement]) -> list:
     the first part in place, ``out_in_place`` with ``Claimed.y_in``), and each kernel reading a placed part, or a
     slice of one, as input or residual reading those channels of the concatenation (``x_view``, ``residual_view``)
     where its loads stay aligned."""
-    _, value_of, _, _ = cutlass.main_index(main)
+    _, value_of, _, _ = main_index(main)
     where = {}  # placed var -> (the tensor after its write, its first channel, the tensor's channels)
     comes_into = {}  # placed var -> the tensor its kernel writes into (the one before it), None for the first
     for pl in placements:

@@ -169,7 +169,7 @@ def find_layer_norms(mod) -> list[ClaimedLayerNorm]:
     output the next layer also reads as fp16, ``astype(y, float16)`` (maybe through a reshape), or as int8 with a
     per-token scale: ``s = row_scale(y)`` (``pipeline.row_scales_in_one_kernel``'s function) and ``astype(minimum(
     maximum(round(y / s), lo), hi), int8)``."""
-    from edgeq.backends.cuda.cutlass import main_index, quantize_tail
+    from edgeq.backends.cuda.cutlass.match import main_index, quantize_tail
     from edgeq.graph import call_op
     from edgeq.graph_passes import dtype_of, shape_of
 
@@ -365,7 +365,7 @@ def find_row_quantizes(mod) -> list[ClaimedRowQuantize]:
     """The per-token quantizes left in ``mod``'s main after ``claim_layer_norms``: ``s = row_scale(x)``
     (``pipeline.row_scales_in_one_kernel``'s function; x float32, or fp16 with the division reading its float32
     cast) and ``astype(minimum(maximum(round(x / s), lo), hi), int8)``, x's rows over its last axis."""
-    from edgeq.backends.cuda.cutlass import main_index, quantize_tail
+    from edgeq.backends.cuda.cutlass.match import main_index, quantize_tail
     from edgeq.graph import call_op
     from edgeq.graph_passes import dtype_of, shape_of
 

@@ -188,7 +188,7 @@ def find_pool_classifiers(main, claimed: Sequence, sm_count: int) -> list[Claime
     mean(x, [1, 2], keepdims) / d), lo), hi), int8)``; fp16, ``astype(mean_fp16(x), float16)`` (``pipeline.
     pools_read_fp16``'s function)."""
     from edgeq.backends.cuda import cutlass
-    from edgeq.backends.cuda.cutlass import _const_scalar, _same, main_index, only_reader_of
+    from edgeq.backends.cuda.cutlass.match import const_scalar, main_index, only_reader_of, same
     from edgeq.graph import call_op
     from edgeq.graph_passes import dtype_of, shape_of
 
@@ -202,7 +202,7 @@ def find_pool_classifiers(main, claimed: Sequence, sm_count: int) -> list[Claime
             mean = value.args[0]
             call = value_of.get(mean)
             x = pooled_input(call) if call_op(call) == "relax.call_tir" else None
-            if x is None or not _same(only_reader(mean), var):
+            if x is None or not same(only_reader(mean), var):
                 return None
             shape, out = shape_of(x), shape_of(mean)
             if shape is None or len(shape) != 4 or dtype_of(x) != "float16" or out != [shape[0], 1, 1, shape[3]]:
@@ -214,24 +214,24 @@ def find_pool_classifiers(main, claimed: Sequence, sm_count: int) -> list[Claime
         bounds = [-128.0, 127.0]
         nxt = value.args[0]
         while call_op(value_of.get(nxt)) in ("relax.minimum", "relax.maximum"):
-            c = _const_scalar(value_of[nxt].args[1])
-            if c is None or not _same(only_reader(nxt), chain[-1] if chain else var):
+            c = const_scalar(value_of[nxt].args[1])
+            if c is None or not same(only_reader(nxt), chain[-1] if chain else var):
                 return None
             i = 1 if call_op(value_of[nxt]) == "relax.minimum" else 0
             bounds[i] = min(bounds[i], c) if i else max(bounds[i], c)
             chain.append(nxt)
             nxt = value_of[nxt].args[0]
-        if call_op(value_of.get(nxt)) != "relax.round" or not _same(only_reader(nxt), chain[-1] if chain else var):
+        if call_op(value_of.get(nxt)) != "relax.round" or not same(only_reader(nxt), chain[-1] if chain else var):
             return None
         chain.append(nxt)
         div = value_of[nxt].args[0]
-        d = _const_scalar(value_of[div].args[1]) if call_op(value_of.get(div)) == "relax.divide" else None
-        if d is None or d == 0 or not _same(only_reader(div), nxt):
+        d = const_scalar(value_of[div].args[1]) if call_op(value_of.get(div)) == "relax.divide" else None
+        if d is None or d == 0 or not same(only_reader(div), nxt):
             return None
         chain.append(div)
         mean = value_of[div].args[0]
         mv = value_of.get(mean)
-        if call_op(mv) != "relax.mean" or not _same(only_reader(mean), div) or not bool(mv.attrs.keepdims):
+        if call_op(mv) != "relax.mean" or not same(only_reader(mean), div) or not bool(mv.attrs.keepdims):
             return None
         x = mv.args[0]
         shape = shape_of(x)
@@ -251,7 +251,7 @@ def find_pool_classifiers(main, claimed: Sequence, sm_count: int) -> list[Claime
             # of images is a GEMM: the tensor cores)
             continue
         pool = pool_of(c.x)
-        if pool is None or not _same(only_reader(c.x), c.chain[0] if c.chain else c.output):
+        if pool is None or not same(only_reader(c.x), c.chain[0] if c.chain else c.output):
             continue
         x, between, quantize = pool
         shape = tuple(int(v) for v in shape_of(x))

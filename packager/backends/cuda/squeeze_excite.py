@@ -21,6 +21,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from edgeq.backends.cuda.cutlass.match import is_constant, main_index, only_reader_of, tensor_type
+
 PREFIX = "se_"
 THREADS = 256
 ELEMENTWISE = ("relax.astype", "relax.divide", "relax.round", "relax.maximum", "relax.minimum", "relax.clip")
@@ -59,7 +61,6 @@ def find_squeeze_excitations(main) -> list[SqueezeExcite]:
     """The squeeze-and-excitation blocks of ``main``: ``multiply(x [N, H, W, C], g [N, 1, 1, C])`` where g is computed
     from a global pool of x (``mean(x, [1, 2])`` or ``pipeline.pools_read_fp16``'s function, with its cast or
     quantize) through one-pixel operators only, among them at least one convolution, each read by nothing else."""
-    from edgeq.backends.cuda.cutlass import main_index, only_reader_of
     from edgeq.backends.cuda.pool_classifier import pooled_input
     from edgeq.graph import call_op
     from edgeq.graph_passes import dtype_of, shape_of
@@ -125,7 +126,7 @@ def find_squeeze_excitations(main) -> list[SqueezeExcite]:
         if any(r is None or r not in group for v in cone for r in readers.get(v, [])):
             continue  # a gate value read elsewhere
         ordered, inputs = outline_inputs(group, value_of, position)
-        if any(not (a.same_as(head) or a.same_as(x) or a in params or _is_constant(a) or shape_of(a) == [])
+        if any(not (a.same_as(head) or a.same_as(x) or a in params or is_constant(a) or shape_of(a) == [])
                for a in inputs):
             continue
         macs = sum(math.prod(int(d) for d in shape_of(value_of[v].args[1])) for v in cone
@@ -163,14 +164,7 @@ def _var_args(value) -> list:
 def _tensor_constants(value) -> list:
     """The tensor constants (one dimension or more) among a call's arguments: a primitive function takes them as
     parameters (as FuseOps' functions do)."""
-    return [a for a in getattr(value, "args", []) if _is_constant(a)]
-
-
-def _is_constant(expr) -> bool:
-    from edgeq.graph import const_value
-
-    value = const_value(expr)
-    return value is not None and value.ndim > 0
+    return [a for a in getattr(value, "args", []) if is_constant(a)]
 
 
 def outline(mod, found: list[SqueezeExcite]):
@@ -197,16 +191,15 @@ def outline(mod, found: list[SqueezeExcite]):
 
 def _function(se: SqueezeExcite):
     """The bindings as a Relax function of the inputs (fresh variables, the same calls)."""
-    from edgeq.backends.cuda.cutlass import _ty
     from edgeq.tvm_env import relax
 
-    params = [relax.Var(v.name if isinstance(v, relax.Var) else f"c{i}", _ty(v)) for i, v in enumerate(se.inputs)]
+    params = [relax.Var(v.name if isinstance(v, relax.Var) else f"c{i}", tensor_type(v)) for i, v in enumerate(se.inputs)]
     mapping = dict(zip(se.inputs, params))
 
     def arg(a):
         if isinstance(a, relax.Tuple):
             return relax.Tuple([arg(f) for f in a.fields])
-        if _is_constant(a):
+        if is_constant(a):
             return next(p for i, p in zip(se.inputs, params) if i.same_as(a))
         return mapping.get(a, a) if isinstance(a, relax.Var) else a
 
