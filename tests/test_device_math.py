@@ -220,7 +220,9 @@ def test_edgeqs_device_code_compiles_without_fast_math(tmp_path):
     with toolkit.active(), target:
         built = tvm.tirx.build(tvm.IRModule({ln.function: layer_norm.prim_func(ln)}), target=target)
     source = (tmp_path / "cutlass_sm_87.cu").read_text()
-    code = re.sub(r"//[^\n]*", "", source)
+    assert "#include <edgeq_cutlass/epilogues.h>" in source  # the epilogues: a header NVRTC reads with -I
+    headers = "".join(p.read_text() for p in sorted((cutlass.nvrtc.EDGEQ_INCLUDE / "edgeq_cutlass").glob("*.h")))
+    code = re.sub(r"//[^\n]*", "", source + headers)
     assert "silu_rn(x)" in code and not re.search(r"\bexpf\(", code)  # no exponential but edgeq's
     for name, code in (("cutlass+depthwise", source), ("layer norm", built.imports[0].inspect_source())):
         exact = _ptx(code, toolkit, device_math.EXACT)
