@@ -12,8 +12,6 @@ from edgeq.backends.cuda.cutlass.match import last_axis_slice, only_reader_of
 from edgeq.backends.cuda.cutlass.problems import ALIGNMENT, alignment
 
 
-# ------------------------------------------------------------------ the graph: NHWC, then CUTLASS calls
-
 def prepare_nhwc(graph):
     """The CUDA graph for CUTLASS: every convolution NHWC with OHWI weights (Relax's ConvertLayout, which carries
     NHWC through the element-wise operators between them: one transpose at each end), the weights' transposes
