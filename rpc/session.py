@@ -60,7 +60,7 @@ def with_deadline(step: str, seconds: float, fn: Callable, *args, **kwargs) -> A
     return box.get("value")
 
 
-def _no_retry_warnings(record: logging.LogRecord) -> bool:
+def no_retry_warnings(record: logging.LogRecord) -> bool:
     return "Cannot connect to tracker" not in record.getMessage()
 
 
@@ -75,7 +75,7 @@ class Remote:
     def open(cls, rpc: str, key: str, timeout: float = 60.0, session_timeout: float = 0) -> "Remote":
         from tvm import rpc as tvm_rpc
 
-        logging.getLogger("RPCServer").addFilter(_no_retry_warnings)  # the deadline below says it in one line
+        logging.getLogger("RPCServer").addFilter(no_retry_warnings)  # the deadline below says it in one line
         host, port = parse_addr(rpc)
         tracker = with_deadline(f"connect to tracker {host}:{port}", timeout, tvm_rpc.connect_tracker, host, port)
         session = with_deadline(f"request a '{key}' device from the tracker", timeout, tracker.request, key,

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from edgeq.errors import RemoteError, UsageError
-from edgeq.rpc.session import DAY_S, Remote, _no_retry_warnings, bounded, parse_addr, with_deadline
+from edgeq.rpc.session import DAY_S, Remote, bounded, no_retry_warnings, parse_addr, with_deadline
 from edgeq.records import Records, prepare
 from edgeq.tvm_env import cheap_script_stacks, import_tvm
 
@@ -91,7 +91,7 @@ def _create_session(config):
         client.connect = noting
     _MEASURED_ON.clear()
 
-    logging.getLogger("RPCServer").addFilter(_no_retry_warnings)  # the deadline says it in one line
+    logging.getLogger("RPCServer").addFilter(no_retry_warnings)  # the deadline says it in one line
     seconds = config.session_timeout_sec
     try:
         tracker = with_deadline(f"connect to tracker {config.tracker_host}:{config.tracker_port}", seconds,

@@ -89,7 +89,7 @@ class ContractError(ValueError):
 # ---------------------------------------------------------------------------------------------------
 
 
-class _Kind:
+class Kind:
     def __init__(self, name, check):
         self.name, self.check = name, check
 
@@ -103,27 +103,27 @@ def _is_int(v):
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-STR = _Kind("text", lambda v: isinstance(v, str))
-INT = _Kind("an integer", _is_int)
-COUNT = _Kind("a count (an integer >= 0)", lambda v: _is_int(v) and v >= 0)
-NUM = _Kind("a number", lambda v: (_is_int(v) or isinstance(v, float)) and math.isfinite(v))
-BOOL = _Kind("true or false", lambda v: isinstance(v, bool))
-JSON = _Kind("JSON", lambda v: True)  # free-form: shown, never interpreted
-OBJECT = _Kind("an object", lambda v: isinstance(v, dict))
+STR = Kind("text", lambda v: isinstance(v, str))
+INT = Kind("an integer", _is_int)
+COUNT = Kind("a count (an integer >= 0)", lambda v: _is_int(v) and v >= 0)
+NUM = Kind("a number", lambda v: (_is_int(v) or isinstance(v, float)) and math.isfinite(v))
+BOOL = Kind("true or false", lambda v: isinstance(v, bool))
+JSON = Kind("JSON", lambda v: True)  # free-form: shown, never interpreted
+OBJECT = Kind("an object", lambda v: isinstance(v, dict))
 
 
-class _Opt(_Kind):
+class OptionalKind(Kind):
     def __init__(self, kind):
         super().__init__(kind.name + " or null", None)
         self.kind = kind
 
     def load(self, value, where):
-        if value is not None and type(self.kind) is _Kind and not self.kind.check(value):
+        if value is not None and type(self.kind) is Kind and not self.kind.check(value):
             raise ContractError("manifest field '%s' is not %s" % (where, self.name))
         return None if value is None else self.kind.load(value, where)
 
 
-class _List(_Kind):
+class ListKind(Kind):
     def __init__(self, kind):
         super().__init__("a list", None)
         self.kind = kind
@@ -134,7 +134,7 @@ class _List(_Kind):
         return [self.kind.load(v, "%s[%d]" % (where, i)) for i, v in enumerate(value)]
 
 
-class _Dict(_Kind):
+class DictKind(Kind):
     def __init__(self, kind):
         super().__init__("an object", None)
         self.kind = kind
@@ -145,7 +145,7 @@ class _Dict(_Kind):
         return {k: self.kind.load(v, "%s.%s" % (where, k)) for k, v in value.items()}
 
 
-class _Rec(_Kind):
+class RecordKind(Kind):
     def __init__(self, cls):
         super().__init__("an object", None)
         self.cls = cls
@@ -155,7 +155,7 @@ class _Rec(_Kind):
 
 
 def _field(kind, omit_if_none=False):
-    """A record field of ``kind``; required unless the kind is optional (``_Opt``). ``omit_if_none``: left
+    """A record field of ``kind``; required unless the kind is optional (``OptionalKind``). ``omit_if_none``: left
     out of the JSON when None (fields that only some bundles have)."""
     return dataclasses.field(default=None, metadata={"kind": kind, "omit": omit_if_none})
 
@@ -180,7 +180,7 @@ class Record:
         values = {}
         for f in dataclasses.fields(cls):
             kind, name = f.metadata["kind"], (where + "." if where else "") + f.name
-            if f.name not in data and not isinstance(kind, _Opt):
+            if f.name not in data and not isinstance(kind, OptionalKind):
                 raise ContractError("manifest field '%s' is missing" % name)
             values[f.name] = kind.load(data.get(f.name), name)
         return cls(**values)
@@ -221,9 +221,9 @@ class TensorSpec(Record):
     """A model input or output."""
 
     name: str = _field(STR)
-    shape: list = _field(_List(COUNT))
+    shape: list = _field(ListKind(COUNT))
     dtype: str = _field(STR)
-    rows: RowsRecord | None = _field(_Opt(_Rec(RowsRecord)), omit_if_none=True)
+    rows: RowsRecord | None = _field(OptionalKind(RecordKind(RowsRecord)), omit_if_none=True)
 
     def real_rows(self, outputs: dict) -> int | None:
         """How many rows of this output are real, read from its count output in ``outputs`` (name -> array),
@@ -240,7 +240,7 @@ class StoredTensor(Record):
 
     name: str = _field(STR)
     dtype: str = _field(STR)
-    shape: list = _field(_List(COUNT))
+    shape: list = _field(ListKind(COUNT))
     offset: int = _field(COUNT)
     bytes: int = _field(COUNT)
 
@@ -257,11 +257,11 @@ class ModelRecord(Record):
 class PowerRecord(Record):
     """The device's power rails, as ``edgeq bench`` samples them on the device (``edgeq.rpc.power``)."""
 
-    tegrastats_rails: list = _field(_List(STR))  # rail names in tegrastats' output
+    tegrastats_rails: list = _field(ListKind(STR))  # rail names in tegrastats' output
     hwmon_glob: str = _field(STR)  # the INA3221 hwmon folder(s) in sysfs
-    hwmon_rails: dict = _field(_Dict(COUNT))  # rail name -> hwmon channel
+    hwmon_rails: dict = _field(DictKind(COUNT))  # rail name -> hwmon channel
     # the device's nvpmodel modes, [{id, name}] (edgeq bench --power-mode NAME); absent in older bundles
-    nvpmodel_modes: list | None = _field(_Opt(_List(OBJECT)), omit_if_none=True)
+    nvpmodel_modes: list | None = _field(OptionalKind(ListKind(OBJECT)), omit_if_none=True)
 
 
 @_rec
@@ -274,11 +274,11 @@ class DeviceRecord(Record):
     host_triple: str = _field(STR)
     mcpu: str = _field(STR)
     cores: int = _field(COUNT)
-    cuda_arch: str | None = _field(_Opt(STR))
-    cuda_version: str | None = _field(_Opt(STR))
-    jetpack: str | None = _field(_Opt(STR))
-    l4t: str | None = _field(_Opt(STR))
-    power: PowerRecord | None = _field(_Opt(_Rec(PowerRecord)), omit_if_none=True)  # devices with power rails
+    cuda_arch: str | None = _field(OptionalKind(STR))
+    cuda_version: str | None = _field(OptionalKind(STR))
+    jetpack: str | None = _field(OptionalKind(STR))
+    l4t: str | None = _field(OptionalKind(STR))
+    power: PowerRecord | None = _field(OptionalKind(RecordKind(PowerRecord)), omit_if_none=True)  # devices with power rails
 
 
 @_rec
@@ -296,17 +296,17 @@ class CudaToolkitRecord(Record):
 @_rec
 class ToolchainRecord(Record):
     cxx: str = _field(STR)
-    cuda_toolkit: CudaToolkitRecord | None = _field(_Opt(_Rec(CudaToolkitRecord)))
+    cuda_toolkit: CudaToolkitRecord | None = _field(OptionalKind(RecordKind(CudaToolkitRecord)))
 
 
 @_rec
 class LibraryRecord(Record):
     file: str = _field(STR)
     machine: str = _field(STR)
-    cuda_device_code: list = _field(_List(STR))
+    cuda_device_code: list = _field(ListKind(STR))
     bytes: int = _field(COUNT)
-    cpu_kernels: dict | None = _field(_Opt(OBJECT), omit_if_none=True)  # CPU builds: {conv_matmul_calls, schedules}
-    gpu_kernels: dict | None = _field(_Opt(OBJECT), omit_if_none=True)  # CUDA builds: schedule rule per kernel
+    cpu_kernels: dict | None = _field(OptionalKind(OBJECT), omit_if_none=True)  # CPU builds: {conv_matmul_calls, schedules}
+    gpu_kernels: dict | None = _field(OptionalKind(OBJECT), omit_if_none=True)  # CUDA builds: schedule rule per kernel
 
 
 @_rec
@@ -314,17 +314,17 @@ class WeightsRecord(Record):
     file: str = _field(STR)
     format: str = _field(STR)
     count: int = _field(COUNT)
-    dtypes: list = _field(_List(STR))
+    dtypes: list = _field(ListKind(STR))
     bytes: int = _field(COUNT)
     file_bytes: int = _field(COUNT)
-    tensors: list = _field(_List(_Rec(StoredTensor)))  # in the order the library takes them
+    tensors: list = _field(ListKind(RecordKind(StoredTensor)))  # in the order the library takes them
 
 
 @_rec
 class GoldenRecord(Record):
     file: str = _field(STR)
     format: str = _field(STR)
-    tensors: list = _field(_List(_Rec(StoredTensor)))  # "input:NAME" and "output:NAME"
+    tensors: list = _field(ListKind(RecordKind(StoredTensor)))  # "input:NAME" and "output:NAME"
     seed: int = _field(INT)
     float_inputs: str = _field(STR)
     computed_with: str = _field(STR)
@@ -333,7 +333,7 @@ class GoldenRecord(Record):
     atol_scaled_by: str = _field(STR)
     # the share of each output's values that may lie outside the tolerance: an integer build whose quantized graph
     # moves that much by itself under float noise (edgeq.reference; absent: none)
-    outliers: float | None = _field(_Opt(NUM), omit_if_none=True)
+    outliers: float | None = _field(OptionalKind(NUM), omit_if_none=True)
 
     def tolerance(self, expected_max_abs: float) -> float:
         """The absolute tolerance for an output whose largest magnitude is ``expected_max_abs``."""
@@ -356,17 +356,17 @@ class ReferenceCheck(Record):
     atol: float = _field(NUM)
     atol_scaled_by: str = _field(STR)
     max_abs_diff: float = _field(NUM)
-    outputs: list = _field(_List(OBJECT))  # {output, max_abs_diff, atol, ok}
+    outputs: list = _field(ListKind(OBJECT))  # {output, max_abs_diff, atol, ok}
     result: str = _field(STR)  # "passed", or "not conclusive: <why>" (no reference could compute the golden input)
-    note: str | None = _field(_Opt(STR), omit_if_none=True)  # why the first choice of reference was not used
+    note: str | None = _field(OptionalKind(STR), omit_if_none=True)  # why the first choice of reference was not used
 
 
 @_rec
 class RuntimeRecord(Record):
     loader: str = _field(STR)
-    libraries: list = _field(_List(STR))  # in load order
-    cuda_bridge: dict | None = _field(_Opt(OBJECT))
-    sources: list = _field(_List(JSON))
+    libraries: list = _field(ListKind(STR))  # in load order
+    cuda_bridge: dict | None = _field(OptionalKind(OBJECT))
+    sources: list = _field(ListKind(JSON))
     bytes: int = _field(COUNT)
 
 
@@ -383,19 +383,19 @@ class LayerRow(Record):
     reason: str = _field(STR)  # why it is not int8 ("" when it is)
     # int8 layers: "per-tensor" (one calibrated scale), "per-channel" (depthwise: each input channel's range moved
     # into the weights, edgeq.quantize.smooth) or "per-token" (each row's own scale, at run time)
-    activation: str | None = _field(_Opt(STR), omit_if_none=True)
-    sqnr_db: float | None = _field(_Opt(NUM))  # calibrated int8 layers: SQNR of the layer's output, dB
+    activation: str | None = _field(OptionalKind(STR), omit_if_none=True)
+    sqnr_db: float | None = _field(OptionalKind(NUM))  # calibrated int8 layers: SQNR of the layer's output, dB
     # calibrated int8 layers
-    calibration: dict | None = _field(_Opt(OBJECT), omit_if_none=True)  # the activation statistics
-    activation_scale: float | None = _field(_Opt(NUM), omit_if_none=True)
-    activation_threshold: float | None = _field(_Opt(NUM), omit_if_none=True)  # the layer's own, calibrated
+    calibration: dict | None = _field(OptionalKind(OBJECT), omit_if_none=True)  # the activation statistics
+    activation_scale: float | None = _field(OptionalKind(NUM), omit_if_none=True)
+    activation_threshold: float | None = _field(OptionalKind(NUM), omit_if_none=True)  # the layer's own, calibrated
     # the layers whose input scale this one's is (a concatenation and its parts: edgeq.quantize.shared_scales)
-    shared_scale_with: list | None = _field(_Opt(_List(STR)), omit_if_none=True)
-    weight_scale_min: float | None = _field(_Opt(NUM), omit_if_none=True)
-    weight_scale_max: float | None = _field(_Opt(NUM), omit_if_none=True)
+    shared_scale_with: list | None = _field(OptionalKind(ListKind(STR)), omit_if_none=True)
+    weight_scale_min: float | None = _field(OptionalKind(NUM), omit_if_none=True)
+    weight_scale_max: float | None = _field(OptionalKind(NUM), omit_if_none=True)
     # pre-quantized layers
-    activation_dtype: str | None = _field(_Opt(STR), omit_if_none=True)
-    activation_zero_point: int | None = _field(_Opt(INT), omit_if_none=True)
+    activation_dtype: str | None = _field(OptionalKind(STR), omit_if_none=True)
+    activation_zero_point: int | None = _field(OptionalKind(INT), omit_if_none=True)
 
 
 @_rec
@@ -416,18 +416,18 @@ class QuantizationReport(Record):
 
     kind: str = _field(STR)
     source: str = _field(STR)
-    precision_counts: dict = _field(_Dict(COUNT))
-    layers: list = _field(_List(_Rec(LayerRow)))
-    weight_bytes: WeightBytes = _field(_Rec(WeightBytes))
-    float_ops: dict = _field(_Dict(COUNT))  # ops left computing in float, by op
-    float_biases: list = _field(_List(STR))  # biases too large for int32 at their scale, added in float
-    method: str | None = _field(_Opt(STR))
-    calibration: dict | None = _field(_Opt(OBJECT))  # {source, samples}
-    evaluation: dict | None = _field(_Opt(OBJECT))  # {source, cosine, top1..., sqnr...}
-    fallbacks: list = _field(_List(OBJECT))
-    scheme: dict = _field(_Dict(STR))  # activations / weights / accumulation, in words
-    scales_file: str | None = _field(_Opt(STR))
-    args: dict | None = _field(_Opt(OBJECT))
+    precision_counts: dict = _field(DictKind(COUNT))
+    layers: list = _field(ListKind(RecordKind(LayerRow)))
+    weight_bytes: WeightBytes = _field(RecordKind(WeightBytes))
+    float_ops: dict = _field(DictKind(COUNT))  # ops left computing in float, by op
+    float_biases: list = _field(ListKind(STR))  # biases too large for int32 at their scale, added in float
+    method: str | None = _field(OptionalKind(STR))
+    calibration: dict | None = _field(OptionalKind(OBJECT))  # {source, samples}
+    evaluation: dict | None = _field(OptionalKind(OBJECT))  # {source, cosine, top1..., sqnr...}
+    fallbacks: list = _field(ListKind(OBJECT))
+    scheme: dict = _field(DictKind(STR))  # activations / weights / accumulation, in words
+    scales_file: str | None = _field(OptionalKind(STR))
+    args: dict | None = _field(OptionalKind(OBJECT))
 
     @classmethod
     def from_json(cls, data, where="quantization"):
@@ -455,8 +455,8 @@ class PreprocessRecord(Record):
     order: str = _field(STR)  # RGB, BGR or GRAY
     layout: str = _field(STR)  # NCHW or NHWC
     scale: float = _field(NUM)
-    mean: list = _field(_List(NUM))  # one value, or one per channel
-    std: list = _field(_List(NUM))
+    mean: list = _field(ListKind(NUM))  # one value, or one per channel
+    std: list = _field(ListKind(NUM))
 
 
 @_rec
@@ -470,12 +470,12 @@ class PostprocessRecord(Record):
     output: str = _field(STR)
     top_k: int = _field(COUNT)  # classify
     softmax: bool = _field(BOOL)  # classify: the output is logits (the model does not end in Softmax)
-    labels: list = _field(_List(STR))  # empty: indices only
-    selected: str | None = _field(_Opt(STR), omit_if_none=True)  # yolo: NonMaxSuppression's rows
-    classes: int | None = _field(_Opt(COUNT), omit_if_none=True)  # yolo: class scores after the 4 box rows
-    max_det: int | None = _field(_Opt(COUNT), omit_if_none=True)
-    conf: float | None = _field(_Opt(NUM), omit_if_none=True)
-    iou: float | None = _field(_Opt(NUM), omit_if_none=True)
+    labels: list = _field(ListKind(STR))  # empty: indices only
+    selected: str | None = _field(OptionalKind(STR), omit_if_none=True)  # yolo: NonMaxSuppression's rows
+    classes: int | None = _field(OptionalKind(COUNT), omit_if_none=True)  # yolo: class scores after the 4 box rows
+    max_det: int | None = _field(OptionalKind(COUNT), omit_if_none=True)
+    conf: float | None = _field(OptionalKind(NUM), omit_if_none=True)
+    iou: float | None = _field(OptionalKind(NUM), omit_if_none=True)
 
 
 @_rec
@@ -487,7 +487,7 @@ class StepRecord(Record):
     kind: str = _field(STR)  # "prefill", "decode" or "grow" (the cache into the next capacity; no weights)
     prompt: int = _field(COUNT)  # prefill's prompt bucket (1 for decode; grow: the capacity it grows from)
     capacity: int = _field(COUNT)  # cache slots of the cache the step returns
-    inputs: list = _field(_List(STR))
+    inputs: list = _field(ListKind(STR))
 
 
 @_rec
@@ -497,7 +497,7 @@ class GenerateRecord(Record):
     checks exactly."""
 
     context: int = _field(COUNT)  # cache slots: prompt and answer together
-    steps: list = _field(_List(_Rec(StepRecord)))
+    steps: list = _field(ListKind(RecordKind(StepRecord)))
     layers: int = _field(COUNT)
     kv_heads: int = _field(COUNT)
     head_dim: int = _field(COUNT)
@@ -505,16 +505,16 @@ class GenerateRecord(Record):
     ids_dtype: str = _field(STR)
     mask_dtype: str = _field(STR)
     cache_dtype: str = _field(STR)
-    tokenizer: str | None = _field(_Opt(STR))  # the tokenizer's file in the bundle, None: token ids only
-    chat_prefix: str | None = _field(_Opt(STR))  # --chat: the chat template's text before the user's message
-    chat_suffix: str | None = _field(_Opt(STR))  # ... and after it (the assistant's turn begins)
-    stop: list = _field(_List(COUNT))  # token ids that end an answer
+    tokenizer: str | None = _field(OptionalKind(STR))  # the tokenizer's file in the bundle, None: token ids only
+    chat_prefix: str | None = _field(OptionalKind(STR))  # --chat: the chat template's text before the user's message
+    chat_suffix: str | None = _field(OptionalKind(STR))  # ... and after it (the assistant's turn begins)
+    stop: list = _field(ListKind(COUNT))  # token ids that end an answer
     self_test_tokens: int = _field(COUNT)
     # weight-only quantization of the products' weights (--precision int8/int4): bits per code, codes per float16
     # scale along the reduction, and the scheme ("symmetric": w = q s; "scale and minimum": w = q s + m); None: float32
-    weight_bits: int | None = _field(_Opt(COUNT), omit_if_none=True)
-    weight_group: int | None = _field(_Opt(COUNT), omit_if_none=True)
-    weight_scheme: str | None = _field(_Opt(STR), omit_if_none=True)
+    weight_bits: int | None = _field(OptionalKind(COUNT), omit_if_none=True)
+    weight_group: int | None = _field(OptionalKind(COUNT), omit_if_none=True)
+    weight_scheme: str | None = _field(OptionalKind(STR), omit_if_none=True)
 
 
 @_rec
@@ -528,24 +528,24 @@ class Manifest(Record):
     edgeq_version: str = _field(STR)
     tvm_version: str = _field(STR)
     precision: str = _field(STR)
-    model: ModelRecord = _field(_Rec(ModelRecord))
-    inputs: list = _field(_List(_Rec(TensorSpec)))
-    outputs: list = _field(_List(_Rec(TensorSpec)))
-    device: DeviceRecord = _field(_Rec(DeviceRecord))
-    toolchain: ToolchainRecord = _field(_Rec(ToolchainRecord))
-    library: LibraryRecord = _field(_Rec(LibraryRecord))
-    weights: WeightsRecord = _field(_Rec(WeightsRecord))
-    golden: GoldenRecord = _field(_Rec(GoldenRecord))
-    reference_check: ReferenceCheck | None = _field(_Opt(_Rec(ReferenceCheck)), omit_if_none=True)
-    quantization: QuantizationReport | None = _field(_Opt(_Rec(QuantizationReport)))
-    runtime: RuntimeRecord | None = _field(_Opt(_Rec(RuntimeRecord)))
+    model: ModelRecord = _field(RecordKind(ModelRecord))
+    inputs: list = _field(ListKind(RecordKind(TensorSpec)))
+    outputs: list = _field(ListKind(RecordKind(TensorSpec)))
+    device: DeviceRecord = _field(RecordKind(DeviceRecord))
+    toolchain: ToolchainRecord = _field(RecordKind(ToolchainRecord))
+    library: LibraryRecord = _field(RecordKind(LibraryRecord))
+    weights: WeightsRecord = _field(RecordKind(WeightsRecord))
+    golden: GoldenRecord = _field(RecordKind(GoldenRecord))
+    reference_check: ReferenceCheck | None = _field(OptionalKind(RecordKind(ReferenceCheck)), omit_if_none=True)
+    quantization: QuantizationReport | None = _field(OptionalKind(RecordKind(QuantizationReport)))
+    runtime: RuntimeRecord | None = _field(OptionalKind(RecordKind(RuntimeRecord)))
     build: dict = _field(OBJECT)  # {args, stage_seconds}: how it was made, for people
-    compatibility: dict | None = _field(_Opt(OBJECT), omit_if_none=True)  # ELF needs of the library and runtime
-    preprocess: PreprocessRecord | None = _field(_Opt(_Rec(PreprocessRecord)), omit_if_none=True)
-    postprocess: PostprocessRecord | None = _field(_Opt(_Rec(PostprocessRecord)), omit_if_none=True)
-    generate: GenerateRecord | None = _field(_Opt(_Rec(GenerateRecord)), omit_if_none=True)
-    files: dict = _field(_Dict(STR))  # every other file -> SHA-256
-    sizes: dict = _field(_Dict(COUNT))  # every other file -> bytes
+    compatibility: dict | None = _field(OptionalKind(OBJECT), omit_if_none=True)  # ELF needs of the library and runtime
+    preprocess: PreprocessRecord | None = _field(OptionalKind(RecordKind(PreprocessRecord)), omit_if_none=True)
+    postprocess: PostprocessRecord | None = _field(OptionalKind(RecordKind(PostprocessRecord)), omit_if_none=True)
+    generate: GenerateRecord | None = _field(OptionalKind(RecordKind(GenerateRecord)), omit_if_none=True)
+    files: dict = _field(DictKind(STR))  # every other file -> SHA-256
+    sizes: dict = _field(DictKind(COUNT))  # every other file -> bytes
 
     @classmethod
     def from_json(cls, data, where=""):

@@ -132,12 +132,13 @@ def private_imports(tree: ast.AST) -> list[str]:
     return found
 
 
-def test_the_backends_take_no_private_name_from_another_module():
-    """A helper two modules share is public in one place (the CUDA path's Relax helpers: cutlass/match.py), not a
-    private name reached into: the backends import none (#65)."""
-    offenders = {name: private_imports(ast.parse(path.read_text())) for name, path in _modules().items()
-                 if name.startswith("edgeq.backends.")}
-    assert {name: found for name, found in offenders.items() if found} == {}
+def test_no_module_takes_a_private_name_from_another():
+    """A helper two modules share is public in one place (the CUDA path's Relax helpers: cutlass/match.py; the ONNX
+    converters': onnx_ops/context.py), not a private name reached into (#65). TVM's own modules, which edgeq takes
+    through edgeq.tvm_env, are TVM's API (its ONNX frontend's ``_get_convert_map``: pinned with the TVM version)."""
+    found = {name: [f for f in private_imports(ast.parse(path.read_text())) if not f.startswith("edgeq.tvm_env.")]
+             for name, path in _modules().items()}
+    assert {name: names for name, names in found.items() if names} == {}
     planted = "from edgeq.backends.cuda.cutlass import match\nfrom edgeq.graph import _x\nmatch._ty(v)\n"
     assert private_imports(ast.parse(planted)) == ["edgeq.graph._x", "edgeq.backends.cuda.cutlass.match._ty"]
 
@@ -372,9 +373,9 @@ def contract_fields() -> dict[str, list[str]]:
         found[cls.__name__] = [f.name for f in dataclasses.fields(cls)]
         for f in dataclasses.fields(cls):
             kind = f.metadata["kind"]
-            while isinstance(kind, contract._Opt | contract._List | contract._Dict):
+            while isinstance(kind, contract.OptionalKind | contract.ListKind | contract.DictKind):
                 kind = kind.kind
-            if isinstance(kind, contract._Rec):
+            if isinstance(kind, contract.RecordKind):
                 walk(kind.cls)
 
     walk(contract.Manifest)

@@ -19,7 +19,7 @@ def _why(err: BaseException) -> str:
     return getattr(err, "strerror", None) or str(err) or type(err).__name__
 
 
-def _plain(text: str, limit: int = 300) -> str:
+def plain(text: str, limit: int = 300) -> str:
     """Device output made safe to print: control characters (terminal escapes) shown as escapes, length capped."""
     text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
     return text if len(text) <= limit else text[: limit - 3] + "..."
@@ -71,7 +71,7 @@ class Device:
                                    in_stream=False)
         except UnexpectedExit as err:
             text = (err.result.stderr.strip() or err.result.stdout.strip() or f"exit {err.result.exited}").splitlines()
-            raise HostFailure(f"{step}: {_plain(text[-1].strip())}") from None
+            raise HostFailure(f"{step}: {plain(text[-1].strip())}") from None
         except CommandTimedOut:
             raise HostFailure(f"{step}: timed out after {timeout or self.fleet.command_timeout:.0f} s") from None
         except (OSError, EOFError) as err:
@@ -152,7 +152,7 @@ class Device:
             if chan is not None:
                 chan.close()
         if status != 0:
-            why = _plain(said or failed or f"exit {status}", 120)
+            why = plain(said or failed or f"exit {status}", 120)
             raise HostFailure(f"{step}: the host has no SFTP subsystem and copying through 'cat' over SSH failed too "
                               f"({why}); enable SFTP on the device ('Subsystem sftp internal-sftp' in OpenSSH's "
                               "sshd_config, or dropbear's sftp-server) or give the account a POSIX shell with cat")

@@ -16,7 +16,7 @@ from typing import Any
 
 from edgeq.errors import BundleError, UsageError
 from edgeq.fleet.config import MAX_HOSTS, MAX_PARALLEL, Fleet, Host, load_fleet, parse_count
-from edgeq.fleet.device import Device, HostFailure, _plain
+from edgeq.fleet.device import Device, HostFailure, plain
 from edgeq.templates import contract, safebundle
 from edgeq.templates.contract import HostState
 
@@ -132,7 +132,7 @@ def flash_host(host: Host, fleet: Fleet, plan: FlashPlan, note: Callable[[str], 
         result.state = HostState.UPDATED
         note(f"{host.name}: updated to {bundle_id}")
     except Exception as err:  # HostFailure, or anything unexpected: one host never takes the rollout down
-        result.error = str(err) if isinstance(err, HostFailure) else _plain(f"unexpected {type(err).__name__}: {err}")
+        result.error = str(err) if isinstance(err, HostFailure) else plain(f"unexpected {type(err).__name__}: {err}")
         result.state = HostState.FAILED
         if switched and dev is not None:
             try:
@@ -251,7 +251,7 @@ def fleet_rollback(fleet_path: Path, only: list[str] | None = None, note: Callab
     missing = sorted(set(only or ()) - {h.name for h in fleet.hosts})
     if missing:
         raise UsageError(f"fleet file {fleet_path} has no host {', '.join(map(repr, missing))}; its hosts: "
-                         + _plain(", ".join(h.name for h in fleet.hosts)))
+                         + plain(", ".join(h.name for h in fleet.hosts)))
     out = []
     for host in fleet.hosts:
         if only and host.name not in only:

@@ -32,7 +32,7 @@ from edgeq.onnx_ops.qdq import conv_integer, qgemm, qlinear_conv, qlinear_matmul
 from edgeq.onnx_ops.recurrent import recurrent
 from edgeq.onnx_ops.refused import data_dependent, non_max_suppression, sequence_output
 from edgeq.onnx_ops.tensor import bit_cast, center_crop_pad, col2im, constant_window, cum_prod, det, dft, einsum, expand, indices_in_range, one_hot, pad, reduce_bool, reverse_sequence, tensor_scatter, upsample
-from edgeq.onnx_ops.context import _TVM_CONVERT_MAP, Context, ConversionError, Refused, _runtime_operands
+from edgeq.onnx_ops.context import Context, ConversionError, Refused, TVM_CONVERT_MAP, runtime_operands
 
 
 CONVERTERS: dict[str, Callable] = {
@@ -116,7 +116,7 @@ OVERRIDES = {
 
 def known_ops() -> set[str]:
     """Every ONNX op type an import can convert (TVM's and edgeq's)."""
-    return set(_TVM_CONVERT_MAP()) | set(CONVERTERS) | {"Constant", "If"}
+    return set(TVM_CONVERT_MAP()) | set(CONVERTERS) | {"Constant", "If"}
 
 
 _FAILED_BUILDERS: list = []
@@ -146,7 +146,7 @@ class _Converter:
                 raise
             except Exception as err:  # noqa: BLE001 - TVM's converters raise anything
                 _FAILED_BUILDERS.append(bb)
-                raise ConversionError(self.op, node, err, _runtime_operands(inputs, params, self.op)) from err
+                raise ConversionError(self.op, node, err, runtime_operands(inputs, params, self.op)) from err
             _check_static(self.op, node, inputs, result, params)
             return result
 
@@ -168,7 +168,7 @@ def _check_static(op: str, node: str, inputs, result, params) -> None:
     exprs = [e for e in inputs if isinstance(e, relax.Expr)]
     if not isinstance(result, relax.Expr) or not all(_static(e.ty) for e in exprs) or _static(result.ty):
         return
-    if _runtime_operands(inputs, params, op):
+    if runtime_operands(inputs, params, op):
         todo = ("its shape operand is computed at run time: make it an initializer, or bind the graph input "
                 "with --const NAME=FILE.npy")
     else:
@@ -179,7 +179,7 @@ def _check_static(op: str, node: str, inputs, result, params) -> None:
 @contextlib.contextmanager
 def installed(max_detections: int | None = None):
     """TVM's ONNX importer with edgeq's converters added (for the duration of the ``with`` block)."""
-    table = _TVM_CONVERT_MAP()
+    table = TVM_CONVERT_MAP()
     merged = {op: _Converter(op, None, cls) for op, cls in table.items()}
     merged.update({op: _Converter(op, fn, table.get(op), max_detections) for op, fn in CONVERTERS.items()})
     previous = onnx_frontend._get_convert_map

@@ -72,30 +72,30 @@ class Context:
 # ----------------------------------------------------------------------------------------------- helpers
 
 
-def _shape(expr) -> list[int]:
+def shape_of(expr) -> list[int]:
     return [int(d) for d in expr.ty.shape.values]
 
 
-def _dtype(expr) -> str:
+def dtype_of(expr) -> str:
     return str(expr.ty.dtype)
 
 
-def _c(value, dtype: str | None = None):
+def relax_const(value, dtype: str | None = None):
     """A Relax constant of ``value`` in ``dtype`` (default: the array's own; relax.const alone makes
     float64 arrays float32)."""
     value = np.asarray(value, dtype=dtype)
     return relax.const(value, str(value.dtype))
 
 
-def _axis(axis: int, rank: int) -> int:
+def normal_axis(axis: int, rank: int) -> int:
     return axis + rank if axis < 0 else axis
 
 
-def _slice(x, axis: int, begin: int, end: int, step: int = 1):
+def slice_along(x, axis: int, begin: int, end: int, step: int = 1):
     return relax.op.strided_slice(x, [axis], [begin], [end], [step])
 
 
-def _reference(ctx: Context, attr: dict, values: list[np.ndarray | None]) -> list[np.ndarray]:
+def reference_values(ctx: Context, attr: dict, values: list[np.ndarray | None]) -> list[np.ndarray]:
     """The op evaluated by ONNX's reference implementation on constant inputs (ops whose every input is
     known at import time, such as the window functions)."""
     import onnx
@@ -107,7 +107,7 @@ def _reference(ctx: Context, attr: dict, values: list[np.ndarray | None]) -> lis
     return evaluate_node(node, values, [onnx.helper.make_opsetid("", ctx.opset)])
 
 
-def _bounded(ctx: Context, elements: int) -> None:
+def check_bounded(ctx: Context, elements: int) -> None:
     from edgeq.errors import ModelError
     from edgeq.limits import check
 
@@ -116,10 +116,10 @@ def _bounded(ctx: Context, elements: int) -> None:
 
 # TVM's converter table, as TVM's frontend has it (edgeq.onnx_ops.installed replaces the frontend's function
 # for the duration of an import; this is the original)
-_TVM_CONVERT_MAP = onnx_frontend._get_convert_map
+TVM_CONVERT_MAP = onnx_frontend._get_convert_map
 
 
-def _runtime_operands(inputs, params, op: str = "") -> bool:
+def runtime_operands(inputs, params, op: str = "") -> bool:
     """Whether a shape-like operand (``edgeq.load.SHAPE_OPERANDS``' positions for ``op``, else every operand
     after the first) is a small tensor computed at run time."""
     from edgeq.load import SHAPE_OPERANDS

@@ -7,7 +7,7 @@ import numpy as np
 
 from edgeq.tvm_env import relax
 
-from edgeq.onnx_ops.context import _c, _dtype, _shape, _slice
+from edgeq.onnx_ops.context import dtype_of, relax_const, shape_of, slice_along
 
 
 # ----------------------------------------------------------------------------------------------- recurrent
@@ -17,18 +17,18 @@ _ACTIVATIONS = {  # name -> (fn(x, alpha, beta, dtype), default alpha, default b
     "Sigmoid": (lambda x, a, b, dt: relax.op.sigmoid(x), None, None),
     "Tanh": (lambda x, a, b, dt: relax.op.tanh(x), None, None),
     "Relu": (lambda x, a, b, dt: relax.op.nn.relu(x), None, None),
-    "Softsign": (lambda x, a, b, dt: relax.op.divide(x, relax.op.add(_c(1, dt), relax.op.abs(x))), None, None),
-    "Softplus": (lambda x, a, b, dt: relax.op.log(relax.op.add(_c(1, dt), relax.op.exp(x))), None, None),
-    "LeakyRelu": (lambda x, a, b, dt: relax.op.where(relax.op.less(x, _c(0, dt)), relax.op.multiply(x, _c(a, dt)), x),
+    "Softsign": (lambda x, a, b, dt: relax.op.divide(x, relax.op.add(relax_const(1, dt), relax.op.abs(x))), None, None),
+    "Softplus": (lambda x, a, b, dt: relax.op.log(relax.op.add(relax_const(1, dt), relax.op.exp(x))), None, None),
+    "LeakyRelu": (lambda x, a, b, dt: relax.op.where(relax.op.less(x, relax_const(0, dt)), relax.op.multiply(x, relax_const(a, dt)), x),
                   0.01, None),
-    "ThresholdedRelu": (lambda x, a, b, dt: relax.op.where(relax.op.greater(x, _c(a, dt)), x, _c(0, dt)), 1.0, None),
-    "Elu": (lambda x, a, b, dt: relax.op.where(relax.op.less(x, _c(0, dt)),
-                                               relax.op.multiply(_c(a, dt), relax.op.subtract(relax.op.exp(x), _c(1, dt))), x),
+    "ThresholdedRelu": (lambda x, a, b, dt: relax.op.where(relax.op.greater(x, relax_const(a, dt)), x, relax_const(0, dt)), 1.0, None),
+    "Elu": (lambda x, a, b, dt: relax.op.where(relax.op.less(x, relax_const(0, dt)),
+                                               relax.op.multiply(relax_const(a, dt), relax.op.subtract(relax.op.exp(x), relax_const(1, dt))), x),
             1.0, None),
-    "HardSigmoid": (lambda x, a, b, dt: relax.op.clip(relax.op.add(relax.op.multiply(x, _c(a, dt)), _c(b, dt)), 0, 1),
+    "HardSigmoid": (lambda x, a, b, dt: relax.op.clip(relax.op.add(relax.op.multiply(x, relax_const(a, dt)), relax_const(b, dt)), 0, 1),
                     0.2, 0.5),
-    "Affine": (lambda x, a, b, dt: relax.op.add(relax.op.multiply(x, _c(a, dt)), _c(b, dt)), 1.0, 0.0),
-    "ScaledTanh": (lambda x, a, b, dt: relax.op.multiply(_c(a, dt), relax.op.tanh(relax.op.multiply(x, _c(b, dt)))),
+    "Affine": (lambda x, a, b, dt: relax.op.add(relax.op.multiply(x, relax_const(a, dt)), relax_const(b, dt)), 1.0, 0.0),
+    "ScaledTanh": (lambda x, a, b, dt: relax.op.multiply(relax_const(a, dt), relax.op.tanh(relax.op.multiply(x, relax_const(b, dt)))),
                    1.0, 1.0),
 }
 
@@ -62,12 +62,12 @@ def recurrent(ctx, inputs, attr):
     x, w, r, b, lens, h0 = args[:6]
     c0, peep = (args[6], args[7]) if op == "LSTM" else (None, None)
     bb = ctx.bb
-    dt = _dtype(x)
+    dt = dtype_of(x)
     layout = int(attr.get("layout", 0))
     if layout:
         x = bb.emit(relax.op.permute_dims(x, [1, 0, 2]))
-    steps, batch, _ = _shape(x)
-    hidden = int(attr.get("hidden_size", _shape(r)[-1]))
+    steps, batch, _ = shape_of(x)
+    hidden = int(attr.get("hidden_size", shape_of(r)[-1]))
     direction = attr.get("direction", b"forward").decode()
     directions = 2 if direction == "bidirectional" else 1
     acts = _activations(ctx, attr, defaults, directions, dt)
@@ -81,10 +81,10 @@ def recurrent(ctx, inputs, attr):
     linear_before_reset = int(attr.get("linear_before_reset", 0))
 
     def pick(t, d):  # direction d of a (directions, ...) tensor
-        return bb.emit(relax.op.squeeze(_slice(t, 0, d, d + 1), [0]))
+        return bb.emit(relax.op.squeeze(slice_along(t, 0, d, d + 1), [0]))
 
     def chunk(t, i, axis):  # gate i of a tensor holding all gates along axis
-        return bb.emit(_slice(t, axis, i * hidden, (i + 1) * hidden))
+        return bb.emit(slice_along(t, axis, i * hidden, (i + 1) * hidden))
 
     ys, hs, cs = [], [], []
     for d in range(directions):
@@ -93,18 +93,18 @@ def recurrent(ctx, inputs, attr):
         xw = bb.emit(relax.op.matmul(x, relax.op.permute_dims(wd, [1, 0])))  # (S, B, G*H)
         if b is not None:
             bd = pick(b, d)
-            wb = bb.emit(_slice(bd, 0, 0, gates * hidden))
-            rb = bb.emit(_slice(bd, 0, gates * hidden, 2 * gates * hidden))
+            wb = bb.emit(slice_along(bd, 0, 0, gates * hidden))
+            rb = bb.emit(slice_along(bd, 0, gates * hidden, 2 * gates * hidden))
             if op == "GRU":  # the h gate's recurrent bias sits inside the reset product
                 xw = bb.emit(relax.op.add(xw, relax.op.add(wb, relax.op.concat(
-                    [_slice(rb, 0, 0, 2 * hidden), _c(np.zeros(hidden), dt)], axis=0))))
+                    [slice_along(rb, 0, 0, 2 * hidden), relax_const(np.zeros(hidden), dt)], axis=0))))
                 rbh = chunk(rb, 2, 0)
             else:
                 xw = bb.emit(relax.op.add(xw, relax.op.add(wb, rb)))
-        rbh = rbh if b is not None and op == "GRU" else _c(np.zeros(hidden), dt)
+        rbh = rbh if b is not None and op == "GRU" else relax_const(np.zeros(hidden), dt)
         rt = bb.emit(relax.op.permute_dims(rd, [1, 0]))  # (H, G*H)
-        h = pick(h0, d) if h0 is not None else _c(np.zeros((batch, hidden)), dt)
-        c = pick(c0, d) if c0 is not None else _c(np.zeros((batch, hidden)), dt)
+        h = pick(h0, d) if h0 is not None else relax_const(np.zeros((batch, hidden)), dt)
+        c = pick(c0, d) if c0 is not None else relax_const(np.zeros((batch, hidden)), dt)
         if peep is not None:
             pd = pick(peep, d)
             pi, po, pf = chunk(pd, 0, 0), chunk(pd, 1, 0), chunk(pd, 2, 0)
@@ -115,20 +115,20 @@ def recurrent(ctx, inputs, attr):
             return relax.op.clip(t, -float(clip), float(clip)) if clip is not None else t
 
         for t in order:
-            xt = bb.emit(relax.op.squeeze(_slice(xw, 0, t, t + 1), [0]))  # (B, G*H)
+            xt = bb.emit(relax.op.squeeze(slice_along(xw, 0, t, t + 1), [0]))  # (B, G*H)
             if op == "RNN":
                 h = bb.emit(f(pre(relax.op.add(xt, relax.op.matmul(h, rt)))))
             elif op == "GRU":
-                hr = bb.emit(relax.op.matmul(h, _slice(rt, 1, 0, 2 * hidden)))
+                hr = bb.emit(relax.op.matmul(h, slice_along(rt, 1, 0, 2 * hidden)))
                 z = bb.emit(f(pre(relax.op.add(chunk(xt, 0, 1), chunk(hr, 0, 1)))))
                 reset = bb.emit(f(pre(relax.op.add(chunk(xt, 1, 1), chunk(hr, 1, 1)))))
-                rh = _slice(rt, 1, 2 * hidden, 3 * hidden)
+                rh = slice_along(rt, 1, 2 * hidden, 3 * hidden)
                 if linear_before_reset:
                     rec = relax.op.multiply(reset, relax.op.add(relax.op.matmul(h, rh), rbh))
                 else:
                     rec = relax.op.add(relax.op.matmul(relax.op.multiply(reset, h), rh), rbh)
                 cand = bb.emit(g(pre(relax.op.add(chunk(xt, 2, 1), rec))))
-                h = bb.emit(relax.op.add(relax.op.multiply(relax.op.subtract(_c(1, dt), z), cand), relax.op.multiply(z, h)))
+                h = bb.emit(relax.op.add(relax.op.multiply(relax.op.subtract(relax_const(1, dt), z), cand), relax.op.multiply(z, h)))
             else:
                 pre_gates = bb.emit(relax.op.add(xt, relax.op.matmul(h, rt)))
                 gi, go, gf, gc = (chunk(pre_gates, i, 1) for i in range(4))

@@ -8,7 +8,7 @@ import numpy as np
 
 from edgeq.tvm_env import relax
 
-from edgeq.onnx_ops.context import _runtime_operands, _axis, _c, _dtype, _shape
+from edgeq.onnx_ops.context import dtype_of, normal_axis, relax_const, runtime_operands, shape_of
 
 
 # ----------------------------------------------------------------------------------------------- refusals
@@ -20,10 +20,10 @@ def data_dependent(ctx, inputs, attr):
         condition = ctx.const(inputs[1]).astype(bool).reshape(-1)
         axis = attr.get("axis")
         x = inputs[0] if axis is not None else relax.op.reshape(inputs[0], [-1])
-        axis = 0 if axis is None else _axis(int(axis), len(_shape(inputs[0])))
-        kept = np.nonzero(condition[: _shape(x)[axis]])[0].astype("int64")
-        return relax.op.take(x, _c(kept), axis=axis)
-    if ctx.op == "Compress" and _runtime_operands(inputs, ctx.params):
+        axis = 0 if axis is None else normal_axis(int(axis), len(shape_of(inputs[0])))
+        kept = np.nonzero(condition[: shape_of(x)[axis]])[0].astype("int64")
+        return relax.op.take(x, relax_const(kept), axis=axis)
+    if ctx.op == "Compress" and runtime_operands(inputs, ctx.params):
         ctx.refuse("its condition is computed at run time, and the size of its output depends on it (an edgeq bundle "
                    "has static output shapes)", "bind the graph input with --const NAME=FILE.npy (or make it an initializer)")
     ctx.refuse("the size of its output depends on the input values, and an edgeq bundle has static output shapes",
@@ -36,11 +36,11 @@ def non_max_suppression(ctx, inputs, attr):
     from edgeq import nms
 
     boxes, scores = inputs[0], inputs[1]
-    if _dtype(boxes) != "float32" or _dtype(scores) != "float32":
-        ctx.refuse(f"boxes and scores are {_dtype(boxes)} and {_dtype(scores)}", "give it float32 boxes and scores")
-    (batches, boxes_n, four), (batches2, classes, boxes_n2) = _shape(boxes), _shape(scores)
+    if dtype_of(boxes) != "float32" or dtype_of(scores) != "float32":
+        ctx.refuse(f"boxes and scores are {dtype_of(boxes)} and {dtype_of(scores)}", "give it float32 boxes and scores")
+    (batches, boxes_n, four), (batches2, classes, boxes_n2) = shape_of(boxes), shape_of(scores)
     if four != 4 or batches != batches2 or boxes_n != boxes_n2:
-        ctx.refuse(f"boxes {_shape(boxes)} and scores {_shape(scores)} do not fit (ONNX: [B, N, 4] and [B, C, N])",
+        ctx.refuse(f"boxes {shape_of(boxes)} and scores {shape_of(scores)} do not fit (ONNX: [B, N, 4] and [B, C, N])",
                    "fix the model")
     center = int(attr.get("center_point_box", 0))
     if center not in (0, 1):
@@ -59,7 +59,7 @@ def non_max_suppression(ctx, inputs, attr):
 
     def scalar(index: int, dtype: str, default):
         if not present[index]:
-            return _c(np.full(1, default, dtype))
+            return relax_const(np.full(1, default, dtype))
         return relax.op.astype(relax.op.reshape(inputs[index], [1]), dtype)
 
     select = nms.select_func(batches, classes, boxes_n, per_class, center, present[4])

@@ -21,7 +21,7 @@ import dataclasses
 import numpy as np
 
 from edgeq.graph import Graph, Rewriter, call_op, relax, rewrite
-from edgeq.quantize.quantize_ops import _conv_attrs
+from edgeq.quantize.quantize_ops import conv_attrs
 
 
 @dataclasses.dataclass
@@ -94,7 +94,7 @@ def lower_qdq(graph: Graph) -> tuple[Graph, list[QdqLayer]]:
         layer.activation_dtype, layer.activation_zero_point = str(x_q.ty.dtype), z_x
         xq = rw.new(x_q)
         if op == "relax.nn.conv2d":
-            attrs = _conv_attrs(value)
+            attrs = conv_attrs(value)
             if z_x and any(attrs["padding"]):
                 top, left, bottom, right = attrs["padding"]
                 xq = rw.emit(relax.op.nn.pad(xq, [0, 0, 0, 0, top, bottom, left, right], pad_value=float(z_x)))

@@ -60,7 +60,7 @@ def quantize_weight(weight: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarr
     return q, scale
 
 
-def _conv_attrs(call) -> dict:
+def conv_attrs(call) -> dict:
     a = call.attrs
     return dict(strides=list(a.strides), padding=list(a.padding), dilation=list(a.dilation), groups=int(a.groups),
                 data_layout=a.data_layout, kernel_layout=a.kernel_layout, out_layout=a.out_layout)
@@ -121,7 +121,7 @@ def quantize_ops(graph: Graph, plans: dict[str, LayerPlan], taps: list[str] | No
             x16 = rw.emit(relax.op.astype(rw.new(value.args[0]), "float16"))
             w16 = rw.param(f"{weight_var.name}_fp16", (w.T if transposed else w).astype(np.float16))
             if op == "relax.nn.conv2d":
-                return relax.op.nn.conv2d(x16, w16, out_dtype="float32", **_conv_attrs(value))
+                return relax.op.nn.conv2d(x16, w16, out_dtype="float32", **conv_attrs(value))
             return relax.op.matmul(x16, w16, out_dtype="float32")
         if plan.per_token and op == "relax.matmul":
             if value.args[0] not in row_quantized:
@@ -136,7 +136,7 @@ def quantize_ops(graph: Graph, plans: dict[str, LayerPlan], taps: list[str] | No
         if op == "relax.nn.conv2d":
             wq, ws = quantize_weight(w, axis=0)
             acc = rw.emit(relax.op.nn.conv2d(xq, rw.param(f"{weight_var.name}_int8", wq), out_dtype="int32",
-                                             **_conv_attrs(value)))
+                                             **conv_attrs(value)))
             axis = 1
         else:
             wq, ws = quantize_weight(w, axis=0 if transposed else 1)

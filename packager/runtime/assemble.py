@@ -79,13 +79,13 @@ def _schema_tables() -> str:
     def kind(k) -> int:
         if id(k) in tags:
             entry = (tags[id(k)], -1)
-        elif isinstance(k, contract._Opt):
+        elif isinstance(k, contract.OptionalKind):
             entry = ("?", kind(k.kind))
-        elif isinstance(k, contract._List):
+        elif isinstance(k, contract.ListKind):
             entry = ("l", kind(k.kind))
-        elif isinstance(k, contract._Dict):
+        elif isinstance(k, contract.DictKind):
             entry = ("d", kind(k.kind))
-        elif isinstance(k, contract._Rec):
+        elif isinstance(k, contract.RecordKind):
             entry = ("r", record(k.cls))
         else:
             raise TypeError(f"contract kind {k!r} has no schema.h form")
