@@ -66,7 +66,9 @@ for target in "${TARGETS[@]}"; do
     before=$(find "$corpus" -type f | wc -l)
     echo "fuzz.sh: $target for ${SECONDS_PER_TARGET} s" >&2
     set +e
-    (cd "$grown" && EDGEQ_FUZZ_TARGET=$target "${FUZZER[@]}" $([ "$PYTHON_TARGETS" = 1 ] && echo "$target") \
+    run=("${FUZZER[@]}")  # run.py's fuzzer takes its target as an argument; edgeq-run's from EDGEQ_FUZZ_TARGET
+    [ "$PYTHON_TARGETS" = 1 ] && run+=("$target")
+    (cd "$grown" && EDGEQ_FUZZ_TARGET=$target "${run[@]}" \
         -max_total_time="$SECONDS_PER_TARGET" -max_len=65536 -rss_limit_mb=2048 -timeout=10 -print_final_stats=1 \
         . "$ROOT/$corpus" "${seeds[@]}") >"$grown.log" 2>&1
     status=$?
@@ -76,8 +78,7 @@ for target in "${TARGETS[@]}"; do
     # keep only what adds coverage: merge the grown inputs (not the findings) into the committed corpus
     mkdir -p "$grown.merge" && find "$grown" -maxdepth 1 -type f ! -name 'crash-*' ! -name 'leak-*' ! -name 'timeout-*' \
         ! -name 'oom-*' -exec cp {} "$grown.merge/" \;
-    EDGEQ_FUZZ_TARGET=$target "${FUZZER[@]}" $([ "$PYTHON_TARGETS" = 1 ] && echo "$target") -merge=1 "$corpus" \
-        "$grown.merge" >"$grown.merge.log" 2>&1 || true
+    EDGEQ_FUZZ_TARGET=$target "${run[@]}" -merge=1 "$corpus" "$grown.merge" >"$grown.merge.log" 2>&1 || true
     rm -rf "$grown.merge"
     after=$(find "$corpus" -type f | wc -l)
     rows+=("$target ${execs:-0} $SECONDS_PER_TARGET $crashes $before $after $status")

@@ -20,6 +20,8 @@ bad input; any other exception is a finding.
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import os
 import sys
 import tempfile
@@ -48,8 +50,6 @@ def _letterboxed(contract, side: int):
 
 
 def _image(data: bytes, name: str) -> None:
-    import dataclasses
-
     contract, imaging, _, _ = _modules()
     path = os.path.join(_scratch(), name)
     with open(path, "wb") as f:
@@ -144,8 +144,6 @@ def run_one(target: str, data: bytes) -> None:
         if manifest.outputs:
             contract.rows_problem(manifest.outputs)
     elif target == "npy":
-        import io
-
         try:
             dtype, shape, raw, _ = contract.read_npy(io.BytesIO(data), 1 << 20)
         except contract.ContractError:
