@@ -515,6 +515,9 @@ class GenerateRecord(Record):
     weight_bits: int | None = _field(OptionalKind(COUNT), omit_if_none=True)
     weight_group: int | None = _field(OptionalKind(COUNT), omit_if_none=True)
     weight_scheme: str | None = _field(OptionalKind(STR), omit_if_none=True)
+    # int4: the products' activations are quantized too, to this many bits per element with one float scale per
+    # weight_group (llama.cpp's Q8_1), and multiplied by the codes in integers; None: float32 activations
+    activation_bits: int | None = _field(OptionalKind(COUNT), omit_if_none=True)
 
 
 @_rec

@@ -345,6 +345,7 @@ NATIVE_IGNORES = {
     # steps as compiled
     "GenerateRecord.layers", "GenerateRecord.kv_heads", "GenerateRecord.head_dim", "GenerateRecord.cache_dtype",
     "GenerateRecord.weight_bits", "GenerateRecord.weight_group", "GenerateRecord.weight_scheme",
+    "GenerateRecord.activation_bits",
 }
 # tokenizer.h reads a language model's tokenizer.json (Hugging Face's format), not the manifest
 MANIFEST_READERS = [p for p in sorted(NATIVE_SOURCES.glob("*.[ch]*")) if p.name != "tokenizer.h"]

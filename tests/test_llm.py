@@ -434,37 +434,100 @@ def test_package_refuses_what_language_models_do_not_take(decoders, tmp_path):
         assert not (tmp_path / "out").exists()  # nothing half-written
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-def test_weight_only_products_compute_their_dequantized_weights(bits):
-    """The packed codes, scales (and minimums), unpacked by the compiled product, give x @ dequantized(w): the
-    packing (two 4-bit codes a byte, k even low) and the kernel agree with numpy's dequantization of the codes."""
-    from edgeq.backends.cpu import decoder as cpu
-    from edgeq.targets import profiles
-    from edgeq.tvm_env import relax, tvm
+def _product_module(k: int, n: int, rows: int):
+    from edgeq.tvm_env import relax
 
-    rng = np.random.default_rng(bits)
-    k, n = 96, 64
-    w = rng.standard_normal((k, n)).astype(np.float32)
-    codes, scales, lowest = cpu.quantize_groups(w, bits)
-    groups = np.repeat(scales.astype(np.float32), cpu.GROUP, axis=0)
-    dequantized = codes.astype(np.float32) * groups + (np.repeat(lowest.astype(np.float32), cpu.GROUP, axis=0)
-                                                         if lowest is not None else 0)
-    assert np.abs(dequantized - w).max() <= groups.max() * (0.5 if bits == 8 else 0.5) + 1e-6
     bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType((1, 3, k), "float32"))
+    x = relax.Var("x", relax.TensorType((1, rows, k), "float32"))
     wv = relax.Var("w", relax.TensorType((k, n), "float32"))
     with bb.function("main", [x, wv], attrs={"num_input": 1}):
         with bb.dataflow():
             out = bb.emit_output(bb.emit(relax.op.matmul(x, wv)))
         bb.emit_func_output(out)
+    return bb.get()
+
+
+def _run_product(target, w: np.ndarray, xs: np.ndarray, bits: int) -> tuple[np.ndarray, dict]:
+    from edgeq.backends.cpu import decoder as cpu
+    from edgeq.tvm_env import relax, tvm
+
     stats = {}
-    executable, weights = cpu.build(bb.get(), {"w": w}, profiles()["host"].tvm_target(), stats, bits=bits)
+    executable, weights = cpu.build(_product_module(*w.shape[:1], w.shape[1], xs.shape[1]), {"w": w}, target, stats,
+                                    bits=bits)
     assert stats.get("weight-product") == 1 and len(weights) == (2 if bits == 8 else 3)
+    k, n = w.shape
     assert sum(a.nbytes for a in weights.values()) == k * n * bits // 8 + (k // 32) * n * 2 * (1 if bits == 8 else 2)
     vm = relax.VirtualMachine(executable, tvm.cpu())
+    return vm["main"](tvm.runtime.tensor(xs), *[tvm.runtime.tensor(a) for a in weights.values()]).numpy(), weights
+
+
+def test_int8_weight_only_products_compute_their_dequantized_weights():
+    """The packed int8 codes and scales, dequantized by the compiled product as it reads them, give x @
+    dequantized(w), as numpy computes it from the codes."""
+    from edgeq.backends.cpu import decoder as cpu
+    from edgeq.targets import profiles
+
+    rng = np.random.default_rng(8)
+    k, n = 96, 64
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    codes, scales, lowest = cpu.quantize_groups(w, 8)
+    groups = np.repeat(scales.astype(np.float32), cpu.GROUP, axis=0)
+    dequantized = codes.astype(np.float32) * groups
+    assert lowest is None and np.abs(dequantized - w).max() <= groups.max() * 0.5 + 1e-6
     xs = rng.standard_normal((1, 3, k)).astype(np.float32)
-    got = vm["main"](tvm.runtime.tensor(xs), *[tvm.runtime.tensor(a) for a in weights.values()]).numpy()
+    got, _ = _run_product(profiles()["host"].tvm_target(), w, xs, 8)
     np.testing.assert_allclose(got, xs @ dequantized, rtol=1e-5, atol=1e-4)
+
+
+def _q4_1_times_q8(xs: np.ndarray, codes: np.ndarray, scales: np.ndarray, lowest: np.ndarray) -> np.ndarray:
+    """llama.cpp's Q4_1 x Q8_1 product as numpy computes it, written from its definition: each row of ``x``
+    quantized to int8 per 32 (``step = max |x| / 127``, ``x * (1 / step)`` rounded half to even, as llama.cpp's
+    vector code for ``quantize_row_q8_1`` does; its scalar reference rounds half away); per group the integer sum
+    of codes times int8 activations, scaled by ``scale * step``, plus ``minimum * step * sum(xq)``: the product of
+    the dequantized activations and weights."""
+    k, n = codes.shape
+    groups = xs.reshape(*xs.shape[:-1], k // 32, 32)
+    step = np.abs(groups).max(axis=-1) * (np.float32(1) / np.float32(127))
+    inverse = np.float32(1) / np.where(step == 0, np.float32(np.inf), step)
+    xq = np.clip(np.rint(groups * inverse[..., None]), -127, 127).astype(np.int64)
+    sums = np.einsum("...gj,gjn->...gn", xq, codes.reshape(k // 32, 32, n).astype(np.int64))
+    assert np.abs(sums).max() < 1 << 24  # exact in float32 below
+    return (sums.astype(np.float32) * (scales.astype(np.float32) * step[..., None])
+            + lowest.astype(np.float32) * (xq.sum(axis=-1).astype(np.float32) * step)[..., None]).sum(axis=-2)
+
+
+def test_int4_products_are_integer_sums_alike_on_every_cpu():
+    """int4 products multiply int8 activations by the 4-bit codes in integers (llama.cpp's Q4_1 x Q8_1): the
+    compiled product equals numpy's definition of it, on this CPU's dot-product instruction (VNNI where it has
+    it) and on a CPU without one (Haswell: the same sums in vector lanes, what a build host without the
+    instruction computes for a Jetson's self-test) bit for bit, and stays within 1% of float x @ w. A row of
+    ``x`` holds exact ties (x / step = 0.5, 1.5, 2.5, -0.5 with step 1): rounding them half away from zero, not
+    to even as the definition says, moves its outputs."""
+    from edgeq.backends.cpu import decoder as cpu
+    from edgeq.targets import profiles
+    from edgeq.tvm_env import tvm
+
+    rng = np.random.default_rng(4)
+    k, n, rows = 96, 64, 3
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    codes, scales, lowest = cpu.quantize_groups(w, 4)
+    packed = cpu.dot_codes(codes, 16)
+    unpacked = np.stack([packed & 15, packed >> 4], axis=-2)  # [n / 16, k / 8, 16, half, byte]
+    assert np.array_equal(unpacked.transpose(1, 3, 4, 0, 2).reshape(k, n), codes)  # the layout's definition
+    xs = rng.standard_normal((1, rows, k)).astype(np.float32)
+    xs[0, 1, :32] = np.tile(np.float32([0.5, 1.5, 2.5, -0.5]), 8)
+    xs[0, 1, 31] = 127.0
+    dequantized = (codes.astype(np.float32) * np.repeat(scales.astype(np.float32), 32, axis=0)
+                   + np.repeat(lowest.astype(np.float32), 32, axis=0))
+    expected = _q4_1_times_q8(xs, codes, scales, lowest)
+    host = profiles()["host"].tvm_target()
+    without = tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "haswell"})
+    got, _ = _run_product(host, w, xs, 4)
+    plain, _ = _run_product(without, w, xs, 4)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+    assert np.array_equal(got, plain)
+    exact = xs[:, ::2] @ dequantized  # the rows of random activations (the ties' row has an outlier: 127 beside 0.5)
+    assert np.abs(got[:, ::2] - exact).max() <= 0.01 * np.abs(exact).max()
 
 
 def test_int4_recovers_a_q4_1_grid_exactly():
@@ -506,3 +569,22 @@ def test_an_aarch64_bundle_generates_under_qemu_as_the_host_does(llm_bundle, tmp
     ours, theirs = run_arm(*args), _run_py(bundle, *args)
     assert ours.returncode == theirs.returncode == 0, ours.stderr
     assert ours.stdout.splitlines()[:-1] == theirs.stdout.splitlines()[:-1]
+
+
+@pytest.mark.skipif(shutil.which("qemu-aarch64") is None or not Path("/usr/aarch64-linux-gnu").is_dir(),
+                    reason="qemu-user and the aarch64 cross toolchain are needed (scripts/setup.sh)")
+def test_int4_on_an_orins_cpu_generates_the_hosts_tokens_under_qemu(llm_bundle, tmp_path):
+    """int4 for a Jetson Orin's CPU (Cortex-A78AE: its products on Arm's ``sdot``) under qemu-aarch64 passes the
+    self-test whose tokens a host build computed (on this machine's VNNI, or without a dot-product instruction):
+    the integer products and the float steps around them give the same tokens on both."""
+    bundle, model = llm_bundle
+    result = run_cli("package", model, "--device", "jetson-orin-cpu", "--precision", "int4", "-o", tmp_path,
+                     "--max-context", "64", "-q", "--json")
+    assert result.code == 0, result.stderr
+    arm = Path(json.loads(result.stdout)["bundle_dir"])
+    gen = json.loads((arm / "manifest.json").read_text())["generate"]
+    assert (gen["weight_bits"], gen["weight_scheme"], gen["activation_bits"]) == (4, "scale and minimum", 8)
+    proc = subprocess.run(["qemu-aarch64", "-L", "/usr/aarch64-linux-gnu", str(arm / "runtime" / "edgeq-run"),
+                           "--self-test", "--json"], capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"},
+                          timeout=600)
+    assert proc.returncode == 0 and json.loads(proc.stdout)["ok"], proc.stderr

@@ -321,7 +321,8 @@ def _write(args, setup, loaded: Loaded, steps, weights: dict, prompt: list[int],
             tokenizer=contract.TOKENIZER if loaded.tokenizer_path is not None else None,
             chat_prefix=loaded.chat[0] if loaded.chat else None, chat_suffix=loaded.chat[1] if loaded.chat else None,
             stop=loaded.stop, self_test_tokens=len(tokens), weight_bits=bits,
-            weight_group=cpu_decoder.GROUP if bits else None, weight_scheme=cpu_decoder.SCHEMES.get(bits)),
+            weight_group=cpu_decoder.GROUP if bits else None, weight_scheme=cpu_decoder.SCHEMES.get(bits),
+            activation_bits=cpu_decoder.ACTIVATION_BITS.get(bits)),
         files={}, sizes={},
     )
     manifest = bundle.write_bundle(staging, manifest, extra, setup.signing_key)

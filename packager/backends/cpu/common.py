@@ -315,9 +315,10 @@ def pad_input(x, spec: ConvSpec, channels: int, convert=None, value=0):
     return te.compute(shape, body, name=PAD)
 
 
-def epilogue(sch: Schedule, main) -> object:
+def epilogue(sch: Schedule, main, keep: tuple[str, ...] = ()) -> object:
     """Accumulate ``main`` in registers and fold everything after it into the write-back block. Element-wise
-    side inputs of the epilogue (a residual dequantized from int8) are first inlined where they are read."""
+    side inputs of the epilogue (a residual dequantized from int8) are first inlined where they are read; the
+    blocks named in ``keep`` (stages the kernel schedules itself) are left where they are."""
     root = sch.get_sblock("root")
     downstream, frontier = set(), [main]
     while frontier:
@@ -329,14 +330,19 @@ def epilogue(sch: Schedule, main) -> object:
     main_name = sch.get(main).name_hint
     for block in sch.get_child_blocks(root):
         stmt = sch.get(block)
-        if stmt.name_hint in downstream or stmt.name_hint in (PAD, main_name):
+        if stmt.name_hint in downstream or stmt.name_hint in (PAD, main_name, *keep):
             continue
         if is_spatial(sch, block):
             try:
                 sch.compute_inline(block)
             except tvm.s_tir.ScheduleError:
                 pass
-    wb = sch.cache_write(main, 0, "local")
+    return fold_into(sch, sch.cache_write(main, 0, "local"))
+
+
+def fold_into(sch: Schedule, wb) -> object:
+    """The element-wise blocks after the write-back block ``wb`` inlined into it, as far as they go (``epilogue``);
+    returns ``wb``."""
     shape = _written_shape(sch, wb)
     while True:
         consumers = sch.get_consumers(wb)
