@@ -277,6 +277,23 @@ def _weight_product(sch: Schedule):
     return found
 
 
+def _tiles(sch: Schedule, main, nb: int, rows_held: int) -> tuple:
+    """``main``'s loops (its rows, its columns, then one reduction) as tiles: up to ``rows_held`` rows (a divisor of
+    them, unrolled) by a panel of ``nb`` columns. Returns (the tiles' loop, the reduction, the columns' loop)."""
+    *spatial, reduce = sch.get_loops(main)
+    rows = 1
+    for loop in spatial[:-1]:
+        rows *= int(sch.get(loop).extent)
+    no, ni = sch.split(spatial[-1], [None, nb])
+    if len(spatial) == 1:
+        sch.reorder(no, reduce, ni)
+        return no, reduce, ni
+    mo, mi = sch.split(sch.fuse(*spatial[:-1]), [None, largest_divisor(rows, max(1, rows_held))])
+    sch.reorder(mo, no, reduce, mi, ni)
+    sch.unroll(mi)
+    return sch.fuse(mo, no), reduce, ni
+
+
 def _panel_width_read(stmt) -> int | None:
     """``nb`` of the ``panels[n // nb, k, n % nb]`` read of a packed product's block."""
     found = {int(r.region[0].min.b) for r in stmt.reads if len(r.region) == 3
@@ -293,27 +310,11 @@ def schedule_weight_product(func, isa: Isa):
     main = _weight_product(sch)
     if main is None:
         return None
-    stmt = sch.get(main)
-    *spatial, reduce = sch.get_loops(main)
-    extents = [int(sch.get(loop).extent) for loop in spatial]
-    nb = _panel_width_read(stmt)
+    nb = _panel_width_read(sch.get(main))
     if nb is None:
         return None
-    rows = 1
-    for extent in extents[:-1]:
-        rows *= extent
-    mb = largest_divisor(rows, max(1, isa.accumulators // (nb // isa.lanes)))
     wb = epilogue(sch, main)
-    m = sch.fuse(*spatial[:-1]) if len(spatial) > 1 else None
-    no, ni = sch.split(spatial[-1], [None, nb])
-    if m is not None:
-        mo, mi = sch.split(m, [None, mb])
-        sch.reorder(mo, no, reduce, mi, ni)
-        sch.unroll(mi)
-        outer = sch.fuse(mo, no)
-    else:
-        sch.reorder(no, reduce, ni)
-        outer = no
+    outer, reduce, ni = _tiles(sch, main, nb, isa.accumulators // (nb // isa.lanes))
     if int(sch.get(reduce).extent) % GROUP == 0:
         # a group's codes unrolled (int8): its scale is read and widened once, not once a code
         reduce, inner = sch.split(reduce, [None, GROUP])
@@ -440,21 +441,7 @@ def _schedule_int4(sch: Schedule, isa: Isa):
     if nb is None or nb % d:
         return None
     wb = epilogue(sch, main, keep=_OWN)
-    *spatial, g = sch.get_loops(main)
-    rows = 1
-    for loop in spatial[:-1]:
-        rows *= int(sch.get(loop).extent)
-    mb = largest_divisor(rows, max(1, isa.accumulators // (2 * nb // d)))  # float and int32 tiles both in registers
-    m = sch.fuse(*spatial[:-1]) if len(spatial) > 1 else None
-    no, ni = sch.split(spatial[-1], [None, nb])
-    if m is not None:
-        mo, mi = sch.split(m, [None, mb])
-        sch.reorder(mo, no, g, mi, ni)
-        sch.unroll(mi)
-        outer = sch.fuse(mo, no)
-    else:
-        sch.reorder(no, g, ni)
-        outer = no
+    outer, g, ni = _tiles(sch, main, nb, isa.accumulators // (2 * nb // d))  # float and int32 tiles in registers
     sch.reverse_compute_at(wb, outer)
     offsets = sch.get_sblock(OFFSETS)
     sch.compute_at(offsets, outer)
