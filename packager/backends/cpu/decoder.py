@@ -37,10 +37,13 @@ MAX_VECTORS = 8  # a panel's width in vectors: decode's one row of accumulators
 
 
 def panel_width(n: int, isa: Isa) -> int | None:
-    """Columns per panel for a weight ``n`` wide: the most whole vectors (up to ``MAX_VECTORS``) dividing ``n``."""
+    """Columns per panel for a weight ``n`` wide: the most whole vectors, a power of 2 up to ``MAX_VECTORS``, that
+    divide ``n``. (6 vectors, which SmolLM2's 576 and 192 columns allowed, compiled to products 3-4x slower per
+    multiply-add than 4 or 8: LLVM splits vectors of 96 lanes badly.)"""
     if n % isa.lanes:
         return None
-    return largest_divisor(n // isa.lanes, min(MAX_VECTORS, isa.accumulators)) * isa.lanes
+    vectors = n // isa.lanes
+    return next(c for c in (8, 4, 2, 1) if c <= min(MAX_VECTORS, isa.accumulators) and vectors % c == 0) * isa.lanes
 
 
 def packed_product(x, panels):
@@ -279,7 +282,8 @@ def _weight_product(sch: Schedule):
 
 def _tiles(sch: Schedule, main, nb: int, rows_held: int) -> tuple:
     """``main``'s loops (its rows, its columns, then one reduction) as tiles: up to ``rows_held`` rows (a divisor of
-    them, unrolled) by a panel of ``nb`` columns. Returns (the tiles' loop, the reduction, the columns' loop)."""
+    them, unrolled) by a panel of ``nb`` columns, panel by panel. Returns (the tiles' loop, the reduction, the
+    columns' loop)."""
     *spatial, reduce = sch.get_loops(main)
     rows = 1
     for loop in spatial[:-1]:
@@ -289,9 +293,9 @@ def _tiles(sch: Schedule, main, nb: int, rows_held: int) -> tuple:
         sch.reorder(no, reduce, ni)
         return no, reduce, ni
     mo, mi = sch.split(sch.fuse(*spatial[:-1]), [None, largest_divisor(rows, max(1, rows_held))])
-    sch.reorder(mo, no, reduce, mi, ni)
+    sch.reorder(no, mo, reduce, mi, ni)  # a panel's row tiles one after another: its weights stay in the cache
     sch.unroll(mi)
-    return sch.fuse(mo, no), reduce, ni
+    return sch.fuse(no, mo), reduce, ni
 
 
 def _panel_width_read(stmt) -> int | None:
