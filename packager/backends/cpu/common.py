@@ -337,12 +337,7 @@ def epilogue(sch: Schedule, main, keep: tuple[str, ...] = ()) -> object:
                 sch.compute_inline(block)
             except tvm.s_tir.ScheduleError:
                 pass
-    return fold_into(sch, sch.cache_write(main, 0, "local"))
-
-
-def fold_into(sch: Schedule, wb) -> object:
-    """The element-wise blocks after the write-back block ``wb`` inlined into it, as far as they go (``epilogue``);
-    returns ``wb``."""
+    wb = sch.cache_write(main, 0, "local")
     shape = _written_shape(sch, wb)
     while True:
         consumers = sch.get_consumers(wb)
