@@ -16,7 +16,7 @@ Weight-only int4 (``--precision int4``) multiplies in integers, as llama.cpp's Q
 ``x`` is quantized to int8 per group of 32 (``step = max |x| / 127``), each group's 32 code x activation
 products are summed exactly in int32 by the CPU's dot-product instruction (AVX-512 VNNI ``vpdpbusd``: 64
 per instruction; Arm ``sdot``: 16), and the float work is once per group and column: ``out += isum * (scale *
-step) + minimum * sum(x)``. The float form (a convert and two fused multiply-adds per weight) was compute-bound
+step) + minimum * step * sum(xq)``. The float form (a convert and two fused multiply-adds per weight) was compute-bound
 at a third of the memory bandwidth's tokens/s (``benchmarks/llm.py``). The arithmetic is the same on every
 CPU: one without the instruction (a build host checking a Jetson's bundle) runs the same integer sums in
 vector lanes, so its tokens are the device's.
@@ -32,7 +32,7 @@ from edgeq.tvm_env import Schedule, relax, te, tvm
 
 PACKED = "edgeq_packed_product"
 DOT_SUMS = PACKED + "_dot"  # an int4 product's per-group integer sums
-OFFSETS = PACKED + "_offsets"  # ... and the minimums' part, sum_g m[g, n] sum(x_g)
+OFFSETS = PACKED + "_offsets"  # ... and the minimums' part, sum_g m[g, n] step[g] sum(xq_g)
 MAX_VECTORS = 8  # a panel's width in vectors: decode's one row of accumulators
 
 
@@ -172,6 +172,7 @@ def int4_product(x, codes, scales, lowest):
     isum = te.compute((*lead, groups, count * nb), lambda *i: te.sum(
         code(i[-1], i[-2] * GROUP + jd) * xq[(*i[:-2], i[-2] * GROUP + jd)].astype("int32"), axis=[jd]),
         name=DOT_SUMS)
+
     def panel(p, n, g):
         return p[n // nb, g, n % nb].astype("float32")
 
@@ -332,7 +333,8 @@ def schedule_weight_product(func, isa: Isa):
 
 
 INT4_INTRINSICS = {"vnni": "edgeq_int4_dot_16x8_vnni", "sdot": "edgeq_int4_dot_4x8_sdot"}
-_OWN = (PACKED + "_max", PACKED + "_step", PACKED + "_inverse", PACKED + "_xq", PACKED + "_sum")  # int4_product's stages before the sums
+# int4_product's stages before the sums: the activations' quantization
+_OWN = (PACKED + "_max", PACKED + "_step", PACKED + "_inverse", PACKED + "_xq", PACKED + "_sum")
 
 
 def _register_int4(dot: str, llvm_name: str) -> None:
@@ -420,8 +422,9 @@ def _start_from_offsets(func):
             store = b.body
             (load,) = [r for r in (store.value.a, store.value.b) if r.source.same_as(scaled)]
             reads = [r for r in b.reads if not r.source.same_as(offsets)]
-            return SBlock(b.iter_vars, reads, b.writes, b.name_hint, tvm.tirx.BufferStore(store.buffer, load, store.indices),
-                          None, b.alloc_buffers, b.match_buffers, b.annotations)
+            copy = tvm.tirx.BufferStore(store.buffer, load, store.indices)
+            return SBlock(b.iter_vars, reads, b.writes, b.name_hint, copy, None, b.alloc_buffers, b.match_buffers,
+                          b.annotations)
         return b
 
     return tvm_ffi.structural_map(func, [(SBlock, rewrite)])
