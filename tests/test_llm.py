@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -588,3 +589,83 @@ def test_int4_on_an_orins_cpu_generates_the_hosts_tokens_under_qemu(llm_bundle, 
                            "--self-test", "--json"], capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"},
                           timeout=600)
     assert proc.returncode == 0 and json.loads(proc.stdout)["ok"], proc.stderr
+
+
+def _to_matmul_nbits(model: onnx.ModelProto, block: int = 32) -> tuple[onnx.ModelProto, dict]:
+    """``model`` with each MatMul by a weight of its own (float32 ``[K, N]``, K a multiple of ``block``) made ONNX
+    Runtime's com.microsoft.MatMulNBits as its documentation defines it (written here from that definition, the form
+    its ``matmul_4bits_quantizer`` writes): per block of K, asymmetric 4-bit codes ``q = clip(round(w / scale) +
+    zp, 0, 15)``, B ``[N, blocks, block / 2]`` two codes a byte low first, float32 scales ``[N * blocks]``, zero
+    points packed two a byte. Returns (model, {B's name: codes [N, K]})."""
+    from onnx import helper, numpy_helper
+
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    graph = model.graph
+    consts = {t.name: t for t in graph.initializer}
+    readers = {}
+    for node in graph.node:
+        for name in node.input:
+            readers[name] = readers.get(name, 0) + 1
+    nodes, written, dropped = [], {}, set()
+    for node in graph.node:
+        w = consts.get(node.input[1]) if node.op_type == "MatMul" and len(node.input) == 2 else None
+        if w is None or len(w.dims) != 2 or w.dims[0] % block or readers[node.input[1]] != 1:
+            nodes.append(node)
+            continue
+        array = numpy_helper.to_array(w).astype(np.float32)
+        k, n = array.shape
+        blocks = array.T.reshape(n, k // block, block)
+        lo, hi = np.minimum(blocks.min(axis=2), 0), np.maximum(blocks.max(axis=2), 0)
+        scale = np.where(hi > lo, (hi - lo) / 15, 1).astype(np.float32)
+        zp = np.clip(np.round(-lo / scale), 0, 15).astype(np.uint8)
+        q = np.clip(np.round(blocks / scale[..., None]) + zp[..., None], 0, 15).astype(np.uint8)
+        packed = (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
+        zpad = np.concatenate([zp, np.zeros((n, (k // block) % 2), np.uint8)], axis=1)
+        zpacked = (zpad[:, 0::2] | (zpad[:, 1::2] << 4)).astype(np.uint8).reshape(-1)
+        base = node.input[1] + "_nbits"
+        graph.initializer.extend([numpy_helper.from_array(packed, base + "_b"),
+                                  numpy_helper.from_array(scale.reshape(-1), base + "_scales"),
+                                  numpy_helper.from_array(zpacked, base + "_zp")])
+        nodes.append(helper.make_node("MatMulNBits", [node.input[0], base + "_b", base + "_scales", base + "_zp"],
+                                      list(node.output), domain="com.microsoft", K=k, N=n, bits=4, block_size=block))
+        written[base + "_b"] = q.reshape(n, k)
+        dropped.add(node.input[1])
+    del graph.node[:]
+    graph.node.extend(nodes)
+    kept = [t for t in graph.initializer if t.name not in dropped]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    return model, written
+
+
+def test_matmul_nbits_imports_as_onnxruntime_runs_it_and_int4_keeps_its_codes(decoders):
+    """A decoder whose products are com.microsoft.MatMulNBits (4-bit codes, scales and zero points per block of
+    32): imported as ONNX Runtime defines it, an fp32 build generates ONNX Runtime's greedy tokens for that model;
+    an int4 build streams the model's own codes, not codes of its own (every product's panels unpacked are the
+    MatMulNBits codes), with its scales and minimums (-zp * scale)."""
+    from edgeq.backends.cpu import decoder as cpu
+    from edgeq.llm.package import host_steps
+    from edgeq.targets import profiles
+
+    model, written = _to_matmul_nbits(onnx.load(decoders["tiny-llama"]))
+    assert len(written) >= 7 * 2  # q, k, v, o and the three FFN products of each layer, at least
+    steps = build.import_steps(model, context=40, buckets=[4, 8], capacities=[16])
+    assert sorted(steps.codes) == sorted(re.sub(r"\W", "_", b) + "_dequantized" for b in written)
+    target = profiles()["host"].tvm_target()
+    executable, weights = cpu.build(steps.mod, steps.weights, target)
+    runner, exported = host_steps(steps, executable, weights), reference.Exported(model)
+    for prompt in PROMPTS:
+        assert list(generate.generate(np, runner, prompt, 24, generate.Sampler(np))) == exported.greedy(prompt, 24)
+    executable, weights = cpu.build(steps.mod, steps.weights, target, bits=4, codes=steps.codes)
+    for b, q in written.items():
+        name = re.sub(r"\W", "_", b) + "_dequantized"
+        (panels,) = [a for n, a in weights.items() if n.startswith(name + "_q4panels")]
+        unpacked = np.stack([panels & 15, panels >> 4], axis=-2)  # [n / nb, k / 8, nb, half, byte]
+        nb = panels.shape[2]
+        assert np.array_equal(unpacked.transpose(1, 3, 4, 0, 2).reshape(q.shape[1], q.shape[0]), q.T), b
+        codes, scales, lowest = steps.codes[name]
+        (got,) = [a for n, a in weights.items() if n == f"{name}_minimums{nb}"]
+        assert got.dtype == lowest.dtype and np.array_equal(got.transpose(1, 0, 2).reshape(lowest.shape), lowest)
+    runner = host_steps(steps, executable, weights)
+    assert len(list(generate.generate(np, runner, PROMPTS[0], 8, generate.Sampler(np)))) == 8

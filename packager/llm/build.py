@@ -46,6 +46,8 @@ class Steps:
     steps: tuple  # Step
     layout: decoder.Layout
     context: int
+    # pre-quantized 4-bit weights (MatMulNBits): name -> (codes [K, N], scales, minimums), for an int4 build
+    codes: dict = dataclasses.field(default_factory=dict)
 
     @property
     def buckets(self) -> list[int]:
@@ -80,6 +82,7 @@ def import_steps(model: onnx.ModelProto, context: int, buckets: list[int] | None
     from edgeq.load import identifier_names
 
     layout = decoder.read_layout(model, name)
+    model, codes = decoder.expand_matmul_nbits(model, name)
     model = onnx.ModelProto.FromString(model.SerializeToString())
     identifier_names(model)
     buckets = sorted(set(buckets or default_buckets(context)))
@@ -138,7 +141,7 @@ def import_steps(model: onnx.ModelProto, context: int, buckets: list[int] | None
                                                                                   layout.head_dim), d)
                                         for n, _, d in cache)))
     return Steps(mod=merged, weights={n: weights[n] for n in order}, steps=tuple(steps), layout=layout,
-                 context=context)
+                 context=context, codes={n: c for n, c in codes.items() if n in weights})
 
 
 def _grow(layout: decoder.Layout, small: int, large: int, symbol: str):

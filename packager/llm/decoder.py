@@ -131,6 +131,77 @@ def read_layout(model: onnx.ModelProto, name: str = "model") -> Layout:
                   ids_dtype=_dtype(inputs["input_ids"]), mask_dtype=_dtype(mask) if mask is not None else None)
 
 
+GROUP = 32  # the int4 products' group along the reduction (edgeq.backends.cpu.decoder.GROUP)
+
+
+def expand_matmul_nbits(model: onnx.ModelProto, name: str = "model") -> tuple[onnx.ModelProto, dict]:
+    """``model`` with each of ONNX Runtime's ``com.microsoft.MatMulNBits`` (4 bits, constant codes, scales and zero
+    points) made a ``MatMul`` by its dequantized float32 weight ``w[k, n] = (q - zp) * scale`` (ORT's definition),
+    and the weights' own codes: {weight name: (codes ``q[K, N]`` uint8, scales ``[K / 32, N]``, minimums ``[K / 32,
+    N]`` = ``-zp * scale``)}, for the int4 build to use as they are (blocks of 32 or a multiple of 32; scales and
+    minimums float16 where float16 holds them exactly, else float32). A MatMulNBits edgeq cannot take gets one line."""
+    graph = model.graph
+    if not any(n.op_type == "MatMulNBits" and n.domain == "com.microsoft" for n in graph.node):
+        return model, {}
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    graph = model.graph
+    consts = {t.name: t for t in graph.initializer}
+    codes, used, nodes, made = {}, set(), [], set()
+    for node in graph.node:
+        if not (node.op_type == "MatMulNBits" and node.domain == "com.microsoft"):
+            nodes.append(node)
+            continue
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        k, n, bits, block = attrs.get("K"), attrs.get("N"), attrs.get("bits", 4), attrs.get("block_size")
+        inputs = list(node.input) + [""] * (6 - len(node.input))
+        a, b, scales_name, zp_name, g_idx, bias = inputs[:6]
+        missing = [x for x in (b, scales_name, zp_name, bias) if x and x not in consts]
+        if bits != 4 or not block or k is None or n is None or missing or g_idx:
+            why = (f"bits={bits}" if bits != 4 else "weights computed in the graph" if missing
+                   else "g_idx" if g_idx else "no K, N or block_size")
+            raise ModelError(f"{name}: MatMulNBits {node.name or node.output[0]} ({why}) cannot be imported; edgeq "
+                             f"reads 4-bit MatMulNBits with constant weights, as ONNX Runtime GenAI's builder "
+                             f"and matmul_4bits_quantizer write them")
+        blocks = -(-k // block)
+        packed = numpy_helper.to_array(consts[b]).reshape(n, blocks, block // 2)
+        q = np.stack([packed & 15, packed >> 4], axis=-1).reshape(n, blocks * block)[:, :k]  # low nibble first
+        scale = numpy_helper.to_array(consts[scales_name]).reshape(n, blocks)
+        if not zp_name:
+            zp = np.full((n, blocks), 8, np.float32)
+        elif consts[zp_name].data_type == TensorProto.UINT8:
+            zpp = numpy_helper.to_array(consts[zp_name]).reshape(n, -1)
+            zp = np.stack([zpp & 15, zpp >> 4], axis=-1).reshape(n, -1)[:, :blocks].astype(np.float32)
+        else:
+            zp = numpy_helper.to_array(consts[zp_name]).reshape(n, blocks).astype(np.float32)
+        per = np.repeat(np.arange(blocks), block)[:k]
+        w = ((q.astype(np.float32) - zp[:, per]) * scale.astype(np.float32)[:, per]).T  # [K, N]
+        weight = re.sub(r"\W", "_", b) + "_dequantized"  # a C identifier: the name the build's weight keeps
+        while weight in consts or weight in made:
+            weight += "_"
+        made.add(weight)
+        graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(w, dtype=np.float32), weight))
+        used |= {x for x in (b, scales_name, zp_name) if x}
+        if block % GROUP == 0 and k % GROUP == 0 and np.array_equal(zp, np.round(zp)):
+            group = np.repeat(np.arange(blocks), block // GROUP)[: k // GROUP]
+            s32, zp32 = scale.astype(np.float32)[:, group].T, zp[:, group].T
+            lowest = -zp32 * s32
+            exact = all(np.array_equal(v.astype(np.float16).astype(np.float32), v) for v in (s32, lowest))
+            dtype = np.float16 if exact else np.float32
+            codes[weight] = (np.ascontiguousarray(q.T.astype(np.uint8)), s32.astype(dtype), lowest.astype(dtype))
+        out = node.output[0]
+        product = out if not bias else f"{out}_before_bias"
+        nodes.append(helper.make_node("MatMul", [a, weight], [product], name=(node.name or out) + "_matmul"))
+        if bias:
+            nodes.append(helper.make_node("Add", [product, bias], [out], name=(node.name or out) + "_bias"))
+    del graph.node[:]
+    graph.node.extend(nodes)
+    still = {x for node in graph.node for x in node.input}
+    kept = [t for t in graph.initializer if t.name not in used or t.name in still]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    return model, codes
+
+
 def _lm_head_width(model: onnx.ModelProto) -> int | None:
     producer = _producer(model.graph, "logits")
     weights = {t.name: t for t in model.graph.initializer}

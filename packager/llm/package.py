@@ -188,7 +188,8 @@ def _compile(steps, setup, library: Path, bits: int | None):
     from edgeq.tvm_env import import_tvm
 
     import_tvm()
-    executable, weights = setup.backend.build_decoder(steps.mod, steps.weights, setup.profile.tvm_target(), bits)
+    executable, weights = setup.backend.build_decoder(steps.mod, steps.weights, setup.profile.tvm_target(), bits,
+                                                      steps.codes)
     export(executable, library, setup.toolchain)
     machine = elf_machine(library)
     if machine != setup.profile.cpu.arch:
@@ -227,7 +228,8 @@ def _host_tokens(steps, setup, executable, weights, prompt: list[int], bits: int
     if setup.profile.name != "host":
         import_tvm()
         host = profiles()["host"]
-        executable, weights = backends.for_profile(host).build_decoder(steps.mod, steps.weights, host.tvm_target(), bits)
+        executable, weights = backends.for_profile(host).build_decoder(steps.mod, steps.weights, host.tvm_target(),
+                                                                       bits, steps.codes)
     runner = host_steps(steps, executable, weights)
     return list(generate.generate(np, runner, prompt, SELF_TEST_TOKENS, generate.Sampler(np)))
 

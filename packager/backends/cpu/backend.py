@@ -41,13 +41,13 @@ class CpuBackend:
 
         return relax.build(mod, target=target, relax_pipeline=cpu_pipeline(target, Isa.of(target), stats))
 
-    def build_decoder(self, mod, weights: dict, target, bits: int | None = None):
+    def build_decoder(self, mod, weights: dict, target, bits: int | None = None, codes: dict | None = None):
         """A language model's steps (``edgeq.llm.build``) built for ``target``: weights packed into panels (and
         quantized to ``bits``, weight-only), products on register tiles (``edgeq.backends.cpu.decoder``). Returns
         (executable, weights as it takes them)."""
         from edgeq.backends.cpu.decoder import build
 
-        return build(mod, weights, target, bits=bits)
+        return build(mod, weights, target, bits=bits, codes=codes)
 
     def own_schedule(self, workload, target):
         """The function as the CPU pipeline schedules it (edgeq's kernel or schedule rule, then the requantizing

@@ -101,13 +101,15 @@ def _panels(array: np.ndarray, nb: int) -> np.ndarray:
     return np.ascontiguousarray(array.reshape(k, n // nb, nb).transpose(1, 0, 2))
 
 
-def packed_weights(name: str, w: np.ndarray, nb: int, bits: int | None) -> list[tuple[str, np.ndarray]]:
+def packed_weights(name: str, w: np.ndarray, nb: int, bits: int | None,
+                   given: tuple | None = None) -> list[tuple[str, np.ndarray]]:
     """What replaces weight ``name`` in the bundle: its float panels; or, with ``bits``, its code panels (int8; for
     4 bits two codes a byte, as ``dot_codes`` lays them out) and its scale panels (float16), and for 4 bits its
-    minimum panels (float16)."""
+    minimum panels (float16). ``given``: 4-bit (codes, scales, minimums) the model came with (MatMulNBits), used
+    as they are (their scales may be float32)."""
     if bits is None:
         return [(f"{name}_panels{nb}", _panels(w, nb))]
-    codes, scales, lowest = quantize_groups(w, bits)
+    codes, scales, lowest = given if given is not None and bits == 4 else quantize_groups(w, bits)
     codes = dot_codes(codes, nb) if bits == 4 else _panels(codes, nb)
     packed = [(f"{name}_q{bits}panels{nb}", codes), (f"{name}_scales{nb}", _panels(scales, nb))]
     return packed + ([(f"{name}_minimums{nb}", _panels(lowest, nb))] if lowest is not None else [])
@@ -191,11 +193,12 @@ def int4_product(x, codes, scales, lowest):
     return te.compute(scaled.shape, lambda *i: offsets(*i) + scaled(*i), name=PACKED + "_out")
 
 
-def pack(mod, weights: dict, isa: Isa, bits: int | None = None):
+def pack(mod, weights: dict, isa: Isa, bits: int | None = None, codes: dict | None = None):
     """Every ``matmul(x, w)`` by a 2-D float32 weight ``w`` (its only use) in ``mod``'s functions made a product
     by ``w``'s panels (``packed_weights``), quantized to ``bits`` (8 or 4, weight-only) where given and ``w``'s
-    reduction is whole groups. Returns (module, weights): the new arrays replace the weights they came from, in
-    place in the parameter order every function shares."""
+    reduction is whole groups; ``codes``: name -> the 4-bit (codes, scales, minimums) a weight came with. Returns
+    (module, weights): the new arrays replace the weights they came from, in place in the parameter order every
+    function shares."""
     functions = {gv: f for gv, f in mod.functions.items() if isinstance(f, relax.Function)}
     uses: dict[str, list] = {}
     for func in functions.values():
@@ -210,7 +213,7 @@ def pack(mod, weights: dict, isa: Isa, bits: int | None = None):
         nb = panel_width(array.shape[1], isa)
         if nb is not None:
             whole = bits is not None and array.shape[0] % GROUP == 0
-            packs[name] = packed_weights(name, array, nb, bits if whole else None)
+            packs[name] = packed_weights(name, array, nb, bits if whole else None, (codes or {}).get(name))
     if not packs:
         return mod, weights
 
@@ -508,9 +511,10 @@ def weight_product_pass(isa: Isa, stats: dict | None = None):
     return _pass
 
 
-def build(mod, weights: dict, target, stats: dict | None = None, bits: int | None = None):
+def build(mod, weights: dict, target, stats: dict | None = None, bits: int | None = None, codes: dict | None = None):
     """``relax.build`` of the steps for a CPU ``target``, their weights packed first (and quantized to ``bits``,
-    weight-only, where given). Returns (executable, weights as the executable takes them)."""
+    weight-only, where given; ``codes``: 4-bit weights the model came with, ``pack``). Returns (executable, weights
+    as the executable takes them)."""
     from tvm.relax.backend.cpu_generic import pipeline as cpu
 
     from edgeq.backends.cpu import schedule
@@ -518,7 +522,7 @@ def build(mod, weights: dict, target, stats: dict | None = None, bits: int | Non
     from edgeq.backends.cpu.attention import attention_pass
 
     isa = Isa.of(target)
-    mod, weights = pack(mod, weights, isa, bits)
+    mod, weights = pack(mod, weights, isa, bits, codes)
     mod = attention_pass(isa, stats)(mod)
     passes = schedule.scheduling_passes(target, isa, stats)
     passes = passes[:-1] + [weight_product_pass(isa, stats)] + passes[-1:]
