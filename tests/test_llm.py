@@ -18,6 +18,7 @@ import onnx
 import pytest
 from conftest import EXPORT_PYTHON, REPO, run_cli
 
+from edgeq.errors import ModelError
 from edgeq.llm import build, decoder, reference
 from edgeq.templates import generate
 from edgeq.templates import tokenizer as edgeq_tokenizer
@@ -669,3 +670,8 @@ def test_matmul_nbits_imports_as_onnxruntime_runs_it_and_int4_keeps_its_codes(de
         assert got.dtype == lowest.dtype and np.array_equal(got.transpose(1, 0, 2).reshape(lowest.shape), lowest)
     runner = host_steps(steps, executable, weights)
     assert len(list(generate.generate(np, runner, PROMPTS[0], 8, generate.Sampler(np)))) == 8
+    # a form edgeq does not read (8-bit codes, or g_idx) is named in one line
+    node = next(n for n in model.graph.node if n.op_type == "MatMulNBits")
+    next(a for a in node.attribute if a.name == "bits").i = 8
+    with pytest.raises(ModelError, match=r"MatMulNBits .*\(bits=8\) cannot be imported; edgeq reads 4-bit"):
+        decoder.expand_matmul_nbits(model, "tiny.onnx")
