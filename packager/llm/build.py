@@ -82,8 +82,8 @@ def import_steps(model: onnx.ModelProto, context: int, buckets: list[int] | None
     from edgeq.load import identifier_names
 
     layout = decoder.read_layout(model, name)
-    model, codes = decoder.expand_matmul_nbits(model, name)
     model = onnx.ModelProto.FromString(model.SerializeToString())
+    codes = decoder.expand_matmul_nbits(model, name)
     identifier_names(model)
     buckets = sorted(set(buckets or default_buckets(context)))
     if not buckets or buckets[0] < 1 or buckets[-1] >= context:

@@ -134,16 +134,12 @@ def read_layout(model: onnx.ModelProto, name: str = "model") -> Layout:
 GROUP = 32  # the int4 products' group along the reduction (edgeq.backends.cpu.decoder.GROUP)
 
 
-def expand_matmul_nbits(model: onnx.ModelProto, name: str = "model") -> tuple[onnx.ModelProto, dict]:
-    """``model`` with each of ONNX Runtime's ``com.microsoft.MatMulNBits`` (4 bits, constant codes, scales and zero
-    points) made a ``MatMul`` by its dequantized float32 weight ``w[k, n] = (q - zp) * scale`` (ORT's definition),
-    and the weights' own codes: {weight name: (codes ``q[K, N]`` uint8, scales ``[K / 32, N]``, minimums ``[K / 32,
+def expand_matmul_nbits(model: onnx.ModelProto, name: str = "model") -> dict:
+    """Each of ONNX Runtime's ``com.microsoft.MatMulNBits`` in ``model`` (4 bits, constant codes, scales and zero
+    points) made, in place, a ``MatMul`` by its dequantized float32 weight ``w[k, n] = (q - zp) * scale`` (ORT's
+    definition). Returns the weights' own codes: {weight name: (codes ``q[K, N]`` uint8, scales ``[K / 32, N]``, minimums ``[K / 32,
     N]`` = ``-zp * scale``)}, for the int4 build to use as they are (blocks of 32 or a multiple of 32; scales and
     minimums float16 where float16 holds them exactly, else float32). A MatMulNBits edgeq cannot take gets one line."""
-    graph = model.graph
-    if not any(n.op_type == "MatMulNBits" and n.domain == "com.microsoft" for n in graph.node):
-        return model, {}
-    model = onnx.ModelProto.FromString(model.SerializeToString())
     graph = model.graph
     consts = {t.name: t for t in graph.initializer}
     codes, used, nodes, made = {}, set(), [], set()
@@ -193,13 +189,15 @@ def expand_matmul_nbits(model: onnx.ModelProto, name: str = "model") -> tuple[on
         nodes.append(helper.make_node("MatMul", [a, weight], [product], name=(node.name or out) + "_matmul"))
         if bias:
             nodes.append(helper.make_node("Add", [product, bias], [out], name=(node.name or out) + "_bias"))
+    if not made:
+        return codes
     del graph.node[:]
     graph.node.extend(nodes)
     still = {x for node in graph.node for x in node.input}
     kept = [t for t in graph.initializer if t.name not in used or t.name in still]
     del graph.initializer[:]
     graph.initializer.extend(kept)
-    return model, codes
+    return codes
 
 
 def _lm_head_width(model: onnx.ModelProto) -> int | None:

@@ -16,8 +16,8 @@ Weight-only int4 (``--precision int4``) multiplies in integers, as llama.cpp's Q
 ``x`` is quantized to int8 per group of 32 (``step = max |x| / 127``), each group's 32 code x activation
 products are summed exactly in int32 by the CPU's dot-product instruction (AVX-512 VNNI ``vpdpbusd``: 64
 per instruction; Arm ``sdot``: 16), and the float work is once per group and column: ``out += isum * (scale *
-step) + minimum * step * sum(xq)``. The float form (a convert and two fused multiply-adds per weight) was compute-bound
-at a third of the memory bandwidth's tokens/s (``benchmarks/llm.py``). The arithmetic is the same on every
+step) + minimum * step * sum(xq)``. The float form (a convert and two fused multiply-adds per weight) was
+compute-bound at a third of the memory bandwidth's tokens/s (``benchmarks/llm.py``). The arithmetic is the same on every
 CPU: one without the instruction (a build host checking a Jetson's bundle) runs the same integer sums in
 vector lanes, so its tokens are the device's.
 """
@@ -493,6 +493,8 @@ def _depth(sch: Schedule, loop) -> int:
     while parent is not None and isinstance(parent.stmt, tvm.tirx.For):
         depth, parent = depth + 1, parent.parent
     return depth
+
+
 def weight_product_pass(isa: Isa, stats: dict | None = None):
     @tvm.transform.module_pass(opt_level=0, name="edgeq.ScheduleWeightProducts")
     def _pass(mod, _ctx):
