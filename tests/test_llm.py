@@ -187,6 +187,8 @@ def test_host_build_generates_onnxruntime_greedy_tokens(decoders, kind):
     # attention read from the cache as it lies (edgeq.backends.cpu.attention): both products of every layer of
     # the two prefill and two decode steps
     assert stats.get("attention") == 2 * steps.layout.layers * 4, stats
+    # and the new entries written into the cache in place: each layer's key and value in both decode steps
+    assert stats.get("cache-write") == 2 * steps.layout.layers * 2, stats
     runner = host_steps(steps, executable, weights)
     exported = reference.Exported(model)
     for prompt in PROMPTS:
@@ -198,8 +200,17 @@ def test_host_build_generates_onnxruntime_greedy_tokens(decoders, kind):
     bucket = 8
     feeds = {"input_ids": np.array([prompt + [0] * (bucket - len(prompt))]), "position_ids": np.arange(bucket)[None],
              "attention_mask": np.ones((1, bucket), np.int64), "last": np.array([len(prompt) - 1])}
-    got, _ = runner.prefill(bucket, feeds)
+    got, cache = runner.prefill(bucket, feeds)
     np.testing.assert_allclose(got, want[0], rtol=1e-4, atol=1e-4 * np.abs(want[0]).max())
+    # a decode step returns the cache it was given, changed in its one slot: no copy of the whole cache a token
+    before = [c.numpy() for c in cache]
+    position = len(prompt)
+    _, after = runner.decode(int(np.argmax(got)), position, cache)
+    for given, returned, old in zip(cache, after, before):
+        now = given.numpy()
+        np.testing.assert_array_equal(now, returned.numpy())
+        changed = np.flatnonzero((now != old).any(axis=(0, 1, 3)))
+        assert changed.tolist() == [position], changed
 
 
 @pytest.mark.parametrize("heads, kv_heads, rows, dim, lengths", [

@@ -168,9 +168,9 @@ def _direct_func(spec: ConvSpec, x, rh, rw):
 
 
 def _register(dot: str, llvm_name: str) -> None:
-    """TVM's ``dot_16x4_vnni`` / ``dot_4x4_i8i8s32_sdot`` with the accumulator in registers ("local")
-    instead of memory: ``c[i] += sum_k a[k] * b[i, k]`` for D lanes ``i`` and 4 bytes ``k``, the 4 data bytes
-    broadcast to every lane. (Buffers by ``match_buffer``: the same function as ``T.Buffer`` annotations,
+    """TVM's ``dot_16x4_vnni`` / ``dot_4x4_i8i8s32_sdot`` on an accumulator in the kernel's tile
+    (``common.TILE``), without bindings (``decoder._register_int4``): ``c[i] += sum_k a[k] * b[i, k]`` for D
+    lanes ``i`` and 4 bytes ``k``, the 4 data bytes broadcast to every lane. (Buffers by ``match_buffer``: the same function as ``T.Buffer`` annotations,
     which pyflakes misreads.)"""
     from tvm.script import tirx as T
 
@@ -180,7 +180,7 @@ def _register(dot: str, llvm_name: str) -> None:
     def desc(a_handle: T.handle, b_handle: T.handle, c_handle: T.handle) -> None:
         a = T.match_buffer(a_handle, (4,), dtype, offset_factor=1)
         b = T.match_buffer(b_handle, (d, 4), "int8", offset_factor=1)
-        c = T.match_buffer(c_handle, (d,), "int32", offset_factor=1, scope="local")
+        c = T.match_buffer(c_handle, (d,), "int32", offset_factor=1)
         with T.sblock("root"):
             T.reads(c[0:d], a[0:4], b[0:d, 0:4])
             T.writes(c[0:d])
@@ -194,14 +194,14 @@ def _register(dot: str, llvm_name: str) -> None:
     def impl(a_handle: T.handle, b_handle: T.handle, c_handle: T.handle) -> None:
         a = T.match_buffer(a_handle, (4,), dtype, offset_factor=1)
         b = T.match_buffer(b_handle, (d, 4), "int8", offset_factor=1)
-        c = T.match_buffer(c_handle, (d,), "int32", offset_factor=1, scope="local")
+        c = T.match_buffer(c_handle, (d,), "int32", offset_factor=1)
         with T.sblock("root"):
             T.reads(c[0:d], a[0:4], b[0:d, 0:4])
             T.writes(c[0:d])
-            a_i32 = T.reinterpret(a.vload([0], f"{dtype}x4"), dtype="int32")
             c[T.ramp(T.int32(0), 1, d)] = T.call_llvm_pure_intrin(  # LLVM >= 20: vpdpbusd takes <64 x i8>
-                T.llvm_lookup_intrinsic_id(llvm_name),
-                c.vload([0], dtype=f"int32x{d}"), T.reinterpret(T.broadcast(a_i32, d), dtype=f"int8x{4 * d}"),
+                T.llvm_lookup_intrinsic_id(llvm_name), c.vload([0], dtype=f"int32x{d}"),
+                T.reinterpret(T.broadcast(T.reinterpret(a.vload([0], f"{dtype}x4"), dtype="int32"), d),
+                              dtype=f"int8x{4 * d}"),
                 b.vload([0, 0], dtype=f"int8x{4 * d}"), dtype=f"int32x{d}")
 
     tvm.s_tir.TensorIntrin.register(INTRINSICS[dot], desc, impl, override=True)

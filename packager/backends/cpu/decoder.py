@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from edgeq.backends.cpu.common import DOT, Isa, epilogue, is_spatial, largest_divisor
+from edgeq.backends.cpu.common import DOT, TILE, Isa, epilogue, is_spatial, largest_divisor
 from edgeq.graph import call_op
 from edgeq.tvm_env import Schedule, relax, te, tvm
 
@@ -350,11 +350,25 @@ def _register_int4(dot: str, llvm_name: str) -> None:
     d = DOT[dot][0]
     width = 4 * d
 
+    # the operands as expressions, not TVMScript bindings: FlattenBuffer makes a vector binding a "local"
+    # buffer, which LowerTVMBuiltin allocates from the workspace pool on a CPU (``common.TILE``)
+    def nibbles(b, shift: int):
+        """The codes in the low (``shift`` 0) or high (4) nibbles of the ``d x 4`` bytes, as int8."""
+        v = b.vload([0, 0], dtype=f"uint8x{width}")
+        if shift:
+            v = T.shift_right(v, T.broadcast(T.uint8(shift), width))
+        return T.reinterpret(T.bitwise_and(v, T.broadcast(T.uint8(15), width)), dtype=f"int8x{width}")
+
+    def repeated(a, start: int):
+        """Activations ``start .. start+3`` repeated for each of the ``d`` lanes."""
+        return T.reinterpret(T.broadcast(T.reinterpret(a.vload([start], "int8x4"), dtype="int32"), d),
+                             dtype=f"int8x{width}")
+
     @T.prim_func(s_tir=True)
     def desc(a_handle: T.handle, b_handle: T.handle, c_handle: T.handle) -> None:
         a = T.match_buffer(a_handle, (8,), "int8", offset_factor=1)
         b = T.match_buffer(b_handle, (d, 4), "uint8", offset_factor=1)
-        c = T.match_buffer(c_handle, (d,), "int32", offset_factor=1, scope="local")
+        c = T.match_buffer(c_handle, (d,), "int32", offset_factor=1)
         with T.sblock("root"):
             T.reads(c[0:d], b[0:d, 0:4], a[0:8])
             T.writes(c[0:d])
@@ -369,23 +383,15 @@ def _register_int4(dot: str, llvm_name: str) -> None:
     def impl(a_handle: T.handle, b_handle: T.handle, c_handle: T.handle) -> None:
         a = T.match_buffer(a_handle, (8,), "int8", offset_factor=1)
         b = T.match_buffer(b_handle, (d, 4), "uint8", offset_factor=1)
-        c = T.match_buffer(c_handle, (d,), "int32", offset_factor=1, scope="local")
+        c = T.match_buffer(c_handle, (d,), "int32", offset_factor=1)
         with T.sblock("root"):
             T.reads(c[0:d], b[0:d, 0:4], a[0:8])
             T.writes(c[0:d])
-            v = b.vload([0, 0], dtype=f"uint8x{width}")
-            low = T.reinterpret(T.bitwise_and(v, T.broadcast(T.uint8(15), width)), dtype=f"int8x{width}")
-            high = T.reinterpret(T.bitwise_and(T.shift_right(v, T.broadcast(T.uint8(4), width)),
-                                               T.broadcast(T.uint8(15), width)), dtype=f"int8x{width}")
-            first = T.reinterpret(T.broadcast(T.reinterpret(a.vload([0], "int8x4"), dtype="int32"), d),
-                                  dtype=f"int8x{width}")
-            second = T.reinterpret(T.broadcast(T.reinterpret(a.vload([4], "int8x4"), dtype="int32"), d),
-                                   dtype=f"int8x{width}")
             c[T.ramp(T.int32(0), 1, d)] = T.call_llvm_pure_intrin(
                 T.llvm_lookup_intrinsic_id(llvm_name),
                 T.call_llvm_pure_intrin(T.llvm_lookup_intrinsic_id(llvm_name), c.vload([0], dtype=f"int32x{d}"),
-                                        low, first, dtype=f"int32x{d}"),
-                high, second, dtype=f"int32x{d}")
+                                        nibbles(b, 0), repeated(a, 0), dtype=f"int32x{d}"),
+                nibbles(b, 4), repeated(a, 4), dtype=f"int32x{d}")
 
     tvm.s_tir.TensorIntrin.register(INT4_INTRINSICS[dot], desc, impl, override=True)
 
@@ -455,14 +461,14 @@ def _schedule_int4(sch: Schedule, isa: Isa):
     sch.reverse_compute_at(wb, outer)
     offsets = sch.get_sblock(OFFSETS)
     sch.compute_at(offsets, outer)
-    sch.set_scope(offsets, 0, "local")
+    sch.set_scope(offsets, 0, TILE)
     *tile, gm = sch.get_loops(offsets)[_depth(sch, outer) + 1:]
     sch.reorder(gm, *tile)
     sch.vectorize(tile[-1])
     for loop in tile[:-1]:
         sch.unroll(loop)
     sch.compute_at(sums, g)
-    sch.set_scope(sums, 0, "local")
+    sch.set_scope(sums, 0, TILE)
     loops = sch.get_loops(sums)
     *row_loops, n_loop, k_loop = loops[_depth(sch, g) + 1:]
     vectors, lane = sch.split(n_loop, [None, d])
@@ -521,11 +527,12 @@ def build(mod, weights: dict, target, stats: dict | None = None, bits: int | Non
 
     from edgeq.backends.cpu import schedule
 
-    from edgeq.backends.cpu.attention import attention_pass
+    from edgeq.backends.cpu.attention import attention_pass, cache_write_pass
 
     isa = Isa.of(target)
     mod, weights = pack(mod, weights, isa, bits, codes)
     mod = attention_pass(isa, stats)(mod)
+    mod = cache_write_pass(stats)(mod)
     passes = schedule.scheduling_passes(target, isa, stats)
     passes = passes[:-1] + [weight_product_pass(isa, stats)] + passes[-1:]
 

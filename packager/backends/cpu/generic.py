@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from edgeq.backends.cpu.common import (STREAMED, Isa, blocks, dividing_lanes, is_scheduled, is_spatial, largest_divisor, parallel,
+from edgeq.backends.cpu.common import (STREAMED, TILE, Isa, blocks, dividing_lanes, is_scheduled, is_spatial, largest_divisor, parallel,
                                        vectorize_by)
 from edgeq.tvm_env import Schedule, ScheduleError, tvm
 
@@ -291,7 +291,7 @@ def _schedule_reduction(sch: Schedule, block, isa: Isa) -> None:
         # output buffer, each add waited for the store of the one before (a 14x14x960 mean took 39 us)
         vectors = largest_divisor(extents[-1] // lanes, REDUCTION_VECTORS)
         outer, mid, inner = sch.split(spatial[-1], [None, vectors, lanes])
-        wb = sch.cache_write(block, 0, "local")
+        wb = sch.cache_write(block, 0, TILE)
         sch.reorder(*spatial[:-1], outer, *reduce, mid, inner)
         sch.reverse_compute_at(wb, outer)
         sch.vectorize(inner)

@@ -13,7 +13,7 @@ import dataclasses
 
 import numpy as np
 
-from edgeq.backends.cpu.common import PAD, ConvSpec, Isa, Kernel, epilogue, largest_divisor
+from edgeq.backends.cpu.common import PAD, TILE, ConvSpec, Isa, Kernel, epilogue, largest_divisor
 from edgeq.tvm_env import Schedule, te, tvm
 
 
@@ -121,7 +121,7 @@ def schedule_winograd(sch: Schedule, spec: ConvSpec, isa: Isa) -> None:
     ko, ki = sch.split(k, [None, kb])
     sch.reorder(p, ko, e, u, rb, ki)
     sch.compute_at(tb, ko)
-    sch.set_scope(tb, 0, "local")
+    sch.set_scope(tb, 0, TILE)
     te_, tj, tk, tra = sch.get_loops(tb)[-4:]
     sch.reorder(te_, tj, tra, tk)
     for lp in (e, u, rb, te_, tj, tra):
@@ -134,7 +134,7 @@ def schedule_winograd(sch: Schedule, spec: ConvSpec, isa: Isa) -> None:
     sch.decompose_reduction(vb, rb)
     # batched GEMM: register tiles of tiles x output channels, one (e, u, channel block) per task
     gb = sch.get_sblock(WINO_GEMM)
-    gw = sch.cache_write(gb, 0, "local")
+    gw = sch.cache_write(gb, 0, TILE)
     e, u, p, o, rc = sch.get_loops(gb)
     tiles = spec.n * (spec.oh // m) * (spec.ow // m)
     vectors = max(1, -(-ocb // lanes))
