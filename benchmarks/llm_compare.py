@@ -27,7 +27,8 @@ Each round runs, on the same threads (either competitor may be left out):
 
 - ``edgeq-run --prompt-ids`` (``--prompt-tokens`` ids) ``--max-tokens N --ignore-eos --json``: its summary's first-token
   time (prefill and the first token) and decode tokens per second;
-- ``llama-bench -p P -n N -r 1 -o json``: prompt processing and generation tokens per second;
+- ``llama-bench -p P -n 0`` and ``llama-bench -p 0 -n N -d P`` (``-r 1 -o json``): prompt processing tokens per
+  second, and generation tokens per second after P tokens of context;
 - ONNX Runtime GenAI in ``--genai-python`` (a process of its own, as the others): the prompt's ids appended (the
   prefill and the first token's logits), then N tokens generated greedily with end-of-sequence held off
   (``min_length``); its session on ``--threads`` intra-op threads.
@@ -83,17 +84,22 @@ def edgeq_round(bundle: Path, prompt: list[int], tokens: int, threads: int) -> d
     return {"first_token_ms": summary["first_token_ms"], "decode_tokens_per_s": summary["decode_tokens_per_s"]}
 
 
-def llama_round(binary: Path, gguf: Path, prompt_tokens: int, tokens: int, threads: int) -> dict:
-    proc = subprocess.run([str(binary), "-m", str(gguf), "-p", str(prompt_tokens), "-n", str(tokens), "-t", str(threads),
-                           "-r", "1", "-o", "json"], capture_output=True, text=True, timeout=600)
+def _llama_bench(binary: Path, gguf: Path, threads: int, *args: str) -> dict:
+    proc = subprocess.run([str(binary), "-m", str(gguf), "-t", str(threads), "-r", "1", "-o", "json", *args],
+                          capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         raise SystemExit(f"llama-bench failed: {proc.stderr.strip()[-500:]}")
-    rows = json.loads(proc.stdout)
-    prefill = next(r for r in rows if r["n_prompt"] > 0 and r["n_gen"] == 0)
-    decode = next(r for r in rows if r["n_gen"] > 0 and r["n_prompt"] == 0)
+    return json.loads(proc.stdout)[0]
+
+
+def llama_round(binary: Path, gguf: Path, prompt_tokens: int, tokens: int, threads: int) -> dict:
+    """The prompt processed from an empty context, then ``tokens`` generated after ``prompt_tokens`` of context
+    (``-d``: as edgeq and GenAI decode, after the prompt; without it llama-bench generates from an empty one)."""
+    prefill = _llama_bench(binary, gguf, threads, "-p", str(prompt_tokens), "-n", "0")
+    decode = _llama_bench(binary, gguf, threads, "-p", "0", "-n", str(tokens), "-d", str(prompt_tokens))
     return {"prefill_ms": 1e3 * prompt_tokens / prefill["avg_ts"], "decode_tokens_per_s": decode["avg_ts"],
-            "build": f"{rows[0].get('build_commit', '?')} ({rows[0].get('build_number', '?')})",
-            "type": rows[0].get("model_type", "?")}
+            "build": f"{prefill.get('build_commit', '?')} ({prefill.get('build_number', '?')})",
+            "type": prefill.get("model_type", "?")}
 
 
 def genai_folder(model: Path, threads: int, into: Path) -> Path:

@@ -13,7 +13,8 @@ specialized to fixed lengths and folded (``edgeq.fold``), and the cache is made 
   index ``context`` of the concatenation, which is where the exported causal mask lets a single query see
   every key. The attention mask marks the slots in use (``0 .. position-1``) and the last index; attention
   does not depend on the order of the keys, whose positions RoPE has already written into them. The output
-  cache is the input cache with the new key written into slot ``position`` (a ``Where`` on the slot index).
+  cache is the input cache with the new key written into slot ``position`` (a ``Where`` on the slot index,
+  which the CPU build makes a store into the input cache: ``backends/cpu/attention.cache_write_pass``).
 
 Both steps have static shapes and the same cache shape, so the loader passes each step's cache to the next.
 """
