@@ -27,6 +27,8 @@ store comes before or after that read, the step computes the same.
 
 from __future__ import annotations
 
+import numpy as np
+
 from edgeq.backends.cpu.common import STREAMED, TILE, Isa, largest_divisor, worth_threads
 from edgeq.tvm_env import Schedule, relax, te, tvm
 
@@ -66,6 +68,21 @@ def _opaque(func):
     """A scheduled kernel that fusion leaves alone (TVM's kOpaque): fused with its consumers, it would lose its
     schedule, and FuseTIR cannot merge its buffers with theirs."""
     return func.with_attr("tirx.is_scheduled", True).with_attr("op_pattern", 8)
+
+
+def _rewritten(bb, mod, rewrite):
+    """``mod`` (through ``bb``, which holds the kernels added) with ``rewrite`` applied to each Relax function,
+    and what the rewrites left unused dropped."""
+    updated = {}
+    for gv, func in mod.functions.items():
+        if isinstance(func, relax.Function):
+            new = rewrite(func)
+            if not new.same_as(func):
+                updated[gv] = new
+    for gv, func in updated.items():
+        bb.update_func(gv, func)
+    out = bb.get()
+    return relax.transform.DeadCodeElimination()(out) if updated else out
 
 
 def scores_func(heads: int, kv_heads: int, rows: int, dim: int, lengths: list[int], scale: float | None, dtype: str,
@@ -238,17 +255,8 @@ def attention_pass(isa: Isa, stats: dict | None = None):
                 stats["attention"] = stats.get("attention", 0) + 1
             return relax.call_tir(gv, [matched[p], *parts], relax.TensorType(out, dtype))
 
-        updated = {}
-        for gv, func in mod.functions.items():
-            if isinstance(func, relax.Function):
-                new = rewrite_call(scores, rewrite_scores, func)
-                new = rewrite_call(weighted, rewrite_weighted, new)
-                if not new.same_as(func):
-                    updated[gv] = new
-        for gv, func in updated.items():
-            bb.update_func(gv, func)
-        out = bb.get()
-        return relax.transform.DeadCodeElimination()(out) if updated else out
+        return _rewritten(bb, mod, lambda func: rewrite_call(weighted, rewrite_weighted,
+                                                             rewrite_call(scores, rewrite_scores, func)))
 
     return _pass
 
@@ -276,7 +284,6 @@ def write_func(kv_heads: int, slots: int, dim: int, dtype: str, index_dtype: str
 def cache_write_pass(stats: dict | None = None):
     """The Relax pass: see the module's text. Matches ``where(equal(arange(slots), position), new, past)`` with
     ``past`` a parameter of its function, as ``edgeq.llm.decoder`` writes it, and nothing else."""
-    import numpy as np
     from tvm.relax.dpl import is_const, is_op, rewrite_call, wildcard
 
     slots_const, position, new, past = is_const(), wildcard(), wildcard(), wildcard()
@@ -288,7 +295,7 @@ def cache_write_pass(stats: dict | None = None):
         funcs: dict[tuple, relax.GlobalVar] = {}
 
         def rewrite(func):
-            params = {p for p in func.params}
+            params = set(func.params)
 
             def write(call, matched):
                 cache, row, pos = matched[past], matched[new], matched[position]
@@ -314,15 +321,6 @@ def cache_write_pass(stats: dict | None = None):
 
             return rewrite_call(pattern, write, func)
 
-        updated = {}
-        for gv, func in mod.functions.items():
-            if isinstance(func, relax.Function):
-                new_func = rewrite(func)
-                if not new_func.same_as(func):
-                    updated[gv] = new_func
-        for gv, func in updated.items():
-            bb.update_func(gv, func)
-        out = bb.get()
-        return relax.transform.DeadCodeElimination()(out) if updated else out
+        return _rewritten(bb, mod, rewrite)
 
     return _pass
