@@ -138,9 +138,10 @@ GROUP = 32  # the int4 products' group along the reduction (edgeq.backends.cpu.d
 def expand_matmul_nbits(model: onnx.ModelProto, name: str = "model") -> dict:
     """Each of ONNX Runtime's ``com.microsoft.MatMulNBits`` in ``model`` (4 bits, constant codes, scales and zero
     points) made, in place, a ``MatMul`` by its dequantized float32 weight ``w[k, n] = (q - zp) * scale`` (ORT's
-    definition). Returns the weights' own codes: {weight name: (codes ``q[K, N]`` uint8, scales ``[K / 32, N]``, minimums ``[K / 32,
-    N]`` = ``-zp * scale``)}, for the int4 build to use as they are (blocks of 32 or a multiple of 32; scales and
-    minimums float16 where float16 holds them exactly, else float32). A MatMulNBits edgeq cannot take gets one line."""
+    definition). Returns the weights' own codes: {weight name: (codes ``q[K, N]`` uint8, scales ``[K / 32, N]``,
+    minimums ``[K / 32, N]`` = ``-zp * scale``)}, for the int4 build to use as they are (blocks of 32 or a multiple
+    of 32; scales and minimums float16 where float16 holds them exactly, else float32). A MatMulNBits edgeq cannot
+    take gets one line."""
     graph = model.graph
     consts = {t.name: t for t in graph.initializer}
     codes, used, nodes, made = {}, set(), [], set()

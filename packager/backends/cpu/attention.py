@@ -70,6 +70,20 @@ def _opaque(func):
     return func.with_attr("tirx.is_scheduled", True).with_attr("op_pattern", 8)
 
 
+class _Kernels:
+    """The TIR functions a pass adds to ``bb``: ``kernel(key, make)`` adds ``make()`` once per ``key`` (its first
+    item the name's stem) and returns its GlobalVar."""
+
+    def __init__(self, bb):
+        self.bb, self.added = bb, {}
+
+    def __call__(self, key: tuple, make):
+        if key not in self.added:
+            name = f"{key[0]}_{len(self.added)}"
+            self.added[key] = self.bb.add_func(make().with_attr("global_symbol", name), name)
+        return self.added[key]
+
+
 def _rewritten(bb, mod, rewrite):
     """``mod`` (through ``bb``, which holds the kernels added) with ``rewrite`` applied to each Relax function,
     and what the rewrites left unused dropped."""
@@ -177,13 +191,7 @@ def attention_pass(isa: Isa, stats: dict | None = None):
     @tvm.transform.module_pass(opt_level=0, name="edgeq.DecoderAttention")
     def _pass(mod, _ctx):
         bb = relax.BlockBuilder(mod)
-        funcs: dict[tuple, relax.GlobalVar] = {}
-
-        def kernel(key, make):
-            if key not in funcs:
-                name = f"{key[0]}_{len(funcs)}"
-                funcs[key] = bb.add_func(make().with_attr("global_symbol", name), name)
-            return funcs[key]
+        kernel = _Kernels(bb)
 
         def repeat_ok(matched, heads: int) -> tuple | None:
             """(kv heads, parts, their lengths, D) of the matched repeat of ``keys``, where it is the GQA repeat."""
@@ -292,7 +300,7 @@ def cache_write_pass(stats: dict | None = None):
     @tvm.transform.module_pass(opt_level=0, name="edgeq.CacheWriteInPlace")
     def _pass(mod, _ctx):
         bb = relax.BlockBuilder(mod)
-        funcs: dict[tuple, relax.GlobalVar] = {}
+        kernel = _Kernels(bb)
 
         def rewrite(func):
             params = set(func.params)
@@ -311,13 +319,11 @@ def cache_write_pass(stats: dict | None = None):
                 dtype = str(call.ty.dtype)
                 if str(row.ty.dtype) != dtype or str(cache.ty.dtype) != dtype:
                     return call
-                key = (kv, slots, dim, dtype, index_dtype)
-                if key not in funcs:
-                    name = f"{WRITE}_{len(funcs)}"
-                    funcs[key] = bb.add_func(write_func(*key).with_attr("global_symbol", name), name)
+                gv = kernel((WRITE, kv, slots, dim, dtype, index_dtype),
+                            lambda: write_func(kv, slots, dim, dtype, index_dtype))
                 if stats is not None:
                     stats["cache-write"] = stats.get("cache-write", 0) + 1
-                return relax.call_tir_inplace(funcs[key], [cache, row, pos], [0], relax.TensorType(shape, dtype))
+                return relax.call_tir_inplace(gv, [cache, row, pos], [0], relax.TensorType(shape, dtype))
 
             return rewrite_call(pattern, write, func)
 

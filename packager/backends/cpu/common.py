@@ -104,6 +104,16 @@ DOT = {"vnni": (16, "uint8"), "vnni8": (8, "uint8"), "sdot": (4, "int8")}
 DOT_KINDS = {"vnni": ("vnni", "vnni8"), "sdot": ("sdot",)}
 
 
+def repeated_bytes(a, start: int, dtype: str, lanes: int):
+    """A tensor intrinsic's operand: bytes ``start .. start+3`` of buffer ``a`` (of ``dtype``) repeated for each of
+    ``lanes`` lanes, as ``int8 x 4*lanes`` (the dot instructions cannot broadcast it from memory). An expression to
+    use in the intrinsic, not a TVMScript binding: FlattenBuffer makes a vector binding a "local" buffer (``TILE``)."""
+    from tvm.script import tirx as T
+
+    return T.reinterpret(T.broadcast(T.reinterpret(a.vload([start], f"{dtype}x4"), dtype="int32"), lanes),
+                         dtype=f"int8x{4 * lanes}")
+
+
 @dataclasses.dataclass(frozen=True)
 class Isa:
     """What the kernels need to know about the target CPU."""

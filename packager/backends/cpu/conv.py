@@ -30,7 +30,8 @@ import math
 import numpy as np
 
 from edgeq.backends.cpu.common import (DOT, DOT_KINDS, PAD, STREAMED, ConvSpec, Isa, Kernel, accumulate_from, dividing_lanes, epilogue,
-                                       exact_in_float, largest_divisor, pad_input, parallel, vectorize_by)
+                                       exact_in_float, largest_divisor, pad_input, parallel, repeated_bytes,
+                                       vectorize_by)
 from edgeq.tvm_env import Schedule, te, tvm
 
 
@@ -169,9 +170,9 @@ def _direct_func(spec: ConvSpec, x, rh, rw):
 
 def _register(dot: str, llvm_name: str) -> None:
     """TVM's ``dot_16x4_vnni`` / ``dot_4x4_i8i8s32_sdot`` on an accumulator in the kernel's tile
-    (``common.TILE``), without bindings (``decoder._register_int4``): ``c[i] += sum_k a[k] * b[i, k]`` for D
-    lanes ``i`` and 4 bytes ``k``, the 4 data bytes broadcast to every lane. (Buffers by ``match_buffer``: the same function as ``T.Buffer`` annotations,
-    which pyflakes misreads.)"""
+    (``common.TILE``), without bindings (``common.repeated_bytes``): ``c[i] += sum_k a[k] * b[i, k]`` for D
+    lanes ``i`` and 4 bytes ``k``, the 4 data bytes broadcast to every lane. (Buffers by ``match_buffer``: the
+    same function as ``T.Buffer`` annotations, which pyflakes misreads.)"""
     from tvm.script import tirx as T
 
     d, dtype = DOT[dot]
@@ -200,9 +201,7 @@ def _register(dot: str, llvm_name: str) -> None:
             T.writes(c[0:d])
             c[T.ramp(T.int32(0), 1, d)] = T.call_llvm_pure_intrin(  # LLVM >= 20: vpdpbusd takes <64 x i8>
                 T.llvm_lookup_intrinsic_id(llvm_name), c.vload([0], dtype=f"int32x{d}"),
-                T.reinterpret(T.broadcast(T.reinterpret(a.vload([0], f"{dtype}x4"), dtype="int32"), d),
-                              dtype=f"int8x{4 * d}"),
-                b.vload([0, 0], dtype=f"int8x{4 * d}"), dtype=f"int32x{d}")
+                repeated_bytes(a, 0, dtype, d), b.vload([0, 0], dtype=f"int8x{4 * d}"), dtype=f"int32x{d}")
 
     tvm.s_tir.TensorIntrin.register(INTRINSICS[dot], desc, impl, override=True)
 

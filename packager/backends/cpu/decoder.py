@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from edgeq.backends.cpu.common import DOT, TILE, Isa, epilogue, is_spatial, largest_divisor
+from edgeq.backends.cpu.common import DOT, TILE, Isa, epilogue, is_spatial, largest_divisor, repeated_bytes
 from edgeq.graph import call_op
 from edgeq.tvm_env import Schedule, relax, te, tvm
 
@@ -350,19 +350,13 @@ def _register_int4(dot: str, llvm_name: str) -> None:
     d = DOT[dot][0]
     width = 4 * d
 
-    # the operands as expressions, not TVMScript bindings: FlattenBuffer makes a vector binding a "local"
-    # buffer, which LowerTVMBuiltin allocates from the workspace pool on a CPU (``common.TILE``)
+    # the operands as expressions, not TVMScript bindings (``common.repeated_bytes``)
     def nibbles(b, shift: int):
         """The codes in the low (``shift`` 0) or high (4) nibbles of the ``d x 4`` bytes, as int8."""
         v = b.vload([0, 0], dtype=f"uint8x{width}")
         if shift:
             v = T.shift_right(v, T.broadcast(T.uint8(shift), width))
         return T.reinterpret(T.bitwise_and(v, T.broadcast(T.uint8(15), width)), dtype=f"int8x{width}")
-
-    def repeated(a, start: int):
-        """Activations ``start .. start+3`` repeated for each of the ``d`` lanes."""
-        return T.reinterpret(T.broadcast(T.reinterpret(a.vload([start], "int8x4"), dtype="int32"), d),
-                             dtype=f"int8x{width}")
 
     @T.prim_func(s_tir=True)
     def desc(a_handle: T.handle, b_handle: T.handle, c_handle: T.handle) -> None:
@@ -390,8 +384,8 @@ def _register_int4(dot: str, llvm_name: str) -> None:
             c[T.ramp(T.int32(0), 1, d)] = T.call_llvm_pure_intrin(
                 T.llvm_lookup_intrinsic_id(llvm_name),
                 T.call_llvm_pure_intrin(T.llvm_lookup_intrinsic_id(llvm_name), c.vload([0], dtype=f"int32x{d}"),
-                                        nibbles(b, 0), repeated(a, 0), dtype=f"int32x{d}"),
-                nibbles(b, 4), repeated(a, 4), dtype=f"int32x{d}")
+                                        nibbles(b, 0), repeated_bytes(a, 0, "int8", d), dtype=f"int32x{d}"),
+                nibbles(b, 4), repeated_bytes(a, 4, "int8", d), dtype=f"int32x{d}")
 
     tvm.s_tir.TensorIntrin.register(INT4_INTRINSICS[dot], desc, impl, override=True)
 

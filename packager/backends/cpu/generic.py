@@ -8,8 +8,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from edgeq.backends.cpu.common import (STREAMED, TILE, Isa, blocks, dividing_lanes, is_scheduled, is_spatial, largest_divisor, parallel,
-                                       vectorize_by)
+from edgeq.backends.cpu.common import (STREAMED, TILE, Isa, blocks, dividing_lanes, is_scheduled, is_spatial,
+                                       largest_divisor, parallel, vectorize_by)
 from edgeq.tvm_env import Schedule, ScheduleError, tvm
 
 
