@@ -18,6 +18,7 @@ from edgeq.stage_records import Compiled, Golden, Imported, Loaded, Lowered, Qua
 from edgeq.targets import profiles
 from edgeq.templates import contract
 from edgeq.templates.contract import TensorSpec
+from edgeq.tvm_env import import_tvm
 
 GOLDEN_SEED = 0
 # The golden input's floats, tried in order until the outputs are finite: models defined only on part of the
@@ -123,7 +124,9 @@ def make_golden(setup: Setup, loaded: Loaded, imported: Imported, quantized: Qua
     model = loaded.model
     _check_memory(model.inputs, imported.outputs)
     if setup.profile.name == "host":
-        executable, computed_with = compiled.executable, "the bundle's own library, on the build host"
+        # the exported library itself, loaded (the executable in memory would be compiled again by LLVM's JIT)
+        executable = import_tvm().runtime.load_module(str(compiled.library))
+        computed_with = "the bundle's own library, on the build host"
     else:
         host = profiles()["host"]
         executable = build(lowered.graph.mod, host.tvm_target(reciprocal=not imported.exact_division),

@@ -168,14 +168,14 @@ def test_the_orins_cutlass_build_runs_the_ffns_second_layer_in_fp16(tmp_path):
 def test_per_token_layers_are_not_histogrammed(tmp_path):
     """A per-token layer's calibrated threshold is never used (its scales come at run time): calibration
     records its range for the report but spends no histogram pass on it; a per-tensor layer still gets one."""
-    from edgeq.quantize.calibrate import collect
+    from edgeq.quantize.calibrate import Taps, collect
 
     loaded = load_model(_sequence_model(tmp_path / "sequence.onnx"))
     graph, _ = to_relax(loaded)
     layers = find_layers(graph, loaded.onnx_model)
     layers[1].activation = "per-tensor"
     x = _tokens(4, 0)
-    stats = collect(graph, layers, lambda: ([x[i:i + 1]] for i in range(len(x))), histograms=True)
+    stats = collect(Taps(graph, layers), layers, lambda: ([x[i:i + 1]] for i in range(len(x))), histograms=True)
     assert [l.activation for l in layers] == ["per-token", "per-tensor"]
     assert stats[0].hist is None and stats[0].absmax == float(np.abs(x).max())
     assert stats[1].hist is not None and stats[1].hist.sum() == stats[1].count

@@ -1,7 +1,8 @@
 """INT8 post-training quantization on Relax.
 
     graph  = smooth.smooth(graph, smooth.factors(...))                  # depthwise inputs per channel: one pass
-    stats  = calibrate.collect(float graph, layers, calibration data)     # host TVM run, two passes
+    taps   = calibrate.Taps(float graph, layers)                          # the float graph's one host build
+    stats  = calibrate.collect(taps, layers, calibration data)            # two passes
     scales = CALIBRATORS[method].threshold(stats) / 127                   # per-tensor activation scales
     graph  = quantize_ops(graph, plans), then each of PASSES in order     # fold_bias, hoist_quantize, requantize
 
@@ -27,7 +28,7 @@ from edgeq.errors import ModelError, UsageError
 from edgeq.graph import Graph
 from edgeq.load import LoadedModel
 from edgeq.compile import HostRunner
-from edgeq.quantize.calibrate import collect
+from edgeq.quantize.calibrate import Taps, collect
 from edgeq.quantize.calibrators import CALIBRATORS
 from edgeq.quantize.data import Dataset, Preprocess, load_data, warn_line
 from edgeq.quantize.fold_bias import fold_bias
@@ -164,21 +165,20 @@ class Evaluator:
     """Runs the float graph once over the evaluation data and compares any candidate graph against it. ``task``
     (``judge.Task``, from ``--postprocess``) says what the answer is, and so what the accuracy budget judges."""
 
-    def __init__(self, graph: Graph, data: Dataset, specs, task: judge.Task | None = None):
-        from edgeq.nms import selection_inputs
-
+    def __init__(self, graph: Graph, data: Dataset, specs, task: judge.Task | None = None,
+                 taps: Taps | None = None):
+        """``taps``: ``judged(graph)`` already built with taps (``Taps``), to run the float reference on."""
         self.data, self.specs, self.task = data, specs, task
-        self.detector = selection_inputs(graph) is not None
-        self.reference_runs = self._runs(graph)
+        self.detector = judged(graph) is not graph
+        if taps is None:
+            self.reference_runs = self._runs(graph)
+        else:
+            self.reference_runs = [taps(batch).outputs for batch in data.batches(specs)]
         self.reference = self._judged(self.reference_runs)
 
     def runner(self, graph: Graph) -> HostRunner:
-        """``graph`` compiled for this evaluation; for a detector ending in NonMaxSuppression, up to the boxes and
-        scores it selects from (``edgeq.nms.selection_inputs``: the selected rows of two builds differ in which,
-        not by how much)."""
-        from edgeq.nms import selection_inputs
-
-        return HostRunner(selection_inputs(graph) if self.detector else graph)
+        """``graph`` compiled for this evaluation: ``judged(graph)``."""
+        return HostRunner(judged(graph) if self.detector else graph)
 
     def _runs(self, graph: Graph | HostRunner) -> list[list[np.ndarray]]:
         """Every output, per batch."""
@@ -236,16 +236,26 @@ class Evaluator:
         return self.answer(metrics) or ("worst relative output error", metrics["worst_rel_error"])
 
 
-def _sqnr_per_layer(graph: Graph, layers: list[Layer], act_scales: dict[str, float], data: Dataset, specs,
-                    corrections: dict[str, np.ndarray]) -> dict[str, float]:
-    """SQNR (dB) of each quantized layer's output against the float model's, all layers quantized."""
+def judged(graph: Graph) -> Graph:
+    """What the evaluation compares of ``graph``: the graph itself; for a detector ending in NonMaxSuppression,
+    the graph up to the boxes and scores it selects from (``edgeq.nms.selection_inputs``: the selected rows of
+    two builds differ in which, not by how much)."""
+    from edgeq.nms import selection_inputs
+
+    return selection_inputs(graph) or graph
+
+
+def _sqnr_per_layer(graph: Graph, taps: Taps, layers: list[Layer], act_scales: dict[str, float], data: Dataset,
+                    specs, corrections: dict[str, np.ndarray]) -> dict[str, float]:
+    """SQNR (dB) of each quantized layer's output against the float model's (``taps``' layer outputs), all
+    layers quantized."""
     names = [l.weight for l in layers]
-    plans = _plans(layers, act_scales, corrections)
-    ref, quant = HostRunner(quantize_ops(graph, {}, taps=names)), HostRunner(quantize_ops(graph, plans, taps=names))
+    graph = judged(graph)  # as ``taps`` was built: the quantized side computes the same outputs
+    quant = HostRunner(quantize_ops(graph, _plans(layers, act_scales, corrections), taps=names))
     signal, noise = np.zeros(len(names)), np.zeros(len(names))
     n_out = graph.num_outputs
     for batch in data.batches(specs):
-        for i, (f, q) in enumerate(zip(ref(batch)[n_out:], quant(batch)[n_out:])):
+        for i, (f, q) in enumerate(zip(taps(batch).layer_outputs, quant(batch)[n_out:])):
             signal[i] += float(np.sum(f.astype(np.float64) ** 2))
             noise[i] += float(np.sum((f.astype(np.float64) - q) ** 2))
     return {n: float(10 * np.log10(s / nz)) if nz > 0 else float("inf") for n, s, nz in zip(names, signal, noise)}
@@ -289,7 +299,8 @@ def quantize(graph: Graph, model: LoadedModel, args: QuantizeArgs, note: Callabl
                 layer.activation = "per-channel"
         note(f"{len(smoothing)} depthwise layer(s) read their input per channel (its ranges moved into the weights)")
     note(f"calibrating {len(layers)} layers on {calib.count} samples from {calib.source} ({args.method})")
-    stats = collect(graph, layers, lambda: calib.batches(specs), calibrator.needs_histogram,
+    taps = Taps(judged(graph), layers)  # the float graph's one build: calibration, bias correction, evaluation
+    stats = collect(taps, layers, lambda: calib.batches(specs), calibrator.needs_histogram,
                     (lambda phase, i: tick(phase, i, runs)) if tick else None)
     thresholds = {l.weight: calibrator.threshold(st, percentile=args.percentile) for l, st in zip(layers, stats)}
     shared = shared_scales.groups(graph, layers)  # a concatenation and its parts: one scale (TensorRT's rule)
@@ -304,10 +315,10 @@ def quantize(graph: Graph, model: LoadedModel, args: QuantizeArgs, note: Callabl
                          f"(first: {bad[0]}); check the calibration data and the model on it")
     corrections = {}
     if args.bias_correction:
-        corrections = bias_correction.corrections(graph, layers, act_scales, lambda: calib.batches(specs),
+        corrections = bias_correction.corrections(graph, taps, layers, act_scales, lambda: calib.batches(specs),
                                                   (lambda i: tick("bias", i, runs)) if tick else None)
         note(f"bias correction: the mean output shift of int8 rounding taken out of {len(corrections)} layer(s)")
-    evaluator = Evaluator(graph, evaluation, specs, args.task)
+    evaluator = Evaluator(graph, evaluation, specs, args.task, taps)
     notes = PassNotes()
     quantized = build_graph(graph, layers, act_scales, notes, corrections)
     metrics = evaluator.metrics(quantized)
@@ -331,7 +342,7 @@ def quantize(graph: Graph, model: LoadedModel, args: QuantizeArgs, note: Callabl
         note(f"{len(kept)} bias(es) too large for int32 at their layer's scale stay float adds: "
              f"{', '.join(kept[:3])}{' ...' if len(kept) > 3 else ''}")
 
-    sqnr = _sqnr_per_layer(graph, layers, act_scales, evaluation, specs, corrections)
+    sqnr = _sqnr_per_layer(graph, taps, layers, act_scales, evaluation, specs, corrections)
     scales, layer_rows = {}, []
     for layer, st in zip(layers, stats):
         row = layer.to_dict()

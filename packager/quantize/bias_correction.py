@@ -34,9 +34,8 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
-from edgeq.compile import HostRunner
 from edgeq.graph import Graph
-from edgeq.quantize.calibrate import with_taps
+from edgeq.quantize.calibrate import Taps
 from edgeq.quantize.layers import Layer
 from edgeq.quantize.quantize_ops import QMAX, quantize_weight
 
@@ -47,22 +46,22 @@ def corrected(layer: Layer) -> bool:
     return layer.precision == "int8" and layer.activation in ("per-tensor", "per-channel")
 
 
-def corrections(graph: Graph, layers: list[Layer], act_scales: dict[str, float],
+def corrections(graph: Graph, taps: Taps, layers: list[Layer], act_scales: dict[str, float],
                 samples: Callable[[], Iterable[list[np.ndarray]]],
                 progress: Callable[[int], None] | None = None) -> dict[str, np.ndarray]:
     """weight name -> the float32 correction (one value per output channel) to add to that layer's output, for
-    every ``corrected`` layer, from one pass of ``graph`` (the float model, smoothed as it is quantized)
-    over ``samples()``."""
-    chosen = [l for l in layers if corrected(l)]
+    every ``corrected`` layer, from one pass of ``taps`` (``graph``, the float model smoothed as it is
+    quantized, built with ``layers``' taps) over ``samples()``."""
+    chosen = [(k, l) for k, l in enumerate(layers) if corrected(l)]
     if not chosen:
         return {}
-    runner = HostRunner(with_taps(graph, chosen, through_pools=False))
-    n_out = graph.num_outputs
     means: list = [0.0] * len(chosen)
     errors: list = [0.0] * len(chosen)
     batches = 0
     for i, sample in enumerate(samples()):
-        for k, (layer, x) in enumerate(zip(chosen, runner(sample)[n_out:])):
+        inputs = taps(sample).inputs
+        for k, (index, layer) in enumerate(chosen):
+            x = inputs[index]
             axis = 1 if layer.kind == "conv2d" else x.ndim - 1
             others = tuple(a for a in range(x.ndim) if a != axis)
             scale = np.float32(act_scales[layer.weight])
@@ -75,7 +74,7 @@ def corrections(graph: Graph, layers: list[Layer], act_scales: dict[str, float],
     if batches == 0:
         return {}
     return {layer.weight: (-_shift(graph.weights[layer.weight], layer, m / batches, e / batches)).astype(np.float32)
-            for layer, m, e in zip(chosen, means, errors)}
+            for (_, layer), m, e in zip(chosen, means, errors)}
 
 
 def _shift(w: np.ndarray, layer: Layer, m: np.ndarray, e: np.ndarray) -> np.ndarray:

@@ -41,35 +41,62 @@ def pooled_source(rw: Rewriter, x):
     return x
 
 
-def with_taps(graph: Graph, layers: list[Layer], through_pools: bool = True) -> Graph:
-    """The graph with extra outputs: the input activation of each layer (seen through max-pools,
-    ``pooled_source``, unless ``through_pools`` is False), in ``layers`` order."""
-    wanted = {layer.weight: i for i, layer in enumerate(layers)}
-    taps: dict[int, object] = {}
+class Taps:
+    """``graph`` built once for the host with, after its own outputs, what quantizing it reads of every layer
+    (in ``layers`` order): the layer's input as calibration sees it (through max-pools, ``pooled_source``), its
+    input as the layer reads it (bias correction) and its output (the float side of the per-layer SQNR).
+    Calibration, bias correction, the evaluation's float reference and the SQNR all run on this one build, so
+    quantizing compiles the float graph once. Calling it on a sample returns a ``Tapped``."""
 
-    def visit(rw: Rewriter, var, value):
-        weight_var, _ = rw.weight_operand(value)
-        if weight_var is not None and weight_var.name in wanted:
-            taps.setdefault(wanted[weight_var.name], pooled_source(rw, value.args[0]) if through_pools else value.args[0])
-        return None
+    def __init__(self, graph: Graph, layers: list[Layer]):
+        wanted = {layer.weight: i for i, layer in enumerate(layers)}
+        pooled: dict[int, object] = {}
+        read: dict[int, object] = {}
+        made: dict[int, object] = {}
 
-    return rewrite(graph, visit, extra_outputs=lambda rw: [rw.new(taps[i]) for i in range(len(layers))])
+        def visit(rw: Rewriter, var, value):
+            weight_var, _ = rw.weight_operand(value)
+            if weight_var is not None and weight_var.name in wanted:
+                i = wanted[weight_var.name]
+                pooled.setdefault(i, pooled_source(rw, value.args[0]))
+                read.setdefault(i, value.args[0])
+                made[i] = var  # as quantize_ops taps a layer's output: its last use of the weight
+            return None
+
+        def extra(rw: Rewriter) -> list:
+            return [rw.new(taps[i]) for taps in (pooled, read, made) for i in range(len(layers))]
+
+        self.outputs = graph.num_outputs
+        self.layers = len(layers)
+        self.runner = HostRunner(rewrite(graph, visit, extra_outputs=extra))
+
+    def __call__(self, sample: list[np.ndarray]) -> Tapped:
+        values = self.runner(sample)
+        n, k = self.outputs, self.layers
+        return Tapped(values[:n], values[n:n + k], values[n + k:n + 2 * k], values[n + 2 * k:])
+
+
+@dataclasses.dataclass
+class Tapped:
+    """One run of ``Taps``: the graph's outputs, and per layer its calibrated input, its input and its output."""
+    outputs: list[np.ndarray]
+    pooled_inputs: list[np.ndarray]
+    inputs: list[np.ndarray]
+    layer_outputs: list[np.ndarray]
 
 
 def collect(
-    graph: Graph,
+    taps: Taps,
     layers: list[Layer],
     samples: Callable[[], Iterable[list[np.ndarray]]],
     histograms: bool,
     progress: Callable[[str, int], None] | None = None,
 ) -> list[TensorStats]:
-    """Statistics of each layer's input activation over ``samples()`` (called once per pass)."""
-    n_out = graph.num_outputs
-    runner = HostRunner(with_taps(graph, layers))
+    """Statistics of each layer's input activation (``taps``' calibrated inputs) over ``samples()`` (called
+    once per pass)."""
     stats = [TensorStats() for _ in layers]
     for i, sample in enumerate(samples()):
-        taps = runner(sample)[n_out:]
-        for st, t in zip(stats, taps):
+        for st, t in zip(stats, taps(sample).pooled_inputs):
             st.min, st.max = min(st.min, float(t.min())), max(st.max, float(t.max()))
             st.absmax = max(st.absmax, float(np.abs(t).max()))
             st.count += t.size
@@ -82,8 +109,7 @@ def collect(
         for st, want in zip(stats, wanted):
             st.hist = np.zeros(BINS, np.int64) if want else None
         for i, sample in enumerate(samples()):
-            taps = runner(sample)[n_out:]
-            for st, want, t in zip(stats, wanted, taps):
+            for st, want, t in zip(stats, wanted, taps(sample).pooled_inputs):
                 if want:
                     st.hist += np.histogram(np.abs(t), bins=BINS, range=(0.0, st.absmax))[0]
             if progress:

@@ -25,7 +25,7 @@ split and the pooling run on int8, and ``requantize`` (or the GPU backend's epil
 YOLOv8's C2f block concatenates the two halves of its first convolution's output with each bottleneck's, and
 they are also read by the bottlenecks (``shared_scales`` gives them the concatenation's scale, so they agree).
 
-The scales agree because calibration measures a layer's input through max-pools (``calibrate.with_taps``):
+The scales agree because calibration measures a layer's input through max-pools (``calibrate.Taps``):
 the layer after a pool gets the scale of the pool's input, as ONNX Runtime's quantizer gives a MaxPool's
 output its input's scale; and a concatenation's parts read by layers of their own take its scale
 (``shared_scales``).
