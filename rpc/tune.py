@@ -11,7 +11,8 @@ measurements, one at a time each (the runner keeps as many in flight as there ar
 each request to a free one), and candidates are built on ``--jobs`` host cores at once. A device that drops
 out mid-search loses the measurement it had (recorded as failed, said in one line); the tracker stops handing
 it out and the others go on. The summary counts the measurements each device made. The search is guided by
-meta_schedule's XGBoost cost model (``--cost-model random``: blind guesses, as before).
+meta_schedule's XGBoost cost model (``--cost-model random``: blind guesses, as before), over a population sized
+to the trials (``population``).
 
 The module tuned is the one ``edgeq package`` compiles with the same options (``edgeq.package.front_end``:
 ``--const``, quantization with calibration, fp16, the backend's kernels). Records file: ``edgeq.records``
@@ -39,6 +40,16 @@ if TYPE_CHECKING:
 
 MAX_TRIALS = 100_000
 BUILD_TIMEOUT_S = 300  # one candidate, built here (meta_schedule's 30 s fails every build on a busy 2-core host)
+# The evolutionary search's population: candidates it samples, mutates and ranks by the cost model for each round
+# of measurements. meta_schedule's default, 512, is sized for thousands of trials; a task given a few dozen spends
+# most of its time there (a 16-trial task on 2 cores: 80 s with 512, 40 s with 64). Four candidates a trial, 64 to
+# 512.
+POPULATION_PER_TRIAL, POPULATION_MIN, POPULATION_MAX = 4, 64, 512
+
+
+def population(trials_per_task: int) -> int:
+    """The evolutionary search's population for a task given ``trials_per_task`` measurements."""
+    return max(POPULATION_MIN, min(POPULATION_MAX, POPULATION_PER_TRIAL * trials_per_task))
 
 
 def _unnamed_handlers_removed() -> None:
@@ -394,7 +405,8 @@ def tune(args: TuneArgs, note=lambda _: None, tick=lambda *_: None, progress=Non
                                           initializer=cheap_script_stacks)
         _unnamed_handlers_removed()
         with contextlib.redirect_stdout(io.StringIO()):  # its console handler binds to the stdout of this moment
-            contexts, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(extracted, work)
+            strategy = ms.search_strategy.EvolutionarySearch(population_size=population(per_task))
+            contexts, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(extracted, work, strategy=strategy)
         _console_off()
         def gone(task_name: str, why: str) -> RemoteError:
             """The pool went away: what was measured so far is kept, and the search ends in one line."""
@@ -446,6 +458,7 @@ def tune(args: TuneArgs, note=lambda _: None, tick=lambda *_: None, progress=Non
                  f"task {i}/{len(extracted)} {task.task_name}: no successful measurement{own}")
     return {"model": str(args.front.model), "device": profile.name, "precision": built.precision,
             "records": str(args.records), "tasks": rows, "tvm_version": tvm.__version__, "cost_model": args.cost_model,
+            "population": population(per_task),
             "jobs": jobs, "devices": {"registered": devices, "measurements": dict(sorted(measured.items())),
                                       "states": states},
             "not_tuned": [task.task_name for task in every if task not in extracted]}

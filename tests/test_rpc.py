@@ -361,7 +361,7 @@ def test_tune_measures_on_every_device_of_the_pool(tmp_path):
                       "--jobs", "2", "--records", tmp_path / "tuning.json", "--json")
         assert res.code == 0, res.stderr
         out = json.loads(res.stdout)
-        assert out["cost_model"] == "xgb" and out["jobs"] == 2 and out["devices"]["registered"] == 2
+        assert out["cost_model"] == "xgb" and out["population"] == 64 and out["jobs"] == 2 and out["devices"]["registered"] == 2
         counts = out["devices"]["measurements"]
         assert len(counts) == 2 and all(n >= 1 for n in counts.values()), counts  # both devices measured
         assert sum(counts.values()) >= sum(t["trials_recorded"] for t in out["tasks"]) > 0
