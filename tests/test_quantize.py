@@ -107,6 +107,26 @@ def test_ir_computes_conv_and_matmul_in_integers(models, random_data, family):
     assert {str(w.dtype) for w in result.graph.weights.values()} >= {"int8", "int32"}
 
 
+def test_quantizing_builds_the_float_graph_once(models, random_data, monkeypatch):
+    """Calibration, bias correction, the evaluation's float reference and the per-layer SQNR's float side run on
+    one host build of the float graph (``calibrate.Taps``): three builds in all, with the int8 graph judged and the
+    SQNR's int8 side (each layer's output tapped). Each build of a model costs seconds (googlenet at 64x64: ~10 s),
+    and there were six."""
+    import edgeq.compile as compile_module
+
+    built = []
+    real = compile_module.build
+
+    def counted(mod, target, *args, **kwargs):
+        built.append("int8" in str(mod["main"]))
+        return real(mod, target, *args, **kwargs)
+
+    monkeypatch.setattr(compile_module, "build", counted)
+    result = _quantized_graph(models["resnet_cnn"], random_data["calib"])
+    assert result.corrections and all(l.precision == "int8" for l in result.layers)  # bias correction ran
+    assert sorted(built) == [False, True, True], built
+
+
 def test_transformer_block_int8(models, tmp_path):
     calib = tmp_path / "calib.npz"
     np.savez(calib, input=np.random.default_rng(3).standard_normal((32, 16, 32)).astype(np.float32))
