@@ -187,6 +187,8 @@ def test_host_build_generates_onnxruntime_greedy_tokens(decoders, kind):
     # attention read from the cache as it lies (edgeq.backends.cpu.attention): both products of every layer of
     # the two prefill and two decode steps
     assert stats.get("attention") == 2 * steps.layout.layers * 4, stats
+    # the prefill steps' under their causal mask: each row's products with its own and the earlier keys only
+    assert stats.get("attention-causal") == 2 * steps.layout.layers * 2, stats
     # and the new entries written into the cache in place: each layer's key and value in both decode steps
     assert stats.get("cache-write") == 2 * steps.layout.layers * 2, stats
     runner = host_steps(steps, executable, weights)
@@ -245,6 +247,52 @@ def test_attention_kernels_compute_the_repeated_products(heads, kv_heads, rows, 
         np.testing.assert_allclose(out.numpy(), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("heads, kv_heads, rows, dim", [
+    (9, 3, 8, 64),  # SmolLM2's prefill of 8 rows
+    (4, 2, 5, 16),  # the tiny decoders' heads, an odd count of rows (the middle row of the pairs once)
+    (6, 1, 7, 40),  # multi-query, a width of 40
+    (9, 3, 1, 64),  # one row
+])
+def test_causal_attention_kernels_compute_what_the_mask_keeps(heads, kv_heads, rows, dim):
+    """A prefill's attention under its causal mask: each row's scores with its own and the earlier keys as
+    ``scores_func`` computes them (the same sums, bit for bit), 0 after them, and the weighted sum of the values
+    up to its own row as ``weighted_func`` computes it from lower-triangular weights."""
+    from edgeq.backends.cpu import attention
+    from edgeq.backends.cpu.common import Isa
+    from edgeq.targets import profiles
+    from edgeq.tvm_env import tvm
+
+    target = profiles()["host"].tvm_target()
+    isa = Isa.of(target)
+    rng = np.random.default_rng(heads * rows + dim)
+    q = rng.standard_normal((1, heads, rows, dim)).astype(np.float32)
+    k = rng.standard_normal((1, kv_heads, rows, dim)).astype(np.float32)
+    p = np.tril(rng.random((1, heads, rows, rows))).astype(np.float32)
+    seen = np.tril(np.ones((rows, rows), bool))
+
+    def run(func, inputs, shape):
+        lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=target)
+        out = tvm.runtime.tensor(np.full(shape, np.nan, np.float32))
+        lib["main"](*[tvm.runtime.tensor(a) for a in inputs], out)
+        return out.numpy()
+
+    for scale in (0.125, None):
+        got = run(attention.causal_scores_func(heads, kv_heads, rows, dim, scale, "float32", isa), [q, k],
+                  (1, heads, rows, rows))
+        full = run(attention.scores_func(heads, kv_heads, rows, dim, [rows], scale, "float32", isa), [q, k],
+                   (1, heads, rows, rows))
+        np.testing.assert_array_equal(got[..., seen], full[..., seen])
+        assert (got[..., ~seen] == 0).all()
+        want = q @ np.swapaxes(np.repeat(k * np.float32(scale or 1), heads // kv_heads, axis=1), 2, 3)
+        np.testing.assert_allclose(got[..., seen], want[..., seen], rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    got = run(attention.causal_weighted_func(heads, kv_heads, rows, dim, "float32", isa), [p, k], (1, heads, rows, dim))
+    full = run(attention.weighted_func(heads, kv_heads, rows, dim, [rows], "float32", isa), [p, k],
+               (1, heads, rows, dim))
+    np.testing.assert_array_equal(got, full)
+    want = p @ np.repeat(k, heads // kv_heads, axis=1)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
 @pytest.mark.parametrize("axis", [2, 1])
 def test_attention_pass_rewrites_only_the_repeat_it_computes(axis):
     """The grouped-query repeat as exported (expand_dims at 2: query head h reads kv head h // G) is rewritten to the
@@ -278,6 +326,56 @@ def test_attention_pass_rewrites_only_the_repeat_it_computes(axis):
     rng = np.random.default_rng(axis)
     inputs = [rng.standard_normal(tuple(int(d) for d in v.ty.shape.values)).astype(np.float32)
               for v in mod["main"].params]
+    results = []
+    for module in (mod, rewritten):
+        vm = relax.VirtualMachine(tvm.compile(module, target=target), tvm.cpu())
+        results.append(vm["main"](*[tvm.runtime.tensor(a) for a in inputs]).numpy())
+    np.testing.assert_allclose(results[1], results[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mask", ["causal", "sliding", "all"])
+def test_attention_pass_takes_the_causal_kernels_only_under_a_causal_mask(mask):
+    """A prefill's attention as exported (the mask ``where(C & padding, 0, min)`` added to the scores, softmax,
+    NaNs made 0) is computed by the causal kernels where ``C`` hides every later key (a causal or a sliding-window
+    mask), and by the full ones where it shows one; the graph computes what it did either way."""
+    from edgeq.backends.cpu.attention import attention_pass
+    from edgeq.backends.cpu.common import Isa
+    from edgeq.targets import profiles
+    from edgeq.tvm_env import relax, tvm
+
+    heads, kv, rows, dim = 4, 2, 6, 16
+    keep = {"causal": np.tril(np.ones((rows, rows), bool)), "sliding": np.tril(np.triu(np.ones((rows, rows), bool), -2)),
+            "all": np.ones((rows, rows), bool)}[mask]
+    bb = relax.BlockBuilder()
+    q = relax.Var("q", relax.TensorType((1, heads, rows, dim), "float32"))
+    k = relax.Var("k", relax.TensorType((1, kv, rows, dim), "float32"))
+    v = relax.Var("v", relax.TensorType((1, kv, rows, dim), "float32"))
+    padding = relax.Var("padding", relax.TensorType((1, 1, 1, rows), "bool"))
+
+    def repeat(x):
+        return relax.op.reshape(relax.op.broadcast_to(relax.op.expand_dims(x, axis=[2]), (1, kv, heads // kv, rows, dim)),
+                                (1, heads, rows, dim))
+
+    with bb.function("main", [q, k, v, padding]):
+        with bb.dataflow():
+            both = bb.emit(relax.op.broadcast_to(relax.op.logical_and(relax.const(keep[None, None]), padding),
+                                                 (1, 1, rows, rows)))
+            hidden = relax.op.where(both, relax.const(0.0, "float32"), relax.const(np.finfo(np.float32).min, "float32"))
+            scores = bb.emit(relax.op.matmul(relax.op.multiply(q, relax.const(0.5, "float32")),
+                                             relax.op.multiply(relax.op.permute_dims(repeat(k), [0, 1, 3, 2]),
+                                                               relax.const(0.5, "float32"))))
+            weights = bb.emit(relax.op.nn.softmax(relax.op.add(scores, hidden), axis=-1))
+            weights = bb.emit(relax.op.where(relax.op.isnan(weights), relax.const(0.0, "float32"), weights))
+            out = bb.emit_output(relax.op.matmul(weights, repeat(v)))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    target = profiles()["host"].tvm_target()
+    stats = {}
+    rewritten = attention_pass(Isa.of(target), stats)(mod)
+    assert stats.get("attention") == 2 and stats.get("attention-causal", 0) == (0 if mask == "all" else 2), stats
+    rng = np.random.default_rng(rows)
+    inputs = [rng.standard_normal((1, n, rows, dim)).astype(np.float32) for n in (heads, kv, kv)]
+    inputs.append(np.array([[[[True] * (rows - 1) + [False]]]]))  # the last row a prompt bucket's padding
     results = []
     for module in (mod, rewritten):
         vm = relax.VirtualMachine(tvm.compile(module, target=target), tvm.cpu())

@@ -15,6 +15,13 @@ rewrites both products to functions of this module that read ``past`` and ``new`
 head's rows of the cache once for its G query heads, with the scale applied as the product reads a key
 (``keys * c`` as exported: the same products). Shapes other than these are left to TVM as they were.
 
+A prefill's rows attend under the exported causal mask (``where(C & padding, 0, min)`` added to the scores, ``C``
+a constant): where ``C`` hides every key after a row's own, the scores of those keys cannot move the softmax
+(``min`` plus any real score is ``min``, whose weight is 0), so ``causal_scores_func`` computes each row's
+products with its own and the earlier keys only (0 after them, which the mask still hides) and
+``causal_weighted_func`` sums those keys alone: half the products of a prompt, and rows written in order. A
+mask that shows a later key (bidirectional) keeps the full kernels.
+
 The new entries go into the cache where it lies too. ``edgeq.llm.decoder`` writes a decode step's output cache as
 ``where(slots == position, new, past)``, which is a copy of every layer's whole cache each token (SmolLM2-135M at
 512 slots: 24 MB read and 24 MB written a token, 17% of its decode at 440 tokens of context, ``perf``, one
@@ -35,6 +42,7 @@ from edgeq.tvm_env import Schedule, relax, te, tvm
 SCORES = "edgeq_attention_scores"
 WEIGHTED = "edgeq_attention_weighted"
 WRITE = "edgeq_cache_write"
+HIDDEN = -1e30  # a mask's value for a hidden key at most this: exp(hidden + score - max) is 0 for any real score
 
 
 def _parts(keys: relax.Expr) -> list[relax.Expr]:
@@ -173,6 +181,87 @@ def weighted_func(heads: int, kv_heads: int, rows: int, dim: int, lengths: list[
     return _opaque(sch.mod["main"])
 
 
+def causal_scores_func(heads: int, kv_heads: int, rows: int, dim: int, scale: float | None, dtype: str, isa: Isa):
+    """``scores_func`` for a prefill (its ``rows`` new keys alone) under a causal mask: row ``s``'s products
+    with keys ``0 .. s``, and 0 for the keys after it, which the mask hides (``attention_pass``). Each product
+    is summed as ``scores_func`` sums it (the lanes' partial sums along ``d``, then the lanes in order), and a
+    row of scores is written in order (``scores_func``'s key-major order writes a column at a time: the whole
+    [heads, rows, rows] output a cache line per score, which halving the products did not speed up). The
+    query rows go over the cores in pairs, ``s`` with ``rows - 1 - s``: a pair has ``rows + 1`` products a key
+    head, an even share each (a core's contiguous run of rows would not be)."""
+    from tvm.script import tirx as T
+
+    group, lanes, half = heads // kv_heads, largest_divisor(dim, isa.lanes), (rows + 1) // 2
+    chunks, items = dim // lanes, heads * half
+    threads = worth_threads(heads * rows * rows * dim * STREAMED // 2)
+
+    def key(k, g, t, d):
+        return k[0, g, t, d] * tvm.tirx.const(scale, dtype) if scale is not None else k[0, g, t, d]
+
+    @T.prim_func(private=True, s_tir=True)
+    def func(q: T.Buffer((1, heads, rows, dim), dtype), k: T.Buffer((1, kv_heads, rows, dim), dtype),
+             out: T.Buffer((1, heads, rows, rows), dtype)):
+        T.func_attr({"tir.noalias": True})
+        for i in T.parallel(items) if threads else T.serial(items):
+            with T.sblock(SCORES):
+                vi = T.axis.spatial(items, i)
+                T.reads(q[0, vi // half, 0:rows, 0:dim], k[0, vi // half // group, 0:rows, 0:dim])
+                T.writes(out[0, vi // half, 0:rows, 0:rows])
+                part = T.alloc_buffer((lanes,), dtype, scope=TILE)
+                total = T.alloc_buffer((1,), dtype, scope=TILE)
+                for side in range(2 - (rows % 2) * (vi % half == half - 1)):  # an odd count's middle row once
+                    for t in range(side * (rows - 1 - 2 * (vi % half)) + vi % half + 1):
+                        for lane in T.vectorized(lanes):
+                            part[lane] = T.cast(0, dtype)
+                        for o in range(chunks):
+                            for lane in T.vectorized(lanes):
+                                part[lane] = part[lane] + q[
+                                    0, vi // half, side * (rows - 1 - 2 * (vi % half)) + vi % half, o * lanes + lane
+                                ] * key(k, vi // half // group, t, o * lanes + lane)
+                        total[0] = T.cast(0, dtype)
+                        for lane in T.unroll(lanes):
+                            total[0] = total[0] + part[lane]
+                        out[0, vi // half, side * (rows - 1 - 2 * (vi % half)) + vi % half, t] = total[0]
+                    for t in range(rows - 1 - (side * (rows - 1 - 2 * (vi % half)) + vi % half)):
+                        out[0, vi // half, side * (rows - 1 - 2 * (vi % half)) + vi % half,
+                            side * (rows - 1 - 2 * (vi % half)) + vi % half + 1 + t] = T.cast(0, dtype)
+
+    return _opaque(func)
+
+
+def causal_weighted_func(heads: int, kv_heads: int, rows: int, dim: int, dtype: str, isa: Isa):
+    """``weighted_func`` for a prefill under a causal mask: row ``s`` sums keys ``0 .. s`` (the weights after
+    it are the softmax's of a hidden score: 0) in ``weighted_func``'s order, into a row of accumulators. Rows
+    over the cores in pairs, ``s`` with ``rows - 1 - s``, as ``causal_scores_func``'s."""
+    from tvm.script import tirx as T
+
+    group, half = heads // kv_heads, (rows + 1) // 2
+    items = heads * half
+    threads = worth_threads(heads * rows * rows * dim * STREAMED // 2)
+
+    @T.prim_func(private=True, s_tir=True)
+    def func(p: T.Buffer((1, heads, rows, rows), dtype), v: T.Buffer((1, kv_heads, rows, dim), dtype),
+             out: T.Buffer((1, heads, rows, dim), dtype)):
+        T.func_attr({"tir.noalias": True})
+        for i in T.parallel(items) if threads else T.serial(items):
+            with T.sblock(WEIGHTED):
+                vi = T.axis.spatial(items, i)
+                T.reads(p[0, vi // half, 0:rows, 0:rows], v[0, vi // half // group, 0:rows, 0:dim])
+                T.writes(out[0, vi // half, 0:rows, 0:dim])
+                acc = T.alloc_buffer((dim,), dtype, scope=TILE)
+                for side in range(2 - (rows % 2) * (vi % half == half - 1)):
+                    for d in T.vectorized(dim):
+                        acc[d] = T.cast(0, dtype)
+                    for t in range(side * (rows - 1 - 2 * (vi % half)) + vi % half + 1):
+                        for d in T.vectorized(dim):
+                            acc[d] = acc[d] + p[0, vi // half, side * (rows - 1 - 2 * (vi % half)) + vi % half, t] \
+                                * v[0, vi // half // group, t, d]
+                    for d in T.vectorized(dim):
+                        out[0, vi // half, side * (rows - 1 - 2 * (vi % half)) + vi % half, d] = acc[d]
+
+    return _opaque(func)
+
+
 def attention_pass(isa: Isa, stats: dict | None = None):
     """The Relax pass: see the module's text."""
     from tvm.relax.dpl import is_const, is_op, rewrite_call, wildcard
@@ -187,6 +276,29 @@ def attention_pass(isa: Isa, stats: dict | None = None):
     scores = is_op("relax.matmul")(q, is_op("relax.multiply")(transposed, scale)) | is_op("relax.matmul")(q, transposed)
     p = wildcard()
     weighted = is_op("relax.matmul")(p, repeated)
+    # the exported causal mask: where(C & padding, visible, hidden) added to the scores, C a constant
+    visible, hidden, causal = is_const(), is_const(), is_const()
+    both = is_op("relax.logical_and")(causal, wildcard())
+    mask = is_op("relax.where")(is_op("relax.broadcast_to")(both, wildcard()) | both, visible, hidden)
+    masked_scores = is_op("relax.add")(scores, mask)
+    softmax = is_op("relax.nn.softmax")(is_op("relax.add")(wildcard(), mask))
+    masked_weighted = is_op("relax.matmul")(
+        is_op("relax.where")(is_op("relax.isnan")(softmax), is_const(), softmax) | softmax, repeated)
+
+    def hides_the_future(matched, rows: int, total: int) -> bool:
+        """Whether the matched mask hides every key after a row's own (``t > s``, the keys being the rows'),
+        with a value that no score can move: then those scores' softmax weights are 0 whatever they were."""
+        if rows != total:
+            return False
+        keep = matched[causal].value.numpy()
+        away = matched[hidden].value.numpy()
+        if keep.dtype != np.bool_ or keep.ndim > 4 or away.size != 1 or not float(away.reshape(())) <= HIDDEN:
+            return False
+        try:
+            keep = np.broadcast_to(keep, (1, 1, rows, total))
+        except ValueError:
+            return False
+        return not keep[..., np.triu_indices(rows, 1)[0], np.triu_indices(rows, 1)[1]].any()
 
     @tvm.transform.module_pass(opt_level=0, name="edgeq.DecoderAttention")
     def _pass(mod, _ctx):
@@ -218,35 +330,53 @@ def attention_pass(isa: Isa, stats: dict | None = None):
                 return None
             return kv, parts, lengths, dim
 
-        def rewrite_scores(call, matched):
+        def rewrite_masked_scores(call, matched):
+            """A prefill's scores under the causal mask: ``causal_scores_func``, then the mask as it was."""
+            product = rewrite_scores(matched[scores], matched, causal_rows=True)
+            return call if product is None else relax.op.add(product, matched[mask])
+
+        def rewrite_scores(call, matched, causal_rows: bool = False):
+            """``call`` on the kernels, or as it was (with ``causal_rows``: the causal kernel, or None)."""
+            unchanged = None if causal_rows else call
             qs, out = _static(matched[q]), _static(call)
             if qs is None or out is None or len(qs) != 4 or qs[0] != 1:
-                return call
+                return unchanged
             perm = matched[transposed].attrs.axes
             if perm is None or [int(a) for a in perm] != [0, 1, 3, 2]:
-                return call
+                return unchanged
             heads, rows, dim = qs[1], qs[2], qs[3]
             found = repeat_ok(matched, heads)
             if found is None or found[3] != dim or _static(matched[repeated]) != (1, heads, sum(found[2]), dim):
-                return call
+                return unchanged
             kv, parts, lengths, _ = found
             c = None
             if scale in matched:
                 value = matched[scale].value.numpy()
                 if value.size != 1:
-                    return call
+                    return unchanged
                 c = float(value.reshape(()))
             dtype = call.ty.dtype
             if dtype != "float32":
-                return call
-            gv = kernel((SCORES, heads, kv, rows, dim, tuple(lengths), c),
-                        lambda: scores_func(heads, kv, rows, dim, lengths, c, dtype, isa))
-            if stats is not None:
-                stats["attention"] = stats.get("attention", 0) + 1
+                return unchanged
+            if causal_rows:
+                if len(parts) != 1 or not hides_the_future(matched, rows, lengths[0]):
+                    return None
+                gv = kernel((SCORES + "_causal", heads, kv, rows, dim, c),
+                            lambda: causal_scores_func(heads, kv, rows, dim, c, dtype, isa))
+                count("attention-causal")
+            else:
+                gv = kernel((SCORES, heads, kv, rows, dim, tuple(lengths), c),
+                            lambda: scores_func(heads, kv, rows, dim, lengths, c, dtype, isa))
+            count("attention")
             return relax.call_tir(gv, [matched[q], *parts], relax.TensorType(out, dtype))
 
-        def rewrite_weighted(call, matched):
-            ps, out = _static(matched[p]), _static(call)
+        def count(what: str) -> None:
+            if stats is not None:
+                stats[what] = stats.get(what, 0) + 1
+
+        def rewrite_weighted(call, matched, causal_rows: bool = False):
+            weights = call.args[0]  # ``p``, or the masked softmax's weights
+            ps, out = _static(weights), _static(call)
             if ps is None or out is None or len(ps) != 4 or ps[0] != 1:
                 return call
             heads, rows = ps[1], ps[2]
@@ -257,14 +387,27 @@ def attention_pass(isa: Isa, stats: dict | None = None):
             dtype = call.ty.dtype
             if dtype != "float32" or sum(lengths) != ps[3] or out != (1, heads, rows, dim):
                 return call
-            gv = kernel((WEIGHTED, heads, kv, rows, dim, tuple(lengths)),
-                        lambda: weighted_func(heads, kv, rows, dim, lengths, dtype, isa))
-            if stats is not None:
-                stats["attention"] = stats.get("attention", 0) + 1
-            return relax.call_tir(gv, [matched[p], *parts], relax.TensorType(out, dtype))
+            if causal_rows:
+                if len(parts) != 1 or not hides_the_future(matched, rows, lengths[0]) \
+                        or int(matched[softmax].attrs.axis) not in (-1, 3):
+                    return call
+                gv = kernel((WEIGHTED + "_causal", heads, kv, rows, dim),
+                            lambda: causal_weighted_func(heads, kv, rows, dim, dtype, isa))
+                count("attention-causal")
+            else:
+                gv = kernel((WEIGHTED, heads, kv, rows, dim, tuple(lengths)),
+                            lambda: weighted_func(heads, kv, rows, dim, lengths, dtype, isa))
+            count("attention")
+            return relax.call_tir(gv, [weights, *parts], relax.TensorType(out, dtype))
 
-        return _rewritten(bb, mod, lambda func: rewrite_call(weighted, rewrite_weighted,
-                                                             rewrite_call(scores, rewrite_scores, func)))
+        def rewrite(func):
+            func = rewrite_call(masked_scores, rewrite_masked_scores, func)
+            func = rewrite_call(scores, rewrite_scores, func)
+            # the product by a softmax of masked scores (or by it with its NaNs made 0, as exported)
+            func = rewrite_call(masked_weighted, lambda call, matched: rewrite_weighted(call, matched, True), func)
+            return rewrite_call(weighted, rewrite_weighted, func)
+
+        return _rewritten(bb, mod, rewrite)
 
     return _pass
 
