@@ -252,11 +252,12 @@ def test_attention_kernels_compute_the_repeated_products(heads, kv_heads, rows, 
     (4, 2, 5, 16),  # the tiny decoders' heads, an odd count of rows (the middle row of the pairs once)
     (6, 1, 7, 40),  # multi-query, a width of 40
     (9, 3, 1, 64),  # one row
+    (3, 1, 150, 16),  # rows over two tiles of keys, the last one partial
 ])
 def test_causal_attention_kernels_compute_what_the_mask_keeps(heads, kv_heads, rows, dim):
-    """A prefill's attention under its causal mask: each row's scores with its own and the earlier keys as
-    ``scores_func`` computes them (the same sums, bit for bit), 0 after them, and the weighted sum of the values
-    up to its own row as ``weighted_func`` computes it from lower-triangular weights."""
+    """A prefill's attention under its causal mask: each row's scores with its own and the earlier keys (0 after
+    the tile of keys that holds its own), and the weighted sum of the values up to its own row as
+    ``weighted_func`` computes it from lower-triangular weights, bit for bit."""
     from edgeq.backends.cpu import attention
     from edgeq.backends.cpu.common import Isa
     from edgeq.targets import profiles
@@ -276,15 +277,16 @@ def test_causal_attention_kernels_compute_what_the_mask_keeps(heads, kv_heads, r
         lib["main"](*[tvm.runtime.tensor(a) for a in inputs], out)
         return out.numpy()
 
-    for scale in (0.125, None):
-        got = run(attention.causal_scores_func(heads, kv_heads, rows, dim, scale, "float32", isa), [q, k],
-                  (1, heads, rows, rows))
-        full = run(attention.scores_func(heads, kv_heads, rows, dim, [rows], scale, "float32", isa), [q, k],
-                   (1, heads, rows, rows))
-        np.testing.assert_array_equal(got[..., seen], full[..., seen])
-        assert (got[..., ~seen] == 0).all()
-        want = q @ np.swapaxes(np.repeat(k * np.float32(scale or 1), heads // kv_heads, axis=1), 2, 3)
-        np.testing.assert_allclose(got[..., seen], want[..., seen], rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    tile = attention.causal_tile(isa)
+    keys = np.zeros((1, kv_heads, dim, -(-rows // tile) * tile), np.float32)  # transposed, scaled, padded
+    keys[..., :rows] = np.swapaxes(k * np.float32(0.125), 2, 3)
+    got = run(attention.causal_scores_func(heads, kv_heads, rows, dim, "float32", isa), [q, keys],
+              (1, heads, rows, rows))
+    want = q @ np.swapaxes(np.repeat(k * np.float32(0.125), heads // kv_heads, axis=1), 2, 3)
+    np.testing.assert_allclose(got[..., seen], want[..., seen], rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    # after the keys of the tile that holds a row's own key: 0 (the mask hides them; a score there is not computed)
+    after = np.arange(rows)[None, :] >= (np.arange(rows)[:, None] // tile + 1) * tile
+    assert (got[..., after] == 0).all() and np.isfinite(got).all()
     got = run(attention.causal_weighted_func(heads, kv_heads, rows, dim, "float32", isa), [p, k], (1, heads, rows, dim))
     full = run(attention.weighted_func(heads, kv_heads, rows, dim, [rows], "float32", isa), [p, k],
                (1, heads, rows, dim))

@@ -18,9 +18,10 @@ head's rows of the cache once for its G query heads, with the scale applied as t
 A prefill's rows attend under the exported causal mask (``where(C & padding, 0, min)`` added to the scores, ``C``
 a constant): where ``C`` hides every key after a row's own, the scores of those keys cannot move the softmax
 (``min`` plus any real score is ``min``, whose weight is 0), so ``causal_scores_func`` computes each row's
-products with its own and the earlier keys only (0 after them, which the mask still hides) and
-``causal_weighted_func`` sums those keys alone: half the products of a prompt, and rows written in order. A
-mask that shows a later key (bidirectional) keeps the full kernels.
+products with its own and the earlier keys only, a tile of keys at a time from the keys transposed once (0
+after that tile, which the mask still hides), and ``causal_weighted_func`` sums those keys alone: half the
+products of a prompt, rows written in order, and no score summed across a vector's lanes. A mask that shows a
+later key (bidirectional) keeps the full kernels.
 
 The new entries go into the cache where it lies too. ``edgeq.llm.decoder`` writes a decode step's output cache as
 ``where(slots == position, new, past)``, which is a copy of every layer's whole cache each token (SmolLM2-135M at
@@ -181,50 +182,56 @@ def weighted_func(heads: int, kv_heads: int, rows: int, dim: int, lengths: list[
     return _opaque(sch.mod["main"])
 
 
-def causal_scores_func(heads: int, kv_heads: int, rows: int, dim: int, scale: float | None, dtype: str, isa: Isa):
-    """``scores_func`` for a prefill (its ``rows`` new keys alone) under a causal mask: row ``s``'s products
-    with keys ``0 .. s``, and 0 for the keys after it, which the mask hides (``attention_pass``). Each product
-    is summed as ``scores_func`` sums it (the lanes' partial sums along ``d``, then the lanes in order), and a
-    row of scores is written in order (``scores_func``'s key-major order writes a column at a time: the whole
-    [heads, rows, rows] output a cache line per score, which halving the products did not speed up). The
-    query rows go over the cores in pairs, ``s`` with ``rows - 1 - s``: a pair has ``rows + 1`` products a key
-    head, an even share each (a core's contiguous run of rows would not be)."""
+CAUSAL_TILE_VECTORS = 4  # keys a causal scores tile computes, in vectors: 4 independent chains of multiply-adds
+
+
+def causal_tile(isa: Isa) -> int:
+    """Keys a tile of ``causal_scores_func`` computes: the rows of its transposed keys are padded to a multiple."""
+    return CAUSAL_TILE_VECTORS * isa.lanes
+
+
+def causal_scores_func(heads: int, kv_heads: int, rows: int, dim: int, dtype: str, isa: Isa):
+    """A prefill's scores (its ``rows`` new keys alone) under a causal mask: row ``s``'s products with keys
+    ``0 .. s``, from the keys transposed and scaled as the graph scales them (``keys[0, g, d, t]``, rows padded
+    to a whole ``causal_tile``), and 0 after the tile that holds key ``s``, which the mask hides
+    (``attention_pass``). A tile of keys at a time: its scores accumulated in vectors, one multiply-add a ``d``
+    for each, so no score is summed across the lanes of a vector (``scores_func`` sums each score that way:
+    16 dependent adds for one score, and a column of the output written at a time). The query rows go over the
+    cores in pairs, ``s`` with ``rows - 1 - s``: a pair has about ``rows`` keys to score for its heads, an even
+    share each (a core's contiguous run of rows would not be)."""
     from tvm.script import tirx as T
 
-    group, lanes, half = heads // kv_heads, largest_divisor(dim, isa.lanes), (rows + 1) // 2
-    chunks, items = dim // lanes, heads * half
+    group, tile, half = heads // kv_heads, causal_tile(isa), (rows + 1) // 2
+    padded, items = -(-rows // tile) * tile, heads * half
     threads = worth_threads(heads * rows * rows * dim * STREAMED // 2)
 
-    def key(k, g, t, d):
-        return k[0, g, t, d] * tvm.tirx.const(scale, dtype) if scale is not None else k[0, g, t, d]
-
     @T.prim_func(private=True, s_tir=True)
-    def func(q: T.Buffer((1, heads, rows, dim), dtype), k: T.Buffer((1, kv_heads, rows, dim), dtype),
+    def func(q: T.Buffer((1, heads, rows, dim), dtype), keys: T.Buffer((1, kv_heads, dim, padded), dtype),
              out: T.Buffer((1, heads, rows, rows), dtype)):
         T.func_attr({"tir.noalias": True})
         for i in T.parallel(items) if threads else T.serial(items):
             with T.sblock(SCORES):
                 vi = T.axis.spatial(items, i)
-                T.reads(q[0, vi // half, 0:rows, 0:dim], k[0, vi // half // group, 0:rows, 0:dim])
+                T.reads(q[0, vi // half, 0:rows, 0:dim], keys[0, vi // half // group, 0:dim, 0:padded])
                 T.writes(out[0, vi // half, 0:rows, 0:rows])
-                part = T.alloc_buffer((lanes,), dtype, scope=TILE)
-                total = T.alloc_buffer((1,), dtype, scope=TILE)
+                acc = T.alloc_buffer((tile,), dtype, scope=TILE)
                 for side in range(2 - (rows % 2) * (vi % half == half - 1)):  # an odd count's middle row once
-                    for t in range(side * (rows - 1 - 2 * (vi % half)) + vi % half + 1):
-                        for lane in T.vectorized(lanes):
-                            part[lane] = T.cast(0, dtype)
-                        for o in range(chunks):
-                            for lane in T.vectorized(lanes):
-                                part[lane] = part[lane] + q[
-                                    0, vi // half, side * (rows - 1 - 2 * (vi % half)) + vi % half, o * lanes + lane
-                                ] * key(k, vi // half // group, t, o * lanes + lane)
-                        total[0] = T.cast(0, dtype)
-                        for lane in T.unroll(lanes):
-                            total[0] = total[0] + part[lane]
-                        out[0, vi // half, side * (rows - 1 - 2 * (vi % half)) + vi % half, t] = total[0]
-                    for t in range(rows - 1 - (side * (rows - 1 - 2 * (vi % half)) + vi % half)):
+                    for block in range((side * (rows - 1 - 2 * (vi % half)) + vi % half) // tile + 1):
+                        for j in T.vectorized(tile):
+                            acc[j] = T.cast(0, dtype)
+                        for d in range(dim):
+                            for j in T.vectorized(tile):
+                                acc[j] = acc[j] + q[0, vi // half, side * (rows - 1 - 2 * (vi % half)) + vi % half, d] \
+                                    * keys[0, vi // half // group, d, block * tile + j]
+                        if block * tile + tile <= rows:
+                            for j in T.vectorized(tile):
+                                out[0, vi // half, side * (rows - 1 - 2 * (vi % half)) + vi % half, block * tile + j] = acc[j]
+                        else:
+                            for j in range(rows - block * tile):
+                                out[0, vi // half, side * (rows - 1 - 2 * (vi % half)) + vi % half, block * tile + j] = acc[j]
+                    for t in range(T.max(rows - ((side * (rows - 1 - 2 * (vi % half)) + vi % half) // tile + 1) * tile, 0)):
                         out[0, vi // half, side * (rows - 1 - 2 * (vi % half)) + vi % half,
-                            side * (rows - 1 - 2 * (vi % half)) + vi % half + 1 + t] = T.cast(0, dtype)
+                            ((side * (rows - 1 - 2 * (vi % half)) + vi % half) // tile + 1) * tile + t] = T.cast(0, dtype)
 
     return _opaque(func)
 
@@ -361,12 +368,19 @@ def attention_pass(isa: Isa, stats: dict | None = None):
             if causal_rows:
                 if len(parts) != 1 or not hides_the_future(matched, rows, lengths[0]):
                     return None
-                gv = kernel((SCORES + "_causal", heads, kv, rows, dim, c),
-                            lambda: causal_scores_func(heads, kv, rows, dim, c, dtype, isa))
+                gv = kernel((SCORES + "_causal", heads, kv, rows, dim),
+                            lambda: causal_scores_func(heads, kv, rows, dim, dtype, isa))
                 count("attention-causal")
-            else:
-                gv = kernel((SCORES, heads, kv, rows, dim, tuple(lengths), c),
-                            lambda: scores_func(heads, kv, rows, dim, lengths, c, dtype, isa))
+                count("attention")
+                # the keys transposed and scaled once (as the graph scales them), rows padded to whole tiles
+                keys = relax.op.permute_dims(parts[0], [0, 1, 3, 2])
+                if c is not None:
+                    keys = relax.op.multiply(keys, relax.const(c, dtype))
+                padding = -(-rows // causal_tile(isa)) * causal_tile(isa) - rows
+                keys = relax.op.nn.pad(keys, [0, 0, 0, 0, 0, 0, 0, padding])
+                return relax.call_tir(gv, [matched[q], keys], relax.TensorType(out, dtype))
+            gv = kernel((SCORES, heads, kv, rows, dim, tuple(lengths), c),
+                        lambda: scores_func(heads, kv, rows, dim, lengths, c, dtype, isa))
             count("attention")
             return relax.call_tir(gv, [matched[q], *parts], relax.TensorType(out, dtype))
 
