@@ -17,7 +17,8 @@ head's rows of the cache once for its G query heads, with the scale applied as t
 
 A prefill's rows attend under the exported causal mask (``where(C & padding, 0, min)`` added to the scores, ``C``
 a constant): where ``C`` hides every key after a row's own, the scores of those keys cannot move the softmax
-(``min`` plus any real score is ``min``, whose weight is 0), so ``causal_scores_func`` computes each row's
+(``min`` plus any real score is ``min``, whose weight is 0; under the CPU pipeline's ``fast_exp``, which
+clamps its argument at -88.4, under 4e-39 of the row's sum), so ``causal_scores_func`` computes each row's
 products with its own and the earlier keys only, a tile of keys at a time from the keys transposed once (0
 after that tile, which the mask still hides), and ``causal_weighted_func`` sums those keys alone: half the
 products of a prompt, rows written in order, and no score summed across a vector's lanes. A mask that shows a
