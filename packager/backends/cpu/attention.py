@@ -22,7 +22,10 @@ clamps its argument at -88.4, under 4e-39 of the row's sum), so ``causal_scores_
 products with its own and the earlier keys only, a tile of keys at a time from the keys transposed once (0
 after that tile, which the mask still hides), and ``causal_weighted_func`` sums those keys alone: half the
 products of a prompt, rows written in order, and no score summed across a vector's lanes. A mask that shows a
-later key (bidirectional) keeps the full kernels.
+later key (bidirectional) keeps the full kernels. One row differs: a row whose keys up to its own are all
+hidden (by the padding) gets the softmax of hidden scores alone, uniform over all keys in the graph and over
+the keys up to its own here; only a prompt bucket's padding rows can be such a row under a sliding window, and
+nothing reads their results (the cache slots they fill are past ``position``, and the logits are row ``last``'s).
 
 The new entries go into the cache where it lies too. ``edgeq.llm.decoder`` writes a decode step's output cache as
 ``where(slots == position, new, past)``, which is a copy of every layer's whole cache each token (SmolLM2-135M at
