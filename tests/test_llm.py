@@ -187,8 +187,9 @@ def test_host_build_generates_onnxruntime_greedy_tokens(decoders, kind):
     # attention read from the cache as it lies (edgeq.backends.cpu.attention): both products of every layer of
     # the two prefill and two decode steps
     assert stats.get("attention") == 2 * steps.layout.layers * 4, stats
-    # the prefill steps' under their causal mask: each row's products with its own and the earlier keys only
-    assert stats.get("attention-causal") == 2 * steps.layout.layers * 2, stats
+    # the prefill steps' under their causal mask: each row's products and softmax over its own and the earlier
+    # keys only (scores, softmax, weighted sum)
+    assert stats.get("attention-causal") == 3 * steps.layout.layers * 2, stats
     # and the new entries written into the cache in place: each layer's key and value in both decode steps
     assert stats.get("cache-write") == 2 * steps.layout.layers * 2, stats
     runner = host_steps(steps, executable, weights)
@@ -256,8 +257,8 @@ def test_attention_kernels_compute_the_repeated_products(heads, kv_heads, rows, 
 ])
 def test_causal_attention_kernels_compute_what_the_mask_keeps(heads, kv_heads, rows, dim):
     """A prefill's attention under its causal mask: each row's scores with its own and the earlier keys (0 after
-    the tile of keys that holds its own), and the weighted sum of the values up to its own row as
-    ``weighted_func`` computes it from lower-triangular weights, bit for bit."""
+    the tile of keys that holds its own), their softmax under the mask (0 after its own key), and the weighted sum
+    of the values up to its own row as ``weighted_func`` computes it from lower-triangular weights, bit for bit."""
     from edgeq.backends.cpu import attention
     from edgeq.backends.cpu.common import Isa
     from edgeq.targets import profiles
@@ -287,6 +288,15 @@ def test_causal_attention_kernels_compute_what_the_mask_keeps(heads, kv_heads, r
     # after the keys of the tile that holds a row's own key: 0 (the mask hides them; a score there is not computed)
     after = np.arange(rows)[None, :] >= (np.arange(rows)[:, None] // tile + 1) * tile
     assert (got[..., after] == 0).all() and np.isfinite(got).all()
+    # the softmax of the masked scores over the keys up to each row's own (a prompt's last row a bucket's padding)
+    scores = (rng.standard_normal((1, heads, rows, rows)) * 3).astype(np.float32)
+    shown = seen & (np.arange(rows) < max(rows - 1, 1))
+    mask = np.where(shown, 0, np.finfo(np.float32).min).astype(np.float32)[None, None]
+    got = run(attention.causal_softmax_func(heads, rows, 1, True, "float32", isa), [scores, mask], scores.shape)
+    y = scores.astype(np.float64) + mask
+    want = np.exp(y - y.max(-1, keepdims=True))
+    np.testing.assert_allclose(got, want / want.sum(-1, keepdims=True), rtol=1e-5, atol=1e-6)
+    assert (got[..., ~seen] == 0).all()
     got = run(attention.causal_weighted_func(heads, kv_heads, rows, dim, "float32", isa), [p, k], (1, heads, rows, dim))
     full = run(attention.weighted_func(heads, kv_heads, rows, dim, [rows], "float32", isa), [p, k],
                (1, heads, rows, dim))
@@ -346,8 +356,8 @@ def test_attention_pass_takes_the_causal_kernels_only_under_a_causal_mask(mask):
     from edgeq.tvm_env import relax, tvm
 
     heads, kv, rows, dim = 4, 2, 6, 16
-    keep = {"causal": np.tril(np.ones((rows, rows), bool)), "sliding": np.tril(np.triu(np.ones((rows, rows), bool), -2)),
-            "all": np.ones((rows, rows), bool)}[mask]
+    ones = np.ones((rows, rows), bool)
+    keep = {"causal": np.tril(ones), "sliding": np.tril(np.triu(ones, -2)), "all": ones}[mask]
     bb = relax.BlockBuilder()
     q = relax.Var("q", relax.TensorType((1, heads, rows, dim), "float32"))
     k = relax.Var("k", relax.TensorType((1, kv, rows, dim), "float32"))
@@ -355,8 +365,8 @@ def test_attention_pass_takes_the_causal_kernels_only_under_a_causal_mask(mask):
     padding = relax.Var("padding", relax.TensorType((1, 1, 1, rows), "bool"))
 
     def repeat(x):
-        return relax.op.reshape(relax.op.broadcast_to(relax.op.expand_dims(x, axis=[2]), (1, kv, heads // kv, rows, dim)),
-                                (1, heads, rows, dim))
+        expanded = relax.op.broadcast_to(relax.op.expand_dims(x, axis=[2]), (1, kv, heads // kv, rows, dim))
+        return relax.op.reshape(expanded, (1, heads, rows, dim))
 
     with bb.function("main", [q, k, v, padding]):
         with bb.dataflow():
@@ -374,7 +384,7 @@ def test_attention_pass_takes_the_causal_kernels_only_under_a_causal_mask(mask):
     target = profiles()["host"].tvm_target()
     stats = {}
     rewritten = attention_pass(Isa.of(target), stats)(mod)
-    assert stats.get("attention") == 2 and stats.get("attention-causal", 0) == (0 if mask == "all" else 2), stats
+    assert stats.get("attention") == 2 and stats.get("attention-causal", 0) == (0 if mask == "all" else 3), stats
     rng = np.random.default_rng(rows)
     inputs = [rng.standard_normal((1, n, rows, dim)).astype(np.float32) for n in (heads, kv, kv)]
     inputs.append(np.array([[[[True] * (rows - 1) + [False]]]]))  # the last row a prompt bucket's padding

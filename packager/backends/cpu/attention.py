@@ -20,8 +20,10 @@ a constant): where ``C`` hides every key after a row's own, the scores of those 
 (``min`` plus any real score is ``min``, whose weight is 0; under the CPU pipeline's ``fast_exp``, which
 clamps its argument at -88.4, under 4e-39 of the row's sum), so ``causal_scores_func`` computes each row's
 products with its own and the earlier keys only, a tile of keys at a time from the keys transposed once (0
-after that tile, which the mask still hides), and ``causal_weighted_func`` sums those keys alone: half the
-products of a prompt, rows written in order, and no score summed across a vector's lanes. A mask that shows a
+after that tile, which the mask still hides), ``causal_softmax_func`` takes the masked softmax over those keys
+(TVM's ``fast_exp``, as the CPU pipeline computes a softmax), and ``causal_weighted_func`` sums those keys
+alone: half the work of a prompt's attention, rows written in order, and no score summed across a vector's
+lanes. A mask that shows a
 later key (bidirectional) keeps the full kernels. One row differs: a row whose keys up to its own are all
 hidden (by the padding) gets the softmax of hidden scores alone, uniform over all keys in the graph and over
 the keys up to its own here; only a prompt bucket's padding rows can be such a row under a sliding window, and
@@ -46,6 +48,7 @@ from edgeq.tvm_env import Schedule, relax, te, tvm
 
 SCORES = "edgeq_attention_scores"
 WEIGHTED = "edgeq_attention_weighted"
+SOFTMAX = "edgeq_attention_softmax"
 WRITE = "edgeq_cache_write"
 HIDDEN = -1e30  # a mask's value for a hidden key at most this: exp(hidden + score - max) is 0 for any real score
 
@@ -186,6 +189,21 @@ def weighted_func(heads: int, kv_heads: int, rows: int, dim: int, lengths: list[
     return _opaque(sch.mod["main"])
 
 
+def _pairs(rows: int):
+    """The rows of a causal kernel in pairs, ``s`` with ``rows - 1 - s``, which together have ``rows + 1`` keys
+    up to their own: (pairs, ``row(side, item)``: the row of side 0 or 1 of pair ``item``). An odd count's
+    middle row is side 0 of the last pair alone (``sides(item)``)."""
+    half = (rows + 1) // 2
+
+    def row(side, item):
+        return side * (rows - 1 - 2 * (item % half)) + item % half
+
+    def sides(item):
+        return 2 - (rows % 2) * (item % half == half - 1)
+
+    return half, row, sides
+
+
 CAUSAL_TILE_VECTORS = 4  # keys a causal scores tile computes, in vectors: 4 independent chains of multiply-adds
 
 
@@ -205,7 +223,8 @@ def causal_scores_func(heads: int, kv_heads: int, rows: int, dim: int, dtype: st
     share each (a core's contiguous run of rows would not be)."""
     from tvm.script import tirx as T
 
-    group, tile, half = heads // kv_heads, causal_tile(isa), (rows + 1) // 2
+    group, tile = heads // kv_heads, causal_tile(isa)
+    half, row, sides = _pairs(rows)
     padded, items = -(-rows // tile) * tile, heads * half
     threads = worth_threads(heads * rows * rows * dim * STREAMED // 2)
 
@@ -219,23 +238,116 @@ def causal_scores_func(heads: int, kv_heads: int, rows: int, dim: int, dtype: st
                 T.reads(q[0, vi // half, 0:rows, 0:dim], keys[0, vi // half // group, 0:dim, 0:padded])
                 T.writes(out[0, vi // half, 0:rows, 0:rows])
                 acc = T.alloc_buffer((tile,), dtype, scope=TILE)
-                for side in range(2 - (rows % 2) * (vi % half == half - 1)):  # an odd count's middle row once
-                    for block in range((side * (rows - 1 - 2 * (vi % half)) + vi % half) // tile + 1):
+                for side in range(sides(vi)):
+                    for block in range(row(side, vi) // tile + 1):
                         for j in T.vectorized(tile):
                             acc[j] = T.cast(0, dtype)
                         for d in range(dim):
                             for j in T.vectorized(tile):
-                                acc[j] = acc[j] + q[0, vi // half, side * (rows - 1 - 2 * (vi % half)) + vi % half, d] \
+                                acc[j] = acc[j] + q[0, vi // half, row(side, vi), d] \
                                     * keys[0, vi // half // group, d, block * tile + j]
                         if block * tile + tile <= rows:
                             for j in T.vectorized(tile):
-                                out[0, vi // half, side * (rows - 1 - 2 * (vi % half)) + vi % half, block * tile + j] = acc[j]
+                                out[0, vi // half, row(side, vi), block * tile + j] = acc[j]
                         else:
                             for j in range(rows - block * tile):
-                                out[0, vi // half, side * (rows - 1 - 2 * (vi % half)) + vi % half, block * tile + j] = acc[j]
-                    for t in range(T.max(rows - ((side * (rows - 1 - 2 * (vi % half)) + vi % half) // tile + 1) * tile, 0)):
-                        out[0, vi // half, side * (rows - 1 - 2 * (vi % half)) + vi % half,
-                            ((side * (rows - 1 - 2 * (vi % half)) + vi % half) // tile + 1) * tile + t] = T.cast(0, dtype)
+                                out[0, vi // half, row(side, vi), block * tile + j] = acc[j]
+                    for t in range(T.max(rows - (row(side, vi) // tile + 1) * tile, 0)):
+                        out[0, vi // half, row(side, vi),
+                            (row(side, vi) // tile + 1) * tile + t] = T.cast(0, dtype)
+
+    return _opaque(func)
+
+
+def fast_exp(x):
+    """TVM's ``fast_exp`` for float32 (topi's; what the CPU pipeline's ``FastMathTransform`` makes of a softmax's
+    exp) as an expression of ``x``, term for term: ``2^n`` times a polynomial of the remainder, ``x`` clamped
+    to +-88.38."""
+    def f32(v):
+        return tvm.tirx.const(v, "float32")
+
+    clamped = tvm.tirx.max(tvm.tirx.min(x, f32(88.3762626647950)), f32(-88.3762626647949))
+    n = tvm.tirx.floor(clamped * f32(1.44269504088896341) + f32(0.5))
+    f = clamped - n * f32(0.6931471805599453)
+    y = f32(1.9875691500E-4)
+    for coefficient in (1.3981999507E-3, 8.3334519073E-3, 4.1665795894E-2, 1.6666665459E-1, 5.0000001201E-1):
+        y = y * f + f32(coefficient)
+    y = y * f * f + f + f32(1.0)
+    power = tvm.tirx.reinterpret("float32", tvm.tirx.shift_left(tvm.tirx.Cast("int32", n + f32(127.0)),
+                                                                tvm.tirx.const(23, "int32")))
+    return tvm.tirx.max(power * y, x)
+
+
+def causal_softmax_func(heads: int, rows: int, mask_heads: int, nan_to_zero: bool, dtype: str, isa: Isa):
+    """``softmax(scores + mask)`` along the keys (``fast_exp``, as the CPU pipeline computes a softmax), for a
+    prefill under a causal mask: row ``s`` over keys ``0 .. s`` (the maximum, the exponentials and their sum),
+    its weights after them 0 (the mask hides those keys: their exponentials are 0, or under 4e-39 of the sum
+    in ``fast_exp``); with ``nan_to_zero``, a NaN weight made 0, as exported. ``mask`` is ``[1, mask_heads,
+    rows, rows]`` (1: the same for every head). Vectors along the keys, rows over the cores in pairs (as
+    ``causal_scores_func``'s)."""
+    from tvm.script import tirx as T
+
+    lanes = isa.lanes
+    half, row, sides = _pairs(rows)
+    items = heads * half
+    threads = worth_threads(heads * rows * rows * 8)
+    lowest = tvm.tirx.min_value(dtype)
+
+    def full(side, item):  # where the keys up to the row's own end in whole vectors
+        return (row(side, item) + 1) // lanes * lanes
+
+    def shown(x, mask, side, item, t):  # the score of key t in the row, masked
+        return x[0, item // half, row(side, item), t] + mask[0, item // half % mask_heads, row(side, item), t]
+
+    def weight(value):
+        return T.if_then_else(T.isnan(value), T.cast(0, dtype), value) if nan_to_zero else value
+
+    @T.prim_func(private=True, s_tir=True)
+    def func(x: T.Buffer((1, heads, rows, rows), dtype), mask: T.Buffer((1, mask_heads, rows, rows), dtype),
+             p: T.Buffer((1, heads, rows, rows), dtype)):
+        T.func_attr({"tir.noalias": True})
+        for i in T.parallel(items) if threads else T.serial(items):
+            with T.sblock(SOFTMAX):
+                vi = T.axis.spatial(items, i)
+                T.reads(x[0, vi // half, 0:rows, 0:rows], mask[0, 0:mask_heads, 0:rows, 0:rows])
+                T.writes(p[0, vi // half, 0:rows, 0:rows])
+                vector = T.alloc_buffer((lanes,), dtype, scope=TILE)
+                top = T.alloc_buffer((1,), dtype, scope=TILE)
+                total = T.alloc_buffer((1,), dtype, scope=TILE)
+                for side in range(sides(vi)):
+                    for j in T.vectorized(lanes):
+                        vector[j] = lowest
+                    for b in range(full(side, vi) // lanes):
+                        for j in T.vectorized(lanes):
+                            vector[j] = T.max(vector[j], shown(x, mask, side, vi, b * lanes + j))
+                    top[0] = lowest
+                    for j in range(lanes):
+                        top[0] = T.max(top[0], vector[j])
+                    for j in range(row(side, vi) + 1 - full(side, vi)):
+                        top[0] = T.max(top[0], shown(x, mask, side, vi, full(side, vi) + j))
+                    for j in T.vectorized(lanes):
+                        vector[j] = T.cast(0, dtype)
+                    for b in range(full(side, vi) // lanes):
+                        for j in T.vectorized(lanes):
+                            p[0, vi // half, row(side, vi), b * lanes + j] = fast_exp(
+                                shown(x, mask, side, vi, b * lanes + j) - top[0])
+                            vector[j] = vector[j] + p[0, vi // half, row(side, vi), b * lanes + j]
+                    total[0] = T.cast(0, dtype)
+                    for j in range(lanes):
+                        total[0] = total[0] + vector[j]
+                    for j in range(row(side, vi) + 1 - full(side, vi)):
+                        p[0, vi // half, row(side, vi), full(side, vi) + j] = fast_exp(
+                            shown(x, mask, side, vi, full(side, vi) + j) - top[0])
+                        total[0] = total[0] + p[0, vi // half, row(side, vi), full(side, vi) + j]
+                    for b in range(full(side, vi) // lanes):
+                        for j in T.vectorized(lanes):
+                            p[0, vi // half, row(side, vi), b * lanes + j] = weight(
+                                p[0, vi // half, row(side, vi), b * lanes + j] / total[0])
+                    for j in range(row(side, vi) + 1 - full(side, vi)):
+                        p[0, vi // half, row(side, vi), full(side, vi) + j] = weight(
+                            p[0, vi // half, row(side, vi), full(side, vi) + j] / total[0])
+                    for t in range(rows - 1 - row(side, vi)):
+                        p[0, vi // half, row(side, vi), row(side, vi) + 1 + t] = T.cast(0, dtype)
 
     return _opaque(func)
 
@@ -246,7 +358,8 @@ def causal_weighted_func(heads: int, kv_heads: int, rows: int, dim: int, dtype: 
     over the cores in pairs, ``s`` with ``rows - 1 - s``, as ``causal_scores_func``'s."""
     from tvm.script import tirx as T
 
-    group, half = heads // kv_heads, (rows + 1) // 2
+    group = heads // kv_heads
+    half, row, sides = _pairs(rows)
     items = heads * half
     threads = worth_threads(heads * rows * rows * dim * STREAMED // 2)
 
@@ -260,15 +373,15 @@ def causal_weighted_func(heads: int, kv_heads: int, rows: int, dim: int, dtype: 
                 T.reads(p[0, vi // half, 0:rows, 0:rows], v[0, vi // half // group, 0:rows, 0:dim])
                 T.writes(out[0, vi // half, 0:rows, 0:dim])
                 acc = T.alloc_buffer((dim,), dtype, scope=TILE)
-                for side in range(2 - (rows % 2) * (vi % half == half - 1)):
+                for side in range(sides(vi)):
                     for d in T.vectorized(dim):
                         acc[d] = T.cast(0, dtype)
-                    for t in range(side * (rows - 1 - 2 * (vi % half)) + vi % half + 1):
+                    for t in range(row(side, vi) + 1):
                         for d in T.vectorized(dim):
-                            acc[d] = acc[d] + p[0, vi // half, side * (rows - 1 - 2 * (vi % half)) + vi % half, t] \
+                            acc[d] = acc[d] + p[0, vi // half, row(side, vi), t] \
                                 * v[0, vi // half // group, t, d]
                     for d in T.vectorized(dim):
-                        out[0, vi // half, side * (rows - 1 - 2 * (vi % half)) + vi % half, d] = acc[d]
+                        out[0, vi // half, row(side, vi), d] = acc[d]
 
     return _opaque(func)
 
@@ -292,9 +405,10 @@ def attention_pass(isa: Isa, stats: dict | None = None):
     both = is_op("relax.logical_and")(causal, wildcard())
     mask = is_op("relax.where")(is_op("relax.broadcast_to")(both, wildcard()) | both, visible, hidden)
     masked_scores = is_op("relax.add")(scores, mask)
-    softmax = is_op("relax.nn.softmax")(is_op("relax.add")(wildcard(), mask))
-    masked_weighted = is_op("relax.matmul")(
-        is_op("relax.where")(is_op("relax.isnan")(softmax), is_const(), softmax) | softmax, repeated)
+    scored, nan_value = wildcard(), is_const()
+    softmax = is_op("relax.nn.softmax")(is_op("relax.add")(scored, mask))
+    nan_zeroed = is_op("relax.where")(is_op("relax.isnan")(softmax), nan_value, softmax)
+    masked_weighted = is_op("relax.matmul")(nan_zeroed | softmax, repeated)
 
     def hides_the_future(matched, rows: int, total: int) -> bool:
         """Whether the matched mask hides every key after a row's own (``t > s``, the keys being the rows'),
@@ -412,11 +526,28 @@ def attention_pass(isa: Isa, stats: dict | None = None):
                 gv = kernel((WEIGHTED + "_causal", heads, kv, rows, dim),
                             lambda: causal_weighted_func(heads, kv, rows, dim, dtype, isa))
                 count("attention-causal")
+                softmaxed = causal_softmax(matched, heads, rows, dtype)
+                weights = weights if softmaxed is None else softmaxed
             else:
                 gv = kernel((WEIGHTED, heads, kv, rows, dim, tuple(lengths)),
                             lambda: weighted_func(heads, kv, rows, dim, lengths, dtype, isa))
             count("attention")
             return relax.call_tir(gv, [weights, *parts], relax.TensorType(out, dtype))
+
+        def causal_softmax(matched, heads: int, rows: int, dtype: str):
+            """The masked softmax's weights by ``causal_softmax_func`` (from the scores and the mask it adds), or
+            None where the mask's shape or the NaNs' value is not what it computes."""
+            masks = _static(matched[mask])
+            if masks is None or masks[0] != 1 or masks[1] not in (1, heads) or masks[2:] != (rows, rows) \
+                    or _static(matched[scored]) != (1, heads, rows, rows) or str(matched[mask].ty.dtype) != dtype:
+                return None
+            nan = nan_value in matched
+            if nan and float(matched[nan_value].value.numpy().reshape(-1)[0]) != 0.0:
+                return None
+            gv = kernel((SOFTMAX, heads, rows, masks[1], nan),
+                        lambda: causal_softmax_func(heads, rows, masks[1], nan, dtype, isa))
+            count("attention-causal")
+            return relax.call_tir(gv, [matched[scored], matched[mask]], relax.TensorType((1, heads, rows, rows), dtype))
 
         def rewrite(func):
             func = rewrite_call(masked_scores, rewrite_masked_scores, func)
