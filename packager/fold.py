@@ -16,7 +16,10 @@ like any other to the importer, the quantizer and the kernels, never an unnamed 
 - QuantizeLinear / DequantizeLinear (a pre-quantized model's QDQ pattern is what edgeq lowers to integer
   kernels) and random-number ops;
 - nodes other than ``Constant`` whose output would be large (more than ``MAX_FOLD_ELEMENTS``): weight transforms stay in the graph,
-  where TVM folds them itself, and a ConstantOfShape/Range/Expand/Tile bomb is never evaluated.
+  where TVM folds them itself, and a ConstantOfShape/Range/Expand/Tile bomb is never evaluated. A boolean
+  output may have up to ``MAX_FOLD_MASK_ELEMENTS``: a language model's causal mask, 1 byte an element (a prefill of
+  511 rows: 261,121), which the CPU build reads to compute only the keys each row sees
+  (``backends/cpu/attention``).
 
 It runs inside ``edgeq.model_guard``'s memory-limited child process.
 """
@@ -30,6 +33,7 @@ import onnx
 from onnx import numpy_helper
 
 MAX_FOLD_ELEMENTS = 1 << 16
+MAX_FOLD_MASK_ELEMENTS = 1 << 20  # boolean outputs: a causal mask of up to 1024 x 1024
 MAX_ROUNDS = 16
 NEVER = {"QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear", "RandomNormal", "RandomUniform",
          "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli", "If", "Loop", "Scan"}
@@ -147,7 +151,8 @@ def fold_once(model: onnx.ModelProto) -> int:
             except Exception:  # noqa: BLE001 - an op the reference evaluator cannot run stays in the graph for TVM
                 results = None
             if results is None or len(results) < len([o for o in node.output if o]) \
-                    or any(r.size > MAX_FOLD_ELEMENTS for r in results):
+                    or any(np.asarray(r).size > (MAX_FOLD_MASK_ELEMENTS if np.asarray(r).dtype == np.bool_
+                                                 else MAX_FOLD_ELEMENTS) for r in results):
                 keep.append(node)
                 continue
         for name, result in zip(node.output, results):

@@ -395,6 +395,20 @@ def test_attention_pass_takes_the_causal_kernels_only_under_a_causal_mask(mask):
     np.testing.assert_allclose(results[1], results[0], rtol=1e-5, atol=1e-6)
 
 
+def test_a_long_prompts_causal_mask_is_folded_for_the_causal_kernels(decoders):
+    """A prefill bucket over 256 rows: its causal mask (a comparison of two position ranges, 300 x 300) is over
+    the size ONNX folding takes for other tensors, and is folded as a boolean all the same (``fold``), so that
+    the CPU build computes only the keys each row sees (3 kernels a layer: scores, softmax, weighted sum)."""
+    from edgeq.backends.cpu.attention import attention_pass
+    from edgeq.backends.cpu.common import Isa
+    from edgeq.targets import profiles
+
+    steps = build.import_steps(onnx.load(decoders["tiny-llama"]), context=301, buckets=[300], capacities=[])
+    stats = {}
+    attention_pass(Isa.of(profiles()["host"].tvm_target()), stats)(steps.mod)
+    assert stats.get("attention-causal") == 3 * steps.layout.layers, stats
+
+
 def test_decoder_layout_and_refusals(decoders, tmp_path):
     model = onnx.load(decoders["tiny-llama"])
     layout = decoder.read_layout(model)
